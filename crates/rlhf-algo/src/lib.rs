@@ -1,0 +1,1 @@
+//! PPO algorithm core: pure, synchronous math over candle tensors with masks.
