@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# CPU bench: rlhf-model (candle) against PyTorch/transformers on the same Llama sizes, same run.
+# Prints the JSON lines of both sides, then one JSON line per measurement with
+# ratio = rust throughput / torch throughput (>= 1.0 means rlhf-model is faster).
+# Extra flags are passed to both sides, e.g. scripts/model_bench.sh --layers 4 --new-tokens 32.
+# Set REPEATS to change the number of timed repetitions of the PyTorch side (default 3).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${VENV:-$ROOT/.venv-ref}"
+PY="${PYTHON:-python3}"
+cd "$ROOT"
+
+FLAGS=(--hidden 512 --layers 6 --heads 8 --kv-heads 4 --intermediate 1408 --vocab 8192
+       --prompt-len 16 --new-tokens 64 --train-batch 8 --train-seq 128 "$@")
+
+if [ ! -f crates/rlhf-model/examples/model_bench.rs ] && [ ! -d crates/rlhf-model/examples/model_bench ]; then
+    echo "error: the Rust side crates/rlhf-model/examples/model_bench.rs does not exist yet;" \
+         "no ratio can be computed" >&2
+    exit 2
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+    echo "creating virtual environment $VENV" >&2
+    "$PY" -m venv "$VENV"
+fi
+if ! "$VENV/bin/python" -c "import torch, transformers, numpy" 2>/dev/null; then
+    echo "installing torch, transformers, numpy into $VENV" >&2
+    "$VENV/bin/pip" install --quiet torch transformers numpy
+fi
+
+OUT="$(mktemp -d)"
+trap 'rm -rf "$OUT"' EXIT
+
+# Build first so that compile time is not mixed with the measurements.
+cargo build --release -q -p rlhf-model --example model_bench
+
+echo "== pytorch" >&2
+"$VENV/bin/python" scripts/model_bench.py "${FLAGS[@]}" --repeats "${REPEATS:-3}" | tee "$OUT/torch.jsonl"
+echo "== rlhf-model" >&2
+cargo run --release -q -p rlhf-model --example model_bench -- "${FLAGS[@]}" | tee "$OUT/rust.jsonl"
+
+"$VENV/bin/python" - "$OUT/torch.jsonl" "$OUT/rust.jsonl" <<'PYEOF'
+import json, sys
+
+def load(path):
+    rows = {}
+    for line in open(path):
+        line = line.strip()
+        if not line.startswith("{"):
+            continue
+        r = json.loads(line)
+        rows[(r["bench"], r.get("batch"))] = r
+    return rows
+
+torch_rows, rust_rows = load(sys.argv[1]), load(sys.argv[2])
+missing = [k for k in torch_rows if k not in rust_rows]
+for key, t in torch_rows.items():
+    r = rust_rows.get(key)
+    if r is None:
+        continue
+    if key[0] == "generate":
+        out = {"bench": "generate", "batch": key[1], "torch_tokens_per_s": round(t["tokens_per_s"], 2),
+               "rust_tokens_per_s": round(r["tokens_per_s"], 2), "ratio": round(r["tokens_per_s"] / t["tokens_per_s"], 3)}
+    else:
+        # Throughput is steps per second, so the ratio of throughputs is torch_s / rust_s.
+        out = {"bench": key[0], "torch_seconds": round(t["seconds"], 4), "rust_seconds": round(r["seconds"], 4),
+               "ratio": round(t["seconds"] / r["seconds"], 3)}
+    print(json.dumps(out))
+if missing:
+    print(f"error: the Rust bench printed no line for {missing}", file=sys.stderr)
+    sys.exit(1)
+PYEOF
