@@ -1,1 +1,18 @@
-//! Core domain types.
+//! Core domain types shared by the head, the workers and the tools: resources and their
+//! parsing, the error type with scheduling-relevant failure kinds, and wire conversions.
+//!
+//! No servers and no GPU code live here.
+
+pub mod error;
+pub mod resources;
+
+pub use error::{Error, FailureKind, Result};
+pub use resources::Resources;
+
+/// Milliseconds since the Unix epoch, for timestamps that cross the wire or the state store.
+pub fn unix_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}

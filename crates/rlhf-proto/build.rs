@@ -1,0 +1,14 @@
+//! Compiles proto/ with protox (pure Rust), so no system protoc is needed.
+use std::path::PathBuf;
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../proto");
+    let files = ["common.proto", "head.proto", "worker.proto", "actor.proto"]
+        .map(|f| root.join("rlhf/v1").join(f));
+    for f in &files {
+        println!("cargo:rerun-if-changed={}", f.display());
+    }
+    let fds = protox::compile(&files, [&root])?;
+    tonic_prost_build::configure().compile_fds(fds)?;
+    Ok(())
+}
