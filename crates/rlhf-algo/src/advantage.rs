@@ -1,0 +1,494 @@
+//! Advantage estimators (verl `core_algos`), computed on host slices.
+//!
+//! Nothing here needs a gradient, and every estimator is a scan or a group
+//! reduction: one pass over a contiguous `f32` buffer per row beats a chain of
+//! tensor ops (PyTorch's GAE is a Python loop of small kernels over columns).
+//! All outputs are zero outside the response mask, so padding never leaks.
+
+use std::collections::HashMap;
+
+use candle_core::{Device, Tensor};
+
+use crate::config::AlgorithmConfig;
+use crate::error::{AlgoError, Result};
+use crate::masked::host_whiten;
+use crate::names::AdvEstimator;
+use crate::validate::{
+    check_2d, check_batch_vec, check_finite, check_mask_host, check_same_shape, find_non_finite,
+    host_vec,
+};
+
+/// Advantages and returns, both `[batch, len]`.
+#[derive(Debug, Clone)]
+pub struct Advantages {
+    /// Per-token advantages.
+    pub advantages: Tensor,
+    /// Per-token returns (critic targets for GAE).
+    pub returns: Tensor,
+}
+
+/// Validated host copy of a token tensor and its mask.
+struct Batch {
+    batch: usize,
+    len: usize,
+    mask: Vec<f32>,
+    device: Device,
+}
+
+impl Batch {
+    fn new(mask: &Tensor) -> Result<Self> {
+        let (batch, len) = check_2d("response_mask", mask)?;
+        let data = host_vec(mask)?;
+        check_mask_host("response_mask", &data, mask.dims())?;
+        Ok(Self {
+            batch,
+            len,
+            mask: data,
+            device: mask.device().clone(),
+        })
+    }
+
+    fn token(&self, name: &'static str, t: &Tensor, mask: &Tensor) -> Result<Vec<f32>> {
+        check_same_shape(name, t, "response_mask", mask)?;
+        let data = host_vec(t)?;
+        find_non_finite(name, &data, t.dims())?;
+        Ok(data)
+    }
+
+    fn tensor(&self, data: Vec<f32>) -> Result<Tensor> {
+        Ok(Tensor::from_vec(
+            data,
+            (self.batch, self.len),
+            &self.device,
+        )?)
+    }
+
+    fn groups(&self, group_ids: &[usize]) -> Result<Vec<usize>> {
+        if group_ids.len() != self.batch {
+            return Err(AlgoError::InvalidInput {
+                input: "group_ids",
+                reason: format!(
+                    "has {} entries for a batch of {}; give one prompt index per row",
+                    group_ids.len(),
+                    self.batch
+                ),
+            });
+        }
+        // Dense group numbers keep the statistics in plain vectors.
+        let mut dense = HashMap::new();
+        Ok(group_ids
+            .iter()
+            .map(|g| {
+                let n = dense.len();
+                *dense.entry(*g).or_insert(n)
+            })
+            .collect())
+    }
+
+    /// Sum of the masked rewards of each row.
+    fn row_scores(&self, rewards: &[f32]) -> Vec<f64> {
+        rewards
+            .chunks_exact(self.len)
+            .zip(self.mask.chunks_exact(self.len))
+            .map(|(r, m)| r.iter().zip(m).map(|(&r, &m)| (r * m) as f64).sum())
+            .collect()
+    }
+
+    /// `value[i]` broadcast over row `i`'s valid tokens.
+    fn broadcast_rows(&self, per_row: &[f64]) -> Vec<f32> {
+        let mut out = vec![0f32; self.batch * self.len];
+        for ((o, m), &v) in out
+            .chunks_exact_mut(self.len)
+            .zip(self.mask.chunks_exact(self.len))
+            .zip(per_row)
+        {
+            for (o, &m) in o.iter_mut().zip(m) {
+                *o = v as f32 * m;
+            }
+        }
+        out
+    }
+}
+
+/// Per-group mean and unbiased std (torch.std) of `scores`; a group of one
+/// gets mean 0 and std 1, as in verl.
+fn group_stats(scores: &[f64], groups: &[usize]) -> (Vec<f64>, Vec<f64>, Vec<usize>) {
+    let n_groups = groups.iter().max().map_or(0, |g| g + 1);
+    let mut count = vec![0usize; n_groups];
+    let mut sum = vec![0f64; n_groups];
+    for (&s, &g) in scores.iter().zip(groups) {
+        count[g] += 1;
+        sum[g] += s;
+    }
+    let mean: Vec<f64> = (0..n_groups)
+        .map(|g| {
+            if count[g] > 1 {
+                sum[g] / count[g] as f64
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    let mut ss = vec![0f64; n_groups];
+    for (&s, &g) in scores.iter().zip(groups) {
+        ss[g] += (s - mean[g]).powi(2);
+    }
+    let std = (0..n_groups)
+        .map(|g| {
+            if count[g] > 1 {
+                (ss[g] / (count[g] - 1) as f64).sqrt()
+            } else {
+                1.0
+            }
+        })
+        .collect();
+    (mean, std, count)
+}
+
+fn check_discount(key: &'static str, v: f64) -> Result<()> {
+    crate::validate::check_unit_interval(key, v)
+}
+
+/// Generalized Advantage Estimation (verl `compute_gae_advantage_return`,
+/// without its final whitening). Masked positions are skipped: the value and
+/// the running advantage carry over them, so a hole in the mask (e.g. tool
+/// output inside a response) is transparent. Returns are `advantages + values`.
+pub fn gae(
+    token_rewards: &Tensor,
+    values: &Tensor,
+    response_mask: &Tensor,
+    gamma: f64,
+    lam: f64,
+) -> Result<Advantages> {
+    check_discount("gamma", gamma)?;
+    check_discount("lam", lam)?;
+    let b = Batch::new(response_mask)?;
+    let r = b.token("token_rewards", token_rewards, response_mask)?;
+    let v = b.token("values", values, response_mask)?;
+    let (adv, ret) = gae_host(&r, &v, &b.mask, b.len, gamma as f32, lam as f32);
+    Ok(Advantages {
+        advantages: b.tensor(adv)?,
+        returns: b.tensor(ret)?,
+    })
+}
+
+/// GAE over flat row-major buffers of rows of length `len`.
+pub(crate) fn gae_host(
+    rewards: &[f32],
+    values: &[f32],
+    mask: &[f32],
+    len: usize,
+    gamma: f32,
+    lam: f32,
+) -> (Vec<f32>, Vec<f32>) {
+    let mut adv = vec![0f32; rewards.len()];
+    let mut ret = vec![0f32; rewards.len()];
+    let gl = gamma * lam;
+    let rows = rewards
+        .chunks_exact(len)
+        .zip(values.chunks_exact(len))
+        .zip(mask.chunks_exact(len))
+        .zip(adv.chunks_exact_mut(len).zip(ret.chunks_exact_mut(len)));
+    for (((r, v), m), (a, rt)) in rows {
+        let mut next_value = 0f32;
+        let mut last = 0f32;
+        for t in (0..len).rev() {
+            if m[t] != 0.0 {
+                let delta = r[t] + gamma * next_value - v[t];
+                last = delta + gl * last;
+                next_value = v[t];
+                a[t] = last;
+                rt[t] = last + v[t];
+            }
+        }
+    }
+    (adv, ret)
+}
+
+/// GRPO outcome advantage (verl `compute_grpo_outcome_advantage`): each row's
+/// score (sum of its token rewards) minus its group's mean, divided by the
+/// group's std plus `eps` when `norm_by_std`; broadcast over the row's tokens.
+/// `group_ids[i]` is the prompt row `i` was sampled from. Returns equal advantages.
+pub fn grpo_outcome_advantage(
+    token_rewards: &Tensor,
+    response_mask: &Tensor,
+    group_ids: &[usize],
+    norm_by_std: bool,
+    eps: f64,
+) -> Result<Advantages> {
+    let b = Batch::new(response_mask)?;
+    let r = b.token("token_rewards", token_rewards, response_mask)?;
+    let groups = b.groups(group_ids)?;
+    let scores = b.row_scores(&r);
+    let (mean, std, _) = group_stats(&scores, &groups);
+    let adv: Vec<f64> = scores
+        .iter()
+        .zip(&groups)
+        .map(|(&s, &g)| {
+            if norm_by_std {
+                (s - mean[g]) / (std[g] + eps)
+            } else {
+                s - mean[g]
+            }
+        })
+        .collect();
+    let adv = b.broadcast_rows(&adv);
+    Ok(Advantages {
+        advantages: b.tensor(adv.clone())?,
+        returns: b.tensor(adv)?,
+    })
+}
+
+/// RLOO outcome advantage (verl `compute_rloo_outcome_advantage`): with `n`
+/// responses in the group, `score * n/(n-1) - mean * n/(n-1)`, i.e. the score
+/// minus the mean of the other responses; a group of one keeps its score.
+pub fn rloo_outcome_advantage(
+    token_rewards: &Tensor,
+    response_mask: &Tensor,
+    group_ids: &[usize],
+) -> Result<Advantages> {
+    let b = Batch::new(response_mask)?;
+    let r = b.token("token_rewards", token_rewards, response_mask)?;
+    let groups = b.groups(group_ids)?;
+    let scores = b.row_scores(&r);
+    let (mean, _, count) = group_stats(&scores, &groups);
+    let adv: Vec<f64> = scores
+        .iter()
+        .zip(&groups)
+        .map(|(&s, &g)| {
+            let n = count[g] as f64;
+            if count[g] > 1 {
+                (s - mean[g]) * n / (n - 1.0)
+            } else {
+                s
+            }
+        })
+        .collect();
+    let adv = b.broadcast_rows(&adv);
+    Ok(Advantages {
+        advantages: b.tensor(adv.clone())?,
+        returns: b.tensor(adv)?,
+    })
+}
+
+/// REINFORCE++ (verl `compute_reinforce_plus_plus_outcome_advantage`): the
+/// discounted return-to-go of the token rewards, reset at masked positions,
+/// then whitened over the batch. Returns are the un-whitened returns-to-go.
+pub fn reinforce_plus_plus_advantage(
+    token_rewards: &Tensor,
+    response_mask: &Tensor,
+    gamma: f64,
+) -> Result<Advantages> {
+    check_discount("gamma", gamma)?;
+    let b = Batch::new(response_mask)?;
+    let r = b.token("token_rewards", token_rewards, response_mask)?;
+    let mut ret = vec![0f32; r.len()];
+    let g = gamma as f32;
+    for ((rr, m), out) in r
+        .chunks_exact(b.len)
+        .zip(b.mask.chunks_exact(b.len))
+        .zip(ret.chunks_exact_mut(b.len))
+    {
+        let mut running = 0f32;
+        for t in (0..b.len).rev() {
+            if m[t] != 0.0 {
+                running = rr[t] + g * running;
+                out[t] = running;
+            } else {
+                running = 0.0;
+            }
+        }
+    }
+    let mut adv = ret.clone();
+    host_whiten(&mut adv, &b.mask, true)?;
+    Ok(Advantages {
+        advantages: b.tensor(adv)?,
+        returns: b.tensor(ret)?,
+    })
+}
+
+/// REINFORCE++ with baseline (verl
+/// `compute_reinforce_plus_plus_baseline_outcome_advantage`): score minus the
+/// group mean (zero baseline for a group of one), broadcast over the row, then
+/// whitened over the batch. Returns equal advantages.
+pub fn reinforce_plus_plus_baseline_advantage(
+    token_rewards: &Tensor,
+    response_mask: &Tensor,
+    group_ids: &[usize],
+) -> Result<Advantages> {
+    let b = Batch::new(response_mask)?;
+    let r = b.token("token_rewards", token_rewards, response_mask)?;
+    let groups = b.groups(group_ids)?;
+    let scores = b.row_scores(&r);
+    let (mean, _, _) = group_stats(&scores, &groups);
+    let centered: Vec<f64> = scores
+        .iter()
+        .zip(&groups)
+        .map(|(&s, &g)| s - mean[g])
+        .collect();
+    let mut adv = b.broadcast_rows(&centered);
+    host_whiten(&mut adv, &b.mask, true)?;
+    Ok(Advantages {
+        advantages: b.tensor(adv.clone())?,
+        returns: b.tensor(adv)?,
+    })
+}
+
+/// ReMax (verl `compute_remax_outcome_advantage`): undiscounted return-to-go
+/// minus the `[batch]` score of the greedy baseline response.
+pub fn remax_advantage(
+    token_rewards: &Tensor,
+    baseline_scores: &Tensor,
+    response_mask: &Tensor,
+) -> Result<Advantages> {
+    let b = Batch::new(response_mask)?;
+    let r = b.token("token_rewards", token_rewards, response_mask)?;
+    check_batch_vec("baseline_scores", baseline_scores, b.batch)?;
+    check_finite("baseline_scores", baseline_scores)?;
+    let base = baseline_scores.to_vec1::<f32>()?;
+    let mut ret = vec![0f32; r.len()];
+    let mut adv = vec![0f32; r.len()];
+    for (i, ((rr, m), (out, a))) in r
+        .chunks_exact(b.len)
+        .zip(b.mask.chunks_exact(b.len))
+        .zip(ret.chunks_exact_mut(b.len).zip(adv.chunks_exact_mut(b.len)))
+        .enumerate()
+    {
+        let mut running = 0f32;
+        for t in (0..b.len).rev() {
+            if m[t] != 0.0 {
+                running += rr[t];
+                out[t] = running;
+                a[t] = running - base[i];
+            }
+        }
+    }
+    Ok(Advantages {
+        advantages: b.tensor(adv)?,
+        returns: b.tensor(ret)?,
+    })
+}
+
+/// Inputs of [`compute_advantage`]; which optional ones are needed depends on
+/// the estimator (an error names a missing one).
+#[derive(Debug, Clone, Copy)]
+pub struct AdvantageInputs<'a> {
+    /// `[batch, len]` per-token rewards (from [`crate::compute_token_rewards`]).
+    pub token_rewards: &'a Tensor,
+    /// `[batch, len]` 1.0 on response tokens, right-padded with 0.0.
+    pub response_mask: &'a Tensor,
+    /// `[batch, len]` critic values at rollout time (`gae`).
+    pub values: Option<&'a Tensor>,
+    /// Prompt index of each row (`grpo`, `rloo`, `reinforce_plus_plus_baseline`).
+    pub group_ids: Option<&'a [usize]>,
+    /// `[batch]` greedy-baseline scores (`remax`).
+    pub baseline_scores: Option<&'a Tensor>,
+}
+
+fn missing(input: &'static str, est: AdvEstimator) -> AlgoError {
+    AlgoError::InvalidInput {
+        input,
+        reason: format!("the `{est}` advantage estimator needs it"),
+    }
+}
+
+/// Runs the estimator `cfg.adv_estimator`. For `gae`, advantages are whitened
+/// over the mask when `cfg.whiten_advantages` (as TRL and verl do).
+pub fn compute_advantage(
+    inputs: &AdvantageInputs<'_>,
+    cfg: &AlgorithmConfig,
+) -> Result<Advantages> {
+    cfg.validate()?;
+    let est = cfg.adv_estimator;
+    let r = inputs.token_rewards;
+    let m = inputs.response_mask;
+    let groups = || inputs.group_ids.ok_or_else(|| missing("group_ids", est));
+    match est {
+        AdvEstimator::Gae => {
+            let values = inputs.values.ok_or_else(|| missing("values", est))?;
+            let out = gae(r, values, m, cfg.gamma, cfg.lam)?;
+            if !cfg.whiten_advantages {
+                return Ok(out);
+            }
+            let mask = host_vec(m)?;
+            let mut adv = host_vec(&out.advantages)?;
+            host_whiten(&mut adv, &mask, true)?;
+            Ok(Advantages {
+                advantages: Tensor::from_vec(adv, m.dims(), m.device())?,
+                returns: out.returns,
+            })
+        }
+        AdvEstimator::Grpo => grpo_outcome_advantage(
+            r,
+            m,
+            groups()?,
+            cfg.norm_adv_by_std_in_grpo,
+            cfg.grpo_epsilon,
+        ),
+        AdvEstimator::Rloo => rloo_outcome_advantage(r, m, groups()?),
+        AdvEstimator::ReinforcePlusPlus => reinforce_plus_plus_advantage(r, m, cfg.gamma),
+        AdvEstimator::ReinforcePlusPlusBaseline => {
+            reinforce_plus_plus_baseline_advantage(r, m, groups()?)
+        }
+        AdvEstimator::Remax => {
+            let base = inputs
+                .baseline_scores
+                .ok_or_else(|| missing("baseline_scores", est))?;
+            remax_advantage(r, base, m)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn t2(data: &[f32], b: usize, l: usize) -> Tensor {
+        Tensor::from_vec(data.to_vec(), (b, l), &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn gae_single_step() {
+        // One token: advantage = r - V.
+        let r = t2(&[1.0, 0.0], 1, 2);
+        let v = t2(&[0.25, 99.0], 1, 2);
+        let m = t2(&[1.0, 0.0], 1, 2);
+        let out = gae(&r, &v, &m, 1.0, 0.95).unwrap();
+        assert_eq!(
+            out.advantages.to_vec2::<f32>().unwrap(),
+            vec![vec![0.75, 0.0]]
+        );
+        assert_eq!(out.returns.to_vec2::<f32>().unwrap(), vec![vec![1.0, 0.0]]);
+    }
+
+    #[test]
+    fn grpo_groups() {
+        let r = t2(&[1.0, 0.0, 3.0, 0.0, 5.0, 0.0], 3, 2);
+        let m = t2(&[1.0, 1.0, 1.0, 0.0, 1.0, 0.0], 3, 2);
+        let out = grpo_outcome_advantage(&r, &m, &[7, 7, 9], false, 1e-6).unwrap();
+        let a = out.advantages.to_vec2::<f32>().unwrap();
+        assert_eq!(a, vec![vec![-1.0, -1.0], vec![1.0, 0.0], vec![5.0, 0.0]]);
+        let err = grpo_outcome_advantage(&r, &m, &[1, 2], true, 1e-6).unwrap_err();
+        assert!(err
+            .to_string()
+            .contains("group_ids: has 2 entries for a batch of 3"));
+    }
+
+    #[test]
+    fn dispatch_names_missing_input() {
+        let r = t2(&[1.0, 0.0], 1, 2);
+        let m = t2(&[1.0, 1.0], 1, 2);
+        let inputs = AdvantageInputs {
+            token_rewards: &r,
+            response_mask: &m,
+            values: None,
+            group_ids: None,
+            baseline_scores: None,
+        };
+        let err = compute_advantage(&inputs, &AlgorithmConfig::default()).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "values: the `gae` advantage estimator needs it"
+        );
+    }
+}

@@ -1,0 +1,233 @@
+//! Configuration structs with TRL / verl names and defaults.
+//!
+//! Each struct deserializes with `deny_unknown_fields` (a typo is an error, not a
+//! silently ignored key) and `default` (a missing key takes the documented
+//! default), so a config loader can embed them as sections.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{AlgoError, Result};
+use crate::names::{AdvEstimator, KlCtrlType, KlPenalty, LossAggMode};
+use crate::validate::{check_non_negative, check_positive, check_unit_interval};
+
+/// KL coefficient controller settings (`algorithm.kl_ctrl`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KlCtrlConfig {
+    /// `fixed` or `adaptive`.
+    #[serde(rename = "type")]
+    pub kind: KlCtrlType,
+    /// Initial (or constant) KL coefficient. TRL default 0.05.
+    pub kl_coef: f64,
+    /// Adaptive only: the KL the controller steers towards (Ziegler et al.: 6.0).
+    pub target_kl: f64,
+    /// Adaptive only: number of samples over which the error is corrected.
+    pub horizon: f64,
+}
+
+impl Default for KlCtrlConfig {
+    fn default() -> Self {
+        Self {
+            kind: KlCtrlType::Fixed,
+            kl_coef: 0.05,
+            target_kl: 6.0,
+            horizon: 10000.0,
+        }
+    }
+}
+
+impl KlCtrlConfig {
+    /// Checks value ranges.
+    pub fn validate(&self) -> Result<()> {
+        check_non_negative("algorithm.kl_ctrl.kl_coef", self.kl_coef)?;
+        if self.kind == KlCtrlType::Adaptive {
+            check_positive("algorithm.kl_ctrl.target_kl", self.target_kl)?;
+            check_positive("algorithm.kl_ctrl.horizon", self.horizon)?;
+        }
+        Ok(())
+    }
+}
+
+/// Rewards and advantages (`algorithm.*`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AlgorithmConfig {
+    /// Advantage estimator.
+    pub adv_estimator: AdvEstimator,
+    /// Discount factor. TRL default 1.0.
+    pub gamma: f64,
+    /// GAE lambda. TRL default 0.95.
+    pub lam: f64,
+    /// KL estimator used in the per-token reward.
+    pub kl_penalty: KlPenalty,
+    /// KL coefficient controller.
+    pub kl_ctrl: KlCtrlConfig,
+    /// Subtract `kl_coef * KL` from the per-token reward (TRL PPO always does).
+    pub use_kl_in_reward: bool,
+    /// Subtracted from the score of a response that has no EOS token (TRL).
+    pub missing_eos_penalty: Option<f64>,
+    /// Clip scores to `[-reward_clip, reward_clip]` after the EOS penalty.
+    pub reward_clip: Option<f64>,
+    /// Whiten per-token rewards over the batch, keeping their mean (TRL `whiten_rewards`).
+    pub whiten_rewards: bool,
+    /// Whiten GAE advantages over the batch (TRL and verl always do).
+    pub whiten_advantages: bool,
+    /// GRPO: divide by the group std (false gives Dr. GRPO).
+    pub norm_adv_by_std_in_grpo: bool,
+    /// GRPO: added to the group std before dividing.
+    pub grpo_epsilon: f64,
+}
+
+impl Default for AlgorithmConfig {
+    fn default() -> Self {
+        Self {
+            adv_estimator: AdvEstimator::Gae,
+            gamma: 1.0,
+            lam: 0.95,
+            kl_penalty: KlPenalty::Kl,
+            kl_ctrl: KlCtrlConfig::default(),
+            use_kl_in_reward: true,
+            missing_eos_penalty: None,
+            reward_clip: None,
+            whiten_rewards: false,
+            whiten_advantages: true,
+            norm_adv_by_std_in_grpo: true,
+            grpo_epsilon: 1e-6,
+        }
+    }
+}
+
+impl AlgorithmConfig {
+    /// Checks value ranges and combinations.
+    pub fn validate(&self) -> Result<()> {
+        check_unit_interval("algorithm.gamma", self.gamma)?;
+        check_unit_interval("algorithm.lam", self.lam)?;
+        self.kl_ctrl.validate()?;
+        if self.use_kl_in_reward && self.kl_penalty == KlPenalty::Full {
+            return Err(AlgoError::InvalidConfig {
+                key: "algorithm.kl_penalty",
+                value: "full".into(),
+                reason: "the per-token reward uses the sampled tokens' log-probs only; \
+                         choose kl, abs, mse or low_var_kl"
+                    .into(),
+            });
+        }
+        if let Some(p) = self.missing_eos_penalty {
+            check_non_negative("algorithm.missing_eos_penalty", p)?;
+        }
+        if let Some(c) = self.reward_clip {
+            check_positive("algorithm.reward_clip", c)?;
+        }
+        check_non_negative("algorithm.grpo_epsilon", self.grpo_epsilon)?;
+        Ok(())
+    }
+}
+
+/// Actor (policy) loss settings, verl names.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PolicyLossConfig {
+    /// PPO clip range epsilon (TRL `cliprange`). Default 0.2.
+    pub clip_ratio: f64,
+    /// Lower clip range; `clip_ratio` when unset.
+    pub clip_ratio_low: Option<f64>,
+    /// Upper clip range; `clip_ratio` when unset.
+    pub clip_ratio_high: Option<f64>,
+    /// Dual-clip bound for negative advantages (verl default 3.0, must be > 1);
+    /// `null` turns dual clipping off, which is TRL's loss.
+    pub clip_ratio_c: Option<f64>,
+    /// How the token loss matrix is reduced.
+    pub loss_agg_mode: LossAggMode,
+    /// Add a KL-to-reference term to the actor loss (GRPO style).
+    pub use_kl_loss: bool,
+    /// Weight of the KL loss.
+    pub kl_loss_coef: f64,
+    /// KL estimator of the KL loss.
+    pub kl_loss_type: KlPenalty,
+    /// Weight of the entropy bonus (subtracted from the loss).
+    pub entropy_coeff: f64,
+}
+
+impl Default for PolicyLossConfig {
+    fn default() -> Self {
+        Self {
+            clip_ratio: 0.2,
+            clip_ratio_low: None,
+            clip_ratio_high: None,
+            clip_ratio_c: Some(3.0),
+            loss_agg_mode: LossAggMode::TokenMean,
+            use_kl_loss: false,
+            kl_loss_coef: 0.001,
+            kl_loss_type: KlPenalty::LowVarKl,
+            entropy_coeff: 0.0,
+        }
+    }
+}
+
+impl PolicyLossConfig {
+    /// Effective lower clip range.
+    pub fn low(&self) -> f64 {
+        self.clip_ratio_low.unwrap_or(self.clip_ratio)
+    }
+
+    /// Effective upper clip range.
+    pub fn high(&self) -> f64 {
+        self.clip_ratio_high.unwrap_or(self.clip_ratio)
+    }
+
+    /// Checks value ranges.
+    pub fn validate(&self) -> Result<()> {
+        check_non_negative("clip_ratio", self.clip_ratio)?;
+        check_unit_interval("clip_ratio_low", self.low())?;
+        check_non_negative("clip_ratio_high", self.high())?;
+        if let Some(c) = self.clip_ratio_c {
+            if !(c.is_finite() && c > 1.0) {
+                return Err(AlgoError::InvalidConfig {
+                    key: "clip_ratio_c",
+                    value: c.to_string(),
+                    reason: "the dual-clip bound must be > 1.0 (or null to disable dual clipping)"
+                        .into(),
+                });
+            }
+        }
+        check_non_negative("kl_loss_coef", self.kl_loss_coef)?;
+        if !self.entropy_coeff.is_finite() {
+            return Err(AlgoError::InvalidConfig {
+                key: "entropy_coeff",
+                value: self.entropy_coeff.to_string(),
+                reason: "must be finite".into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Critic (value) loss settings, TRL names.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ValueLossConfig {
+    /// Value clip range around the rollout values. TRL default 0.2.
+    pub cliprange_value: f64,
+    /// Weight of the value loss in a shared policy+value loss. TRL default 0.1.
+    pub vf_coef: f64,
+    /// How the token loss matrix is reduced.
+    pub loss_agg_mode: LossAggMode,
+}
+
+impl Default for ValueLossConfig {
+    fn default() -> Self {
+        Self {
+            cliprange_value: 0.2,
+            vf_coef: 0.1,
+            loss_agg_mode: LossAggMode::TokenMean,
+        }
+    }
+}
+
+impl ValueLossConfig {
+    /// Checks value ranges.
+    pub fn validate(&self) -> Result<()> {
+        check_non_negative("cliprange_value", self.cliprange_value)?;
+        check_non_negative("vf_coef", self.vf_coef)
+    }
+}

@@ -1,0 +1,176 @@
+//! Masked reductions and whitening.
+//!
+//! The tensor versions are built from differentiable candle ops, so they can sit
+//! inside a loss. The `host_*` helpers work on flat `f32` slices with `f64`
+//! accumulators; the estimators use them because nothing there needs a gradient
+//! and one pass over a slice is much cheaper than a chain of tensor ops.
+
+use candle_core::{DType, Tensor};
+
+use crate::error::{AlgoError, Result};
+use crate::validate::{check_mask, check_token_tensor};
+
+/// Added to the variance before the reciprocal square root, as in TRL and verl.
+pub const WHITEN_EPS: f64 = 1e-8;
+
+/// Sum of `values` over the positions `mask` selects (a scalar tensor).
+pub fn masked_sum(values: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    check_mask("mask", mask)?;
+    check_token_tensor("values", values, mask)?;
+    Ok(values.mul(mask)?.sum_all()?)
+}
+
+/// Mean of `values` over the positions `mask` selects (a scalar tensor).
+pub fn masked_mean(values: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    let n = check_mask("mask", mask)?;
+    check_token_tensor("values", values, mask)?;
+    masked_mean_n(values, mask, n)
+}
+
+/// Variance of `values` over the positions `mask` selects, Bessel-corrected when
+/// `unbiased` (TRL/verl `masked_var`). Unbiased needs at least two valid positions.
+pub fn masked_var(values: &Tensor, mask: &Tensor, unbiased: bool) -> Result<Tensor> {
+    let n = check_mask("mask", mask)?;
+    check_token_tensor("values", values, mask)?;
+    masked_var_n(values, mask, n, unbiased)
+}
+
+/// `(values - mean) / sqrt(var + 1e-8)` with masked statistics (unbiased
+/// variance), adding the mean back when `shift_mean` is false (TRL/verl
+/// `masked_whiten`). Positions outside the mask are set to zero so that padding
+/// never leaks into later steps.
+pub fn masked_whiten(values: &Tensor, mask: &Tensor, shift_mean: bool) -> Result<Tensor> {
+    let n = check_mask("mask", mask)?;
+    check_token_tensor("values", values, mask)?;
+    let mean = masked_mean_n(values, mask, n)?;
+    let var = masked_var_n(values, mask, n, true)?;
+    let inv_std = var.affine(1.0, WHITEN_EPS)?.sqrt()?.recip()?;
+    let mut out = values.broadcast_sub(&mean)?.broadcast_mul(&inv_std)?;
+    if !shift_mean {
+        out = out.broadcast_add(&mean)?;
+    }
+    Ok(out.mul(mask)?)
+}
+
+pub(crate) fn masked_mean_n(values: &Tensor, mask: &Tensor, n: usize) -> Result<Tensor> {
+    Ok(values.mul(mask)?.sum_all()?.affine(1.0 / n as f64, 0.0)?)
+}
+
+pub(crate) fn masked_var_n(
+    values: &Tensor,
+    mask: &Tensor,
+    n: usize,
+    unbiased: bool,
+) -> Result<Tensor> {
+    if unbiased && n < 2 {
+        return Err(too_few("mask", n));
+    }
+    let mean = masked_mean_n(values, mask, n)?;
+    let centered = values.broadcast_sub(&mean)?;
+    let var = masked_mean_n(&centered.sqr()?, mask, n)?;
+    if unbiased {
+        Ok(var.affine(n as f64 / (n as f64 - 1.0), 0.0)?)
+    } else {
+        Ok(var)
+    }
+}
+
+fn too_few(name: &'static str, n: usize) -> AlgoError {
+    AlgoError::InvalidInput {
+        input: name,
+        reason: format!(
+            "the unbiased masked variance needs at least 2 valid positions, found {n}; use a larger (mini)batch"
+        ),
+    }
+}
+
+/// Masked mean and unbiased masked variance of a host slice.
+pub(crate) fn host_mean_var(values: &[f32], mask: &[f32]) -> Result<(f64, f64)> {
+    let mut n = 0f64;
+    let mut sum = 0f64;
+    for (&v, &m) in values.iter().zip(mask) {
+        if m != 0.0 {
+            n += 1.0;
+            sum += v as f64;
+        }
+    }
+    if n < 2.0 {
+        return Err(too_few("response_mask", n as usize));
+    }
+    let mean = sum / n;
+    let mut ss = 0f64;
+    for (&v, &m) in values.iter().zip(mask) {
+        if m != 0.0 {
+            let d = v as f64 - mean;
+            ss += d * d;
+        }
+    }
+    Ok((mean, ss / (n - 1.0)))
+}
+
+/// In-place masked whitening of a host slice; masked positions become zero.
+pub(crate) fn host_whiten(values: &mut [f32], mask: &[f32], shift_mean: bool) -> Result<()> {
+    let (mean, var) = host_mean_var(values, mask)?;
+    let inv_std = 1.0 / (var + WHITEN_EPS).sqrt();
+    let add = if shift_mean { 0.0 } else { mean };
+    for (v, &m) in values.iter_mut().zip(mask) {
+        *v = if m != 0.0 {
+            ((*v as f64 - mean) * inv_std + add) as f32
+        } else {
+            0.0
+        };
+    }
+    Ok(())
+}
+
+/// A scalar tensor's value as `f64`.
+pub(crate) fn scalar(t: &Tensor) -> Result<f64> {
+    Ok(t.to_dtype(DType::F64)?.to_scalar::<f64>()?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    fn t(data: &[f32], shape: (usize, usize)) -> Tensor {
+        Tensor::from_vec(data.to_vec(), shape, &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn masked_stats_ignore_padding() {
+        let v = t(&[1.0, 2.0, 3.0, 100.0], (1, 4));
+        let m = t(&[1.0, 1.0, 1.0, 0.0], (1, 4));
+        assert!((scalar(&masked_mean(&v, &m).unwrap()).unwrap() - 2.0).abs() < 1e-6);
+        assert!((scalar(&masked_var(&v, &m, true).unwrap()).unwrap() - 1.0).abs() < 1e-6);
+        assert!((scalar(&masked_var(&v, &m, false).unwrap()).unwrap() - 2.0 / 3.0).abs() < 1e-6);
+        let w = masked_whiten(&v, &m, true)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
+        assert!((w[0][0] + 1.0).abs() < 1e-4 && w[0][1].abs() < 1e-6 && w[0][3] == 0.0);
+    }
+
+    #[test]
+    fn host_and_tensor_whitening_agree() {
+        let data: Vec<f32> = (0..24).map(|i| ((i * 7) % 11) as f32 * 0.3 - 1.0).collect();
+        let mask: Vec<f32> = (0..24).map(|i| if i % 6 < 4 { 1.0 } else { 0.0 }).collect();
+        for shift in [true, false] {
+            let w = masked_whiten(&t(&data, (4, 6)), &t(&mask, (4, 6)), shift).unwrap();
+            let w = w.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let mut h = data.clone();
+            host_whiten(&mut h, &mask, shift).unwrap();
+            for (a, b) in w.iter().zip(&h) {
+                assert!((a - b).abs() < 1e-5, "{a} vs {b}");
+            }
+        }
+    }
+
+    #[test]
+    fn unbiased_variance_of_one_token_is_an_error() {
+        let v = t(&[1.0, 2.0], (1, 2));
+        let m = t(&[1.0, 0.0], (1, 2));
+        let err = masked_var(&v, &m, true).unwrap_err().to_string();
+        assert!(err.contains("at least 2 valid positions"), "{err}");
+    }
+}

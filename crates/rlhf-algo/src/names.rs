@@ -1,0 +1,175 @@
+//! Closed enums for the algorithm choices that configs name by string.
+//!
+//! The serde names are the config strings used by verl / TRL, so a config loader
+//! can embed these types directly; `FromStr` gives the same names to CLI overrides
+//! and reports every valid name on a typo.
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::AlgoError;
+
+macro_rules! named_enum {
+    (
+        $(#[$meta:meta])*
+        $name:ident, $kind:literal {
+            $( $(#[$vmeta:meta])* $variant:ident = $s:literal $(| $alias:literal)* ),+ $(,)?
+        }
+    ) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+        pub enum $name {
+            $( $(#[$vmeta])* #[serde(rename = $s $(, alias = $alias)*)] $variant, )+
+        }
+
+        impl $name {
+            /// Every variant, in declaration order.
+            pub const ALL: &'static [$name] = &[$($name::$variant),+];
+
+            /// The config string of this variant.
+            pub fn as_str(self) -> &'static str {
+                match self { $($name::$variant => $s),+ }
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl FromStr for $name {
+            type Err = AlgoError;
+            fn from_str(s: &str) -> Result<Self, Self::Err> {
+                match s {
+                    $( $s $(| $alias)* => Ok($name::$variant), )+
+                    _ => Err(AlgoError::UnknownName {
+                        kind: $kind,
+                        got: s.to_string(),
+                        valid: [$($s),+].join(", "),
+                    }),
+                }
+            }
+        }
+    };
+}
+
+named_enum! {
+    /// How advantages are estimated (`algorithm.adv_estimator`).
+    AdvEstimator, "advantage estimator (algorithm.adv_estimator)" {
+        /// Generalized Advantage Estimation with a critic.
+        #[default]
+        Gae = "gae",
+        /// Group-relative outcome advantage: (score - group mean) / group std.
+        Grpo = "grpo",
+        /// Leave-one-out baseline within each group.
+        Rloo = "rloo",
+        /// Discounted return-to-go, whitened over the batch.
+        ReinforcePlusPlus = "reinforce_plus_plus",
+        /// Score minus group mean, whitened over the batch.
+        ReinforcePlusPlusBaseline = "reinforce_plus_plus_baseline",
+        /// Return-to-go minus a greedy-rollout baseline score.
+        Remax = "remax",
+    }
+}
+
+named_enum! {
+    /// Per-token KL estimator (`algorithm.kl_penalty`, `kl_loss_type`).
+    /// See J. Schulman, "Approximating KL divergence" (2020).
+    KlPenalty, "KL penalty (algorithm.kl_penalty / kl_loss_type)" {
+        /// k1: `logp - ref_logp`.
+        #[default]
+        Kl = "kl" | "k1",
+        /// `|logp - ref_logp|`.
+        Abs = "abs",
+        /// k2: `0.5 * (logp - ref_logp)^2`.
+        Mse = "mse" | "k2",
+        /// k3: `exp(ref - logp) - (ref - logp) - 1`, clamped as in verl.
+        LowVarKl = "low_var_kl" | "k3",
+        /// Exact KL over the whole vocabulary; needs full log-distributions.
+        Full = "full",
+    }
+}
+
+named_enum! {
+    /// How a `[batch, len]` loss matrix is reduced to a scalar (`loss_agg_mode`).
+    LossAggMode, "loss aggregation mode (loss_agg_mode)" {
+        /// Mean over every valid token of the batch.
+        #[default]
+        TokenMean = "token-mean",
+        /// Sum over each sequence's tokens, then mean over sequences.
+        SeqMeanTokenSum = "seq-mean-token-sum",
+        /// Mean over each sequence's tokens, then mean over sequences.
+        SeqMeanTokenMean = "seq-mean-token-mean",
+    }
+}
+
+named_enum! {
+    /// KL coefficient controller (`algorithm.kl_ctrl.type`).
+    KlCtrlType, "KL controller type (algorithm.kl_ctrl.type)" {
+        /// Constant coefficient.
+        #[default]
+        Fixed = "fixed",
+        /// Proportional controller towards `target_kl` (Ziegler et al., 2019).
+        Adaptive = "adaptive",
+    }
+}
+
+impl AdvEstimator {
+    /// Whether the estimator needs a critic (value model).
+    pub fn needs_critic(self) -> bool {
+        matches!(self, AdvEstimator::Gae)
+    }
+
+    /// Whether the estimator needs group ids (several responses per prompt).
+    pub fn needs_groups(self) -> bool {
+        matches!(
+            self,
+            AdvEstimator::Grpo | AdvEstimator::Rloo | AdvEstimator::ReinforcePlusPlusBaseline
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_every_name() {
+        for v in AdvEstimator::ALL {
+            assert_eq!(v.as_str().parse::<AdvEstimator>().unwrap(), *v);
+        }
+        for v in KlPenalty::ALL {
+            assert_eq!(v.as_str().parse::<KlPenalty>().unwrap(), *v);
+        }
+        for v in LossAggMode::ALL {
+            assert_eq!(v.as_str().parse::<LossAggMode>().unwrap(), *v);
+        }
+        for v in KlCtrlType::ALL {
+            assert_eq!(v.as_str().parse::<KlCtrlType>().unwrap(), *v);
+        }
+    }
+
+    #[test]
+    fn aliases_parse() {
+        assert_eq!("k3".parse::<KlPenalty>().unwrap(), KlPenalty::LowVarKl);
+        assert_eq!("k1".parse::<KlPenalty>().unwrap(), KlPenalty::Kl);
+        assert_eq!("k2".parse::<KlPenalty>().unwrap(), KlPenalty::Mse);
+    }
+
+    #[test]
+    fn unknown_name_lists_valid_ones() {
+        let err = "ppo".parse::<AdvEstimator>().unwrap_err().to_string();
+        assert!(err.contains("`ppo`"), "{err}");
+        for v in AdvEstimator::ALL {
+            assert!(err.contains(v.as_str()), "{err} misses {v}");
+        }
+        let err = "token_mean".parse::<LossAggMode>().unwrap_err().to_string();
+        assert!(
+            err.contains("token-mean, seq-mean-token-sum, seq-mean-token-mean"),
+            "{err}"
+        );
+    }
+}

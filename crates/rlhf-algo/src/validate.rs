@@ -1,0 +1,240 @@
+//! Input checks shared by every public function.
+//!
+//! The checks run on the tensor's own device: a finiteness test is one
+//! reduction (`x - x` is NaN exactly where `x` is NaN or infinite), and only when
+//! it fails is the tensor copied to the host to find the first bad element.
+
+use candle_core::{DType, Tensor};
+
+use crate::error::{AlgoError, Result};
+
+/// Multi-index of the flat position `flat` in a row-major tensor of shape `dims`.
+pub(crate) fn unravel(mut flat: usize, dims: &[usize]) -> Vec<usize> {
+    let mut index = vec![0; dims.len()];
+    for (i, &d) in dims.iter().enumerate().rev() {
+        if d > 0 {
+            index[i] = flat % d;
+            flat /= d;
+        }
+    }
+    index
+}
+
+pub(crate) fn check_f32(name: &'static str, t: &Tensor) -> Result<()> {
+    if t.dtype() != DType::F32 {
+        return Err(AlgoError::DType {
+            tensor: name,
+            got: format!("{:?}", t.dtype()),
+        });
+    }
+    Ok(())
+}
+
+/// Checks that `t` is a 2-D f32 tensor and returns `(batch, len)`.
+pub(crate) fn check_2d(name: &'static str, t: &Tensor) -> Result<(usize, usize)> {
+    check_f32(name, t)?;
+    match t.dims() {
+        &[b, l] => Ok((b, l)),
+        d => Err(AlgoError::BadRank {
+            tensor: name,
+            expected: "a 2-D tensor [batch, response_len]",
+            got: d.to_vec(),
+        }),
+    }
+}
+
+/// Checks that `t` is a 1-D f32 tensor of length `batch`.
+pub(crate) fn check_batch_vec(name: &'static str, t: &Tensor, batch: usize) -> Result<()> {
+    check_f32(name, t)?;
+    match t.dims() {
+        &[b] if b == batch => Ok(()),
+        &[_] => Err(AlgoError::ShapeMismatch {
+            tensor: name,
+            got: t.dims().to_vec(),
+            other: "the batch size of response_mask",
+            expected: vec![batch],
+        }),
+        d => Err(AlgoError::BadRank {
+            tensor: name,
+            expected: "a 1-D tensor [batch]",
+            got: d.to_vec(),
+        }),
+    }
+}
+
+pub(crate) fn check_same_shape(
+    name: &'static str,
+    t: &Tensor,
+    other_name: &'static str,
+    other: &Tensor,
+) -> Result<()> {
+    check_f32(name, t)?;
+    if t.dims() != other.dims() {
+        return Err(AlgoError::ShapeMismatch {
+            tensor: name,
+            got: t.dims().to_vec(),
+            other: other_name,
+            expected: other.dims().to_vec(),
+        });
+    }
+    Ok(())
+}
+
+/// Finds the first NaN or infinity in a host slice.
+pub(crate) fn find_non_finite(name: &'static str, data: &[f32], dims: &[usize]) -> Result<()> {
+    if let Some(pos) = data.iter().position(|v| !v.is_finite()) {
+        let v = data[pos];
+        let kind = if v.is_nan() {
+            "NaN"
+        } else if v > 0.0 {
+            "inf"
+        } else {
+            "-inf"
+        };
+        return Err(AlgoError::NonFinite {
+            tensor: name,
+            kind,
+            index: unravel(pos, dims),
+        });
+    }
+    Ok(())
+}
+
+/// Checks that every element of `t` is finite.
+pub(crate) fn check_finite(name: &'static str, t: &Tensor) -> Result<()> {
+    let t = t.detach();
+    let probe = t
+        .sub(&t)?
+        .sum_all()?
+        .to_dtype(DType::F32)?
+        .to_scalar::<f32>()?;
+    if probe == 0.0 {
+        return Ok(());
+    }
+    let data = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+    find_non_finite(name, &data, t.dims())
+}
+
+/// Checks a 0/1 mask on the host; returns the number of valid positions.
+pub(crate) fn check_mask_host(name: &'static str, data: &[f32], dims: &[usize]) -> Result<usize> {
+    let mut count = 0usize;
+    for (i, &v) in data.iter().enumerate() {
+        if v == 1.0 {
+            count += 1;
+        } else if v != 0.0 {
+            return Err(AlgoError::NonBinaryMask {
+                tensor: name,
+                value: v,
+                index: unravel(i, dims),
+            });
+        }
+    }
+    if count == 0 {
+        return Err(AlgoError::EmptyMask { tensor: name });
+    }
+    Ok(count)
+}
+
+/// Checks a 0/1 mask on its device; returns the number of valid positions.
+pub(crate) fn check_mask(name: &'static str, mask: &Tensor) -> Result<usize> {
+    check_2d(name, mask)?;
+    let mask = mask.detach();
+    // m * (m - 1) is zero exactly for m in {0, 1}; NaN also makes it non-zero.
+    let off = mask
+        .mul(&mask.affine(1.0, -1.0)?)?
+        .abs()?
+        .sum_all()?
+        .to_scalar::<f32>()?;
+    if off != 0.0 {
+        let data = mask.flatten_all()?.to_vec1::<f32>()?;
+        return check_mask_host(name, &data, mask.dims());
+    }
+    let count = mask.sum_all()?.to_scalar::<f32>()?;
+    if count == 0.0 {
+        return Err(AlgoError::EmptyMask { tensor: name });
+    }
+    Ok(count as usize)
+}
+
+/// Full check of a `[batch, len]` tensor against the response mask.
+pub(crate) fn check_token_tensor(name: &'static str, t: &Tensor, mask: &Tensor) -> Result<()> {
+    check_same_shape(name, t, "response_mask", mask)?;
+    check_finite(name, t)
+}
+
+/// Copies a 2-D f32 tensor to a flat host vector.
+pub(crate) fn host_vec(t: &Tensor) -> Result<Vec<f32>> {
+    Ok(t.flatten_all()?.to_vec1::<f32>()?)
+}
+
+pub(crate) fn check_positive(key: &'static str, v: f64) -> Result<()> {
+    if !(v.is_finite() && v > 0.0) {
+        return Err(AlgoError::InvalidConfig {
+            key,
+            value: v.to_string(),
+            reason: "must be a finite number > 0".into(),
+        });
+    }
+    Ok(())
+}
+
+pub(crate) fn check_non_negative(key: &'static str, v: f64) -> Result<()> {
+    if !(v.is_finite() && v >= 0.0) {
+        return Err(AlgoError::InvalidConfig {
+            key,
+            value: v.to_string(),
+            reason: "must be a finite number >= 0".into(),
+        });
+    }
+    Ok(())
+}
+
+pub(crate) fn check_unit_interval(key: &'static str, v: f64) -> Result<()> {
+    if !(v.is_finite() && (0.0..=1.0).contains(&v)) {
+        return Err(AlgoError::InvalidConfig {
+            key,
+            value: v.to_string(),
+            reason: "must lie in [0, 1]".into(),
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn unravel_row_major() {
+        assert_eq!(unravel(0, &[4, 10]), vec![0, 0]);
+        assert_eq!(unravel(37, &[4, 10]), vec![3, 7]);
+        assert_eq!(unravel(5, &[6]), vec![5]);
+    }
+
+    #[test]
+    fn finite_check_names_the_position() {
+        let mut data = vec![0.5f32; 40];
+        data[3 * 10 + 7] = f32::NAN;
+        let t = Tensor::from_vec(data, (4, 10), &Device::Cpu).unwrap();
+        let err = check_finite("values", &t).unwrap_err().to_string();
+        assert_eq!(
+            err.split(';').next().unwrap(),
+            "values: contains NaN at [3, 7]"
+        );
+    }
+
+    #[test]
+    fn mask_check_rejects_non_binary_and_empty() {
+        let t = Tensor::from_vec(vec![1f32, 0.5, 0.0, 1.0], (2, 2), &Device::Cpu).unwrap();
+        let err = check_mask("response_mask", &t).unwrap_err().to_string();
+        assert!(err.contains("0.5 at [0, 1]"), "{err}");
+        let z = Tensor::zeros((2, 2), DType::F32, &Device::Cpu).unwrap();
+        assert!(matches!(
+            check_mask("response_mask", &z),
+            Err(AlgoError::EmptyMask { .. })
+        ));
+        let ok = Tensor::from_vec(vec![1f32, 1.0, 0.0, 1.0], (2, 2), &Device::Cpu).unwrap();
+        assert_eq!(check_mask("response_mask", &ok).unwrap(), 3);
+    }
+}
