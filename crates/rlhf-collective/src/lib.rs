@@ -1,1 +1,191 @@
-//! Collective communication between role processes.
+//! Collective communication between role processes: gradient all-reduce across
+//! data-parallel trainer ranks and bucketed trainer → rollout weight sync.
+//!
+//! - [`Communicator`]: the backend-neutral trait (broadcast, all-reduce, all-gather,
+//!   barrier) over plain host slices; tensors are converted by the caller.
+//! - [`TcpCommunicator`]: std-only TCP backend (ring topology), see [`tcp`] for the
+//!   rendezvous and the wire format.
+//! - [`BucketedSync`] and [`checksum`]: named-parameter weight sync in fixed-size
+//!   buckets, and a content hash proving both sides hold the same weights.
+//! - `NcclCommunicator` (feature `nccl`): the same trait over NCCL through cudarc.
+//!
+//! Every wait on a peer is bounded by [`CommConfig::timeout`]; a dead or stuck peer
+//! becomes an [`Error`] naming the op and the peer rank, never a hang or a panic.
+//! After any error a communicator refuses further ops (the byte streams are in an
+//! unknown state): build a new one.
+
+#[cfg(target_endian = "big")]
+compile_error!("rlhf-collective sends native-endian numbers and assumes a little-endian host");
+
+mod bucket;
+mod error;
+mod hash;
+#[cfg(feature = "nccl")]
+pub mod nccl;
+pub mod tcp;
+
+use std::time::Duration;
+
+pub use bucket::{checksum, BucketedSync, DType, Param, ParamMut, ParamView, SyncStats};
+pub use error::{Error, ErrorKind, Op, Result};
+pub use hash::Checksum;
+#[cfg(feature = "nccl")]
+pub use nccl::NcclCommunicator;
+pub use tcp::{TcpCommunicator, TcpRendezvous};
+
+/// Reduction applied element-wise by all-reduce.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    /// Sum over ranks.
+    Sum,
+    /// Sum over ranks divided by the world size (gradient averaging).
+    Avg,
+    /// Maximum over ranks; a NaN on any rank gives NaN, so a bad loss is never hidden.
+    Max,
+}
+
+impl ReduceOp {
+    pub(crate) fn wire_id(self) -> u8 {
+        match self {
+            ReduceOp::Sum => 1,
+            ReduceOp::Avg => 2,
+            ReduceOp::Max => 3,
+        }
+    }
+}
+
+/// Settings shared by all backends.
+#[derive(Debug, Clone)]
+pub struct CommConfig {
+    /// Longest wait for a peer without progress (rendezvous: total time to connect).
+    pub timeout: Duration,
+    /// Largest single socket write / read, and the all-reduce pipelining unit.
+    pub chunk_bytes: usize,
+    /// `SO_SNDBUF` / `SO_RCVBUF` request; `None` keeps the kernel's autotuning.
+    pub socket_buffer_bytes: Option<usize>,
+}
+
+impl Default for CommConfig {
+    fn default() -> Self {
+        Self {
+            timeout: Duration::from_secs(60),
+            chunk_bytes: 1 << 20,
+            socket_buffer_bytes: Some(4 << 20),
+        }
+    }
+}
+
+impl CommConfig {
+    /// Default settings with a different timeout.
+    pub fn with_timeout(timeout: Duration) -> Self {
+        Self {
+            timeout,
+            ..Self::default()
+        }
+    }
+}
+
+/// Collective operations over a fixed group of `world_size` ranks.
+///
+/// All ranks must issue the same sequence of calls with matching arguments (same
+/// lengths, same root, same reduce op); a disagreement is detected and reported as
+/// [`ErrorKind::Mismatch`] where the backend can see it. Every method blocks the
+/// calling thread: call from a dedicated compute thread, not from an async runtime.
+pub trait Communicator: Send {
+    /// This process's rank in `0..world_size`.
+    fn rank(&self) -> usize;
+
+    /// Number of ranks in the group.
+    fn world_size(&self) -> usize;
+
+    /// Short backend name for logs ("tcp", "nccl").
+    fn backend(&self) -> &'static str;
+
+    /// Copies `buf` on `root` into `buf` on every other rank. Lengths must match.
+    fn broadcast(&mut self, buf: &mut [u8], root: usize) -> Result<()>;
+
+    /// Root side of a broadcast whose payload is the concatenation of `parts`.
+    /// Receivers call [`Communicator::broadcast_recv_parts`] with any split of the
+    /// same total length. The default stages through one buffer; backends override
+    /// it to avoid the copy.
+    fn broadcast_send_parts(&mut self, parts: &[&[u8]]) -> Result<()> {
+        let mut staging = Vec::with_capacity(parts.iter().map(|p| p.len()).sum());
+        for p in parts {
+            staging.extend_from_slice(p);
+        }
+        let root = self.rank();
+        self.broadcast(&mut staging, root)
+    }
+
+    /// Receiver side of [`Communicator::broadcast_send_parts`]: fills `parts` in order.
+    fn broadcast_recv_parts(&mut self, parts: &mut [&mut [u8]], root: usize) -> Result<()> {
+        let mut staging = vec![0u8; parts.iter().map(|p| p.len()).sum()];
+        self.broadcast(&mut staging, root)?;
+        let mut at = 0;
+        for p in parts.iter_mut() {
+            let n = p.len();
+            p.copy_from_slice(&staging[at..at + n]);
+            at += n;
+        }
+        Ok(())
+    }
+
+    /// In-place all-reduce of `f32` values; every rank ends with bit-identical results.
+    fn all_reduce_f32(&mut self, buf: &mut [f32], op: ReduceOp) -> Result<()>;
+
+    /// In-place all-reduce of `f64` values; every rank ends with bit-identical results.
+    fn all_reduce_f64(&mut self, buf: &mut [f64], op: ReduceOp) -> Result<()>;
+
+    /// Every rank contributes `data` (lengths may differ); returns all contributions
+    /// indexed by rank.
+    fn all_gather(&mut self, data: &[u8]) -> Result<Vec<Vec<u8>>>;
+
+    /// Returns once every rank has entered the barrier.
+    fn barrier(&mut self) -> Result<()>;
+
+    /// [`Communicator::broadcast`] of `f32` values.
+    fn broadcast_f32(&mut self, buf: &mut [f32], root: usize) -> Result<()> {
+        self.broadcast(as_bytes_mut(buf), root)
+    }
+
+    /// [`Communicator::broadcast`] of `f64` values.
+    fn broadcast_f64(&mut self, buf: &mut [f64], root: usize) -> Result<()> {
+        self.broadcast(as_bytes_mut(buf), root)
+    }
+
+    /// [`Communicator::broadcast`] of 16-bit values (bf16 / f16 bit patterns).
+    fn broadcast_u16(&mut self, buf: &mut [u16], root: usize) -> Result<()> {
+        self.broadcast(as_bytes_mut(buf), root)
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// Plain numeric types whose every bit pattern is valid, so they can be viewed as
+/// bytes and back. Sealed: implemented for the primitive numbers only.
+pub trait Plain: sealed::Sealed + Copy + Send + Sync + 'static {}
+
+macro_rules! plain {
+    ($($t:ty),*) => {$(
+        impl sealed::Sealed for $t {}
+        impl Plain for $t {}
+    )*};
+}
+plain!(u8, i8, u16, i16, u32, i32, u64, i64, f32, f64);
+
+/// Views a slice of plain numbers as its native (little-endian) bytes.
+pub fn as_bytes<T: Plain>(s: &[T]) -> &[u8] {
+    // SAFETY: `T: Plain` is sealed to primitive numbers, which have no padding;
+    // u8 has alignment 1 and the byte length is exactly `size_of_val(s)`, and the
+    // returned borrow keeps `s` borrowed for its lifetime.
+    unsafe { std::slice::from_raw_parts(s.as_ptr().cast::<u8>(), std::mem::size_of_val(s)) }
+}
+
+/// Views a mutable slice of plain numbers as its native (little-endian) bytes.
+pub fn as_bytes_mut<T: Plain>(s: &mut [T]) -> &mut [u8] {
+    // SAFETY: as in `as_bytes`; additionally every byte pattern written through
+    // the view is a valid `T` because `T: Plain` excludes types with invalid values.
+    unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(s)) }
+}

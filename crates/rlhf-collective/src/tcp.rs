@@ -1,0 +1,1296 @@
+//! TCP backend: std threads and blocking sockets, ring topology.
+//!
+//! # Rendezvous
+//!
+//! Rank 0 listens on the master address ([`TcpRendezvous::bind`]; port 0 picks a free
+//! port, readable with [`TcpRendezvous::local_addr`] so the caller can publish it
+//! through a KV store). Every other rank binds its own listener on an ephemeral port
+//! of the interface it reaches rank 0 through, connects to rank 0 with retry and
+//! exponential backoff (10 ms doubling to 500 ms) and sends a JOIN hello carrying
+//! its rank, the world size and its listener address. Once all ranks joined, rank 0
+//! checks world sizes and duplicate ranks, and answers each with the table of
+//! listener addresses. Each rank `r` then connects to `r + 1 (mod n)` (rank 0
+//! through the master address) with a RING hello and accepts the RING hello of
+//! `r - 1`. A barrier on the new ring completes the init. The whole rendezvous is
+//! bounded by [`CommConfig::timeout`].
+//!
+//! # Links
+//!
+//! Each rank owns two sockets: `next` (connected to `r + 1`) and `prev` (accepted
+//! from `r - 1`); with two ranks they are two distinct sockets to the same peer.
+//! Sockets have `TCP_NODELAY`, the configured `SO_SNDBUF`/`SO_RCVBUF`, and send and
+//! receive timeouts equal to [`CommConfig::timeout`], so every blocking call either
+//! makes progress within the timeout or fails. A peer that exits closes its sockets
+//! and its neighbours see EOF at once ([`ErrorKind::PeerClosed`](crate::ErrorKind)); a
+//! rank that fails shuts all its sockets down, so a failure travels around the ring
+//! instead of leaving the others waiting for the timeout.
+//!
+//! # Wire format
+//!
+//! All integers are little-endian.
+//!
+//! Hello (rendezvous, connecting side → accepting side):
+//!
+//! | bytes | field |
+//! | --- | --- |
+//! | 8 | magic `b"RLHFCOL\x01"` (the last byte is the protocol version) |
+//! | 1 | kind: 1 = JOIN (to rank 0), 2 = RING (to the previous rank's listener) |
+//! | 4 | rank (u32) |
+//! | 4 | world size (u32) |
+//! | 2 + n | listener address as UTF-8 text, u16 length prefix (empty for RING) |
+//!
+//! JOIN answer (rank 0 → rank r): status u8 (0 = ok), then either `world` addresses
+//! (u16 length + UTF-8 each, rank 0's entry empty) or, for status 1, one u16-prefixed
+//! UTF-8 error message.
+//!
+//! Op header, 32 bytes, sent at the start of every op on both links (`next` and
+//! `prev`) and read from both, so the two ends of each link check each other:
+//!
+//! | bytes | field |
+//! | --- | --- |
+//! | 4 | magic `0x314C4F43` |
+//! | 1 | op id (2 broadcast, 3 all_reduce, 4 all_gather, 5 barrier) |
+//! | 1 | aux: all_reduce: reduce op (1 sum, 2 avg, 3 max) + 16 × dtype (1 f32, 2 f64) |
+//! | 2 | reserved, zero |
+//! | 4 | root rank (broadcast), else 0 |
+//! | 4 | reserved, zero |
+//! | 8 | sequence number of the op on this communicator (1, 2, ...) |
+//! | 8 | payload length in bytes (all_gather: this rank's contribution, not compared) |
+//!
+//! Any field that differs between the two ends is an [`Error::Mismatch`] on both.
+//!
+//! Payloads follow the header as raw native (little-endian) bytes:
+//! - broadcast: a pipelined chain along the ring starting at the root; the root
+//!   writes the payload to `next`, each intermediate rank reads `chunk_bytes` from
+//!   `prev` into its own buffer and forwards it to `next`, the last rank only reads.
+//! - all_reduce: ring reduce-scatter then ring all-gather over `n` contiguous
+//!   segments (segment `i` = elements `i*len/n .. (i+1)*len/n`); in step `s` rank
+//!   `r` sends segment `(r - s) mod n` and receives segment `(r - s - 1) mod n`
+//!   concurrently (a sender thread), reducing it chunk by chunk as it arrives. For
+//!   `Avg` the owner divides its reduced segment by `n` before the all-gather, so all
+//!   ranks end bit-identical.
+//! - all_gather / barrier: `n - 1` ring steps; each forwards one rank's block as a u64
+//!   length followed by the bytes (barrier: empty blocks).
+
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::error::{Error, Op, Result};
+use crate::{as_bytes, as_bytes_mut, CommConfig, Communicator, Plain, ReduceOp};
+
+const HELLO_MAGIC: [u8; 8] = *b"RLHFCOL\x01";
+const KIND_JOIN: u8 = 1;
+const KIND_RING: u8 = 2;
+const HDR_MAGIC: u32 = 0x314C_4F43;
+const HDR_LEN: usize = 32;
+/// Messages up to this size are written before reading without a sender thread:
+/// they always fit in the kernel socket buffers, so two ranks writing to each
+/// other at once cannot deadlock, and small ops skip a thread spawn.
+const INLINE_SEND: usize = 32 << 10;
+/// Largest all_gather block accepted from a peer; protects against a corrupt length.
+const MAX_BLOCK: u64 = 1 << 40;
+const BACKEND: &str = "tcp";
+
+/// Rank 0's listening side of the rendezvous.
+#[derive(Debug)]
+pub struct TcpRendezvous {
+    listener: TcpListener,
+    addr: SocketAddr,
+}
+
+impl TcpRendezvous {
+    /// Listens on `addr` ("host:port"; port 0 picks a free port).
+    pub fn bind(addr: &str) -> Result<Self> {
+        let listener = TcpListener::bind(addr).map_err(|e| Error::Io {
+            op: Op::Rendezvous,
+            rank: 0,
+            peer: None,
+            context: format!(
+                "rank 0 cannot listen on master address {addr} (in use? pass port 0 to pick a free one)"
+            ),
+            source: e,
+        })?;
+        let addr = listener.local_addr().map_err(|e| Error::Io {
+            op: Op::Rendezvous,
+            rank: 0,
+            peer: None,
+            context: "reading the bound master address".into(),
+            source: e,
+        })?;
+        Ok(Self { listener, addr })
+    }
+
+    /// The address rank 0 actually listens on; publish it to the other ranks.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Waits for ranks `1..world_size` to join and builds rank 0's communicator.
+    pub fn accept(self, world_size: usize, config: CommConfig) -> Result<TcpCommunicator> {
+        check_args(0, world_size, &config)?;
+        if world_size == 1 {
+            return Ok(TcpCommunicator::new(0, 1, config, None));
+        }
+        let deadline = Instant::now() + config.timeout;
+        let master = self.addr.to_string();
+        let n = world_size;
+
+        // JOIN phase: collect every other rank's hello.
+        let mut joined: Vec<Option<(TcpStream, String)>> = (0..n).map(|_| None).collect();
+        let mut missing = n - 1;
+        let result = (|| {
+            while missing > 0 {
+                let (stream, hello) = accept_hello(&self.listener, deadline, &config, 0, || {
+                    let left: Vec<String> = (1..n)
+                        .filter(|r| joined[*r].is_none())
+                        .map(|r| r.to_string())
+                        .collect();
+                    format!("; ranks {} never joined at {master}", left.join(", "))
+                })?;
+                if hello.kind != KIND_JOIN {
+                    continue;
+                }
+                if hello.world != n {
+                    let msg = format!(
+                        "rank {} was started with world_size {} but rank 0 with {n}: \
+                         every rank must get the same world_size",
+                        hello.rank, hello.world
+                    );
+                    let _ = send_join_error(&stream, &msg);
+                    return Err(mismatch(Op::Rendezvous, 0, Some(hello.rank), msg));
+                }
+                if hello.rank == 0 || hello.rank >= n {
+                    let msg = format!(
+                        "a process joined as rank {} but ranks must be 1..{} (rank 0 is the master)",
+                        hello.rank,
+                        n - 1
+                    );
+                    let _ = send_join_error(&stream, &msg);
+                    return Err(mismatch(Op::Rendezvous, 0, Some(hello.rank), msg));
+                }
+                if joined[hello.rank].is_some() {
+                    let msg = format!(
+                        "two processes joined as rank {}: give each process its own rank",
+                        hello.rank
+                    );
+                    let _ = send_join_error(&stream, &msg);
+                    return Err(mismatch(Op::Rendezvous, 0, Some(hello.rank), msg));
+                }
+                joined[hello.rank] = Some((stream, hello.addr));
+                missing -= 1;
+            }
+            Ok(())
+        })();
+        if let Err(e) = result {
+            for (s, _) in joined.iter().flatten() {
+                let _ = send_join_error(s, &format!("rank 0 aborted the rendezvous: {e}"));
+            }
+            return Err(e);
+        }
+
+        // Answer everyone with the address table.
+        let mut table = Vec::new();
+        table.push(0u8);
+        for entry in &joined {
+            let a = entry.as_ref().map(|(_, a)| a.as_str()).unwrap_or("");
+            put_str(&mut table, a);
+        }
+        for (r, entry) in joined.iter().enumerate() {
+            if let Some((s, _)) = entry {
+                (&*s).write_all(&table).map_err(|e| {
+                    io_err(Op::Rendezvous, 0, Some(r), "sending the address table", e)
+                })?;
+            }
+        }
+        // Ring phase: its own timeout, so a late joiner does not eat into it.
+        let deadline = Instant::now() + config.timeout;
+        let next_addr = joined[1]
+            .as_ref()
+            .map(|(_, a)| a.clone())
+            .unwrap_or_default();
+        let next = connect_ring(0, n, 1, &next_addr, deadline, &config)?;
+        let prev = accept_ring(&self.listener, 0, n, deadline, &config)?;
+        drop(joined);
+        let mut comm = TcpCommunicator::new(0, n, config, Some((next, prev)));
+        comm.barrier()?;
+        Ok(comm)
+    }
+}
+
+/// One end of a ring connection.
+#[derive(Debug)]
+struct Link {
+    stream: TcpStream,
+    peer: usize,
+}
+
+impl Link {
+    fn shutdown(&self) {
+        let _ = self.stream.shutdown(Shutdown::Both);
+    }
+}
+
+/// The TCP [`Communicator`]. Build with [`TcpCommunicator::init`] (any rank),
+/// [`TcpRendezvous`] (rank 0, when the port must be published first) or
+/// [`TcpCommunicator::connect`] (ranks ≥ 1).
+#[derive(Debug)]
+pub struct TcpCommunicator {
+    rank: usize,
+    world: usize,
+    config: CommConfig,
+    /// `(next, prev)`; `None` for a world of one.
+    links: Option<(Link, Link)>,
+    seq: u64,
+    broken: Option<String>,
+    /// Receive buffer for reductions, `chunk_bytes` long; u64 so it is aligned for f64.
+    scratch: Vec<u64>,
+}
+
+impl TcpCommunicator {
+    fn new(rank: usize, world: usize, config: CommConfig, links: Option<(Link, Link)>) -> Self {
+        let scratch = vec![0u64; config.chunk_bytes.div_ceil(8)];
+        Self {
+            rank,
+            world,
+            config,
+            links,
+            seq: 0,
+            broken: None,
+            scratch,
+        }
+    }
+
+    /// Joins a group: rank 0 listens on `master` and waits for the others; other
+    /// ranks connect to it. With port 0 on rank 0 use [`TcpRendezvous`] instead, so
+    /// the chosen port can be published before the others connect.
+    pub fn init(rank: usize, world_size: usize, master: &str, config: CommConfig) -> Result<Self> {
+        check_args(rank, world_size, &config)?;
+        if rank == 0 {
+            TcpRendezvous::bind(master)?.accept(world_size, config)
+        } else {
+            Self::connect(rank, world_size, master, config)
+        }
+    }
+
+    /// Rank ≥ 1: connects to rank 0 at `master`, retrying until the timeout.
+    pub fn connect(
+        rank: usize,
+        world_size: usize,
+        master: &str,
+        config: CommConfig,
+    ) -> Result<Self> {
+        check_args(rank, world_size, &config)?;
+        if rank == 0 {
+            return Err(Error::InvalidArgument {
+                op: Op::Rendezvous,
+                detail: "rank 0 listens: use TcpRendezvous::bind(..).accept(..) or TcpCommunicator::init".into(),
+            });
+        }
+        let n = world_size;
+        let deadline = Instant::now() + config.timeout;
+        let master_conn = connect_retry(rank, 0, master, deadline, &config)?;
+        let local_ip = master_conn
+            .local_addr()
+            .map_err(|e| io_err(Op::Rendezvous, rank, Some(0), "reading local address", e))?
+            .ip();
+        let listener = TcpListener::bind((local_ip, 0)).map_err(|e| {
+            io_err(
+                Op::Rendezvous,
+                rank,
+                None,
+                &format!("binding the ring listener on {local_ip}"),
+                e,
+            )
+        })?;
+        let my_addr = listener
+            .local_addr()
+            .map_err(|e| io_err(Op::Rendezvous, rank, None, "reading listener address", e))?;
+        let mut hello = Vec::new();
+        encode_hello(&mut hello, KIND_JOIN, rank, n, &my_addr.to_string());
+        set_io_timeout(&master_conn, remaining(deadline));
+        (&master_conn)
+            .write_all(&hello)
+            .map_err(|e| map_io(Op::Rendezvous, rank, 0, &config, "sending JOIN hello", e))?;
+
+        // The table arrives only when every rank has joined.
+        let table = read_join_answer(&master_conn, rank, n, &config)?;
+        let deadline = Instant::now() + config.timeout;
+        let next_rank = (rank + 1) % n;
+        let next_addr = if next_rank == 0 {
+            master.to_string()
+        } else {
+            table[next_rank].clone()
+        };
+        let next = connect_ring(rank, n, next_rank, &next_addr, deadline, &config)?;
+        let prev = accept_ring(&listener, rank, n, deadline, &config)?;
+        drop(master_conn);
+        let mut comm = TcpCommunicator::new(rank, n, config, Some((next, prev)));
+        comm.barrier()?;
+        Ok(comm)
+    }
+
+    /// A group of one: every op is local.
+    pub fn single(config: CommConfig) -> Self {
+        Self::new(0, 1, config, None)
+    }
+
+    /// The settings this communicator was built with.
+    pub fn config(&self) -> &CommConfig {
+        &self.config
+    }
+
+    fn begin(&mut self, op: Op) -> Result<u64> {
+        if let Some(cause) = &self.broken {
+            return Err(Error::Unavailable {
+                backend: BACKEND,
+                reason: format!(
+                    "{op} refused on rank {}: an earlier op failed ({cause}); \
+                     the connections are closed, build a new communicator",
+                    self.rank
+                ),
+            });
+        }
+        self.seq += 1;
+        Ok(self.seq)
+    }
+
+    fn finish<T>(&mut self, r: Result<T>) -> Result<T> {
+        if let Err(e) = &r {
+            self.broken = Some(e.to_string());
+            if let Some((next, prev)) = &self.links {
+                next.shutdown();
+                prev.shutdown();
+            }
+        }
+        r
+    }
+
+    fn ctx(&self, op: Op) -> Ctx<'_> {
+        Ctx {
+            op,
+            rank: self.rank,
+            config: &self.config,
+        }
+    }
+
+    fn exchange_headers(&self, ctx: &Ctx<'_>, mine: Header) -> Result<()> {
+        let Some((next, prev)) = &self.links else {
+            return Ok(());
+        };
+        let bytes = mine.encode();
+        write_all(ctx, next, &bytes)?;
+        write_all(ctx, prev, &bytes)?;
+        for link in [next, prev] {
+            let mut buf = [0u8; HDR_LEN];
+            read_exact(ctx, link, &mut buf)?;
+            let theirs = Header::decode(&buf);
+            if let Some(detail) = mine.mismatch(&theirs) {
+                return Err(mismatch(ctx.op, ctx.rank, Some(link.peer), detail));
+            }
+        }
+        Ok(())
+    }
+
+    fn broadcast_impl(&mut self, payload: Payload<'_, '_>, root: usize) -> Result<()> {
+        let seq = self.begin(Op::Broadcast)?;
+        let r = self.broadcast_inner(payload, root, seq);
+        self.finish(r)
+    }
+
+    fn broadcast_inner(
+        &mut self,
+        mut payload: Payload<'_, '_>,
+        root: usize,
+        seq: u64,
+    ) -> Result<()> {
+        let ctx = self.ctx(Op::Broadcast);
+        if root >= self.world {
+            return Err(Error::InvalidArgument {
+                op: Op::Broadcast,
+                detail: format!("root {root} is not a rank of a world of {}", self.world),
+            });
+        }
+        let total = payload.len();
+        self.exchange_headers(
+            &ctx,
+            Header {
+                op: Op::Broadcast.wire_id(),
+                aux: 0,
+                root: root as u32,
+                seq,
+                len: total as u64,
+            },
+        )?;
+        let Some((next, prev)) = &self.links else {
+            return Ok(());
+        };
+        let n = self.world;
+        let pos = (self.rank + n - root) % n;
+        let chunk = self.config.chunk_bytes;
+        match &mut payload {
+            Payload::Send(parts) => {
+                for p in parts.iter() {
+                    write_all(&ctx, next, p)?;
+                }
+            }
+            Payload::Recv(parts) => {
+                for p in parts.iter_mut() {
+                    if pos == n - 1 {
+                        read_exact(&ctx, prev, p)?;
+                    } else {
+                        for c in p.chunks_mut(chunk) {
+                            read_exact(&ctx, prev, c)?;
+                            write_all(&ctx, next, c)?;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn all_reduce_impl<T: Elem>(&mut self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        let seq = self.begin(Op::AllReduce)?;
+        let r = self.all_reduce_inner(buf, op, seq);
+        self.finish(r)
+    }
+
+    fn all_reduce_inner<T: Elem>(&mut self, buf: &mut [T], op: ReduceOp, seq: u64) -> Result<()> {
+        let n = self.world;
+        let rank = self.rank;
+        let config = self.config.clone();
+        let ctx = Ctx {
+            op: Op::AllReduce,
+            rank,
+            config: &config,
+        };
+        self.exchange_headers(
+            &ctx,
+            Header {
+                op: Op::AllReduce.wire_id(),
+                aux: op.wire_id() | (T::DTYPE_ID << 4),
+                root: 0,
+                seq,
+                len: std::mem::size_of_val(buf) as u64,
+            },
+        )?;
+        let Some((next, prev)) = &self.links else {
+            return Ok(());
+        };
+        let scratch: &mut [T] = cast_scratch(&mut self.scratch);
+        let len = buf.len();
+        let seg = |i: usize| (i * len / n)..((i + 1) * len / n);
+        for s in 0..n - 1 {
+            let send_i = (rank + n - s) % n;
+            let recv_i = (rank + 2 * n - s - 1) % n;
+            let (send, recv) = split_pair(buf, seg(send_i), seg(recv_i));
+            duplex(&ctx, next, prev, as_bytes(send), |ctx| {
+                recv_reduce(ctx, prev, recv, op, scratch)
+            })?;
+        }
+        if op == ReduceOp::Avg {
+            T::divide(&mut buf[seg((rank + 1) % n)], n);
+        }
+        for s in 0..n - 1 {
+            let send_i = (rank + 1 + n - s) % n;
+            let recv_i = (rank + n - s) % n;
+            let (send, recv) = split_pair(buf, seg(send_i), seg(recv_i));
+            duplex(&ctx, next, prev, as_bytes(send), |ctx| {
+                read_exact(ctx, prev, as_bytes_mut(recv))
+            })?;
+        }
+        Ok(())
+    }
+
+    fn gather_impl(&mut self, op: Op, data: &[u8]) -> Result<Vec<Vec<u8>>> {
+        let seq = self.begin(op)?;
+        let r = self.gather_inner(op, data, seq);
+        self.finish(r)
+    }
+
+    fn gather_inner(&mut self, op: Op, data: &[u8], seq: u64) -> Result<Vec<Vec<u8>>> {
+        let ctx = self.ctx(op);
+        self.exchange_headers(
+            &ctx,
+            Header {
+                op: op.wire_id(),
+                aux: 0,
+                root: 0,
+                seq,
+                len: data.len() as u64,
+            },
+        )?;
+        let n = self.world;
+        let rank = self.rank;
+        let mut blocks: Vec<Vec<u8>> = vec![Vec::new(); n];
+        blocks[rank] = data.to_vec();
+        let Some((next, prev)) = &self.links else {
+            return Ok(blocks);
+        };
+        for s in 0..n - 1 {
+            let send_i = (rank + n - s) % n;
+            let recv_i = (rank + 2 * n - s - 1) % n;
+            let block = &blocks[send_i];
+            let mut framed = Vec::new();
+            let small = block.len() + 8 <= INLINE_SEND;
+            if small {
+                framed.extend_from_slice(&(block.len() as u64).to_le_bytes());
+                framed.extend_from_slice(block);
+            }
+            let got = if small {
+                duplex(&ctx, next, prev, &framed, |ctx| recv_block(ctx, prev))?
+            } else {
+                duplex_with(
+                    &ctx,
+                    next,
+                    prev,
+                    false,
+                    |ctx| {
+                        write_all(ctx, next, &(block.len() as u64).to_le_bytes())?;
+                        write_all(ctx, next, block)
+                    },
+                    |ctx| recv_block(ctx, prev),
+                )?
+            };
+            blocks[recv_i] = got;
+        }
+        Ok(blocks)
+    }
+}
+
+impl Communicator for TcpCommunicator {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world
+    }
+
+    fn backend(&self) -> &'static str {
+        BACKEND
+    }
+
+    fn broadcast(&mut self, buf: &mut [u8], root: usize) -> Result<()> {
+        if self.rank == root {
+            self.broadcast_impl(Payload::Send(&[&*buf]), root)
+        } else {
+            self.broadcast_impl(Payload::Recv(&mut [buf]), root)
+        }
+    }
+
+    fn broadcast_send_parts(&mut self, parts: &[&[u8]]) -> Result<()> {
+        let root = self.rank;
+        self.broadcast_impl(Payload::Send(parts), root)
+    }
+
+    fn broadcast_recv_parts(&mut self, parts: &mut [&mut [u8]], root: usize) -> Result<()> {
+        if root == self.rank {
+            return Err(Error::InvalidArgument {
+                op: Op::Broadcast,
+                detail: format!(
+                    "rank {root} is the root: it must call broadcast_send_parts, not broadcast_recv_parts"
+                ),
+            });
+        }
+        self.broadcast_impl(Payload::Recv(parts), root)
+    }
+
+    fn all_reduce_f32(&mut self, buf: &mut [f32], op: ReduceOp) -> Result<()> {
+        self.all_reduce_impl(buf, op)
+    }
+
+    fn all_reduce_f64(&mut self, buf: &mut [f64], op: ReduceOp) -> Result<()> {
+        self.all_reduce_impl(buf, op)
+    }
+
+    fn all_gather(&mut self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
+        self.gather_impl(Op::AllGather, data)
+    }
+
+    fn barrier(&mut self) -> Result<()> {
+        self.gather_impl(Op::Barrier, &[]).map(|_| ())
+    }
+}
+
+enum Payload<'a, 'b> {
+    Send(&'a [&'b [u8]]),
+    Recv(&'a mut [&'b mut [u8]]),
+}
+
+impl Payload<'_, '_> {
+    fn len(&self) -> usize {
+        match self {
+            Payload::Send(p) => p.iter().map(|x| x.len()).sum(),
+            Payload::Recv(p) => p.iter().map(|x| x.len()).sum(),
+        }
+    }
+}
+
+/// Per-op context for error reporting.
+struct Ctx<'a> {
+    op: Op,
+    rank: usize,
+    config: &'a CommConfig,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Header {
+    op: u8,
+    aux: u8,
+    root: u32,
+    seq: u64,
+    len: u64,
+}
+
+impl Header {
+    fn encode(&self) -> [u8; HDR_LEN] {
+        let mut b = [0u8; HDR_LEN];
+        b[0..4].copy_from_slice(&HDR_MAGIC.to_le_bytes());
+        b[4] = self.op;
+        b[5] = self.aux;
+        b[8..12].copy_from_slice(&self.root.to_le_bytes());
+        b[16..24].copy_from_slice(&self.seq.to_le_bytes());
+        b[24..32].copy_from_slice(&self.len.to_le_bytes());
+        b
+    }
+
+    /// Decodes a header; a bad magic is kept as op 0 so `mismatch` reports it.
+    fn decode(b: &[u8; HDR_LEN]) -> Header {
+        let magic = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        let u64_at = |i: usize| {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(&b[i..i + 8]);
+            u64::from_le_bytes(a)
+        };
+        Header {
+            op: if magic == HDR_MAGIC { b[4] } else { 0 },
+            aux: b[5],
+            root: u32::from_le_bytes([b[8], b[9], b[10], b[11]]),
+            seq: u64_at(16),
+            len: u64_at(24),
+        }
+    }
+
+    fn describe(&self) -> String {
+        let Some(op) = Op::from_wire_id(self.op) else {
+            return "an unknown message (bad magic or op id: a different program or protocol version?)"
+                .into();
+        };
+        let mut s = format!("{op} #{} of {} bytes", self.seq, self.len);
+        match op {
+            Op::Broadcast => s.push_str(&format!(" from root {}", self.root)),
+            Op::AllReduce => {
+                let red = match self.aux & 0xF {
+                    1 => "sum",
+                    2 => "avg",
+                    3 => "max",
+                    _ => "?",
+                };
+                let dt = match self.aux >> 4 {
+                    1 => "f32",
+                    2 => "f64",
+                    _ => "?",
+                };
+                s.push_str(&format!(" ({red}, {dt})"));
+            }
+            _ => {}
+        }
+        s
+    }
+
+    /// Describes how `theirs` disagrees with `self`, or `None` when compatible.
+    fn mismatch(&self, theirs: &Header) -> Option<String> {
+        let variable_len = matches!(
+            Op::from_wire_id(self.op),
+            Some(Op::AllGather) | Some(Op::Barrier)
+        );
+        let same = self.op == theirs.op
+            && self.aux == theirs.aux
+            && self.root == theirs.root
+            && self.seq == theirs.seq
+            && (variable_len || self.len == theirs.len);
+        if same {
+            return None;
+        }
+        let hint = if self.op == theirs.op && self.seq == theirs.seq && self.len != theirs.len {
+            "; buffer lengths must be equal on every rank"
+        } else if self.seq != theirs.seq {
+            "; the ranks issued a different number of collective calls"
+        } else {
+            "; every rank must issue the same collective calls in the same order"
+        };
+        Some(format!(
+            "this rank called {} but the peer called {}{hint}",
+            self.describe(),
+            theirs.describe()
+        ))
+    }
+}
+
+/// Numbers all-reduce can combine.
+trait Elem: Plain + PartialOrd {
+    const DTYPE_ID: u8;
+    fn reduce(dst: &mut [Self], src: &[Self], op: ReduceOp);
+    fn divide(dst: &mut [Self], n: usize);
+}
+
+macro_rules! elem {
+    ($t:ty, $id:expr) => {
+        impl Elem for $t {
+            const DTYPE_ID: u8 = $id;
+            fn reduce(dst: &mut [Self], src: &[Self], op: ReduceOp) {
+                match op {
+                    ReduceOp::Sum | ReduceOp::Avg => {
+                        for (d, s) in dst.iter_mut().zip(src) {
+                            *d += *s;
+                        }
+                    }
+                    ReduceOp::Max => {
+                        for (d, s) in dst.iter_mut().zip(src) {
+                            // NaN wins, so a NaN on any rank is never hidden.
+                            if s.is_nan() || *s > *d {
+                                *d = *s;
+                            }
+                        }
+                    }
+                }
+            }
+            fn divide(dst: &mut [Self], n: usize) {
+                let n = n as $t;
+                for d in dst {
+                    *d /= n;
+                }
+            }
+        }
+    };
+}
+elem!(f32, 1);
+elem!(f64, 2);
+
+/// Views the u64 scratch buffer as `T`s.
+fn cast_scratch<T: Plain>(s: &mut [u64]) -> &mut [T] {
+    let bytes = std::mem::size_of_val(s);
+    let n = bytes / std::mem::size_of::<T>();
+    // SAFETY: `T: Plain` is a primitive number of size ≤ 8 whose alignment divides
+    // u64's, every bit pattern is a valid `T`, and `n * size_of::<T>() <= bytes`.
+    unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr().cast::<T>(), n) }
+}
+
+/// Two disjoint sub-slices: `a` shared, `b` mutable.
+fn split_pair<T>(buf: &mut [T], a: Range<usize>, b: Range<usize>) -> (&[T], &mut [T]) {
+    if a.end <= b.start {
+        let (lo, hi) = buf.split_at_mut(b.start);
+        (&lo[a], &mut hi[..b.end - b.start])
+    } else {
+        let (lo, hi) = buf.split_at_mut(a.start);
+        (&hi[..a.end - a.start], &mut lo[b])
+    }
+}
+
+fn recv_reduce<T: Elem>(
+    ctx: &Ctx<'_>,
+    link: &Link,
+    dst: &mut [T],
+    op: ReduceOp,
+    scratch: &mut [T],
+) -> Result<()> {
+    for d in dst.chunks_mut(scratch.len().max(1)) {
+        let s = &mut scratch[..d.len()];
+        read_exact(ctx, link, as_bytes_mut(s))?;
+        T::reduce(d, s, op);
+    }
+    Ok(())
+}
+
+fn recv_block(ctx: &Ctx<'_>, link: &Link) -> Result<Vec<u8>> {
+    let mut len = [0u8; 8];
+    read_exact(ctx, link, &mut len)?;
+    let len = u64::from_le_bytes(len);
+    if len > MAX_BLOCK {
+        return Err(mismatch(
+            ctx.op,
+            ctx.rank,
+            Some(link.peer),
+            format!("peer announced a block of {len} bytes: corrupt stream or foreign program"),
+        ));
+    }
+    let mut v = vec![0u8; len as usize];
+    read_exact(ctx, link, &mut v)?;
+    Ok(v)
+}
+
+/// Sends `send` to `next` while `recv` reads from `prev`.
+fn duplex<R>(
+    ctx: &Ctx<'_>,
+    next: &Link,
+    prev: &Link,
+    send: &[u8],
+    recv: impl FnOnce(&Ctx<'_>) -> Result<R>,
+) -> Result<R> {
+    duplex_with(
+        ctx,
+        next,
+        prev,
+        send.len() <= INLINE_SEND,
+        |ctx| write_all(ctx, next, send),
+        recv,
+    )
+}
+
+/// Runs `send` and `recv` concurrently (or one after the other when `inline`).
+/// The first side to fail shuts both links down so the other side cannot stay
+/// blocked, and its error (the cause, not the consequence) is returned.
+fn duplex_with<R>(
+    ctx: &Ctx<'_>,
+    next: &Link,
+    prev: &Link,
+    inline: bool,
+    send: impl FnOnce(&Ctx<'_>) -> Result<()> + Send,
+    recv: impl FnOnce(&Ctx<'_>) -> Result<R>,
+) -> Result<R> {
+    if inline {
+        send(ctx)?;
+        return recv(ctx);
+    }
+    let aborted = AtomicBool::new(false);
+    let first = |e: Error| -> Option<Error> {
+        if aborted.swap(true, Ordering::SeqCst) {
+            None
+        } else {
+            next.shutdown();
+            prev.shutdown();
+            Some(e)
+        }
+    };
+    let (sent, received) = std::thread::scope(|s| {
+        let sender = s.spawn(|| send(ctx).map_err(first));
+        let received = recv(ctx).map_err(first);
+        let sent = match sender.join() {
+            Ok(r) => r,
+            Err(_) => Err(first(Error::Io {
+                op: ctx.op,
+                rank: ctx.rank,
+                peer: Some(next.peer),
+                context: "sender thread".into(),
+                source: io::Error::other("sender thread panicked"),
+            })),
+        };
+        (sent, received)
+    });
+    match (sent, received) {
+        (Ok(()), Ok(v)) => Ok(v),
+        (Err(Some(e)), _) | (_, Err(Some(e))) => Err(e),
+        _ => Err(Error::Io {
+            op: ctx.op,
+            rank: ctx.rank,
+            peer: None,
+            context: "concurrent send/receive".into(),
+            source: io::Error::other("aborted without a recorded cause"),
+        }),
+    }
+}
+
+fn write_all(ctx: &Ctx<'_>, link: &Link, buf: &[u8]) -> Result<()> {
+    for c in buf.chunks(ctx.config.chunk_bytes.max(1)) {
+        (&link.stream)
+            .write_all(c)
+            .map_err(|e| map_io(ctx.op, ctx.rank, link.peer, ctx.config, "sending", e))?;
+    }
+    Ok(())
+}
+
+fn read_exact(ctx: &Ctx<'_>, link: &Link, buf: &mut [u8]) -> Result<()> {
+    (&link.stream)
+        .read_exact(buf)
+        .map_err(|e| map_io(ctx.op, ctx.rank, link.peer, ctx.config, "receiving", e))
+}
+
+fn map_io(
+    op: Op,
+    rank: usize,
+    peer: usize,
+    config: &CommConfig,
+    what: &str,
+    e: io::Error,
+) -> Error {
+    use io::ErrorKind as K;
+    match e.kind() {
+        K::WouldBlock | K::TimedOut => Error::Timeout {
+            op,
+            rank,
+            peer: Some(peer),
+            timeout: config.timeout,
+            detail: format!("; stuck {what}"),
+        },
+        K::UnexpectedEof
+        | K::ConnectionReset
+        | K::ConnectionAborted
+        | K::BrokenPipe
+        | K::NotConnected => Error::PeerClosed {
+            op,
+            rank,
+            peer,
+            detail: format!("{what}: {e}"),
+        },
+        _ => io_err(op, rank, Some(peer), what, e),
+    }
+}
+
+fn io_err(op: Op, rank: usize, peer: Option<usize>, what: &str, e: io::Error) -> Error {
+    Error::Io {
+        op,
+        rank,
+        peer,
+        context: what.to_string(),
+        source: e,
+    }
+}
+
+fn mismatch(op: Op, rank: usize, peer: Option<usize>, detail: String) -> Error {
+    Error::Mismatch {
+        op,
+        rank,
+        peer,
+        detail,
+    }
+}
+
+fn check_args(rank: usize, world: usize, config: &CommConfig) -> Result<()> {
+    let bad = |detail: String| {
+        Err(Error::InvalidArgument {
+            op: Op::Rendezvous,
+            detail,
+        })
+    };
+    if world == 0 {
+        return bad("world_size must be at least 1".into());
+    }
+    if rank >= world {
+        return bad(format!(
+            "rank {rank} is out of range for world_size {world} (ranks are 0..{world})"
+        ));
+    }
+    if world > u32::MAX as usize {
+        return bad(format!("world_size {world} is too large"));
+    }
+    if config.timeout.is_zero() {
+        return bad("CommConfig::timeout must be greater than zero".into());
+    }
+    if config.chunk_bytes < 4096 {
+        return bad(format!(
+            "CommConfig::chunk_bytes is {} but must be at least 4096",
+            config.chunk_bytes
+        ));
+    }
+    Ok(())
+}
+
+fn remaining(deadline: Instant) -> Duration {
+    deadline.saturating_duration_since(Instant::now())
+}
+
+/// Applies the same send/receive timeout; zero would mean "block forever" to the OS.
+fn set_io_timeout(s: &TcpStream, t: Duration) {
+    let t = t.max(Duration::from_millis(1));
+    let _ = s.set_read_timeout(Some(t));
+    let _ = s.set_write_timeout(Some(t));
+}
+
+fn tune(s: &TcpStream, config: &CommConfig) {
+    let _ = s.set_nodelay(true);
+    if let Some(b) = config.socket_buffer_bytes {
+        let sock = socket2::SockRef::from(s);
+        let _ = sock.set_send_buffer_size(b);
+        let _ = sock.set_recv_buffer_size(b);
+    }
+}
+
+/// Same socket settings as the communicator's links; for baselines in benchmarks.
+pub fn tune_stream(s: &TcpStream, config: &CommConfig) {
+    tune(s, config);
+    set_io_timeout(s, config.timeout);
+}
+
+fn connect_retry(
+    rank: usize,
+    peer: usize,
+    addr: &str,
+    deadline: Instant,
+    config: &CommConfig,
+) -> Result<TcpStream> {
+    let mut backoff = Duration::from_millis(10);
+    let mut last: String;
+    loop {
+        match addr.to_socket_addrs() {
+            Ok(addrs) => {
+                last = format!("{addr} resolved to no address");
+                for a in addrs {
+                    let t =
+                        remaining(deadline).clamp(Duration::from_millis(1), Duration::from_secs(2));
+                    match TcpStream::connect_timeout(&a, t) {
+                        Ok(s) => {
+                            tune(&s, config);
+                            set_io_timeout(&s, config.timeout);
+                            return Ok(s);
+                        }
+                        Err(e) => last = format!("{a}: {e}"),
+                    }
+                }
+            }
+            Err(e) => {
+                return Err(io_err(
+                    Op::Rendezvous,
+                    rank,
+                    Some(peer),
+                    &format!("resolving address {addr:?} of rank {peer} (expected host:port)"),
+                    e,
+                ))
+            }
+        }
+        if Instant::now() + backoff >= deadline {
+            return Err(Error::Timeout {
+                op: Op::Rendezvous,
+                rank,
+                peer: Some(peer),
+                timeout: config.timeout,
+                detail: format!("; could not connect to {addr} (last error: {last})"),
+            });
+        }
+        std::thread::sleep(backoff);
+        backoff = (backoff * 2).min(Duration::from_millis(500));
+    }
+}
+
+struct Hello {
+    kind: u8,
+    rank: usize,
+    world: usize,
+    addr: String,
+}
+
+fn put_str(out: &mut Vec<u8>, s: &str) {
+    out.extend_from_slice(&(s.len() as u16).to_le_bytes());
+    out.extend_from_slice(s.as_bytes());
+}
+
+fn encode_hello(out: &mut Vec<u8>, kind: u8, rank: usize, world: usize, addr: &str) {
+    out.extend_from_slice(&HELLO_MAGIC);
+    out.push(kind);
+    out.extend_from_slice(&(rank as u32).to_le_bytes());
+    out.extend_from_slice(&(world as u32).to_le_bytes());
+    put_str(out, addr);
+}
+
+fn read_str(mut s: &TcpStream) -> io::Result<String> {
+    let mut len = [0u8; 2];
+    s.read_exact(&mut len)?;
+    let mut b = vec![0u8; u16::from_le_bytes(len) as usize];
+    s.read_exact(&mut b)?;
+    String::from_utf8(b).map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "non-UTF-8 text"))
+}
+
+/// Reads a hello; `Ok(None)` for a connection that is not one of ours.
+fn read_hello(mut s: &TcpStream) -> io::Result<Option<Hello>> {
+    let mut head = [0u8; 17];
+    s.read_exact(&mut head)?;
+    if head[..8] != HELLO_MAGIC {
+        return Ok(None);
+    }
+    let rank = u32::from_le_bytes([head[9], head[10], head[11], head[12]]) as usize;
+    let world = u32::from_le_bytes([head[13], head[14], head[15], head[16]]) as usize;
+    let addr = read_str(s)?;
+    Ok(Some(Hello {
+        kind: head[8],
+        rank,
+        world,
+        addr,
+    }))
+}
+
+fn send_join_error(mut s: &TcpStream, msg: &str) -> io::Result<()> {
+    let mut b = vec![1u8];
+    let msg: String = msg.chars().take(4000).collect();
+    put_str(&mut b, &msg);
+    s.write_all(&b)
+}
+
+fn read_join_answer(
+    s: &TcpStream,
+    rank: usize,
+    n: usize,
+    config: &CommConfig,
+) -> Result<Vec<String>> {
+    // Rank 0 answers only when everyone joined: allow the whole rendezvous timeout.
+    set_io_timeout(s, config.timeout);
+    let ctx_err = |e: io::Error| {
+        map_io(
+            Op::Rendezvous,
+            rank,
+            0,
+            config,
+            "waiting for the address table",
+            e,
+        )
+    };
+    let mut status = [0u8; 1];
+    (&*s).read_exact(&mut status).map_err(ctx_err)?;
+    if status[0] != 0 {
+        let msg = read_str(s).map_err(ctx_err)?;
+        return Err(mismatch(Op::Rendezvous, rank, Some(0), msg));
+    }
+    let mut table = Vec::with_capacity(n);
+    for _ in 0..n {
+        table.push(read_str(s).map_err(ctx_err)?);
+    }
+    Ok(table)
+}
+
+/// Accepts connections until one sends a hello (strays are dropped).
+fn accept_hello(
+    listener: &TcpListener,
+    deadline: Instant,
+    config: &CommConfig,
+    rank: usize,
+    who_is_missing: impl Fn() -> String,
+) -> Result<(TcpStream, Hello)> {
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| io_err(Op::Rendezvous, rank, None, "configuring the listener", e))?;
+    loop {
+        match listener.accept() {
+            Ok((s, _)) => {
+                let _ = s.set_nonblocking(false);
+                tune(&s, config);
+                // A stray connection must not hold up the rendezvous for long.
+                set_io_timeout(&s, remaining(deadline).min(Duration::from_secs(5)));
+                if let Ok(Some(h)) = read_hello(&s) {
+                    set_io_timeout(&s, config.timeout);
+                    return Ok((s, h));
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                if Instant::now() >= deadline {
+                    return Err(Error::Timeout {
+                        op: Op::Rendezvous,
+                        rank,
+                        peer: None,
+                        timeout: config.timeout,
+                        detail: who_is_missing(),
+                    });
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => {
+                return Err(io_err(
+                    Op::Rendezvous,
+                    rank,
+                    None,
+                    "accepting a connection",
+                    e,
+                ))
+            }
+        }
+    }
+}
+
+fn connect_ring(
+    rank: usize,
+    n: usize,
+    next: usize,
+    addr: &str,
+    deadline: Instant,
+    config: &CommConfig,
+) -> Result<Link> {
+    let s = connect_retry(rank, next, addr, deadline, config)?;
+    let mut hello = Vec::new();
+    encode_hello(&mut hello, KIND_RING, rank, n, "");
+    (&s).write_all(&hello)
+        .map_err(|e| map_io(Op::Rendezvous, rank, next, config, "sending RING hello", e))?;
+    Ok(Link {
+        stream: s,
+        peer: next,
+    })
+}
+
+fn accept_ring(
+    listener: &TcpListener,
+    rank: usize,
+    n: usize,
+    deadline: Instant,
+    config: &CommConfig,
+) -> Result<Link> {
+    let prev = (rank + n - 1) % n;
+    loop {
+        let (s, h) = accept_hello(listener, deadline, config, rank, || {
+            format!("; rank {prev} never connected its ring link")
+        })?;
+        if h.kind == KIND_RING && h.rank == prev && h.world == n {
+            return Ok(Link {
+                stream: s,
+                peer: prev,
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_roundtrip_and_mismatch_text() {
+        let h = Header {
+            op: Op::AllReduce.wire_id(),
+            aux: ReduceOp::Avg.wire_id() | (1 << 4),
+            root: 0,
+            seq: 7,
+            len: 4096,
+        };
+        assert_eq!(Header::decode(&h.encode()), h);
+        let other = Header { len: 4100, ..h };
+        let msg = h.mismatch(&other).expect("lengths differ");
+        assert!(msg.contains("4096") && msg.contains("4100"), "{msg}");
+        assert!(msg.contains("buffer lengths"), "{msg}");
+        let gather = Header {
+            op: Op::AllGather.wire_id(),
+            ..h
+        };
+        assert!(gather.mismatch(&Header { len: 1, ..gather }).is_none());
+        let mut bad = h.encode();
+        bad[0] = 0;
+        assert!(h
+            .mismatch(&Header::decode(&bad))
+            .unwrap()
+            .contains("unknown message"));
+    }
+
+    #[test]
+    fn split_pair_handles_order_and_empty() {
+        let mut v: Vec<u32> = (0..10).collect();
+        let (a, b) = split_pair(&mut v, 0..3, 5..8);
+        assert_eq!(a, &[0, 1, 2]);
+        assert_eq!(b, &mut [5, 6, 7]);
+        let (a, b) = split_pair(&mut v, 6..9, 1..2);
+        assert_eq!(a, &[6, 7, 8]);
+        assert_eq!(b, &mut [1]);
+        let (a, b) = split_pair(&mut v, 4..4, 4..6);
+        assert!(a.is_empty());
+        assert_eq!(b.len(), 2);
+        let (a, b) = split_pair(&mut v, 4..6, 4..4);
+        assert_eq!(a.len(), 2);
+        assert!(b.is_empty());
+    }
+
+    #[test]
+    fn max_propagates_nan() {
+        let mut d = [1.0f32, 5.0, f32::NAN];
+        f32::reduce(&mut d, &[2.0, f32::NAN, 0.0], ReduceOp::Max);
+        assert_eq!(d[0], 2.0);
+        assert!(d[1].is_nan() && d[2].is_nan());
+    }
+}
