@@ -1,0 +1,113 @@
+//! The crate's single error type.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong when loading, running, training or saving a model.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A file the model directory must contain is not there.
+    #[error("missing file {path}: {hint}")]
+    MissingFile { path: PathBuf, hint: String },
+
+    /// A file exists but could not be read or written.
+    #[error("cannot access {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// A JSON file (config.json, tokenizer_config.json, ...) is malformed.
+    #[error("cannot parse {path}: {message}")]
+    Json { path: PathBuf, message: String },
+
+    /// The checkpoint's architecture is not implemented here.
+    #[error("unsupported architecture {name:?}; supported: {}", supported.join(", "))]
+    UnsupportedArchitecture {
+        name: String,
+        supported: Vec<&'static str>,
+    },
+
+    /// A config value is missing, inconsistent or unsupported.
+    #[error("invalid model config: {0}")]
+    Config(String),
+
+    /// A tensor the architecture needs is absent from the weights.
+    #[error("tensor {name} not found in {location}")]
+    MissingTensor { name: String, location: String },
+
+    /// A tensor in the weights does not have the shape the config implies.
+    #[error(
+        "tensor {name} has shape {found:?} in the weights but the config implies {expected:?}"
+    )]
+    ShapeMismatch {
+        name: String,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+    },
+
+    /// Tokenizer or chat-template problem.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+
+    /// The tokenizer has no chat template but one was requested.
+    #[error(
+        "{path} has no chat_template; pass plain prompts or use a tokenizer with a chat template"
+    )]
+    NoChatTemplate { path: PathBuf },
+
+    /// Rendering the chat template failed.
+    #[error("chat template: {0}")]
+    Template(String),
+
+    /// A prompt does not fit in the model's context window.
+    #[error(
+        "prompt {index} has {len} tokens but only {limit} fit (context {context}, max_new_tokens {max_new_tokens}); \
+         shorten it or set truncate_prompts to keep its last tokens"
+    )]
+    PromptTooLong {
+        index: usize,
+        len: usize,
+        limit: usize,
+        context: usize,
+        max_new_tokens: usize,
+    },
+
+    /// Caller passed inconsistent arguments (shapes, options).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+
+    /// A trainable parameter received no gradient or a non-finite one.
+    #[error("gradient problem: {0}")]
+    Gradient(String),
+
+    /// An error raised by candle.
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+}
+
+/// Crate-wide result alias.
+pub type Result<T> = std::result::Result<T, Error>;
+
+impl Error {
+    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        let path = path.into();
+        if source.kind() == std::io::ErrorKind::NotFound {
+            Error::MissingFile {
+                path,
+                hint: "the file does not exist".to_string(),
+            }
+        } else {
+            Error::Io { path, source }
+        }
+    }
+}
+
+/// Reads and parses a JSON file, naming the file in every error.
+pub(crate) fn read_json<T: serde::de::DeserializeOwned>(path: &std::path::Path) -> Result<T> {
+    let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+    serde_json::from_str(&text).map_err(|e| Error::Json {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })
+}

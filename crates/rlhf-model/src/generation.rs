@@ -1,0 +1,476 @@
+//! Batched autoregressive generation with a KV cache over left-padded prompts.
+//!
+//! Sampling happens on the host from the last position's logits: temperature, then top-k, then
+//! top-p, as transformers orders its logits warpers. The log-prob reported for each sampled
+//! token is that of log-softmax(logits / temperature) (temperature 1 for greedy) over the
+//! unfiltered logits, which is what a trainer recomputes from the same sequence.
+
+use candle_core::{DType, Device, Tensor};
+use rand::{Rng, SeedableRng};
+use serde_json::{json, Map, Value};
+
+use crate::error::{Error, Result};
+use crate::model::{Batch, Model, ModelKind};
+use crate::transformer::{id_list, Config};
+
+/// Decoding options. `temperature == 0` means greedy.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerationConfig {
+    pub max_new_tokens: usize,
+    /// Stop tokens are suppressed until this many tokens were generated.
+    pub min_new_tokens: usize,
+    pub temperature: f64,
+    /// Keep the k most likely tokens; 0 disables.
+    pub top_k: usize,
+    /// Nucleus sampling mass in (0, 1]; 1 disables.
+    pub top_p: f64,
+    /// Samples per prompt.
+    pub n: usize,
+    pub seed: u64,
+    pub eos_token_ids: Vec<u32>,
+    /// Extra stop tokens besides EOS.
+    pub stop_token_ids: Vec<u32>,
+    pub pad_token_id: Option<u32>,
+    pub bos_token_id: Option<u32>,
+    /// Keep the last tokens of a prompt that does not fit instead of refusing it.
+    pub truncate_prompts: bool,
+    /// Context length; `None` uses the model's `max_position_embeddings`.
+    pub max_context: Option<usize>,
+}
+
+impl Default for GenerationConfig {
+    fn default() -> Self {
+        Self {
+            max_new_tokens: 128,
+            min_new_tokens: 0,
+            temperature: 1.0,
+            top_k: 0,
+            top_p: 1.0,
+            n: 1,
+            seed: 0,
+            eos_token_ids: vec![],
+            stop_token_ids: vec![],
+            pad_token_id: None,
+            bos_token_id: None,
+            truncate_prompts: false,
+            max_context: None,
+        }
+    }
+}
+
+impl GenerationConfig {
+    /// Defaults from `generation_config.json` (when present) over `config.json`.
+    pub fn from_hf(config: &Config, gen: Option<&Value>) -> Self {
+        let mut g = Self {
+            eos_token_ids: config.eos_token_ids.clone(),
+            pad_token_id: config.pad_token_id,
+            bos_token_id: config.bos_token_id,
+            ..Self::default()
+        };
+        let Some(v) = gen else {
+            return g;
+        };
+        let ids = id_list(v.get("eos_token_id"));
+        if !ids.is_empty() {
+            g.eos_token_ids = ids;
+        }
+        if let Some(p) = v.get("pad_token_id").and_then(Value::as_u64) {
+            g.pad_token_id = Some(p as u32);
+        }
+        if let Some(p) = v.get("bos_token_id").and_then(Value::as_u64) {
+            g.bos_token_id = Some(p as u32);
+        }
+        let do_sample = v.get("do_sample").and_then(Value::as_bool).unwrap_or(false);
+        if do_sample {
+            g.temperature = v.get("temperature").and_then(Value::as_f64).unwrap_or(1.0);
+            g.top_k = v.get("top_k").and_then(Value::as_u64).unwrap_or(50) as usize;
+            g.top_p = v.get("top_p").and_then(Value::as_f64).unwrap_or(1.0);
+        } else {
+            g.temperature = 0.0;
+        }
+        if let Some(m) = v.get("max_new_tokens").and_then(Value::as_u64) {
+            g.max_new_tokens = m as usize;
+        }
+        if let Some(m) = v.get("min_new_tokens").and_then(Value::as_u64) {
+            g.min_new_tokens = m as usize;
+        }
+        g
+    }
+
+    /// `generation_config.json` content.
+    pub fn to_hf_json(&self) -> Value {
+        let mut m = Map::new();
+        if let Some(b) = self.bos_token_id {
+            m.insert("bos_token_id".into(), json!(b));
+        }
+        match self.eos_token_ids.as_slice() {
+            [] => {}
+            [one] => {
+                m.insert("eos_token_id".into(), json!(one));
+            }
+            many => {
+                m.insert("eos_token_id".into(), json!(many));
+            }
+        }
+        if let Some(p) = self.pad_token_id {
+            m.insert("pad_token_id".into(), json!(p));
+        }
+        if self.temperature > 0.0 {
+            m.insert("do_sample".into(), json!(true));
+            m.insert("temperature".into(), json!(self.temperature));
+            m.insert("top_k".into(), json!(self.top_k));
+            m.insert("top_p".into(), json!(self.top_p));
+        }
+        Value::Object(m)
+    }
+
+    /// Greedy decoding of `max_new_tokens`.
+    pub fn greedy(max_new_tokens: usize) -> Self {
+        Self {
+            max_new_tokens,
+            temperature: 0.0,
+            ..Self::default()
+        }
+    }
+
+    fn validate(&self) -> Result<()> {
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            return Err(Error::InvalidArgument(format!(
+                "temperature must be >= 0 (0 = greedy), got {}",
+                self.temperature
+            )));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(Error::InvalidArgument(format!(
+                "top_p must be in (0, 1], got {}",
+                self.top_p
+            )));
+        }
+        if self.n == 0 {
+            return Err(Error::InvalidArgument(
+                "n (samples per prompt) must be >= 1".into(),
+            ));
+        }
+        if self.min_new_tokens > self.max_new_tokens {
+            return Err(Error::InvalidArgument(format!(
+                "min_new_tokens ({}) exceeds max_new_tokens ({})",
+                self.min_new_tokens, self.max_new_tokens
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Why a sequence ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// A stop token (EOS or a given stop id), included in the response.
+    Stop(u32),
+    /// `max_new_tokens` reached.
+    Length,
+}
+
+/// One generated sequence.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GeneratedSequence {
+    pub prompt_index: usize,
+    pub sample_index: usize,
+    /// The prompt as fed to the model (after any truncation).
+    pub prompt_ids: Vec<u32>,
+    /// Response tokens up to and including the stop token.
+    pub token_ids: Vec<u32>,
+    /// Log-prob of each response token at the sampling temperature.
+    pub logprobs: Vec<f32>,
+    pub finish_reason: FinishReason,
+}
+
+/// Result of [`generate`]: `prompts × n` sequences, prompt-major.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Generation {
+    pub sequences: Vec<GeneratedSequence>,
+    pub pad_token_id: u32,
+    pub max_new_tokens: usize,
+}
+
+impl Generation {
+    /// Right-padded response ids `[N, L]` (u32), response mask `[N, L]` (u32, 1 = token) and
+    /// log-probs `[N, L]` (f32, 0 on padding), with `L = max_new_tokens`.
+    pub fn response_tensors(&self, device: &Device) -> Result<(Tensor, Tensor, Tensor)> {
+        let n = self.sequences.len();
+        let l = self.max_new_tokens;
+        let mut ids = vec![self.pad_token_id; n * l];
+        let mut mask = vec![0u32; n * l];
+        let mut lps = vec![0f32; n * l];
+        for (i, s) in self.sequences.iter().enumerate() {
+            for (j, (&t, &lp)) in s.token_ids.iter().zip(&s.logprobs).enumerate() {
+                ids[i * l + j] = t;
+                mask[i * l + j] = 1;
+                lps[i * l + j] = lp;
+            }
+        }
+        Ok((
+            Tensor::from_vec(ids, (n, l), device)?,
+            Tensor::from_vec(mask, (n, l), device)?,
+            Tensor::from_vec(lps, (n, l), device)?,
+        ))
+    }
+}
+
+/// Generates continuations of `prompts` (token ids, unpadded) with `model`, a causal LM.
+pub fn generate(model: &Model, prompts: &[Vec<u32>], cfg: &GenerationConfig) -> Result<Generation> {
+    if model.kind() != ModelKind::CausalLm {
+        return Err(Error::InvalidArgument(format!(
+            "generation needs a causal LM, this model is a {:?} model",
+            model.kind()
+        )));
+    }
+    cfg.validate()?;
+    if prompts.is_empty() {
+        return Err(Error::InvalidArgument("no prompts to generate from".into()));
+    }
+    let vocab = model.config().vocab_size;
+    let context = cfg
+        .max_context
+        .unwrap_or(model.config().max_position_embeddings);
+    if cfg.max_new_tokens >= context {
+        return Err(Error::InvalidArgument(format!(
+            "max_new_tokens ({}) must be smaller than the context ({context})",
+            cfg.max_new_tokens
+        )));
+    }
+    let limit = context - cfg.max_new_tokens;
+    let mut fed: Vec<Vec<u32>> = Vec::with_capacity(prompts.len());
+    for (i, p) in prompts.iter().enumerate() {
+        if p.is_empty() {
+            return Err(Error::InvalidArgument(format!("prompt {i} is empty")));
+        }
+        if let Some(&bad) = p.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::InvalidArgument(format!(
+                "prompt {i} has token id {bad} outside the vocabulary (size {vocab})"
+            )));
+        }
+        if p.len() > limit {
+            if !cfg.truncate_prompts {
+                return Err(Error::PromptTooLong {
+                    index: i,
+                    len: p.len(),
+                    limit,
+                    context,
+                    max_new_tokens: cfg.max_new_tokens,
+                });
+            }
+            fed.push(p[p.len() - limit..].to_vec());
+        } else {
+            fed.push(p.clone());
+        }
+    }
+    let pad = cfg
+        .pad_token_id
+        .or_else(|| cfg.eos_token_ids.first().copied())
+        .unwrap_or(0);
+    let stops: Vec<u32> = cfg
+        .eos_token_ids
+        .iter()
+        .chain(&cfg.stop_token_ids)
+        .copied()
+        .collect();
+
+    let rows: Vec<(usize, usize)> = (0..fed.len())
+        .flat_map(|i| (0..cfg.n).map(move |j| (i, j)))
+        .collect();
+    let mut seqs: Vec<GeneratedSequence> = rows
+        .iter()
+        .map(|&(i, j)| GeneratedSequence {
+            prompt_index: i,
+            sample_index: j,
+            prompt_ids: fed[i].clone(),
+            token_ids: vec![],
+            logprobs: vec![],
+            finish_reason: FinishReason::Length,
+        })
+        .collect();
+    if cfg.max_new_tokens == 0 {
+        return Ok(Generation {
+            sequences: seqs,
+            pad_token_id: pad,
+            max_new_tokens: 0,
+        });
+    }
+    let device = model.device().clone();
+    let row_prompts: Vec<Vec<u32>> = rows.iter().map(|&(i, _)| fed[i].clone()).collect();
+    let batch = Batch::left_padded(&row_prompts, pad, &device)?;
+    let r = rows.len();
+    let mut mask_host: Vec<Vec<u32>> = batch.attention_mask.to_vec2::<u32>()?;
+    let mut next_pos: Vec<u32> = row_prompts.iter().map(|p| p.len() as u32).collect();
+    let mut cache = model.new_cache();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(cfg.seed);
+    let mut done = vec![false; r];
+
+    let mut logits = model.next_token_logits(
+        &batch.input_ids,
+        &batch.attention_mask,
+        &batch.position_ids,
+        &mut cache,
+    )?;
+    for step in 0..cfg.max_new_tokens {
+        let rows_logits = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        let mut next = vec![pad; r];
+        for (k, row) in rows_logits.iter().enumerate() {
+            if done[k] {
+                continue;
+            }
+            let suppress: &[u32] = if step < cfg.min_new_tokens {
+                &stops
+            } else {
+                &[]
+            };
+            let (tok, lp) = pick_token(row, cfg, suppress, &mut rng);
+            let s = &mut seqs[k];
+            s.token_ids.push(tok);
+            s.logprobs.push(lp);
+            next[k] = tok;
+            if stops.contains(&tok) {
+                s.finish_reason = FinishReason::Stop(tok);
+                done[k] = true;
+            }
+        }
+        if step + 1 == cfg.max_new_tokens || done.iter().all(|&d| d) {
+            break;
+        }
+        for (k, m) in mask_host.iter_mut().enumerate() {
+            // Finished rows keep decoding padding that nothing attends to.
+            m.push(u32::from(!done[k] || next[k] != pad));
+        }
+        let mask_flat: Vec<u32> = mask_host.iter().flatten().copied().collect();
+        let s = mask_host[0].len();
+        let attention_mask = Tensor::from_vec(mask_flat, (r, s), &device)?;
+        let input_ids = Tensor::from_vec(next, (r, 1), &device)?;
+        let position_ids = Tensor::from_vec(next_pos.clone(), (r, 1), &device)?;
+        for p in next_pos.iter_mut() {
+            *p += 1;
+        }
+        logits = model.next_token_logits(&input_ids, &attention_mask, &position_ids, &mut cache)?;
+    }
+    Ok(Generation {
+        sequences: seqs,
+        pad_token_id: pad,
+        max_new_tokens: cfg.max_new_tokens,
+    })
+}
+
+/// Picks the next token of one row and returns it with its log-prob.
+fn pick_token(
+    logits: &[f32],
+    cfg: &GenerationConfig,
+    suppress: &[u32],
+    rng: &mut impl Rng,
+) -> (u32, f32) {
+    let greedy = cfg.temperature == 0.0;
+    let temp = if greedy { 1.0 } else { cfg.temperature };
+    let scaled: Vec<f64> = logits.iter().map(|&x| x as f64 / temp).collect();
+    let mut allowed = scaled.clone();
+    for &s in suppress {
+        if let Some(x) = allowed.get_mut(s as usize) {
+            *x = f64::NEG_INFINITY;
+        }
+    }
+    let tok = if greedy {
+        argmax(&allowed)
+    } else {
+        sample(&mut allowed, cfg.top_k, cfg.top_p, rng)
+    };
+    let lse = log_sum_exp(&scaled);
+    (tok as u32, (scaled[tok] - lse) as f32)
+}
+
+fn argmax(xs: &[f64]) -> usize {
+    let mut best = 0;
+    for (i, &x) in xs.iter().enumerate() {
+        if x > xs[best] || xs[best].is_nan() {
+            best = i;
+        }
+    }
+    best
+}
+
+fn log_sum_exp(xs: &[f64]) -> f64 {
+    let m = xs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    if !m.is_finite() {
+        return m;
+    }
+    m + xs.iter().map(|x| (x - m).exp()).sum::<f64>().ln()
+}
+
+fn sample(xs: &mut [f64], top_k: usize, top_p: f64, rng: &mut impl Rng) -> usize {
+    let mut order: Vec<usize> = (0..xs.len()).collect();
+    order.sort_by(|&a, &b| xs[b].total_cmp(&xs[a]));
+    let mut keep = order.len();
+    if top_k > 0 {
+        keep = keep.min(top_k);
+    }
+    let m = xs[order[0]];
+    let mut probs: Vec<f64> = order[..keep].iter().map(|&i| (xs[i] - m).exp()).collect();
+    let z: f64 = probs.iter().sum();
+    probs.iter_mut().for_each(|p| *p /= z);
+    if top_p < 1.0 {
+        // Smallest prefix whose mass reaches top_p (at least one token).
+        let mut c = 0.0;
+        let mut n = 0;
+        for p in &probs {
+            c += p;
+            n += 1;
+            if c >= top_p {
+                break;
+            }
+        }
+        probs.truncate(n);
+        let z: f64 = probs.iter().sum();
+        probs.iter_mut().for_each(|p| *p /= z);
+    }
+    let u: f64 = rng.random::<f64>();
+    let mut c = 0.0;
+    for (k, p) in probs.iter().enumerate() {
+        c += p;
+        if u < c {
+            return order[k];
+        }
+    }
+    order[probs.len() - 1]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn top_k_one_is_greedy() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        let mut xs = vec![0.1, 3.0, 0.5, 2.9];
+        for _ in 0..20 {
+            assert_eq!(sample(&mut xs, 1, 1.0, &mut rng), 1);
+        }
+    }
+
+    #[test]
+    fn top_p_keeps_smallest_prefix() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(2);
+        // probs ~ [0.64, 0.24, 0.09, 0.03]: top_p 0.7 keeps the first two only.
+        let mut xs = vec![3.0f64, 2.0, 1.0, 0.0];
+        let mut seen = [0usize; 4];
+        for _ in 0..500 {
+            seen[sample(&mut xs, 0, 0.7, &mut rng)] += 1;
+        }
+        assert!(seen[0] > 0 && seen[1] > 0);
+        assert_eq!(seen[2] + seen[3], 0);
+    }
+
+    #[test]
+    fn suppressed_tokens_are_never_picked() {
+        let cfg = GenerationConfig::greedy(4);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let (tok, lp) = pick_token(&[5.0, 1.0, 0.0], &cfg, &[0], &mut rng);
+        assert_eq!(tok, 1);
+        let expected = 1.0 - log_sum_exp(&[5.0, 1.0, 0.0]);
+        assert!((lp as f64 - expected).abs() < 1e-6);
+    }
+}

@@ -1,0 +1,627 @@
+//! A decoder plus one head: causal LM (policy, reference), value (critic) or score (reward).
+
+use std::path::{Path, PathBuf};
+
+use candle_core::{DType, Device, Tensor, Var, D};
+use serde_json::{json, Value};
+
+use crate::error::{read_json, Error, Result};
+use crate::generation::GenerationConfig;
+use crate::ops;
+use crate::transformer::{position_ids_from_mask, Config, KvCache, Linear, Transformer};
+use crate::weights::{save_safetensors, Init, ParamBuilder, ParamStore, WeightFiles};
+
+/// Which head sits on the decoder.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ModelKind {
+    /// Logits over the vocabulary at every position (`lm_head`).
+    CausalLm,
+    /// One scalar per token (critic); saved as `*ForTokenClassification` with `score.*`.
+    Value,
+    /// One scalar per sequence read at the last non-pad token (reward model,
+    /// `*ForSequenceClassification` with `score.weight`).
+    Reward,
+}
+
+/// Where a critic's value head comes from.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum ValueHeadInit {
+    /// The checkpoint's head when it has one (`score.*`, TRL `v_head.summary.*`, OpenRLHF
+    /// `value_head.*`), otherwise fresh.
+    Auto,
+    /// The checkpoint must hold a head (e.g. initialising the critic from a reward model).
+    FromCheckpoint,
+    /// Always fresh: normal(0, std) weight, zero bias.
+    Fresh { std: f64 },
+}
+
+/// How to load a model.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    pub device: Device,
+    pub dtype: DType,
+    pub kind: ModelKind,
+    /// Trainable models compute with their `Var`s; frozen ones with detached views.
+    pub trainable: bool,
+    /// Use fused kernels (no backward). `None`: fast exactly when not trainable.
+    pub fast: Option<bool>,
+    pub value_head_init: ValueHeadInit,
+    /// Seed for any freshly initialised parameter.
+    pub seed: u64,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        Self {
+            device: Device::Cpu,
+            dtype: DType::F32,
+            kind: ModelKind::CausalLm,
+            trainable: false,
+            fast: None,
+            value_head_init: ValueHeadInit::Auto,
+            seed: 0,
+        }
+    }
+}
+
+impl LoadOptions {
+    /// Frozen causal LM in f32 on CPU.
+    pub fn inference() -> Self {
+        Self::default()
+    }
+
+    /// Trainable model of the given kind in f32 on CPU.
+    pub fn training(kind: ModelKind) -> Self {
+        Self {
+            kind,
+            trainable: true,
+            ..Self::default()
+        }
+    }
+
+    pub fn with_kind(mut self, kind: ModelKind) -> Self {
+        self.kind = kind;
+        self
+    }
+
+    pub fn with_dtype(mut self, dtype: DType) -> Self {
+        self.dtype = dtype;
+        self
+    }
+
+    pub fn with_device(mut self, device: Device) -> Self {
+        self.device = device;
+        self
+    }
+
+    pub fn with_fast(mut self, fast: bool) -> Self {
+        self.fast = Some(fast);
+        self
+    }
+}
+
+/// A left-padded batch: `input_ids` `[B, T]` u32, `attention_mask` `[B, T]` u32 (1 = token),
+/// `position_ids` `[B, T]` u32.
+#[derive(Debug, Clone)]
+pub struct Batch {
+    pub input_ids: Tensor,
+    pub attention_mask: Tensor,
+    pub position_ids: Tensor,
+}
+
+impl Batch {
+    /// Left-pads token sequences to a common length.
+    pub fn left_padded(seqs: &[Vec<u32>], pad_id: u32, device: &Device) -> Result<Self> {
+        let b = seqs.len();
+        let t = seqs.iter().map(Vec::len).max().unwrap_or(0);
+        if b == 0 || t == 0 {
+            return Err(Error::InvalidArgument(
+                "cannot build a batch from no tokens".to_string(),
+            ));
+        }
+        let mut ids = Vec::with_capacity(b * t);
+        let mut mask = Vec::with_capacity(b * t);
+        for s in seqs {
+            let pad = t - s.len();
+            ids.extend(std::iter::repeat_n(pad_id, pad));
+            ids.extend_from_slice(s);
+            mask.extend(std::iter::repeat_n(0u32, pad));
+            mask.extend(std::iter::repeat_n(1u32, s.len()));
+        }
+        let attention_mask = Tensor::from_vec(mask, (b, t), device)?;
+        Ok(Self {
+            input_ids: Tensor::from_vec(ids, (b, t), device)?,
+            position_ids: position_ids_from_mask(&attention_mask)?,
+            attention_mask,
+        })
+    }
+
+    /// From ready tensors; position ids derived from the mask.
+    pub fn from_mask(input_ids: Tensor, attention_mask: Tensor) -> Result<Self> {
+        let position_ids = position_ids_from_mask(&attention_mask)?;
+        Ok(Self {
+            input_ids,
+            attention_mask,
+            position_ids,
+        })
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Head {
+    Lm(Tensor),
+    Value(Linear),
+    Score(Linear),
+}
+
+/// A loaded model: decoder, head and its parameters.
+pub struct Model {
+    config: Config,
+    kind: ModelKind,
+    body: Transformer,
+    head: Head,
+    params: ParamStore,
+    trainable: bool,
+    generation: GenerationConfig,
+    source_dir: Option<PathBuf>,
+    generation_raw: Option<Value>,
+}
+
+/// Names of known value-head tensors, in order of preference: (weight, bias).
+const VALUE_HEAD_NAMES: &[(&str, &str)] = &[
+    ("score.weight", "score.bias"),
+    ("v_head.summary.weight", "v_head.summary.bias"),
+    ("value_head.weight", "value_head.bias"),
+];
+
+fn num_labels(cfg: &Config) -> Option<usize> {
+    let raw = &cfg.raw;
+    raw.get("num_labels")
+        .and_then(Value::as_u64)
+        .map(|n| n as usize)
+        .or_else(|| {
+            raw.get("id2label")
+                .and_then(Value::as_object)
+                .map(|m| m.len())
+        })
+}
+
+impl Model {
+    /// Loads an HF model directory (config.json, safetensors weights, optional
+    /// generation_config.json).
+    pub fn load(dir: impl AsRef<Path>, opts: &LoadOptions) -> Result<Self> {
+        let dir = dir.as_ref();
+        if !dir.is_dir() {
+            return Err(Error::MissingFile {
+                path: dir.to_path_buf(),
+                hint: "the model directory does not exist".to_string(),
+            });
+        }
+        let config_path = dir.join("config.json");
+        if !config_path.is_file() {
+            return Err(Error::MissingFile {
+                path: config_path,
+                hint: "an HF model directory needs config.json".to_string(),
+            });
+        }
+        let raw: Value = read_json(&config_path)?;
+        let config = Config::from_json(&raw)?;
+        let files = WeightFiles::open(dir)?;
+        let gen_path = dir.join("generation_config.json");
+        let generation_raw: Option<Value> = if gen_path.is_file() {
+            Some(read_json(&gen_path)?)
+        } else {
+            None
+        };
+        let mut model = Self::build(&config, Some(&files), opts)?;
+        model.generation = GenerationConfig::from_hf(&config, generation_raw.as_ref());
+        model.generation_raw = generation_raw;
+        model.source_dir = Some(dir.to_path_buf());
+        Ok(model)
+    }
+
+    /// A model with seeded random weights (normal(0, 0.02), unit norms): tests and benchmarks.
+    pub fn random(config: &Config, opts: &LoadOptions) -> Result<Self> {
+        let mut model = Self::build(config, None, opts)?;
+        model.generation = GenerationConfig::from_hf(config, None);
+        Ok(model)
+    }
+
+    fn build(config: &Config, files: Option<&WeightFiles>, opts: &LoadOptions) -> Result<Self> {
+        let fast = opts.fast.unwrap_or(!opts.trainable);
+        let mut pb = ParamBuilder::new(files, &opts.device, opts.dtype, opts.trainable, opts.seed);
+        let body = Transformer::load(config, &mut pb, fast)?;
+        let h = config.hidden_size;
+        let head = match opts.kind {
+            ModelKind::CausalLm => {
+                if config.tie_word_embeddings {
+                    let w = pb.shared("model.embed_tokens.weight").ok_or_else(|| {
+                        Error::Config("tied embeddings need model.embed_tokens.weight".into())
+                    })?;
+                    Head::Lm(w)
+                } else {
+                    Head::Lm(pb.get(
+                        "lm_head.weight",
+                        &[config.vocab_size, h],
+                        Init::Normal(0.02),
+                    )?)
+                }
+            }
+            ModelKind::Value => Head::Value(Self::value_head(&mut pb, h, opts)?),
+            ModelKind::Reward => {
+                let labels = pb
+                    .shape_in_checkpoint("score.weight")
+                    .and_then(|s| s.first().copied())
+                    .or_else(|| num_labels(config))
+                    .unwrap_or(1);
+                let w = pb.get("score.weight", &[labels, h], Init::Normal(0.02))?;
+                Head::Score(Linear { w, b: None })
+            }
+        };
+        Ok(Self {
+            config: config.clone(),
+            kind: opts.kind,
+            body,
+            head,
+            params: pb.finish(),
+            trainable: opts.trainable,
+            generation: GenerationConfig::default(),
+            source_dir: None,
+            generation_raw: None,
+        })
+    }
+
+    fn value_head(pb: &mut ParamBuilder, h: usize, opts: &LoadOptions) -> Result<Linear> {
+        let found = VALUE_HEAD_NAMES
+            .iter()
+            .find(|(w, _)| pb.contains(w))
+            .copied();
+        let fresh_std = match opts.value_head_init {
+            ValueHeadInit::Fresh { std } => Some(std),
+            ValueHeadInit::Auto if found.is_none() => Some(0.0),
+            ValueHeadInit::FromCheckpoint if found.is_none() => {
+                return Err(Error::MissingTensor {
+                    name: "score.weight (or v_head.summary.weight / value_head.weight)"
+                        .to_string(),
+                    location: "the checkpoint; a critic initialised from a checkpoint needs a reward model's score head".to_string(),
+                })
+            }
+            _ => None,
+        };
+        if let Some(std) = fresh_std {
+            // A zero head would give zero gradients to the whole body on the first step, so
+            // `Auto` uses a small random head instead.
+            let std = if std > 0.0 {
+                std
+            } else {
+                1.0 / (h as f64).sqrt() * 0.1
+            };
+            let w = pb.fresh("score.weight", &[1, h], Init::Normal(std))?;
+            let b = pb.fresh("score.bias", &[1], Init::Zeros)?;
+            return Ok(Linear { w, b: Some(b) });
+        }
+        let (wn, bn) = found.ok_or_else(|| Error::MissingTensor {
+            name: "score.weight".to_string(),
+            location: "the checkpoint".to_string(),
+        })?;
+        let shape = pb.shape_in_checkpoint(wn).unwrap_or_default();
+        if shape.first().copied() != Some(1) {
+            return Err(Error::ShapeMismatch {
+                name: wn.to_string(),
+                expected: vec![1, h],
+                found: shape,
+            });
+        }
+        let w = pb.get_renamed("score.weight", wn, &[1, h])?;
+        let b = if pb.contains(bn) {
+            pb.get_renamed("score.bias", bn, &[1])?
+        } else {
+            pb.get_or_init("score.bias", &[1], Init::Zeros)?
+        };
+        Ok(Linear { w, b: Some(b) })
+    }
+
+    /// Decoder config.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// Head kind.
+    pub fn kind(&self) -> ModelKind {
+        self.kind
+    }
+
+    /// Whether the forward builds an autograd graph over the parameters.
+    pub fn is_trainable(&self) -> bool {
+        self.trainable
+    }
+
+    pub fn device(&self) -> &Device {
+        self.body.embed_tokens().device()
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.body.embed_tokens().dtype()
+    }
+
+    /// Generation defaults from generation_config.json and config.json.
+    pub fn generation_config(&self) -> &GenerationConfig {
+        &self.generation
+    }
+
+    /// Directory the model was loaded from, if any.
+    pub fn source_dir(&self) -> Option<&Path> {
+        self.source_dir.as_deref()
+    }
+
+    /// All parameters by HF name (trainable ones are the optimizer's variables).
+    pub fn vars(&self) -> Vec<(String, Var)> {
+        self.params.vars()
+    }
+
+    /// Parameter store.
+    pub fn params(&self) -> &ParamStore {
+        &self.params
+    }
+
+    /// Overwrites parameters in place (weight sync); every name must exist with the same shape.
+    pub fn set_weights(&self, weights: &[(String, Tensor)]) -> Result<()> {
+        let vars = self.vars();
+        for (name, t) in weights {
+            let var = vars
+                .iter()
+                .find(|(n, _)| n == name)
+                .map(|(_, v)| v)
+                .ok_or_else(|| Error::MissingTensor {
+                    name: name.clone(),
+                    location: "this model's parameters".to_string(),
+                })?;
+            if var.dims() != t.dims() {
+                return Err(Error::ShapeMismatch {
+                    name: name.clone(),
+                    expected: var.dims().to_vec(),
+                    found: t.dims().to_vec(),
+                });
+            }
+            var.set(&t.to_dtype(var.dtype())?.to_device(var.device())?)?;
+        }
+        Ok(())
+    }
+
+    /// Final hidden states `[B, T, H]`.
+    pub fn hidden(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        position_ids: &Tensor,
+        cache: Option<&mut KvCache>,
+    ) -> Result<Tensor> {
+        self.body
+            .forward(input_ids, attention_mask, position_ids, cache)
+    }
+
+    fn lm_head(&self) -> Result<&Tensor> {
+        match &self.head {
+            Head::Lm(w) => Ok(w),
+            _ => Err(Error::InvalidArgument(format!(
+                "logits need a causal LM, this model is a {:?} model",
+                self.kind
+            ))),
+        }
+    }
+
+    /// Logits `[B, T, V]` at every position.
+    pub fn logits(&self, batch: &Batch) -> Result<Tensor> {
+        let w = self.lm_head()?;
+        let h = self.hidden(
+            &batch.input_ids,
+            &batch.attention_mask,
+            &batch.position_ids,
+            None,
+        )?;
+        Linear {
+            w: w.clone(),
+            b: None,
+        }
+        .forward(&h)
+    }
+
+    /// Logits `[B, V]` of the last position of new tokens, extending `cache` (generation).
+    pub fn next_token_logits(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        position_ids: &Tensor,
+        cache: &mut KvCache,
+    ) -> Result<Tensor> {
+        let w = self.lm_head()?;
+        let h = self.hidden(input_ids, attention_mask, position_ids, Some(cache))?;
+        let t = h.dim(1)?;
+        let last = h.narrow(1, t - 1, 1)?.squeeze(1)?;
+        Ok(last.matmul(&w.t()?)?)
+    }
+
+    /// An empty KV cache sized for this model.
+    pub fn new_cache(&self) -> KvCache {
+        KvCache::new(self.config.num_hidden_layers)
+    }
+
+    /// Log-probs `[B, T-1]` of tokens `1..T` given their prefixes, at `temperature`
+    /// (gather of log-softmax(logits / temperature)); differentiable for trainable models.
+    pub fn token_log_probs(&self, batch: &Batch, temperature: f64) -> Result<Tensor> {
+        let (lp, _) = self.log_probs_and_entropy(batch, temperature, false)?;
+        Ok(lp)
+    }
+
+    /// Log-probs `[B, T-1]` as in [`Model::token_log_probs`] and, when asked, the entropy
+    /// `[B, T-1]` of each predictive distribution.
+    pub fn log_probs_and_entropy(
+        &self,
+        batch: &Batch,
+        temperature: f64,
+        with_entropy: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let logits = self.logits(batch)?;
+        let t = logits.dim(1)?;
+        if t < 2 {
+            return Err(Error::InvalidArgument(
+                "log-probs need sequences of at least 2 tokens".to_string(),
+            ));
+        }
+        let logits = logits.narrow(1, 0, t - 1)?;
+        let targets = batch.input_ids.narrow(1, 1, t - 1)?;
+        let lp = ops::log_probs_from_logits(&logits, &targets, temperature)?;
+        let ent = if with_entropy {
+            Some(ops::entropy_from_logits(&logits, temperature)?)
+        } else {
+            None
+        };
+        Ok((lp, ent))
+    }
+
+    /// Per-token values `[B, T]` (critic), in f32.
+    pub fn values(&self, batch: &Batch) -> Result<Tensor> {
+        let Head::Value(head) = &self.head else {
+            return Err(Error::InvalidArgument(format!(
+                "values need a value model, this model is a {:?} model",
+                self.kind
+            )));
+        };
+        let h = self.hidden(
+            &batch.input_ids,
+            &batch.attention_mask,
+            &batch.position_ids,
+            None,
+        )?;
+        Ok(head.forward(&h)?.squeeze(D::Minus1)?.to_dtype(DType::F32)?)
+    }
+
+    /// Score-head outputs at every position `[B, T, num_labels]`.
+    pub fn score_logits(&self, batch: &Batch) -> Result<Tensor> {
+        let Head::Score(head) = &self.head else {
+            return Err(Error::InvalidArgument(format!(
+                "scores need a reward model, this model is a {:?} model",
+                self.kind
+            )));
+        };
+        let h = self.hidden(
+            &batch.input_ids,
+            &batch.attention_mask,
+            &batch.position_ids,
+            None,
+        )?;
+        head.forward(&h)
+    }
+
+    /// Reward per sequence `[B]` (f32), read at the last non-pad token of each row.
+    pub fn scores(&self, batch: &Batch) -> Result<Tensor> {
+        let logits = self.score_logits(batch)?;
+        let (b, t, labels) = logits.dims3()?;
+        if labels != 1 {
+            return Err(Error::InvalidArgument(format!(
+                "the score head has {labels} labels; a reward model needs exactly 1"
+            )));
+        }
+        let mask = batch
+            .attention_mask
+            .to_dtype(DType::F32)?
+            .to_vec2::<f32>()?;
+        let mut idx = Vec::with_capacity(b);
+        for (i, row) in mask.iter().enumerate() {
+            let last = row.iter().rposition(|&m| m > 0.5).ok_or_else(|| {
+                Error::InvalidArgument(format!("row {i} of the batch has no tokens"))
+            })?;
+            idx.push((i * t + last) as u32);
+        }
+        let idx = Tensor::from_vec(idx, b, logits.device())?;
+        Ok(logits
+            .reshape((b * t, 1))?
+            .index_select(&idx, 0)?
+            .squeeze(1)?
+            .to_dtype(DType::F32)?)
+    }
+
+    /// HF architecture written on save.
+    pub fn architecture(&self) -> String {
+        let p = self.config.family.class_prefix();
+        match self.kind {
+            ModelKind::CausalLm => format!("{p}ForCausalLM"),
+            ModelKind::Value => format!("{p}ForTokenClassification"),
+            ModelKind::Reward => format!("{p}ForSequenceClassification"),
+        }
+    }
+
+    /// Tensors under their HF names, as saved.
+    pub fn named_tensors(&self) -> Vec<(String, Tensor)> {
+        self.vars()
+            .into_iter()
+            .map(|(n, v)| (n, v.as_tensor().detach()))
+            .collect()
+    }
+
+    /// Saves an HF directory: config.json, model.safetensors, generation_config.json and, when
+    /// `tokenizer_dir` is given, its tokenizer files.
+    pub fn save(&self, dir: impl AsRef<Path>, tokenizer_dir: Option<&Path>) -> Result<()> {
+        let dir = dir.as_ref();
+        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        let dtype_name = match self.dtype() {
+            DType::F16 => "float16",
+            DType::BF16 => "bfloat16",
+            DType::F64 => "float64",
+            _ => "float32",
+        };
+        let mut extra: Vec<(&str, Value)> = vec![("torch_dtype", json!(dtype_name))];
+        if let Head::Score(h) = &self.head {
+            let n = h.w.dim(0)?;
+            extra.push(("num_labels", json!(n)));
+            extra.push(("id2label", labels_map(n, false)));
+            extra.push(("label2id", labels_map(n, true)));
+        }
+        if self.kind == ModelKind::Value {
+            extra.push(("num_labels", json!(1)));
+            extra.push(("id2label", labels_map(1, false)));
+            extra.push(("label2id", labels_map(1, true)));
+        }
+        if let Some(pad) = self.generation.pad_token_id {
+            if self.config.pad_token_id.is_none() && self.kind != ModelKind::CausalLm {
+                // Sequence classification in transformers needs pad_token_id to find the last token.
+                extra.push(("pad_token_id", json!(pad)));
+            }
+        }
+        let config = self.config.to_json(&self.architecture(), &extra);
+        write_json(&dir.join("config.json"), &config)?;
+        save_safetensors(
+            &self.named_tensors(),
+            &dir.join(crate::weights::SAFETENSORS_FILE),
+        )?;
+        let gen = match &self.generation_raw {
+            Some(v) => v.clone(),
+            None => self.generation.to_hf_json(),
+        };
+        write_json(&dir.join("generation_config.json"), &gen)?;
+        if let Some(src) = tokenizer_dir {
+            crate::tokenizer::copy_tokenizer_files(src, dir)?;
+        }
+        Ok(())
+    }
+}
+
+fn labels_map(n: usize, inverse: bool) -> Value {
+    let mut m = serde_json::Map::new();
+    for i in 0..n {
+        if inverse {
+            m.insert(format!("LABEL_{i}"), json!(i));
+        } else {
+            m.insert(i.to_string(), json!(format!("LABEL_{i}")));
+        }
+    }
+    Value::Object(m)
+}
+
+pub(crate) fn write_json(path: &Path, v: &Value) -> Result<()> {
+    let text = serde_json::to_string_pretty(v).map_err(|e| Error::Json {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    })?;
+    std::fs::write(path, text + "\n").map_err(|e| Error::io(path, e))
+}

@@ -1,0 +1,280 @@
+//! Reading safetensors checkpoints (single file or sharded) and holding a model's parameters.
+//!
+//! Every parameter lives in a [`Var`] so that weights can be updated in place (optimizer steps,
+//! weight sync). A trainable model computes with the `Var` itself; a frozen model computes with a
+//! detached view of the same storage, so no autograd graph is ever built for it.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use candle_core::safetensors::MmapedSafetensors;
+use candle_core::{DType, Device, Tensor, Var};
+use rand::{Rng, SeedableRng};
+
+use crate::error::{read_json, Error, Result};
+
+/// File name of a single-file checkpoint.
+pub const SAFETENSORS_FILE: &str = "model.safetensors";
+/// File name of the index of a sharded checkpoint.
+pub const SAFETENSORS_INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// The safetensors files of one checkpoint, memory-mapped.
+pub struct WeightFiles {
+    st: MmapedSafetensors,
+    location: String,
+}
+
+#[derive(serde::Deserialize)]
+struct ShardIndex {
+    weight_map: BTreeMap<String, String>,
+}
+
+impl WeightFiles {
+    /// Opens `model.safetensors`, or the shards listed in `model.safetensors.index.json`.
+    pub fn open(dir: &Path) -> Result<Self> {
+        let single = dir.join(SAFETENSORS_FILE);
+        let index = dir.join(SAFETENSORS_INDEX_FILE);
+        let (paths, location): (Vec<PathBuf>, String) = if single.is_file() {
+            (vec![single.clone()], single.display().to_string())
+        } else if index.is_file() {
+            let idx: ShardIndex = read_json(&index)?;
+            let mut shards: Vec<String> = idx.weight_map.values().cloned().collect();
+            shards.sort();
+            shards.dedup();
+            let mut paths = Vec::with_capacity(shards.len());
+            for shard in shards {
+                let p = dir.join(&shard);
+                if !p.is_file() {
+                    return Err(Error::MissingFile {
+                        path: p,
+                        hint: format!("it is listed as a shard in {}", index.display()),
+                    });
+                }
+                paths.push(p);
+            }
+            (paths, index.display().to_string())
+        } else {
+            let hint = if dir.join("pytorch_model.bin").exists() {
+                "only safetensors checkpoints are supported; convert pytorch_model.bin with \
+                 transformers' save_pretrained(safe_serialization=True)"
+                    .to_string()
+            } else {
+                format!("expected {SAFETENSORS_FILE} or {SAFETENSORS_INDEX_FILE} in the model directory")
+            };
+            return Err(Error::MissingFile { path: single, hint });
+        };
+        // SAFETY: the files are mapped read-only and every tensor is copied out of the mapping
+        // when loaded; the checkpoint must not be truncated by another process while we read it,
+        // which is the usual contract for reading model files.
+        let st = unsafe { MmapedSafetensors::multi(&paths)? };
+        Ok(Self { st, location })
+    }
+
+    /// Names of all tensors in the checkpoint.
+    pub fn names(&self) -> Vec<String> {
+        self.st.tensors().into_iter().map(|(n, _)| n).collect()
+    }
+
+    /// Shape of a tensor, or None when absent.
+    pub fn shape(&self, name: &str) -> Option<Vec<usize>> {
+        self.st.get(name).ok().map(|v| v.shape().to_vec())
+    }
+
+    /// Loads one tensor after checking its shape.
+    pub fn load(&self, name: &str, expected: &[usize], device: &Device) -> Result<Tensor> {
+        let found = self.shape(name).ok_or_else(|| Error::MissingTensor {
+            name: name.to_string(),
+            location: self.location.clone(),
+        })?;
+        if found != expected {
+            return Err(Error::ShapeMismatch {
+                name: name.to_string(),
+                expected: expected.to_vec(),
+                found,
+            });
+        }
+        Ok(self.st.load(name, device)?)
+    }
+
+    /// Where the weights come from, for messages.
+    pub fn location(&self) -> &str {
+        &self.location
+    }
+}
+
+/// How a parameter absent from the checkpoint is initialised.
+#[derive(Debug, Clone, Copy)]
+pub enum Init {
+    /// All zeros.
+    Zeros,
+    /// All ones (norm weights).
+    Ones,
+    /// Normal with mean 0 and the given standard deviation.
+    Normal(f64),
+}
+
+/// Named parameters of a model, in a stable order.
+#[derive(Clone, Default)]
+pub struct ParamStore {
+    vars: BTreeMap<String, Var>,
+}
+
+impl ParamStore {
+    /// All parameters, sorted by name.
+    pub fn vars(&self) -> Vec<(String, Var)> {
+        self.vars
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    }
+
+    /// One parameter.
+    pub fn get(&self, name: &str) -> Option<&Var> {
+        self.vars.get(name)
+    }
+
+    /// Number of scalar parameters.
+    pub fn num_params(&self) -> usize {
+        self.vars.values().map(|v| v.elem_count()).sum()
+    }
+}
+
+/// Builds the parameters of a model from a checkpoint or from a seeded random initialisation.
+pub(crate) struct ParamBuilder<'a> {
+    files: Option<&'a WeightFiles>,
+    device: Device,
+    dtype: DType,
+    trainable: bool,
+    store: ParamStore,
+    rng: rand::rngs::StdRng,
+}
+
+impl<'a> ParamBuilder<'a> {
+    pub fn new(
+        files: Option<&'a WeightFiles>,
+        device: &Device,
+        dtype: DType,
+        trainable: bool,
+        seed: u64,
+    ) -> Self {
+        Self {
+            files,
+            device: device.clone(),
+            dtype,
+            trainable,
+            store: ParamStore::default(),
+            rng: rand::rngs::StdRng::seed_from_u64(seed),
+        }
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// True when the checkpoint holds `name` (always false for random models).
+    pub fn contains(&self, name: &str) -> bool {
+        self.files.is_some_and(|f| f.shape(name).is_some())
+    }
+
+    /// Shape of `name` in the checkpoint.
+    pub fn shape_in_checkpoint(&self, name: &str) -> Option<Vec<usize>> {
+        self.files.and_then(|f| f.shape(name))
+    }
+
+    /// A parameter that must be in the checkpoint; random models initialise it with `init`.
+    pub fn get(&mut self, name: &str, shape: &[usize], init: Init) -> Result<Tensor> {
+        let t = match self.files {
+            Some(files) => files
+                .load(name, shape, &self.device)?
+                .to_dtype(self.dtype)?,
+            None => self.random(shape, init)?,
+        };
+        self.register(name, t)
+    }
+
+    /// A parameter taken from the checkpoint when present, otherwise freshly initialised.
+    pub fn get_or_init(&mut self, name: &str, shape: &[usize], init: Init) -> Result<Tensor> {
+        if self.contains(name) {
+            self.get(name, shape, init)
+        } else {
+            let t = self.random(shape, init)?;
+            self.register(name, t)
+        }
+    }
+
+    /// A freshly initialised parameter, even when the checkpoint has one of that name.
+    pub fn fresh(&mut self, name: &str, shape: &[usize], init: Init) -> Result<Tensor> {
+        let t = self.random(shape, init)?;
+        self.register(name, t)
+    }
+
+    /// A parameter loaded from `src_name` but stored (and later saved) as `name`.
+    pub fn get_renamed(&mut self, name: &str, src_name: &str, shape: &[usize]) -> Result<Tensor> {
+        let files = self.files.ok_or_else(|| Error::MissingTensor {
+            name: src_name.to_string(),
+            location: "a randomly initialised model".to_string(),
+        })?;
+        let t = files
+            .load(src_name, shape, &self.device)?
+            .to_dtype(self.dtype)?;
+        self.register(name, t)
+    }
+
+    /// The tensor the model computes with for an already registered parameter (tied weights).
+    pub fn shared(&self, name: &str) -> Option<Tensor> {
+        self.store.vars.get(name).map(|v| self.view(v))
+    }
+
+    fn view(&self, var: &Var) -> Tensor {
+        if self.trainable {
+            var.as_tensor().clone()
+        } else {
+            var.as_tensor().detach()
+        }
+    }
+
+    fn register(&mut self, name: &str, t: Tensor) -> Result<Tensor> {
+        let var = Var::from_tensor(&t.contiguous()?)?;
+        let view = self.view(&var);
+        self.store.vars.insert(name.to_string(), var);
+        Ok(view)
+    }
+
+    fn random(&mut self, shape: &[usize], init: Init) -> Result<Tensor> {
+        let n: usize = shape.iter().product();
+        let data: Vec<f32> = match init {
+            Init::Zeros => vec![0.0; n],
+            Init::Ones => vec![1.0; n],
+            Init::Normal(std) => (0..n)
+                .map(|_| (standard_normal(&mut self.rng) * std) as f32)
+                .collect(),
+        };
+        Ok(Tensor::from_vec(data, shape, &self.device)?.to_dtype(self.dtype)?)
+    }
+
+    pub fn finish(self) -> ParamStore {
+        self.store
+    }
+}
+
+/// Box-Muller standard normal sample; avoids a dependency for one distribution.
+pub(crate) fn standard_normal(rng: &mut impl Rng) -> f64 {
+    let u1: f64 = rng.random::<f64>().max(f64::MIN_POSITIVE);
+    let u2: f64 = rng.random::<f64>();
+    (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+}
+
+/// Writes named tensors to one safetensors file with `{"format": "pt"}` metadata, which
+/// transformers expects.
+pub fn save_safetensors(tensors: &[(String, Tensor)], path: &Path) -> Result<()> {
+    let mut map = std::collections::HashMap::new();
+    for (name, t) in tensors {
+        map.insert(name.clone(), t.contiguous()?);
+    }
+    let mut meta = std::collections::HashMap::new();
+    meta.insert("format".to_string(), "pt".to_string());
+    safetensors::serialize_to_file(&map, Some(meta), path).map_err(|e| Error::Io {
+        path: path.to_path_buf(),
+        source: std::io::Error::other(e.to_string()),
+    })
+}

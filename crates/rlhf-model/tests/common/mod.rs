@@ -1,0 +1,78 @@
+//! Helpers shared by the integration tests.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+use rlhf_model::{Batch, Config, Device, Family};
+
+/// `tests/fixtures/NAME`.
+pub fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests")
+        .join("fixtures")
+        .join(name)
+}
+
+/// The reference numbers written by scripts/model_fixtures.py.
+pub fn reference() -> serde_json::Value {
+    let text = std::fs::read_to_string(fixture("reference.json")).expect("reference.json");
+    serde_json::from_str(&text).expect("reference.json parses")
+}
+
+/// A tiny GQA config: vocab 61, hidden 16, 2 layers, 4 query / 2 KV heads.
+pub fn tiny_config(family: Family) -> Config {
+    let cfg = Config::tiny_llama(61, 16, 24, 2, 4, 2, 64).unwrap();
+    cfg.with_family(family).unwrap()
+}
+
+/// Three left-padded rows of different lengths.
+pub fn tiny_batch(device: &Device) -> Batch {
+    let seqs = vec![
+        vec![5, 9, 12, 3, 40],
+        vec![7, 8, 1, 33, 20, 11, 2, 60],
+        vec![14, 15, 16],
+    ];
+    Batch::left_padded(&seqs, 0, device).unwrap()
+}
+
+pub fn to_vec3(t: &rlhf_model::Tensor) -> Vec<Vec<Vec<f32>>> {
+    t.to_dtype(rlhf_model::DType::F32)
+        .unwrap()
+        .to_vec3::<f32>()
+        .unwrap()
+}
+
+pub fn to_vec2(t: &rlhf_model::Tensor) -> Vec<Vec<f32>> {
+    t.to_dtype(rlhf_model::DType::F32)
+        .unwrap()
+        .to_vec2::<f32>()
+        .unwrap()
+}
+
+pub fn json_u32_2d(v: &serde_json::Value) -> Vec<Vec<u32>> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            r.as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_u64().unwrap() as u32)
+                .collect()
+        })
+        .collect()
+}
+
+pub fn json_f32_2d(v: &serde_json::Value) -> Vec<Vec<f32>> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            r.as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap() as f32)
+                .collect()
+        })
+        .collect()
+}
