@@ -272,8 +272,8 @@ pub fn rloo_outcome_advantage(
 }
 
 /// REINFORCE++ (verl `compute_reinforce_plus_plus_outcome_advantage`): the
-/// discounted return-to-go of the token rewards, reset at masked positions,
-/// then whitened over the batch. Returns are the un-whitened returns-to-go.
+/// discounted return-to-go of the token rewards, carried unchanged over masked
+/// positions (verl >= 0.9), then whitened over the batch. Returns are the un-whitened returns-to-go.
 pub fn reinforce_plus_plus_advantage(
     token_rewards: &Tensor,
     response_mask: &Tensor,
@@ -294,8 +294,6 @@ pub fn reinforce_plus_plus_advantage(
             if m[t] != 0.0 {
                 running = rr[t] + g * running;
                 out[t] = running;
-            } else {
-                running = 0.0;
             }
         }
     }

@@ -12,8 +12,8 @@ use crate::names::{KlPenalty, LossAggMode};
 use crate::validate::{check_mask, check_token_tensor};
 
 /// Reduces a `[batch, len]` loss matrix to a scalar over the mask
-/// (verl `agg_loss`). In the `seq-mean-*` modes a row with no valid token
-/// contributes zero instead of NaN.
+/// (verl `agg_loss`). The `seq-mean-*` modes average over the sequences that
+/// have at least one valid token.
 pub fn agg_loss(loss_mat: &Tensor, mask: &Tensor, mode: LossAggMode) -> Result<Tensor> {
     let n = check_mask("response_mask", mask)?;
     check_token_tensor("loss_mat", loss_mat, mask)?;
@@ -26,14 +26,19 @@ pub(crate) fn agg_loss_n(
     n: usize,
     mode: LossAggMode,
 ) -> Result<Tensor> {
-    Ok(match mode {
-        LossAggMode::TokenMean => masked_mean_n(loss_mat, mask, n)?,
-        LossAggMode::SeqMeanTokenSum => loss_mat.mul(mask)?.sum(1)?.mean_all()?,
-        LossAggMode::SeqMeanTokenMean => {
-            let tokens = mask.sum(1)?.maximum(1f32)?;
-            loss_mat.mul(mask)?.sum(1)?.div(&tokens)?.mean_all()?
-        }
-    })
+    if mode == LossAggMode::TokenMean {
+        return masked_mean_n(loss_mat, mask, n);
+    }
+    let tokens = mask.sum(1)?;
+    let mut seq_losses = loss_mat.mul(mask)?.sum(1)?;
+    if mode == LossAggMode::SeqMeanTokenMean {
+        seq_losses = seq_losses.div(&tokens.affine(1.0, 1e-8)?)?;
+    }
+    let seq_mask = tokens.gt(0f32)?.to_dtype(mask.dtype())?;
+    Ok(seq_losses
+        .mul(&seq_mask)?
+        .sum_all()?
+        .div(&seq_mask.sum_all()?)?)
 }
 
 /// Output of [`policy_loss`].
