@@ -1,1 +1,229 @@
-fn main() {}
+//! `rlhf-head`: start a head node, show cluster status, stop the cluster.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use rlhf_core::{Error, Result};
+use rlhf_proto::v1 as pb;
+use rlhf_proto::v1::head_service_client::HeadServiceClient;
+use rlhf_runtime::auth;
+use rlhf_runtime::head::{self, HeadOptions};
+use rlhf_runtime::net::{self, ClientOptions, ServerTls};
+use tokio_util::sync::CancellationToken;
+
+#[derive(Parser)]
+#[command(name = "rlhf-head", version, about = "Head node of an rlhf cluster (like `ray start --head`)")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(clap::Args, Clone)]
+struct Connect {
+    /// Head address HOST:PORT; defaults to the head started from this machine's state dir.
+    #[arg(long)]
+    address: Option<String>,
+    /// File holding the cluster token (default: the state dir's token file, or $RLHF_TOKEN).
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+    /// CA certificate (PEM) to verify a head that serves TLS.
+    #[arg(long)]
+    tls_ca: Option<PathBuf>,
+    /// Seconds to keep retrying an unreachable head.
+    #[arg(long, default_value_t = 10.0)]
+    connect_timeout: f64,
+    #[arg(long, env = "RLHF_STATE_DIR")]
+    state_dir: Option<PathBuf>,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Format {
+    Text,
+    Json,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Start the head node and serve until SIGINT/SIGTERM or `rlhf-head stop`.
+    Start {
+        /// Port for the cluster gRPC service; 0 picks a free one and prints it.
+        #[arg(long, default_value_t = 6344)]
+        port: u16,
+        /// Interface to bind.
+        #[arg(long, default_value = "0.0.0.0")]
+        host: String,
+        /// Where the state database, token and logs live.
+        #[arg(long, env = "RLHF_STATE_DIR")]
+        state_dir: Option<PathBuf>,
+        /// Use the token in this file instead of generating one.
+        #[arg(long)]
+        token_file: Option<PathBuf>,
+        #[arg(long, requires = "tls_key")]
+        tls_cert: Option<PathBuf>,
+        #[arg(long, requires = "tls_cert")]
+        tls_key: Option<PathBuf>,
+        /// Interface for the dashboard (HTTP); local only unless you say otherwise.
+        #[arg(long, default_value = "127.0.0.1")]
+        dashboard_host: String,
+        #[arg(long, default_value_t = 8260)]
+        dashboard_port: u16,
+        #[arg(long)]
+        no_dashboard: bool,
+        /// Heartbeat period asked of workers, in milliseconds.
+        #[arg(long, default_value_t = 500)]
+        heartbeat_ms: u64,
+        /// A node silent this long (milliseconds) is marked dead.
+        #[arg(long, default_value_t = 3000)]
+        dead_after_ms: u64,
+    },
+    /// Show nodes, resources, placement groups and actors (like `ray status`).
+    Status {
+        #[command(flatten)]
+        conn: Connect,
+        #[arg(long, value_enum, default_value_t = Format::Text)]
+        format: Format,
+    },
+    /// Stop the head and every worker and actor of the cluster.
+    Stop {
+        #[command(flatten)]
+        conn: Connect,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let rt = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn head_info_path(state_dir: &std::path::Path) -> PathBuf {
+    state_dir.join("head.json")
+}
+
+async fn client(conn: &Connect) -> Result<HeadServiceClient<net::AuthChannel>> {
+    let state_dir = conn.state_dir.clone().unwrap_or_else(rlhf_runtime::default_state_dir);
+    let address = match &conn.address {
+        Some(a) => a.clone(),
+        None => {
+            let p = head_info_path(&state_dir);
+            let text = std::fs::read_to_string(&p).map_err(|_| {
+                Error::invalid(format!(
+                    "no --address given and no head started from this machine ({} not found); pass --address HOST:PORT",
+                    p.display()
+                ))
+            })?;
+            let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::invalid(format!("{}: {e}", p.display())))?;
+            v["address"].as_str().unwrap_or_default().to_string()
+        }
+    };
+    let (token, _) = auth::resolve_token(conn.token_file.as_deref(), &auth::default_token_path(&state_dir))?;
+    let mut opts = ClientOptions::new(token);
+    opts.tls_ca = conn.tls_ca.clone();
+    opts.connect_timeout = Duration::from_secs_f64(conn.connect_timeout.max(0.0));
+    let ch = net::connect(&address, &opts).await?;
+    Ok(HeadServiceClient::new(ch).max_decoding_message_size(rlhf_proto::MAX_MESSAGE_BYTES))
+}
+
+async fn run(cli: Cli) -> Result<()> {
+    match cli.cmd {
+        Cmd::Start {
+            port,
+            host,
+            state_dir,
+            token_file,
+            tls_cert,
+            tls_key,
+            dashboard_host,
+            dashboard_port,
+            no_dashboard,
+            heartbeat_ms,
+            dead_after_ms,
+        } => {
+            let state_dir = state_dir.unwrap_or_else(rlhf_runtime::default_state_dir);
+            let _guard = rlhf_runtime::logging::init(Some(&state_dir.join("logs").join("head.log")));
+            let default_token = auth::default_token_path(&state_dir);
+            let (token, token_where) = match (&token_file, std::env::var(auth::TOKEN_ENV)) {
+                (Some(p), _) => (auth::read_token_file(p)?, p.display().to_string()),
+                (None, Ok(t)) if !t.trim().is_empty() => {
+                    // Still written to the default file so local tools find it.
+                    auth::write_token_file(&default_token, t.trim())?;
+                    (t.trim().to_string(), default_token.display().to_string())
+                }
+                _ => {
+                    let t = auth::generate_token();
+                    auth::write_token_file(&default_token, &t)?;
+                    (t, default_token.display().to_string())
+                }
+            };
+            let mut opts = HeadOptions::new(state_dir.clone(), token);
+            opts.host = host.clone();
+            opts.port = port;
+            opts.tls = ServerTls { cert: tls_cert, key: tls_key };
+            opts.heartbeat_interval = Duration::from_millis(heartbeat_ms.max(10));
+            opts.dead_threshold = Duration::from_millis(dead_after_ms.max(50));
+            opts.dashboard = (!no_dashboard).then(|| (dashboard_host, dashboard_port));
+            let shutdown = CancellationToken::new();
+            rlhf_runtime::cancel_on_signals(shutdown.clone());
+            let h = head::start(opts, Arc::new(rlhf_runtime::clock::SystemClock), shutdown).await?;
+            let port = h.addr.port();
+            let shown = if host == "0.0.0.0" || host == "::" {
+                net::primary_ip().to_string()
+            } else {
+                host.clone()
+            };
+            let local = if host == "0.0.0.0" || host == "::" { "127.0.0.1".to_string() } else { host };
+            let info = serde_json::json!({
+                "address": format!("{local}:{port}"),
+                "advertised_address": format!("{shown}:{port}"),
+                "pid": std::process::id(),
+                "token_file": token_where,
+                "dashboard": h.dashboard.map(|d| format!("http://{d}")),
+            });
+            let info_path = head_info_path(&state_dir);
+            std::fs::write(&info_path, serde_json::to_string_pretty(&info).unwrap_or_default())
+                .map_err(|e| Error::io(format!("writing {}", info_path.display()), e))?;
+            println!("rlhf head started");
+            println!("  address:    {shown}:{port}");
+            println!("  token file: {token_where} (readable only by you)");
+            if let Some(d) = h.dashboard {
+                println!("  dashboard:  http://{d}");
+            }
+            println!("  logs:       {}", state_dir.join("logs").display());
+            println!("join a node with:\n  rlhf-worker join --address {shown}:{port} --token-file {token_where}");
+            h.wait().await;
+            let _ = std::fs::remove_file(&info_path);
+            println!("rlhf head stopped");
+            Ok(())
+        }
+        Cmd::Status { conn, format } => {
+            let mut c = client(&conn).await?;
+            let s = c.cluster_status(pb::ClusterStatusRequest {}).await.map_err(Error::from)?.into_inner();
+            match format {
+                Format::Text => print!("{}", rlhf_runtime::status::to_text(&s)),
+                Format::Json => println!("{}", serde_json::to_string_pretty(&rlhf_runtime::status::to_json(&s)).unwrap_or_default()),
+            }
+            Ok(())
+        }
+        Cmd::Stop { conn } => {
+            let mut c = client(&conn).await?;
+            c.shutdown(pb::ShutdownRequest { stop_workers: true }).await.map_err(Error::from)?;
+            println!("stopping the cluster");
+            Ok(())
+        }
+    }
+}

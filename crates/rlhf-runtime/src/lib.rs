@@ -1,1 +1,47 @@
-//! Runtime.
+//! The cluster runtime: the head's services (registry, health, placement, actors, KV,
+//! persisted state), the worker agent that supervises actor processes, the actor-side
+//! server, and the clients, auth and TLS they share. Binaries are thin shells over this.
+
+pub mod actor;
+pub mod auth;
+pub mod clock;
+pub mod convert;
+pub mod dashboard;
+pub mod head;
+pub mod logging;
+pub mod net;
+pub mod placement;
+pub mod resources;
+pub mod status;
+pub mod worker;
+
+use tokio_util::sync::CancellationToken;
+
+/// Cancels `token` on SIGINT or SIGTERM.
+pub fn cancel_on_signals(token: CancellationToken) {
+    tokio::spawn(async move {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::error!("cannot install SIGTERM handler: {e}");
+                return;
+            }
+        };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT received; shutting down"),
+            _ = term.recv() => tracing::info!("SIGTERM received; shutting down"),
+        }
+        token.cancel();
+    });
+}
+
+/// Default per-user state directory (like Ray's /tmp/ray), overridable with `--state-dir`
+/// or `RLHF_STATE_DIR`.
+pub fn default_state_dir() -> std::path::PathBuf {
+    if let Ok(d) = std::env::var("RLHF_STATE_DIR") {
+        return d.into();
+    }
+    // SAFETY: getuid has no preconditions and cannot fail.
+    let uid = unsafe { libc::getuid() };
+    std::env::temp_dir().join(format!("rlhf-{uid}"))
+}

@@ -1,1 +1,132 @@
-fn main() {}
+//! `rlhf-worker`: join a node to a cluster (like `ray start --address`), and the hidden
+//! `actor` subcommand the worker uses to start actor processes.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use rlhf_core::{Resources, Result};
+use rlhf_runtime::actor::{self, ActorOptions};
+use rlhf_runtime::auth;
+use rlhf_runtime::net::ClientOptions;
+use rlhf_runtime::worker::{self, WorkerOptions};
+use tokio_util::sync::CancellationToken;
+
+#[derive(Parser)]
+#[command(name = "rlhf-worker", version, about = "Worker node of an rlhf cluster")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Contribute this node's resources to the cluster at --address and serve until stopped.
+    Join {
+        /// Head address HOST:PORT.
+        #[arg(long)]
+        address: String,
+        /// JSON object that adds or overrides resources, e.g. '{"GPU": 8, "my_res": 1}'.
+        #[arg(long)]
+        resources: Option<String>,
+        /// File holding the cluster token (or set $RLHF_TOKEN).
+        #[arg(long)]
+        token_file: Option<PathBuf>,
+        /// CA certificate (PEM) to verify the head's TLS certificate.
+        #[arg(long)]
+        tls_ca: Option<PathBuf>,
+        /// Name expected in the head's certificate (default: the host of --address).
+        #[arg(long)]
+        tls_domain: Option<String>,
+        /// IP this node is reached on (default: the interface that routes to the head).
+        #[arg(long)]
+        node_ip: Option<String>,
+        /// Port of this node's agent service; 0 picks a free one.
+        #[arg(long, default_value_t = 0)]
+        port: u16,
+        /// Seconds to keep retrying an unreachable head before giving up.
+        #[arg(long, default_value_t = 30.0)]
+        connect_timeout: f64,
+        #[arg(long, env = "RLHF_STATE_DIR")]
+        state_dir: Option<PathBuf>,
+    },
+    /// Internal: run one actor process (started by the worker).
+    #[command(hide = true)]
+    Actor {
+        #[arg(long)]
+        actor_id: String,
+        #[arg(long, default_value = "test")]
+        kind: String,
+        #[arg(long)]
+        ready_file: PathBuf,
+        #[arg(long, default_value = "127.0.0.1")]
+        host: String,
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        rest: Vec<String>,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let rt = match tokio::runtime::Runtime::new() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> Result<()> {
+    let shutdown = CancellationToken::new();
+    rlhf_runtime::cancel_on_signals(shutdown.clone());
+    match cli.cmd {
+        Cmd::Join { address, resources, token_file, tls_ca, tls_domain, node_ip, port, connect_timeout, state_dir } => {
+            let overrides = match resources {
+                Some(r) => Resources::parse_json("--resources", &r)?,
+                None => Resources::new(),
+            };
+            let state_dir = state_dir.unwrap_or_else(rlhf_runtime::default_state_dir);
+            let _guard = rlhf_runtime::logging::init(Some(
+                &state_dir.join("logs").join(format!("worker-{}.log", std::process::id())),
+            ));
+            let (token, _) = auth::resolve_token(token_file.as_deref(), &auth::default_token_path(&state_dir))?;
+            let mut client = ClientOptions::new(token);
+            client.tls_ca = tls_ca;
+            client.tls_domain = tls_domain;
+            client.connect_timeout = Duration::from_secs_f64(connect_timeout.max(0.0));
+            let hostname = nix::unistd::gethostname()
+                .ok()
+                .and_then(|h| h.into_string().ok())
+                .unwrap_or_else(|| "unknown".into());
+            let actor_exe = std::env::current_exe()
+                .map_err(|e| rlhf_core::Error::io("locating the rlhf-worker executable", e))?;
+            let opts = WorkerOptions {
+                head_address: address,
+                resources: overrides,
+                node_ip,
+                port,
+                state_dir,
+                client,
+                actor_exe,
+                hostname,
+            };
+            worker::run(opts, shutdown).await
+        }
+        Cmd::Actor { actor_id, kind, ready_file, host, rest: _ } => {
+            let _guard = rlhf_runtime::logging::init(None);
+            let token = std::env::var(auth::TOKEN_ENV).map_err(|_| {
+                rlhf_core::Error::invalid(format!("the actor needs the cluster token in ${}", auth::TOKEN_ENV))
+            })?;
+            actor::run(ActorOptions { actor_id, kind, ready_file, host, token }, shutdown).await
+        }
+    }
+}

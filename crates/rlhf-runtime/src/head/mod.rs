@@ -1,0 +1,416 @@
+//! The head node: node registry, health, placement groups, actor directory, KV store,
+//! all persisted under `--state-dir`. `start` builds and binds the service so the binary,
+//! the embedded mode and tests share it.
+
+pub mod state;
+pub mod store;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rlhf_core::{Error, FailureKind, Resources, Result};
+use rlhf_proto::v1 as pb;
+use rlhf_proto::v1::head_service_server::{HeadService, HeadServiceServer};
+use rlhf_proto::v1::worker_service_client::WorkerServiceClient;
+use rlhf_proto::{MAX_MESSAGE_BYTES, PROTOCOL_VERSION};
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status};
+
+use crate::auth::CheckToken;
+use crate::clock::Clock;
+use crate::convert;
+use crate::net::{self, AuthChannel, ClientOptions, ServerTls};
+use state::{ActorExit, HeadState, LiveActor};
+use store::Store;
+
+#[derive(Clone, Debug)]
+pub struct HeadOptions {
+    /// Address the gRPC service binds (all interfaces by default, like `ray start --head`).
+    pub host: String,
+    pub port: u16,
+    pub state_dir: PathBuf,
+    pub token: String,
+    pub tls: ServerTls,
+    pub heartbeat_interval: Duration,
+    /// A node silent this long is marked dead.
+    pub dead_threshold: Duration,
+    /// None disables the dashboard.
+    pub dashboard: Option<(String, u16)>,
+}
+
+impl HeadOptions {
+    pub fn new(state_dir: PathBuf, token: String) -> Self {
+        Self {
+            host: "0.0.0.0".into(),
+            port: 6344,
+            state_dir,
+            token,
+            tls: ServerTls::default(),
+            heartbeat_interval: Duration::from_millis(500),
+            dead_threshold: Duration::from_secs(3),
+            dashboard: Some(("127.0.0.1".into(), 8260)),
+        }
+    }
+}
+
+pub struct HeadHandle {
+    pub addr: SocketAddr,
+    pub dashboard: Option<SocketAddr>,
+    pub shutdown: CancellationToken,
+    server: tokio::task::JoinHandle<()>,
+}
+
+impl HeadHandle {
+    /// Waits until the head has stopped (after `shutdown` is cancelled or a Shutdown RPC).
+    pub async fn wait(self) {
+        let _ = self.server.await;
+    }
+}
+
+struct Inner {
+    state: Mutex<HeadState>,
+    clock: Arc<dyn Clock>,
+    opts: HeadOptions,
+    kv_changed: tokio::sync::Notify,
+    workers: Mutex<HashMap<String, WorkerServiceClient<AuthChannel>>>,
+    shutdown: CancellationToken,
+}
+
+#[derive(Clone)]
+pub struct Head(Arc<Inner>);
+
+fn check_version(theirs: u32) -> Result<()> {
+    if theirs != PROTOCOL_VERSION {
+        return Err(Error::VersionMismatch {
+            ours: PROTOCOL_VERSION,
+            theirs,
+        });
+    }
+    Ok(())
+}
+
+impl Head {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HeadState> {
+        // A panic while holding the lock would be a bug; the state itself stays usable.
+        self.0.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn worker_client(&self, address: &str) -> Result<WorkerServiceClient<AuthChannel>> {
+        let mut w = self.0.workers.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = w.get(address) {
+            return Ok(c.clone());
+        }
+        let ch = net::connect_lazy(address, &ClientOptions::new(self.0.opts.token.clone()))?;
+        let c = WorkerServiceClient::new(ch).max_decoding_message_size(MAX_MESSAGE_BYTES);
+        w.insert(address.to_string(), c.clone());
+        Ok(c)
+    }
+
+    pub fn status(&self) -> pb::ClusterStatusResponse {
+        let s = self.lock();
+        pb::ClusterStatusResponse {
+            nodes: s
+                .nodes
+                .values()
+                .map(|n| convert::node_to_proto(n, &s.available(&n.node_id)))
+                .collect(),
+            placement_groups: s.pgs.values().map(convert::pg_to_proto).collect(),
+            actors: s.actors.values().map(convert::actor_to_proto).collect(),
+            protocol_version: PROTOCOL_VERSION,
+            now_ms: self.0.clock.now_ms(),
+        }
+    }
+
+    async fn create_actor(&self, spec: state::ActorSpec, timeout: Duration) -> Result<pb::ActorInfo> {
+        let rec = self.lock().reserve_actor(spec)?;
+        let address = self
+            .lock()
+            .nodes
+            .get(&rec.node_id)
+            .map(|n| n.address.clone())
+            .unwrap_or_default();
+        let mut client = self.worker_client(&address)?;
+        let req = pb::StartActorRequest {
+            actor_id: rec.actor_id.clone(),
+            spec: Some(convert::spec_to_proto(&rec.spec)),
+            timeout_ms: timeout.as_millis() as u64,
+        };
+        let res = tokio::time::timeout(timeout + Duration::from_secs(5), client.start_actor(req)).await;
+        let info = match res {
+            Ok(Ok(r)) => r.into_inner().actor.unwrap_or_default(),
+            Ok(Err(status)) => {
+                let e = Error::from(status);
+                self.lock().actor_died(&rec.actor_id, format!("failed to start: {e}"), None)?;
+                return Err(e);
+            }
+            Err(_) => {
+                let e = Error::new(
+                    FailureKind::Timeout,
+                    format!("node {} did not start actor {} within {:?}", rec.node_id, rec.actor_id, timeout),
+                );
+                self.lock().actor_died(&rec.actor_id, e.to_string(), None)?;
+                return Err(e);
+            }
+        };
+        let mut s = self.lock();
+        s.actor_started(&rec.actor_id, info.address, info.pid, info.devices, info.log_file)?;
+        Ok(convert::actor_to_proto(&s.actors[&rec.actor_id]))
+    }
+
+    async fn stop_workers(&self) {
+        let addrs: Vec<String> = self
+            .lock()
+            .nodes
+            .values()
+            .filter(|n| n.state == state::NodeState::Alive)
+            .map(|n| n.address.clone())
+            .collect();
+        let calls = addrs.into_iter().filter_map(|a| {
+            let mut c = self.worker_client(&a).ok()?;
+            Some(async move {
+                let r = tokio::time::timeout(
+                    Duration::from_secs(10),
+                    c.shutdown_worker(pb::ShutdownWorkerRequest {}),
+                )
+                .await;
+                if !matches!(r, Ok(Ok(_))) {
+                    tracing::warn!(worker = %a, "worker did not confirm shutdown");
+                }
+            })
+        });
+        futures::future::join_all(calls).await;
+    }
+}
+
+#[tonic::async_trait]
+impl HeadService for Head {
+    async fn register_node(&self, req: Request<pb::RegisterNodeRequest>) -> std::result::Result<Response<pb::RegisterNodeResponse>, Status> {
+        let peer = req.remote_addr();
+        let r = req.into_inner();
+        check_version(r.protocol_version)?;
+        let live = r
+            .live_actors
+            .iter()
+            .map(|a| LiveActor {
+                actor_id: a.actor_id.clone(),
+                address: a.address.clone(),
+                pid: a.pid,
+                devices: a.devices.clone(),
+                log_file: a.log_file.clone(),
+            })
+            .collect();
+        let now = self.0.clock.now_ms();
+        let resources = Resources::from(r.resources.as_ref());
+        let id = self.lock().register(
+            Some(r.node_id.clone()),
+            r.hostname.clone(),
+            r.address.clone(),
+            resources.clone(),
+            live,
+            now,
+        )?;
+        tracing::info!(node = %id, host = %r.hostname, address = %r.address, peer = ?peer, resources = %resources.display(), "node registered");
+        Ok(Response::new(pb::RegisterNodeResponse {
+            node_id: id,
+            heartbeat_interval_ms: self.0.opts.heartbeat_interval.as_millis() as u64,
+            session_dir: self.0.opts.state_dir.display().to_string(),
+        }))
+    }
+
+    async fn heartbeat(&self, req: Request<pb::HeartbeatRequest>) -> std::result::Result<Response<pb::HeartbeatResponse>, Status> {
+        let r = req.into_inner();
+        check_version(r.protocol_version)?;
+        let known = self.lock().heartbeat(&r.node_id, self.0.clock.now_ms());
+        Ok(Response::new(pb::HeartbeatResponse { known }))
+    }
+
+    async fn report_actor_exit(&self, req: Request<pb::ReportActorExitRequest>) -> std::result::Result<Response<pb::ReportActorExitResponse>, Status> {
+        let r = req.into_inner();
+        let exit: ActorExit = r.exit.as_ref().map(convert::exit_from_proto).unwrap_or_default();
+        tracing::warn!(actor = %r.actor_id, node = %r.node_id, code = exit.exit_code, signal = exit.signal, "actor exited: {}", exit.reason);
+        self.lock().actor_died(&r.actor_id, exit.reason.clone(), Some(exit))?;
+        Ok(Response::new(pb::ReportActorExitResponse {}))
+    }
+
+    async fn cluster_status(&self, _req: Request<pb::ClusterStatusRequest>) -> std::result::Result<Response<pb::ClusterStatusResponse>, Status> {
+        Ok(Response::new(self.status()))
+    }
+
+    async fn create_placement_group(&self, req: Request<pb::CreatePlacementGroupRequest>) -> std::result::Result<Response<pb::CreatePlacementGroupResponse>, Status> {
+        let r = req.into_inner();
+        let strategy = convert::strategy_from_proto(r.strategy);
+        let bundles: Vec<Resources> = r.bundles.iter().map(|b| Resources::from(b.resources.as_ref())).collect();
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(r.timeout_ms);
+        loop {
+            let res = self.lock().create_pg(&r.name, strategy, bundles.clone());
+            match res {
+                Ok(pg) => {
+                    tracing::info!(pg = %pg.pg_id, name = %pg.name, nodes = ?pg.bundle_nodes, "placement group created");
+                    return Ok(Response::new(pb::CreatePlacementGroupResponse {
+                        placement_group: Some(convert::pg_to_proto(&pg)),
+                    }));
+                }
+                Err(e) if e.kind() == FailureKind::InsufficientResources && tokio::time::Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(e) => {
+                    let e = if r.timeout_ms > 0 && e.kind() == FailureKind::InsufficientResources {
+                        Error::new(e.kind(), format!("{e} (waited {} ms)", r.timeout_ms))
+                    } else {
+                        e
+                    };
+                    return Err(e.into());
+                }
+            }
+        }
+    }
+
+    async fn remove_placement_group(&self, req: Request<pb::RemovePlacementGroupRequest>) -> std::result::Result<Response<pb::RemovePlacementGroupResponse>, Status> {
+        self.lock().remove_pg(&req.into_inner().pg_id)?;
+        Ok(Response::new(pb::RemovePlacementGroupResponse {}))
+    }
+
+    async fn create_actor(&self, req: Request<pb::CreateActorRequest>) -> std::result::Result<Response<pb::CreateActorResponse>, Status> {
+        let r = req.into_inner();
+        let spec = r.spec.as_ref().map(convert::spec_from_proto).ok_or_else(|| Error::invalid("CreateActor needs a spec"))?;
+        let timeout = Duration::from_millis(if r.timeout_ms == 0 { 30_000 } else { r.timeout_ms });
+        let actor = Head::create_actor(self, spec, timeout).await?;
+        Ok(Response::new(pb::CreateActorResponse { actor: Some(actor) }))
+    }
+
+    async fn kill_actor(&self, req: Request<pb::KillActorRequest>) -> std::result::Result<Response<pb::KillActorResponse>, Status> {
+        let id = req.into_inner().actor_id;
+        let address = {
+            let s = self.lock();
+            let a = s.actors.get(&id).ok_or_else(|| Error::not_found(format!("no actor {id}")))?;
+            s.nodes.get(&a.node_id).map(|n| n.address.clone()).unwrap_or_default()
+        };
+        let mut c = self.worker_client(&address)?;
+        c.stop_actor(pb::StopActorRequest { actor_id: id }).await?;
+        Ok(Response::new(pb::KillActorResponse {}))
+    }
+
+    async fn kv_put(&self, req: Request<pb::KvPutRequest>) -> std::result::Result<Response<pb::KvPutResponse>, Status> {
+        let r = req.into_inner();
+        let stored = self.lock().kv_put(&r.key, r.value, r.overwrite)?;
+        self.0.kv_changed.notify_waiters();
+        Ok(Response::new(pb::KvPutResponse { stored }))
+    }
+
+    async fn kv_get(&self, req: Request<pb::KvGetRequest>) -> std::result::Result<Response<pb::KvGetResponse>, Status> {
+        let key = req.into_inner().key;
+        let v = self.lock().kv.get(&key).cloned();
+        Ok(Response::new(pb::KvGetResponse { found: v.is_some(), value: v.unwrap_or_default() }))
+    }
+
+    async fn kv_wait(&self, req: Request<pb::KvWaitRequest>) -> std::result::Result<Response<pb::KvGetResponse>, Status> {
+        let r = req.into_inner();
+        let deadline = tokio::time::Instant::now() + Duration::from_millis(r.timeout_ms);
+        loop {
+            // Register interest before checking, so a put between check and wait is not missed.
+            let notified = self.0.kv_changed.notified();
+            if let Some(v) = self.lock().kv.get(&r.key).cloned() {
+                return Ok(Response::new(pb::KvGetResponse { found: true, value: v }));
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return Err(Error::new(
+                    FailureKind::Timeout,
+                    format!("key '{}' did not appear within {} ms", r.key, r.timeout_ms),
+                )
+                .into());
+            }
+        }
+    }
+
+    async fn shutdown(&self, req: Request<pb::ShutdownRequest>) -> std::result::Result<Response<pb::ShutdownResponse>, Status> {
+        tracing::info!(peer = ?req.remote_addr(), "shutdown requested");
+        if req.into_inner().stop_workers {
+            self.stop_workers().await;
+        }
+        let token = self.0.shutdown.clone();
+        tokio::spawn(async move {
+            // Let the response reach the caller first.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            token.cancel();
+        });
+        Ok(Response::new(pb::ShutdownResponse {}))
+    }
+}
+
+/// Builds, binds and serves the head. Port 0 picks a free port (see `HeadHandle::addr`).
+pub async fn start(opts: HeadOptions, clock: Arc<dyn Clock>, shutdown: CancellationToken) -> Result<HeadHandle> {
+    let tls = opts.tls.config()?;
+    let listener = net::bind(&opts.host, opts.port, "--port").await?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| Error::io("reading the bound address", e))?;
+    let dash_listener = match &opts.dashboard {
+        Some((h, p)) => Some(net::bind(h, *p, "--dashboard-port").await?),
+        None => None,
+    };
+    let store = Store::open(&opts.state_dir)?;
+    let state = HeadState::open(store, clock.now_ms())?;
+    let head = Head(Arc::new(Inner {
+        state: Mutex::new(state),
+        clock: clock.clone(),
+        opts: opts.clone(),
+        kv_changed: tokio::sync::Notify::new(),
+        workers: Mutex::new(HashMap::new()),
+        shutdown: shutdown.clone(),
+    }));
+
+    // Health: mark silent nodes dead. Checked often relative to the threshold so detection
+    // lands within threshold + a quarter of it.
+    let threshold = opts.dead_threshold;
+    let period = (threshold / 4).max(Duration::from_millis(50));
+    let h = head.clone();
+    let sd = shutdown.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(period);
+        loop {
+            tokio::select! {
+                _ = sd.cancelled() => break,
+                _ = tick.tick() => {
+                    let now = h.0.clock.now_ms();
+                    if let Err(e) = h.lock().check_health(now, threshold.as_millis() as i64) {
+                        tracing::error!("health check: {e}");
+                    }
+                }
+            }
+        }
+    });
+
+    let dashboard = match dash_listener {
+        Some(l) => Some(crate::dashboard::serve(l, head.clone(), shutdown.clone())?),
+        None => None,
+    };
+
+    let svc = tonic::service::interceptor::InterceptedService::new(
+        HeadServiceServer::new(head.clone())
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES),
+        CheckToken::new(&opts.token, "head"),
+    );
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        builder = builder
+            .tls_config(tls)
+            .map_err(|e| Error::invalid(format!("--tls-cert/--tls-key: {e}")))?;
+    }
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    let sd = shutdown.clone();
+    let router = builder.add_service(svc);
+    let server = tokio::spawn(async move {
+        if let Err(e) = router
+            .serve_with_incoming_shutdown(incoming, sd.cancelled_owned())
+            .await
+        {
+            tracing::error!("head server: {}", net::error_chain(&e));
+        }
+    });
+    tracing::info!(%addr, "head listening");
+    Ok(HeadHandle { addr, dashboard, shutdown, server })
+}

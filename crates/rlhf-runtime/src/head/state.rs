@@ -1,0 +1,526 @@
+//! The head's registry: nodes, placement groups, actors and the KV store, with the
+//! rules for health, reservation and recovery. Synchronous and clock-driven, so every
+//! rule is unit-tested without a server; the gRPC service is a thin shell around it.
+
+use std::collections::BTreeMap;
+
+use rlhf_core::{Error, FailureKind, Resources, Result};
+use serde::{Deserialize, Serialize};
+
+use super::store::{self, Store};
+use crate::placement::{self, NodeCapacity, Strategy};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum NodeState {
+    Alive,
+    Dead,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct NodeRecord {
+    pub node_id: String,
+    pub hostname: String,
+    pub address: String,
+    pub total: Resources,
+    pub state: NodeState,
+    #[serde(skip)]
+    pub last_heartbeat_ms: i64,
+    pub registered_ms: i64,
+    pub death_reason: String,
+    pub death_ms: i64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PgState {
+    Pending,
+    Created,
+    Removed,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct PgRecord {
+    pub pg_id: String,
+    pub name: String,
+    pub strategy: Strategy,
+    pub bundles: Vec<Resources>,
+    pub bundle_nodes: Vec<String>,
+    pub state: PgState,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum ActorState {
+    Pending,
+    Alive,
+    Dead,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ActorSpec {
+    pub name: String,
+    pub role: String,
+    pub kind: String,
+    pub args: Vec<String>,
+    pub env: BTreeMap<String, String>,
+    pub resources: Resources,
+    /// Empty when the actor reserves its own resources.
+    pub pg_id: String,
+    pub bundle_index: usize,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ActorExit {
+    pub exit_code: i32,
+    pub signal: i32,
+    pub log_tail: Vec<String>,
+    pub reason: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ActorRecord {
+    pub actor_id: String,
+    pub spec: ActorSpec,
+    pub node_id: String,
+    pub address: String,
+    pub state: ActorState,
+    pub pid: i32,
+    pub reason: String,
+    pub exit: Option<ActorExit>,
+    pub devices: Vec<u32>,
+    pub log_file: String,
+}
+
+/// What a worker says about an actor it is running (at registration).
+#[derive(Debug, Clone)]
+pub struct LiveActor {
+    pub actor_id: String,
+    pub address: String,
+    pub pid: i32,
+    pub devices: Vec<u32>,
+    pub log_file: String,
+}
+
+pub struct HeadState {
+    pub nodes: BTreeMap<String, NodeRecord>,
+    pub pgs: BTreeMap<String, PgRecord>,
+    pub actors: BTreeMap<String, ActorRecord>,
+    pub kv: BTreeMap<String, Vec<u8>>,
+    store: Option<Store>,
+}
+
+fn short_id(prefix: &str) -> String {
+    let u = uuid::Uuid::new_v4().simple().to_string();
+    format!("{prefix}{}", &u[..12])
+}
+
+impl HeadState {
+    pub fn in_memory() -> Self {
+        Self {
+            nodes: BTreeMap::new(),
+            pgs: BTreeMap::new(),
+            actors: BTreeMap::new(),
+            kv: BTreeMap::new(),
+            store: None,
+        }
+    }
+
+    /// Loads the previous state; every node alive before the restart gets a fresh grace
+    /// period from `now_ms` to send its next heartbeat.
+    pub fn open(store: Store, now_ms: i64) -> Result<Self> {
+        let mut s = Self::in_memory();
+        for mut n in store.load::<NodeRecord>(store::NODES)? {
+            n.last_heartbeat_ms = now_ms;
+            s.nodes.insert(n.node_id.clone(), n);
+        }
+        for p in store.load::<PgRecord>(store::PGS)? {
+            s.pgs.insert(p.pg_id.clone(), p);
+        }
+        for a in store.load::<ActorRecord>(store::ACTORS)? {
+            s.actors.insert(a.actor_id.clone(), a);
+        }
+        for (k, v) in store.load_raw(store::KV)? {
+            s.kv.insert(k, v);
+        }
+        s.store = Some(store);
+        Ok(s)
+    }
+
+    fn save_node(&self, id: &str) -> Result<()> {
+        match (&self.store, self.nodes.get(id)) {
+            (Some(st), Some(n)) => st.put(store::NODES, id, n),
+            _ => Ok(()),
+        }
+    }
+    fn save_pg(&self, id: &str) -> Result<()> {
+        match (&self.store, self.pgs.get(id)) {
+            (Some(st), Some(p)) => st.put(store::PGS, id, p),
+            _ => Ok(()),
+        }
+    }
+    fn save_actor(&self, id: &str) -> Result<()> {
+        match (&self.store, self.actors.get(id)) {
+            (Some(st), Some(a)) => st.put(store::ACTORS, id, a),
+            _ => Ok(()),
+        }
+    }
+
+    /// Free resources of a node: total minus created bundles and actors outside groups.
+    pub fn available(&self, node_id: &str) -> Resources {
+        let Some(n) = self.nodes.get(node_id) else {
+            return Resources::new();
+        };
+        let mut avail = n.total.clone();
+        for p in self.pgs.values().filter(|p| p.state == PgState::Created) {
+            for (b, on) in p.bundles.iter().zip(&p.bundle_nodes) {
+                if on == node_id {
+                    avail.sub(b);
+                }
+            }
+        }
+        for a in self.actors.values() {
+            if a.node_id == node_id && a.spec.pg_id.is_empty() && a.state != ActorState::Dead {
+                avail.sub(&a.spec.resources);
+            }
+        }
+        avail
+    }
+
+    fn capacities(&self) -> Vec<NodeCapacity> {
+        self.nodes
+            .values()
+            .filter(|n| n.state == NodeState::Alive)
+            .map(|n| NodeCapacity {
+                node_id: n.node_id.clone(),
+                label: format!("{} {}", n.hostname, n.address),
+                available: self.available(&n.node_id),
+            })
+            .collect()
+    }
+
+    /// Registers a node (new, or coming back with its previous id). Actors the node still
+    /// runs are revived; actors recorded on it that it no longer runs are marked dead.
+    pub fn register(
+        &mut self,
+        node_id: Option<String>,
+        hostname: String,
+        address: String,
+        total: Resources,
+        live: Vec<LiveActor>,
+        now_ms: i64,
+    ) -> Result<String> {
+        let id = node_id.filter(|s| !s.is_empty()).unwrap_or_else(|| short_id("node-"));
+        let rec = NodeRecord {
+            node_id: id.clone(),
+            hostname,
+            address,
+            total,
+            state: NodeState::Alive,
+            last_heartbeat_ms: now_ms,
+            registered_ms: now_ms,
+            death_reason: String::new(),
+            death_ms: 0,
+        };
+        self.nodes.insert(id.clone(), rec);
+        self.save_node(&id)?;
+        let live_ids: BTreeMap<&str, &LiveActor> =
+            live.iter().map(|a| (a.actor_id.as_str(), a)).collect();
+        let on_node: Vec<String> = self
+            .actors
+            .values()
+            .filter(|a| a.node_id == id && a.state != ActorState::Dead)
+            .map(|a| a.actor_id.clone())
+            .chain(live.iter().map(|a| a.actor_id.clone()))
+            .collect();
+        for aid in on_node {
+            let Some(a) = self.actors.get_mut(&aid) else {
+                tracing::warn!(actor = %aid, node = %id, "node reports an actor the head does not know; ignoring");
+                continue;
+            };
+            if let Some(l) = live_ids.get(aid.as_str()) {
+                a.node_id = id.clone();
+                a.state = ActorState::Alive;
+                a.address = l.address.clone();
+                a.pid = l.pid;
+                a.devices = l.devices.clone();
+                a.log_file = l.log_file.clone();
+                a.reason.clear();
+            } else if a.state != ActorState::Dead {
+                a.state = ActorState::Dead;
+                a.reason = format!("not running on node {id} when it registered again");
+            }
+            self.save_actor(&aid)?;
+        }
+        Ok(id)
+    }
+
+    /// Records a heartbeat; false when the node must register again (unknown or dead).
+    pub fn heartbeat(&mut self, node_id: &str, now_ms: i64) -> bool {
+        match self.nodes.get_mut(node_id) {
+            Some(n) if n.state == NodeState::Alive => {
+                n.last_heartbeat_ms = now_ms;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Marks nodes silent past `threshold_ms` dead, with their actors. Returns their ids.
+    pub fn check_health(&mut self, now_ms: i64, threshold_ms: i64) -> Result<Vec<String>> {
+        let dead: Vec<String> = self
+            .nodes
+            .values()
+            .filter(|n| n.state == NodeState::Alive && now_ms - n.last_heartbeat_ms > threshold_ms)
+            .map(|n| n.node_id.clone())
+            .collect();
+        for id in &dead {
+            let silent = {
+                let n = self.nodes.get_mut(id).expect("listed above");
+                let silent = now_ms - n.last_heartbeat_ms;
+                n.state = NodeState::Dead;
+                n.death_ms = now_ms;
+                n.death_reason = format!(
+                    "no heartbeat for {:.1}s (threshold {:.1}s)",
+                    silent as f64 / 1000.0,
+                    threshold_ms as f64 / 1000.0
+                );
+                silent
+            };
+            tracing::warn!(node = %id, silent_ms = silent, "node marked dead: missed heartbeats");
+            self.save_node(id)?;
+            self.mark_node_actors_dead(id, &format!("node {id} died (no heartbeat)"))?;
+        }
+        Ok(dead)
+    }
+
+    pub fn mark_node_dead(&mut self, node_id: &str, reason: &str, now_ms: i64) -> Result<()> {
+        if let Some(n) = self.nodes.get_mut(node_id) {
+            n.state = NodeState::Dead;
+            n.death_ms = now_ms;
+            n.death_reason = reason.to_string();
+        }
+        self.save_node(node_id)?;
+        self.mark_node_actors_dead(node_id, reason)
+    }
+
+    fn mark_node_actors_dead(&mut self, node_id: &str, reason: &str) -> Result<()> {
+        let ids: Vec<String> = self
+            .actors
+            .values()
+            .filter(|a| a.node_id == node_id && a.state != ActorState::Dead)
+            .map(|a| a.actor_id.clone())
+            .collect();
+        for aid in ids {
+            if let Some(a) = self.actors.get_mut(&aid) {
+                a.state = ActorState::Dead;
+                a.reason = reason.to_string();
+            }
+            self.save_actor(&aid)?;
+        }
+        Ok(())
+    }
+
+    /// Tries to reserve a placement group now: all bundles or none.
+    pub fn create_pg(&mut self, name: &str, strategy: Strategy, bundles: Vec<Resources>) -> Result<PgRecord> {
+        let caps = self.capacities();
+        let chosen = placement::place(&caps, &bundles, strategy)?;
+        let rec = PgRecord {
+            pg_id: short_id("pg-"),
+            name: name.to_string(),
+            strategy,
+            bundle_nodes: chosen.iter().map(|&i| caps[i].node_id.clone()).collect(),
+            bundles,
+            state: PgState::Created,
+        };
+        self.pgs.insert(rec.pg_id.clone(), rec.clone());
+        self.save_pg(&rec.pg_id)?;
+        Ok(rec)
+    }
+
+    pub fn remove_pg(&mut self, pg_id: &str) -> Result<()> {
+        let p = self
+            .pgs
+            .get_mut(pg_id)
+            .ok_or_else(|| Error::not_found(format!("no placement group {pg_id}")))?;
+        p.state = PgState::Removed;
+        self.save_pg(pg_id)
+    }
+
+    /// Chooses the node for a new actor and records it as pending.
+    pub fn reserve_actor(&mut self, spec: ActorSpec) -> Result<ActorRecord> {
+        let node_id = if spec.pg_id.is_empty() {
+            let caps = self.capacities();
+            let i = placement::place(&caps, std::slice::from_ref(&spec.resources), Strategy::Pack)?[0];
+            caps[i].node_id.clone()
+        } else {
+            let p = self
+                .pgs
+                .get(&spec.pg_id)
+                .filter(|p| p.state == PgState::Created)
+                .ok_or_else(|| Error::not_found(format!("no created placement group {}", spec.pg_id)))?;
+            let node = p.bundle_nodes.get(spec.bundle_index).ok_or_else(|| {
+                Error::invalid(format!(
+                    "bundle_index {} is out of range: placement group {} has {} bundles",
+                    spec.bundle_index,
+                    spec.pg_id,
+                    p.bundles.len()
+                ))
+            })?;
+            if self.nodes.get(node).map(|n| n.state) != Some(NodeState::Alive) {
+                return Err(Error::new(
+                    FailureKind::Unavailable,
+                    format!("node {node} holding bundle {} of {} is dead", spec.bundle_index, spec.pg_id),
+                ));
+            }
+            node.clone()
+        };
+        let rec = ActorRecord {
+            actor_id: short_id("actor-"),
+            spec,
+            node_id,
+            address: String::new(),
+            state: ActorState::Pending,
+            pid: 0,
+            reason: String::new(),
+            exit: None,
+            devices: Vec::new(),
+            log_file: String::new(),
+        };
+        self.actors.insert(rec.actor_id.clone(), rec.clone());
+        self.save_actor(&rec.actor_id)?;
+        Ok(rec)
+    }
+
+    pub fn actor_started(&mut self, actor_id: &str, address: String, pid: i32, devices: Vec<u32>, log_file: String) -> Result<()> {
+        if let Some(a) = self.actors.get_mut(actor_id) {
+            a.state = ActorState::Alive;
+            a.address = address;
+            a.pid = pid;
+            a.devices = devices;
+            a.log_file = log_file;
+        }
+        self.save_actor(actor_id)
+    }
+
+    pub fn actor_died(&mut self, actor_id: &str, reason: String, exit: Option<ActorExit>) -> Result<()> {
+        if let Some(a) = self.actors.get_mut(actor_id) {
+            a.state = ActorState::Dead;
+            a.reason = reason;
+            if exit.is_some() {
+                a.exit = exit;
+            }
+        }
+        self.save_actor(actor_id)
+    }
+
+    pub fn kv_put(&mut self, key: &str, value: Vec<u8>, overwrite: bool) -> Result<bool> {
+        if !overwrite && self.kv.contains_key(key) {
+            return Ok(false);
+        }
+        if let Some(st) = &self.store {
+            st.put_raw(store::KV, key, &value)?;
+        }
+        self.kv.insert(key.to_string(), value);
+        Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gpu_node(s: &mut HeadState, gpus: f64, now: i64) -> String {
+        s.register(None, "h".into(), "127.0.0.1:1".into(), Resources::new().with("GPU", gpus).with("CPU", 4.0), vec![], now)
+            .unwrap()
+    }
+
+    #[test]
+    fn silent_node_dies_with_its_actors_and_comes_back() {
+        let mut s = HeadState::in_memory();
+        let a = gpu_node(&mut s, 2.0, 0);
+        let b = gpu_node(&mut s, 2.0, 0);
+        let actor = s
+            .reserve_actor(ActorSpec { resources: Resources::new().with("GPU", 1.0), ..Default::default() })
+            .unwrap();
+        s.actor_started(&actor.actor_id, "x:1".into(), 7, vec![0], String::new()).unwrap();
+        assert!(s.heartbeat(&a, 4_000));
+        assert!(s.heartbeat(&b, 4_000));
+        assert!(s.check_health(8_000, 5_000).unwrap().is_empty());
+        assert!(s.heartbeat(&b, 8_000));
+        // a last beat at 4s; at 9.1s it has been silent 5.1s.
+        let dead = s.check_health(9_100, 5_000).unwrap();
+        assert_eq!(dead, vec![a.clone()]);
+        assert!(s.nodes[&a].death_reason.contains("no heartbeat for 5.1s"), "{}", s.nodes[&a].death_reason);
+        assert_eq!(s.nodes[&b].state, NodeState::Alive);
+        let act = &s.actors[&actor.actor_id];
+        if act.node_id == a {
+            assert_eq!(act.state, ActorState::Dead);
+            assert!(act.reason.contains("died"));
+        }
+        // A dead node's heartbeat is refused, so it registers anew.
+        assert!(!s.heartbeat(&a, 9_200));
+        let again = s
+            .register(Some(a.clone()), "h".into(), "127.0.0.1:1".into(), Resources::new().with("GPU", 2.0), vec![], 9_300)
+            .unwrap();
+        assert_eq!(again, a);
+        assert!(s.heartbeat(&a, 9_400));
+    }
+
+    #[test]
+    fn placement_groups_reserve_and_release() {
+        let mut s = HeadState::in_memory();
+        let ids: Vec<String> = (0..3).map(|_| gpu_node(&mut s, 2.0, 0)).collect();
+        let pg = s.create_pg("g", Strategy::Spread, vec![Resources::new().with("GPU", 2.0); 3]).unwrap();
+        let mut on = pg.bundle_nodes.clone();
+        on.sort();
+        let mut want = ids.clone();
+        want.sort();
+        assert_eq!(on, want);
+        for id in &ids {
+            assert_eq!(s.available(id).get("GPU"), 0.0);
+        }
+        let e = s.create_pg("h", Strategy::Pack, vec![Resources::new().with("GPU", 1.0)]).unwrap_err();
+        assert_eq!(e.kind(), FailureKind::InsufficientResources);
+        s.remove_pg(&pg.pg_id).unwrap();
+        assert_eq!(s.available(&ids[0]).get("GPU"), 2.0);
+    }
+
+    #[test]
+    fn actors_in_bundles_land_on_the_bundle_node() {
+        let mut s = HeadState::in_memory();
+        gpu_node(&mut s, 1.0, 0);
+        gpu_node(&mut s, 1.0, 0);
+        let pg = s.create_pg("g", Strategy::StrictSpread, vec![Resources::new().with("GPU", 1.0); 2]).unwrap();
+        let a = s.reserve_actor(ActorSpec { pg_id: pg.pg_id.clone(), bundle_index: 1, ..Default::default() }).unwrap();
+        assert_eq!(a.node_id, pg.bundle_nodes[1]);
+        let e = s.reserve_actor(ActorSpec { pg_id: pg.pg_id.clone(), bundle_index: 5, ..Default::default() }).unwrap_err();
+        assert!(e.to_string().contains("out of range"), "{e}");
+    }
+
+    #[test]
+    fn state_survives_restart_and_reregistration_reconciles_actors() {
+        let dir = tempfile::tempdir().unwrap();
+        let (node, kept, lost) = {
+            let mut s = HeadState::open(Store::open(dir.path()).unwrap(), 0).unwrap();
+            let node = gpu_node(&mut s, 2.0, 0);
+            s.create_pg("g", Strategy::Pack, vec![Resources::new().with("GPU", 1.0)]).unwrap();
+            let kept = s.reserve_actor(ActorSpec::default()).unwrap().actor_id;
+            let lost = s.reserve_actor(ActorSpec::default()).unwrap().actor_id;
+            s.actor_started(&kept, "a:1".into(), 1, vec![], String::new()).unwrap();
+            s.actor_started(&lost, "a:2".into(), 2, vec![], String::new()).unwrap();
+            s.kv_put("nccl/id", b"abc".to_vec(), true).unwrap();
+            assert!(!s.kv_put("nccl/id", b"zzz".to_vec(), false).unwrap());
+            (node, kept, lost)
+        };
+        let mut s = HeadState::open(Store::open(dir.path()).unwrap(), 50_000).unwrap();
+        assert_eq!(s.nodes.len(), 1);
+        assert_eq!(s.pgs.len(), 1);
+        assert_eq!(s.kv["nccl/id"], b"abc");
+        // Grace period: not dead right after the restart.
+        assert!(s.check_health(51_000, 5_000).unwrap().is_empty());
+        let live = vec![LiveActor { actor_id: kept.clone(), address: "a:9".into(), pid: 11, devices: vec![], log_file: String::new() }];
+        s.register(Some(node.clone()), "h".into(), "x".into(), Resources::new().with("GPU", 2.0), live, 51_000).unwrap();
+        assert_eq!(s.actors[&kept].state, ActorState::Alive);
+        assert_eq!(s.actors[&kept].address, "a:9");
+        assert_eq!(s.actors[&lost].state, ActorState::Dead);
+        assert!(s.actors[&lost].reason.contains("not running"));
+    }
+}

@@ -1,0 +1,204 @@
+//! Connecting and serving: channels with the token, optional TLS, retry with backoff,
+//! explicit message limits, and port binding with clear errors.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use rlhf_core::{Error, FailureKind, Result};
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity, ServerTlsConfig};
+
+use crate::auth::AddToken;
+
+pub type AuthChannel = InterceptedService<Channel, AddToken>;
+
+/// How a client reaches a server of this cluster.
+#[derive(Clone, Debug)]
+pub struct ClientOptions {
+    pub token: String,
+    /// CA certificate (PEM) that verifies the server; enables TLS.
+    pub tls_ca: Option<PathBuf>,
+    /// Name expected in the server certificate; defaults to the host of the address.
+    pub tls_domain: Option<String>,
+    pub connect_timeout: Duration,
+}
+
+impl ClientOptions {
+    pub fn new(token: impl Into<String>) -> Self {
+        Self {
+            token: token.into(),
+            tls_ca: None,
+            tls_domain: None,
+            connect_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Server TLS from `--tls-cert`/`--tls-key`.
+#[derive(Clone, Debug, Default)]
+pub struct ServerTls {
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
+}
+
+impl ServerTls {
+    pub fn config(&self) -> Result<Option<ServerTlsConfig>> {
+        match (&self.cert, &self.key) {
+            (None, None) => Ok(None),
+            (Some(c), Some(k)) => {
+                let cert = read(c, "--tls-cert")?;
+                let key = read(k, "--tls-key")?;
+                Ok(Some(ServerTlsConfig::new().identity(Identity::from_pem(cert, key))))
+            }
+            _ => Err(Error::invalid("--tls-cert and --tls-key must be given together")),
+        }
+    }
+}
+
+fn read(p: &PathBuf, flag: &str) -> Result<Vec<u8>> {
+    std::fs::read(p).map_err(|e| Error::io(format!("{flag} {}", p.display()), e))
+}
+
+fn endpoint(addr: &str, opts: &ClientOptions) -> Result<Endpoint> {
+    let scheme = if opts.tls_ca.is_some() { "https" } else { "http" };
+    let mut ep = Endpoint::from_shared(format!("{scheme}://{addr}"))
+        .map_err(|e| Error::invalid(format!("bad address '{addr}': {e}; expected HOST:PORT")))?
+        .connect_timeout(Duration::from_secs(3))
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(10))
+        .keep_alive_timeout(Duration::from_secs(20));
+    if let Some(ca) = &opts.tls_ca {
+        let pem = read(ca, "--tls-ca")?;
+        let domain = opts
+            .tls_domain
+            .clone()
+            .unwrap_or_else(|| addr.rsplit_once(':').map(|(h, _)| h).unwrap_or(addr).to_string());
+        ep = ep
+            .tls_config(
+                ClientTlsConfig::new()
+                    .ca_certificate(Certificate::from_pem(pem))
+                    .domain_name(domain),
+            )
+            .map_err(|e| Error::invalid(format!("TLS configuration for {addr}: {e}")))?;
+    }
+    Ok(ep)
+}
+
+/// Connects with exponential backoff until `connect_timeout`, then fails naming the address.
+pub async fn connect(addr: &str, opts: &ClientOptions) -> Result<AuthChannel> {
+    let ep = endpoint(addr, opts)?;
+    let start = Instant::now();
+    let mut delay = Duration::from_millis(50);
+    loop {
+        match ep.connect().await {
+            Ok(ch) => return Ok(InterceptedService::new(ch, AddToken::new(&opts.token)?)),
+            Err(e) => {
+                if start.elapsed() + delay > opts.connect_timeout {
+                    return Err(Error::new(
+                        FailureKind::Unavailable,
+                        format!(
+                            "cannot reach {addr} after {:.1}s ({}); check the address and that the process is running there, or wait longer with --connect-timeout",
+                            start.elapsed().as_secs_f64(),
+                            error_chain(&e)
+                        ),
+                    ));
+                }
+                tracing::debug!("connect {addr} failed: {e}; retrying in {delay:?}");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(2));
+            }
+        }
+    }
+}
+
+/// A channel that connects on first use and reconnects by itself (for long-lived peers).
+pub fn connect_lazy(addr: &str, opts: &ClientOptions) -> Result<AuthChannel> {
+    let ch = endpoint(addr, opts)?.connect_lazy();
+    Ok(InterceptedService::new(ch, AddToken::new(&opts.token)?))
+}
+
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+/// Binds a listener, turning "address in use" into an error that names the port and the flag.
+pub async fn bind(host: &str, port: u16, flag: &str) -> Result<tokio::net::TcpListener> {
+    let addr = format!("{host}:{port}");
+    tokio::net::TcpListener::bind(&addr).await.map_err(|e| {
+        if e.kind() == std::io::ErrorKind::AddrInUse {
+            Error::invalid(format!(
+                "port {port} is already in use on {host}; choose another with {flag} PORT, or {flag} 0 to pick a free one"
+            ))
+        } else {
+            Error::io(format!("binding {addr} ({flag})"), e)
+        }
+    })
+}
+
+/// The address of this machine's interface that routes to `peer` (no packet is sent).
+pub fn local_ip_towards(peer: &str) -> Option<std::net::IpAddr> {
+    use std::net::ToSocketAddrs;
+    let target: SocketAddr = peer.to_socket_addrs().ok()?.next()?;
+    let bind = if target.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" };
+    let sock = std::net::UdpSocket::bind(bind).ok()?;
+    sock.connect(target).ok()?;
+    sock.local_addr().ok().map(|a| a.ip())
+}
+
+/// The first non-loopback IPv4 address of this machine, to print an address other nodes can
+/// use when the head binds every interface; loopback when there is none.
+pub fn primary_ip() -> std::net::IpAddr {
+    nix::ifaddrs::getifaddrs()
+        .ok()
+        .and_then(|mut addrs| {
+            addrs.find_map(|a| {
+                let ip = a.address?.as_sockaddr_in()?.ip();
+                (!ip.is_loopback()).then_some(std::net::IpAddr::V4(ip))
+            })
+        })
+        .unwrap_or(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn port_in_use_names_port_and_flag() {
+        let l = bind("127.0.0.1", 0, "--port").await.unwrap();
+        let port = l.local_addr().unwrap().port();
+        let e = bind("127.0.0.1", port, "--port").await.unwrap_err();
+        let m = e.to_string();
+        assert!(m.contains(&format!("port {port} is already in use")) && m.contains("--port 0"), "{m}");
+    }
+
+    #[tokio::test]
+    async fn unreachable_fails_after_timeout_naming_address() {
+        // Bind then drop to get a port with nothing listening.
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let mut o = ClientOptions::new("t");
+        o.connect_timeout = Duration::from_millis(400);
+        let t = Instant::now();
+        let e = connect(&format!("127.0.0.1:{port}"), &o).await.unwrap_err();
+        assert!(t.elapsed() < Duration::from_secs(5));
+        assert_eq!(e.kind(), FailureKind::Unavailable);
+        assert!(e.to_string().contains(&format!("127.0.0.1:{port}")), "{e}");
+        assert!(e.to_string().contains("--connect-timeout"), "{e}");
+    }
+
+    #[test]
+    fn local_ip_towards_loopback() {
+        assert_eq!(
+            local_ip_towards("127.0.0.1:6344").unwrap().to_string(),
+            "127.0.0.1"
+        );
+    }
+}

@@ -1,0 +1,108 @@
+//! What a node contributes: CPU cores, memory, NVIDIA GPUs and Ascend NPUs, detected,
+//! then added to or overridden by `--resources`.
+
+use rlhf_core::Resources;
+
+/// Device indices a worker hands out to its actors.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Devices {
+    pub gpus: Vec<u32>,
+    pub npus: Vec<u32>,
+}
+
+/// Parses a `CUDA_VISIBLE_DEVICES`-style list. Empty or "-1"-style values mean no device.
+pub fn parse_visible(v: &str) -> Vec<u32> {
+    v.split(',')
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map_while(|s| s.parse::<i64>().ok().filter(|n| *n >= 0).map(|n| n as u32))
+        .collect()
+}
+
+fn nvidia_smi_count() -> usize {
+    std::process::Command::new("nvidia-smi")
+        .arg("-L")
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).lines().filter(|l| l.starts_with("GPU ")).count())
+        .unwrap_or(0)
+}
+
+fn mem_total_bytes() -> Option<f64> {
+    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = s.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kb: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024.0)
+}
+
+/// Detects devices from the environment (`CUDA_VISIBLE_DEVICES`, nvidia-smi,
+/// `ASCEND_RT_VISIBLE_DEVICES`) via `env`, so tests can inject values.
+pub fn detect_devices(env: impl Fn(&str) -> Option<String>, smi_count: impl Fn() -> usize) -> Devices {
+    let gpus = match env("CUDA_VISIBLE_DEVICES") {
+        Some(v) => parse_visible(&v),
+        None => (0..smi_count() as u32).collect(),
+    };
+    let npus = env("ASCEND_RT_VISIBLE_DEVICES").map(|v| parse_visible(&v)).unwrap_or_default();
+    Devices { gpus, npus }
+}
+
+/// Detected resources, overridden key by key with `overrides`. When GPU/NPU counts are
+/// overridden beyond what was detected, device indices 0..n are assumed.
+pub fn node_resources(overrides: &Resources) -> (Resources, Devices) {
+    let mut devices = detect_devices(|k| std::env::var(k).ok(), nvidia_smi_count);
+    let mut r = Resources::new();
+    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    r.0.insert("CPU".into(), cpus as f64);
+    if let Some(m) = mem_total_bytes() {
+        r.0.insert("memory".into(), m);
+    }
+    if !devices.gpus.is_empty() {
+        r.0.insert("GPU".into(), devices.gpus.len() as f64);
+    }
+    if !devices.npus.is_empty() {
+        r.0.insert("NPU".into(), devices.npus.len() as f64);
+    }
+    r.override_with(overrides);
+    for (key, list) in [("GPU", &mut devices.gpus), ("NPU", &mut devices.npus)] {
+        let want = r.get(key).floor() as usize;
+        if want > list.len() {
+            let start = list.iter().max().map(|m| m + 1).unwrap_or(0);
+            list.extend(start..start + (want - list.len()) as u32);
+        }
+        list.truncate(want);
+    }
+    (r, devices)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn visible_devices_parse() {
+        assert_eq!(parse_visible("0,2, 3"), vec![0, 2, 3]);
+        assert_eq!(parse_visible(""), Vec::<u32>::new());
+        assert_eq!(parse_visible("-1"), Vec::<u32>::new());
+    }
+
+    #[test]
+    fn detection_reads_env_then_smi() {
+        let d = detect_devices(|k| (k == "CUDA_VISIBLE_DEVICES").then(|| "4,5".to_string()), || 8);
+        assert_eq!(d.gpus, vec![4, 5]);
+        let d = detect_devices(|k| (k == "ASCEND_RT_VISIBLE_DEVICES").then(|| "0,1,2".to_string()), || 2);
+        assert_eq!(d.gpus, vec![0, 1]);
+        assert_eq!(d.npus, vec![0, 1, 2]);
+    }
+
+    #[test]
+    fn overrides_win_and_custom_keys_pass_through() {
+        let o = Resources::new().with("GPU", 3.0).with("my_accel", 2.0).with("CPU", 1.0);
+        let (r, d) = node_resources(&o);
+        assert_eq!(r.get("GPU"), 3.0);
+        assert_eq!(r.get("CPU"), 1.0);
+        assert_eq!(r.get("my_accel"), 2.0);
+        assert_eq!(d.gpus.len(), 3);
+        assert!(r.get("memory") > 0.0);
+    }
+}

@@ -1,0 +1,193 @@
+//! `rlhf-head status` rendering, in the shape of `ray status`, and its JSON form (also
+//! served by the dashboard).
+
+use rlhf_core::resources::fmt_amount;
+use rlhf_core::Resources;
+use rlhf_proto::v1 as pb;
+use serde_json::json;
+
+fn res(r: &Option<pb::Resources>) -> Resources {
+    Resources::from(r.as_ref())
+}
+
+fn node_state(v: i32) -> &'static str {
+    match pb::NodeState::try_from(v) {
+        Ok(pb::NodeState::Alive) => "ALIVE",
+        Ok(pb::NodeState::Dead) => "DEAD",
+        _ => "UNKNOWN",
+    }
+}
+
+fn actor_state(v: i32) -> &'static str {
+    match pb::ActorState::try_from(v) {
+        Ok(pb::ActorState::Pending) => "PENDING",
+        Ok(pb::ActorState::Alive) => "ALIVE",
+        Ok(pb::ActorState::Dead) => "DEAD",
+        _ => "UNKNOWN",
+    }
+}
+
+fn pg_state(v: i32) -> &'static str {
+    match pb::PlacementGroupState::try_from(v) {
+        Ok(pb::PlacementGroupState::Pending) => "PENDING",
+        Ok(pb::PlacementGroupState::Created) => "CREATED",
+        Ok(pb::PlacementGroupState::Removed) => "REMOVED",
+        _ => "UNKNOWN",
+    }
+}
+
+fn strategy(v: i32) -> &'static str {
+    crate::convert::strategy_from_proto(v).as_str()
+}
+
+pub fn to_json(s: &pb::ClusterStatusResponse) -> serde_json::Value {
+    let nodes: Vec<_> = s
+        .nodes
+        .iter()
+        .map(|n| {
+            json!({
+                "node_id": n.node_id, "hostname": n.hostname, "address": n.address,
+                "state": node_state(n.state), "total": res(&n.total).0, "available": res(&n.available).0,
+                "last_heartbeat_ms": n.last_heartbeat_ms, "death_reason": n.death_reason, "death_ms": n.death_ms,
+            })
+        })
+        .collect();
+    let pgs: Vec<_> = s
+        .placement_groups
+        .iter()
+        .map(|p| {
+            json!({
+                "pg_id": p.pg_id, "name": p.name, "strategy": strategy(p.strategy), "state": pg_state(p.state),
+                "bundles": p.bundles.iter().map(|b| res(&b.resources).0).collect::<Vec<_>>(),
+                "bundle_nodes": p.bundle_nodes,
+            })
+        })
+        .collect();
+    let actors: Vec<_> = s
+        .actors
+        .iter()
+        .map(|a| {
+            let spec = a.spec.clone().unwrap_or_default();
+            json!({
+                "actor_id": a.actor_id, "name": spec.name, "role": spec.role, "node_id": a.node_id,
+                "address": a.address, "state": actor_state(a.state), "pid": a.pid, "reason": a.reason,
+                "devices": a.devices, "log_file": a.log_file,
+                "exit": a.exit.as_ref().map(|e| json!({"exit_code": e.exit_code, "signal": e.signal, "log_tail": e.log_tail})),
+            })
+        })
+        .collect();
+    let (used, total) = usage(s);
+    json!({
+        "protocol_version": s.protocol_version,
+        "now_ms": s.now_ms,
+        "nodes": nodes,
+        "resources": {"used": used.0, "total": total.0},
+        "placement_groups": pgs,
+        "actors": actors,
+    })
+}
+
+/// Used and total resources over alive nodes.
+fn usage(s: &pb::ClusterStatusResponse) -> (Resources, Resources) {
+    let mut total = Resources::new();
+    let mut used = Resources::new();
+    for n in s.nodes.iter().filter(|n| n.state == pb::NodeState::Alive as i32) {
+        let t = res(&n.total);
+        let mut u = t.clone();
+        u.sub(&res(&n.available));
+        total.add(&t);
+        used.add(&u);
+    }
+    (used, total)
+}
+
+pub fn to_text(s: &pb::ClusterStatusResponse) -> String {
+    use std::fmt::Write;
+    let mut o = String::new();
+    let rule = "-".repeat(64);
+    let _ = writeln!(o, "======== Cluster status (protocol v{}) ========", s.protocol_version);
+    let _ = writeln!(o, "Node status\n{rule}");
+    let alive: Vec<_> = s.nodes.iter().filter(|n| n.state == pb::NodeState::Alive as i32).collect();
+    let dead: Vec<_> = s.nodes.iter().filter(|n| n.state != pb::NodeState::Alive as i32).collect();
+    let _ = writeln!(o, "Active:");
+    if alive.is_empty() {
+        let _ = writeln!(o, " (no active nodes)");
+    }
+    for n in &alive {
+        let _ = writeln!(o, " 1 {} {} ({}) [{}]", n.node_id, n.hostname, n.address, res(&n.total).display());
+    }
+    let _ = writeln!(o, "Dead:");
+    if dead.is_empty() {
+        let _ = writeln!(o, " (no dead nodes)");
+    }
+    for n in &dead {
+        let _ = writeln!(o, " 1 {} {} ({}): {}", n.node_id, n.hostname, n.address, n.death_reason);
+    }
+    let (used, total) = usage(s);
+    let _ = writeln!(o, "\nResources\n{rule}\nUsage:");
+    for (k, t) in &total.0 {
+        let _ = writeln!(o, " {}/{} {k}", fmt_amount(k, used.get(k)), fmt_amount(k, *t));
+    }
+    let live_pgs: Vec<_> = s
+        .placement_groups
+        .iter()
+        .filter(|p| p.state != pb::PlacementGroupState::Removed as i32)
+        .collect();
+    let _ = writeln!(o, "\nPlacement groups\n{rule}");
+    if live_pgs.is_empty() {
+        let _ = writeln!(o, " (none)");
+    }
+    for p in live_pgs {
+        let b: Vec<String> = p
+            .bundles
+            .iter()
+            .zip(p.bundle_nodes.iter().chain(std::iter::repeat(&String::new())))
+            .map(|(b, n)| format!("{{{}}}@{}", res(&b.resources).display(), n))
+            .collect();
+        let _ = writeln!(o, " {} {:?} {} {} [{}]", p.pg_id, p.name, strategy(p.strategy), pg_state(p.state), b.join(", "));
+    }
+    let _ = writeln!(o, "\nActors\n{rule}");
+    if s.actors.is_empty() {
+        let _ = writeln!(o, " (none)");
+    }
+    for a in &s.actors {
+        let spec = a.spec.clone().unwrap_or_default();
+        let _ = write!(o, " {} {} role={} node={} {} pid={}", a.actor_id, actor_state(a.state), spec.role, a.node_id, a.address, a.pid);
+        if !a.reason.is_empty() {
+            let _ = write!(o, " reason: {}", a.reason);
+        }
+        let _ = writeln!(o);
+    }
+    o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_nodes_usage_and_dead_reasons() {
+        let node = |id: &str, state: pb::NodeState, gpu_avail: f64| pb::NodeInfo {
+            node_id: id.into(),
+            hostname: "h".into(),
+            address: "a:1".into(),
+            total: Some((&Resources::new().with("GPU", 8.0)).into()),
+            available: Some((&Resources::new().with("GPU", gpu_avail)).into()),
+            state: state as i32,
+            death_reason: if state == pb::NodeState::Dead { "no heartbeat for 6.0s".into() } else { String::new() },
+            ..Default::default()
+        };
+        let s = pb::ClusterStatusResponse {
+            nodes: vec![node("n1", pb::NodeState::Alive, 6.0), node("n2", pb::NodeState::Alive, 8.0), node("n3", pb::NodeState::Dead, 8.0)],
+            protocol_version: 1,
+            ..Default::default()
+        };
+        let t = to_text(&s);
+        assert!(t.contains(" 2/16 GPU"), "{t}");
+        assert!(t.contains("n3 h (a:1): no heartbeat for 6.0s"), "{t}");
+        let j = to_json(&s);
+        assert_eq!(j["resources"]["used"]["GPU"], 2.0);
+        assert_eq!(j["nodes"].as_array().unwrap().len(), 3);
+        assert_eq!(j["nodes"][2]["state"], "DEAD");
+    }
+}

@@ -1,0 +1,458 @@
+//! The worker agent (one per node, like Ray's raylet): registers with the head and keeps
+//! heartbeating (re-registering with its live actors after a head restart), serves the
+//! WorkerService the head calls to start and stop actors, and supervises those actor
+//! processes, reporting each exit (code, signal, last log lines) to the head.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rlhf_core::{Error, FailureKind, Resources, Result};
+use rlhf_proto::v1 as pb;
+use rlhf_proto::v1::head_service_client::HeadServiceClient;
+use rlhf_proto::v1::worker_service_server::{WorkerService, WorkerServiceServer};
+use rlhf_proto::{MAX_MESSAGE_BYTES, PROTOCOL_VERSION};
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status};
+
+use crate::auth::{CheckToken, TOKEN_ENV};
+use crate::convert;
+use crate::net::{self, AuthChannel, ClientOptions};
+use crate::resources::{node_resources, Devices};
+
+#[derive(Clone, Debug)]
+pub struct WorkerOptions {
+    pub head_address: String,
+    /// `--resources` overrides on top of what is detected.
+    pub resources: Resources,
+    /// Address other nodes reach this one on; detected from the route to the head.
+    pub node_ip: Option<String>,
+    pub port: u16,
+    /// Logs and actor ready-files go under here.
+    pub state_dir: PathBuf,
+    pub client: ClientOptions,
+    /// Program started for actors, as `<exe> actor ...`.
+    pub actor_exe: PathBuf,
+    pub hostname: String,
+}
+
+struct ActorProc {
+    info: pb::ActorInfo,
+    stop_requested: bool,
+}
+
+struct Agent {
+    opts: WorkerOptions,
+    node_ip: String,
+    node_id: Mutex<String>,
+    actors: Mutex<HashMap<String, ActorProc>>,
+    free: Mutex<Devices>,
+    head: HeadServiceClient<AuthChannel>,
+    shutdown: CancellationToken,
+}
+
+#[derive(Clone)]
+struct WorkerSvc(Arc<Agent>);
+
+fn log_tail(path: &Path, n: usize) -> Vec<String> {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].iter().map(|s| s.to_string()).collect()
+}
+
+fn signal_name(sig: i32) -> String {
+    nix::sys::signal::Signal::try_from(sig)
+        .map(|s| s.as_str().to_string())
+        .unwrap_or_else(|_| format!("signal {sig}"))
+}
+
+/// Human reason for an exit, with the usual cause of a SIGKILL named.
+pub fn exit_reason(code: Option<i32>, signal: Option<i32>, stop_requested: bool) -> String {
+    if stop_requested {
+        return "stopped on request".into();
+    }
+    match (code, signal) {
+        (Some(0), _) => "exited normally (code 0)".into(),
+        (Some(c), _) => format!("exited with code {c}"),
+        (None, Some(9)) => "killed by SIGKILL (often the kernel OOM killer; check `dmesg`)".into(),
+        (None, Some(s)) => format!("killed by {}", signal_name(s)),
+        _ => "exited for an unknown reason".into(),
+    }
+}
+
+impl Agent {
+    fn take_devices(&self, want: usize, key: &str) -> Result<Vec<u32>> {
+        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        let list = if key == "GPU" { &mut free.gpus } else { &mut free.npus };
+        if want > list.len() {
+            return Err(Error::new(
+                FailureKind::InsufficientResources,
+                format!("node has {} free {key} device(s), the actor needs {want}", list.len()),
+            ));
+        }
+        Ok(list.drain(..want).collect())
+    }
+
+    fn give_back(&self, gpus: &[u32], npus: &[u32]) {
+        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        free.gpus.extend_from_slice(gpus);
+        free.gpus.sort_unstable();
+        free.npus.extend_from_slice(npus);
+        free.npus.sort_unstable();
+    }
+
+    async fn start_actor(self: &Arc<Self>, actor_id: String, spec: pb::ActorSpec, timeout: Duration) -> Result<pb::ActorInfo> {
+        let domain = convert::spec_from_proto(&spec);
+        let gpus = self.take_devices(domain.resources.get("GPU").ceil() as usize, "GPU")?;
+        let npus = match self.take_devices(domain.resources.get("NPU").ceil() as usize, "NPU") {
+            Ok(n) => n,
+            Err(e) => {
+                self.give_back(&gpus, &[]);
+                return Err(e);
+            }
+        };
+        match self.spawn_actor(&actor_id, &spec, &gpus, &npus, timeout).await {
+            Ok(info) => Ok(info),
+            Err(e) => {
+                self.give_back(&gpus, &npus);
+                Err(e)
+            }
+        }
+    }
+
+    async fn spawn_actor(self: &Arc<Self>, actor_id: &str, spec: &pb::ActorSpec, gpus: &[u32], npus: &[u32], timeout: Duration) -> Result<pb::ActorInfo> {
+        let log_dir = self.opts.state_dir.join("logs");
+        let run_dir = self.opts.state_dir.join("run");
+        for d in [&log_dir, &run_dir] {
+            std::fs::create_dir_all(d).map_err(|e| Error::io(format!("creating {}", d.display()), e))?;
+        }
+        let log_file = log_dir.join(format!("{actor_id}.log"));
+        let ready_file = run_dir.join(format!("{actor_id}.ready"));
+        let _ = std::fs::remove_file(&ready_file);
+        let log = std::fs::File::create(&log_file).map_err(|e| Error::io(format!("creating {}", log_file.display()), e))?;
+        let log2 = log.try_clone().map_err(|e| Error::io("log file", e))?;
+        let join = |v: &[u32]| v.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(",");
+        let mut cmd = tokio::process::Command::new(&self.opts.actor_exe);
+        cmd.arg("actor")
+            .arg("--actor-id")
+            .arg(actor_id)
+            .arg("--kind")
+            .arg(if spec.kind.is_empty() { "test" } else { &spec.kind })
+            .arg("--ready-file")
+            .arg(&ready_file)
+            .arg("--host")
+            .arg(&self.node_ip)
+            .args(&spec.args)
+            // The token travels in the environment, never on a command line.
+            .env(TOKEN_ENV, &self.opts.client.token)
+            .env("RLHF_ACTOR_ID", actor_id)
+            .env("RLHF_HEAD_ADDRESS", &self.opts.head_address)
+            .env("CUDA_VISIBLE_DEVICES", join(gpus))
+            .env("ASCEND_RT_VISIBLE_DEVICES", join(npus))
+            .envs(&spec.env)
+            .stdin(std::process::Stdio::null())
+            .stdout(log)
+            .stderr(log2);
+        // SAFETY: prctl is async-signal-safe and touches only the child's own state; it makes
+        // the kernel kill the actor if this worker dies, so no actor outlives its supervisor.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        let mut child = cmd
+            .spawn()
+            .map_err(|e| Error::io(format!("starting actor program {}", self.opts.actor_exe.display()), e))?;
+        let pid = child.id().unwrap_or(0) as i32;
+        let deadline = tokio::time::Instant::now() + timeout;
+        let address = loop {
+            if let Ok(a) = std::fs::read_to_string(&ready_file) {
+                if !a.trim().is_empty() {
+                    break a.trim().to_string();
+                }
+            }
+            if let Ok(Some(st)) = child.try_wait() {
+                use std::os::unix::process::ExitStatusExt;
+                return Err(Error::new(
+                    FailureKind::ActorDied,
+                    format!(
+                        "actor {actor_id} {} before it was ready; last log lines:\n{}",
+                        exit_reason(st.code(), st.signal(), false),
+                        log_tail(&log_file, 20).join("\n")
+                    ),
+                ));
+            }
+            if tokio::time::Instant::now() > deadline {
+                let _ = child.start_kill();
+                return Err(Error::new(
+                    FailureKind::Timeout,
+                    format!("actor {actor_id} was not ready within {timeout:?}; see {}", log_file.display()),
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        };
+        let info = pb::ActorInfo {
+            actor_id: actor_id.to_string(),
+            spec: Some(spec.clone()),
+            node_id: self.node_id.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+            address,
+            state: pb::ActorState::Alive as i32,
+            pid,
+            devices: gpus.iter().chain(npus).copied().collect(),
+            log_file: log_file.display().to_string(),
+            ..Default::default()
+        };
+        self.actors.lock().unwrap_or_else(|p| p.into_inner()).insert(
+            actor_id.to_string(),
+            ActorProc { info: info.clone(), stop_requested: false },
+        );
+        tracing::info!(actor = actor_id, pid, address = %info.address, "actor started");
+        let agent = self.clone();
+        let (id, gpus, npus) = (actor_id.to_string(), gpus.to_vec(), npus.to_vec());
+        tokio::spawn(async move {
+            use std::os::unix::process::ExitStatusExt;
+            let st = child.wait().await;
+            let proc = agent.actors.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+            agent.give_back(&gpus, &npus);
+            let stop_requested = proc.as_ref().map(|p| p.stop_requested).unwrap_or(false);
+            let (code, sig) = match &st {
+                Ok(s) => (s.code(), s.signal()),
+                Err(_) => (None, None),
+            };
+            let exit = pb::ActorExit {
+                exit_code: code.unwrap_or(-1),
+                signal: sig.unwrap_or(0),
+                log_tail: log_tail(&log_file, 20),
+                reason: exit_reason(code, sig, stop_requested),
+            };
+            tracing::info!(actor = %id, reason = %exit.reason, "actor exited");
+            agent.report_exit(id, exit).await;
+        });
+        Ok(info)
+    }
+
+    /// Reports an exit, retrying while the head is unreachable (it may be restarting).
+    async fn report_exit(&self, actor_id: String, exit: pb::ActorExit) {
+        let mut head = self.head.clone();
+        for _ in 0..120 {
+            let req = pb::ReportActorExitRequest {
+                node_id: self.node_id.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+                actor_id: actor_id.clone(),
+                exit: Some(exit.clone()),
+            };
+            match tokio::time::timeout(Duration::from_secs(2), head.report_actor_exit(req)).await {
+                Ok(Ok(_)) => return,
+                _ if self.shutdown.is_cancelled() => return,
+                _ => tokio::time::sleep(Duration::from_millis(500)).await,
+            }
+        }
+        tracing::warn!(actor = %actor_id, "could not report the actor's exit to the head");
+    }
+
+    fn signal_actor(&self, actor_id: &str, sig: nix::sys::signal::Signal, mark_stop: bool) -> bool {
+        let mut actors = self.actors.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(p) = actors.get_mut(actor_id) else { return false };
+        if mark_stop {
+            p.stop_requested = true;
+        }
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(p.info.pid), sig);
+        true
+    }
+
+    /// SIGTERM every actor, then SIGKILL whatever is left after a grace period.
+    async fn stop_all(&self, grace: Duration) {
+        let ids: Vec<String> = self.actors.lock().unwrap_or_else(|p| p.into_inner()).keys().cloned().collect();
+        for id in &ids {
+            self.signal_actor(id, nix::sys::signal::Signal::SIGTERM, true);
+        }
+        let deadline = tokio::time::Instant::now() + grace;
+        while tokio::time::Instant::now() < deadline && !self.actors.lock().unwrap_or_else(|p| p.into_inner()).is_empty() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let left: Vec<String> = self.actors.lock().unwrap_or_else(|p| p.into_inner()).keys().cloned().collect();
+        for id in &left {
+            tracing::warn!(actor = %id, "actor ignored SIGTERM; killing it");
+            self.signal_actor(id, nix::sys::signal::Signal::SIGKILL, true);
+        }
+        while !self.actors.lock().unwrap_or_else(|p| p.into_inner()).is_empty() && tokio::time::Instant::now() < deadline + Duration::from_secs(2) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    fn live_actors(&self) -> Vec<pb::ActorInfo> {
+        self.actors.lock().unwrap_or_else(|p| p.into_inner()).values().map(|p| p.info.clone()).collect()
+    }
+
+    async fn register(&self, resources: &Resources, address: &str) -> Result<pb::RegisterNodeResponse> {
+        let req = pb::RegisterNodeRequest {
+            protocol_version: PROTOCOL_VERSION,
+            node_id: self.node_id.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+            hostname: self.opts.hostname.clone(),
+            address: address.to_string(),
+            resources: Some(resources.into()),
+            live_actors: self.live_actors(),
+        };
+        let mut head = self.head.clone();
+        let r = tokio::time::timeout(Duration::from_secs(5), head.register_node(req))
+            .await
+            .map_err(|_| Error::new(FailureKind::Timeout, "register: the head did not answer within 5s"))??
+            .into_inner();
+        *self.node_id.lock().unwrap_or_else(|p| p.into_inner()) = r.node_id.clone();
+        Ok(r)
+    }
+}
+
+#[tonic::async_trait]
+impl WorkerService for WorkerSvc {
+    async fn start_actor(&self, req: Request<pb::StartActorRequest>) -> std::result::Result<Response<pb::StartActorResponse>, Status> {
+        let r = req.into_inner();
+        let spec = r.spec.unwrap_or_default();
+        let timeout = Duration::from_millis(if r.timeout_ms == 0 { 30_000 } else { r.timeout_ms });
+        let info = self.0.start_actor(r.actor_id, spec, timeout).await?;
+        Ok(Response::new(pb::StartActorResponse { actor: Some(info) }))
+    }
+
+    async fn stop_actor(&self, req: Request<pb::StopActorRequest>) -> std::result::Result<Response<pb::StopActorResponse>, Status> {
+        let id = req.into_inner().actor_id;
+        if !self.0.signal_actor(&id, nix::sys::signal::Signal::SIGTERM, true) {
+            return Err(Error::not_found(format!("actor {id} is not running on this node")).into());
+        }
+        Ok(Response::new(pb::StopActorResponse {}))
+    }
+
+    async fn shutdown_worker(&self, _req: Request<pb::ShutdownWorkerRequest>) -> std::result::Result<Response<pb::ShutdownWorkerResponse>, Status> {
+        tracing::info!("shutdown requested by the head");
+        self.0.shutdown.cancel();
+        Ok(Response::new(pb::ShutdownWorkerResponse {}))
+    }
+}
+
+fn fatal(e: &Error) -> bool {
+    matches!(e.kind(), FailureKind::Unauthenticated | FailureKind::VersionMismatch)
+}
+
+/// Joins the cluster and serves until `shutdown`; then stops every actor and returns.
+/// Fails after `client.connect_timeout` if the head cannot be reached at first.
+pub async fn run(opts: WorkerOptions, shutdown: CancellationToken) -> Result<()> {
+    let (resources, devices) = node_resources(&opts.resources);
+    let node_ip = opts
+        .node_ip
+        .clone()
+        .or_else(|| net::local_ip_towards(&opts.head_address).map(|ip| ip.to_string()))
+        .unwrap_or_else(|| "127.0.0.1".into());
+    let listener = net::bind(&node_ip, opts.port, "--port").await?;
+    let address = format!("{node_ip}:{}", listener.local_addr().map_err(|e| Error::io("local address", e))?.port());
+
+    let channel = net::connect(&opts.head_address, &opts.client).await?;
+    let head = HeadServiceClient::new(channel).max_decoding_message_size(MAX_MESSAGE_BYTES);
+    let agent = Arc::new(Agent {
+        opts: opts.clone(),
+        node_ip,
+        node_id: Mutex::new(String::new()),
+        actors: Mutex::new(HashMap::new()),
+        free: Mutex::new(devices),
+        head,
+        shutdown: shutdown.clone(),
+    });
+
+    let svc = tonic::service::interceptor::InterceptedService::new(
+        WorkerServiceServer::new(WorkerSvc(agent.clone()))
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES),
+        CheckToken::new(&opts.client.token, "worker"),
+    );
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    let sd = shutdown.clone();
+    let server = tokio::spawn(async move {
+        if let Err(e) = tonic::transport::Server::builder()
+            .add_service(svc)
+            .serve_with_incoming_shutdown(incoming, sd.cancelled_owned())
+            .await
+        {
+            tracing::error!("worker server: {}", net::error_chain(&e));
+        }
+    });
+
+    let reg = match agent.register(&resources, &address).await {
+        Ok(r) => r,
+        Err(e) => {
+            shutdown.cancel();
+            let _ = server.await;
+            return Err(e);
+        }
+    };
+    println!("node {} joined the cluster at {} (serving on {address}; resources {})", reg.node_id, opts.head_address, resources.display());
+    tracing::info!(node = %reg.node_id, "registered");
+    let interval = Duration::from_millis(reg.heartbeat_interval_ms.clamp(50, 10_000));
+
+    let result = heartbeat_loop(&agent, &resources, &address, interval, &shutdown).await;
+    agent.stop_all(Duration::from_secs(3)).await;
+    shutdown.cancel();
+    let _ = server.await;
+    result
+}
+
+async fn heartbeat_loop(agent: &Arc<Agent>, resources: &Resources, address: &str, interval: Duration, shutdown: &CancellationToken) -> Result<()> {
+    let mut head = agent.head.clone();
+    let mut need_register = false;
+    let mut backoff = interval;
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return Ok(()),
+            _ = tokio::time::sleep(if need_register { backoff } else { interval }) => {}
+        }
+        if need_register {
+            match agent.register(resources, address).await {
+                Ok(r) => {
+                    tracing::info!(node = %r.node_id, "registered again with the head");
+                    need_register = false;
+                    backoff = interval;
+                }
+                Err(e) if fatal(&e) => return Err(e),
+                Err(e) => {
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                    tracing::warn!("head unreachable ({e}); retrying in {backoff:?}");
+                }
+            }
+            continue;
+        }
+        let req = pb::HeartbeatRequest {
+            protocol_version: PROTOCOL_VERSION,
+            node_id: agent.node_id.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+        };
+        match tokio::time::timeout(Duration::from_secs(2), head.heartbeat(req)).await {
+            Ok(Ok(r)) if r.get_ref().known => {}
+            Ok(Ok(_)) => {
+                tracing::warn!("the head does not know this node (restarted or marked it dead); registering again");
+                need_register = true;
+            }
+            Ok(Err(status)) => {
+                let e = Error::from(status);
+                if fatal(&e) {
+                    return Err(e);
+                }
+                tracing::warn!("heartbeat failed: {e}");
+                need_register = true;
+            }
+            Err(_) => {
+                tracing::warn!("heartbeat timed out");
+                need_register = true;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exit_reasons_are_specific() {
+        assert_eq!(exit_reason(Some(3), None, false), "exited with code 3");
+        assert!(exit_reason(None, Some(9), false).contains("OOM"));
+        assert_eq!(exit_reason(None, Some(15), false), "killed by SIGTERM");
+        assert_eq!(exit_reason(None, Some(15), true), "stopped on request");
+    }
+}
