@@ -229,6 +229,13 @@ impl Model {
 
     fn build(config: &Config, files: Option<&WeightFiles>, opts: &LoadOptions) -> Result<Self> {
         let fast = opts.fast.unwrap_or(!opts.trainable);
+        if fast && opts.trainable {
+            return Err(Error::InvalidArgument(
+                "a trainable model cannot use the fused kernels (they have no backward pass and \
+                 would silently drop gradients); leave `fast` unset or false"
+                    .to_string(),
+            ));
+        }
         let mut pb = ParamBuilder::new(files, &opts.device, opts.dtype, opts.trainable, opts.seed);
         let body = Transformer::load(config, &mut pb, fast)?;
         let h = config.hidden_size;
@@ -479,7 +486,7 @@ impl Model {
         Ok((lp, ent))
     }
 
-    /// Per-token values `[B, T]` (critic), in f32.
+    /// Per-token values `[B, T]` (critic), in f32 (f64 for f64 models).
     pub fn values(&self, batch: &Batch) -> Result<Tensor> {
         let Head::Value(head) = &self.head else {
             return Err(Error::InvalidArgument(format!(
@@ -493,7 +500,10 @@ impl Model {
             &batch.position_ids,
             None,
         )?;
-        Ok(head.forward(&h)?.squeeze(D::Minus1)?.to_dtype(DType::F32)?)
+        Ok(head
+            .forward(&h)?
+            .squeeze(D::Minus1)?
+            .to_dtype(output_dtype(h.dtype()))?)
     }
 
     /// Score-head outputs at every position `[B, T, num_labels]`.
@@ -513,7 +523,7 @@ impl Model {
         head.forward(&h)
     }
 
-    /// Reward per sequence `[B]` (f32), read at the last non-pad token of each row.
+    /// Reward per sequence `[B]` (f32, f64 for f64 models), read at the last non-pad token of each row.
     pub fn scores(&self, batch: &Batch) -> Result<Tensor> {
         let logits = self.score_logits(batch)?;
         let (b, t, labels) = logits.dims3()?;
@@ -538,7 +548,7 @@ impl Model {
             .reshape((b * t, 1))?
             .index_select(&idx, 0)?
             .squeeze(1)?
-            .to_dtype(DType::F32)?)
+            .to_dtype(output_dtype(logits.dtype()))?)
     }
 
     /// HF architecture written on save.
@@ -603,6 +613,15 @@ impl Model {
             crate::tokenizer::copy_tokenizer_files(src, dir)?;
         }
         Ok(())
+    }
+}
+
+/// Head outputs leave the model in f32 (f64 kept for precision tests).
+fn output_dtype(dtype: DType) -> DType {
+    if dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
     }
 }
 
