@@ -1,0 +1,238 @@
+//! Real processes: this test binary re-runs itself as child ranks (selected by
+//! environment variables), with the test process as rank 0.
+
+mod common;
+
+use std::io::Read;
+use std::process::{Child, Command, Stdio};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use common::{config, pattern};
+use rlhf_collective::{
+    checksum, BucketedSync, CommConfig, Communicator, Param, ParamMut, ReduceOp, TcpCommunicator,
+    TcpRendezvous,
+};
+
+const ROLE: &str = "RLHF_COLLECTIVE_TEST_ROLE";
+const RANK: &str = "RLHF_COLLECTIVE_TEST_RANK";
+const WORLD: &str = "RLHF_COLLECTIVE_TEST_WORLD";
+const ADDR: &str = "RLHF_COLLECTIVE_TEST_ADDR";
+
+/// Parameter sizes (f32 elements) for the sync: one over a bucket, many tiny.
+fn sizes() -> Vec<usize> {
+    let mut v = vec![300_000, 5, 0, 70_001];
+    v.extend((0..40).map(|i| 1 + i % 4));
+    v
+}
+
+fn trainer_weights() -> Vec<Vec<f32>> {
+    sizes()
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| {
+            pattern(n, i as u64)
+                .into_iter()
+                .map(|b| b as f32 / 7.0)
+                .collect()
+        })
+        .collect()
+}
+
+/// The work every rank does; returns (sum after all_reduce, checksum after sync).
+fn work(c: &mut TcpCommunicator) -> rlhf_collective::Result<(f32, u64)> {
+    let rank = c.rank();
+    let mut v = vec![rank as f32 + 1.0; 100_003];
+    c.all_reduce_f32(&mut v, ReduceOp::Sum)?;
+    let sync = BucketedSync::new(256 << 10)?;
+    let sizes = sizes();
+    let sum = if rank == 0 {
+        let w = trainer_weights();
+        let p: Vec<Param<'_>> = w
+            .iter()
+            .enumerate()
+            .map(|(i, d)| Param::f32(format!("w{i}"), &[sizes[i]], d))
+            .collect::<rlhf_collective::Result<_>>()?;
+        sync.send(c, &p)?;
+        checksum(&p)
+    } else {
+        let mut w: Vec<Vec<f32>> = sizes.iter().map(|&n| vec![0.0; n]).collect();
+        let mut p: Vec<ParamMut<'_>> = w
+            .iter_mut()
+            .enumerate()
+            .map(|(i, d)| ParamMut::f32(format!("w{i}"), &[sizes[i]], d))
+            .collect::<rlhf_collective::Result<_>>()?;
+        sync.recv(c, 0, &mut p)?;
+        checksum(&p)
+    };
+    c.barrier()?;
+    Ok((v[100_002], sum))
+}
+
+/// Entry point of the child processes; a no-op in a normal test run.
+#[test]
+fn child_entry() {
+    let Ok(role) = std::env::var(ROLE) else {
+        return;
+    };
+    let get = |k: &str| std::env::var(k).unwrap_or_else(|_| panic!("child needs {k}"));
+    let rank: usize = get(RANK).parse().unwrap();
+    let world: usize = get(WORLD).parse().unwrap();
+    let mut c =
+        TcpCommunicator::connect(rank, world, &get(ADDR), config(10_000)).unwrap_or_else(|e| {
+            println!("RESULT connect-failed {e}");
+            std::process::exit(2)
+        });
+    match role.as_str() {
+        "work" => match work(&mut c) {
+            Ok((s, sum)) => println!("RESULT ok {s} {sum:016x}"),
+            Err(e) => {
+                println!("RESULT error {e}");
+                std::process::exit(3)
+            }
+        },
+        "loop" => {
+            let mut v = vec![1.0f32; 1 << 20];
+            for _ in 0..100_000 {
+                if let Err(e) = c.all_reduce_f32(&mut v, ReduceOp::Avg) {
+                    println!(
+                        "RESULT error {:?} peer={:?} op={:?} :: {e}",
+                        e.kind(),
+                        e.peer(),
+                        e.op()
+                    );
+                    std::process::exit(0);
+                }
+            }
+            println!("RESULT loop-finished-without-error");
+            std::process::exit(4)
+        }
+        other => panic!("unknown role {other}"),
+    }
+}
+
+/// Kills the child when dropped, so a failing test leaves no stray process.
+struct KillOnDrop(Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn spawn(role: &str, rank: usize, world: usize, addr: &str) -> KillOnDrop {
+    let exe = std::env::current_exe().expect("test binary path");
+    let child = Command::new(exe)
+        .args(["child_entry", "--exact", "--nocapture", "--test-threads=1"])
+        .env(ROLE, role)
+        .env(RANK, rank.to_string())
+        .env(WORLD, world.to_string())
+        .env(ADDR, addr)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("spawn child rank");
+    KillOnDrop(child)
+}
+
+/// Waits for the child to exit (bounded) and returns its RESULT line.
+fn result_line(mut child: KillOnDrop, limit: Duration) -> (Option<i32>, String) {
+    let t0 = Instant::now();
+    loop {
+        if let Some(status) = child.0.try_wait().expect("wait child") {
+            let mut out = String::new();
+            if let Some(mut s) = child.0.stdout.take() {
+                let _ = s.read_to_string(&mut out);
+            }
+            // The harness prints "test child_entry ... " on the same line.
+            let line = out
+                .lines()
+                .find_map(|l| l.find("RESULT ").map(|i| l[i..].to_string()))
+                .unwrap_or_else(|| format!("RESULT <none> in {out:?}"));
+            return (status.code(), line);
+        }
+        assert!(t0.elapsed() < limit, "child did not exit within {limit:?}");
+        thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn child_processes_all_reduce_and_sync_weights() {
+    let world = 3;
+    let rv = TcpRendezvous::bind("127.0.0.1:0").unwrap();
+    let addr = rv.local_addr().to_string();
+    let children: Vec<_> = (1..world).map(|r| spawn("work", r, world, &addr)).collect();
+    let mut c = rv
+        .accept(world, config(10_000))
+        .expect("rendezvous with child processes");
+    let (sum, trainer) = work(&mut c).expect("rank 0 work");
+    assert_eq!(sum, 6.0);
+    for (i, child) in children.into_iter().enumerate() {
+        let (code, line) = result_line(child, Duration::from_secs(30));
+        assert_eq!(code, Some(0), "rank {}: {line}", i + 1);
+        assert_eq!(
+            line,
+            format!("RESULT ok 6 {trainer:016x}"),
+            "rank {}",
+            i + 1
+        );
+    }
+}
+
+#[test]
+fn a_killed_process_fails_the_others_within_the_timeout() {
+    let world = 3;
+    let timeout = Duration::from_secs(5);
+    let rv = TcpRendezvous::bind("127.0.0.1:0").unwrap();
+    let addr = rv.local_addr().to_string();
+    let survivor = spawn("loop", 1, world, &addr);
+    let mut victim = spawn("loop", 2, world, &addr);
+    let mut c = rv
+        .accept(world, CommConfig::with_timeout(timeout))
+        .expect("rendezvous");
+    let mut v = vec![1.0f32; 1 << 20];
+    // A few healthy rounds, then SIGKILL rank 2 while the ring is busy.
+    for _ in 0..3 {
+        c.all_reduce_f32(&mut v, ReduceOp::Avg)
+            .expect("healthy round");
+    }
+    let killer = thread::spawn(move || {
+        thread::sleep(Duration::from_millis(20));
+        victim.0.kill().expect("kill rank 2");
+        victim
+    });
+    let t0 = Instant::now();
+    let err = loop {
+        if let Err(e) = c.all_reduce_f32(&mut v, ReduceOp::Avg) {
+            break e;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "rank 0 never noticed the dead peer"
+        );
+    };
+    let noticed = t0.elapsed();
+    eprintln!("rank 0 noticed the kill after {noticed:?}: {err}");
+    drop(killer.join().unwrap());
+    assert!(
+        noticed < timeout + Duration::from_secs(2),
+        "took {noticed:?}"
+    );
+    assert!(
+        matches!(
+            err.kind(),
+            rlhf_collective::ErrorKind::PeerClosed | rlhf_collective::ErrorKind::Timeout
+        ),
+        "rank 0: {err}"
+    );
+    assert!(err.peer().is_some(), "rank 0 error names no peer: {err}");
+    let (code, line) = result_line(survivor, Duration::from_secs(20));
+    eprintln!("rank 1: {line}");
+    assert_eq!(code, Some(0), "{line}");
+    assert!(
+        line.starts_with("RESULT error PeerClosed") || line.starts_with("RESULT error Timeout"),
+        "rank 1: {line}"
+    );
+    assert!(line.contains("op=Some(AllReduce)"), "{line}");
+}
