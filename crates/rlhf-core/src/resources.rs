@@ -167,7 +167,10 @@ mod tests {
     fn malformed_json_points_at_the_flag_and_position() {
         let e = Resources::parse_json("--resources", r#"{"GPU": 8,"#).unwrap_err();
         let m = e.to_string();
-        assert!(m.starts_with("--resources: malformed JSON at line 1"), "{m}");
+        assert!(
+            m.starts_with("--resources: malformed JSON at line 1"),
+            "{m}"
+        );
         let e = Resources::parse_json("--resources", r#"{"GPU": "eight"}"#).unwrap_err();
         assert!(e.to_string().contains("\"GPU\" must be a number"), "{e}");
         let e = Resources::parse_json("--resources", r#"[1]"#).unwrap_err();

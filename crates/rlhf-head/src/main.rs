@@ -15,7 +15,11 @@ use rlhf_runtime::net::{self, ClientOptions, ServerTls};
 use tokio_util::sync::CancellationToken;
 
 #[derive(Parser)]
-#[command(name = "rlhf-head", version, about = "Head node of an rlhf cluster (like `ray start --head`)")]
+#[command(
+    name = "rlhf-head",
+    version,
+    about = "Head node of an rlhf cluster (like `ray start --head`)"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -116,7 +120,10 @@ fn head_info_path(state_dir: &std::path::Path) -> PathBuf {
 }
 
 async fn client(conn: &Connect) -> Result<HeadServiceClient<net::AuthChannel>> {
-    let state_dir = conn.state_dir.clone().unwrap_or_else(rlhf_runtime::default_state_dir);
+    let state_dir = conn
+        .state_dir
+        .clone()
+        .unwrap_or_else(rlhf_runtime::default_state_dir);
     let address = match &conn.address {
         Some(a) => a.clone(),
         None => {
@@ -127,11 +134,15 @@ async fn client(conn: &Connect) -> Result<HeadServiceClient<net::AuthChannel>> {
                     p.display()
                 ))
             })?;
-            let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| Error::invalid(format!("{}: {e}", p.display())))?;
+            let v: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| Error::invalid(format!("{}: {e}", p.display())))?;
             v["address"].as_str().unwrap_or_default().to_string()
         }
     };
-    let (token, _) = auth::resolve_token(conn.token_file.as_deref(), &auth::default_token_path(&state_dir))?;
+    let (token, _) = auth::resolve_token(
+        conn.token_file.as_deref(),
+        &auth::default_token_path(&state_dir),
+    )?;
     let mut opts = ClientOptions::new(token);
     opts.tls_ca = conn.tls_ca.clone();
     opts.connect_timeout = Duration::from_secs_f64(conn.connect_timeout.max(0.0));
@@ -155,7 +166,8 @@ async fn run(cli: Cli) -> Result<()> {
             dead_after_ms,
         } => {
             let state_dir = state_dir.unwrap_or_else(rlhf_runtime::default_state_dir);
-            let _guard = rlhf_runtime::logging::init(Some(&state_dir.join("logs").join("head.log")));
+            let _guard =
+                rlhf_runtime::logging::init(Some(&state_dir.join("logs").join("head.log")));
             let default_token = auth::default_token_path(&state_dir);
             let (token, token_where) = match (&token_file, std::env::var(auth::TOKEN_ENV)) {
                 (Some(p), _) => (auth::read_token_file(p)?, p.display().to_string()),
@@ -164,6 +176,11 @@ async fn run(cli: Cli) -> Result<()> {
                     auth::write_token_file(&default_token, t.trim())?;
                     (t.trim().to_string(), default_token.display().to_string())
                 }
+                // A restarted head keeps its token, so its workers can reconnect.
+                _ if default_token.exists() => (
+                    auth::read_token_file(&default_token)?,
+                    default_token.display().to_string(),
+                ),
                 _ => {
                     let t = auth::generate_token();
                     auth::write_token_file(&default_token, &t)?;
@@ -173,10 +190,13 @@ async fn run(cli: Cli) -> Result<()> {
             let mut opts = HeadOptions::new(state_dir.clone(), token);
             opts.host = host.clone();
             opts.port = port;
-            opts.tls = ServerTls { cert: tls_cert, key: tls_key };
+            opts.tls = ServerTls {
+                cert: tls_cert,
+                key: tls_key,
+            };
             opts.heartbeat_interval = Duration::from_millis(heartbeat_ms.max(10));
             opts.dead_threshold = Duration::from_millis(dead_after_ms.max(50));
-            opts.dashboard = (!no_dashboard).then(|| (dashboard_host, dashboard_port));
+            opts.dashboard = (!no_dashboard).then_some((dashboard_host, dashboard_port));
             let shutdown = CancellationToken::new();
             rlhf_runtime::cancel_on_signals(shutdown.clone());
             let h = head::start(opts, Arc::new(rlhf_runtime::clock::SystemClock), shutdown).await?;
@@ -186,7 +206,11 @@ async fn run(cli: Cli) -> Result<()> {
             } else {
                 host.clone()
             };
-            let local = if host == "0.0.0.0" || host == "::" { "127.0.0.1".to_string() } else { host };
+            let local = if host == "0.0.0.0" || host == "::" {
+                "127.0.0.1".to_string()
+            } else {
+                host
+            };
             let info = serde_json::json!({
                 "address": format!("{local}:{port}"),
                 "advertised_address": format!("{shown}:{port}"),
@@ -195,8 +219,11 @@ async fn run(cli: Cli) -> Result<()> {
                 "dashboard": h.dashboard.map(|d| format!("http://{d}")),
             });
             let info_path = head_info_path(&state_dir);
-            std::fs::write(&info_path, serde_json::to_string_pretty(&info).unwrap_or_default())
-                .map_err(|e| Error::io(format!("writing {}", info_path.display()), e))?;
+            std::fs::write(
+                &info_path,
+                serde_json::to_string_pretty(&info).unwrap_or_default(),
+            )
+            .map_err(|e| Error::io(format!("writing {}", info_path.display()), e))?;
             println!("rlhf head started");
             println!("  address:    {shown}:{port}");
             println!("  token file: {token_where} (readable only by you)");
@@ -212,16 +239,26 @@ async fn run(cli: Cli) -> Result<()> {
         }
         Cmd::Status { conn, format } => {
             let mut c = client(&conn).await?;
-            let s = c.cluster_status(pb::ClusterStatusRequest {}).await.map_err(Error::from)?.into_inner();
+            let s = c
+                .cluster_status(pb::ClusterStatusRequest {})
+                .await
+                .map_err(Error::from)?
+                .into_inner();
             match format {
                 Format::Text => print!("{}", rlhf_runtime::status::to_text(&s)),
-                Format::Json => println!("{}", serde_json::to_string_pretty(&rlhf_runtime::status::to_json(&s)).unwrap_or_default()),
+                Format::Json => println!(
+                    "{}",
+                    serde_json::to_string_pretty(&rlhf_runtime::status::to_json(&s))
+                        .unwrap_or_default()
+                ),
             }
             Ok(())
         }
         Cmd::Stop { conn } => {
             let mut c = client(&conn).await?;
-            c.shutdown(pb::ShutdownRequest { stop_workers: true }).await.map_err(Error::from)?;
+            c.shutdown(pb::ShutdownRequest { stop_workers: true })
+                .await
+                .map_err(Error::from)?;
             println!("stopping the cluster");
             Ok(())
         }

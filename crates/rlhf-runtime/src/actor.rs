@@ -32,16 +32,28 @@ struct TestActor {
 
 #[tonic::async_trait]
 impl ActorService for TestActor {
-    async fn ping(&self, req: Request<pb::PingRequest>) -> std::result::Result<Response<pb::PingResponse>, Status> {
-        Ok(Response::new(pb::PingResponse { payload: req.into_inner().payload, actor_id: self.actor_id.clone() }))
+    async fn ping(
+        &self,
+        req: Request<pb::PingRequest>,
+    ) -> std::result::Result<Response<pb::PingResponse>, Status> {
+        Ok(Response::new(pb::PingResponse {
+            payload: req.into_inner().payload,
+            actor_id: self.actor_id.clone(),
+        }))
     }
 
-    async fn sleep(&self, req: Request<pb::SleepRequest>) -> std::result::Result<Response<pb::SleepResponse>, Status> {
+    async fn sleep(
+        &self,
+        req: Request<pb::SleepRequest>,
+    ) -> std::result::Result<Response<pb::SleepResponse>, Status> {
         tokio::time::sleep(Duration::from_millis(req.into_inner().ms)).await;
         Ok(Response::new(pb::SleepResponse {}))
     }
 
-    async fn crash(&self, req: Request<pb::CrashRequest>) -> std::result::Result<Response<pb::CrashResponse>, Status> {
+    async fn crash(
+        &self,
+        req: Request<pb::CrashRequest>,
+    ) -> std::result::Result<Response<pb::CrashResponse>, Status> {
         let code = req.into_inner().code;
         eprintln!("crash requested with code {code}");
         tokio::spawn(async move {
@@ -59,23 +71,36 @@ impl ActorService for TestActor {
 /// Serves until `shutdown`. The address is written to the ready file atomically (write then rename).
 pub async fn run(opts: ActorOptions, shutdown: CancellationToken) -> Result<()> {
     if !ACTOR_KINDS.contains(&opts.kind.as_str()) {
-        return Err(Error::invalid(format!("unknown actor kind '{}'; known kinds: {}", opts.kind, ACTOR_KINDS.join(", "))));
+        return Err(Error::invalid(format!(
+            "unknown actor kind '{}'; known kinds: {}",
+            opts.kind,
+            ACTOR_KINDS.join(", ")
+        )));
     }
     let listener = net::bind(&opts.host, 0, "--host").await?;
-    let addr = listener.local_addr().map_err(|e| Error::io("actor address", e))?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| Error::io("actor address", e))?;
     let tmp = opts.ready_file.with_extension("tmp");
-    std::fs::write(&tmp, addr.to_string()).map_err(|e| Error::io(format!("writing {}", tmp.display()), e))?;
-    std::fs::rename(&tmp, &opts.ready_file).map_err(|e| Error::io(format!("writing {}", opts.ready_file.display()), e))?;
+    std::fs::write(&tmp, addr.to_string())
+        .map_err(|e| Error::io(format!("writing {}", tmp.display()), e))?;
+    std::fs::rename(&tmp, &opts.ready_file)
+        .map_err(|e| Error::io(format!("writing {}", opts.ready_file.display()), e))?;
     eprintln!("actor {} ({}) serving on {addr}", opts.actor_id, opts.kind);
     let svc = tonic::service::interceptor::InterceptedService::new(
-        ActorServiceServer::new(TestActor { actor_id: opts.actor_id.clone() })
-            .max_decoding_message_size(MAX_MESSAGE_BYTES)
-            .max_encoding_message_size(MAX_MESSAGE_BYTES),
+        ActorServiceServer::new(TestActor {
+            actor_id: opts.actor_id.clone(),
+        })
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES),
         CheckToken::new(&opts.token, "actor"),
     );
     tonic::transport::Server::builder()
         .add_service(svc)
-        .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), shutdown.cancelled_owned())
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            shutdown.cancelled_owned(),
+        )
         .await
         .map_err(|e| Error::internal(format!("actor server: {}", net::error_chain(&e))))
 }

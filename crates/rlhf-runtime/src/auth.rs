@@ -39,13 +39,19 @@ pub fn write_token_file(path: &Path, token: &str) -> Result<()> {
 pub fn read_token_file(path: &Path) -> Result<String> {
     let t = std::fs::read_to_string(path).map_err(|e| {
         Error::io(
-            format!("reading token file {} (pass --token-file or set {TOKEN_ENV})", path.display()),
+            format!(
+                "reading token file {} (pass --token-file or set {TOKEN_ENV})",
+                path.display()
+            ),
             e,
         )
     })?;
     let t = t.trim().to_string();
     if t.is_empty() {
-        return Err(Error::invalid(format!("token file {} is empty", path.display())));
+        return Err(Error::invalid(format!(
+            "token file {} is empty",
+            path.display()
+        )));
     }
     Ok(t)
 }
@@ -61,7 +67,10 @@ pub fn resolve_token(token_file: Option<&Path>, default_file: &Path) -> Result<(
         }
     }
     if default_file.exists() {
-        return Ok((read_token_file(default_file)?, default_file.display().to_string()));
+        return Ok((
+            read_token_file(default_file)?,
+            default_file.display().to_string(),
+        ));
     }
     Err(Error::new(
         FailureKind::Unauthenticated,
@@ -128,16 +137,17 @@ pub struct AddToken {
 
 impl AddToken {
     pub fn new(token: &str) -> Result<Self> {
-        let header = format!("Bearer {token}")
-            .parse()
-            .map_err(|_| Error::invalid("the cluster token contains characters not allowed in a header"))?;
+        let header = format!("Bearer {token}").parse().map_err(|_| {
+            Error::invalid("the cluster token contains characters not allowed in a header")
+        })?;
         Ok(Self { header })
     }
 }
 
 impl tonic::service::Interceptor for AddToken {
     fn call(&mut self, mut req: Request<()>) -> std::result::Result<Request<()>, Status> {
-        req.metadata_mut().insert("authorization", self.header.clone());
+        req.metadata_mut()
+            .insert("authorization", self.header.clone());
         Ok(req)
     }
 }
@@ -168,7 +178,9 @@ mod tests {
         let ok = add.call(Request::new(())).unwrap();
         assert!(check.call(ok).is_ok());
         let mut wrong = AddToken::new("other").unwrap();
-        let e = check.call(wrong.call(Request::new(())).unwrap()).unwrap_err();
+        let e = check
+            .call(wrong.call(Request::new(())).unwrap())
+            .unwrap_err();
         assert_eq!(e.code(), tonic::Code::Unauthenticated);
         assert!(e.message().contains("wrong"));
         let e = check.call(Request::new(())).unwrap_err();

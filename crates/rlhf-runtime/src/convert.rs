@@ -96,7 +96,9 @@ pub fn pg_to_proto(p: &PgRecord) -> pb::PlacementGroupInfo {
         bundles: p
             .bundles
             .iter()
-            .map(|b| pb::Bundle { resources: Some(b.into()) })
+            .map(|b| pb::Bundle {
+                resources: Some(b.into()),
+            })
             .collect(),
         bundle_nodes: p.bundle_nodes.clone(),
         state: match p.state {
@@ -143,7 +145,12 @@ mod tests {
             bundle_index: 3,
         };
         assert_eq!(spec_from_proto(&spec_to_proto(&s)), s);
-        for st in [Strategy::Pack, Strategy::Spread, Strategy::StrictPack, Strategy::StrictSpread] {
+        for st in [
+            Strategy::Pack,
+            Strategy::Spread,
+            Strategy::StrictPack,
+            Strategy::StrictSpread,
+        ] {
             assert_eq!(strategy_from_proto(strategy_to_proto(st) as i32), st);
         }
     }

@@ -21,7 +21,11 @@ for(const a of s.actors){h+=`<tr><td>${a.actor_id}</td><td>${a.role}</td><td>${a
 document.getElementById('s').innerHTML=h+'</table>'}
 load();setInterval(load,2000);</script></body></html>"#;
 
-pub fn serve(listener: tokio::net::TcpListener, head: Head, shutdown: CancellationToken) -> Result<SocketAddr> {
+pub fn serve(
+    listener: tokio::net::TcpListener,
+    head: Head,
+    shutdown: CancellationToken,
+) -> Result<SocketAddr> {
     let addr = listener
         .local_addr()
         .map_err(|e| Error::io("dashboard address", e))?;
@@ -34,7 +38,12 @@ pub fn serve(listener: tokio::net::TcpListener, head: Head, shutdown: Cancellati
             let head = head.clone();
             tokio::spawn(async move {
                 let mut buf = vec![0u8; 4096];
-                let n = match tokio::time::timeout(std::time::Duration::from_secs(5), sock.read(&mut buf)).await {
+                let n = match tokio::time::timeout(
+                    std::time::Duration::from_secs(5),
+                    sock.read(&mut buf),
+                )
+                .await
+                {
                     Ok(Ok(n)) => n,
                     _ => return,
                 };

@@ -20,13 +20,14 @@ use tokio_util::sync::CancellationToken;
 /// Cancels `token` on SIGINT or SIGTERM.
 pub fn cancel_on_signals(token: CancellationToken) {
     tokio::spawn(async move {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::error!("cannot install SIGTERM handler: {e}");
-                return;
-            }
-        };
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::error!("cannot install SIGTERM handler: {e}");
+                    return;
+                }
+            };
         tokio::select! {
             _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT received; shutting down"),
             _ = term.recv() => tracing::info!("SIGTERM received; shutting down"),

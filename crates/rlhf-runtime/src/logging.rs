@@ -19,11 +19,17 @@ pub fn init(log_file: Option<&Path>) -> Option<tracing_appender::non_blocking::W
     let (file_layer, guard) = match appender {
         Some(a) => {
             let (w, g) = tracing_appender::non_blocking(a);
-            let layer = fmt::layer().with_writer(w).with_ansi(false).with_filter(filter());
+            let layer = fmt::layer()
+                .with_writer(w)
+                .with_ansi(false)
+                .with_filter(filter());
             (Some(layer), Some(g))
         }
         None => (None, None),
     };
-    let _ = tracing_subscriber::registry().with(stderr).with(file_layer).try_init();
+    let _ = tracing_subscriber::registry()
+        .with(stderr)
+        .with(file_layer)
+        .try_init();
     guard
 }

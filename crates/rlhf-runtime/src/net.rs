@@ -7,7 +7,9 @@ use std::time::{Duration, Instant};
 
 use rlhf_core::{Error, FailureKind, Result};
 use tonic::service::interceptor::InterceptedService;
-use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint, Identity, ServerTlsConfig};
+use tonic::transport::{
+    Certificate, Channel, ClientTlsConfig, Endpoint, Identity, ServerTlsConfig,
+};
 
 use crate::auth::AddToken;
 
@@ -49,9 +51,13 @@ impl ServerTls {
             (Some(c), Some(k)) => {
                 let cert = read(c, "--tls-cert")?;
                 let key = read(k, "--tls-key")?;
-                Ok(Some(ServerTlsConfig::new().identity(Identity::from_pem(cert, key))))
+                Ok(Some(
+                    ServerTlsConfig::new().identity(Identity::from_pem(cert, key)),
+                ))
             }
-            _ => Err(Error::invalid("--tls-cert and --tls-key must be given together")),
+            _ => Err(Error::invalid(
+                "--tls-cert and --tls-key must be given together",
+            )),
         }
     }
 }
@@ -61,7 +67,11 @@ fn read(p: &PathBuf, flag: &str) -> Result<Vec<u8>> {
 }
 
 fn endpoint(addr: &str, opts: &ClientOptions) -> Result<Endpoint> {
-    let scheme = if opts.tls_ca.is_some() { "https" } else { "http" };
+    let scheme = if opts.tls_ca.is_some() {
+        "https"
+    } else {
+        "http"
+    };
     let mut ep = Endpoint::from_shared(format!("{scheme}://{addr}"))
         .map_err(|e| Error::invalid(format!("bad address '{addr}': {e}; expected HOST:PORT")))?
         .connect_timeout(Duration::from_secs(3))
@@ -70,10 +80,12 @@ fn endpoint(addr: &str, opts: &ClientOptions) -> Result<Endpoint> {
         .keep_alive_timeout(Duration::from_secs(20));
     if let Some(ca) = &opts.tls_ca {
         let pem = read(ca, "--tls-ca")?;
-        let domain = opts
-            .tls_domain
-            .clone()
-            .unwrap_or_else(|| addr.rsplit_once(':').map(|(h, _)| h).unwrap_or(addr).to_string());
+        let domain = opts.tls_domain.clone().unwrap_or_else(|| {
+            addr.rsplit_once(':')
+                .map(|(h, _)| h)
+                .unwrap_or(addr)
+                .to_string()
+        });
         ep = ep
             .tls_config(
                 ClientTlsConfig::new()
@@ -147,7 +159,11 @@ pub async fn bind(host: &str, port: u16, flag: &str) -> Result<tokio::net::TcpLi
 pub fn local_ip_towards(peer: &str) -> Option<std::net::IpAddr> {
     use std::net::ToSocketAddrs;
     let target: SocketAddr = peer.to_socket_addrs().ok()?.next()?;
-    let bind = if target.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" };
+    let bind = if target.is_ipv4() {
+        "0.0.0.0:0"
+    } else {
+        "[::]:0"
+    };
     let sock = std::net::UdpSocket::bind(bind).ok()?;
     sock.connect(target).ok()?;
     sock.local_addr().ok().map(|a| a.ip())
@@ -177,13 +193,20 @@ mod tests {
         let port = l.local_addr().unwrap().port();
         let e = bind("127.0.0.1", port, "--port").await.unwrap_err();
         let m = e.to_string();
-        assert!(m.contains(&format!("port {port} is already in use")) && m.contains("--port 0"), "{m}");
+        assert!(
+            m.contains(&format!("port {port} is already in use")) && m.contains("--port 0"),
+            "{m}"
+        );
     }
 
     #[tokio::test]
     async fn unreachable_fails_after_timeout_naming_address() {
         // Bind then drop to get a port with nothing listening.
-        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
         let mut o = ClientOptions::new("t");
         o.connect_timeout = Duration::from_millis(400);
         let t = Instant::now();

@@ -45,14 +45,22 @@ pub struct NodeCapacity {
 
 /// Places every bundle or none. Returns the chosen node index (into `nodes`) per bundle,
 /// or an `InsufficientResources` error saying what is short, by how much, on which nodes.
-pub fn place(nodes: &[NodeCapacity], bundles: &[Resources], strategy: Strategy) -> Result<Vec<usize>> {
+pub fn place(
+    nodes: &[NodeCapacity],
+    bundles: &[Resources],
+    strategy: Strategy,
+) -> Result<Vec<usize>> {
     if bundles.is_empty() {
-        return Err(Error::invalid("a placement group needs at least one bundle"));
+        return Err(Error::invalid(
+            "a placement group needs at least one bundle",
+        ));
     }
     let mut avail: Vec<Resources> = nodes.iter().map(|n| n.available.clone()).collect();
     let found = match strategy {
         Strategy::StrictPack => strict_pack(&avail, bundles),
-        Strategy::Pack => strict_pack(&avail, bundles).or_else(|| greedy(&mut avail, bundles, false)),
+        Strategy::Pack => {
+            strict_pack(&avail, bundles).or_else(|| greedy(&mut avail, bundles, false))
+        }
         Strategy::Spread => {
             let mut a = avail.clone();
             distinct(&mut a, bundles).or_else(|| greedy(&mut avail, bundles, true))
@@ -85,13 +93,15 @@ fn greedy(avail: &mut [Resources], bundles: &[Resources], spread: bool) -> Optio
     let mut used = vec![0usize; avail.len()];
     let mut out = Vec::with_capacity(bundles.len());
     for b in bundles {
-        let pick = (0..avail.len()).filter(|&i| b.fits_in(&avail[i])).min_by_key(|&i| {
-            if spread {
-                (used[i], i)
-            } else {
-                (usize::MAX - used[i], i)
-            }
-        })?;
+        let pick = (0..avail.len())
+            .filter(|&i| b.fits_in(&avail[i]))
+            .min_by_key(|&i| {
+                if spread {
+                    (used[i], i)
+                } else {
+                    (usize::MAX - used[i], i)
+                }
+            })?;
         avail[pick].sub(b);
         used[pick] += 1;
         out.push(pick);
@@ -101,7 +111,13 @@ fn greedy(avail: &mut [Resources], bundles: &[Resources], spread: bool) -> Optio
 
 /// Every bundle on a different node: backtracking matching (clusters are small).
 fn distinct(avail: &mut [Resources], bundles: &[Resources]) -> Option<Vec<usize>> {
-    fn go(i: usize, avail: &mut [Resources], bundles: &[Resources], taken: &mut Vec<bool>, out: &mut Vec<usize>) -> bool {
+    fn go(
+        i: usize,
+        avail: &mut [Resources],
+        bundles: &[Resources],
+        taken: &mut Vec<bool>,
+        out: &mut Vec<usize>,
+    ) -> bool {
         if i == bundles.len() {
             return true;
         }
@@ -166,7 +182,10 @@ fn shortfall_error(nodes: &[NodeCapacity], bundles: &[Resources], strategy: Stra
             Strategy::StrictSpread => format!(
                 "needs {} distinct nodes that each hold one bundle, {} can",
                 bundles.len(),
-                nodes.iter().filter(|n| bundles[0].fits_in(&n.available)).count()
+                nodes
+                    .iter()
+                    .filter(|n| bundles[0].fits_in(&n.available))
+                    .count()
             ),
             Strategy::StrictPack => "no single node holds all bundles".to_string(),
             _ => "no node holds one of the bundles".to_string(),
@@ -204,7 +223,11 @@ mod tests {
 
     #[test]
     fn spread_uses_distinct_nodes_when_possible() {
-        let nodes = [node("a", 8.0, 8.0), node("b", 8.0, 8.0), node("c", 8.0, 8.0)];
+        let nodes = [
+            node("a", 8.0, 8.0),
+            node("b", 8.0, 8.0),
+            node("c", 8.0, 8.0),
+        ];
         let p = place(&nodes, &[gpus(1.0), gpus(1.0), gpus(1.0)], Strategy::Spread).unwrap();
         let mut s = p.clone();
         s.sort();
@@ -222,8 +245,14 @@ mod tests {
     fn pack_prefers_one_node() {
         let nodes = [node("a", 4.0, 8.0), node("b", 8.0, 8.0)];
         // Both PACK and STRICT_PACK pick the tightest node that holds everything.
-        assert_eq!(place(&nodes, &[gpus(2.0), gpus(2.0)], Strategy::Pack).unwrap(), vec![0, 0]);
-        assert_eq!(place(&nodes, &[gpus(3.0), gpus(3.0)], Strategy::StrictPack).unwrap(), vec![1, 1]);
+        assert_eq!(
+            place(&nodes, &[gpus(2.0), gpus(2.0)], Strategy::Pack).unwrap(),
+            vec![0, 0]
+        );
+        assert_eq!(
+            place(&nodes, &[gpus(3.0), gpus(3.0)], Strategy::StrictPack).unwrap(),
+            vec![1, 1]
+        );
         // PACK falls back to several nodes; STRICT_PACK refuses.
         let big = [gpus(6.0), gpus(3.0)];
         assert_eq!(place(&nodes, &big, Strategy::Pack).unwrap(), vec![1, 0]);
@@ -245,7 +274,10 @@ mod tests {
         let e = place(&nodes, &[gpus(2.0), gpus(2.0)], Strategy::Spread).unwrap_err();
         let m = e.to_string();
         assert!(m.contains("short of GPU by 1 in total"), "{m}");
-        assert!(m.contains("a (a.local) has GPU: 2") && m.contains("b (b.local) has GPU: 1"), "{m}");
+        assert!(
+            m.contains("a (a.local) has GPU: 2") && m.contains("b (b.local) has GPU: 1"),
+            "{m}"
+        );
         assert!(e.kind().retryable());
         let e = place(&[], &[gpus(1.0)], Strategy::Pack).unwrap_err();
         assert!(e.to_string().contains("no alive nodes"), "{e}");
@@ -256,6 +288,9 @@ mod tests {
         for s in ["PACK", "spread", "STRICT_PACK", "strict_spread"] {
             assert!(Strategy::parse(s).is_ok());
         }
-        assert!(Strategy::parse("ROUND_ROBIN").unwrap_err().to_string().contains("STRICT_SPREAD"));
+        assert!(Strategy::parse("ROUND_ROBIN")
+            .unwrap_err()
+            .to_string()
+            .contains("STRICT_SPREAD"));
     }
 }

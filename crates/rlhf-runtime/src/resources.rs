@@ -25,7 +25,12 @@ fn nvidia_smi_count() -> usize {
         .output()
         .ok()
         .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).lines().filter(|l| l.starts_with("GPU ")).count())
+        .map(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .filter(|l| l.starts_with("GPU "))
+                .count()
+        })
         .unwrap_or(0)
 }
 
@@ -38,12 +43,17 @@ fn mem_total_bytes() -> Option<f64> {
 
 /// Detects devices from the environment (`CUDA_VISIBLE_DEVICES`, nvidia-smi,
 /// `ASCEND_RT_VISIBLE_DEVICES`) via `env`, so tests can inject values.
-pub fn detect_devices(env: impl Fn(&str) -> Option<String>, smi_count: impl Fn() -> usize) -> Devices {
+pub fn detect_devices(
+    env: impl Fn(&str) -> Option<String>,
+    smi_count: impl Fn() -> usize,
+) -> Devices {
     let gpus = match env("CUDA_VISIBLE_DEVICES") {
         Some(v) => parse_visible(&v),
         None => (0..smi_count() as u32).collect(),
     };
-    let npus = env("ASCEND_RT_VISIBLE_DEVICES").map(|v| parse_visible(&v)).unwrap_or_default();
+    let npus = env("ASCEND_RT_VISIBLE_DEVICES")
+        .map(|v| parse_visible(&v))
+        .unwrap_or_default();
     Devices { gpus, npus }
 }
 
@@ -52,7 +62,9 @@ pub fn detect_devices(env: impl Fn(&str) -> Option<String>, smi_count: impl Fn()
 pub fn node_resources(overrides: &Resources) -> (Resources, Devices) {
     let mut devices = detect_devices(|k| std::env::var(k).ok(), nvidia_smi_count);
     let mut r = Resources::new();
-    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let cpus = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
     r.0.insert("CPU".into(), cpus as f64);
     if let Some(m) = mem_total_bytes() {
         r.0.insert("memory".into(), m);
@@ -88,16 +100,25 @@ mod tests {
 
     #[test]
     fn detection_reads_env_then_smi() {
-        let d = detect_devices(|k| (k == "CUDA_VISIBLE_DEVICES").then(|| "4,5".to_string()), || 8);
+        let d = detect_devices(
+            |k| (k == "CUDA_VISIBLE_DEVICES").then(|| "4,5".to_string()),
+            || 8,
+        );
         assert_eq!(d.gpus, vec![4, 5]);
-        let d = detect_devices(|k| (k == "ASCEND_RT_VISIBLE_DEVICES").then(|| "0,1,2".to_string()), || 2);
+        let d = detect_devices(
+            |k| (k == "ASCEND_RT_VISIBLE_DEVICES").then(|| "0,1,2".to_string()),
+            || 2,
+        );
         assert_eq!(d.gpus, vec![0, 1]);
         assert_eq!(d.npus, vec![0, 1, 2]);
     }
 
     #[test]
     fn overrides_win_and_custom_keys_pass_through() {
-        let o = Resources::new().with("GPU", 3.0).with("my_accel", 2.0).with("CPU", 1.0);
+        let o = Resources::new()
+            .with("GPU", 3.0)
+            .with("my_accel", 2.0)
+            .with("CPU", 1.0);
         let (r, d) = node_resources(&o);
         assert_eq!(r.get("GPU"), 3.0);
         assert_eq!(r.get("CPU"), 1.0);

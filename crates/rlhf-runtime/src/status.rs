@@ -91,7 +91,11 @@ pub fn to_json(s: &pb::ClusterStatusResponse) -> serde_json::Value {
 fn usage(s: &pb::ClusterStatusResponse) -> (Resources, Resources) {
     let mut total = Resources::new();
     let mut used = Resources::new();
-    for n in s.nodes.iter().filter(|n| n.state == pb::NodeState::Alive as i32) {
+    for n in s
+        .nodes
+        .iter()
+        .filter(|n| n.state == pb::NodeState::Alive as i32)
+    {
         let t = res(&n.total);
         let mut u = t.clone();
         u.sub(&res(&n.available));
@@ -105,28 +109,56 @@ pub fn to_text(s: &pb::ClusterStatusResponse) -> String {
     use std::fmt::Write;
     let mut o = String::new();
     let rule = "-".repeat(64);
-    let _ = writeln!(o, "======== Cluster status (protocol v{}) ========", s.protocol_version);
+    let _ = writeln!(
+        o,
+        "======== Cluster status (protocol v{}) ========",
+        s.protocol_version
+    );
     let _ = writeln!(o, "Node status\n{rule}");
-    let alive: Vec<_> = s.nodes.iter().filter(|n| n.state == pb::NodeState::Alive as i32).collect();
-    let dead: Vec<_> = s.nodes.iter().filter(|n| n.state != pb::NodeState::Alive as i32).collect();
+    let alive: Vec<_> = s
+        .nodes
+        .iter()
+        .filter(|n| n.state == pb::NodeState::Alive as i32)
+        .collect();
+    let dead: Vec<_> = s
+        .nodes
+        .iter()
+        .filter(|n| n.state != pb::NodeState::Alive as i32)
+        .collect();
     let _ = writeln!(o, "Active:");
     if alive.is_empty() {
         let _ = writeln!(o, " (no active nodes)");
     }
     for n in &alive {
-        let _ = writeln!(o, " 1 {} {} ({}) [{}]", n.node_id, n.hostname, n.address, res(&n.total).display());
+        let _ = writeln!(
+            o,
+            " 1 {} {} ({}) [{}]",
+            n.node_id,
+            n.hostname,
+            n.address,
+            res(&n.total).display()
+        );
     }
     let _ = writeln!(o, "Dead:");
     if dead.is_empty() {
         let _ = writeln!(o, " (no dead nodes)");
     }
     for n in &dead {
-        let _ = writeln!(o, " 1 {} {} ({}): {}", n.node_id, n.hostname, n.address, n.death_reason);
+        let _ = writeln!(
+            o,
+            " 1 {} {} ({}): {}",
+            n.node_id, n.hostname, n.address, n.death_reason
+        );
     }
     let (used, total) = usage(s);
     let _ = writeln!(o, "\nResources\n{rule}\nUsage:");
     for (k, t) in &total.0 {
-        let _ = writeln!(o, " {}/{} {k}", fmt_amount(k, used.get(k)), fmt_amount(k, *t));
+        let _ = writeln!(
+            o,
+            " {}/{} {k}",
+            fmt_amount(k, used.get(k)),
+            fmt_amount(k, *t)
+        );
     }
     let live_pgs: Vec<_> = s
         .placement_groups
@@ -141,10 +173,22 @@ pub fn to_text(s: &pb::ClusterStatusResponse) -> String {
         let b: Vec<String> = p
             .bundles
             .iter()
-            .zip(p.bundle_nodes.iter().chain(std::iter::repeat(&String::new())))
+            .zip(
+                p.bundle_nodes
+                    .iter()
+                    .chain(std::iter::repeat(&String::new())),
+            )
             .map(|(b, n)| format!("{{{}}}@{}", res(&b.resources).display(), n))
             .collect();
-        let _ = writeln!(o, " {} {:?} {} {} [{}]", p.pg_id, p.name, strategy(p.strategy), pg_state(p.state), b.join(", "));
+        let _ = writeln!(
+            o,
+            " {} {:?} {} {} [{}]",
+            p.pg_id,
+            p.name,
+            strategy(p.strategy),
+            pg_state(p.state),
+            b.join(", ")
+        );
     }
     let _ = writeln!(o, "\nActors\n{rule}");
     if s.actors.is_empty() {
@@ -152,7 +196,16 @@ pub fn to_text(s: &pb::ClusterStatusResponse) -> String {
     }
     for a in &s.actors {
         let spec = a.spec.clone().unwrap_or_default();
-        let _ = write!(o, " {} {} role={} node={} {} pid={}", a.actor_id, actor_state(a.state), spec.role, a.node_id, a.address, a.pid);
+        let _ = write!(
+            o,
+            " {} {} role={} node={} {} pid={}",
+            a.actor_id,
+            actor_state(a.state),
+            spec.role,
+            a.node_id,
+            a.address,
+            a.pid
+        );
         if !a.reason.is_empty() {
             let _ = write!(o, " reason: {}", a.reason);
         }
@@ -174,11 +227,19 @@ mod tests {
             total: Some((&Resources::new().with("GPU", 8.0)).into()),
             available: Some((&Resources::new().with("GPU", gpu_avail)).into()),
             state: state as i32,
-            death_reason: if state == pb::NodeState::Dead { "no heartbeat for 6.0s".into() } else { String::new() },
+            death_reason: if state == pb::NodeState::Dead {
+                "no heartbeat for 6.0s".into()
+            } else {
+                String::new()
+            },
             ..Default::default()
         };
         let s = pb::ClusterStatusResponse {
-            nodes: vec![node("n1", pb::NodeState::Alive, 6.0), node("n2", pb::NodeState::Alive, 8.0), node("n3", pb::NodeState::Dead, 8.0)],
+            nodes: vec![
+                node("n1", pb::NodeState::Alive, 6.0),
+                node("n2", pb::NodeState::Alive, 8.0),
+                node("n3", pb::NodeState::Dead, 8.0),
+            ],
             protocol_version: 1,
             ..Default::default()
         };

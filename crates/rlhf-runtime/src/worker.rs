@@ -58,7 +58,10 @@ struct WorkerSvc(Arc<Agent>);
 fn log_tail(path: &Path, n: usize) -> Vec<String> {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let lines: Vec<&str> = text.lines().collect();
-    lines[lines.len().saturating_sub(n)..].iter().map(|s| s.to_string()).collect()
+    lines[lines.len().saturating_sub(n)..]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
 }
 
 fn signal_name(sig: i32) -> String {
@@ -84,11 +87,18 @@ pub fn exit_reason(code: Option<i32>, signal: Option<i32>, stop_requested: bool)
 impl Agent {
     fn take_devices(&self, want: usize, key: &str) -> Result<Vec<u32>> {
         let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
-        let list = if key == "GPU" { &mut free.gpus } else { &mut free.npus };
+        let list = if key == "GPU" {
+            &mut free.gpus
+        } else {
+            &mut free.npus
+        };
         if want > list.len() {
             return Err(Error::new(
                 FailureKind::InsufficientResources,
-                format!("node has {} free {key} device(s), the actor needs {want}", list.len()),
+                format!(
+                    "node has {} free {key} device(s), the actor needs {want}",
+                    list.len()
+                ),
             ));
         }
         Ok(list.drain(..want).collect())
@@ -102,7 +112,12 @@ impl Agent {
         free.npus.sort_unstable();
     }
 
-    async fn start_actor(self: &Arc<Self>, actor_id: String, spec: pb::ActorSpec, timeout: Duration) -> Result<pb::ActorInfo> {
+    async fn start_actor(
+        self: &Arc<Self>,
+        actor_id: String,
+        spec: pb::ActorSpec,
+        timeout: Duration,
+    ) -> Result<pb::ActorInfo> {
         let domain = convert::spec_from_proto(&spec);
         let gpus = self.take_devices(domain.resources.get("GPU").ceil() as usize, "GPU")?;
         let npus = match self.take_devices(domain.resources.get("NPU").ceil() as usize, "NPU") {
@@ -112,7 +127,10 @@ impl Agent {
                 return Err(e);
             }
         };
-        match self.spawn_actor(&actor_id, &spec, &gpus, &npus, timeout).await {
+        match self
+            .spawn_actor(&actor_id, &spec, &gpus, &npus, timeout)
+            .await
+        {
             Ok(info) => Ok(info),
             Err(e) => {
                 self.give_back(&gpus, &npus);
@@ -121,24 +139,42 @@ impl Agent {
         }
     }
 
-    async fn spawn_actor(self: &Arc<Self>, actor_id: &str, spec: &pb::ActorSpec, gpus: &[u32], npus: &[u32], timeout: Duration) -> Result<pb::ActorInfo> {
+    async fn spawn_actor(
+        self: &Arc<Self>,
+        actor_id: &str,
+        spec: &pb::ActorSpec,
+        gpus: &[u32],
+        npus: &[u32],
+        timeout: Duration,
+    ) -> Result<pb::ActorInfo> {
         let log_dir = self.opts.state_dir.join("logs");
         let run_dir = self.opts.state_dir.join("run");
         for d in [&log_dir, &run_dir] {
-            std::fs::create_dir_all(d).map_err(|e| Error::io(format!("creating {}", d.display()), e))?;
+            std::fs::create_dir_all(d)
+                .map_err(|e| Error::io(format!("creating {}", d.display()), e))?;
         }
         let log_file = log_dir.join(format!("{actor_id}.log"));
         let ready_file = run_dir.join(format!("{actor_id}.ready"));
         let _ = std::fs::remove_file(&ready_file);
-        let log = std::fs::File::create(&log_file).map_err(|e| Error::io(format!("creating {}", log_file.display()), e))?;
+        let log = std::fs::File::create(&log_file)
+            .map_err(|e| Error::io(format!("creating {}", log_file.display()), e))?;
         let log2 = log.try_clone().map_err(|e| Error::io("log file", e))?;
-        let join = |v: &[u32]| v.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(",");
+        let join = |v: &[u32]| {
+            v.iter()
+                .map(|d| d.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        };
         let mut cmd = tokio::process::Command::new(&self.opts.actor_exe);
         cmd.arg("actor")
             .arg("--actor-id")
             .arg(actor_id)
             .arg("--kind")
-            .arg(if spec.kind.is_empty() { "test" } else { &spec.kind })
+            .arg(if spec.kind.is_empty() {
+                "test"
+            } else {
+                &spec.kind
+            })
             .arg("--ready-file")
             .arg(&ready_file)
             .arg("--host")
@@ -162,9 +198,12 @@ impl Agent {
                 Ok(())
             });
         }
-        let mut child = cmd
-            .spawn()
-            .map_err(|e| Error::io(format!("starting actor program {}", self.opts.actor_exe.display()), e))?;
+        let mut child = cmd.spawn().map_err(|e| {
+            Error::io(
+                format!("starting actor program {}", self.opts.actor_exe.display()),
+                e,
+            )
+        })?;
         let pid = child.id().unwrap_or(0) as i32;
         let deadline = tokio::time::Instant::now() + timeout;
         let address = loop {
@@ -188,7 +227,10 @@ impl Agent {
                 let _ = child.start_kill();
                 return Err(Error::new(
                     FailureKind::Timeout,
-                    format!("actor {actor_id} was not ready within {timeout:?}; see {}", log_file.display()),
+                    format!(
+                        "actor {actor_id} was not ready within {timeout:?}; see {}",
+                        log_file.display()
+                    ),
                 ));
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
@@ -196,7 +238,11 @@ impl Agent {
         let info = pb::ActorInfo {
             actor_id: actor_id.to_string(),
             spec: Some(spec.clone()),
-            node_id: self.node_id.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+            node_id: self
+                .node_id
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone(),
             address,
             state: pb::ActorState::Alive as i32,
             pid,
@@ -204,17 +250,27 @@ impl Agent {
             log_file: log_file.display().to_string(),
             ..Default::default()
         };
-        self.actors.lock().unwrap_or_else(|p| p.into_inner()).insert(
-            actor_id.to_string(),
-            ActorProc { info: info.clone(), stop_requested: false },
-        );
+        self.actors
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(
+                actor_id.to_string(),
+                ActorProc {
+                    info: info.clone(),
+                    stop_requested: false,
+                },
+            );
         tracing::info!(actor = actor_id, pid, address = %info.address, "actor started");
         let agent = self.clone();
         let (id, gpus, npus) = (actor_id.to_string(), gpus.to_vec(), npus.to_vec());
         tokio::spawn(async move {
             use std::os::unix::process::ExitStatusExt;
             let st = child.wait().await;
-            let proc = agent.actors.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+            let proc = agent
+                .actors
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&id);
             agent.give_back(&gpus, &npus);
             let stop_requested = proc.as_ref().map(|p| p.stop_requested).unwrap_or(false);
             let (code, sig) = match &st {
@@ -238,7 +294,11 @@ impl Agent {
         let mut head = self.head.clone();
         for _ in 0..120 {
             let req = pb::ReportActorExitRequest {
-                node_id: self.node_id.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+                node_id: self
+                    .node_id
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .clone(),
                 actor_id: actor_id.clone(),
                 exit: Some(exit.clone()),
             };
@@ -253,7 +313,9 @@ impl Agent {
 
     fn signal_actor(&self, actor_id: &str, sig: nix::sys::signal::Signal, mark_stop: bool) -> bool {
         let mut actors = self.actors.lock().unwrap_or_else(|p| p.into_inner());
-        let Some(p) = actors.get_mut(actor_id) else { return false };
+        let Some(p) = actors.get_mut(actor_id) else {
+            return false;
+        };
         if mark_stop {
             p.stop_requested = true;
         }
@@ -263,32 +325,69 @@ impl Agent {
 
     /// SIGTERM every actor, then SIGKILL whatever is left after a grace period.
     async fn stop_all(&self, grace: Duration) {
-        let ids: Vec<String> = self.actors.lock().unwrap_or_else(|p| p.into_inner()).keys().cloned().collect();
+        let ids: Vec<String> = self
+            .actors
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .keys()
+            .cloned()
+            .collect();
         for id in &ids {
             self.signal_actor(id, nix::sys::signal::Signal::SIGTERM, true);
         }
         let deadline = tokio::time::Instant::now() + grace;
-        while tokio::time::Instant::now() < deadline && !self.actors.lock().unwrap_or_else(|p| p.into_inner()).is_empty() {
+        while tokio::time::Instant::now() < deadline
+            && !self
+                .actors
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .is_empty()
+        {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        let left: Vec<String> = self.actors.lock().unwrap_or_else(|p| p.into_inner()).keys().cloned().collect();
+        let left: Vec<String> = self
+            .actors
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .keys()
+            .cloned()
+            .collect();
         for id in &left {
             tracing::warn!(actor = %id, "actor ignored SIGTERM; killing it");
             self.signal_actor(id, nix::sys::signal::Signal::SIGKILL, true);
         }
-        while !self.actors.lock().unwrap_or_else(|p| p.into_inner()).is_empty() && tokio::time::Instant::now() < deadline + Duration::from_secs(2) {
+        while !self
+            .actors
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_empty()
+            && tokio::time::Instant::now() < deadline + Duration::from_secs(2)
+        {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
 
     fn live_actors(&self) -> Vec<pb::ActorInfo> {
-        self.actors.lock().unwrap_or_else(|p| p.into_inner()).values().map(|p| p.info.clone()).collect()
+        self.actors
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .map(|p| p.info.clone())
+            .collect()
     }
 
-    async fn register(&self, resources: &Resources, address: &str) -> Result<pb::RegisterNodeResponse> {
+    async fn register(
+        &self,
+        resources: &Resources,
+        address: &str,
+    ) -> Result<pb::RegisterNodeResponse> {
         let req = pb::RegisterNodeRequest {
             protocol_version: PROTOCOL_VERSION,
-            node_id: self.node_id.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+            node_id: self
+                .node_id
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone(),
             hostname: self.opts.hostname.clone(),
             address: address.to_string(),
             resources: Some(resources.into()),
@@ -297,7 +396,12 @@ impl Agent {
         let mut head = self.head.clone();
         let r = tokio::time::timeout(Duration::from_secs(5), head.register_node(req))
             .await
-            .map_err(|_| Error::new(FailureKind::Timeout, "register: the head did not answer within 5s"))??
+            .map_err(|_| {
+                Error::new(
+                    FailureKind::Timeout,
+                    "register: the head did not answer within 5s",
+                )
+            })??
             .into_inner();
         *self.node_id.lock().unwrap_or_else(|p| p.into_inner()) = r.node_id.clone();
         Ok(r)
@@ -306,23 +410,39 @@ impl Agent {
 
 #[tonic::async_trait]
 impl WorkerService for WorkerSvc {
-    async fn start_actor(&self, req: Request<pb::StartActorRequest>) -> std::result::Result<Response<pb::StartActorResponse>, Status> {
+    async fn start_actor(
+        &self,
+        req: Request<pb::StartActorRequest>,
+    ) -> std::result::Result<Response<pb::StartActorResponse>, Status> {
         let r = req.into_inner();
         let spec = r.spec.unwrap_or_default();
-        let timeout = Duration::from_millis(if r.timeout_ms == 0 { 30_000 } else { r.timeout_ms });
+        let timeout = Duration::from_millis(if r.timeout_ms == 0 {
+            30_000
+        } else {
+            r.timeout_ms
+        });
         let info = self.0.start_actor(r.actor_id, spec, timeout).await?;
         Ok(Response::new(pb::StartActorResponse { actor: Some(info) }))
     }
 
-    async fn stop_actor(&self, req: Request<pb::StopActorRequest>) -> std::result::Result<Response<pb::StopActorResponse>, Status> {
+    async fn stop_actor(
+        &self,
+        req: Request<pb::StopActorRequest>,
+    ) -> std::result::Result<Response<pb::StopActorResponse>, Status> {
         let id = req.into_inner().actor_id;
-        if !self.0.signal_actor(&id, nix::sys::signal::Signal::SIGTERM, true) {
+        if !self
+            .0
+            .signal_actor(&id, nix::sys::signal::Signal::SIGTERM, true)
+        {
             return Err(Error::not_found(format!("actor {id} is not running on this node")).into());
         }
         Ok(Response::new(pb::StopActorResponse {}))
     }
 
-    async fn shutdown_worker(&self, _req: Request<pb::ShutdownWorkerRequest>) -> std::result::Result<Response<pb::ShutdownWorkerResponse>, Status> {
+    async fn shutdown_worker(
+        &self,
+        _req: Request<pb::ShutdownWorkerRequest>,
+    ) -> std::result::Result<Response<pb::ShutdownWorkerResponse>, Status> {
         tracing::info!("shutdown requested by the head");
         self.0.shutdown.cancel();
         Ok(Response::new(pb::ShutdownWorkerResponse {}))
@@ -330,7 +450,10 @@ impl WorkerService for WorkerSvc {
 }
 
 fn fatal(e: &Error) -> bool {
-    matches!(e.kind(), FailureKind::Unauthenticated | FailureKind::VersionMismatch)
+    matches!(
+        e.kind(),
+        FailureKind::Unauthenticated | FailureKind::VersionMismatch
+    )
 }
 
 /// Joins the cluster and serves until `shutdown`; then stops every actor and returns.
@@ -343,7 +466,13 @@ pub async fn run(opts: WorkerOptions, shutdown: CancellationToken) -> Result<()>
         .or_else(|| net::local_ip_towards(&opts.head_address).map(|ip| ip.to_string()))
         .unwrap_or_else(|| "127.0.0.1".into());
     let listener = net::bind(&node_ip, opts.port, "--port").await?;
-    let address = format!("{node_ip}:{}", listener.local_addr().map_err(|e| Error::io("local address", e))?.port());
+    let address = format!(
+        "{node_ip}:{}",
+        listener
+            .local_addr()
+            .map_err(|e| Error::io("local address", e))?
+            .port()
+    );
 
     let channel = net::connect(&opts.head_address, &opts.client).await?;
     let head = HeadServiceClient::new(channel).max_decoding_message_size(MAX_MESSAGE_BYTES);
@@ -383,7 +512,12 @@ pub async fn run(opts: WorkerOptions, shutdown: CancellationToken) -> Result<()>
             return Err(e);
         }
     };
-    println!("node {} joined the cluster at {} (serving on {address}; resources {})", reg.node_id, opts.head_address, resources.display());
+    println!(
+        "node {} joined the cluster at {} (serving on {address}; resources {})",
+        reg.node_id,
+        opts.head_address,
+        resources.display()
+    );
     tracing::info!(node = %reg.node_id, "registered");
     let interval = Duration::from_millis(reg.heartbeat_interval_ms.clamp(50, 10_000));
 
@@ -394,7 +528,13 @@ pub async fn run(opts: WorkerOptions, shutdown: CancellationToken) -> Result<()>
     result
 }
 
-async fn heartbeat_loop(agent: &Arc<Agent>, resources: &Resources, address: &str, interval: Duration, shutdown: &CancellationToken) -> Result<()> {
+async fn heartbeat_loop(
+    agent: &Arc<Agent>,
+    resources: &Resources,
+    address: &str,
+    interval: Duration,
+    shutdown: &CancellationToken,
+) -> Result<()> {
     let mut head = agent.head.clone();
     let mut need_register = false;
     let mut backoff = interval;
@@ -420,7 +560,11 @@ async fn heartbeat_loop(agent: &Arc<Agent>, resources: &Resources, address: &str
         }
         let req = pb::HeartbeatRequest {
             protocol_version: PROTOCOL_VERSION,
-            node_id: agent.node_id.lock().unwrap_or_else(|p| p.into_inner()).clone(),
+            node_id: agent
+                .node_id
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone(),
         };
         match tokio::time::timeout(Duration::from_secs(2), head.heartbeat(req)).await {
             Ok(Ok(r)) if r.get_ref().known => {}

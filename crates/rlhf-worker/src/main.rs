@@ -14,7 +14,11 @@ use rlhf_runtime::worker::{self, WorkerOptions};
 use tokio_util::sync::CancellationToken;
 
 #[derive(Parser)]
-#[command(name = "rlhf-worker", version, about = "Worker node of an rlhf cluster")]
+#[command(
+    name = "rlhf-worker",
+    version,
+    about = "Worker node of an rlhf cluster"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -89,16 +93,29 @@ async fn run(cli: Cli) -> Result<()> {
     let shutdown = CancellationToken::new();
     rlhf_runtime::cancel_on_signals(shutdown.clone());
     match cli.cmd {
-        Cmd::Join { address, resources, token_file, tls_ca, tls_domain, node_ip, port, connect_timeout, state_dir } => {
+        Cmd::Join {
+            address,
+            resources,
+            token_file,
+            tls_ca,
+            tls_domain,
+            node_ip,
+            port,
+            connect_timeout,
+            state_dir,
+        } => {
             let overrides = match resources {
                 Some(r) => Resources::parse_json("--resources", &r)?,
                 None => Resources::new(),
             };
             let state_dir = state_dir.unwrap_or_else(rlhf_runtime::default_state_dir);
             let _guard = rlhf_runtime::logging::init(Some(
-                &state_dir.join("logs").join(format!("worker-{}.log", std::process::id())),
+                &state_dir
+                    .join("logs")
+                    .join(format!("worker-{}.log", std::process::id())),
             ));
-            let (token, _) = auth::resolve_token(token_file.as_deref(), &auth::default_token_path(&state_dir))?;
+            let (token, _) =
+                auth::resolve_token(token_file.as_deref(), &auth::default_token_path(&state_dir))?;
             let mut client = ClientOptions::new(token);
             client.tls_ca = tls_ca;
             client.tls_domain = tls_domain;
@@ -121,12 +138,31 @@ async fn run(cli: Cli) -> Result<()> {
             };
             worker::run(opts, shutdown).await
         }
-        Cmd::Actor { actor_id, kind, ready_file, host, rest: _ } => {
+        Cmd::Actor {
+            actor_id,
+            kind,
+            ready_file,
+            host,
+            rest: _,
+        } => {
             let _guard = rlhf_runtime::logging::init(None);
             let token = std::env::var(auth::TOKEN_ENV).map_err(|_| {
-                rlhf_core::Error::invalid(format!("the actor needs the cluster token in ${}", auth::TOKEN_ENV))
+                rlhf_core::Error::invalid(format!(
+                    "the actor needs the cluster token in ${}",
+                    auth::TOKEN_ENV
+                ))
             })?;
-            actor::run(ActorOptions { actor_id, kind, ready_file, host, token }, shutdown).await
+            actor::run(
+                ActorOptions {
+                    actor_id,
+                    kind,
+                    ready_file,
+                    host,
+                    token,
+                },
+                shutdown,
+            )
+            .await
         }
     }
 }

@@ -1,1 +1,286 @@
-//! Helpers for end-to-end tests: spawn real binaries, free ports, logs per child, kill on drop.
+//! Helpers for end-to-end tests: build and spawn the real binaries, free ports, one log
+//! per child, kill on drop, and polling with deadlines instead of fixed sleeps.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use serde_json::Value;
+
+/// Path of a workspace binary, built once per test process with the same cargo that runs
+/// the tests (a plain `cargo test` does not build other packages' binaries).
+pub fn bin(name: &str) -> PathBuf {
+    static BUILT: OnceLock<PathBuf> = OnceLock::new();
+    let dir = BUILT.get_or_init(|| {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let st = Command::new(cargo)
+            .current_dir(&root)
+            .args(["build", "--quiet", "-p", "rlhf-head", "-p", "rlhf-worker"])
+            .status()
+            .expect("running cargo build for the e2e binaries");
+        assert!(st.success(), "cargo build of rlhf-head/rlhf-worker failed");
+        // tests run from target/<profile>/deps/<test-binary>
+        let exe = std::env::current_exe().expect("current_exe");
+        exe.parent()
+            .and_then(Path::parent)
+            .expect("target dir")
+            .to_path_buf()
+    });
+    dir.join(name)
+}
+
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("free port")
+}
+
+/// A child process with its own log file, killed (SIGKILL) and reaped on drop.
+pub struct Proc {
+    pub name: String,
+    pub child: Child,
+    pub log: PathBuf,
+}
+
+impl Proc {
+    pub fn spawn(name: &str, log_dir: &Path, cmd: &mut Command) -> Result<Proc> {
+        let log = log_dir.join(format!("{name}.out"));
+        let f = std::fs::File::create(&log)?;
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(f.try_clone()?)
+            .stderr(f)
+            .spawn()
+            .with_context(|| format!("spawning {name}"))?;
+        Ok(Proc {
+            name: name.into(),
+            child,
+            log,
+        })
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    pub fn output(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn signal(&self, sig: nix::sys::signal::Signal) {
+        let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(self.pid()), sig);
+    }
+
+    /// Waits for the process to exit; returns its status.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Result<std::process::ExitStatus> {
+        let start = Instant::now();
+        loop {
+            if let Some(st) = self.child.try_wait()? {
+                return Ok(st);
+            }
+            if start.elapsed() > timeout {
+                bail!(
+                    "{} did not exit within {timeout:?}; output:\n{}",
+                    self.name,
+                    self.output()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Whether a process with this pid still exists (zombies count as gone).
+pub fn pid_alive(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(s) => !s
+            .rsplit(')')
+            .next()
+            .map(|r| r.trim_start().starts_with('Z'))
+            .unwrap_or(false),
+        Err(_) => false,
+    }
+}
+
+/// Polls `f` until it returns Some, or fails after `timeout` with `what` and the last value.
+pub fn wait_for<T>(
+    timeout: Duration,
+    what: &str,
+    mut f: impl FnMut() -> Result<Option<T>>,
+) -> Result<T> {
+    let start = Instant::now();
+    let mut last_err = String::new();
+    loop {
+        match f() {
+            Ok(Some(v)) => return Ok(v),
+            Ok(None) => {}
+            Err(e) => last_err = format!("{e:#}"),
+        }
+        if start.elapsed() > timeout {
+            bail!("timed out after {timeout:?} waiting for {what} {last_err}");
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+}
+
+/// A head (and workers) on loopback, in a private state directory.
+pub struct Cluster {
+    pub dir: tempfile::TempDir,
+    pub port: u16,
+    pub head: Option<Proc>,
+    pub workers: Vec<Proc>,
+    pub head_args: Vec<String>,
+}
+
+impl Cluster {
+    pub fn state_dir(&self) -> PathBuf {
+        self.dir.path().join("state")
+    }
+    pub fn token_file(&self) -> PathBuf {
+        self.state_dir().join("token")
+    }
+    pub fn address(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// Starts a head on a free port with the given extra flags and waits until it serves.
+    pub fn start(head_args: &[&str]) -> Result<Cluster> {
+        let dir = tempfile::tempdir()?;
+        let mut c = Cluster {
+            dir,
+            port: free_port(),
+            head: None,
+            workers: Vec::new(),
+            head_args: head_args.iter().map(|s| s.to_string()).collect(),
+        };
+        c.start_head()?;
+        Ok(c)
+    }
+
+    pub fn start_head(&mut self) -> Result<()> {
+        let info = self.state_dir().join("head.json");
+        let _ = std::fs::remove_file(&info);
+        let n = self.workers.len();
+        let mut cmd = Command::new(bin("rlhf-head"));
+        cmd.args([
+            "start",
+            "--port",
+            &self.port.to_string(),
+            "--host",
+            "127.0.0.1",
+            "--dashboard-port",
+            "0",
+        ])
+        .arg("--state-dir")
+        .arg(self.state_dir())
+        .args(&self.head_args)
+        .env_remove("RLHF_TOKEN")
+        .env("RUST_LOG", "info");
+        let p = Proc::spawn(
+            &format!("head-{n}-{}", free_port()),
+            self.dir.path(),
+            &mut cmd,
+        )?;
+        self.head = Some(p);
+        let head = self.head.as_mut().expect("just set");
+        wait_for(Duration::from_secs(20), "head.json", || {
+            if let Some(st) = head.child.try_wait()? {
+                bail!("head exited early ({st}): {}", head.output());
+            }
+            Ok(info.exists().then_some(()))
+        })
+    }
+
+    /// Joins a worker with `--resources` JSON.
+    pub fn add_worker(&mut self, resources: &str) -> Result<usize> {
+        let n = self.workers.len();
+        let mut cmd = self.worker_cmd(resources);
+        cmd.args(["--token-file"]).arg(self.token_file());
+        let p = Proc::spawn(&format!("worker-{n}"), self.dir.path(), &mut cmd)?;
+        self.workers.push(p);
+        Ok(n)
+    }
+
+    pub fn worker_cmd(&self, resources: &str) -> Command {
+        let mut cmd = Command::new(bin("rlhf-worker"));
+        cmd.args([
+            "join",
+            "--address",
+            &self.address(),
+            "--node-ip",
+            "127.0.0.1",
+            "--resources",
+            resources,
+        ])
+        .arg("--state-dir")
+        .arg(
+            self.dir
+                .path()
+                .join(format!("wstate-{}", self.workers.len())),
+        )
+        .env_remove("RLHF_TOKEN")
+        .env("RUST_LOG", "info");
+        cmd
+    }
+
+    /// `rlhf-head status --format json`.
+    pub fn status(&self) -> Result<Value> {
+        let out = Command::new(bin("rlhf-head"))
+            .args([
+                "status",
+                "--format",
+                "json",
+                "--connect-timeout",
+                "2",
+                "--address",
+                &self.address(),
+            ])
+            .arg("--token-file")
+            .arg(self.token_file())
+            .output()?;
+        if !out.status.success() {
+            bail!("status failed: {}", String::from_utf8_lossy(&out.stderr));
+        }
+        Ok(serde_json::from_slice(&out.stdout)?)
+    }
+
+    pub fn alive_nodes(&self) -> Result<usize> {
+        let s = self.status()?;
+        Ok(s["nodes"]
+            .as_array()
+            .map(|a| a.iter().filter(|n| n["state"] == "ALIVE").count())
+            .unwrap_or(0))
+    }
+
+    pub fn wait_alive_nodes(&self, n: usize, timeout: Duration) -> Result<Value> {
+        wait_for(timeout, &format!("{n} alive nodes"), || {
+            let s = self.status()?;
+            let alive = s["nodes"]
+                .as_array()
+                .map(|a| a.iter().filter(|x| x["state"] == "ALIVE").count())
+                .unwrap_or(0);
+            Ok((alive == n).then_some(s))
+        })
+    }
+
+    pub fn token(&self) -> Result<String> {
+        Ok(std::fs::read_to_string(self.token_file())?
+            .trim()
+            .to_string())
+    }
+
+    pub fn head_log(&self) -> String {
+        std::fs::read_to_string(self.state_dir().join("logs/head.log")).unwrap_or_default()
+    }
+}

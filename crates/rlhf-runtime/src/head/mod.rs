@@ -124,7 +124,11 @@ impl Head {
         }
     }
 
-    async fn create_actor(&self, spec: state::ActorSpec, timeout: Duration) -> Result<pb::ActorInfo> {
+    async fn create_actor(
+        &self,
+        spec: state::ActorSpec,
+        timeout: Duration,
+    ) -> Result<pb::ActorInfo> {
         let rec = self.lock().reserve_actor(spec)?;
         let address = self
             .lock()
@@ -138,25 +142,36 @@ impl Head {
             spec: Some(convert::spec_to_proto(&rec.spec)),
             timeout_ms: timeout.as_millis() as u64,
         };
-        let res = tokio::time::timeout(timeout + Duration::from_secs(5), client.start_actor(req)).await;
+        let res =
+            tokio::time::timeout(timeout + Duration::from_secs(5), client.start_actor(req)).await;
         let info = match res {
             Ok(Ok(r)) => r.into_inner().actor.unwrap_or_default(),
             Ok(Err(status)) => {
                 let e = Error::from(status);
-                self.lock().actor_died(&rec.actor_id, format!("failed to start: {e}"), None)?;
+                self.lock()
+                    .actor_died(&rec.actor_id, format!("failed to start: {e}"), None)?;
                 return Err(e);
             }
             Err(_) => {
                 let e = Error::new(
                     FailureKind::Timeout,
-                    format!("node {} did not start actor {} within {:?}", rec.node_id, rec.actor_id, timeout),
+                    format!(
+                        "node {} did not start actor {} within {:?}",
+                        rec.node_id, rec.actor_id, timeout
+                    ),
                 );
                 self.lock().actor_died(&rec.actor_id, e.to_string(), None)?;
                 return Err(e);
             }
         };
         let mut s = self.lock();
-        s.actor_started(&rec.actor_id, info.address, info.pid, info.devices, info.log_file)?;
+        s.actor_started(
+            &rec.actor_id,
+            info.address,
+            info.pid,
+            info.devices,
+            info.log_file,
+        )?;
         Ok(convert::actor_to_proto(&s.actors[&rec.actor_id]))
     }
 
@@ -187,7 +202,10 @@ impl Head {
 
 #[tonic::async_trait]
 impl HeadService for Head {
-    async fn register_node(&self, req: Request<pb::RegisterNodeRequest>) -> std::result::Result<Response<pb::RegisterNodeResponse>, Status> {
+    async fn register_node(
+        &self,
+        req: Request<pb::RegisterNodeRequest>,
+    ) -> std::result::Result<Response<pb::RegisterNodeResponse>, Status> {
         let peer = req.remote_addr();
         let r = req.into_inner();
         check_version(r.protocol_version)?;
@@ -220,29 +238,50 @@ impl HeadService for Head {
         }))
     }
 
-    async fn heartbeat(&self, req: Request<pb::HeartbeatRequest>) -> std::result::Result<Response<pb::HeartbeatResponse>, Status> {
+    async fn heartbeat(
+        &self,
+        req: Request<pb::HeartbeatRequest>,
+    ) -> std::result::Result<Response<pb::HeartbeatResponse>, Status> {
         let r = req.into_inner();
         check_version(r.protocol_version)?;
         let known = self.lock().heartbeat(&r.node_id, self.0.clock.now_ms());
         Ok(Response::new(pb::HeartbeatResponse { known }))
     }
 
-    async fn report_actor_exit(&self, req: Request<pb::ReportActorExitRequest>) -> std::result::Result<Response<pb::ReportActorExitResponse>, Status> {
+    async fn report_actor_exit(
+        &self,
+        req: Request<pb::ReportActorExitRequest>,
+    ) -> std::result::Result<Response<pb::ReportActorExitResponse>, Status> {
         let r = req.into_inner();
-        let exit: ActorExit = r.exit.as_ref().map(convert::exit_from_proto).unwrap_or_default();
+        let exit: ActorExit = r
+            .exit
+            .as_ref()
+            .map(convert::exit_from_proto)
+            .unwrap_or_default();
         tracing::warn!(actor = %r.actor_id, node = %r.node_id, code = exit.exit_code, signal = exit.signal, "actor exited: {}", exit.reason);
-        self.lock().actor_died(&r.actor_id, exit.reason.clone(), Some(exit))?;
+        self.lock()
+            .actor_died(&r.actor_id, exit.reason.clone(), Some(exit))?;
         Ok(Response::new(pb::ReportActorExitResponse {}))
     }
 
-    async fn cluster_status(&self, _req: Request<pb::ClusterStatusRequest>) -> std::result::Result<Response<pb::ClusterStatusResponse>, Status> {
+    async fn cluster_status(
+        &self,
+        _req: Request<pb::ClusterStatusRequest>,
+    ) -> std::result::Result<Response<pb::ClusterStatusResponse>, Status> {
         Ok(Response::new(self.status()))
     }
 
-    async fn create_placement_group(&self, req: Request<pb::CreatePlacementGroupRequest>) -> std::result::Result<Response<pb::CreatePlacementGroupResponse>, Status> {
+    async fn create_placement_group(
+        &self,
+        req: Request<pb::CreatePlacementGroupRequest>,
+    ) -> std::result::Result<Response<pb::CreatePlacementGroupResponse>, Status> {
         let r = req.into_inner();
         let strategy = convert::strategy_from_proto(r.strategy);
-        let bundles: Vec<Resources> = r.bundles.iter().map(|b| Resources::from(b.resources.as_ref())).collect();
+        let bundles: Vec<Resources> = r
+            .bundles
+            .iter()
+            .map(|b| Resources::from(b.resources.as_ref()))
+            .collect();
         let deadline = tokio::time::Instant::now() + Duration::from_millis(r.timeout_ms);
         loop {
             let res = self.lock().create_pg(&r.name, strategy, bundles.clone());
@@ -253,7 +292,10 @@ impl HeadService for Head {
                         placement_group: Some(convert::pg_to_proto(&pg)),
                     }));
                 }
-                Err(e) if e.kind() == FailureKind::InsufficientResources && tokio::time::Instant::now() < deadline => {
+                Err(e)
+                    if e.kind() == FailureKind::InsufficientResources
+                        && tokio::time::Instant::now() < deadline =>
+                {
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
                 Err(e) => {
@@ -268,52 +310,92 @@ impl HeadService for Head {
         }
     }
 
-    async fn remove_placement_group(&self, req: Request<pb::RemovePlacementGroupRequest>) -> std::result::Result<Response<pb::RemovePlacementGroupResponse>, Status> {
+    async fn remove_placement_group(
+        &self,
+        req: Request<pb::RemovePlacementGroupRequest>,
+    ) -> std::result::Result<Response<pb::RemovePlacementGroupResponse>, Status> {
         self.lock().remove_pg(&req.into_inner().pg_id)?;
         Ok(Response::new(pb::RemovePlacementGroupResponse {}))
     }
 
-    async fn create_actor(&self, req: Request<pb::CreateActorRequest>) -> std::result::Result<Response<pb::CreateActorResponse>, Status> {
+    async fn create_actor(
+        &self,
+        req: Request<pb::CreateActorRequest>,
+    ) -> std::result::Result<Response<pb::CreateActorResponse>, Status> {
         let r = req.into_inner();
-        let spec = r.spec.as_ref().map(convert::spec_from_proto).ok_or_else(|| Error::invalid("CreateActor needs a spec"))?;
-        let timeout = Duration::from_millis(if r.timeout_ms == 0 { 30_000 } else { r.timeout_ms });
+        let spec = r
+            .spec
+            .as_ref()
+            .map(convert::spec_from_proto)
+            .ok_or_else(|| Error::invalid("CreateActor needs a spec"))?;
+        let timeout = Duration::from_millis(if r.timeout_ms == 0 {
+            30_000
+        } else {
+            r.timeout_ms
+        });
         let actor = Head::create_actor(self, spec, timeout).await?;
-        Ok(Response::new(pb::CreateActorResponse { actor: Some(actor) }))
+        Ok(Response::new(pb::CreateActorResponse {
+            actor: Some(actor),
+        }))
     }
 
-    async fn kill_actor(&self, req: Request<pb::KillActorRequest>) -> std::result::Result<Response<pb::KillActorResponse>, Status> {
+    async fn kill_actor(
+        &self,
+        req: Request<pb::KillActorRequest>,
+    ) -> std::result::Result<Response<pb::KillActorResponse>, Status> {
         let id = req.into_inner().actor_id;
         let address = {
             let s = self.lock();
-            let a = s.actors.get(&id).ok_or_else(|| Error::not_found(format!("no actor {id}")))?;
-            s.nodes.get(&a.node_id).map(|n| n.address.clone()).unwrap_or_default()
+            let a = s
+                .actors
+                .get(&id)
+                .ok_or_else(|| Error::not_found(format!("no actor {id}")))?;
+            s.nodes
+                .get(&a.node_id)
+                .map(|n| n.address.clone())
+                .unwrap_or_default()
         };
         let mut c = self.worker_client(&address)?;
         c.stop_actor(pb::StopActorRequest { actor_id: id }).await?;
         Ok(Response::new(pb::KillActorResponse {}))
     }
 
-    async fn kv_put(&self, req: Request<pb::KvPutRequest>) -> std::result::Result<Response<pb::KvPutResponse>, Status> {
+    async fn kv_put(
+        &self,
+        req: Request<pb::KvPutRequest>,
+    ) -> std::result::Result<Response<pb::KvPutResponse>, Status> {
         let r = req.into_inner();
         let stored = self.lock().kv_put(&r.key, r.value, r.overwrite)?;
         self.0.kv_changed.notify_waiters();
         Ok(Response::new(pb::KvPutResponse { stored }))
     }
 
-    async fn kv_get(&self, req: Request<pb::KvGetRequest>) -> std::result::Result<Response<pb::KvGetResponse>, Status> {
+    async fn kv_get(
+        &self,
+        req: Request<pb::KvGetRequest>,
+    ) -> std::result::Result<Response<pb::KvGetResponse>, Status> {
         let key = req.into_inner().key;
         let v = self.lock().kv.get(&key).cloned();
-        Ok(Response::new(pb::KvGetResponse { found: v.is_some(), value: v.unwrap_or_default() }))
+        Ok(Response::new(pb::KvGetResponse {
+            found: v.is_some(),
+            value: v.unwrap_or_default(),
+        }))
     }
 
-    async fn kv_wait(&self, req: Request<pb::KvWaitRequest>) -> std::result::Result<Response<pb::KvGetResponse>, Status> {
+    async fn kv_wait(
+        &self,
+        req: Request<pb::KvWaitRequest>,
+    ) -> std::result::Result<Response<pb::KvGetResponse>, Status> {
         let r = req.into_inner();
         let deadline = tokio::time::Instant::now() + Duration::from_millis(r.timeout_ms);
         loop {
             // Register interest before checking, so a put between check and wait is not missed.
             let notified = self.0.kv_changed.notified();
             if let Some(v) = self.lock().kv.get(&r.key).cloned() {
-                return Ok(Response::new(pb::KvGetResponse { found: true, value: v }));
+                return Ok(Response::new(pb::KvGetResponse {
+                    found: true,
+                    value: v,
+                }));
             }
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
                 return Err(Error::new(
@@ -325,7 +407,10 @@ impl HeadService for Head {
         }
     }
 
-    async fn shutdown(&self, req: Request<pb::ShutdownRequest>) -> std::result::Result<Response<pb::ShutdownResponse>, Status> {
+    async fn shutdown(
+        &self,
+        req: Request<pb::ShutdownRequest>,
+    ) -> std::result::Result<Response<pb::ShutdownResponse>, Status> {
         tracing::info!(peer = ?req.remote_addr(), "shutdown requested");
         if req.into_inner().stop_workers {
             self.stop_workers().await;
@@ -341,7 +426,11 @@ impl HeadService for Head {
 }
 
 /// Builds, binds and serves the head. Port 0 picks a free port (see `HeadHandle::addr`).
-pub async fn start(opts: HeadOptions, clock: Arc<dyn Clock>, shutdown: CancellationToken) -> Result<HeadHandle> {
+pub async fn start(
+    opts: HeadOptions,
+    clock: Arc<dyn Clock>,
+    shutdown: CancellationToken,
+) -> Result<HeadHandle> {
     let tls = opts.tls.config()?;
     let listener = net::bind(&opts.host, opts.port, "--port").await?;
     let addr = listener
@@ -412,5 +501,10 @@ pub async fn start(opts: HeadOptions, clock: Arc<dyn Clock>, shutdown: Cancellat
         }
     });
     tracing::info!(%addr, "head listening");
-    Ok(HeadHandle { addr, dashboard, shutdown, server })
+    Ok(HeadHandle {
+        addr,
+        dashboard,
+        shutdown,
+        server,
+    })
 }

@@ -207,7 +207,9 @@ impl HeadState {
         live: Vec<LiveActor>,
         now_ms: i64,
     ) -> Result<String> {
-        let id = node_id.filter(|s| !s.is_empty()).unwrap_or_else(|| short_id("node-"));
+        let id = node_id
+            .filter(|s| !s.is_empty())
+            .unwrap_or_else(|| short_id("node-"));
         let rec = NodeRecord {
             node_id: id.clone(),
             hostname,
@@ -319,7 +321,12 @@ impl HeadState {
     }
 
     /// Tries to reserve a placement group now: all bundles or none.
-    pub fn create_pg(&mut self, name: &str, strategy: Strategy, bundles: Vec<Resources>) -> Result<PgRecord> {
+    pub fn create_pg(
+        &mut self,
+        name: &str,
+        strategy: Strategy,
+        bundles: Vec<Resources>,
+    ) -> Result<PgRecord> {
         let caps = self.capacities();
         let chosen = placement::place(&caps, &bundles, strategy)?;
         let rec = PgRecord {
@@ -345,17 +352,21 @@ impl HeadState {
     }
 
     /// Chooses the node for a new actor and records it as pending.
-    pub fn reserve_actor(&mut self, spec: ActorSpec) -> Result<ActorRecord> {
+    /// An actor in a bundle without resources of its own takes the whole bundle.
+    pub fn reserve_actor(&mut self, mut spec: ActorSpec) -> Result<ActorRecord> {
         let node_id = if spec.pg_id.is_empty() {
             let caps = self.capacities();
-            let i = placement::place(&caps, std::slice::from_ref(&spec.resources), Strategy::Pack)?[0];
+            let i =
+                placement::place(&caps, std::slice::from_ref(&spec.resources), Strategy::Pack)?[0];
             caps[i].node_id.clone()
         } else {
             let p = self
                 .pgs
                 .get(&spec.pg_id)
                 .filter(|p| p.state == PgState::Created)
-                .ok_or_else(|| Error::not_found(format!("no created placement group {}", spec.pg_id)))?;
+                .ok_or_else(|| {
+                    Error::not_found(format!("no created placement group {}", spec.pg_id))
+                })?;
             let node = p.bundle_nodes.get(spec.bundle_index).ok_or_else(|| {
                 Error::invalid(format!(
                     "bundle_index {} is out of range: placement group {} has {} bundles",
@@ -367,8 +378,22 @@ impl HeadState {
             if self.nodes.get(node).map(|n| n.state) != Some(NodeState::Alive) {
                 return Err(Error::new(
                     FailureKind::Unavailable,
-                    format!("node {node} holding bundle {} of {} is dead", spec.bundle_index, spec.pg_id),
+                    format!(
+                        "node {node} holding bundle {} of {} is dead",
+                        spec.bundle_index, spec.pg_id
+                    ),
                 ));
+            }
+            if spec.resources.is_empty() {
+                spec.resources = p.bundles[spec.bundle_index].clone();
+            } else if !spec.resources.fits_in(&p.bundles[spec.bundle_index]) {
+                return Err(Error::invalid(format!(
+                    "actor needs {{{}}} but bundle {} of {} holds {{{}}}",
+                    spec.resources.display(),
+                    spec.bundle_index,
+                    spec.pg_id,
+                    p.bundles[spec.bundle_index].display()
+                )));
             }
             node.clone()
         };
@@ -389,7 +414,14 @@ impl HeadState {
         Ok(rec)
     }
 
-    pub fn actor_started(&mut self, actor_id: &str, address: String, pid: i32, devices: Vec<u32>, log_file: String) -> Result<()> {
+    pub fn actor_started(
+        &mut self,
+        actor_id: &str,
+        address: String,
+        pid: i32,
+        devices: Vec<u32>,
+        log_file: String,
+    ) -> Result<()> {
         if let Some(a) = self.actors.get_mut(actor_id) {
             a.state = ActorState::Alive;
             a.address = address;
@@ -400,7 +432,12 @@ impl HeadState {
         self.save_actor(actor_id)
     }
 
-    pub fn actor_died(&mut self, actor_id: &str, reason: String, exit: Option<ActorExit>) -> Result<()> {
+    pub fn actor_died(
+        &mut self,
+        actor_id: &str,
+        reason: String,
+        exit: Option<ActorExit>,
+    ) -> Result<()> {
         if let Some(a) = self.actors.get_mut(actor_id) {
             a.state = ActorState::Dead;
             a.reason = reason;
@@ -428,8 +465,15 @@ mod tests {
     use super::*;
 
     fn gpu_node(s: &mut HeadState, gpus: f64, now: i64) -> String {
-        s.register(None, "h".into(), "127.0.0.1:1".into(), Resources::new().with("GPU", gpus).with("CPU", 4.0), vec![], now)
-            .unwrap()
+        s.register(
+            None,
+            "h".into(),
+            "127.0.0.1:1".into(),
+            Resources::new().with("GPU", gpus).with("CPU", 4.0),
+            vec![],
+            now,
+        )
+        .unwrap()
     }
 
     #[test]
@@ -438,9 +482,13 @@ mod tests {
         let a = gpu_node(&mut s, 2.0, 0);
         let b = gpu_node(&mut s, 2.0, 0);
         let actor = s
-            .reserve_actor(ActorSpec { resources: Resources::new().with("GPU", 1.0), ..Default::default() })
+            .reserve_actor(ActorSpec {
+                resources: Resources::new().with("GPU", 1.0),
+                ..Default::default()
+            })
             .unwrap();
-        s.actor_started(&actor.actor_id, "x:1".into(), 7, vec![0], String::new()).unwrap();
+        s.actor_started(&actor.actor_id, "x:1".into(), 7, vec![0], String::new())
+            .unwrap();
         assert!(s.heartbeat(&a, 4_000));
         assert!(s.heartbeat(&b, 4_000));
         assert!(s.check_health(8_000, 5_000).unwrap().is_empty());
@@ -448,7 +496,11 @@ mod tests {
         // a last beat at 4s; at 9.1s it has been silent 5.1s.
         let dead = s.check_health(9_100, 5_000).unwrap();
         assert_eq!(dead, vec![a.clone()]);
-        assert!(s.nodes[&a].death_reason.contains("no heartbeat for 5.1s"), "{}", s.nodes[&a].death_reason);
+        assert!(
+            s.nodes[&a].death_reason.contains("no heartbeat for 5.1s"),
+            "{}",
+            s.nodes[&a].death_reason
+        );
         assert_eq!(s.nodes[&b].state, NodeState::Alive);
         let act = &s.actors[&actor.actor_id];
         if act.node_id == a {
@@ -458,7 +510,14 @@ mod tests {
         // A dead node's heartbeat is refused, so it registers anew.
         assert!(!s.heartbeat(&a, 9_200));
         let again = s
-            .register(Some(a.clone()), "h".into(), "127.0.0.1:1".into(), Resources::new().with("GPU", 2.0), vec![], 9_300)
+            .register(
+                Some(a.clone()),
+                "h".into(),
+                "127.0.0.1:1".into(),
+                Resources::new().with("GPU", 2.0),
+                vec![],
+                9_300,
+            )
             .unwrap();
         assert_eq!(again, a);
         assert!(s.heartbeat(&a, 9_400));
@@ -468,7 +527,13 @@ mod tests {
     fn placement_groups_reserve_and_release() {
         let mut s = HeadState::in_memory();
         let ids: Vec<String> = (0..3).map(|_| gpu_node(&mut s, 2.0, 0)).collect();
-        let pg = s.create_pg("g", Strategy::Spread, vec![Resources::new().with("GPU", 2.0); 3]).unwrap();
+        let pg = s
+            .create_pg(
+                "g",
+                Strategy::Spread,
+                vec![Resources::new().with("GPU", 2.0); 3],
+            )
+            .unwrap();
         let mut on = pg.bundle_nodes.clone();
         on.sort();
         let mut want = ids.clone();
@@ -477,7 +542,9 @@ mod tests {
         for id in &ids {
             assert_eq!(s.available(id).get("GPU"), 0.0);
         }
-        let e = s.create_pg("h", Strategy::Pack, vec![Resources::new().with("GPU", 1.0)]).unwrap_err();
+        let e = s
+            .create_pg("h", Strategy::Pack, vec![Resources::new().with("GPU", 1.0)])
+            .unwrap_err();
         assert_eq!(e.kind(), FailureKind::InsufficientResources);
         s.remove_pg(&pg.pg_id).unwrap();
         assert_eq!(s.available(&ids[0]).get("GPU"), 2.0);
@@ -488,10 +555,39 @@ mod tests {
         let mut s = HeadState::in_memory();
         gpu_node(&mut s, 1.0, 0);
         gpu_node(&mut s, 1.0, 0);
-        let pg = s.create_pg("g", Strategy::StrictSpread, vec![Resources::new().with("GPU", 1.0); 2]).unwrap();
-        let a = s.reserve_actor(ActorSpec { pg_id: pg.pg_id.clone(), bundle_index: 1, ..Default::default() }).unwrap();
+        let pg = s
+            .create_pg(
+                "g",
+                Strategy::StrictSpread,
+                vec![Resources::new().with("GPU", 1.0); 2],
+            )
+            .unwrap();
+        let a = s
+            .reserve_actor(ActorSpec {
+                pg_id: pg.pg_id.clone(),
+                bundle_index: 1,
+                ..Default::default()
+            })
+            .unwrap();
         assert_eq!(a.node_id, pg.bundle_nodes[1]);
-        let e = s.reserve_actor(ActorSpec { pg_id: pg.pg_id.clone(), bundle_index: 5, ..Default::default() }).unwrap_err();
+        assert_eq!(a.spec.resources.get("GPU"), 1.0, "takes the whole bundle");
+        let too_big = ActorSpec {
+            pg_id: pg.pg_id.clone(),
+            resources: Resources::new().with("GPU", 2.0),
+            ..Default::default()
+        };
+        assert!(s
+            .reserve_actor(too_big)
+            .unwrap_err()
+            .to_string()
+            .contains("holds {GPU: 1}"));
+        let e = s
+            .reserve_actor(ActorSpec {
+                pg_id: pg.pg_id.clone(),
+                bundle_index: 5,
+                ..Default::default()
+            })
+            .unwrap_err();
         assert!(e.to_string().contains("out of range"), "{e}");
     }
 
@@ -501,11 +597,14 @@ mod tests {
         let (node, kept, lost) = {
             let mut s = HeadState::open(Store::open(dir.path()).unwrap(), 0).unwrap();
             let node = gpu_node(&mut s, 2.0, 0);
-            s.create_pg("g", Strategy::Pack, vec![Resources::new().with("GPU", 1.0)]).unwrap();
+            s.create_pg("g", Strategy::Pack, vec![Resources::new().with("GPU", 1.0)])
+                .unwrap();
             let kept = s.reserve_actor(ActorSpec::default()).unwrap().actor_id;
             let lost = s.reserve_actor(ActorSpec::default()).unwrap().actor_id;
-            s.actor_started(&kept, "a:1".into(), 1, vec![], String::new()).unwrap();
-            s.actor_started(&lost, "a:2".into(), 2, vec![], String::new()).unwrap();
+            s.actor_started(&kept, "a:1".into(), 1, vec![], String::new())
+                .unwrap();
+            s.actor_started(&lost, "a:2".into(), 2, vec![], String::new())
+                .unwrap();
             s.kv_put("nccl/id", b"abc".to_vec(), true).unwrap();
             assert!(!s.kv_put("nccl/id", b"zzz".to_vec(), false).unwrap());
             (node, kept, lost)
@@ -516,8 +615,22 @@ mod tests {
         assert_eq!(s.kv["nccl/id"], b"abc");
         // Grace period: not dead right after the restart.
         assert!(s.check_health(51_000, 5_000).unwrap().is_empty());
-        let live = vec![LiveActor { actor_id: kept.clone(), address: "a:9".into(), pid: 11, devices: vec![], log_file: String::new() }];
-        s.register(Some(node.clone()), "h".into(), "x".into(), Resources::new().with("GPU", 2.0), live, 51_000).unwrap();
+        let live = vec![LiveActor {
+            actor_id: kept.clone(),
+            address: "a:9".into(),
+            pid: 11,
+            devices: vec![],
+            log_file: String::new(),
+        }];
+        s.register(
+            Some(node.clone()),
+            "h".into(),
+            "x".into(),
+            Resources::new().with("GPU", 2.0),
+            live,
+            51_000,
+        )
+        .unwrap();
         assert_eq!(s.actors[&kept].state, ActorState::Alive);
         assert_eq!(s.actors[&kept].address, "a:9");
         assert_eq!(s.actors[&lost].state, ActorState::Dead);
