@@ -94,9 +94,7 @@ impl fmt::Display for PeerName {
 pub enum Error {
     /// A wait for a peer made no progress within the timeout.
     #[error(
-        "{op} timed out on rank {rank}: {} made no progress within {timeout:?}{detail}; \
-         the peer is dead, stuck, or not calling the same collective \
-         (raise the communicator timeout if the peer is only slow)",
+        "{op} timed out on rank {rank}: {} made no progress within {timeout:?}{detail}",
         PeerName(*.peer)
     )]
     Timeout {
@@ -104,7 +102,7 @@ pub enum Error {
         rank: usize,
         peer: Option<usize>,
         timeout: Duration,
-        /// Extra context, starting with "; " when not empty.
+        /// Cause and advice, starting with "; " when not empty.
         detail: String,
     },
 

@@ -189,3 +189,21 @@ pub fn as_bytes_mut<T: Plain>(s: &mut [T]) -> &mut [u8] {
     // the view is a valid `T` because `T: Plain` excludes types with invalid values.
     unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(s)) }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn communicator_is_object_safe_and_bytes_views_roundtrip() {
+        let mut c: Box<dyn Communicator> = Box::new(TcpCommunicator::single(CommConfig::default()));
+        let mut v = [1.0f32, -2.5];
+        c.all_reduce_f32(&mut v, ReduceOp::Avg).unwrap();
+        assert_eq!(v, [1.0, -2.5]);
+        assert_eq!(c.all_gather(b"x").unwrap(), vec![b"x".to_vec()]);
+        assert_eq!(as_bytes(&[1.0f32]), &1.0f32.to_le_bytes());
+        let mut w = [0u16; 2];
+        as_bytes_mut(&mut w).copy_from_slice(&[1, 0, 0, 1]);
+        assert_eq!(w, [1, 256]);
+    }
+}

@@ -148,7 +148,10 @@ impl TcpRendezvous {
                         .filter(|r| joined[*r].is_none())
                         .map(|r| r.to_string())
                         .collect();
-                    format!("; ranks {} never joined at {master}", left.join(", "))
+                    format!(
+                        "; ranks {} never joined at {master}: were they started, with this address?",
+                        left.join(", ")
+                    )
                 })?;
                 if hello.kind != KIND_JOIN {
                     continue;
@@ -924,7 +927,10 @@ fn map_io(
             rank,
             peer: Some(peer),
             timeout: config.timeout,
-            detail: format!("; stuck {what}"),
+            detail: format!(
+                "; stuck {what}: the peer is dead, stuck, or not calling the same collective \
+                 (raise CommConfig::timeout if it is only slow)"
+            ),
         },
         K::UnexpectedEof
         | K::ConnectionReset
@@ -1057,7 +1063,10 @@ fn connect_retry(
                 rank,
                 peer: Some(peer),
                 timeout: config.timeout,
-                detail: format!("; could not connect to {addr} (last error: {last})"),
+                detail: format!(
+                    "; could not connect to {addr} (last error: {last}): is rank {peer} running, \
+                     and is that address reachable from this host?"
+                ),
             });
         }
         std::thread::sleep(backoff);
