@@ -452,6 +452,59 @@ impl BucketedSync {
     }
 }
 
+/// All-reduces many `f32` slices (e.g. one per gradient tensor) as if they were
+/// one concatenated vector, packed into staging buckets of at most
+/// `bucket_elems` elements: one collective call per bucket instead of one per
+/// tensor. Every rank must pass slices with the same total length. Returns the
+/// number of collective calls made.
+pub fn all_reduce_f32_bucketed<C: Communicator + ?Sized>(
+    comm: &mut C,
+    parts: &mut [&mut [f32]],
+    op: crate::ReduceOp,
+    bucket_elems: usize,
+) -> Result<usize> {
+    if bucket_elems == 0 {
+        return Err(Error::InvalidArgument {
+            op: Op::AllReduce,
+            detail: "bucket_elems must be at least 1".into(),
+        });
+    }
+    let total: usize = parts.iter().map(|p| p.len()).sum();
+    let mut staging: Vec<f32> = Vec::with_capacity(bucket_elems.min(total));
+    // (part, offset) of the next element not yet staged / not yet written back.
+    let (mut pi, mut po) = (0usize, 0usize);
+    let mut calls = 0;
+    let mut done = 0;
+    while done < total {
+        staging.clear();
+        let (start_pi, start_po) = (pi, po);
+        while staging.len() < bucket_elems && pi < parts.len() {
+            let take = (bucket_elems - staging.len()).min(parts[pi].len() - po);
+            staging.extend_from_slice(&parts[pi][po..po + take]);
+            po += take;
+            if po == parts[pi].len() {
+                pi += 1;
+                po = 0;
+            }
+        }
+        comm.all_reduce_f32(&mut staging, op)?;
+        calls += 1;
+        let (mut wi, mut wo, mut at) = (start_pi, start_po, 0);
+        while at < staging.len() {
+            let take = (staging.len() - at).min(parts[wi].len() - wo);
+            parts[wi][wo..wo + take].copy_from_slice(&staging[at..at + take]);
+            at += take;
+            wo += take;
+            if wo == parts[wi].len() {
+                wi += 1;
+                wo = 0;
+            }
+        }
+        done += staging.len();
+    }
+    Ok(calls)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

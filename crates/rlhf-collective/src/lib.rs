@@ -26,7 +26,9 @@ pub mod tcp;
 
 use std::time::Duration;
 
-pub use bucket::{checksum, BucketedSync, DType, Param, ParamMut, ParamView, SyncStats};
+pub use bucket::{
+    all_reduce_f32_bucketed, checksum, BucketedSync, DType, Param, ParamMut, ParamView, SyncStats,
+};
 pub use error::{Error, ErrorKind, Op, Result};
 pub use hash::Checksum;
 #[cfg(feature = "nccl")]
@@ -205,5 +207,7 @@ mod tests {
         let mut w = [0u16; 2];
         as_bytes_mut(&mut w).copy_from_slice(&[1, 0, 0, 1]);
         assert_eq!(w, [1, 256]);
+        let e = all_reduce_f32_bucketed(c.as_mut(), &mut [], ReduceOp::Sum, 0).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument);
     }
 }

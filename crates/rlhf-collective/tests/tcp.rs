@@ -379,3 +379,42 @@ fn init_works_for_every_rank() {
         assert_eq!((rank, w, s), (r, n, 3.0));
     }
 }
+
+#[test]
+fn bucketed_all_reduce_of_many_gradient_tensors() {
+    let n = 3;
+    let sizes = [0usize, 5, 1000, 3, 25_000, 0, 1];
+    let total: usize = sizes.iter().sum();
+    let grads = |r: usize| -> Vec<Vec<f32>> {
+        sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &s)| {
+                (0..s)
+                    .map(|j| ((r * 31 + i * 7 + j) % 97) as f32 - 48.0)
+                    .collect()
+            })
+            .collect()
+    };
+    let all: Vec<Vec<Vec<f32>>> = (0..n).map(grads).collect();
+    let mut comms = world(n, config(10_000));
+    for bucket in [997usize, 4096, 1 << 20] {
+        let got = run_all(&mut comms, |r, c| {
+            let mut g = all[r].clone();
+            let mut parts: Vec<&mut [f32]> = g.iter_mut().map(|v| v.as_mut_slice()).collect();
+            let calls =
+                rlhf_collective::all_reduce_f32_bucketed(c, &mut parts, ReduceOp::Avg, bucket)
+                    .unwrap();
+            (calls, g)
+        });
+        for (r, (calls, g)) in got.into_iter().enumerate() {
+            assert_eq!(calls, total.div_ceil(bucket), "bucket {bucket}");
+            for (i, t) in g.iter().enumerate() {
+                for (j, x) in t.iter().enumerate() {
+                    let want = (0..n).map(|q| all[q][i][j]).sum::<f32>() / n as f32;
+                    assert_eq!(*x, want, "rank {r} tensor {i} elem {j} bucket {bucket}");
+                }
+            }
+        }
+    }
+}
