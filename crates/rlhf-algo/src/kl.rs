@@ -6,7 +6,7 @@ use serde::{Deserialize, Serialize};
 use crate::config::KlCtrlConfig;
 use crate::error::{AlgoError, Result};
 use crate::names::{KlCtrlType, KlPenalty};
-use crate::validate::{check_f32, check_finite, check_same_shape};
+use crate::validate::{check_f32, check_finite, check_same_shape, clamp};
 
 /// Per-token KL estimate between the policy and the reference policy.
 ///
@@ -48,9 +48,9 @@ pub(crate) fn kl_penalty_unchecked(
         KlPenalty::LowVarKl => {
             // verl clamps both the log-ratio and the result: exp(20) is still finite in
             // f32 and a single bad token cannot dominate the loss.
-            let kl = ref_logp.sub(logp)?.clamp(-20f32, 20f32)?;
+            let kl = clamp(&ref_logp.sub(logp)?, -20.0, 20.0)?;
             let kld = kl.exp()?.sub(&kl)?.affine(1.0, -1.0)?;
-            kld.clamp(-10f32, 10f32)?
+            clamp(&kld, -10.0, 10.0)?
         }
         KlPenalty::Full => {
             let p = logp.exp()?;

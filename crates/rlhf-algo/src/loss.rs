@@ -9,7 +9,7 @@ use crate::error::Result;
 use crate::kl::kl_penalty_unchecked;
 use crate::masked::{masked_mean_n, scalar};
 use crate::names::{KlPenalty, LossAggMode};
-use crate::validate::{check_mask, check_token_tensor};
+use crate::validate::{check_mask, check_token_tensor, clamp};
 
 /// Reduces a `[batch, len]` loss matrix to a scalar over the mask
 /// (verl `agg_loss`). The `seq-mean-*` modes average over the sequences that
@@ -79,11 +79,11 @@ pub fn policy_loss(
     let mask = response_mask;
 
     let diff = logp.sub(old_logp)?;
-    let neg_kl = diff.clamp(-20f32, 20f32)?;
+    let neg_kl = clamp(&diff, -20.0, 20.0)?;
     let ratio = neg_kl.exp()?;
     let neg_adv = advantages.neg()?;
     let pg1 = neg_adv.mul(&ratio)?;
-    let clipped_ratio = ratio.clamp((1.0 - cfg.low()) as f32, (1.0 + cfg.high()) as f32)?;
+    let clipped_ratio = clamp(&ratio, (1.0 - cfg.low()) as f32, (1.0 + cfg.high()) as f32)?;
     let pg2 = neg_adv.mul(&clipped_ratio)?;
     let clip1 = pg1.maximum(&pg2)?;
     let clipfrac = frac(&pg2.gt(&pg1)?, mask, n)?;

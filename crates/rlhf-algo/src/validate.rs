@@ -103,6 +103,11 @@ pub(crate) fn find_non_finite(name: &'static str, data: &[f32], dims: &[usize]) 
 /// Checks that every element of `t` is finite.
 pub(crate) fn check_finite(name: &'static str, t: &Tensor) -> Result<()> {
     let t = t.detach();
+    if t.device().is_cpu() {
+        // On the host a scan of the buffer is cheaper than two tensor ops.
+        let data = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+        return find_non_finite(name, &data, t.dims());
+    }
     let probe = t
         .sub(&t)?
         .sum_all()?
@@ -135,10 +140,15 @@ pub(crate) fn check_mask_host(name: &'static str, data: &[f32], dims: &[usize]) 
     Ok(count)
 }
 
-/// Checks a 0/1 mask on its device; returns the number of valid positions.
+/// Checks a 0/1 mask (on its device unless it lives on the host); returns the
+/// number of valid positions.
 pub(crate) fn check_mask(name: &'static str, mask: &Tensor) -> Result<usize> {
     check_2d(name, mask)?;
     let mask = mask.detach();
+    if mask.device().is_cpu() {
+        let data = mask.flatten_all()?.to_vec1::<f32>()?;
+        return check_mask_host(name, &data, mask.dims());
+    }
     // m * (m - 1) is zero exactly for m in {0, 1}; NaN also makes it non-zero.
     let off = mask
         .mul(&mask.affine(1.0, -1.0)?)?
@@ -198,6 +208,15 @@ pub(crate) fn check_unit_interval(key: &'static str, v: f64) -> Result<()> {
         });
     }
     Ok(())
+}
+
+/// `x` clamped to `[lo, hi]` from differentiable ops. candle's scalar `clamp`
+/// broadcasts a 0-d tensor and takes a slow strided path; full tensors keep the
+/// binary ops contiguous.
+pub(crate) fn clamp(x: &Tensor, lo: f32, hi: f32) -> Result<Tensor> {
+    let lo = Tensor::full(lo, x.shape(), x.device())?;
+    let hi = Tensor::full(hi, x.shape(), x.device())?;
+    Ok(x.maximum(&lo)?.minimum(&hi)?)
 }
 
 #[cfg(test)]
