@@ -36,8 +36,8 @@ pub use config::{AlgorithmConfig, KlCtrlConfig, PolicyLossConfig, ValueLossConfi
 pub use error::{AlgoError, Result};
 pub use kl::{entropy_from_logits, kl_penalty, log_softmax, KlController};
 pub use loss::{
-    actor_loss, agg_loss, kl_loss, policy_loss, value_loss, ActorLossOutput, PolicyLossOutput,
-    ValueLossOutput,
+    actor_loss, agg_loss, kl_loss, micro_batch_scale, policy_loss, value_loss, ActorLossOutput,
+    GlobalBatch, PolicyLossOutput, ValueLossOutput,
 };
 pub use masked::{masked_mean, masked_sum, masked_var, masked_whiten, WHITEN_EPS};
 pub use metrics::{

@@ -41,6 +41,42 @@ pub(crate) fn agg_loss_n(
         .div(&seq_mask.sum_all()?)?)
 }
 
+/// Sizes of the whole (global) batch a micro-batch belongs to, for gradient
+/// accumulation and data parallelism (verl's `batch_num_tokens`,
+/// `global_batch_size`, `dp_size`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GlobalBatch {
+    /// Valid tokens in the global batch (all micro-batches, all ranks).
+    pub num_tokens: usize,
+    /// Sequences with at least one valid token in the global batch.
+    pub num_seqs: usize,
+    /// Data-parallel ranks whose gradients are averaged (1 without DP).
+    pub dp_size: usize,
+}
+
+/// Factor to multiply a micro-batch loss by (from [`agg_loss`], [`policy_loss`],
+/// [`value_loss`], ...) so that the losses of all micro-batches, summed over
+/// gradient-accumulation steps and averaged over `dp_size` ranks, equal the loss
+/// aggregated over the global batch at once: the micro-batch's own denominator
+/// (valid tokens, or non-empty sequences) times `dp_size` over the global one.
+pub fn micro_batch_scale(mask: &Tensor, mode: LossAggMode, global: &GlobalBatch) -> Result<f64> {
+    let n = check_mask("response_mask", mask)?;
+    let (local, total, key) = match mode {
+        LossAggMode::TokenMean => (n as f64, global.num_tokens, "num_tokens"),
+        LossAggMode::SeqMeanTokenSum | LossAggMode::SeqMeanTokenMean => {
+            let seqs = mask.sum(1)?.gt(0f32)?.to_dtype(mask.dtype())?.sum_all()?;
+            (scalar(&seqs)?, global.num_seqs, "num_seqs")
+        }
+    };
+    if total == 0 || global.dp_size == 0 {
+        return Err(crate::error::AlgoError::InvalidInput {
+            input: "global_batch",
+            reason: format!("{key} and dp_size must be > 0, got {global:?}"),
+        });
+    }
+    Ok(local * global.dp_size as f64 / total as f64)
+}
+
 /// Output of [`policy_loss`].
 #[derive(Debug, Clone)]
 pub struct PolicyLossOutput {
@@ -125,6 +161,9 @@ pub struct ValueLossOutput {
     /// Scalar loss `0.5 * agg(max((v - R)^2, (v_clip - R)^2))`, not yet
     /// multiplied by `vf_coef`; differentiable w.r.t. `vpreds`.
     pub loss: Tensor,
+    /// `vf_coef * loss`, the term added to the policy loss when policy and
+    /// value are trained together (TRL: `loss = pg_loss + vf_coef * vf_loss`).
+    pub weighted_loss: Tensor,
     /// Fraction of valid tokens where the clipped term was larger.
     pub clipfrac: f64,
 }
@@ -152,7 +191,12 @@ pub fn value_loss(
     let lmax = l1.maximum(&l2)?;
     let loss = agg_loss_n(&lmax, response_mask, n, cfg.loss_agg_mode)?.affine(0.5, 0.0)?;
     let clipfrac = frac(&l2.gt(&l1)?, response_mask, n)?;
-    Ok(ValueLossOutput { loss, clipfrac })
+    let weighted_loss = loss.affine(cfg.vf_coef, 0.0)?;
+    Ok(ValueLossOutput {
+        loss,
+        weighted_loss,
+        clipfrac,
+    })
 }
 
 /// Aggregated KL-to-reference loss (verl actor with `use_kl_loss`),
@@ -237,4 +281,62 @@ pub fn actor_loss(
         entropy: entropy_value,
         kl_loss: kl_value,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    #[test]
+    fn scaled_micro_batches_sum_to_the_global_loss() {
+        let dev = Device::Cpu;
+        let loss: Vec<f32> = (0..24).map(|i| ((i * 5) % 7) as f32 - 2.5).collect();
+        let mask: Vec<f32> = [4usize, 1, 6, 0, 3, 2]
+            .iter()
+            .flat_map(|&n| (0..4).map(move |t| if t < n { 1.0 } else { 0.0 }))
+            .collect();
+        let full_l = Tensor::from_vec(loss.clone(), (6, 4), &dev).unwrap();
+        let full_m = Tensor::from_vec(mask.clone(), (6, 4), &dev).unwrap();
+        let global = GlobalBatch {
+            num_tokens: mask.iter().filter(|&&m| m != 0.0).count(),
+            num_seqs: 5,
+            dp_size: 1,
+        };
+        for mode in LossAggMode::ALL {
+            let want = agg_loss(&full_l, &full_m, *mode)
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            let mut got = 0f64;
+            for rows in [0..2usize, 2..4, 4..6] {
+                let l = full_l.narrow(0, rows.start, 2).unwrap();
+                let m = full_m.narrow(0, rows.start, 2).unwrap();
+                let part = agg_loss(&l, &m, *mode).unwrap().to_scalar::<f32>().unwrap();
+                got += part as f64 * micro_batch_scale(&m, *mode, &global).unwrap();
+            }
+            assert!((got - want as f64).abs() < 1e-5, "{mode}: {got} vs {want}");
+        }
+        let bad = GlobalBatch {
+            num_tokens: 0,
+            ..global
+        };
+        let err = micro_batch_scale(&full_m, LossAggMode::TokenMean, &bad).unwrap_err();
+        assert!(err
+            .to_string()
+            .starts_with("global_batch: num_tokens and dp_size must be > 0"));
+    }
+
+    #[test]
+    fn value_loss_weight_is_vf_coef() {
+        let dev = Device::Cpu;
+        let v = Tensor::new(&[[0.5f32, 1.0], [2.0, -1.0]], &dev).unwrap();
+        let r = Tensor::new(&[[1.0f32, 0.0], [1.0, 1.0]], &dev).unwrap();
+        let m = Tensor::new(&[[1f32, 1.0], [1.0, 0.0]], &dev).unwrap();
+        let out = value_loss(&v, &v, &r, &m, &ValueLossConfig::default()).unwrap();
+        let l = out.loss.to_scalar::<f32>().unwrap();
+        // 0.5 * mean(0.25, 1, 1) = 0.375
+        assert!((l - 0.375).abs() < 1e-6);
+        assert!((out.weighted_loss.to_scalar::<f32>().unwrap() - 0.1 * l).abs() < 1e-7);
+    }
 }
