@@ -108,6 +108,12 @@ pub(crate) fn check_finite(name: &'static str, t: &Tensor) -> Result<()> {
         let data = t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?;
         return find_non_finite(name, &data, t.dims());
     }
+    check_finite_on_device(name, &t)
+}
+
+/// The accelerator path of [`check_finite`]: one reduction, and a host copy
+/// only when it finds something.
+pub(crate) fn check_finite_on_device(name: &'static str, t: &Tensor) -> Result<()> {
     let probe = t
         .sub(&t)?
         .sum_all()?
@@ -149,6 +155,11 @@ pub(crate) fn check_mask(name: &'static str, mask: &Tensor) -> Result<usize> {
         let data = mask.flatten_all()?.to_vec1::<f32>()?;
         return check_mask_host(name, &data, mask.dims());
     }
+    check_mask_on_device(name, &mask)
+}
+
+/// The accelerator path of [`check_mask`].
+pub(crate) fn check_mask_on_device(name: &'static str, mask: &Tensor) -> Result<usize> {
     // m * (m - 1) is zero exactly for m in {0, 1}; NaN also makes it non-zero.
     let off = mask
         .mul(&mask.affine(1.0, -1.0)?)?
@@ -241,6 +252,37 @@ mod tests {
             err.split(';').next().unwrap(),
             "values: contains NaN at [3, 7]"
         );
+    }
+
+    #[test]
+    fn device_paths_agree_with_host_paths() {
+        let dev = Device::Cpu;
+        let ok = Tensor::from_vec(vec![0.5f32; 12], (3, 4), &dev).unwrap();
+        assert!(check_finite_on_device("x", &ok).is_ok());
+        for (v, kind) in [
+            (f32::NAN, "NaN"),
+            (f32::INFINITY, "inf"),
+            (f32::NEG_INFINITY, "-inf"),
+        ] {
+            let mut d = vec![0.5f32; 12];
+            d[6] = v;
+            let t = Tensor::from_vec(d, (3, 4), &dev).unwrap();
+            let err = check_finite_on_device("x", &t).unwrap_err().to_string();
+            assert!(
+                err.starts_with(&format!("x: contains {kind} at [1, 2]")),
+                "{err}"
+            );
+        }
+        let m = Tensor::from_vec(vec![1f32, 1.0, 0.0, 1.0, 0.0, 0.0], (2, 3), &dev).unwrap();
+        assert_eq!(check_mask_on_device("m", &m).unwrap(), 3);
+        let bad = Tensor::from_vec(vec![1f32, 2.0, 0.0, 1.0, 0.0, 0.0], (2, 3), &dev).unwrap();
+        let err = check_mask_on_device("m", &bad).unwrap_err().to_string();
+        assert!(err.contains("found 2 at [0, 1]"), "{err}");
+        let z = Tensor::zeros((2, 3), DType::F32, &dev).unwrap();
+        assert!(matches!(
+            check_mask_on_device("m", &z),
+            Err(AlgoError::EmptyMask { .. })
+        ));
     }
 
     #[test]
