@@ -19,6 +19,7 @@
 mod advantage;
 mod config;
 mod error;
+mod fused;
 mod kl;
 mod loss;
 mod masked;

@@ -6,6 +6,7 @@ use candle_core::Tensor;
 
 use crate::config::{PolicyLossConfig, ValueLossConfig};
 use crate::error::Result;
+use crate::fused::{self, PgParams};
 use crate::kl::kl_penalty_unchecked;
 use crate::masked::{masked_mean_n, scalar};
 use crate::names::{KlPenalty, LossAggMode};
@@ -112,21 +113,48 @@ pub fn policy_loss(
     check_token_tensor("old_logp", old_logp, response_mask)?;
     check_token_tensor("logp", logp, response_mask)?;
     check_token_tensor("advantages", advantages, response_mask)?;
-    let mask = response_mask;
+    let params = PgParams {
+        lo: (1.0 - cfg.low()) as f32,
+        hi: (1.0 + cfg.high()) as f32,
+        dual: cfg.clip_ratio_c.map(|c| c as f32),
+    };
+    let (pg, stats) = if response_mask.device().is_cpu() {
+        fused::policy_terms(old_logp, logp, advantages, response_mask, params)?
+    } else {
+        policy_terms_ops(old_logp, logp, advantages, response_mask, n, params)?
+    };
+    let [clipfrac, clipfrac_lower, approxkl, ppo_kl, ratio_mean] = stats;
+    Ok(PolicyLossOutput {
+        loss: agg_loss_n(&pg, response_mask, n, cfg.loss_agg_mode)?,
+        clipfrac,
+        clipfrac_lower,
+        approxkl,
+        ppo_kl,
+        ratio_mean,
+    })
+}
 
+/// [`policy_loss`]'s per-token matrix and diagnostics from generic candle ops,
+/// for devices without the fused kernel.
+pub(crate) fn policy_terms_ops(
+    old_logp: &Tensor,
+    logp: &Tensor,
+    advantages: &Tensor,
+    mask: &Tensor,
+    n: usize,
+    p: PgParams,
+) -> Result<(Tensor, [f64; 5])> {
     let diff = logp.sub(old_logp)?;
     let neg_kl = clamp(&diff, -20.0, 20.0)?;
     let ratio = neg_kl.exp()?;
     let neg_adv = advantages.neg()?;
     let pg1 = neg_adv.mul(&ratio)?;
-    let clipped_ratio = clamp(&ratio, (1.0 - cfg.low()) as f32, (1.0 + cfg.high()) as f32)?;
-    let pg2 = neg_adv.mul(&clipped_ratio)?;
+    let pg2 = neg_adv.mul(&clamp(&ratio, p.lo, p.hi)?)?;
     let clip1 = pg1.maximum(&pg2)?;
     let clipfrac = frac(&pg2.gt(&pg1)?, mask, n)?;
-
-    let (pg, clipfrac_lower) = match cfg.clip_ratio_c {
+    let (pg, clipfrac_lower) = match p.dual {
         Some(c) => {
-            let pg3 = neg_adv.affine(c, 0.0)?;
+            let pg3 = neg_adv.affine(c as f64, 0.0)?;
             let clip2 = clip1.minimum(&pg3)?;
             let negative = advantages.lt(0f32)?;
             let lower = clip1.gt(&pg3)?.mul(&negative)?;
@@ -134,20 +162,11 @@ pub fn policy_loss(
         }
         None => (clip1, 0.0),
     };
-    let loss = agg_loss_n(&pg, mask, n, cfg.loss_agg_mode)?;
-
     let diff_d = diff.detach();
     let approxkl = scalar(&masked_mean_n(&diff_d.sqr()?.affine(0.5, 0.0)?, mask, n)?)?;
     let ppo_kl = -scalar(&masked_mean_n(&neg_kl.detach(), mask, n)?)?;
     let ratio_mean = scalar(&masked_mean_n(&ratio.detach(), mask, n)?)?;
-    Ok(PolicyLossOutput {
-        loss,
-        clipfrac,
-        clipfrac_lower,
-        approxkl,
-        ppo_kl,
-        ratio_mean,
-    })
+    Ok((pg, [clipfrac, clipfrac_lower, approxkl, ppo_kl, ratio_mean]))
 }
 
 fn frac(indicator: &Tensor, mask: &Tensor, n: usize) -> Result<f64> {
@@ -182,21 +201,45 @@ pub fn value_loss(
     check_token_tensor("vpreds", vpreds, response_mask)?;
     check_token_tensor("old_values", old_values, response_mask)?;
     check_token_tensor("returns", returns, response_mask)?;
-    let c = cfg.cliprange_value;
-    let lo = old_values.affine(1.0, -c)?;
-    let hi = old_values.affine(1.0, c)?;
-    let vclipped = vpreds.minimum(&hi)?.maximum(&lo)?;
-    let l1 = vpreds.sub(returns)?.sqr()?;
-    let l2 = vclipped.sub(returns)?.sqr()?;
-    let lmax = l1.maximum(&l2)?;
+    let (lmax, clipfrac) = if response_mask.device().is_cpu() {
+        let c = cfg.cliprange_value as f32;
+        fused::value_terms(vpreds, old_values, returns, response_mask, c)?
+    } else {
+        value_terms_ops(
+            vpreds,
+            old_values,
+            returns,
+            response_mask,
+            n,
+            cfg.cliprange_value,
+        )?
+    };
     let loss = agg_loss_n(&lmax, response_mask, n, cfg.loss_agg_mode)?.affine(0.5, 0.0)?;
-    let clipfrac = frac(&l2.gt(&l1)?, response_mask, n)?;
     let weighted_loss = loss.affine(cfg.vf_coef, 0.0)?;
     Ok(ValueLossOutput {
         loss,
         weighted_loss,
         clipfrac,
     })
+}
+
+/// [`value_loss`]'s unhalved per-token matrix and clip fraction from generic
+/// candle ops, for devices without the fused kernel.
+pub(crate) fn value_terms_ops(
+    vpreds: &Tensor,
+    old_values: &Tensor,
+    returns: &Tensor,
+    mask: &Tensor,
+    n: usize,
+    c: f64,
+) -> Result<(Tensor, f64)> {
+    let lo = old_values.affine(1.0, -c)?;
+    let hi = old_values.affine(1.0, c)?;
+    let vclipped = vpreds.minimum(&hi)?.maximum(&lo)?;
+    let l1 = vpreds.sub(returns)?.sqr()?;
+    let l2 = vclipped.sub(returns)?.sqr()?;
+    let clipfrac = frac(&l2.gt(&l1)?, mask, n)?;
+    Ok((l1.maximum(&l2)?, clipfrac))
 }
 
 /// Aggregated KL-to-reference loss (verl actor with `use_kl_loss`),
@@ -325,6 +368,115 @@ mod tests {
         assert!(err
             .to_string()
             .starts_with("global_batch: num_tokens and dp_size must be > 0"));
+    }
+
+    fn pseudo(n: usize, seed: u32, scale: f32) -> Vec<f32> {
+        (0..n)
+            .map(|i| {
+                let x = (i as u32)
+                    .wrapping_mul(2654435761)
+                    .wrapping_add(seed.wrapping_mul(40503));
+                ((x >> 8) as f32 / (1u32 << 24) as f32 - 0.5) * 2.0 * scale
+            })
+            .collect()
+    }
+
+    fn host(t: &Tensor) -> Vec<f32> {
+        t.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    }
+
+    fn assert_close(what: &str, a: &[f32], b: &[f32]) {
+        for (i, (x, y)) in a.iter().zip(b).enumerate() {
+            assert!(
+                (x - y).abs() <= 1e-6 * y.abs().max(1.0),
+                "{what}[{i}]: {x} vs {y}"
+            );
+        }
+    }
+
+    #[test]
+    fn fused_cpu_kernels_match_the_op_chains() {
+        let dev = Device::Cpu;
+        let (b, t) = (6, 40);
+        let tok = |v: Vec<f32>| Tensor::from_vec(v, (b, t), &dev).unwrap();
+        let old_v = pseudo(b * t, 1, 2.0);
+        let mut new_v: Vec<f32> = old_v
+            .iter()
+            .zip(pseudo(b * t, 2, 1.2))
+            .map(|(o, d)| o + d)
+            .collect();
+        // exact ratio-1 ties and a few extreme log-ratios beyond the +-20 clamp
+        new_v[..10].copy_from_slice(&old_v[..10]);
+        new_v[5 * t + 1] = old_v[5 * t + 1] + 25.0;
+        new_v[5 * t + 2] = old_v[5 * t + 2] - 25.0;
+        // ratios around e^1.6 so that the dual clip fires for negative advantages
+        for k in 0..20 {
+            new_v[3 * t + k] = old_v[3 * t + k] + 1.6;
+        }
+        let (old, adv) = (tok(old_v), tok(pseudo(b * t, 3, 2.0)));
+        let mask = tok((0..b * t)
+            .map(|i| f32::from(u8::from(i % t < 5 + 6 * (i / t))))
+            .collect());
+        let n = host(&mask).iter().filter(|&&m| m != 0.0).count();
+        for dual in [Some(3.0), Some(1.5), None] {
+            for (lo, hi) in [(0.8, 1.2), (0.9, 1.28)] {
+                let p = PgParams { lo, hi, dual };
+                let run = |fused_path: bool| {
+                    let var = candle_core::Var::from_tensor(&tok(new_v.clone())).unwrap();
+                    let (pg, stats) = if fused_path {
+                        fused::policy_terms(&old, var.as_tensor(), &adv, &mask, p).unwrap()
+                    } else {
+                        policy_terms_ops(&old, var.as_tensor(), &adv, &mask, n, p).unwrap()
+                    };
+                    let loss = pg.mul(&mask).unwrap().sum_all().unwrap();
+                    let grads = loss.backward().unwrap();
+                    (host(&pg), stats, host(grads.get(&var).unwrap()))
+                };
+                let (pg_f, st_f, g_f) = run(true);
+                let (pg_o, st_o, g_o) = run(false);
+                let what = format!("{p:?}");
+                assert_close(&format!("{what} pg"), &pg_f, &pg_o);
+                assert_close(&format!("{what} grad"), &g_f, &g_o);
+                for (x, y) in st_f.iter().zip(&st_o) {
+                    assert!(
+                        (x - y).abs() < 1e-5 * y.abs().max(1.0),
+                        "{what} stats {st_f:?} vs {st_o:?}"
+                    );
+                }
+                assert!(
+                    st_f[0] > 0.0 && (dual.is_none() || st_f[1] > 0.0),
+                    "{what}: {st_f:?}"
+                );
+            }
+        }
+        let vals = tok(pseudo(b * t, 4, 1.0));
+        let mut vp: Vec<f32> = host(&vals)
+            .iter()
+            .zip(pseudo(b * t, 5, 0.6))
+            .map(|(v, d)| v + d)
+            .collect();
+        vp[..8].copy_from_slice(&host(&vals)[..8]);
+        let ret = tok(pseudo(b * t, 6, 2.0));
+        for c in [0.2f32, 0.05, 0.4] {
+            let run = |fused_path: bool| {
+                let var = candle_core::Var::from_tensor(&tok(vp.clone())).unwrap();
+                let (l, cf) = if fused_path {
+                    fused::value_terms(var.as_tensor(), &vals, &ret, &mask, c).unwrap()
+                } else {
+                    value_terms_ops(var.as_tensor(), &vals, &ret, &mask, n, c as f64).unwrap()
+                };
+                let grads = l.mul(&mask).unwrap().sum_all().unwrap().backward().unwrap();
+                (host(&l), cf, host(grads.get(&var).unwrap()))
+            };
+            let (l_f, cf_f, g_f) = run(true);
+            let (l_o, cf_o, g_o) = run(false);
+            assert_close(&format!("value c={c}"), &l_f, &l_o);
+            assert_close(&format!("value grad c={c}"), &g_f, &g_o);
+            assert!(
+                (cf_f - cf_o).abs() < 1e-6 && cf_f > 0.0,
+                "clipfrac {cf_f} vs {cf_o}"
+            );
+        }
     }
 
     #[test]

@@ -115,7 +115,7 @@ pub(crate) fn check_finite(name: &'static str, t: &Tensor) -> Result<()> {
 /// only when it finds something.
 pub(crate) fn check_finite_on_device(name: &'static str, t: &Tensor) -> Result<()> {
     let probe = t
-        .sub(&t)?
+        .sub(t)?
         .sum_all()?
         .to_dtype(DType::F32)?
         .to_scalar::<f32>()?;
