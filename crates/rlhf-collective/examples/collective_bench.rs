@@ -1,5 +1,8 @@
 //! Loopback throughput of the TCP communicator next to a raw TCP copy of the same
-//! bytes, measured in the same run with the same socket settings.
+//! bytes, measured in the same run with the same socket settings. Each round runs
+//! the raw copy and every communicator op once, back to back, so all of them see
+//! the same machine load; the ratio is the median over rounds of
+//! `raw time / op time` (the first round is a warm-up).
 //!
 //! `cargo run --release -p rlhf-collective --example collective_bench [-- OPTIONS]`
 //!
@@ -67,9 +70,8 @@ fn parse() -> Result<Opts, BoxError> {
     Ok(o)
 }
 
-/// Median of the per-iteration wall times.
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
+fn median<T: PartialOrd + Copy>(mut v: Vec<T>) -> T {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
     v[v.len() / 2]
 }
 
@@ -77,42 +79,61 @@ fn gbps(bytes: usize, d: Duration) -> f64 {
     bytes as f64 / d.as_secs_f64() / 1e9
 }
 
-fn raw_copy(bytes: usize, o: &Opts) -> Result<Duration, BoxError> {
-    let listener = TcpListener::bind("127.0.0.1:0")?;
-    let addr = listener.local_addr()?;
-    let cfg = o.config.clone();
-    let iters = o.iters + 1;
-    let writer = thread::spawn(move || -> Result<(), std::io::Error> {
-        let s = TcpStream::connect(addr)?;
-        tune_stream(&s, &cfg);
-        let src = vec![7u8; bytes];
-        let mut ack = [0u8; 1];
-        for _ in 0..iters {
-            for c in src.chunks(cfg.chunk_bytes) {
-                (&s).write_all(c)?;
-            }
-            // Wait for the reader so iterations do not overlap.
-            (&s).read_exact(&mut ack)?;
-        }
-        Ok(())
-    });
-    let (s, _) = listener.accept()?;
-    tune_stream(&s, &o.config);
-    let mut dst = vec![0u8; bytes];
-    let mut times = Vec::new();
-    for i in 0..iters {
+/// Two connected loopback sockets with the communicator's settings.
+struct RawPair {
+    tx: TcpStream,
+    rx: TcpStream,
+    src: Vec<u8>,
+    dst: Vec<u8>,
+    chunk: usize,
+}
+
+impl RawPair {
+    fn new(bytes: usize, cfg: &CommConfig) -> Result<Self, BoxError> {
+        let listener = TcpListener::bind("127.0.0.1:0")?;
+        let tx = TcpStream::connect(listener.local_addr()?)?;
+        let (rx, _) = listener.accept()?;
+        tune_stream(&tx, cfg);
+        tune_stream(&rx, cfg);
+        Ok(Self {
+            tx,
+            rx,
+            src: vec![7u8; bytes],
+            dst: vec![0u8; bytes],
+            chunk: cfg.chunk_bytes,
+        })
+    }
+
+    /// One copy: a writer thread with plain `write_all`, the reader with `read_exact`.
+    fn once(&mut self) -> Result<Duration, BoxError> {
+        let Self {
+            tx,
+            rx,
+            src,
+            dst,
+            chunk,
+        } = self;
         let t = Instant::now();
-        (&s).read_exact(&mut dst)?;
-        if i > 0 {
-            times.push(t.elapsed());
+        let written = thread::scope(|s| {
+            let w = s.spawn(|| -> std::io::Result<()> {
+                for c in src.chunks(*chunk) {
+                    (&*tx).write_all(c)?;
+                }
+                Ok(())
+            });
+            let r = (&*rx).read_exact(dst);
+            (w.join(), r)
+        });
+        let d = t.elapsed();
+        match written {
+            (Ok(Ok(())), Ok(())) => {}
+            (w, r) => return Err(format!("raw copy failed: writer {w:?}, reader {r:?}").into()),
         }
-        (&s).write_all(&[1])?;
+        if dst.last() != Some(&7) {
+            return Err("raw copy delivered wrong bytes".into());
+        }
+        Ok(d)
     }
-    writer.join().map_err(|_| "writer panicked")??;
-    if dst[bytes - 1] != 7 {
-        return Err("raw copy delivered wrong bytes".into());
-    }
-    Ok(median(times))
 }
 
 fn make_world(o: &Opts) -> Result<Vec<TcpCommunicator>, BoxError> {
@@ -133,32 +154,24 @@ fn make_world(o: &Opts) -> Result<Vec<TcpCommunicator>, BoxError> {
     Ok(v)
 }
 
-/// Runs `op` on every rank after a barrier, `iters + 1` times (the first is a
-/// warm-up); returns the median of the slowest rank's time per iteration.
-fn timed<S: Send>(
+/// Runs `op` once on every rank (after a barrier); returns the slowest rank's time.
+fn once<S: Send>(
     comms: &mut [TcpCommunicator],
-    iters: usize,
-    setup: impl Fn(usize) -> S + Sync,
+    states: &mut [S],
     op: impl Fn(usize, &mut TcpCommunicator, &mut S) -> rlhf_collective::Result<()> + Sync,
 ) -> Result<Duration, BoxError> {
-    let per_rank: Vec<Result<Vec<Duration>, rlhf_collective::Error>> = thread::scope(|s| {
+    let times: Vec<rlhf_collective::Result<Duration>> = thread::scope(|s| {
         let hs: Vec<_> = comms
             .iter_mut()
+            .zip(states.iter_mut())
             .enumerate()
-            .map(|(r, c)| {
-                let (setup, op) = (&setup, &op);
+            .map(|(r, (c, st))| {
+                let op = &op;
                 s.spawn(move || {
-                    let mut state = setup(r);
-                    let mut times = Vec::new();
-                    for i in 0..=iters {
-                        c.barrier()?;
-                        let t = Instant::now();
-                        op(r, c, &mut state)?;
-                        if i > 0 {
-                            times.push(t.elapsed());
-                        }
-                    }
-                    Ok(times)
+                    c.barrier()?;
+                    let t = Instant::now();
+                    op(r, c, st)?;
+                    Ok(t.elapsed())
                 })
             })
             .collect();
@@ -166,17 +179,17 @@ fn timed<S: Send>(
             .map(|h| h.join().expect("bench rank panicked"))
             .collect()
     });
-    let per_rank: Vec<Vec<Duration>> = per_rank.into_iter().collect::<Result<_, _>>()?;
-    let slowest: Vec<Duration> = (0..iters)
-        .map(|i| per_rank.iter().map(|t| t[i]).max().unwrap_or_default())
-        .collect();
-    Ok(median(slowest))
+    let mut worst = Duration::ZERO;
+    for t in times {
+        worst = worst.max(t?);
+    }
+    Ok(worst)
 }
 
 fn main() -> Result<(), BoxError> {
     let o = parse()?;
     println!(
-        "collective_bench: world {}, iters {} (+1 warm-up, median), chunk {} KiB, socket buffers {}, {} parameters for the sync",
+        "collective_bench: world {}, {} rounds (+1 warm-up), chunk {} KiB, socket buffers {}, {} parameters for the sync",
         o.world,
         o.iters,
         o.config.chunk_bytes >> 10,
@@ -186,82 +199,100 @@ fn main() -> Result<(), BoxError> {
         o.params
     );
     let mut comms = make_world(&o)?;
+    let n = o.world;
+    let names = [
+        "raw TCP copy (2 threads)".to_string(),
+        format!("broadcast (world {n})"),
+        format!("BucketedSync {} params (world {n})", o.params),
+        format!("all_reduce_f32 sum (world {n})"),
+    ];
     for &mib in &o.sizes_mib {
         let bytes = mib << 20;
-        let raw = raw_copy(bytes, &o)?;
-        let raw_gbps = gbps(bytes, raw);
-        println!("\n{mib} MiB");
-        println!(
-            "  {:<34} {:>8.2} GB/s  {:>8.1} ms  ratio 1.00",
-            "raw TCP copy (2 threads)",
-            raw_gbps,
-            raw.as_secs_f64() * 1e3
-        );
-        let report = |name: &str, d: Duration| {
-            let g = gbps(bytes, d);
-            println!(
-                "  {name:<34} {g:>8.2} GB/s  {:>8.1} ms  ratio {:.2}",
-                d.as_secs_f64() * 1e3,
-                g / raw_gbps
-            );
-        };
-
-        let t = timed(
-            &mut comms,
-            o.iters,
-            |r| vec![r as u8 + 1; bytes],
-            |_, c, buf| c.broadcast(buf, 0),
-        )?;
-        report(&format!("broadcast (world {})", o.world), t);
-
-        // BucketedSync of the same bytes as ~`params` parameters of uneven sizes.
-        let n_params = o.params;
         let elems = bytes / 4;
-        let bounds: Vec<usize> = (0..=n_params)
+        let mut raw = RawPair::new(bytes, &o.config)?;
+        let mut bcast: Vec<Vec<u8>> = (0..n).map(|r| vec![r as u8 + 1; bytes]).collect();
+        let mut weights: Vec<Vec<f32>> = (0..n).map(|r| vec![r as f32 + 1.0; elems]).collect();
+        let mut grads: Vec<Vec<f32>> = (0..n).map(|r| vec![r as f32 + 0.5; elems]).collect();
+        // ~`params` parameters of uneven sizes (quadratic spacing: a few large
+        // tensors and many small ones), like a model's state dict.
+        let bounds: Vec<usize> = (0..=o.params)
             .map(|i| {
-                // Quadratic spacing: a few large tensors and many small ones.
-                let f = i as f64 / n_params as f64;
+                let f = i as f64 / o.params as f64;
                 ((f * f) * elems as f64) as usize
             })
             .collect();
         let sync = BucketedSync::default();
-        let t = timed(
-            &mut comms,
-            o.iters,
-            |r| vec![r as f32 + 1.0; elems],
-            |r, c, buf| {
-                if r == 0 {
-                    let params: Vec<Param<'_>> = bounds
-                        .windows(2)
-                        .enumerate()
-                        .map(|(i, w)| Param::f32(format!("p{i}"), &[w[1] - w[0]], &buf[w[0]..w[1]]))
-                        .collect::<Result<_, _>>()?;
-                    sync.send(c, &params).map(|_| ())
-                } else {
-                    let mut params: Vec<ParamMut<'_>> = Vec::with_capacity(n_params);
-                    let mut rest: &mut [f32] = buf;
-                    for (i, w) in bounds.windows(2).enumerate() {
-                        let (head, tail) = rest.split_at_mut(w[1] - w[0]);
-                        params.push(ParamMut::f32(format!("p{i}"), &[w[1] - w[0]], head)?);
-                        rest = tail;
-                    }
-                    sync.recv(c, 0, &mut params).map(|_| ())
-                }
-            },
-        )?;
-        report(
-            &format!("BucketedSync {n_params} params (world {})", o.world),
-            t,
-        );
 
-        let t = timed(
-            &mut comms,
-            o.iters,
-            |r| vec![r as f32 + 0.5; elems],
-            |_, c, buf| c.all_reduce_f32(buf, ReduceOp::Sum),
-        )?;
-        report(&format!("all_reduce_f32 sum (world {})", o.world), t);
+        let mut times: [Vec<Duration>; 4] = Default::default();
+        for round in 0..=o.iters {
+            let t = [
+                raw.once()?,
+                once(&mut comms, &mut bcast, |_, c, buf| c.broadcast(buf, 0))?,
+                once(&mut comms, &mut weights, |r, c, buf| {
+                    if r == 0 {
+                        let params: Vec<Param<'_>> = bounds
+                            .windows(2)
+                            .enumerate()
+                            .map(|(i, w)| {
+                                Param::f32(format!("p{i}"), &[w[1] - w[0]], &buf[w[0]..w[1]])
+                            })
+                            .collect::<Result<_, _>>()?;
+                        sync.send(c, &params).map(|_| ())
+                    } else {
+                        let mut params: Vec<ParamMut<'_>> = Vec::with_capacity(bounds.len());
+                        let mut rest: &mut [f32] = buf;
+                        for (i, w) in bounds.windows(2).enumerate() {
+                            let (head, tail) = rest.split_at_mut(w[1] - w[0]);
+                            params.push(ParamMut::f32(format!("p{i}"), &[w[1] - w[0]], head)?);
+                            rest = tail;
+                        }
+                        sync.recv(c, 0, &mut params).map(|_| ())
+                    }
+                })?,
+                once(&mut comms, &mut grads, |_, c, buf| {
+                    c.all_reduce_f32(buf, ReduceOp::Sum)
+                })?,
+            ];
+            if round > 0 {
+                for (acc, d) in times.iter_mut().zip(t) {
+                    acc.push(d);
+                }
+            }
+        }
+        if bcast.iter().any(|b| b != &bcast[0]) || weights.iter().any(|w| w != &weights[0]) {
+            return Err("a rank ended with different data".into());
+        }
+
+        println!("\n{mib} MiB (median of {} rounds)", o.iters);
+        println!(
+            "  {:<36} {:>8} {:>10} {:>7} {:>11}",
+            "", "GB/s", "ms", "ratio", "wire ratio"
+        );
+        // Bytes all ranks together push through sockets, per payload byte.
+        let wire = [1.0, (n - 1) as f64, (n - 1) as f64, 2.0 * (n - 1) as f64];
+        for (k, name) in names.iter().enumerate() {
+            let ratio = median(
+                times[0]
+                    .iter()
+                    .zip(&times[k])
+                    .map(|(raw, op)| raw.as_secs_f64() / op.as_secs_f64())
+                    .collect(),
+            );
+            let d = median(times[k].clone());
+            println!(
+                "  {name:<36} {:>8.2} {:>10.1} {:>7.2} {:>11.2}",
+                gbps(bytes, d),
+                d.as_secs_f64() * 1e3,
+                ratio,
+                ratio * wire[k]
+            );
+        }
     }
-    println!("\nratio = communicator GB/s / raw copy GB/s (payload bytes / wall time; goal ≥ 0.5)");
+    println!(
+        "\nGB/s = payload bytes / wall time of the slowest rank; ratio = median over rounds of \
+         raw time / op time (goal >= 0.5); wire ratio = ratio x bytes all ranks send per payload \
+         byte (raw 1, broadcast n-1, all_reduce 2(n-1)): on a CPU-bound loopback it shows how \
+         much of the raw copy's socket throughput each op achieves."
+    );
     Ok(())
 }
