@@ -2,14 +2,14 @@
 //!
 //! On the CPU every candle op is a separate pass over memory (and scalar clamps
 //! take a strided path), so the clipped surrogate's ~30 ops cost more than the
-//! math. These custom ops compute the per-token loss matrix in one pass and
-//! give candle the exact derivative in `bwd`, so the result stays in the
-//! autograd graph. Ties in `max`/`min`/`clamp` split the gradient in half, as
+//! math. Here one pass over host copies computes the per-token loss, its exact
+//! derivative and the diagnostics; a custom op hands the loss to candle and the
+//! derivative to its backward pass, so the result stays in the autograd graph. Ties in `max`/`min`/`clamp` split the gradient in half, as
 //! candle's own ops (and PyTorch's) do, so both paths agree to rounding; the
 //! op-chain versions in `loss.rs` remain the path for other devices and are
 //! tested against these.
 
-use candle_core::{CpuStorage, CustomOp3, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
 
 use crate::error::Result;
 
@@ -110,182 +110,107 @@ pub(crate) struct PgParams {
     pub dual: Option<f32>,
 }
 
-fn slice<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> candle_core::Result<&'a [f32]> {
-    let data = s.as_slice::<f32>()?;
-    match l.contiguous_offsets() {
-        Some((a, b)) => Ok(&data[a..b]),
-        None => candle_core::bail!("{what}: the fused loss needs contiguous inputs"),
-    }
+/// A precomputed per-token function of one input and its derivative: the
+/// forward pass hands out the values, the backward pass multiplies the incoming
+/// gradient by the derivative. Computing both in the caller's single pass
+/// avoids evaluating `exp` twice per token.
+struct Precomputed {
+    name: &'static str,
+    values: Vec<f32>,
+    derivative: Vec<f32>,
 }
 
-fn host(t: &Tensor) -> candle_core::Result<Vec<f32>> {
-    t.flatten_all()?.to_vec1::<f32>()
-}
-
-/// Per-token clipped surrogate; inputs `(logp, old_logp, advantages)`.
-struct PgOp(PgParams);
-
-impl CustomOp3 for PgOp {
+impl CustomOp1 for Precomputed {
     fn name(&self) -> &'static str {
-        "rlhf-algo-policy-loss"
+        self.name
     }
 
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let lp = slice(s1, l1, "logp")?;
-        let old = slice(s2, l2, "old_logp")?;
-        let adv = slice(s3, l3, "advantages")?;
-        let out: Vec<f32> = lp
-            .iter()
-            .zip(old)
-            .zip(adv)
-            .map(|((&lp, &o), &a)| pg_elem(lp, o, a, &self.0).0)
-            .collect();
-        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    fn cpu_fwd(&self, _s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        Ok((CpuStorage::F32(self.values.clone()), l.shape().clone()))
     }
 
     fn bwd(
         &self,
-        logp: &Tensor,
-        old: &Tensor,
-        adv: &Tensor,
+        arg: &Tensor,
         _res: &Tensor,
         grad_res: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (lp, o, a, g) = (host(logp)?, host(old)?, host(adv)?, host(grad_res)?);
-        let grad: Vec<f32> = (0..lp.len())
-            .map(|i| g[i] * pg_elem(lp[i], o[i], a[i], &self.0).1)
-            .collect();
-        // Old log-probs and advantages are rollout constants in PPO.
-        let grad = Tensor::from_vec(grad, logp.shape(), logp.device())?;
-        Ok((Some(grad), None, None))
+    ) -> candle_core::Result<Option<Tensor>> {
+        let d = Tensor::from_vec(self.derivative.clone(), arg.shape(), arg.device())?;
+        Ok(Some(grad_res.mul(&d)?))
     }
 }
 
-/// Per-token clipped value loss; inputs `(vpreds, old_values, returns)`.
-struct VfOp(f32);
-
-impl CustomOp3 for VfOp {
-    fn name(&self) -> &'static str {
-        "rlhf-algo-value-loss"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let v = slice(s1, l1, "vpreds")?;
-        let old = slice(s2, l2, "old_values")?;
-        let r = slice(s3, l3, "returns")?;
-        let out: Vec<f32> = v
-            .iter()
-            .zip(old)
-            .zip(r)
-            .map(|((&v, &o), &r)| vf_elem(v, o, r, self.0).0)
-            .collect();
-        Ok((CpuStorage::F32(out), l1.shape().clone()))
-    }
-
-    fn bwd(
-        &self,
-        vpreds: &Tensor,
-        old: &Tensor,
-        ret: &Tensor,
-        _res: &Tensor,
-        grad_res: &Tensor,
-    ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (v, o, r, g) = (host(vpreds)?, host(old)?, host(ret)?, host(grad_res)?);
-        let grad: Vec<f32> = (0..v.len())
-            .map(|i| g[i] * vf_elem(v[i], o[i], r[i], self.0).1)
-            .collect();
-        let grad = Tensor::from_vec(grad, vpreds.shape(), vpreds.device())?;
-        Ok((Some(grad), None, None))
-    }
-}
-
-/// Per-token policy loss matrix and the masked diagnostics
-/// `(clipfrac, clipfrac_lower, approxkl, ppo_kl, ratio_mean)`.
+/// Per-token policy loss matrix (in the autograd graph of `logp_t`) and the
+/// masked diagnostics `(clipfrac, clipfrac_lower, approxkl, ppo_kl, ratio_mean)`
+/// from host copies of the inputs. Old log-probs and advantages are constants.
 pub(crate) fn policy_terms(
-    old_logp: &Tensor,
-    logp: &Tensor,
-    advantages: &Tensor,
-    mask: &Tensor,
+    logp_t: &Tensor,
+    lp: &[f32],
+    old: &[f32],
+    adv: &[f32],
+    mask: &[f32],
     p: PgParams,
 ) -> Result<(Tensor, [f64; 5])> {
-    let (lp, o, a, m) = (
-        host(&logp.detach())?,
-        host(old_logp)?,
-        host(advantages)?,
-        host(mask)?,
-    );
+    let mut values = vec![0f32; lp.len()];
+    let mut derivative = vec![0f32; lp.len()];
     let mut acc = [0f64; 5];
     let mut n = 0f64;
     for i in 0..lp.len() {
-        if m[i] == 0.0 {
+        let (v, d) = pg_elem(lp[i], old[i], adv[i], &p);
+        values[i] = v;
+        derivative[i] = d;
+        if mask[i] == 0.0 {
             continue;
         }
         n += 1.0;
-        let diff = lp[i] - o[i];
+        let diff = lp[i] - old[i];
         let nk = diff.clamp(-20.0, 20.0);
         let ratio = nk.exp();
-        let na = -a[i];
+        let na = -adv[i];
         let pg1 = na * ratio;
         let pg2 = na * ratio.max(p.lo).min(p.hi);
-        let c1 = pg1.max(pg2);
         acc[0] += f64::from(u8::from(pg2 > pg1));
         if let Some(c) = p.dual {
-            acc[1] += f64::from(u8::from(a[i] < 0.0 && c1 > na * c));
+            acc[1] += f64::from(u8::from(adv[i] < 0.0 && pg1.max(pg2) > na * c));
         }
         acc[2] += 0.5 * f64::from(diff) * f64::from(diff);
         acc[3] -= f64::from(nk);
         acc[4] += f64::from(ratio);
     }
-    let stats = acc.map(|s| s / n);
-    let pg = logp.contiguous()?.apply_op3(
-        &old_logp.contiguous()?,
-        &advantages.contiguous()?,
-        PgOp(p),
-    )?;
-    Ok((pg, stats))
+    let op = Precomputed {
+        name: "rlhf-algo-policy-loss",
+        values,
+        derivative,
+    };
+    Ok((logp_t.apply_op1(op)?, acc.map(|s| s / n)))
 }
 
-/// Per-token (unhalved) value loss matrix and the masked clip fraction.
+/// Per-token (unhalved) value loss matrix (in the autograd graph of
+/// `vpreds_t`) and the masked clip fraction, from host copies of the inputs.
 pub(crate) fn value_terms(
-    vpreds: &Tensor,
-    old_values: &Tensor,
-    returns: &Tensor,
-    mask: &Tensor,
+    vpreds_t: &Tensor,
+    v: &[f32],
+    old: &[f32],
+    ret: &[f32],
+    mask: &[f32],
     cliprange_value: f32,
 ) -> Result<(Tensor, f64)> {
-    let (v, o, r, m) = (
-        host(&vpreds.detach())?,
-        host(old_values)?,
-        host(returns)?,
-        host(mask)?,
-    );
+    let mut values = vec![0f32; v.len()];
+    let mut derivative = vec![0f32; v.len()];
     let (mut clipped, mut n) = (0f64, 0f64);
     for i in 0..v.len() {
-        if m[i] != 0.0 {
+        let (l, d, c) = vf_elem(v[i], old[i], ret[i], cliprange_value);
+        values[i] = l;
+        derivative[i] = d;
+        if mask[i] != 0.0 {
             n += 1.0;
-            clipped += f64::from(u8::from(vf_elem(v[i], o[i], r[i], cliprange_value).2));
+            clipped += f64::from(u8::from(c));
         }
     }
-    let l = vpreds.contiguous()?.apply_op3(
-        &old_values.contiguous()?,
-        &returns.contiguous()?,
-        VfOp(cliprange_value),
-    )?;
-    Ok((l, clipped / n))
+    let op = Precomputed {
+        name: "rlhf-algo-value-loss",
+        values,
+        derivative,
+    };
+    Ok((vpreds_t.apply_op1(op)?, clipped / n))
 }

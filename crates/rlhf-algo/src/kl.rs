@@ -60,6 +60,22 @@ pub(crate) fn kl_penalty_unchecked(
     Ok(out)
 }
 
+/// One token of [`kl_penalty`] on the host, with the same f32 operation order
+/// as the tensor version; `None` for `full`, which needs whole distributions.
+#[inline]
+pub(crate) fn kl_elem(lp: f32, rf: f32, penalty: KlPenalty) -> Option<f32> {
+    Some(match penalty {
+        KlPenalty::Kl => lp - rf,
+        KlPenalty::Abs => (lp - rf).abs(),
+        KlPenalty::Mse => (lp - rf) * (lp - rf) * 0.5,
+        KlPenalty::LowVarKl => {
+            let kl = (rf - lp).clamp(-20.0, 20.0);
+            ((kl.exp() - kl) - 1.0).clamp(-10.0, 10.0)
+        }
+        KlPenalty::Full => return None,
+    })
+}
+
 /// KL coefficient controller. Serializable so a checkpoint can restore it.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]

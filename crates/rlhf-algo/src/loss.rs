@@ -10,7 +10,7 @@ use crate::fused::{self, PgParams};
 use crate::kl::kl_penalty_unchecked;
 use crate::masked::{masked_mean_n, scalar};
 use crate::names::{KlPenalty, LossAggMode};
-use crate::validate::{check_mask, check_token_tensor, clamp};
+use crate::validate::{check_mask, check_token_tensor, clamp, HostMask};
 
 /// Reduces a `[batch, len]` loss matrix to a scalar over the mask
 /// (verl `agg_loss`). The `seq-mean-*` modes average over the sequences that
@@ -109,19 +109,25 @@ pub fn policy_loss(
     cfg: &PolicyLossConfig,
 ) -> Result<PolicyLossOutput> {
     cfg.validate()?;
-    let n = check_mask("response_mask", response_mask)?;
-    check_token_tensor("old_logp", old_logp, response_mask)?;
-    check_token_tensor("logp", logp, response_mask)?;
-    check_token_tensor("advantages", advantages, response_mask)?;
     let params = PgParams {
         lo: (1.0 - cfg.low()) as f32,
         hi: (1.0 + cfg.high()) as f32,
         dual: cfg.clip_ratio_c.map(|c| c as f32),
     };
-    let (pg, stats) = if response_mask.device().is_cpu() {
-        fused::policy_terms(old_logp, logp, advantages, response_mask, params)?
+    let (n, pg, stats) = if response_mask.device().is_cpu() {
+        let m = HostMask::new("response_mask", response_mask)?;
+        let old = m.token("old_logp", old_logp)?;
+        let lp = m.token("logp", logp)?;
+        let adv = m.token("advantages", advantages)?;
+        let (pg, stats) = fused::policy_terms(logp, &lp, &old, &adv, &m.data, params)?;
+        (m.n, pg, stats)
     } else {
-        policy_terms_ops(old_logp, logp, advantages, response_mask, n, params)?
+        let n = check_mask("response_mask", response_mask)?;
+        check_token_tensor("old_logp", old_logp, response_mask)?;
+        check_token_tensor("logp", logp, response_mask)?;
+        check_token_tensor("advantages", advantages, response_mask)?;
+        let (pg, stats) = policy_terms_ops(old_logp, logp, advantages, response_mask, n, params)?;
+        (n, pg, stats)
     };
     let [clipfrac, clipfrac_lower, approxkl, ppo_kl, ratio_mean] = stats;
     Ok(PolicyLossOutput {
@@ -197,22 +203,22 @@ pub fn value_loss(
     cfg: &ValueLossConfig,
 ) -> Result<ValueLossOutput> {
     cfg.validate()?;
-    let n = check_mask("response_mask", response_mask)?;
-    check_token_tensor("vpreds", vpreds, response_mask)?;
-    check_token_tensor("old_values", old_values, response_mask)?;
-    check_token_tensor("returns", returns, response_mask)?;
-    let (lmax, clipfrac) = if response_mask.device().is_cpu() {
+    let (n, lmax, clipfrac) = if response_mask.device().is_cpu() {
+        let m = HostMask::new("response_mask", response_mask)?;
+        let v = m.token("vpreds", vpreds)?;
+        let old = m.token("old_values", old_values)?;
+        let ret = m.token("returns", returns)?;
         let c = cfg.cliprange_value as f32;
-        fused::value_terms(vpreds, old_values, returns, response_mask, c)?
+        let (l, cf) = fused::value_terms(vpreds, &v, &old, &ret, &m.data, c)?;
+        (m.n, l, cf)
     } else {
-        value_terms_ops(
-            vpreds,
-            old_values,
-            returns,
-            response_mask,
-            n,
-            cfg.cliprange_value,
-        )?
+        let n = check_mask("response_mask", response_mask)?;
+        check_token_tensor("vpreds", vpreds, response_mask)?;
+        check_token_tensor("old_values", old_values, response_mask)?;
+        check_token_tensor("returns", returns, response_mask)?;
+        let c = cfg.cliprange_value;
+        let (l, cf) = value_terms_ops(vpreds, old_values, returns, response_mask, n, c)?;
+        (n, l, cf)
     };
     let loss = agg_loss_n(&lmax, response_mask, n, cfg.loss_agg_mode)?.affine(0.5, 0.0)?;
     let weighted_loss = loss.affine(cfg.vf_coef, 0.0)?;
@@ -424,7 +430,9 @@ mod tests {
                 let run = |fused_path: bool| {
                     let var = candle_core::Var::from_tensor(&tok(new_v.clone())).unwrap();
                     let (pg, stats) = if fused_path {
-                        fused::policy_terms(&old, var.as_tensor(), &adv, &mask, p).unwrap()
+                        let lp = host(var.as_tensor());
+                        let (o, a, m) = (host(&old), host(&adv), host(&mask));
+                        fused::policy_terms(var.as_tensor(), &lp, &o, &a, &m, p).unwrap()
                     } else {
                         policy_terms_ops(&old, var.as_tensor(), &adv, &mask, n, p).unwrap()
                     };
@@ -461,7 +469,9 @@ mod tests {
             let run = |fused_path: bool| {
                 let var = candle_core::Var::from_tensor(&tok(vp.clone())).unwrap();
                 let (l, cf) = if fused_path {
-                    fused::value_terms(var.as_tensor(), &vals, &ret, &mask, c).unwrap()
+                    let v = host(var.as_tensor());
+                    let (o, r, m) = (host(&vals), host(&ret), host(&mask));
+                    fused::value_terms(var.as_tensor(), &v, &o, &r, &m, c).unwrap()
                 } else {
                     value_terms_ops(var.as_tensor(), &vals, &ret, &mask, n, c as f64).unwrap()
                 };

@@ -5,12 +5,10 @@ use candle_core::Tensor;
 
 use crate::config::AlgorithmConfig;
 use crate::error::{AlgoError, Result};
-use crate::kl::kl_penalty_unchecked;
+use crate::kl::kl_elem;
 use crate::masked::host_whiten;
-use crate::validate::{
-    check_2d, check_batch_vec, check_finite, check_mask_host, check_token_tensor, find_non_finite,
-    host_vec,
-};
+use crate::names::KlPenalty;
+use crate::validate::{check_batch_vec, check_finite, HostMask};
 
 /// Result of [`compute_token_rewards`]. All `[batch, len]` tensors are zero
 /// outside the response mask.
@@ -66,13 +64,13 @@ pub fn compute_token_rewards(
     cfg: &AlgorithmConfig,
 ) -> Result<TokenRewards> {
     cfg.validate()?;
-    let (batch, len) = check_2d("response_mask", response_mask)?;
-    let mask = host_vec(response_mask)?;
-    check_mask_host("response_mask", &mask, response_mask.dims())?;
+    let m = HostMask::new("response_mask", response_mask)?;
+    let (batch, len) = (response_mask.dims()[0], response_mask.dims()[1]);
     check_batch_vec("scores", scores, batch)?;
     check_finite("scores", scores)?;
-    check_token_tensor("logp", logp, response_mask)?;
-    check_token_tensor("ref_logp", ref_logp, response_mask)?;
+    let lp = m.token("logp", logp)?;
+    let rf = m.token("ref_logp", ref_logp)?;
+    let mask = &m.data;
     if has_eos.len() != batch {
         return Err(AlgoError::InvalidInput {
             input: "has_eos",
@@ -83,6 +81,15 @@ pub fn compute_token_rewards(
         return Err(AlgoError::InvalidInput {
             input: "kl_coef",
             reason: format!("must be finite, got {kl_coef}"),
+        });
+    }
+    if cfg.kl_penalty == KlPenalty::Full {
+        return Err(AlgoError::InvalidConfig {
+            key: "algorithm.kl_penalty",
+            value: "full".into(),
+            reason: "per-token rewards see only the sampled tokens' log-probs; \
+                     choose kl, abs, mse or low_var_kl"
+                .into(),
         });
     }
 
@@ -98,25 +105,26 @@ pub fn compute_token_rewards(
         }
     }
 
-    let kl_t = kl_penalty_unchecked(logp, ref_logp, cfg.kl_penalty)?;
-    let mut kl = host_vec(&kl_t)?;
-    find_non_finite("kl", &kl, response_mask.dims())?;
     let coef = if cfg.use_kl_in_reward {
         kl_coef as f32
     } else {
         0.0
     };
-    let mut nsr = vec![0f32; kl.len()];
-    for ((k, n), &m) in kl.iter_mut().zip(nsr.iter_mut()).zip(&mask) {
-        *k *= m;
-        *n = -coef * *k;
+    let mut kl = vec![0f32; lp.len()];
+    let mut nsr = vec![0f32; lp.len()];
+    for i in 0..lp.len() {
+        if mask[i] != 0.0 {
+            // Full was rejected above, so the estimator is per-token.
+            kl[i] = kl_elem(lp[i], rf[i], cfg.kl_penalty).unwrap_or(0.0);
+            nsr[i] = -coef * kl[i];
+        }
     }
     let mut rewards = nsr.clone();
-    for (i, t) in last_valid(&mask, batch, len)?.into_iter().enumerate() {
+    for (i, t) in last_valid(mask, batch, len)?.into_iter().enumerate() {
         rewards[i * len + t] += sc[i];
     }
     if cfg.whiten_rewards {
-        host_whiten(&mut rewards, &mask, false)?;
+        host_whiten(&mut rewards, mask, false)?;
     }
 
     let dev = response_mask.device();

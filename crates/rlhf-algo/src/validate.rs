@@ -230,6 +230,43 @@ pub(crate) fn clamp(x: &Tensor, lo: f32, hi: f32) -> Result<Tensor> {
     Ok(x.maximum(&lo)?.minimum(&hi)?)
 }
 
+/// A validated host copy of a CPU response mask, used to validate and copy
+/// the token tensors of the same batch in one pass each.
+pub(crate) struct HostMask {
+    pub data: Vec<f32>,
+    pub n: usize,
+    dims: Vec<usize>,
+}
+
+impl HostMask {
+    pub(crate) fn new(name: &'static str, mask: &Tensor) -> Result<Self> {
+        check_2d(name, mask)?;
+        let data = host_vec(&mask.detach())?;
+        let n = check_mask_host(name, &data, mask.dims())?;
+        Ok(Self {
+            data,
+            n,
+            dims: mask.dims().to_vec(),
+        })
+    }
+
+    /// Checks dtype, shape and finiteness of `t` and returns its host copy.
+    pub(crate) fn token(&self, name: &'static str, t: &Tensor) -> Result<Vec<f32>> {
+        check_f32(name, t)?;
+        if t.dims() != self.dims.as_slice() {
+            return Err(AlgoError::ShapeMismatch {
+                tensor: name,
+                got: t.dims().to_vec(),
+                other: "response_mask",
+                expected: self.dims.clone(),
+            });
+        }
+        let data = host_vec(&t.detach())?;
+        find_non_finite(name, &data, &self.dims)?;
+        Ok(data)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
