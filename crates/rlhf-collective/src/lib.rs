@@ -13,6 +13,25 @@
 //! becomes an [`Error`] naming the op and the peer rank, never a hang or a panic.
 //! After any error a communicator refuses further ops (the byte streams are in an
 //! unknown state): build a new one.
+//!
+//! ```
+//! use rlhf_collective::{CommConfig, Communicator, ReduceOp, TcpCommunicator, TcpRendezvous};
+//!
+//! let rv = TcpRendezvous::bind("127.0.0.1:0")?;
+//! let addr = rv.local_addr().to_string(); // publish it, e.g. through the head's KV store
+//! let peer = std::thread::spawn(move || -> rlhf_collective::Result<Vec<f32>> {
+//!     let mut c = TcpCommunicator::connect(1, 2, &addr, CommConfig::default())?;
+//!     let mut grads = vec![3.0f32; 4];
+//!     c.all_reduce_f32(&mut grads, ReduceOp::Avg)?;
+//!     Ok(grads)
+//! });
+//! let mut c = rv.accept(2, CommConfig::default())?;
+//! let mut grads = vec![1.0f32; 4];
+//! c.all_reduce_f32(&mut grads, ReduceOp::Avg)?;
+//! assert_eq!(grads, vec![2.0; 4]);
+//! assert_eq!(peer.join().expect("peer thread")?, vec![2.0; 4]);
+//! # Ok::<(), rlhf_collective::Error>(())
+//! ```
 
 #[cfg(target_endian = "big")]
 compile_error!("rlhf-collective sends native-endian numbers and assumes a little-endian host");

@@ -124,6 +124,7 @@ impl TcpRendezvous {
     }
 
     /// The address rank 0 actually listens on; publish it to the other ranks.
+    /// When bound to `0.0.0.0`, publish this host's reachable IP with this port.
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
     }
