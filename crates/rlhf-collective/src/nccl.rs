@@ -505,6 +505,16 @@ impl NcclCommunicator {
     }
 }
 
+impl Drop for NcclCommunicator {
+    fn drop(&mut self) {
+        if let Some(c) = self.comm.take() {
+            // cudarc aborts the NCCL communicator on drop and panics if that fails;
+            // a destructor must not unwind.
+            let _ = catch_unwind(AssertUnwindSafe(move || drop(c)));
+        }
+    }
+}
+
 impl Communicator for NcclCommunicator {
     fn rank(&self) -> usize {
         self.rank
