@@ -40,8 +40,9 @@
 //! | 2 + n | listener address as UTF-8 text, u16 length prefix (empty for RING) |
 //!
 //! JOIN answer (rank 0 → rank r): status u8 (0 = ok), then either `world` addresses
-//! (u16 length + UTF-8 each, rank 0's entry empty) or, for status 1, one u16-prefixed
-//! UTF-8 error message.
+//! (u16 length + UTF-8 each, rank 0's entry empty) or, for status 1 (the ranks
+//! disagree) and 2 (rank 0 timed out waiting for others), one u16-prefixed UTF-8
+//! error message.
 //!
 //! Op header, 32 bytes, sent at the start of every op on both links (`next` and
 //! `prev`) and read from both, so the two ends of each link check each other:
@@ -84,6 +85,9 @@ use crate::{as_bytes, as_bytes_mut, CommConfig, Communicator, Plain, ReduceOp};
 const HELLO_MAGIC: [u8; 8] = *b"RLHFCOL\x01";
 const KIND_JOIN: u8 = 1;
 const KIND_RING: u8 = 2;
+/// JOIN answer status codes.
+const JOIN_MISMATCH: u8 = 1;
+const JOIN_TIMEOUT: u8 = 2;
 const HDR_MAGIC: u32 = 0x314C_4F43;
 const HDR_LEN: usize = 32;
 /// Messages up to this size are written before reading without a sender thread:
@@ -163,7 +167,7 @@ impl TcpRendezvous {
                          every rank must get the same world_size",
                         hello.rank, hello.world
                     );
-                    let _ = send_join_error(&stream, &msg);
+                    let _ = send_join_error(&stream, JOIN_MISMATCH, &msg);
                     return Err(mismatch(Op::Rendezvous, 0, Some(hello.rank), msg));
                 }
                 if hello.rank == 0 || hello.rank >= n {
@@ -172,7 +176,7 @@ impl TcpRendezvous {
                         hello.rank,
                         n - 1
                     );
-                    let _ = send_join_error(&stream, &msg);
+                    let _ = send_join_error(&stream, JOIN_MISMATCH, &msg);
                     return Err(mismatch(Op::Rendezvous, 0, Some(hello.rank), msg));
                 }
                 if joined[hello.rank].is_some() {
@@ -180,7 +184,7 @@ impl TcpRendezvous {
                         "two processes joined as rank {}: give each process its own rank",
                         hello.rank
                     );
-                    let _ = send_join_error(&stream, &msg);
+                    let _ = send_join_error(&stream, JOIN_MISMATCH, &msg);
                     return Err(mismatch(Op::Rendezvous, 0, Some(hello.rank), msg));
                 }
                 joined[hello.rank] = Some((stream, hello.addr));
@@ -190,7 +194,12 @@ impl TcpRendezvous {
         })();
         if let Err(e) = result {
             for (s, _) in joined.iter().flatten() {
-                let _ = send_join_error(s, &format!("rank 0 aborted the rendezvous: {e}"));
+                let code = if e.kind() == crate::ErrorKind::Timeout {
+                    JOIN_TIMEOUT
+                } else {
+                    JOIN_MISMATCH
+                };
+                let _ = send_join_error(s, code, &format!("rank 0 aborted the rendezvous: {e}"));
             }
             return Err(e);
         }
@@ -1121,8 +1130,8 @@ fn read_hello(mut s: &TcpStream) -> io::Result<Option<Hello>> {
     }))
 }
 
-fn send_join_error(mut s: &TcpStream, msg: &str) -> io::Result<()> {
-    let mut b = vec![1u8];
+fn send_join_error(mut s: &TcpStream, code: u8, msg: &str) -> io::Result<()> {
+    let mut b = vec![code];
     let msg: String = msg.chars().take(4000).collect();
     put_str(&mut b, &msg);
     s.write_all(&b)
@@ -1136,20 +1145,38 @@ fn read_join_answer(
 ) -> Result<Vec<String>> {
     // Rank 0 answers only when everyone joined: allow the whole rendezvous timeout.
     set_io_timeout(s, config.timeout);
-    let ctx_err = |e: io::Error| {
-        map_io(
+    let ctx_err = |e: io::Error| match e.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => Error::Timeout {
+            op: Op::Rendezvous,
+            rank,
+            peer: Some(0),
+            timeout: config.timeout,
+            detail: "; rank 0 accepted this rank but not every rank joined in time \
+                     (rank 0's error names the missing ones)"
+                .into(),
+        },
+        _ => map_io(
             Op::Rendezvous,
             rank,
             0,
             config,
             "waiting for the address table",
             e,
-        )
+        ),
     };
     let mut status = [0u8; 1];
     (&*s).read_exact(&mut status).map_err(ctx_err)?;
     if status[0] != 0 {
         let msg = read_str(s).map_err(ctx_err)?;
+        if status[0] == JOIN_TIMEOUT {
+            return Err(Error::Timeout {
+                op: Op::Rendezvous,
+                rank,
+                peer: Some(0),
+                timeout: config.timeout,
+                detail: format!("; {msg}"),
+            });
+        }
         return Err(mismatch(Op::Rendezvous, rank, Some(0), msg));
     }
     let mut table = Vec::with_capacity(n);

@@ -418,3 +418,18 @@ fn bucketed_all_reduce_of_many_gradient_tensors() {
         }
     }
 }
+
+#[test]
+fn a_missing_rank_times_out_the_rendezvous_on_every_joined_rank() {
+    let rv = TcpRendezvous::bind("127.0.0.1:0").unwrap();
+    let addr = rv.local_addr().to_string();
+    // World of 3, but rank 2 never starts.
+    let h = std::thread::spawn(move || TcpCommunicator::connect(1, 3, &addr, config(500)));
+    let e0 = rv.accept(3, config(500)).unwrap_err();
+    assert_eq!(e0.kind(), ErrorKind::Timeout);
+    assert!(e0.to_string().contains("ranks 2 never joined"), "{e0}");
+    let e1 = h.join().unwrap().unwrap_err();
+    // Rank 0 tells the ranks that did join why it gave up.
+    assert_eq!(e1.kind(), ErrorKind::Timeout, "{e1}");
+    assert!(e1.to_string().contains("ranks 2 never joined"), "{e1}");
+}
