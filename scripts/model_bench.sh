@@ -3,6 +3,7 @@
 # Prints the JSON lines of both sides, then one JSON line per measurement with
 # ratio = rust throughput / torch throughput (>= 1.0 means rlhf-model is faster).
 # Extra flags are passed to both sides, e.g. scripts/model_bench.sh --layers 4 --new-tokens 32.
+# --threads N pins both sides to N threads (torch.set_num_threads; RAYON_NUM_THREADS for candle).
 # Set REPEATS to change the number of timed repetitions of the PyTorch side (default 3).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -12,6 +13,16 @@ cd "$ROOT"
 
 FLAGS=(--hidden 512 --layers 6 --heads 8 --kv-heads 4 --intermediate 1408 --vocab 8192
        --prompt-len 16 --new-tokens 64 --train-batch 8 --train-seq 128 "$@")
+
+# candle sizes its thread pool from RAYON_NUM_THREADS, read once at start-up.
+prev=""
+for arg in "$@"; do
+    if [ "$prev" = "--threads" ] && [ "$arg" != "0" ]; then
+        export RAYON_NUM_THREADS="$arg"
+    fi
+    case "$arg" in --threads=*) [ "${arg#--threads=}" != "0" ] && export RAYON_NUM_THREADS="${arg#--threads=}" ;; esac
+    prev="$arg"
+done
 
 if [ ! -f crates/rlhf-model/examples/model_bench.rs ] && [ ! -d crates/rlhf-model/examples/model_bench ]; then
     echo "error: the Rust side crates/rlhf-model/examples/model_bench.rs does not exist yet;" \
