@@ -46,3 +46,19 @@ pub fn default_state_dir() -> std::path::PathBuf {
     let uid = unsafe { libc::getuid() };
     std::env::temp_dir().join(format!("rlhf-{uid}"))
 }
+
+/// Raises the open-file soft limit to the hard limit: a head holds one connection per node,
+/// and the common default soft limit of 1,024 is below a large cluster.
+pub fn raise_fd_limit() {
+    // SAFETY: getrlimit/setrlimit only read and write the local struct passed to them.
+    unsafe {
+        let mut r = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 && r.rlim_cur < r.rlim_max {
+            r.rlim_cur = r.rlim_max;
+            libc::setrlimit(libc::RLIMIT_NOFILE, &r);
+        }
+    }
+}

@@ -19,6 +19,11 @@ pub fn bin(name: &str) -> PathBuf {
         let st = Command::new(cargo)
             .current_dir(&root)
             .args(["build", "--quiet", "-p", "rlhf-head", "-p", "rlhf-worker"])
+            .args(if cfg!(debug_assertions) {
+                &[][..]
+            } else {
+                &["--release"][..]
+            })
             .status()
             .expect("running cargo build for the e2e binaries");
         assert!(st.success(), "cargo build of rlhf-head/rlhf-worker failed");

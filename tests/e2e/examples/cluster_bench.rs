@@ -1,0 +1,214 @@
+//! Control-plane bench: (1) no-op RPC round trip to a real actor process, next to a raw TCP
+//! echo round trip on loopback measured in the same run; (2) 1,000 simulated nodes
+//! registering and heartbeating at 1 Hz against one head process (registration latency,
+//! head CPU use from /proc).
+//!
+//! Run: `cargo run --release -p rlhf-e2e --example cluster_bench [-- --nodes 1000 --seconds 10 --calls 2000]`
+
+use std::io::{Read, Write};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use rlhf_e2e::Cluster;
+use rlhf_proto::v1 as pb;
+use rlhf_proto::v1::actor_service_client::ActorServiceClient;
+use rlhf_proto::v1::head_service_client::HeadServiceClient;
+use rlhf_runtime::net::{self, ClientOptions};
+
+fn arg(name: &str, default: u64) -> u64 {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+/// Raw loopback round trip: 8 bytes out, 8 bytes back, over one TCP connection.
+fn raw_tcp_rtt(calls: usize) -> Result<Vec<f64>> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let addr = l.local_addr()?;
+    let srv = std::thread::spawn(move || -> std::io::Result<()> {
+        let (mut s, _) = l.accept()?;
+        s.set_nodelay(true)?;
+        let mut b = [0u8; 8];
+        while s.read_exact(&mut b).is_ok() {
+            s.write_all(&b)?;
+        }
+        Ok(())
+    });
+    let mut c = std::net::TcpStream::connect(addr)?;
+    c.set_nodelay(true)?;
+    let mut out = Vec::with_capacity(calls);
+    let mut b = [0u8; 8];
+    for i in 0..calls + 200 {
+        let t = Instant::now();
+        c.write_all(&b)?;
+        c.read_exact(&mut b)?;
+        if i >= 200 {
+            out.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+    drop(c);
+    let _ = srv.join();
+    Ok(out)
+}
+
+fn proc_cpu_seconds(pid: i32) -> Result<f64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    let rest = s.rsplit(')').next().context("stat format")?;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // Fields after the command: state is index 0, utime 11, stime 12 (in clock ticks).
+    let ticks = f[11].parse::<f64>()? + f[12].parse::<f64>()?;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    Ok(ticks / hz)
+}
+
+fn main() -> Result<()> {
+    rlhf_runtime::raise_fd_limit();
+    let calls = arg("--calls", 2000) as usize;
+    let nodes = arg("--nodes", 1000) as usize;
+    let seconds = arg("--seconds", 10);
+
+    let mut c = Cluster::start(&["--dead-after-ms", "5000"])?;
+    c.add_worker(r#"{"CPU": 1}"#)?;
+    c.wait_alive_nodes(1, Duration::from_secs(30))?;
+    let rt = tokio::runtime::Runtime::new()?;
+    let token = c.token()?;
+
+    // 1. Actor round trip.
+    let (mut rpc, actor_addr) = rt.block_on(async {
+        let o = ClientOptions::new(token.clone());
+        let mut h = HeadServiceClient::new(net::connect(&c.address(), &o).await?);
+        let a = h
+            .create_actor(pb::CreateActorRequest {
+                spec: Some(pb::ActorSpec {
+                    kind: "test".into(),
+                    ..Default::default()
+                }),
+                timeout_ms: 20_000,
+            })
+            .await?
+            .into_inner()
+            .actor
+            .context("no actor")?;
+        let mut client = ActorServiceClient::new(net::connect(&a.address, &o).await?);
+        let mut out = Vec::with_capacity(calls);
+        for i in 0..calls + 200 {
+            let t = Instant::now();
+            client.ping(pb::PingRequest::default()).await?;
+            if i >= 200 {
+                out.push(t.elapsed().as_secs_f64() * 1e6);
+            }
+        }
+        anyhow::Ok((out, a.address))
+    })?;
+    let mut raw = raw_tcp_rtt(calls)?;
+    rpc.sort_by(f64::total_cmp);
+    raw.sort_by(f64::total_cmp);
+    let (m, p99) = (percentile(&rpc, 0.5), percentile(&rpc, 0.99));
+    let (rm, rp99) = (percentile(&raw, 0.5), percentile(&raw, 0.99));
+    println!("actor no-op RPC round trip over {calls} calls to {actor_addr}:");
+    println!("  rpc:      median {m:.1} us, p99 {p99:.1} us");
+    println!("  raw tcp:  median {rm:.1} us, p99 {rp99:.1} us (baseline, same run)");
+    println!(
+        "  ratio rpc/raw median: {:.2}x; goal median <= 100 us: {}",
+        m / rm,
+        if m <= 100.0 { "met" } else { "NOT met" }
+    );
+
+    // 2. Simulated nodes.
+    let head_pid = c.head.as_ref().context("head")?.pid();
+    let (reg, cpu, beats) = rt.block_on(async {
+        let o = ClientOptions::new(token.clone());
+        let mut tasks = Vec::with_capacity(nodes);
+        let start_all = Instant::now();
+        // Nodes join 50 at a time, as a cluster coming up does, not in one SYN flood.
+        let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(50));
+        for i in 0..nodes {
+            let o = o.clone();
+            let addr = c.address();
+            let gate = gate.clone();
+            tasks.push(tokio::spawn(async move {
+                let _permit = gate.acquire().await?;
+                let mut h = HeadServiceClient::new(net::connect(&addr, &o).await?);
+                let t = Instant::now();
+                let r = h
+                    .register_node(pb::RegisterNodeRequest {
+                        protocol_version: rlhf_proto::PROTOCOL_VERSION,
+                        hostname: format!("sim-{i}"),
+                        address: format!("127.0.0.1:{}", 10_000 + i),
+                        resources: Some(pb::Resources {
+                            amounts: [("CPU".to_string(), 8.0)].into(),
+                        }),
+                        ..Default::default()
+                    })
+                    .await?
+                    .into_inner();
+                anyhow::Ok((h, r.node_id, t.elapsed().as_secs_f64() * 1e3))
+            }));
+        }
+        let mut clients = Vec::with_capacity(nodes);
+        let mut reg = Vec::with_capacity(nodes);
+        for t in tasks {
+            let (h, id, ms) = t.await??;
+            clients.push((h, id));
+            reg.push(ms);
+        }
+        let reg_all = start_all.elapsed();
+        println!(
+            "\n{nodes} simulated nodes registered in {:.2}s",
+            reg_all.as_secs_f64()
+        );
+        let cpu0 = proc_cpu_seconds(head_pid)?;
+        let t0 = Instant::now();
+        let mut beat_tasks = Vec::new();
+        for (i, (mut h, id)) in clients.into_iter().enumerate() {
+            beat_tasks.push(tokio::spawn(async move {
+                // Spread the nodes over the second, as real nodes would be.
+                tokio::time::sleep(Duration::from_micros((i as u64 * 997) % 1_000_000)).await;
+                let mut tick = tokio::time::interval(Duration::from_secs(1));
+                let mut n = 0u64;
+                for _ in 0..seconds {
+                    tick.tick().await;
+                    let r = h
+                        .heartbeat(pb::HeartbeatRequest {
+                            protocol_version: rlhf_proto::PROTOCOL_VERSION,
+                            node_id: id.clone(),
+                        })
+                        .await?;
+                    anyhow::ensure!(r.into_inner().known, "head forgot node {id}");
+                    n += 1;
+                }
+                anyhow::Ok(n)
+            }));
+        }
+        let mut beats = 0;
+        for t in beat_tasks {
+            beats += t.await??;
+        }
+        let cpu = (proc_cpu_seconds(head_pid)? - cpu0) / t0.elapsed().as_secs_f64();
+        anyhow::Ok((reg, cpu, beats))
+    })?;
+    let mut reg = reg;
+    reg.sort_by(f64::total_cmp);
+    println!(
+        "  registration latency: median {:.2} ms, p99 {:.2} ms",
+        percentile(&reg, 0.5),
+        percentile(&reg, 0.99)
+    );
+    println!(
+        "  heartbeats: {beats} over {seconds}s at 1 Hz per node; head CPU {:.2}% of one core; goal < 5%: {}",
+        cpu * 100.0,
+        if cpu < 0.05 { "met" } else { "NOT met" }
+    );
+    let alive = c.alive_nodes()?;
+    println!("  alive nodes at the end: {alive} (1 real + {nodes} simulated)");
+    Ok(())
+}
