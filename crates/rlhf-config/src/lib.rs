@@ -1,0 +1,1 @@
+//! PPO job configuration and prompt datasets.
