@@ -13,88 +13,96 @@ use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
 
 use crate::error::Result;
 
-/// Loss and its derivative w.r.t. `logp` for one token of the clipped surrogate.
-#[inline]
-fn pg_elem(lp: f32, old: f32, a: f32, p: &PgParams) -> (f32, f32) {
+// The per-token helpers are written as plain selects on precomputed values,
+// not nested branches: on random data the branches mispredict half the time and
+// cost more than the arithmetic, while selects compile to conditional moves.
+
+#[inline(always)]
+fn sel(c: bool, a: f32, b: f32) -> f32 {
+    if c {
+        a
+    } else {
+        b
+    }
+}
+
+/// `clamp(x, lo, hi)` as `min(max(x, lo), hi)` with candle's tie rule (a tie
+/// splits the gradient in half); `dx` is the derivative of `x`.
+#[inline(always)]
+fn pick_clamp(x: f32, lo: f32, hi: f32, dx: f32) -> (f32, f32) {
+    let m = sel(x < lo, lo, x);
+    let dm = sel(x > lo, dx, sel(x < lo, 0.0, 0.5 * dx));
+    let v = sel(m > hi, hi, m);
+    let dv = sel(m < hi, dm, sel(m > hi, 0.0, 0.5 * dm));
+    (v, dv)
+}
+
+/// `max(a, b)` of (value, derivative) pairs with candle's tie rule.
+#[inline(always)]
+fn pick_max(a: (f32, f32), b: (f32, f32)) -> (f32, f32) {
+    let v = sel(b.0 > a.0, b.0, a.0);
+    let d = sel(a.0 > b.0, a.1, sel(b.0 > a.0, b.1, 0.5 * (a.1 + b.1)));
+    (v, d)
+}
+
+/// One token of the clipped surrogate.
+struct PgToken {
+    /// Loss value.
+    value: f32,
+    /// Derivative of the loss w.r.t. `logp`.
+    deriv: f32,
+    /// Clamped log-ratio.
+    neg_kl: f32,
+    ratio: f32,
+    /// The clipped surrogate was the larger one.
+    clipped: bool,
+    /// The dual clip bounded a negative advantage.
+    lower: bool,
+}
+
+#[inline(always)]
+fn pg_elem(lp: f32, old: f32, a: f32, p: &PgParams) -> PgToken {
     let diff = lp - old;
-    let (nk, dnk) = pick_clamp(diff, -20.0, 20.0, 1.0);
-    let ratio = nk.exp();
+    let (neg_kl, dnk) = pick_clamp(diff, -20.0, 20.0, 1.0);
+    let ratio = neg_kl.exp();
     let dratio = ratio * dnk;
     let na = -a;
     let pg1 = na * ratio;
-    let d1 = na * dratio;
     let (cr, dcr) = pick_clamp(ratio, p.lo, p.hi, dratio);
     let pg2 = na * cr;
-    let d2 = na * dcr;
-    let (c1, dc1) = pick_max((pg1, d1), (pg2, d2));
-    match p.dual {
-        Some(c) if a < 0.0 => {
+    let (c1, dc1) = pick_max((pg1, na * dratio), (pg2, na * dcr));
+    let (value, deriv, lower) = match p.dual {
+        Some(c) => {
+            // min(c1, pg3) for negative advantages; pg3 does not depend on logp.
             let pg3 = na * c;
-            // min(c1, pg3) where pg3 does not depend on logp.
-            if c1 < pg3 {
-                (c1, dc1)
-            } else if c1 > pg3 {
-                (pg3, 0.0)
-            } else {
-                (c1, 0.5 * dc1)
-            }
+            let neg = a < 0.0;
+            let v = sel(c1 > pg3, pg3, c1);
+            let d = sel(c1 < pg3, dc1, sel(c1 > pg3, 0.0, 0.5 * dc1));
+            (sel(neg, v, c1), sel(neg, d, dc1), neg && c1 > pg3)
         }
-        _ => (c1, dc1),
-    }
-}
-
-/// `clamp(x, lo, hi)` as `min(max(x, lo), hi)` with candle's tie rule; `dx` is
-/// the derivative of `x`.
-#[inline]
-fn pick_clamp(x: f32, lo: f32, hi: f32, dx: f32) -> (f32, f32) {
-    let (m, dm) = if x > lo {
-        (x, dx)
-    } else if x < lo {
-        (lo, 0.0)
-    } else {
-        (x, 0.5 * dx)
+        None => (c1, dc1, false),
     };
-    if m < hi {
-        (m, dm)
-    } else if m > hi {
-        (hi, 0.0)
-    } else {
-        (m, 0.5 * dm)
-    }
-}
-
-#[inline]
-fn pick_max(a: (f32, f32), b: (f32, f32)) -> (f32, f32) {
-    if a.0 > b.0 {
-        a
-    } else if b.0 > a.0 {
-        b
-    } else {
-        (a.0, 0.5 * (a.1 + b.1))
+    PgToken {
+        value,
+        deriv,
+        neg_kl,
+        ratio,
+        clipped: pg2 > pg1,
+        lower,
     }
 }
 
 /// Unreduced value loss `max((v - R)^2, (clip(v, old ± c) - R)^2)` for one token,
 /// its derivative w.r.t. `v`, and whether the clipped term was larger.
-#[inline]
+#[inline(always)]
 fn vf_elem(v: f32, old: f32, r: f32, c: f32) -> (f32, f32, bool) {
     let lo = old - c;
     let hi = old + c;
     // verl clip_by_value: max(min(v, hi), lo)
-    let (m, dm) = if v < hi {
-        (v, 1.0)
-    } else if v > hi {
-        (hi, 0.0)
-    } else {
-        (v, 0.5)
-    };
-    let (vc, dvc) = if m > lo {
-        (m, dm)
-    } else if m < lo {
-        (lo, 0.0)
-    } else {
-        (m, 0.5 * dm)
-    };
+    let m = sel(v > hi, hi, v);
+    let dm = sel(v < hi, 1.0, sel(v > hi, 0.0, 0.5));
+    let vc = sel(m < lo, lo, m);
+    let dvc = sel(m > lo, dm, sel(m < lo, 0.0, 0.5 * dm));
     let e1 = v - r;
     let e2 = vc - r;
     let l1 = e1 * e1;
@@ -154,29 +162,21 @@ pub(crate) fn policy_terms(
     let mut values = vec![0f32; lp.len()];
     let mut derivative = vec![0f32; lp.len()];
     let mut acc = [0f64; 5];
-    let mut n = 0f64;
-    for i in 0..lp.len() {
-        let (v, d) = pg_elem(lp[i], old[i], adv[i], &p);
-        values[i] = v;
-        derivative[i] = d;
-        if mask[i] == 0.0 {
-            continue;
-        }
-        n += 1.0;
-        let diff = lp[i] - old[i];
-        let nk = diff.clamp(-20.0, 20.0);
-        let ratio = nk.exp();
-        let na = -adv[i];
-        let pg1 = na * ratio;
-        let pg2 = na * ratio.max(p.lo).min(p.hi);
-        acc[0] += f64::from(u8::from(pg2 > pg1));
-        if let Some(c) = p.dual {
-            acc[1] += f64::from(u8::from(adv[i] < 0.0 && pg1.max(pg2) > na * c));
-        }
-        acc[2] += 0.5 * f64::from(diff) * f64::from(diff);
-        acc[3] -= f64::from(nk);
-        acc[4] += f64::from(ratio);
+    let tokens = lp.iter().zip(old).zip(adv).zip(mask);
+    let outs = values.iter_mut().zip(derivative.iter_mut());
+    for ((((&lp, &o), &a), &m), (v, d)) in tokens.zip(outs) {
+        let tk = pg_elem(lp, o, a, &p);
+        *v = tk.value;
+        *d = tk.deriv;
+        let m = f64::from(m);
+        let diff = f64::from(lp - o);
+        acc[0] += m * f64::from(u8::from(tk.clipped));
+        acc[1] += m * f64::from(u8::from(tk.lower));
+        acc[2] += m * 0.5 * diff * diff;
+        acc[3] -= m * f64::from(tk.neg_kl);
+        acc[4] += m * f64::from(tk.ratio);
     }
+    let n: f64 = mask.iter().map(|&m| f64::from(m)).sum();
     let op = Precomputed {
         name: "rlhf-algo-policy-loss",
         values,
@@ -197,16 +197,15 @@ pub(crate) fn value_terms(
 ) -> Result<(Tensor, f64)> {
     let mut values = vec![0f32; v.len()];
     let mut derivative = vec![0f32; v.len()];
-    let (mut clipped, mut n) = (0f64, 0f64);
-    for i in 0..v.len() {
-        let (l, d, c) = vf_elem(v[i], old[i], ret[i], cliprange_value);
-        values[i] = l;
-        derivative[i] = d;
-        if mask[i] != 0.0 {
-            n += 1.0;
-            clipped += f64::from(u8::from(c));
-        }
+    let mut clipped = 0f64;
+    let tokens = v.iter().zip(old).zip(ret).zip(mask);
+    for ((((&v, &o), &r), &m), (l, d)) in tokens.zip(values.iter_mut().zip(derivative.iter_mut())) {
+        let (loss, deriv, c) = vf_elem(v, o, r, cliprange_value);
+        *l = loss;
+        *d = deriv;
+        clipped += f64::from(m) * f64::from(u8::from(c));
     }
+    let n: f64 = mask.iter().map(|&m| f64::from(m)).sum();
     let op = Precomputed {
         name: "rlhf-algo-value-loss",
         values,
