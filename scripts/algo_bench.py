@@ -152,7 +152,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--len", type=int, default=1024)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
     args = ap.parse_args()
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     B, T = args.batch, args.len
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(T // 4, T + 1, (B,), generator=g)
