@@ -15,6 +15,65 @@
 //!   change any result;
 //! * every public function validates shapes, masks and finiteness and returns an
 //!   [`AlgoError`] naming the tensor at fault instead of panicking.
+//!
+//! On the CPU the estimators and the per-token losses run as single passes over
+//! host buffers (the losses through custom ops with an exact backward pass);
+//! on other devices the losses are chains of differentiable candle ops.
+//!
+//! One PPO step, end to end:
+//!
+//! ```
+//! use candle_core::{Device, Tensor, Var};
+//! use rlhf_algo::*;
+//!
+//! # fn main() -> rlhf_algo::Result<()> {
+//! let dev = Device::Cpu;
+//! // two responses of 3 and 2 tokens, right-padded to 3
+//! let mask = Tensor::new(&[[1f32, 1.0, 1.0], [1.0, 1.0, 0.0]], &dev)?;
+//! let logp = Tensor::new(&[[-0.5f32, -1.0, -0.2], [-0.7, -0.1, 0.0]], &dev)?;
+//! let ref_logp = Tensor::new(&[[-0.6f32, -0.9, -0.3], [-0.6, -0.2, 0.0]], &dev)?;
+//! let values = Tensor::new(&[[0.1f32, 0.2, 0.3], [0.0, -0.1, 0.0]], &dev)?;
+//! let scores = Tensor::new(&[1.0f32, -0.5], &dev)?;
+//!
+//! let cfg = AlgorithmConfig::default(); // gae, gamma 1.0, lam 0.95, kl_coef 0.05
+//! let kl_ctl = KlController::from_config(&cfg.kl_ctrl)?;
+//! let rewards =
+//!     compute_token_rewards(&scores, &logp, &ref_logp, &mask, &[true, false], kl_ctl.value(), &cfg)?;
+//! let inputs = AdvantageInputs {
+//!     token_rewards: &rewards.rewards,
+//!     response_mask: &mask,
+//!     values: Some(&values),
+//!     group_ids: None,
+//!     baseline_scores: None,
+//! };
+//! let adv = compute_advantage(&inputs, &cfg)?;
+//!
+//! // the policy's new log-probs would come from a forward pass; a Var stands in
+//! let new_logp = Var::from_tensor(&(&logp + 0.05)?)?;
+//! let pg = policy_loss(&logp, new_logp.as_tensor(), &adv.advantages, &mask, &PolicyLossConfig::default())?;
+//! let grads = pg.loss.backward()?;
+//! assert!(grads.get(&new_logp).is_some());
+//!
+//! let vf = value_loss(&values, &values, &adv.returns, &mask, &ValueLossConfig::default())?;
+//! let mut stats = TrainStats::new();
+//! stats.push_policy(&pg)?;
+//! stats.push_value(&vf)?;
+//! let metrics = compute_metrics(
+//!     &RolloutMetricsInputs {
+//!         rewards: &rewards,
+//!         logp: &logp,
+//!         response_mask: &mask,
+//!         has_eos: &[true, false],
+//!         advantages: &adv.advantages,
+//!         returns: &adv.returns,
+//!         values: Some(&values),
+//!     },
+//!     &stats,
+//! )?;
+//! assert!(metrics.contains_key("objective/kl") && metrics.contains_key("val/ratio"));
+//! # Ok(())
+//! # }
+//! ```
 
 mod advantage;
 mod config;
