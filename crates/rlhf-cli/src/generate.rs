@@ -16,7 +16,11 @@ use serde_json::{json, Value};
 pub enum OutputFormat {
     /// The completion text; several completions are separated by a line `---`.
     Text,
-    /// One JSON object per completion (JSON Lines).
+    /// One JSON object per completion (JSON Lines): index (of the prompt), sample, prompt (the
+    /// text given to the tokenizer, after the chat template), prompt_token_ids (as fed, after
+    /// any truncation), completion_token_ids (up to and including a stop token), text (special
+    /// tokens skipped), logprobs (one per completion token, at the sampling temperature; 1 when
+    /// greedy) and finish_reason ("stop" or "length").
     Json,
 }
 
