@@ -1,0 +1,98 @@
+//! TLS on the head endpoint: a worker that verifies the head with --tls-ca joins; clients
+//! that do not verify (plain connection) or trust another CA are refused.
+
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::Result;
+use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+use rlhf_e2e::{bin, wait_for, Cluster, Proc};
+
+fn make_ca() -> Result<(String, Issuer<'static, KeyPair>)> {
+    let key = KeyPair::generate()?;
+    let mut params = CertificateParams::new(Vec::<String>::new())?;
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let cert = params.self_signed(&key)?;
+    Ok((cert.pem(), Issuer::new(params, key)))
+}
+
+fn status_with(c: &Cluster, ca: Option<&std::path::Path>) -> Result<std::process::Output> {
+    let mut cmd = Command::new(bin("rlhf-head"));
+    cmd.args([
+        "status",
+        "--format",
+        "json",
+        "--connect-timeout",
+        "2",
+        "--address",
+        &c.address(),
+        "--token-file",
+    ])
+    .arg(c.token_file());
+    if let Some(ca) = ca {
+        cmd.arg("--tls-ca").arg(ca);
+    }
+    Ok(cmd.output()?)
+}
+
+#[test]
+fn tls_head_is_verified_by_joining_nodes() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let (ca_pem, issuer) = make_ca()?;
+    let key = KeyPair::generate()?;
+    let params = CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()])?;
+    let cert = params.signed_by(&key, &issuer)?;
+    let (cert_p, key_p, ca_p) = (
+        dir.path().join("head.crt"),
+        dir.path().join("head.key"),
+        dir.path().join("ca.crt"),
+    );
+    std::fs::write(&cert_p, cert.pem())?;
+    std::fs::write(&key_p, key.serialize_pem())?;
+    std::fs::write(&ca_p, &ca_pem)?;
+    let (other_ca, _) = make_ca()?;
+    let other_p = dir.path().join("other-ca.crt");
+    std::fs::write(&other_p, other_ca)?;
+
+    let cert_s = cert_p.display().to_string();
+    let key_s = key_p.display().to_string();
+    let mut c = Cluster::start(&["--tls-cert", &cert_s, "--tls-key", &key_s])?;
+    let mut cmd = c.worker_cmd(r#"{"GPU": 1}"#);
+    cmd.arg("--token-file")
+        .arg(c.token_file())
+        .arg("--tls-ca")
+        .arg(&ca_p);
+    c.workers
+        .push(Proc::spawn("tls-worker", c.dir.path(), &mut cmd)?);
+
+    let s = wait_for(Duration::from_secs(20), "TLS worker alive", || {
+        let out = status_with(&c, Some(&ca_p))?;
+        anyhow::ensure!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        let alive = v["nodes"]
+            .as_array()
+            .map(|a| a.iter().any(|n| n["state"] == "ALIVE"))
+            .unwrap_or(false);
+        Ok(alive.then_some(v))
+    })?;
+    assert_eq!(s["resources"]["total"]["GPU"], 1.0);
+
+    // A client that does not speak TLS, or trusts another CA, cannot talk to the head.
+    assert!(!status_with(&c, None)?.status.success());
+    let out = status_with(&c, Some(&other_p))?;
+    assert!(!out.status.success());
+    let mut cmd = c.worker_cmd(r#"{"GPU": 1}"#);
+    cmd.arg("--token-file")
+        .arg(c.token_file())
+        .arg("--tls-ca")
+        .arg(&other_p)
+        .args(["--connect-timeout", "2"]);
+    let mut bad = Proc::spawn("untrusting-worker", c.dir.path(), &mut cmd)?;
+    assert!(!bad.wait_exit(Duration::from_secs(20))?.success());
+    assert!(bad.output().contains("cannot reach"), "{}", bad.output());
+    Ok(())
+}
