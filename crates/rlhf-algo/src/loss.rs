@@ -101,6 +101,10 @@ pub struct PolicyLossOutput {
 /// `l = max(-A * ratio, -A * clamp(ratio, 1 - low, 1 + high))`, and with dual clip
 /// `l = min(l, -A * clip_ratio_c)` where `A < 0`; then aggregated over the mask.
 /// With `clip_ratio_c: None` this is TRL's loss exactly.
+///
+/// The gradient flows to `logp` only: `old_logp` and `advantages` are rollout
+/// constants. Diagnostics are masked means (TRL averages `approxkl` and the
+/// ratio over padding too).
 pub fn policy_loss(
     old_logp: &Tensor,
     logp: &Tensor,
@@ -114,7 +118,8 @@ pub fn policy_loss(
         hi: (1.0 + cfg.high()) as f32,
         dual: cfg.clip_ratio_c.map(|c| c as f32),
     };
-    let (n, pg, stats) = if response_mask.device().is_cpu() {
+    // The fused kernel needs the graph input on the host; other devices use the op chain.
+    let (n, pg, stats) = if logp.device().is_cpu() && response_mask.device().is_cpu() {
         let m = HostMask::new("response_mask", response_mask)?;
         let old = m.token("old_logp", old_logp)?;
         let lp = m.token("logp", logp)?;
@@ -194,7 +199,8 @@ pub struct ValueLossOutput {
 }
 
 /// Clipped value loss (TRL / verl `compute_value_loss`): predictions are
-/// clipped to `old_values ± cliprange_value`.
+/// clipped to `old_values ± cliprange_value`. The gradient flows to `vpreds`
+/// only; `old_values` and `returns` are rollout constants.
 pub fn value_loss(
     vpreds: &Tensor,
     old_values: &Tensor,
@@ -203,7 +209,7 @@ pub fn value_loss(
     cfg: &ValueLossConfig,
 ) -> Result<ValueLossOutput> {
     cfg.validate()?;
-    let (n, lmax, clipfrac) = if response_mask.device().is_cpu() {
+    let (n, lmax, clipfrac) = if vpreds.device().is_cpu() && response_mask.device().is_cpu() {
         let m = HostMask::new("response_mask", response_mask)?;
         let v = m.token("vpreds", vpreds)?;
         let old = m.token("old_values", old_values)?;
