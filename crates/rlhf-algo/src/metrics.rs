@@ -46,7 +46,9 @@ pub struct RolloutMetricsInputs<'a> {
     pub logp: &'a Tensor,
     /// 1.0 on response tokens.
     pub response_mask: &'a Tensor,
-    /// Whether each row ends with the stop token (`[batch]`).
+    /// Whether each row ends with the stop token (`[batch]`). Responses are
+    /// truncated after their stop token, so `val/num_eos_tokens` (TRL counts EOS
+    /// tokens in the responses) is the number of rows with `true`.
     pub has_eos: &'a [bool],
     /// Advantages used for the update.
     pub advantages: &'a Tensor,

@@ -271,4 +271,11 @@ fn config_errors_name_the_key() {
     assert_eq!((v.cliprange_value, v.vf_coef), (0.2, 0.1));
     let p: PolicyLossConfig = serde_json::from_str(r#"{"clip_ratio_c": null}"#).unwrap();
     assert_eq!((p.clip_ratio, p.clip_ratio_c), (0.2, None));
+    // verl's aliases k1/k2/k3 are accepted; the kl_ctrl section nests.
+    let p: PolicyLossConfig = serde_json::from_str(r#"{"kl_loss_type": "k3"}"#).unwrap();
+    assert_eq!(p.kl_loss_type, KlPenalty::LowVarKl);
+    let a: AlgorithmConfig =
+        serde_json::from_str(r#"{"kl_ctrl": {"type": "adaptive", "horizon": 500}}"#).unwrap();
+    assert_eq!(a.kl_ctrl.kind, rlhf_algo::KlCtrlType::Adaptive);
+    assert_eq!((a.kl_ctrl.horizon, a.kl_ctrl.target_kl), (500.0, 6.0));
 }
