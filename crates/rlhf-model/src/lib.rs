@@ -13,6 +13,7 @@
 
 pub mod error;
 pub mod generation;
+mod kernels;
 pub mod model;
 pub mod ops;
 pub mod tokenizer;
@@ -28,5 +29,5 @@ pub use ops::{entropy_from_logits, log_probs_from_logits, masked_mean};
 pub use tokenizer::{ChatMessage, Tokenizer};
 pub use train::{AdamW, AdamWConfig, GradAccumulator, Gradients, LrSchedule, LrScheduler};
 pub use transformer::{
-    position_ids_from_mask, Config, Family, KvCache, RopeScaling, SUPPORTED_ARCHITECTURES,
+    position_ids_from_mask, Config, Family, Kernels, KvCache, RopeScaling, SUPPORTED_ARCHITECTURES,
 };

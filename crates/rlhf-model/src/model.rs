@@ -8,7 +8,7 @@ use serde_json::{json, Value};
 use crate::error::{read_json, Error, Result};
 use crate::generation::GenerationConfig;
 use crate::ops;
-use crate::transformer::{position_ids_from_mask, Config, KvCache, Linear, Transformer};
+use crate::transformer::{position_ids_from_mask, Config, Kernels, KvCache, Linear, Transformer};
 use crate::weights::{save_safetensors, Init, ParamBuilder, ParamStore, WeightFiles};
 
 /// Which head sits on the decoder.
@@ -43,8 +43,11 @@ pub struct LoadOptions {
     pub kind: ModelKind,
     /// Trainable models compute with their `Var`s; frozen ones with detached views.
     pub trainable: bool,
-    /// Use fused kernels (no backward). `None`: fast exactly when not trainable.
+    /// Use candle's fused kernels (no backward). `None`: fast exactly when not trainable.
     pub fast: Option<bool>,
+    /// Differentiable path built from candle's primitive ops only, even where this crate's
+    /// fused CPU kernels could run (slower; for cross-checking).
+    pub composite_ops: bool,
     pub value_head_init: ValueHeadInit,
     /// Seed for any freshly initialised parameter.
     pub seed: u64,
@@ -58,6 +61,7 @@ impl Default for LoadOptions {
             kind: ModelKind::CausalLm,
             trainable: false,
             fast: None,
+            composite_ops: false,
             value_head_init: ValueHeadInit::Auto,
             seed: 0,
         }
@@ -236,8 +240,18 @@ impl Model {
                     .to_string(),
             ));
         }
+        let kernels = if fast {
+            Kernels::Inference
+        } else if !opts.composite_ops
+            && opts.device.is_cpu()
+            && matches!(opts.dtype, DType::F32 | DType::F64)
+        {
+            Kernels::FusedTraining
+        } else {
+            Kernels::Composite
+        };
         let mut pb = ParamBuilder::new(files, &opts.device, opts.dtype, opts.trainable, opts.seed);
-        let body = Transformer::load(config, &mut pb, fast)?;
+        let body = Transformer::load(config, &mut pb, kernels)?;
         let h = config.hidden_size;
         let head = match opts.kind {
             ModelKind::CausalLm => {
@@ -336,6 +350,11 @@ impl Model {
     /// Head kind.
     pub fn kind(&self) -> ModelKind {
         self.kind
+    }
+
+    /// Which op implementations the forward uses.
+    pub fn kernels(&self) -> Kernels {
+        self.body.kernels()
     }
 
     /// Whether the forward builds an autograd graph over the parameters.
@@ -477,7 +496,8 @@ impl Model {
         }
         let logits = logits.narrow(1, 0, t - 1)?;
         let targets = batch.input_ids.narrow(1, 1, t - 1)?;
-        let lp = ops::log_probs_from_logits(&logits, &targets, temperature)?;
+        let fused = self.body.kernels() != Kernels::Composite;
+        let lp = ops::log_probs_impl(&logits, &targets, temperature, fused)?;
         let ent = if with_entropy {
             Some(ops::entropy_from_logits(&logits, temperature)?)
         } else {

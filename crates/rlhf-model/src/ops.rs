@@ -31,6 +31,28 @@ pub fn log_probs_from_logits(
     targets: &Tensor,
     temperature: f64,
 ) -> Result<Tensor> {
+    log_probs_impl(logits, targets, temperature, true)
+}
+
+/// `fused` allows the one-pass CPU kernel where it applies (f32/f64 on CPU).
+pub(crate) fn log_probs_impl(
+    logits: &Tensor,
+    targets: &Tensor,
+    temperature: f64,
+    fused: bool,
+) -> Result<Tensor> {
+    if fused && crate::kernels::supported(logits) {
+        if !(temperature > 0.0 && temperature.is_finite()) {
+            return Err(Error::InvalidArgument(format!(
+                "temperature must be positive for log-probs, got {temperature}"
+            )));
+        }
+        return Ok(crate::kernels::log_probs(
+            logits,
+            targets,
+            1.0 / temperature,
+        )?);
+    }
     let lsm = scaled_log_softmax(logits, temperature)?;
     let idx = targets
         .to_dtype(DType::U32)?

@@ -6,9 +6,10 @@
 //! biases and its defaults, so both share this file.
 //!
 //! The forward pass takes left-padded batches: an attention mask `[B, S]` (1 = token, 0 = pad,
-//! `S` = cached + new tokens) and per-row position ids `[B, T]`. It has two code paths chosen by
-//! `fast`: the differentiable one (explicit RMSNorm, rotate-half RoPE, softmax from exp/sum) and
-//! one with candle's fused kernels, which have no backward pass and serve inference only.
+//! `S` = cached + new tokens) and per-row position ids `[B, T]`. Its non-matmul ops come from one of three
+//! [`Kernels`]: candle's fused kernels (no backward pass: inference only), this crate's fused
+//! differentiable CPU kernels (training on CPU), or candle's primitive ops (explicit RMSNorm,
+//! rotate-half RoPE, softmax from exp/sum: training anywhere).
 
 use candle_core::{DType, Device, Tensor, D};
 use serde_json::{json, Value};
@@ -422,6 +423,17 @@ impl Config {
     }
 }
 
+/// Which implementation of the non-matmul ops a decoder uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kernels {
+    /// candle's fused kernels: fastest for inference, no backward pass.
+    Inference,
+    /// This crate's fused differentiable CPU kernels (f32/f64 on CPU).
+    FusedTraining,
+    /// candle's primitive differentiable ops: any device and dtype.
+    Composite,
+}
+
 /// Per-layer key/value cache for incremental decoding; `k`, `v` are `[B, H_kv, S, D]`.
 #[derive(Debug, Clone, Default)]
 pub struct KvCache {
@@ -500,9 +512,13 @@ impl Linear {
     }
 }
 
-fn rms_norm(xs: &Tensor, w: &Tensor, eps: f64, fast: bool) -> Result<Tensor> {
-    if fast {
-        return Ok(candle_nn::ops::rms_norm(&xs.contiguous()?, w, eps as f32)?);
+fn rms_norm(xs: &Tensor, w: &Tensor, eps: f64, kernels: Kernels) -> Result<Tensor> {
+    match kernels {
+        Kernels::Inference => {
+            return Ok(candle_nn::ops::rms_norm(&xs.contiguous()?, w, eps as f32)?)
+        }
+        Kernels::FusedTraining => return Ok(crate::kernels::rms_norm(xs, w, eps)?),
+        Kernels::Composite => {}
     }
     // Computed in f32 like transformers, then cast back before the weight multiply.
     let dtype = xs.dtype();
@@ -540,42 +556,52 @@ fn rotate_half(xs: &Tensor) -> Result<Tensor> {
     Ok(Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?)
 }
 
-/// cos/sin for one forward: half-width `[B, T, D/2]` tables (fast kernel) or full-width
+/// cos/sin for one forward: half-width `[B, T, D/2]` tables (fused kernels) or full-width
 /// `[B, 1, T, D]` (explicit rotation).
 struct Rope {
     cos: Tensor,
     sin: Tensor,
+    kernels: Kernels,
 }
 
 impl Rope {
-    fn new(inv_freq: &Tensor, position_ids: &Tensor, dtype: DType, fast: bool) -> Result<Self> {
+    fn new(
+        inv_freq: &Tensor,
+        position_ids: &Tensor,
+        dtype: DType,
+        kernels: Kernels,
+    ) -> Result<Self> {
         let (b, t) = position_ids.dims2()?;
         let half = inv_freq.dim(0)?;
         let pos = position_ids.to_dtype(DType::F32)?.reshape((b, t, 1))?;
         let freqs = pos.broadcast_mul(&inv_freq.reshape((1, 1, half))?)?;
-        if fast {
-            Ok(Self {
-                cos: freqs.cos()?.to_dtype(dtype)?.contiguous()?,
-                sin: freqs.sin()?.to_dtype(dtype)?.contiguous()?,
-            })
-        } else {
+        if kernels == Kernels::Composite {
             let emb = Tensor::cat(&[&freqs, &freqs], D::Minus1)?.unsqueeze(1)?;
             Ok(Self {
                 cos: emb.cos()?.to_dtype(dtype)?,
                 sin: emb.sin()?.to_dtype(dtype)?,
+                kernels,
+            })
+        } else {
+            Ok(Self {
+                cos: freqs.cos()?.to_dtype(dtype)?.contiguous()?,
+                sin: freqs.sin()?.to_dtype(dtype)?.contiguous()?,
+                kernels,
             })
         }
     }
 
-    fn apply(&self, xs: &Tensor, fast: bool) -> Result<Tensor> {
-        if fast {
-            Ok(candle_nn::rotary_emb::rope(
+    fn apply(&self, xs: &Tensor) -> Result<Tensor> {
+        match self.kernels {
+            Kernels::Inference => Ok(candle_nn::rotary_emb::rope(
                 &xs.contiguous()?,
                 &self.cos,
                 &self.sin,
-            )?)
-        } else {
-            Ok((xs.broadcast_mul(&self.cos)? + rotate_half(xs)?.broadcast_mul(&self.sin)?)?)
+            )?),
+            Kernels::FusedTraining => Ok(crate::kernels::rope(xs, &self.cos, &self.sin)?),
+            Kernels::Composite => {
+                Ok((xs.broadcast_mul(&self.cos)? + rotate_half(xs)?.broadcast_mul(&self.sin)?)?)
+            }
         }
     }
 }
@@ -633,7 +659,7 @@ impl Attention {
         rope: &Rope,
         mask: &Tensor,
         cache: Option<&mut Option<(Tensor, Tensor)>>,
-        fast: bool,
+        kernels: Kernels,
     ) -> Result<Tensor> {
         let (b, t, _) = xs.dims3()?;
         let (nh, nkv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
@@ -652,8 +678,8 @@ impl Attention {
             .forward(xs)?
             .reshape((b, t, nkv, d))?
             .transpose(1, 2)?;
-        let q = rope.apply(&q, fast)?;
-        let k = rope.apply(&k, fast)?.contiguous()?;
+        let q = rope.apply(&q)?;
+        let k = rope.apply(&k)?.contiguous()?;
         let v = v.contiguous()?;
         let (k, v) = match cache {
             Some(slot) => {
@@ -671,11 +697,15 @@ impl Attention {
         let n_rep = nh / nkv;
         // Grouped-query attention without copying K/V: the n_rep query heads that share a KV
         // head are stacked along the sequence axis.
-        let q = q.contiguous()?.reshape((b, nkv, n_rep * t, d))?;
         let scale = 1.0 / (d as f64).sqrt();
-        let att = (q.matmul(&k.t()?)? * scale)?;
-        let att = att.reshape((b, nkv, n_rep, t, s))?.broadcast_add(mask)?;
-        let att = softmax_last(&att, fast)?.reshape((b, nkv, n_rep * t, s))?;
+        let q = (q.contiguous()? * scale)?.reshape((b, nkv, n_rep * t, d))?;
+        let att = q.matmul(&k.t()?)?.reshape((b, nkv, n_rep, t, s))?;
+        let att = if kernels == Kernels::FusedTraining {
+            crate::kernels::masked_softmax(&att, &mask.reshape((b, t, s))?)?
+        } else {
+            softmax_last(&att.broadcast_add(mask)?, kernels == Kernels::Inference)?
+        };
+        let att = att.reshape((b, nkv, n_rep * t, s))?;
         let ys = att.matmul(&v)?;
         let ys = ys
             .reshape((b, nh, t, d))?
@@ -702,9 +732,15 @@ impl Mlp {
         })
     }
 
-    fn forward(&self, xs: &Tensor) -> Result<Tensor> {
-        let gate = self.gate_proj.forward(xs)?.silu()?;
-        self.down_proj.forward(&(gate * self.up_proj.forward(xs)?)?)
+    fn forward(&self, xs: &Tensor, kernels: Kernels) -> Result<Tensor> {
+        let gate = self.gate_proj.forward(xs)?;
+        let up = self.up_proj.forward(xs)?;
+        let h = if kernels == Kernels::FusedTraining {
+            crate::kernels::swiglu(&gate, &up)?
+        } else {
+            (gate.silu()? * up)?
+        };
+        self.down_proj.forward(&h)
     }
 }
 
@@ -724,7 +760,7 @@ pub struct Transformer {
     layers: Vec<Layer>,
     norm: Tensor,
     inv_freq: Tensor,
-    fast: bool,
+    kernels: Kernels,
 }
 
 /// Large negative score for masked positions; finite so fully masked (padding) rows stay
@@ -737,7 +773,7 @@ fn mask_value(dtype: DType) -> f32 {
 }
 
 impl Transformer {
-    pub(crate) fn load(cfg: &Config, pb: &mut ParamBuilder, fast: bool) -> Result<Self> {
+    pub(crate) fn load(cfg: &Config, pb: &mut ParamBuilder, kernels: Kernels) -> Result<Self> {
         let std = 0.02;
         let h = cfg.hidden_size;
         let embed_tokens = pb.get(
@@ -772,7 +808,7 @@ impl Transformer {
             layers,
             norm,
             inv_freq,
-            fast,
+            kernels,
         })
     }
 
@@ -786,9 +822,9 @@ impl Transformer {
         &self.embed_tokens
     }
 
-    /// Whether the fused (non-differentiable) kernels are used.
-    pub fn fast(&self) -> bool {
-        self.fast
+    /// Which op implementations the forward uses.
+    pub fn kernels(&self) -> Kernels {
+        self.kernels
     }
 
     /// Final hidden states `[B, T, H]` (after the last norm).
@@ -828,7 +864,7 @@ impl Transformer {
         let dtype = self.embed_tokens.dtype();
         let device = self.embed_tokens.device().clone();
         let mask = build_mask(attention_mask, t, past, dtype, &device)?;
-        let rope = Rope::new(&self.inv_freq, position_ids, dtype, self.fast)?;
+        let rope = Rope::new(&self.inv_freq, position_ids, dtype, self.kernels)?;
         let ids = input_ids.to_dtype(DType::U32)?.flatten_all()?;
         let mut xs =
             self.embed_tokens
@@ -837,14 +873,16 @@ impl Transformer {
         let eps = self.cfg.rms_norm_eps;
         for (i, layer) in self.layers.iter().enumerate() {
             let slot = cache.as_mut().map(|c| &mut c.layers[i]);
-            let h = rms_norm(&xs, &layer.input_layernorm, eps, self.fast)?;
-            let h = layer.self_attn.forward(&h, &rope, &mask, slot, self.fast)?;
+            let h = rms_norm(&xs, &layer.input_layernorm, eps, self.kernels)?;
+            let h = layer
+                .self_attn
+                .forward(&h, &rope, &mask, slot, self.kernels)?;
             xs = (xs + h)?;
-            let h = rms_norm(&xs, &layer.post_attention_layernorm, eps, self.fast)?;
-            let h = layer.mlp.forward(&h)?;
+            let h = rms_norm(&xs, &layer.post_attention_layernorm, eps, self.kernels)?;
+            let h = layer.mlp.forward(&h, self.kernels)?;
             xs = (xs + h)?;
         }
-        rms_norm(&xs, &self.norm, eps, self.fast)
+        rms_norm(&xs, &self.norm, eps, self.kernels)
     }
 }
 

@@ -16,6 +16,16 @@ fn opts(kind: ModelKind, dtype: DType) -> LoadOptions {
     }
 }
 
+/// Both differentiable paths: the fused CPU kernels and candle's primitive ops.
+fn both_paths(kind: ModelKind, dtype: DType) -> [LoadOptions; 2] {
+    let fused = opts(kind, dtype);
+    let composite = LoadOptions {
+        composite_ops: true,
+        ..fused.clone()
+    };
+    [fused, composite]
+}
+
 /// Fixed pseudo-random weights so that the loss depends on every output.
 fn weights(shape: (usize, usize), dtype: DType, seed: u64) -> Tensor {
     let n = shape.0 * shape.1;
@@ -80,10 +90,15 @@ fn check_all_params_get_gradients(family: Family, kind: ModelKind) {
     } else {
         cfg
     };
-    let model = Model::random(&cfg, &opts(kind, DType::F32)).unwrap();
+    for o in both_paths(kind, DType::F32) {
+        check_params_of(&Model::random(&cfg, &o).unwrap(), family, kind);
+    }
+}
+
+fn check_params_of(model: &Model, family: Family, kind: ModelKind) {
     let batch = tiny_batch(&Device::Cpu);
     let vars = model.vars();
-    let grads = Gradients::backward(&loss(&model, &batch), &vars).unwrap();
+    let grads = Gradients::backward(&loss(model, &batch), &vars).unwrap();
     let missing = grads.missing(&vars);
     assert!(
         missing.is_empty(),
@@ -195,11 +210,16 @@ const BODY: &[&str] = &[
 fn gradients_match_finite_differences_llama() {
     let batch = tiny_batch(&Device::Cpu);
     let cfg = tiny_config(Family::Llama);
-    let model = Model::random(&cfg, &opts(ModelKind::CausalLm, DType::F64)).unwrap();
     let mut names = BODY.to_vec();
     names.push("lm_head.weight");
-    let worst = finite_difference_check(&model, &batch, &names);
-    println!("llama causal LM: worst relative error {worst:e}");
+    for o in both_paths(ModelKind::CausalLm, DType::F64) {
+        let model = Model::random(&cfg, &o).unwrap();
+        let worst = finite_difference_check(&model, &batch, &names);
+        println!(
+            "llama causal LM {:?}: worst relative error {worst:e}",
+            model.kernels()
+        );
+    }
 }
 
 #[test]
@@ -208,43 +228,57 @@ fn gradients_match_finite_differences_qwen2_biases_and_tied_head() {
     let cfg = tiny_config(Family::Qwen2)
         .with_key("tie_word_embeddings", serde_json::json!(true))
         .unwrap();
-    let model = Model::random(&cfg, &opts(ModelKind::CausalLm, DType::F64)).unwrap();
     let mut names = BODY.to_vec();
     names.extend([
         "model.layers.0.self_attn.q_proj.bias",
         "model.layers.0.self_attn.k_proj.bias",
         "model.layers.0.self_attn.v_proj.bias",
     ]);
-    let worst = finite_difference_check(&model, &batch, &names);
-    println!("qwen2 causal LM (tied): worst relative error {worst:e}");
+    for o in both_paths(ModelKind::CausalLm, DType::F64) {
+        let model = Model::random(&cfg, &o).unwrap();
+        let worst = finite_difference_check(&model, &batch, &names);
+        println!(
+            "qwen2 causal LM (tied) {:?}: worst relative error {worst:e}",
+            model.kernels()
+        );
+    }
 }
 
 #[test]
 fn gradients_match_finite_differences_value_and_score_heads() {
     let batch = tiny_batch(&Device::Cpu);
     let cfg = tiny_config(Family::Llama);
-    let critic = Model::random(&cfg, &opts(ModelKind::Value, DType::F64)).unwrap();
-    let w1 = finite_difference_check(
-        &critic,
-        &batch,
-        &[
-            "score.weight",
-            "score.bias",
-            "model.layers.1.mlp.down_proj.weight",
-            "model.norm.weight",
-        ],
-    );
-    let reward = Model::random(&cfg, &opts(ModelKind::Reward, DType::F64)).unwrap();
-    let w2 = finite_difference_check(
-        &reward,
-        &batch,
-        &[
-            "score.weight",
-            "model.embed_tokens.weight",
-            "model.layers.0.self_attn.v_proj.weight",
-        ],
-    );
-    println!("value head: worst relative error {w1:e}; score head: {w2:e}");
+    for [co, ro] in both_paths(ModelKind::Value, DType::F64)
+        .into_iter()
+        .zip(both_paths(ModelKind::Reward, DType::F64))
+        .map(|(a, b)| [a, b])
+    {
+        let critic = Model::random(&cfg, &co).unwrap();
+        let w1 = finite_difference_check(
+            &critic,
+            &batch,
+            &[
+                "score.weight",
+                "score.bias",
+                "model.layers.1.mlp.down_proj.weight",
+                "model.norm.weight",
+            ],
+        );
+        let reward = Model::random(&cfg, &ro).unwrap();
+        let w2 = finite_difference_check(
+            &reward,
+            &batch,
+            &[
+                "score.weight",
+                "model.embed_tokens.weight",
+                "model.layers.0.self_attn.v_proj.weight",
+            ],
+        );
+        println!(
+            "{:?}: value head worst relative error {w1:e}; score head {w2:e}",
+            critic.kernels()
+        );
+    }
 }
 
 #[test]
@@ -263,17 +297,23 @@ fn frozen_models_build_no_autograd_graph() {
 fn trainable_and_fast_paths_agree() {
     let cfg = tiny_config(Family::Qwen2);
     let batch = tiny_batch(&Device::Cpu);
-    let slow = Model::random(&cfg, &LoadOptions::training(ModelKind::CausalLm)).unwrap();
     let fast = Model::random(&cfg, &LoadOptions::inference()).unwrap();
-    let a = slow.logits(&batch).unwrap();
     let b = fast.logits(&batch).unwrap();
-    let d = (a - b)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
-    assert!(d < 1e-5, "fast and differentiable paths differ by {d}");
+    for o in both_paths(ModelKind::CausalLm, DType::F32) {
+        let slow = Model::random(&cfg, &LoadOptions { seed: 0, ..o }).unwrap();
+        let a = slow.logits(&batch).unwrap();
+        let d = (a - &b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap();
+        assert!(
+            d < 1e-5,
+            "{:?} and inference paths differ by {d}",
+            slow.kernels()
+        );
+    }
 }

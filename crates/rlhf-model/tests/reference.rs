@@ -5,8 +5,8 @@ mod common;
 
 use common::{fixture, json_f32_2d, json_u32_2d, reference, to_vec2, to_vec3};
 use rlhf_model::{
-    generate, Batch, ChatMessage, Device, GenerationConfig, LoadOptions, Model, ModelKind, Tensor,
-    Tokenizer,
+    generate, Batch, ChatMessage, Device, GenerationConfig, Kernels, LoadOptions, Model, ModelKind,
+    Tensor, Tokenizer,
 };
 
 const CAUSAL: &[&str] = &["tiny-llama", "tiny-llama3-rope", "tiny-qwen2"];
@@ -40,16 +40,20 @@ fn max_diff_2d(a: &[Vec<f32>], b: &[Vec<f32>], keep: impl Fn(usize, usize) -> bo
     m
 }
 
-fn check_causal(name: &str, fast: bool) {
+fn check_causal(name: &str, kernels: Kernels) {
     let reference = reference();
     let r = &reference["models"][name];
-    let opts = if fast {
-        LoadOptions::inference()
-    } else {
-        LoadOptions::training(ModelKind::CausalLm)
+    let opts = match kernels {
+        Kernels::Inference => LoadOptions::inference(),
+        Kernels::FusedTraining => LoadOptions::training(ModelKind::CausalLm),
+        Kernels::Composite => LoadOptions {
+            composite_ops: true,
+            ..LoadOptions::training(ModelKind::CausalLm)
+        },
     };
     let model = Model::load(fixture(name), &opts).unwrap();
-    assert_eq!(model.is_trainable(), !fast);
+    assert_eq!(model.kernels(), kernels);
+    let fast = format!("{kernels:?}");
     let (batch, mask) = batch_from(r);
     let logits = to_vec3(&model.logits(&batch).unwrap());
     let expected: Vec<Vec<Vec<f32>>> = r["logits"]
@@ -68,13 +72,13 @@ fn check_causal(name: &str, fast: bool) {
             }
         }
     }
-    println!("{name} fast={fast}: logits max abs diff {max_diff:e}");
+    println!("{name} {fast}: logits max abs diff {max_diff:e}");
     assert!(max_diff <= 1e-4, "{name}: logits differ by {max_diff}");
 
     let keep = |b: usize, t: usize| mask[b][t] == 1;
     let (lp, ent) = model.log_probs_and_entropy(&batch, 1.0, true).unwrap();
     let d = max_diff_2d(&to_vec2(&lp), &json_f32_2d(&r["next_token_logprobs"]), keep);
-    println!("{name} fast={fast}: log-probs max abs diff {d:e}");
+    println!("{name} {fast}: log-probs max abs diff {d:e}");
     assert!(d <= 1e-4, "{name}: log-probs differ by {d}");
     // Reference entropies cover all T positions; ours the T-1 that predict a next token.
     let ref_ent: Vec<Vec<f32>> = json_f32_2d(&r["entropy"]);
@@ -84,7 +88,7 @@ fn check_causal(name: &str, fast: bool) {
     assert!(d <= 1e-4, "{name}: entropy (all positions) differs by {d}");
     let ref_head: Vec<Vec<f32>> = ref_ent.iter().map(|r| r[..r.len() - 1].to_vec()).collect();
     let d = max_diff_2d(&to_vec2(&ent.unwrap()), &ref_head, keep);
-    println!("{name} fast={fast}: entropy max abs diff {d:e}");
+    println!("{name} {fast}: entropy max abs diff {d:e}");
     assert!(d <= 1e-4, "{name}: entropy differs by {d}");
     let lp07 = model.token_log_probs(&batch, 0.7).unwrap();
     let d = max_diff_2d(
@@ -92,7 +96,7 @@ fn check_causal(name: &str, fast: bool) {
         &json_f32_2d(&r["next_token_logprobs_temp_0_7"]),
         keep,
     );
-    println!("{name} fast={fast}: log-probs@0.7 max abs diff {d:e}");
+    println!("{name} {fast}: log-probs@0.7 max abs diff {d:e}");
     assert!(
         d <= 1e-4,
         "{name}: log-probs at temperature 0.7 differ by {d}"
@@ -157,16 +161,23 @@ fn check_greedy(name: &str) {
 }
 
 #[test]
-fn causal_models_match_transformers_fast_path() {
+fn causal_models_match_transformers_inference_kernels() {
     for name in CAUSAL {
-        check_causal(name, true);
+        check_causal(name, Kernels::Inference);
     }
 }
 
 #[test]
-fn causal_models_match_transformers_trainable_path() {
+fn causal_models_match_transformers_fused_training_kernels() {
     for name in CAUSAL {
-        check_causal(name, false);
+        check_causal(name, Kernels::FusedTraining);
+    }
+}
+
+#[test]
+fn causal_models_match_transformers_composite_ops() {
+    for name in CAUSAL {
+        check_causal(name, Kernels::Composite);
     }
 }
 
@@ -205,9 +216,10 @@ fn rope_config_forms_and_sharding_are_read() {
 fn reward_scores_match_transformers() {
     let reference = reference();
     let r = &reference["reward"];
-    for trainable in [false, true] {
+    for (trainable, composite_ops) in [(false, false), (true, false), (true, true)] {
         let mut opts = LoadOptions::inference().with_kind(ModelKind::Reward);
         opts.trainable = trainable;
+        opts.composite_ops = composite_ops;
         let model = Model::load(fixture("tiny-llama-reward"), &opts).unwrap();
         for padding in ["left_padded", "right_padded"] {
             let (batch, _) = batch_from(&r[padding]);
@@ -223,7 +235,7 @@ fn reward_scores_match_transformers() {
                 .zip(&want)
                 .map(|(a, b)| (a - b).abs())
                 .fold(0f32, f32::max);
-            println!("reward {padding} trainable={trainable}: max abs diff {d:e}");
+            println!("reward {padding} {:?}: max abs diff {d:e}", model.kernels());
             assert!(d <= 1e-4, "{padding}: scores {got:?} vs {want:?}");
         }
     }

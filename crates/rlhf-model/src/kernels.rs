@@ -1,0 +1,1013 @@
+//! Fused, differentiable CPU kernels for training (f32 and f64).
+//!
+//! candle's own fused kernels have no backward pass, and composing the same maths from
+//! primitive ops costs one tensor (and in backward, one zero-filled gradient plus an add) per
+//! primitive. These custom ops do each computation in one pass over memory and implement
+//! `bwd`, so a trainable model on CPU gets both speed and gradients. Every op is checked against
+//! the composite formulation (values and gradients) in the tests below; models on other devices
+//! or dtypes use the composite path.
+
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
+
+type CResult<T> = candle_core::Result<T>;
+
+/// Whether the fused kernels can run on this tensor.
+pub(crate) fn supported(t: &Tensor) -> bool {
+    t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)
+}
+
+trait Real: Copy + Send + Sync + PartialOrd + 'static {
+    fn from_f64(x: f64) -> Self;
+    fn to_f64(self) -> f64;
+    fn exp(self) -> Self;
+    fn ln(self) -> Self;
+    fn zero() -> Self;
+    fn add(self, o: Self) -> Self;
+    fn sub(self, o: Self) -> Self;
+    fn mul(self, o: Self) -> Self;
+    fn div(self, o: Self) -> Self;
+    fn neg_infinity() -> Self;
+    fn slice(s: &CpuStorage) -> Option<&[Self]>;
+    fn wrap(v: Vec<Self>) -> CpuStorage;
+}
+
+macro_rules! impl_real {
+    ($t:ty, $variant:ident) => {
+        impl Real for $t {
+            fn from_f64(x: f64) -> Self {
+                x as $t
+            }
+            fn to_f64(self) -> f64 {
+                self as f64
+            }
+            fn exp(self) -> Self {
+                <$t>::exp(self)
+            }
+            fn ln(self) -> Self {
+                <$t>::ln(self)
+            }
+            fn zero() -> Self {
+                0.0
+            }
+            fn add(self, o: Self) -> Self {
+                self + o
+            }
+            fn sub(self, o: Self) -> Self {
+                self - o
+            }
+            fn mul(self, o: Self) -> Self {
+                self * o
+            }
+            fn div(self, o: Self) -> Self {
+                self / o
+            }
+            fn neg_infinity() -> Self {
+                <$t>::NEG_INFINITY
+            }
+            fn slice(s: &CpuStorage) -> Option<&[Self]> {
+                match s {
+                    CpuStorage::$variant(v) => Some(v),
+                    _ => None,
+                }
+            }
+            fn wrap(v: Vec<Self>) -> CpuStorage {
+                CpuStorage::$variant(v)
+            }
+        }
+    };
+}
+
+impl_real!(f32, F32);
+impl_real!(f64, F64);
+
+fn err(msg: String) -> candle_core::Error {
+    candle_core::Error::Msg(msg)
+}
+
+fn data<'a, T: Real>(s: &'a CpuStorage, l: &Layout, op: &str) -> CResult<&'a [T]> {
+    let (a, b) = l
+        .contiguous_offsets()
+        .ok_or_else(|| err(format!("{op}: input must be contiguous")))?;
+    let all = T::slice(s).ok_or_else(|| err(format!("{op}: inputs must share one float dtype")))?;
+    Ok(&all[a..b])
+}
+
+fn u32_data<'a>(s: &'a CpuStorage, l: &Layout, op: &str) -> CResult<&'a [u32]> {
+    let (a, b) = l
+        .contiguous_offsets()
+        .ok_or_else(|| err(format!("{op}: index input must be contiguous")))?;
+    match s {
+        CpuStorage::U32(v) => Ok(&v[a..b]),
+        _ => Err(err(format!("{op}: indices must be u32"))),
+    }
+}
+
+/// Runs `f(row_index, row)` over `out` split into rows of `row_len`, on candle's thread count.
+fn par_rows<T: Send>(out: &mut [T], row_len: usize, f: impl Fn(usize, &mut [T]) + Sync) {
+    if row_len == 0 {
+        return;
+    }
+    let rows = out.len() / row_len;
+    let threads = candle_core::utils::get_num_threads().clamp(1, rows.max(1));
+    if threads == 1 || out.len() < 16 * 1024 {
+        for (r, row) in out.chunks_mut(row_len).enumerate() {
+            f(r, row);
+        }
+        return;
+    }
+    let rows_per = rows.div_ceil(threads);
+    std::thread::scope(|s| {
+        for (ci, block) in out.chunks_mut(rows_per * row_len).enumerate() {
+            let f = &f;
+            s.spawn(move || {
+                for (j, row) in block.chunks_mut(row_len).enumerate() {
+                    f(ci * rows_per + j, row);
+                }
+            });
+        }
+    });
+}
+
+macro_rules! dispatch {
+    ($s:expr, $op:expr, $f:ident $(, $arg:expr)*) => {
+        match $s {
+            CpuStorage::F32(_) => $f::<f32>($($arg),*),
+            CpuStorage::F64(_) => $f::<f64>($($arg),*),
+            _ => Err(err(format!("{}: only f32 and f64 are supported", $op))),
+        }
+    };
+}
+
+// ---------------------------------------------------------------------------------------------
+// log-probs of target tokens: log_softmax(x * scale)[target]
+
+struct LogProbs {
+    scale: f64,
+}
+
+fn row_lse<T: Real>(row: &[T], scale: T) -> T {
+    let mut m = T::neg_infinity();
+    for &x in row {
+        let v = x.mul(scale);
+        if v > m {
+            m = v;
+        }
+    }
+    let mut s = T::zero();
+    for &x in row {
+        s = s.add(x.mul(scale).sub(m).exp());
+    }
+    m.add(s.ln())
+}
+
+fn log_probs_fwd<T: Real>(
+    s1: &CpuStorage,
+    l1: &Layout,
+    s2: &CpuStorage,
+    l2: &Layout,
+    scale: f64,
+) -> CResult<(CpuStorage, Shape)> {
+    let x = data::<T>(s1, l1, "log_probs")?;
+    let idx = u32_data(s2, l2, "log_probs")?;
+    let v = *l1.dims().last().unwrap_or(&1);
+    let n = idx.len();
+    if n * v != x.len() {
+        return Err(err(format!(
+            "log_probs: {n} targets for logits of shape {:?}",
+            l1.dims()
+        )));
+    }
+    if let Some(&bad) = idx.iter().find(|&&t| t as usize >= v) {
+        return Err(err(format!(
+            "log_probs: target {bad} outside vocabulary {v}"
+        )));
+    }
+    let scale = T::from_f64(scale);
+    let mut out = vec![T::zero(); n];
+    par_rows(&mut out, 1, |r, o| {
+        let row = &x[r * v..(r + 1) * v];
+        o[0] = row[idx[r] as usize].mul(scale).sub(row_lse(row, scale));
+    });
+    Ok((T::wrap(out), Shape::from(n)))
+}
+
+impl CustomOp2 for LogProbs {
+    fn name(&self) -> &'static str {
+        "fused-log-probs"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        dispatch!(s1, self.name(), log_probs_fwd, s1, l1, s2, l2, self.scale)
+    }
+
+    fn bwd(
+        &self,
+        logits: &Tensor,
+        targets: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+        let g = logits.apply_op3_no_bwd(
+            targets,
+            &grad.contiguous()?,
+            &LogProbsBwd { scale: self.scale },
+        )?;
+        Ok((Some(g), None))
+    }
+}
+
+/// d/dx of g * log_softmax(x * s)[t] = g * s * (onehot(t) - softmax(x * s)).
+struct LogProbsBwd {
+    scale: f64,
+}
+
+fn log_probs_bwd<T: Real>(
+    s1: &CpuStorage,
+    l1: &Layout,
+    s2: &CpuStorage,
+    l2: &Layout,
+    s3: &CpuStorage,
+    l3: &Layout,
+    scale: f64,
+) -> CResult<(CpuStorage, Shape)> {
+    let x = data::<T>(s1, l1, "log_probs_bwd")?;
+    let idx = u32_data(s2, l2, "log_probs_bwd")?;
+    let g = data::<T>(s3, l3, "log_probs_bwd")?;
+    let v = *l1.dims().last().unwrap_or(&1);
+    let scale = T::from_f64(scale);
+    let mut out = vec![T::zero(); x.len()];
+    par_rows(&mut out, v, |r, o| {
+        let row = &x[r * v..(r + 1) * v];
+        let lse = row_lse(row, scale);
+        let gs = g[r].mul(scale);
+        for (oi, &xi) in o.iter_mut().zip(row) {
+            *oi = T::zero().sub(gs.mul(xi.mul(scale).sub(lse).exp()));
+        }
+        let t = idx[r] as usize;
+        o[t] = o[t].add(gs);
+    });
+    Ok((T::wrap(out), l1.shape().clone()))
+}
+
+impl CustomOp3 for LogProbsBwd {
+    fn name(&self) -> &'static str {
+        "fused-log-probs-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        dispatch!(
+            s1,
+            self.name(),
+            log_probs_bwd,
+            s1,
+            l1,
+            s2,
+            l2,
+            s3,
+            l3,
+            self.scale
+        )
+    }
+}
+
+/// `log_softmax(logits * scale)` gathered at `targets`: logits `[.., V]`, targets `[..]`.
+pub(crate) fn log_probs(logits: &Tensor, targets: &Tensor, scale: f64) -> CResult<Tensor> {
+    let v = logits.dim(candle_core::D::Minus1)?;
+    let out_shape = targets.shape().clone();
+    let x = logits.contiguous()?.reshape(((), v))?;
+    let t = targets.to_dtype(DType::U32)?.contiguous()?.flatten_all()?;
+    x.apply_op2(&t, LogProbs { scale })?.reshape(out_shape)
+}
+
+// ---------------------------------------------------------------------------------------------
+// softmax over the last axis with an additive mask shared by groups of rows
+
+/// `x` is `[B, G, T, S]` (any G), `mask` is `[B, T, S]`.
+struct MaskedSoftmax {
+    b: usize,
+    t: usize,
+}
+
+fn masked_softmax_fwd<T: Real>(
+    s1: &CpuStorage,
+    l1: &Layout,
+    s2: &CpuStorage,
+    l2: &Layout,
+    b: usize,
+    t: usize,
+) -> CResult<(CpuStorage, Shape)> {
+    let x = data::<T>(s1, l1, "masked_softmax")?;
+    let mask = data::<T>(s2, l2, "masked_softmax")?;
+    let s = *l1.dims().last().unwrap_or(&1);
+    let rows = x.len() / s.max(1);
+    if b == 0 || t == 0 || !rows.is_multiple_of(b * t) || mask.len() != b * t * s {
+        return Err(err(format!(
+            "masked_softmax: scores {:?} do not match mask {:?}",
+            l1.dims(),
+            l2.dims()
+        )));
+    }
+    let per_batch = rows / b;
+    let mut out = vec![T::zero(); x.len()];
+    par_rows(&mut out, s, |r, o| {
+        let row = &x[r * s..(r + 1) * s];
+        let mr = (r / per_batch) * t + r % t;
+        let m = &mask[mr * s..(mr + 1) * s];
+        let mut mx = T::neg_infinity();
+        for (oi, (&xi, &mi)) in o.iter_mut().zip(row.iter().zip(m)) {
+            *oi = xi.add(mi);
+            if *oi > mx {
+                mx = *oi;
+            }
+        }
+        let mut sum = T::zero();
+        for oi in o.iter_mut() {
+            *oi = oi.sub(mx).exp();
+            sum = sum.add(*oi);
+        }
+        for oi in o.iter_mut() {
+            *oi = oi.div(sum);
+        }
+    });
+    Ok((T::wrap(out), l1.shape().clone()))
+}
+
+impl CustomOp2 for MaskedSoftmax {
+    fn name(&self) -> &'static str {
+        "fused-masked-softmax"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        dispatch!(
+            s1,
+            self.name(),
+            masked_softmax_fwd,
+            s1,
+            l1,
+            s2,
+            l2,
+            self.b,
+            self.t
+        )
+    }
+
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        _mask: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+        let g = res.apply_op2_no_bwd(&grad.contiguous()?, &SoftmaxBwd)?;
+        Ok((Some(g), None))
+    }
+}
+
+/// grad_x = y * (g - sum(g * y)) per row.
+struct SoftmaxBwd;
+
+fn softmax_bwd<T: Real>(
+    s1: &CpuStorage,
+    l1: &Layout,
+    s2: &CpuStorage,
+    l2: &Layout,
+) -> CResult<(CpuStorage, Shape)> {
+    let y = data::<T>(s1, l1, "softmax_bwd")?;
+    let g = data::<T>(s2, l2, "softmax_bwd")?;
+    let s = *l1.dims().last().unwrap_or(&1);
+    let mut out = vec![T::zero(); y.len()];
+    par_rows(&mut out, s, |r, o| {
+        let yr = &y[r * s..(r + 1) * s];
+        let gr = &g[r * s..(r + 1) * s];
+        let mut dot = T::zero();
+        for (&a, &b) in yr.iter().zip(gr) {
+            dot = dot.add(a.mul(b));
+        }
+        for (oi, (&a, &b)) in o.iter_mut().zip(yr.iter().zip(gr)) {
+            *oi = a.mul(b.sub(dot));
+        }
+    });
+    Ok((T::wrap(out), l1.shape().clone()))
+}
+
+impl CustomOp2 for SoftmaxBwd {
+    fn name(&self) -> &'static str {
+        "fused-softmax-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        dispatch!(s1, self.name(), softmax_bwd, s1, l1, s2, l2)
+    }
+}
+
+/// Softmax of `scores + mask` over the last axis; scores `[B, G, T, S]`, mask `[B, T, S]`.
+pub(crate) fn masked_softmax(scores: &Tensor, mask: &Tensor) -> CResult<Tensor> {
+    let (b, t, _) = mask.dims3()?;
+    scores
+        .contiguous()?
+        .apply_op2(&mask.contiguous()?, MaskedSoftmax { b, t })
+}
+
+// ---------------------------------------------------------------------------------------------
+// RMSNorm: y = x / sqrt(mean(x^2) + eps) * w
+
+struct RmsNorm {
+    eps: f64,
+}
+
+fn inv_rms<T: Real>(row: &[T], eps: f64) -> T {
+    let mut ss = 0.0f64;
+    for &x in row {
+        let v = x.to_f64();
+        ss += v * v;
+    }
+    T::from_f64(1.0 / (ss / row.len() as f64 + eps).sqrt())
+}
+
+fn rms_norm_fwd<T: Real>(
+    s1: &CpuStorage,
+    l1: &Layout,
+    s2: &CpuStorage,
+    l2: &Layout,
+    eps: f64,
+) -> CResult<(CpuStorage, Shape)> {
+    let x = data::<T>(s1, l1, "rms_norm")?;
+    let w = data::<T>(s2, l2, "rms_norm")?;
+    let h = w.len();
+    if h == 0 || !x.len().is_multiple_of(h) {
+        return Err(err(format!(
+            "rms_norm: input {:?} vs weight {:?}",
+            l1.dims(),
+            l2.dims()
+        )));
+    }
+    let mut out = vec![T::zero(); x.len()];
+    par_rows(&mut out, h, |r, o| {
+        let row = &x[r * h..(r + 1) * h];
+        let inv = inv_rms(row, eps);
+        for ((oi, &xi), &wi) in o.iter_mut().zip(row).zip(w) {
+            *oi = xi.mul(inv).mul(wi);
+        }
+    });
+    Ok((T::wrap(out), l1.shape().clone()))
+}
+
+impl CustomOp2 for RmsNorm {
+    fn name(&self) -> &'static str {
+        "fused-rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        dispatch!(s1, self.name(), rms_norm_fwd, s1, l1, s2, l2, self.eps)
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+        let g = grad.contiguous()?;
+        let gx = x.apply_op3_no_bwd(w, &g, &RmsNormBwdX { eps: self.eps })?;
+        let gw = x.apply_op2_no_bwd(&g, &RmsNormBwdW { eps: self.eps })?;
+        Ok((Some(gx), Some(gw)))
+    }
+}
+
+/// grad_x = r * (g*w - xhat * mean(g*w*xhat)), xhat = x * r.
+struct RmsNormBwdX {
+    eps: f64,
+}
+
+fn rms_norm_bwd_x<T: Real>(
+    s1: &CpuStorage,
+    l1: &Layout,
+    s2: &CpuStorage,
+    l2: &Layout,
+    s3: &CpuStorage,
+    l3: &Layout,
+    eps: f64,
+) -> CResult<(CpuStorage, Shape)> {
+    let x = data::<T>(s1, l1, "rms_norm_bwd")?;
+    let w = data::<T>(s2, l2, "rms_norm_bwd")?;
+    let g = data::<T>(s3, l3, "rms_norm_bwd")?;
+    let h = w.len();
+    let mut out = vec![T::zero(); x.len()];
+    par_rows(&mut out, h, |r, o| {
+        let xr = &x[r * h..(r + 1) * h];
+        let gr = &g[r * h..(r + 1) * h];
+        let inv = inv_rms(xr, eps);
+        let mut dot = 0.0f64;
+        for ((&xi, &gi), &wi) in xr.iter().zip(gr).zip(w) {
+            dot += gi.mul(wi).mul(xi.mul(inv)).to_f64();
+        }
+        let mean = T::from_f64(dot / h as f64);
+        for (((oi, &xi), &gi), &wi) in o.iter_mut().zip(xr).zip(gr).zip(w) {
+            *oi = inv.mul(gi.mul(wi).sub(xi.mul(inv).mul(mean)));
+        }
+    });
+    Ok((T::wrap(out), l1.shape().clone()))
+}
+
+impl CustomOp3 for RmsNormBwdX {
+    fn name(&self) -> &'static str {
+        "fused-rms-norm-bwd-x"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        dispatch!(
+            s1,
+            self.name(),
+            rms_norm_bwd_x,
+            s1,
+            l1,
+            s2,
+            l2,
+            s3,
+            l3,
+            self.eps
+        )
+    }
+}
+
+/// grad_w = sum over rows of g * xhat.
+struct RmsNormBwdW {
+    eps: f64,
+}
+
+fn rms_norm_bwd_w<T: Real>(
+    s1: &CpuStorage,
+    l1: &Layout,
+    s2: &CpuStorage,
+    l2: &Layout,
+    eps: f64,
+) -> CResult<(CpuStorage, Shape)> {
+    let x = data::<T>(s1, l1, "rms_norm_bwd_w")?;
+    let g = data::<T>(s2, l2, "rms_norm_bwd_w")?;
+    let h = *l1.dims().last().unwrap_or(&1);
+    let mut acc = vec![0.0f64; h];
+    for (xr, gr) in x.chunks(h).zip(g.chunks(h)) {
+        let inv = inv_rms(xr, eps).to_f64();
+        for ((a, &xi), &gi) in acc.iter_mut().zip(xr).zip(gr) {
+            *a += gi.to_f64() * xi.to_f64() * inv;
+        }
+    }
+    let out: Vec<T> = acc.into_iter().map(T::from_f64).collect();
+    Ok((T::wrap(out), Shape::from(h)))
+}
+
+impl CustomOp2 for RmsNormBwdW {
+    fn name(&self) -> &'static str {
+        "fused-rms-norm-bwd-w"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        dispatch!(s1, self.name(), rms_norm_bwd_w, s1, l1, s2, l2, self.eps)
+    }
+}
+
+/// RMSNorm over the last axis with weight `w`.
+pub(crate) fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> CResult<Tensor> {
+    x.contiguous()?.apply_op2(&w.contiguous()?, RmsNorm { eps })
+}
+
+// ---------------------------------------------------------------------------------------------
+// SwiGLU: silu(gate) * up
+
+struct SwiGlu;
+
+fn sigmoid<T: Real>(a: T) -> T {
+    T::from_f64(1.0).div(T::from_f64(1.0).add(T::zero().sub(a).exp()))
+}
+
+fn swiglu_fwd<T: Real>(
+    s1: &CpuStorage,
+    l1: &Layout,
+    s2: &CpuStorage,
+    l2: &Layout,
+) -> CResult<(CpuStorage, Shape)> {
+    let a = data::<T>(s1, l1, "swiglu")?;
+    let u = data::<T>(s2, l2, "swiglu")?;
+    if a.len() != u.len() {
+        return Err(err(format!(
+            "swiglu: gate {:?} vs up {:?}",
+            l1.dims(),
+            l2.dims()
+        )));
+    }
+    let mut out = vec![T::zero(); a.len()];
+    par_rows(&mut out, 4096.min(a.len().max(1)), |r, o| {
+        let base = r * 4096.min(a.len().max(1));
+        for (k, oi) in o.iter_mut().enumerate() {
+            let ai = a[base + k];
+            *oi = ai.mul(sigmoid(ai)).mul(u[base + k]);
+        }
+    });
+    Ok((T::wrap(out), l1.shape().clone()))
+}
+
+impl CustomOp2 for SwiGlu {
+    fn name(&self) -> &'static str {
+        "fused-swiglu"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        dispatch!(s1, self.name(), swiglu_fwd, s1, l1, s2, l2)
+    }
+
+    fn bwd(
+        &self,
+        gate: &Tensor,
+        up: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
+        let g = grad.contiguous()?;
+        let both = gate.apply_op3_no_bwd(up, &g, &SwiGluBwd)?;
+        let n = gate.elem_count();
+        let flat = both.flatten_all()?;
+        let dg = flat.narrow(0, 0, n)?.reshape(gate.shape())?;
+        let du = flat.narrow(0, n, n)?.reshape(up.shape())?;
+        Ok((Some(dg), Some(du)))
+    }
+}
+
+/// Gradients of gate and up, stacked: `[2, ..]`.
+struct SwiGluBwd;
+
+fn swiglu_bwd<T: Real>(
+    s1: &CpuStorage,
+    l1: &Layout,
+    s2: &CpuStorage,
+    l2: &Layout,
+    s3: &CpuStorage,
+    l3: &Layout,
+) -> CResult<(CpuStorage, Shape)> {
+    let a = data::<T>(s1, l1, "swiglu_bwd")?;
+    let u = data::<T>(s2, l2, "swiglu_bwd")?;
+    let g = data::<T>(s3, l3, "swiglu_bwd")?;
+    let n = a.len();
+    let mut out = vec![T::zero(); 2 * n];
+    let (dg, du) = out.split_at_mut(n);
+    let chunk = 4096.min(n.max(1));
+    par_rows(dg, chunk, |r, o| {
+        let base = r * chunk;
+        for (k, oi) in o.iter_mut().enumerate() {
+            let ai = a[base + k];
+            let s = sigmoid(ai);
+            let ds = s.mul(T::from_f64(1.0).add(ai.mul(T::from_f64(1.0).sub(s))));
+            *oi = g[base + k].mul(u[base + k]).mul(ds);
+        }
+    });
+    par_rows(du, chunk, |r, o| {
+        let base = r * chunk;
+        for (k, oi) in o.iter_mut().enumerate() {
+            let ai = a[base + k];
+            *oi = g[base + k].mul(ai.mul(sigmoid(ai)));
+        }
+    });
+    Ok((T::wrap(out), Shape::from(2 * n)))
+}
+
+impl CustomOp3 for SwiGluBwd {
+    fn name(&self) -> &'static str {
+        "fused-swiglu-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        dispatch!(s1, self.name(), swiglu_bwd, s1, l1, s2, l2, s3, l3)
+    }
+}
+
+/// `silu(gate) * up`.
+pub(crate) fn swiglu(gate: &Tensor, up: &Tensor) -> CResult<Tensor> {
+    gate.contiguous()?.apply_op2(&up.contiguous()?, SwiGlu)
+}
+
+// ---------------------------------------------------------------------------------------------
+// RoPE (rotate-half convention): x [B, H, T, D], cos/sin [B, T, D/2]
+
+struct Rope {
+    /// Rotate by -theta (the transpose), for the backward pass.
+    inverse: bool,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn rope_fwd<T: Real>(
+    s1: &CpuStorage,
+    l1: &Layout,
+    s2: &CpuStorage,
+    l2: &Layout,
+    s3: &CpuStorage,
+    l3: &Layout,
+    inverse: bool,
+) -> CResult<(CpuStorage, Shape)> {
+    let x = data::<T>(s1, l1, "rope")?;
+    let cos = data::<T>(s2, l2, "rope")?;
+    let sin = data::<T>(s3, l3, "rope")?;
+    let dims = l1.dims();
+    let [b, h, t, d] = dims else {
+        return Err(err(format!("rope: expected [B, H, T, D], got {dims:?}")));
+    };
+    let (b, h, t, d) = (*b, *h, *t, *d);
+    let half = d / 2;
+    if cos.len() != b * t * half || sin.len() != cos.len() || d % 2 != 0 {
+        return Err(err(format!("rope: x {dims:?} vs cos {:?}", l2.dims())));
+    }
+    let mut out = vec![T::zero(); x.len()];
+    par_rows(&mut out, d, |r, o| {
+        let ti = r % t;
+        let bi = r / (h * t);
+        let cs = &cos[(bi * t + ti) * half..(bi * t + ti + 1) * half];
+        let sn = &sin[(bi * t + ti) * half..(bi * t + ti + 1) * half];
+        let xr = &x[r * d..(r + 1) * d];
+        for i in 0..half {
+            let (x1, x2) = (xr[i], xr[i + half]);
+            let (c, s) = (cs[i], sn[i]);
+            if inverse {
+                o[i] = x1.mul(c).add(x2.mul(s));
+                o[i + half] = x2.mul(c).sub(x1.mul(s));
+            } else {
+                o[i] = x1.mul(c).sub(x2.mul(s));
+                o[i + half] = x2.mul(c).add(x1.mul(s));
+            }
+        }
+    });
+    Ok((T::wrap(out), l1.shape().clone()))
+}
+
+impl CustomOp3 for Rope {
+    fn name(&self) -> &'static str {
+        "fused-rope"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        dispatch!(
+            s1,
+            self.name(),
+            rope_fwd,
+            s1,
+            l1,
+            s2,
+            l2,
+            s3,
+            l3,
+            self.inverse
+        )
+    }
+
+    fn bwd(
+        &self,
+        _x: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> CResult<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let g = grad.contiguous()?.apply_op3_no_bwd(
+            cos,
+            sin,
+            &Rope {
+                inverse: !self.inverse,
+            },
+        )?;
+        Ok((Some(g), None, None))
+    }
+}
+
+/// Rotary embedding with half-width tables `cos`, `sin` `[B, T, D/2]`.
+pub(crate) fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> CResult<Tensor> {
+    x.contiguous()?.apply_op3(
+        &cos.contiguous()?,
+        &sin.contiguous()?,
+        Rope { inverse: false },
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var, D};
+
+    fn randn(shape: &[usize], seed: u64) -> Tensor {
+        let n: usize = shape.iter().product();
+        let mut x = seed.wrapping_add(0x9E3779B97F4A7C15);
+        let v: Vec<f64> = (0..n)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x % 10_000) as f64 / 5_000.0 - 1.0
+            })
+            .collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f64>()
+            .unwrap()
+    }
+
+    /// Values and gradients (w.r.t. each var, under a random linear loss) of two formulations.
+    fn compare(
+        vars: &[Var],
+        fused: impl Fn(&[Tensor]) -> Tensor,
+        composite: impl Fn(&[Tensor]) -> Tensor,
+    ) {
+        let ts: Vec<Tensor> = vars.iter().map(|v| v.as_tensor().clone()).collect();
+        let a = fused(&ts);
+        let b = composite(&ts);
+        assert!(
+            max_diff(&a, &b) < 1e-10,
+            "values differ by {}",
+            max_diff(&a, &b)
+        );
+        let w = randn(a.dims(), 99);
+        let ga = (&a * &w).unwrap().sum_all().unwrap().backward().unwrap();
+        let gb = (&b * &w).unwrap().sum_all().unwrap().backward().unwrap();
+        for (i, v) in vars.iter().enumerate() {
+            let x = ga.get(v.as_tensor()).expect("fused gradient");
+            let y = gb.get(v.as_tensor()).expect("composite gradient");
+            assert!(
+                max_diff(x, y) < 1e-10,
+                "gradient {i} differs by {}",
+                max_diff(x, y)
+            );
+        }
+    }
+
+    #[test]
+    fn log_probs_match_composite() {
+        let logits = Var::from_tensor(&randn(&[2, 3, 11], 1)).unwrap();
+        let targets = Tensor::new(&[[1u32, 10, 0], [5, 5, 2]], &Device::Cpu).unwrap();
+        compare(
+            &[logits],
+            |t| log_probs(&t[0], &targets, 1.0 / 0.7).unwrap(),
+            |t| {
+                let lsm = candle_nn::ops::log_softmax(&(&t[0] / 0.7).unwrap(), D::Minus1).unwrap();
+                lsm.gather(&targets.unsqueeze(2).unwrap(), 2)
+                    .unwrap()
+                    .squeeze(2)
+                    .unwrap()
+            },
+        );
+    }
+
+    #[test]
+    fn masked_softmax_matches_composite() {
+        let (b, g, t, s) = (2, 3, 4, 6);
+        let x = Var::from_tensor(&randn(&[b, g, t, s], 2)).unwrap();
+        let mut m = vec![0f64; b * t * s];
+        for (i, v) in m.iter_mut().enumerate() {
+            if (i * 7) % 5 == 0 && i % s != 0 {
+                *v = -1e9;
+            }
+        }
+        let mask = Tensor::from_vec(m, (b, t, s), &Device::Cpu).unwrap();
+        compare(
+            &[x],
+            |ts| masked_softmax(&ts[0], &mask).unwrap(),
+            |ts| {
+                let y = ts[0].broadcast_add(&mask.unsqueeze(1).unwrap()).unwrap();
+                candle_nn::ops::softmax(&y, D::Minus1).unwrap()
+            },
+        );
+    }
+
+    #[test]
+    fn rms_norm_matches_composite() {
+        let x = Var::from_tensor(&randn(&[3, 5, 8], 3)).unwrap();
+        let w = Var::from_tensor(&randn(&[8], 4)).unwrap();
+        compare(
+            &[x, w],
+            |t| rms_norm(&t[0], &t[1], 1e-5).unwrap(),
+            |t| {
+                let var = t[0].sqr().unwrap().mean_keepdim(D::Minus1).unwrap();
+                let r = (var + 1e-5).unwrap().sqrt().unwrap().recip().unwrap();
+                t[0].broadcast_mul(&r)
+                    .unwrap()
+                    .broadcast_mul(&t[1])
+                    .unwrap()
+            },
+        );
+    }
+
+    #[test]
+    fn swiglu_matches_composite() {
+        let a = Var::from_tensor(&randn(&[4, 9000], 5)).unwrap();
+        let u = Var::from_tensor(&randn(&[4, 9000], 6)).unwrap();
+        compare(
+            &[a, u],
+            |t| swiglu(&t[0], &t[1]).unwrap(),
+            |t| (t[0].silu().unwrap() * &t[1]).unwrap(),
+        );
+    }
+
+    #[test]
+    fn rope_matches_composite() {
+        let (b, h, t, d) = (2, 3, 5, 8);
+        let x = Var::from_tensor(&randn(&[b, h, t, d], 7)).unwrap();
+        let cos = randn(&[b, t, d / 2], 8);
+        let sin = randn(&[b, t, d / 2], 9);
+        compare(
+            &[x],
+            |ts| rope(&ts[0], &cos, &sin).unwrap(),
+            |ts| {
+                let c = Tensor::cat(&[&cos, &cos], 2).unwrap().unsqueeze(1).unwrap();
+                let s = Tensor::cat(&[&sin, &sin], 2).unwrap().unsqueeze(1).unwrap();
+                let x1 = ts[0].narrow(3, 0, d / 2).unwrap();
+                let x2 = ts[0].narrow(3, d / 2, d / 2).unwrap();
+                let rot = Tensor::cat(&[&x2.neg().unwrap(), &x1], 3).unwrap();
+                (ts[0].broadcast_mul(&c).unwrap() + rot.broadcast_mul(&s).unwrap()).unwrap()
+            },
+        );
+    }
+
+    #[test]
+    fn kernels_work_in_f32_and_refuse_other_dtypes() {
+        let x = randn(&[2, 4], 10).to_dtype(DType::F32).unwrap();
+        let w = Tensor::ones(4, DType::F32, &Device::Cpu).unwrap();
+        assert_eq!(rms_norm(&x, &w, 1e-6).unwrap().dims(), &[2, 4]);
+        let xb = x.to_dtype(DType::BF16).unwrap();
+        let wb = w.to_dtype(DType::BF16).unwrap();
+        assert!(rms_norm(&xb, &wb, 1e-6).is_err());
+        assert!(!supported(&xb));
+    }
+}
