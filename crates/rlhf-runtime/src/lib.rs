@@ -62,3 +62,9 @@ pub fn raise_fd_limit() {
         }
     }
 }
+
+/// Locks a mutex, recovering the data if a panicking thread poisoned it: the guarded maps
+/// stay consistent between statements, so a poisoned lock is still usable.
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}

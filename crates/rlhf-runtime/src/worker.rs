@@ -86,7 +86,7 @@ pub fn exit_reason(code: Option<i32>, signal: Option<i32>, stop_requested: bool)
 
 impl Agent {
     fn take_devices(&self, want: usize, key: &str) -> Result<Vec<u32>> {
-        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        let mut free = crate::lock(&self.free);
         let list = if key == "GPU" {
             &mut free.gpus
         } else {
@@ -105,7 +105,7 @@ impl Agent {
     }
 
     fn give_back(&self, gpus: &[u32], npus: &[u32]) {
-        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        let mut free = crate::lock(&self.free);
         free.gpus.extend_from_slice(gpus);
         free.gpus.sort_unstable();
         free.npus.extend_from_slice(npus);
@@ -238,11 +238,7 @@ impl Agent {
         let info = pb::ActorInfo {
             actor_id: actor_id.to_string(),
             spec: Some(spec.clone()),
-            node_id: self
-                .node_id
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .clone(),
+            node_id: crate::lock(&self.node_id).clone(),
             address,
             state: pb::ActorState::Alive as i32,
             pid,
@@ -250,27 +246,20 @@ impl Agent {
             log_file: log_file.display().to_string(),
             ..Default::default()
         };
-        self.actors
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(
-                actor_id.to_string(),
-                ActorProc {
-                    info: info.clone(),
-                    stop_requested: false,
-                },
-            );
+        crate::lock(&self.actors).insert(
+            actor_id.to_string(),
+            ActorProc {
+                info: info.clone(),
+                stop_requested: false,
+            },
+        );
         tracing::info!(actor = actor_id, pid, address = %info.address, "actor started");
         let agent = self.clone();
         let (id, gpus, npus) = (actor_id.to_string(), gpus.to_vec(), npus.to_vec());
         tokio::spawn(async move {
             use std::os::unix::process::ExitStatusExt;
             let st = child.wait().await;
-            let proc = agent
-                .actors
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .remove(&id);
+            let proc = crate::lock(&agent.actors).remove(&id);
             agent.give_back(&gpus, &npus);
             let stop_requested = proc.as_ref().map(|p| p.stop_requested).unwrap_or(false);
             let (code, sig) = match &st {
@@ -294,11 +283,7 @@ impl Agent {
         let mut head = self.head.clone();
         for _ in 0..120 {
             let req = pb::ReportActorExitRequest {
-                node_id: self
-                    .node_id
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .clone(),
+                node_id: crate::lock(&self.node_id).clone(),
                 actor_id: actor_id.clone(),
                 exit: Some(exit.clone()),
             };
@@ -312,7 +297,7 @@ impl Agent {
     }
 
     fn signal_actor(&self, actor_id: &str, sig: nix::sys::signal::Signal, mark_stop: bool) -> bool {
-        let mut actors = self.actors.lock().unwrap_or_else(|p| p.into_inner());
+        let mut actors = crate::lock(&self.actors);
         let Some(p) = actors.get_mut(actor_id) else {
             return false;
         };
@@ -325,42 +310,20 @@ impl Agent {
 
     /// SIGTERM every actor, then SIGKILL whatever is left after a grace period.
     async fn stop_all(&self, grace: Duration) {
-        let ids: Vec<String> = self
-            .actors
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .keys()
-            .cloned()
-            .collect();
+        let ids: Vec<String> = crate::lock(&self.actors).keys().cloned().collect();
         for id in &ids {
             self.signal_actor(id, nix::sys::signal::Signal::SIGTERM, true);
         }
         let deadline = tokio::time::Instant::now() + grace;
-        while tokio::time::Instant::now() < deadline
-            && !self
-                .actors
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .is_empty()
-        {
+        while tokio::time::Instant::now() < deadline && !crate::lock(&self.actors).is_empty() {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        let left: Vec<String> = self
-            .actors
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .keys()
-            .cloned()
-            .collect();
+        let left: Vec<String> = crate::lock(&self.actors).keys().cloned().collect();
         for id in &left {
             tracing::warn!(actor = %id, "actor ignored SIGTERM; killing it");
             self.signal_actor(id, nix::sys::signal::Signal::SIGKILL, true);
         }
-        while !self
-            .actors
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .is_empty()
+        while !crate::lock(&self.actors).is_empty()
             && tokio::time::Instant::now() < deadline + Duration::from_secs(2)
         {
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -368,9 +331,7 @@ impl Agent {
     }
 
     fn live_actors(&self) -> Vec<pb::ActorInfo> {
-        self.actors
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+        crate::lock(&self.actors)
             .values()
             .map(|p| p.info.clone())
             .collect()
@@ -383,11 +344,7 @@ impl Agent {
     ) -> Result<pb::RegisterNodeResponse> {
         let req = pb::RegisterNodeRequest {
             protocol_version: PROTOCOL_VERSION,
-            node_id: self
-                .node_id
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .clone(),
+            node_id: crate::lock(&self.node_id).clone(),
             hostname: self.opts.hostname.clone(),
             address: address.to_string(),
             resources: Some(resources.into()),
@@ -403,7 +360,7 @@ impl Agent {
                 )
             })??
             .into_inner();
-        *self.node_id.lock().unwrap_or_else(|p| p.into_inner()) = r.node_id.clone();
+        *crate::lock(&self.node_id) = r.node_id.clone();
         Ok(r)
     }
 }
@@ -560,11 +517,7 @@ async fn heartbeat_loop(
         }
         let req = pb::HeartbeatRequest {
             protocol_version: PROTOCOL_VERSION,
-            node_id: agent
-                .node_id
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .clone(),
+            node_id: crate::lock(&agent.node_id).clone(),
         };
         match tokio::time::timeout(Duration::from_secs(2), head.heartbeat(req)).await {
             Ok(Ok(r)) if r.get_ref().known => {}

@@ -95,11 +95,11 @@ fn check_version(theirs: u32) -> Result<()> {
 impl Head {
     fn lock(&self) -> std::sync::MutexGuard<'_, HeadState> {
         // A panic while holding the lock would be a bug; the state itself stays usable.
-        self.0.state.lock().unwrap_or_else(|p| p.into_inner())
+        crate::lock(&self.0.state)
     }
 
     fn worker_client(&self, address: &str) -> Result<WorkerServiceClient<AuthChannel>> {
-        let mut w = self.0.workers.lock().unwrap_or_else(|p| p.into_inner());
+        let mut w = crate::lock(&self.0.workers);
         if let Some(c) = w.get(address) {
             return Ok(c.clone());
         }
