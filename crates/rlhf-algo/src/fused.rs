@@ -148,6 +148,47 @@ impl CustomOp1 for Precomputed {
     }
 }
 
+/// Tokens per worker thread below which splitting the pass does not pay for
+/// the thread start-up.
+const MIN_CHUNK: usize = 1 << 16;
+
+/// Runs `f(range, values, derivative)` over `len` tokens split into contiguous
+/// chunks, one scoped thread per chunk when the batch is large enough, and
+/// returns the per-chunk results in order (so reductions are deterministic for
+/// a given machine).
+fn split_pass<R: Send>(
+    len: usize,
+    values: &mut [f32],
+    derivative: &mut [f32],
+    f: impl Fn(std::ops::Range<usize>, &mut [f32], &mut [f32]) -> R + Sync,
+) -> Vec<R> {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let chunks = (len / MIN_CHUNK).clamp(1, threads);
+    if chunks == 1 {
+        return vec![f(0..len, values, derivative)];
+    }
+    let size = len.div_ceil(chunks);
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = values
+            .chunks_mut(size)
+            .zip(derivative.chunks_mut(size))
+            .enumerate()
+            .map(|(k, (v, d))| {
+                let f = &f;
+                let start = k * size;
+                scope.spawn(move || f(start..start + v.len(), v, d))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| match h.join() {
+                Ok(r) => r,
+                Err(panic) => std::panic::resume_unwind(panic),
+            })
+            .collect()
+    })
+}
+
 /// Per-token policy loss matrix (in the autograd graph of `logp_t`) and the
 /// masked diagnostics `(clipfrac, clipfrac_lower, approxkl, ppo_kl, ratio_mean)`
 /// from host copies of the inputs. Old log-probs and advantages are constants.
@@ -161,28 +202,42 @@ pub(crate) fn policy_terms(
 ) -> Result<(Tensor, [f64; 5])> {
     let mut values = vec![0f32; lp.len()];
     let mut derivative = vec![0f32; lp.len()];
-    let mut acc = [0f64; 5];
-    let tokens = lp.iter().zip(old).zip(adv).zip(mask);
-    let outs = values.iter_mut().zip(derivative.iter_mut());
-    for ((((&lp, &o), &a), &m), (v, d)) in tokens.zip(outs) {
-        let tk = pg_elem(lp, o, a, &p);
-        *v = tk.value;
-        *d = tk.deriv;
-        let m = f64::from(m);
-        let diff = f64::from(lp - o);
-        acc[0] += m * f64::from(u8::from(tk.clipped));
-        acc[1] += m * f64::from(u8::from(tk.lower));
-        acc[2] += m * 0.5 * diff * diff;
-        acc[3] -= m * f64::from(tk.neg_kl);
-        acc[4] += m * f64::from(tk.ratio);
+    let parts = split_pass(lp.len(), &mut values, &mut derivative, |r, vs, ds| {
+        let mut acc = [0f64; 6];
+        let tokens = lp[r.clone()]
+            .iter()
+            .zip(&old[r.clone()])
+            .zip(&adv[r.clone()]);
+        let outs = vs.iter_mut().zip(ds.iter_mut());
+        for (((&lp, &o), &a), ((v, d), &m)) in tokens.zip(outs.zip(&mask[r])) {
+            let tk = pg_elem(lp, o, a, &p);
+            *v = tk.value;
+            *d = tk.deriv;
+            let m = f64::from(m);
+            let diff = f64::from(lp - o);
+            acc[0] += m * f64::from(u8::from(tk.clipped));
+            acc[1] += m * f64::from(u8::from(tk.lower));
+            acc[2] += m * 0.5 * diff * diff;
+            acc[3] -= m * f64::from(tk.neg_kl);
+            acc[4] += m * f64::from(tk.ratio);
+            acc[5] += m;
+        }
+        acc
+    });
+    let mut acc = [0f64; 6];
+    for part in parts {
+        for (a, b) in acc.iter_mut().zip(part) {
+            *a += b;
+        }
     }
-    let n: f64 = mask.iter().map(|&m| f64::from(m)).sum();
+    let n = acc[5];
+    let stats = [acc[0] / n, acc[1] / n, acc[2] / n, acc[3] / n, acc[4] / n];
     let op = Precomputed {
         name: "rlhf-algo-policy-loss",
         values,
         derivative,
     };
-    Ok((logp_t.apply_op1(op)?, acc.map(|s| s / n)))
+    Ok((logp_t.apply_op1(op)?, stats))
 }
 
 /// Per-token (unhalved) value loss matrix (in the autograd graph of
@@ -197,15 +252,25 @@ pub(crate) fn value_terms(
 ) -> Result<(Tensor, f64)> {
     let mut values = vec![0f32; v.len()];
     let mut derivative = vec![0f32; v.len()];
-    let mut clipped = 0f64;
-    let tokens = v.iter().zip(old).zip(ret).zip(mask);
-    for ((((&v, &o), &r), &m), (l, d)) in tokens.zip(values.iter_mut().zip(derivative.iter_mut())) {
-        let (loss, deriv, c) = vf_elem(v, o, r, cliprange_value);
-        *l = loss;
-        *d = deriv;
-        clipped += f64::from(m) * f64::from(u8::from(c));
-    }
-    let n: f64 = mask.iter().map(|&m| f64::from(m)).sum();
+    let parts = split_pass(v.len(), &mut values, &mut derivative, |r, ls, ds| {
+        let (mut clipped, mut n) = (0f64, 0f64);
+        let tokens = v[r.clone()]
+            .iter()
+            .zip(&old[r.clone()])
+            .zip(&ret[r.clone()]);
+        let outs = ls.iter_mut().zip(ds.iter_mut());
+        for (((&v, &o), &rt), ((l, d), &m)) in tokens.zip(outs.zip(&mask[r])) {
+            let (loss, deriv, c) = vf_elem(v, o, rt, cliprange_value);
+            *l = loss;
+            *d = deriv;
+            clipped += f64::from(m) * f64::from(u8::from(c));
+            n += f64::from(m);
+        }
+        (clipped, n)
+    });
+    let (clipped, n) = parts
+        .into_iter()
+        .fold((0f64, 0f64), |(c, n), (c2, n2)| (c + c2, n + n2));
     let op = Precomputed {
         name: "rlhf-algo-value-loss",
         values,

@@ -408,8 +408,13 @@ mod tests {
 
     #[test]
     fn fused_cpu_kernels_match_the_op_chains() {
+        fused_matches_ops(6, 40);
+        // large enough for the fused pass to split across threads
+        fused_matches_ops(6, 30_000);
+    }
+
+    fn fused_matches_ops(b: usize, t: usize) {
         let dev = Device::Cpu;
-        let (b, t) = (6, 40);
         let tok = |v: Vec<f32>| Tensor::from_vec(v, (b, t), &dev).unwrap();
         let old_v = pseudo(b * t, 1, 2.0);
         let mut new_v: Vec<f32> = old_v
@@ -427,7 +432,7 @@ mod tests {
         }
         let (old, adv) = (tok(old_v), tok(pseudo(b * t, 3, 2.0)));
         let mask = tok((0..b * t)
-            .map(|i| f32::from(u8::from(i % t < 5 + 6 * (i / t))))
+            .map(|i| f32::from(u8::from(i % t <= t * (1 + i / t) / (b + 1))))
             .collect());
         let n = host(&mask).iter().filter(|&&m| m != 0.0).count();
         for dual in [Some(3.0), Some(1.5), None] {
