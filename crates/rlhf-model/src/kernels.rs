@@ -7,7 +7,7 @@
 //! the composite formulation (values and gradients) in the tests below; models on other devices
 //! or dtypes use the composite path.
 
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
 
 type CResult<T> = candle_core::Result<T>;
 
@@ -291,6 +291,108 @@ pub(crate) fn log_probs(logits: &Tensor, targets: &Tensor, scale: f64) -> CResul
     let x = logits.contiguous()?.reshape(((), v))?;
     let t = targets.to_dtype(DType::U32)?.contiguous()?.flatten_all()?;
     x.apply_op2(&t, LogProbs { scale })?.reshape(out_shape)
+}
+
+// ---------------------------------------------------------------------------------------------
+// entropy of softmax(x * scale) per row
+
+struct Entropy {
+    scale: f64,
+}
+
+/// (lse, entropy) of softmax(row * scale).
+fn row_entropy<T: Real>(row: &[T], scale: T) -> (T, T) {
+    let lse = row_lse(row, scale);
+    let mut pz = T::zero();
+    for &x in row {
+        let z = x.mul(scale);
+        pz = pz.add(z.sub(lse).exp().mul(z));
+    }
+    (lse, lse.sub(pz))
+}
+
+fn entropy_fwd<T: Real>(s1: &CpuStorage, l1: &Layout, scale: f64) -> CResult<(CpuStorage, Shape)> {
+    let x = data::<T>(s1, l1, "entropy")?;
+    let v = *l1.dims().last().unwrap_or(&1);
+    let n = x.len() / v.max(1);
+    let scale = T::from_f64(scale);
+    let mut out = vec![T::zero(); n];
+    par_rows(&mut out, 1, |r, o| {
+        o[0] = row_entropy(&x[r * v..(r + 1) * v], scale).1;
+    });
+    Ok((T::wrap(out), Shape::from(n)))
+}
+
+impl CustomOp1 for Entropy {
+    fn name(&self) -> &'static str {
+        "fused-entropy"
+    }
+
+    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout) -> CResult<(CpuStorage, Shape)> {
+        dispatch!(s1, self.name(), entropy_fwd, s1, l1, self.scale)
+    }
+
+    fn bwd(&self, logits: &Tensor, _res: &Tensor, grad: &Tensor) -> CResult<Option<Tensor>> {
+        let g = logits.apply_op2_no_bwd(&grad.contiguous()?, &EntropyBwd { scale: self.scale })?;
+        Ok(Some(g))
+    }
+}
+
+/// dH/dx_j = -g * s * p_j * (log p_j + H).
+struct EntropyBwd {
+    scale: f64,
+}
+
+fn entropy_bwd<T: Real>(
+    s1: &CpuStorage,
+    l1: &Layout,
+    s2: &CpuStorage,
+    l2: &Layout,
+    scale: f64,
+) -> CResult<(CpuStorage, Shape)> {
+    let x = data::<T>(s1, l1, "entropy_bwd")?;
+    let g = data::<T>(s2, l2, "entropy_bwd")?;
+    let v = *l1.dims().last().unwrap_or(&1);
+    let scale = T::from_f64(scale);
+    let mut out = vec![T::zero(); x.len()];
+    par_rows(&mut out, v, |r, o| {
+        let row = &x[r * v..(r + 1) * v];
+        let (lse, h) = row_entropy(row, scale);
+        let gs = g[r].mul(scale);
+        for (oi, &xi) in o.iter_mut().zip(row) {
+            let logp = xi.mul(scale).sub(lse);
+            *oi = T::zero().sub(gs.mul(logp.exp()).mul(logp.add(h)));
+        }
+    });
+    Ok((T::wrap(out), l1.shape().clone()))
+}
+
+impl CustomOp2 for EntropyBwd {
+    fn name(&self) -> &'static str {
+        "fused-entropy-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> CResult<(CpuStorage, Shape)> {
+        dispatch!(s1, self.name(), entropy_bwd, s1, l1, s2, l2, self.scale)
+    }
+}
+
+/// Entropy of softmax(logits * scale) over the last axis: logits `[.., V]`, result `[..]`.
+pub(crate) fn entropy(logits: &Tensor, scale: f64) -> CResult<Tensor> {
+    let dims = logits.dims();
+    let out_shape: Vec<usize> = dims[..dims.len().saturating_sub(1)].to_vec();
+    let v = logits.dim(candle_core::D::Minus1)?;
+    logits
+        .contiguous()?
+        .reshape(((), v))?
+        .apply_op1(Entropy { scale })?
+        .reshape(out_shape)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -925,6 +1027,24 @@ mod tests {
                 lsm.gather(&targets.unsqueeze(2).unwrap(), 2)
                     .unwrap()
                     .squeeze(2)
+                    .unwrap()
+            },
+        );
+    }
+
+    #[test]
+    fn entropy_matches_composite() {
+        let logits = Var::from_tensor(&randn(&[2, 3, 11], 11)).unwrap();
+        compare(
+            &[logits],
+            |t| entropy(&t[0], 1.0 / 0.7).unwrap(),
+            |t| {
+                let lsm = candle_nn::ops::log_softmax(&(&t[0] / 0.7).unwrap(), D::Minus1).unwrap();
+                (lsm.exp().unwrap() * &lsm)
+                    .unwrap()
+                    .sum(D::Minus1)
+                    .unwrap()
+                    .neg()
                     .unwrap()
             },
         );

@@ -487,19 +487,30 @@ impl Model {
         temperature: f64,
         with_entropy: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        let logits = self.logits(batch)?;
-        let t = logits.dim(1)?;
+        let w = self.lm_head()?;
+        let t = batch.input_ids.dim(1)?;
         if t < 2 {
             return Err(Error::InvalidArgument(
                 "log-probs need sequences of at least 2 tokens".to_string(),
             ));
         }
-        let logits = logits.narrow(1, 0, t - 1)?;
+        let h = self.hidden(
+            &batch.input_ids,
+            &batch.attention_mask,
+            &batch.position_ids,
+            None,
+        )?;
+        // The last position predicts nothing that is scored: skip its LM-head product.
+        let logits = Linear {
+            w: w.clone(),
+            b: None,
+        }
+        .forward(&h.narrow(1, 0, t - 1)?)?;
         let targets = batch.input_ids.narrow(1, 1, t - 1)?;
         let fused = self.body.kernels() != Kernels::Composite;
         let lp = ops::log_probs_impl(&logits, &targets, temperature, fused)?;
         let ent = if with_entropy {
-            Some(ops::entropy_from_logits(&logits, temperature)?)
+            Some(ops::entropy_impl(&logits, temperature, fused)?)
         } else {
             None
         };
@@ -581,7 +592,8 @@ impl Model {
         }
     }
 
-    /// Tensors under their HF names, as saved.
+    /// Tensors under their HF names, as saved. They share storage with the parameters (no
+    /// copy), so they follow later optimizer steps; `copy()` them to keep a snapshot.
     pub fn named_tensors(&self) -> Vec<(String, Tensor)> {
         self.vars()
             .into_iter()

@@ -63,6 +63,19 @@ pub(crate) fn log_probs_impl(
 
 /// Entropy `-sum p log p` of softmax(logits / temperature) over the last axis.
 pub fn entropy_from_logits(logits: &Tensor, temperature: f64) -> Result<Tensor> {
+    entropy_impl(logits, temperature, true)
+}
+
+/// `fused` allows the one-pass CPU kernel where it applies (f32/f64 on CPU).
+pub(crate) fn entropy_impl(logits: &Tensor, temperature: f64, fused: bool) -> Result<Tensor> {
+    if fused && crate::kernels::supported(logits) {
+        if !(temperature > 0.0 && temperature.is_finite()) {
+            return Err(Error::InvalidArgument(format!(
+                "temperature must be positive for entropy, got {temperature}"
+            )));
+        }
+        return Ok(crate::kernels::entropy(logits, 1.0 / temperature)?);
+    }
     let lsm = scaled_log_softmax(logits, temperature)?;
     let p = lsm.exp()?;
     Ok((p * lsm)?.sum(D::Minus1)?.neg()?)

@@ -317,3 +317,51 @@ fn trainable_and_fast_paths_agree() {
         );
     }
 }
+
+#[test]
+fn bf16_training_uses_composite_ops_and_updates_weights() {
+    let cfg = tiny_config(Family::Qwen2);
+    let model = Model::random(&cfg, &opts(ModelKind::CausalLm, DType::BF16)).unwrap();
+    assert_eq!(model.kernels(), rlhf_model::Kernels::Composite);
+    let batch = tiny_batch(&Device::Cpu);
+    let vars = model.vars();
+    let grads = Gradients::backward(&loss(&model, &batch), &vars).unwrap();
+    assert!(grads.missing(&vars).is_empty());
+    grads.check_finite().unwrap();
+    // Copies: named tensors share storage with the parameters, which update in place.
+    let before: Vec<_> = model
+        .named_tensors()
+        .into_iter()
+        .map(|(n, t)| (n, t.copy().unwrap()))
+        .collect();
+    let mut opt = rlhf_model::AdamW::new(
+        vars,
+        rlhf_model::AdamWConfig {
+            lr: 1e-2,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    opt.step(&grads).unwrap();
+    let after = model.named_tensors();
+    let changed = before
+        .iter()
+        .zip(&after)
+        .filter(|((_, a), (_, b))| {
+            let d = (a.to_dtype(DType::F32).unwrap() - b.to_dtype(DType::F32).unwrap())
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            d > 0.0
+        })
+        .count();
+    assert_eq!(
+        changed,
+        before.len(),
+        "every bf16 parameter moves after a step"
+    );
+}
