@@ -65,3 +65,79 @@ async fn version_mismatch_is_refused_naming_both_versions() {
     sd.cancel();
     h.wait().await;
 }
+
+#[tokio::test]
+async fn injected_clock_drives_node_death_without_waiting() {
+    use rlhf_runtime::clock::ManualClock;
+    let dir = tempfile::tempdir().unwrap();
+    let mut o = HeadOptions::new(dir.path().to_path_buf(), "tok".into());
+    o.host = "127.0.0.1".into();
+    o.port = 0;
+    o.dashboard = None;
+    // A long threshold on the wall clock; only the injected clock moves.
+    o.dead_threshold = Duration::from_millis(200);
+    let clock = ManualClock::new(1_000_000);
+    let sd = CancellationToken::new();
+    let h = head::start(o, Arc::new(clock.clone()), sd.clone())
+        .await
+        .unwrap();
+    let mut co = ClientOptions::new("tok");
+    co.connect_timeout = Duration::from_secs(5);
+    let mut c = HeadServiceClient::new(net::connect(&h.addr.to_string(), &co).await.unwrap());
+    let id = c
+        .register_node(pb::RegisterNodeRequest {
+            protocol_version: rlhf_proto::PROTOCOL_VERSION,
+            hostname: "sim".into(),
+            address: "127.0.0.1:9".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .node_id;
+    let state_of =
+        |s: &pb::ClusterStatusResponse| s.nodes.iter().find(|n| n.node_id == id).map(|n| n.state);
+    // Real time passes, the injected clock does not: the node stays alive.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let s = c
+        .cluster_status(pb::ClusterStatusRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(state_of(&s), Some(pb::NodeState::Alive as i32));
+    // The injected clock jumps past the threshold: the next health check marks it dead.
+    clock.advance(250);
+    let mut dead = false;
+    for _ in 0..40 {
+        tokio::time::sleep(Duration::from_millis(25)).await;
+        let s = c
+            .cluster_status(pb::ClusterStatusRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        if state_of(&s) == Some(pb::NodeState::Dead as i32) {
+            let n = s.nodes.iter().find(|n| n.node_id == id).unwrap();
+            assert!(
+                n.death_reason.contains("no heartbeat for 0.2s"),
+                "{}",
+                n.death_reason
+            );
+            assert_eq!(n.death_ms, 1_000_250);
+            dead = true;
+            break;
+        }
+    }
+    assert!(dead, "node not marked dead after the clock moved");
+    // A heartbeat from a dead node is refused so it registers anew.
+    let hb = c
+        .heartbeat(pb::HeartbeatRequest {
+            protocol_version: rlhf_proto::PROTOCOL_VERSION,
+            node_id: id.clone(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(!hb.known);
+    sd.cancel();
+    h.wait().await;
+}
