@@ -585,6 +585,24 @@ mod tests {
     }
 
     #[test]
+    fn namespaces_loop_controls_and_dates_render() {
+        // Constructs found in Llama 3 / Qwen2.5-style templates: namespace(), loop controls,
+        // trim, strftime_now, default().
+        let t = "{%- set ns = namespace(sys=none) -%}\
+            {%- for m in messages -%}{%- if m.role == 'system' -%}{%- set ns.sys = m.content | trim -%}{%- break -%}{%- endif -%}{%- endfor -%}\
+            [{{ ns.sys | default('none', true) }}]\
+            {%- for m in messages -%}{%- if m.role == 'system' -%}{%- continue -%}{%- endif -%}<{{ m.role }}:{{ m.content }}>{%- endfor -%}\
+            {{ strftime_now('%Y') | length }}";
+        let msgs = json!([
+            {"role": "system", "content": "  S  "},
+            {"role": "user", "content": "u1"},
+            {"role": "assistant", "content": "a1"}
+        ]);
+        let out = render_chat_template(t, &msgs, false, &[]).unwrap();
+        assert_eq!(out, "[S]<user:u1><assistant:a1>4");
+    }
+
+    #[test]
     fn dict_items_and_string_methods() {
         let t = "{% for k, v in messages[0].items() %}{{ k }}={{ v.upper() }};{% endfor %}{{ 'a,b'.split(',') | length }}{{ ' x '.rstrip() }}|{% if 'abc'.startswith('ab') %}yes{% endif %}";
         let out = render_chat_template(t, &json!([{"a": "x", "b": "y"}]), false, &[]).unwrap();

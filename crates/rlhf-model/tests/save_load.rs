@@ -219,3 +219,75 @@ fn half_precision_loads_and_stays_close_to_f32() {
         assert!(d < 0.1, "{dtype:?} logits differ from f32 by {d}");
     }
 }
+
+#[test]
+fn value_heads_in_trl_and_openrlhf_layouts_are_recognised() {
+    let tmp = tempfile::tempdir().unwrap();
+    let b = tiny_batch(&Device::Cpu);
+    let opts = LoadOptions {
+        value_head_init: ValueHeadInit::Fresh { std: 0.1 },
+        ..LoadOptions::inference().with_kind(ModelKind::Value)
+    };
+    let critic = Model::load(fixture("tiny-llama"), &opts).unwrap();
+    let want = critic.values(&b).unwrap();
+    for (w_name, b_name) in [
+        ("v_head.summary.weight", Some("v_head.summary.bias")),
+        ("value_head.weight", None),
+    ] {
+        let dir = tmp.path().join(w_name.replace('.', "_"));
+        critic.save(&dir, None).unwrap();
+        // Rewrite the weights with the head under the other library's names.
+        let mut tensors = std::collections::HashMap::new();
+        for (n, t) in critic.named_tensors() {
+            let n = match n.as_str() {
+                "score.weight" => w_name.to_string(),
+                "score.bias" => match b_name {
+                    Some(bn) => bn.to_string(),
+                    None => continue,
+                },
+                _ => n,
+            };
+            tensors.insert(n, t);
+        }
+        let bias = critic
+            .named_tensors()
+            .into_iter()
+            .find(|(n, _)| n == "score.bias")
+            .unwrap()
+            .1;
+        candle_core_save(&tensors, &dir.join("model.safetensors"));
+        let back = Model::load(
+            &dir,
+            &LoadOptions {
+                value_head_init: ValueHeadInit::FromCheckpoint,
+                ..LoadOptions::inference().with_kind(ModelKind::Value)
+            },
+        )
+        .unwrap();
+        let got = back.values(&b).unwrap();
+        // Without a bias tensor the head's bias starts at zero.
+        let expected = if b_name.is_some() {
+            want.clone()
+        } else {
+            want.broadcast_sub(&bias.to_dtype(rlhf_model::DType::F32).unwrap())
+                .unwrap()
+        };
+        assert!(max_abs_diff(&got, &expected) < 1e-5, "{w_name}");
+    }
+}
+
+fn candle_core_save(tensors: &std::collections::HashMap<String, Tensor>, path: &std::path::Path) {
+    let list: Vec<(String, Tensor)> = tensors
+        .iter()
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    rlhf_model::weights::save_safetensors(&list, path).unwrap();
+}
+
+#[test]
+fn models_can_move_to_a_compute_thread() {
+    fn assert_send<T: Send>() {}
+    assert_send::<Model>();
+    assert_send::<Tokenizer>();
+    assert_send::<AdamW>();
+}
