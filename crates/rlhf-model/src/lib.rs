@@ -9,7 +9,38 @@
 //!
 //! Trainable models compute with differentiable ops only: candle's fused kernels
 //! (softmax_last_dim, rms_norm, rope) silently drop gradients, so they are used for frozen
-//! (inference) models only.
+//! (inference) models only. On CPU in f32/f64, training uses this crate's own fused kernels,
+//! which do have a backward pass ([`Kernels`]).
+//!
+//! ```
+//! use rlhf_model::*;
+//! # fn main() -> rlhf_model::Result<()> {
+//! # let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-llama");
+//! // Rollout: a frozen policy generates from chat prompts.
+//! let tok = Tokenizer::from_dir(&dir)?;
+//! let policy = Model::load(&dir, &LoadOptions::inference())?;
+//! let prompt = tok.encode_chat(&[ChatMessage::user("Hello")], true)?;
+//! let cfg = GenerationConfig { max_new_tokens: 4, temperature: 0.7, seed: 1, n: 2,
+//!                              ..policy.generation_config().clone() };
+//! let out = generate(&policy, &[prompt], &cfg)?;
+//! let text = tok.decode(&out.sequences[0].token_ids, true)?;
+//!
+//! // Training: recompute log-probs of a sequence with a trainable copy and step AdamW.
+//! let actor = Model::load(&dir, &LoadOptions::training(ModelKind::CausalLm))?;
+//! let s = &out.sequences[0];
+//! let seq: Vec<u32> = s.prompt_ids.iter().chain(&s.token_ids).copied().collect();
+//! let batch = Batch::left_padded(&[seq], 0, &Device::Cpu)?;
+//! let loss = actor.token_log_probs(&batch, cfg.temperature)?.mean_all()?.neg()?;
+//! let vars = actor.vars();
+//! let mut grads = Gradients::backward(&loss, &vars)?;
+//! grads.clip_global_norm(1.0)?;
+//! let mut opt = AdamW::new(vars, AdamWConfig::default())?;
+//! opt.step(&grads)?;
+//! policy.set_weights(&actor.named_tensors())?; // weight sync to the rollout model
+//! # let _ = text;
+//! # Ok(())
+//! # }
+//! ```
 
 pub mod error;
 pub mod generation;
