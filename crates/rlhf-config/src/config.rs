@@ -1,0 +1,706 @@
+//! Typed config sections.
+//!
+//! Key names follow MindSpeed-LLM's `ppo_trainer_*.yaml` (sections, role names,
+//! `num_gpus_for_train`, `critic_mini_batch_size`, ...) and, inside
+//! `algorithm`, verl / TRL through `rlhf_algo`'s structs. Every section takes
+//! defaults for missing keys; unknown keys are rejected by the loader's schema
+//! check (see [`crate::load`]) before these structs are deserialized.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::PathBuf;
+
+use rlhf_algo::{AlgorithmConfig, KlPenalty, LossAggMode, PolicyLossConfig, ValueLossConfig};
+use serde::{Deserialize, Serialize};
+
+use crate::model::ModelConfig;
+
+/// Defines [`TrainingConfig`] (every key with its default) and
+/// [`TrainingOverrides`] (the same keys, all optional, for role sections) from
+/// one list, so the two can never disagree.
+macro_rules! training_keys {
+    ($( $(#[doc = $doc:literal])+ $name:ident : $ty:ty = $default:expr ),+ $(,)?) => {
+        /// Shared training defaults (`training.*`); each role section may
+        /// override any of these keys.
+        #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+        #[serde(deny_unknown_fields, default)]
+        pub struct TrainingConfig {
+            $( $(#[doc = $doc])+ pub $name: $ty, )+
+        }
+
+        impl Default for TrainingConfig {
+            fn default() -> Self {
+                Self { $( $name: $default, )+ }
+            }
+        }
+
+        /// Role-level overrides of [`TrainingConfig`] keys (unset = inherit).
+        #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+        #[serde(default)]
+        pub struct TrainingOverrides {
+            $(
+                $(#[doc = $doc])+
+                #[serde(skip_serializing_if = "Option::is_none")]
+                pub $name: Option<$ty>,
+            )+
+        }
+
+        impl TrainingConfig {
+            /// Names of every training key, in declaration order.
+            pub const KEYS: &'static [&'static str] = &[$(stringify!($name)),+];
+
+            /// One-line docs of the training keys, by name.
+            pub fn key_docs() -> Vec<(&'static str, String)> {
+                vec![$( (stringify!($name), [$($doc.trim()),+].join(" ")) ),+]
+            }
+
+            /// These defaults with a role's overrides applied.
+            pub fn merged(&self, o: &TrainingOverrides) -> TrainingConfig {
+                TrainingConfig {
+                    $( $name: o.$name.clone().unwrap_or_else(|| self.$name.clone()), )+
+                }
+            }
+        }
+    };
+}
+
+training_keys! {
+    /// Sequences per forward/backward pass on one rank.
+    micro_batch_size: u32 = 1,
+    /// Prompts per PPO step; the rollout batch is this times `actor_rollout.num_samples_per_step`.
+    global_batch_size: u32 = 8,
+    /// Longest prompt + response sequence a role processes, in tokens.
+    seq_length: u32 = 1024,
+    /// Number of PPO steps to run.
+    train_iters: u64 = 100,
+    /// Peak learning rate.
+    lr: f64 = 1e-6,
+    /// Floor of the learning-rate schedule.
+    min_lr: f64 = 0.0,
+    /// Learning-rate schedule after warm-up: constant, linear or cosine.
+    lr_decay_style: LrDecayStyle = LrDecayStyle::Constant,
+    /// Linear warm-up steps.
+    lr_warmup_iters: u64 = 0,
+    /// AdamW decoupled weight decay.
+    weight_decay: f64 = 0.0,
+    /// AdamW beta1.
+    adam_beta1: f64 = 0.9,
+    /// AdamW beta2.
+    adam_beta2: f64 = 0.999,
+    /// AdamW epsilon.
+    adam_eps: f64 = 1e-8,
+    /// Gradient-norm clip (0 disables clipping).
+    clip_grad: f64 = 1.0,
+    /// Keep weights and activations in bfloat16 (f32 otherwise).
+    bf16: bool = false,
+    /// Seed of every RNG the job uses (sampling, shuffling, init).
+    seed: u64 = 1234,
+    /// Tokenizer directory (HF `tokenizer.json`); unset = the role's model directory.
+    tokenizer_name_or_path: Option<String> = None,
+}
+
+/// Learning-rate schedule after warm-up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LrDecayStyle {
+    /// Flat at `lr`.
+    Constant,
+    /// Linear from `lr` to `min_lr` over `train_iters`.
+    Linear,
+    /// Cosine from `lr` to `min_lr` over `train_iters`.
+    Cosine,
+}
+
+/// Kind of accelerator the resource pool counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DeviceKind {
+    /// NVIDIA GPUs (cluster resource `GPU`).
+    #[serde(rename = "GPU", alias = "gpu")]
+    Gpu,
+    /// Ascend NPUs (cluster resource `NPU`).
+    #[serde(rename = "NPU", alias = "npu")]
+    Npu,
+    /// CPU slots (cluster resource `CPU`).
+    #[serde(rename = "CPU", alias = "cpu")]
+    Cpu,
+}
+
+impl DeviceKind {
+    /// The cluster resource name this kind is counted under.
+    pub fn resource(self) -> &'static str {
+        match self {
+            DeviceKind::Gpu => "GPU",
+            DeviceKind::Npu => "NPU",
+            DeviceKind::Cpu => "CPU",
+        }
+    }
+}
+
+/// Devices per role (`resource_pool.*`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ResourcePool {
+    /// Device kind every role runs on.
+    pub device: DeviceKind,
+    /// Memory of one device in GiB, for the fit warning of `check`.
+    pub device_memory_gb: f64,
+    /// Devices of the actor: `num_gpus_for_train + num_gpus_for_infer`.
+    pub actor_rollout: u32,
+    /// Devices of the reference model.
+    #[serde(rename = "ref")]
+    pub ref_: u32,
+    /// Devices of the critic (0 when the estimator needs none).
+    pub critic: u32,
+    /// Devices of the reward role (0 for rule or HTTP rewards).
+    pub reward: u32,
+}
+
+impl Default for ResourcePool {
+    fn default() -> Self {
+        Self {
+            device: DeviceKind::Gpu,
+            device_memory_gb: 80.0,
+            actor_rollout: 2,
+            ref_: 1,
+            critic: 1,
+            reward: 1,
+        }
+    }
+}
+
+/// The four PPO roles.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum Role {
+    /// Policy: generation and PPO update.
+    #[serde(rename = "actor_rollout")]
+    ActorRollout,
+    /// Frozen reference policy.
+    #[serde(rename = "ref")]
+    Ref,
+    /// Value model.
+    #[serde(rename = "critic")]
+    Critic,
+    /// Scores responses.
+    #[serde(rename = "reward")]
+    Reward,
+}
+
+impl Role {
+    /// Every role, in placement order.
+    pub const ALL: [Role; 4] = [Role::ActorRollout, Role::Ref, Role::Critic, Role::Reward];
+
+    /// The section / resource-pool key of this role.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::ActorRollout => "actor_rollout",
+            Role::Ref => "ref",
+            Role::Critic => "critic",
+            Role::Reward => "reward",
+        }
+    }
+}
+
+impl fmt::Display for Role {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Policy role: generation and PPO update (`actor_rollout.*`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ActorRolloutConfig {
+    /// A model named in `defaults`, or a path to an HF model directory.
+    pub model: String,
+    /// Sample during rollout; `false` decodes greedily (precision alignment).
+    pub do_sample: bool,
+    /// Sampling temperature.
+    pub temperature: f64,
+    /// Nucleus sampling threshold (1.0 = off).
+    pub top_p: f64,
+    /// Top-k sampling (0 = off).
+    pub top_k: u32,
+    /// Longest prompt in tokens; longer prompts follow `data.max_prompt_length_policy`.
+    pub max_prompt_length: u32,
+    /// Most tokens generated per response.
+    pub max_response_length: u32,
+    /// Responses sampled per prompt (the group size of GRPO / RLOO).
+    pub num_samples_per_step: u32,
+    /// Sequences per optimizer step of the actor.
+    pub ppo_mini_batch_size: u32,
+    /// Passes over each rollout batch.
+    pub ppo_epochs: u32,
+    /// Shuffle sequences between mini-batches.
+    pub shuffle_minibatch: bool,
+    /// Data-parallel trainer ranks of the actor.
+    pub num_gpus_for_train: u32,
+    /// Rollout (generation) ranks of the actor.
+    pub num_gpus_for_infer: u32,
+    /// PPO clip range epsilon.
+    pub clip_ratio: f64,
+    /// Lower clip range (default `clip_ratio`).
+    pub clip_ratio_low: Option<f64>,
+    /// Upper clip range (default `clip_ratio`).
+    pub clip_ratio_high: Option<f64>,
+    /// Dual-clip bound for negative advantages (> 1; null disables).
+    pub clip_ratio_c: Option<f64>,
+    /// Reduction of the token loss matrix.
+    pub loss_agg_mode: LossAggMode,
+    /// Weight of the entropy bonus.
+    pub entropy_coeff: f64,
+    /// Add a KL-to-reference loss term (GRPO style).
+    pub use_kl_loss: bool,
+    /// Weight of that KL loss.
+    pub kl_loss_coef: f64,
+    /// KL estimator of that KL loss.
+    pub kl_loss_type: KlPenalty,
+    /// Precision-alignment mode: a JSONL file of fixed responses replaces generation.
+    pub fixed_responses_file: Option<String>,
+    /// Overrides of `training` keys for this role.
+    #[serde(flatten)]
+    pub overrides: TrainingOverrides,
+}
+
+impl Default for ActorRolloutConfig {
+    fn default() -> Self {
+        let p = PolicyLossConfig::default();
+        Self {
+            model: String::new(),
+            do_sample: true,
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            max_prompt_length: 512,
+            max_response_length: 512,
+            num_samples_per_step: 1,
+            ppo_mini_batch_size: 8,
+            ppo_epochs: 1,
+            shuffle_minibatch: false,
+            num_gpus_for_train: 1,
+            num_gpus_for_infer: 1,
+            clip_ratio: p.clip_ratio,
+            clip_ratio_low: p.clip_ratio_low,
+            clip_ratio_high: p.clip_ratio_high,
+            clip_ratio_c: p.clip_ratio_c,
+            loss_agg_mode: p.loss_agg_mode,
+            entropy_coeff: p.entropy_coeff,
+            use_kl_loss: p.use_kl_loss,
+            kl_loss_coef: p.kl_loss_coef,
+            kl_loss_type: p.kl_loss_type,
+            fixed_responses_file: None,
+            overrides: TrainingOverrides::default(),
+        }
+    }
+}
+
+impl ActorRolloutConfig {
+    /// The actor loss settings in `rlhf_algo`'s form.
+    pub fn policy_loss(&self) -> PolicyLossConfig {
+        PolicyLossConfig {
+            clip_ratio: self.clip_ratio,
+            clip_ratio_low: self.clip_ratio_low,
+            clip_ratio_high: self.clip_ratio_high,
+            clip_ratio_c: self.clip_ratio_c,
+            loss_agg_mode: self.loss_agg_mode,
+            use_kl_loss: self.use_kl_loss,
+            kl_loss_coef: self.kl_loss_coef,
+            kl_loss_type: self.kl_loss_type,
+            entropy_coeff: self.entropy_coeff,
+        }
+    }
+
+    /// Sequences per step: prompts per step times samples per prompt.
+    pub fn rollout_batch_size(&self, prompts_per_step: u32) -> u64 {
+        u64::from(prompts_per_step) * u64::from(self.num_samples_per_step)
+    }
+}
+
+/// Frozen reference policy (`ref.*`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RefConfig {
+    /// Model name or path; empty = the actor's model.
+    pub model: String,
+    /// Overrides of `training` keys for this role.
+    #[serde(flatten)]
+    pub overrides: TrainingOverrides,
+}
+
+/// Value model (`critic.*`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct CriticConfig {
+    /// Model name or path; empty = the actor's model with a fresh value head.
+    pub model: String,
+    /// Value clip range around the rollout values.
+    pub cliprange_value: f64,
+    /// Weight of the value loss.
+    pub vf_coef: f64,
+    /// Reduction of the value loss matrix.
+    pub loss_agg_mode: LossAggMode,
+    /// Sequences per optimizer step of the critic.
+    pub critic_mini_batch_size: u32,
+    /// Passes over each rollout batch.
+    pub critic_update_epochs: u32,
+    /// Shuffle sequences between mini-batches.
+    pub shuffle_minibatch: bool,
+    /// Overrides of `training` keys for this role.
+    #[serde(flatten)]
+    pub overrides: TrainingOverrides,
+}
+
+impl Default for CriticConfig {
+    fn default() -> Self {
+        let v = ValueLossConfig::default();
+        Self {
+            model: String::new(),
+            cliprange_value: v.cliprange_value,
+            vf_coef: v.vf_coef,
+            loss_agg_mode: v.loss_agg_mode,
+            critic_mini_batch_size: 8,
+            critic_update_epochs: 1,
+            shuffle_minibatch: false,
+            overrides: TrainingOverrides::default(),
+        }
+    }
+}
+
+impl CriticConfig {
+    /// The value loss settings in `rlhf_algo`'s form.
+    pub fn value_loss(&self) -> ValueLossConfig {
+        ValueLossConfig {
+            cliprange_value: self.cliprange_value,
+            vf_coef: self.vf_coef,
+            loss_agg_mode: self.loss_agg_mode,
+        }
+    }
+}
+
+/// How the reward role scores responses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RewardKind {
+    /// A reward model (sequence classifier) at `reward.model`.
+    Model,
+    /// A built-in rule chosen by `reward.rule`.
+    Rule,
+    /// An HTTP endpoint at `reward.url`.
+    Http,
+}
+
+/// Reward role (`reward.*`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RewardConfig {
+    /// model, rule or http.
+    pub kind: RewardKind,
+    /// Reward model name or path (kind: model).
+    pub model: String,
+    /// Built-in rule name (kind: rule).
+    pub rule: String,
+    /// Endpoint URL (kind: http).
+    pub url: String,
+    /// Timeout of one scoring call, seconds (kind: http).
+    pub timeout_s: f64,
+    /// Overrides of `training` keys for this role.
+    #[serde(flatten)]
+    pub overrides: TrainingOverrides,
+}
+
+impl Default for RewardConfig {
+    fn default() -> Self {
+        Self {
+            kind: RewardKind::Model,
+            model: String::new(),
+            rule: String::new(),
+            url: String::new(),
+            timeout_s: 30.0,
+            overrides: TrainingOverrides::default(),
+        }
+    }
+}
+
+/// Dataset file format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DataFormat {
+    /// From the file extension (`.jsonl`/`.json` or `.parquet`).
+    Auto,
+    /// One JSON object per line.
+    Jsonl,
+    /// Apache Parquet.
+    Parquet,
+}
+
+/// What happens to a prompt longer than `actor_rollout.max_prompt_length`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PromptOverflow {
+    /// Keep the last `max_prompt_length` tokens (the end of a prompt is what
+    /// the response continues from).
+    Truncate,
+    /// Drop the prompt from the batch.
+    Skip,
+}
+
+/// What happens to a dataset row that fails to parse.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BadRows {
+    /// Count it, report it, and drop it.
+    Skip,
+    /// Refuse the dataset, listing the bad rows.
+    Fail,
+}
+
+/// Prompt dataset (`data.*`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataConfig {
+    /// Dataset file.
+    pub path: String,
+    /// auto, jsonl or parquet.
+    pub format: DataFormat,
+    /// Column with the prompt: a string, or a list of {role, content} messages.
+    pub prompt_key: String,
+    /// Column with chat messages; when set it is read instead of `prompt_key`.
+    pub messages_key: Option<String>,
+    /// Render prompts with the model's chat template.
+    pub apply_chat_template: bool,
+    /// truncate or skip prompts longer than `actor_rollout.max_prompt_length`.
+    pub max_prompt_length_policy: PromptOverflow,
+    /// Reshuffle the prompts every epoch.
+    pub shuffle: bool,
+    /// Shuffle seed (default `training.seed`).
+    pub seed: Option<u64>,
+    /// skip or fail on rows that do not parse.
+    pub bad_rows: BadRows,
+}
+
+impl Default for DataConfig {
+    fn default() -> Self {
+        Self {
+            path: "data/prompts_tiny.jsonl".into(),
+            format: DataFormat::Auto,
+            prompt_key: "prompt".into(),
+            messages_key: None,
+            apply_chat_template: false,
+            max_prompt_length_policy: PromptOverflow::Truncate,
+            shuffle: true,
+            seed: None,
+            bad_rows: BadRows::Fail,
+        }
+    }
+}
+
+/// Checkpoints (`checkpoint.*`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CheckpointConfig {
+    /// Directory that holds `step_N/` checkpoints.
+    pub dir: String,
+    /// Save every N steps (0 = only at the end).
+    pub save_steps: u64,
+    /// Keep the newest N checkpoints (0 = keep all).
+    pub keep_last: u32,
+    /// `latest`, a checkpoint path, or null to start fresh.
+    pub resume: Option<String>,
+}
+
+impl Default for CheckpointConfig {
+    fn default() -> Self {
+        Self {
+            dir: "checkpoints".into(),
+            save_steps: 100,
+            keep_last: 3,
+            resume: None,
+        }
+    }
+}
+
+/// Metrics and console output (`logging.*`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LoggingConfig {
+    /// JSONL file with one metrics record per step.
+    pub metrics_file: String,
+    /// JSONL file with the sample tables.
+    pub samples_file: String,
+    /// Print and save a (query, response, score) table every N steps (0 = never).
+    pub sample_every: u64,
+    /// Rows in each sample table.
+    pub sample_rows: u32,
+    /// Show a progress bar with ETA.
+    pub progress: bool,
+}
+
+impl Default for LoggingConfig {
+    fn default() -> Self {
+        Self {
+            metrics_file: "logs/metrics.jsonl".into(),
+            samples_file: "logs/samples.jsonl".into(),
+            sample_every: 10,
+            sample_rows: 4,
+            progress: true,
+        }
+    }
+}
+
+/// One `defaults` entry: `- model: NAME` or `- model: [NAME, ...]`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DefaultsEntry {
+    /// Model config names, each `<config_dir>/model/<name>.yaml`.
+    pub model: OneOrMany,
+}
+
+/// A single name or a list of names.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum OneOrMany {
+    /// `model: llama32_1b`
+    One(String),
+    /// `model: [llama32_1b, rm_1b]`
+    Many(Vec<String>),
+}
+
+impl OneOrMany {
+    /// The names, in order.
+    pub fn names(&self) -> Vec<&str> {
+        match self {
+            OneOrMany::One(s) => vec![s.as_str()],
+            OneOrMany::Many(v) => v.iter().map(String::as_str).collect(),
+        }
+    }
+}
+
+/// A whole PPO job config.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PpoConfig {
+    /// Model config files to load from `<config_dir>/model/`.
+    pub defaults: Vec<DefaultsEntry>,
+    /// Shared training defaults.
+    pub training: TrainingConfig,
+    /// Devices per role.
+    pub resource_pool: ResourcePool,
+    /// Rewards and advantages.
+    pub algorithm: AlgorithmConfig,
+    /// Policy role.
+    pub actor_rollout: ActorRolloutConfig,
+    /// Reference role.
+    #[serde(rename = "ref")]
+    pub ref_: RefConfig,
+    /// Critic role.
+    pub critic: CriticConfig,
+    /// Reward role.
+    pub reward: RewardConfig,
+    /// Prompt dataset.
+    pub data: DataConfig,
+    /// Checkpoints.
+    pub checkpoint: CheckpointConfig,
+    /// Metrics and console output.
+    pub logging: LoggingConfig,
+    /// Model configs loaded from `defaults`, by name (filled by the loader).
+    #[serde(skip)]
+    pub models: BTreeMap<String, ModelConfig>,
+    /// The file this config was loaded from (filled by the loader).
+    #[serde(skip)]
+    pub source: Option<PathBuf>,
+}
+
+/// Where a role's model comes from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RoleModel {
+    /// The name as written in the config (a `defaults` name or a path).
+    pub name: String,
+    /// HF model directory, when known.
+    pub path: Option<PathBuf>,
+    /// Architecture, when known (from `defaults` or the directory's config.json).
+    pub arch: Option<ModelConfig>,
+}
+
+impl PpoConfig {
+    /// Training settings of a role: `training` with the role's overrides applied.
+    pub fn resolved(&self, role: Role) -> TrainingConfig {
+        let o = match role {
+            Role::ActorRollout => &self.actor_rollout.overrides,
+            Role::Ref => &self.ref_.overrides,
+            Role::Critic => &self.critic.overrides,
+            Role::Reward => &self.reward.overrides,
+        };
+        self.training.merged(o)
+    }
+
+    /// Prompts per step (`training.global_batch_size` as the actor resolves it).
+    pub fn prompts_per_step(&self) -> u32 {
+        self.resolved(Role::ActorRollout).global_batch_size
+    }
+
+    /// Sequences per step: prompts per step × `actor_rollout.num_samples_per_step`.
+    pub fn rollout_batch_size(&self) -> u64 {
+        self.actor_rollout
+            .rollout_batch_size(self.prompts_per_step())
+    }
+
+    /// Seed of the prompt shuffle: `data.seed`, else `training.seed`.
+    pub fn data_seed(&self) -> u64 {
+        self.data.seed.unwrap_or(self.training.seed)
+    }
+
+    /// Devices the resource pool gives a role.
+    pub fn devices(&self, role: Role) -> u32 {
+        match role {
+            Role::ActorRollout => self.resource_pool.actor_rollout,
+            Role::Ref => self.resource_pool.ref_,
+            Role::Critic => self.resource_pool.critic,
+            Role::Reward => self.resource_pool.reward,
+        }
+    }
+
+    /// Whether the job runs this role at all (no critic without GAE, no reward
+    /// model process needed for devices when the reward is a rule or HTTP).
+    pub fn role_enabled(&self, role: Role) -> bool {
+        match role {
+            Role::Critic => self.algorithm.adv_estimator.needs_critic(),
+            _ => true,
+        }
+    }
+
+    /// The model a role loads, resolved against `defaults` (empty names of
+    /// ref and critic fall back to the actor's model). `None` for a reward
+    /// that is not a model.
+    pub fn role_model(&self, role: Role) -> Option<RoleModel> {
+        let name = match role {
+            Role::ActorRollout => self.actor_rollout.model.clone(),
+            Role::Ref if self.ref_.model.is_empty() => self.actor_rollout.model.clone(),
+            Role::Ref => self.ref_.model.clone(),
+            Role::Critic if self.critic.model.is_empty() => self.actor_rollout.model.clone(),
+            Role::Critic => self.critic.model.clone(),
+            Role::Reward if self.reward.kind != RewardKind::Model => return None,
+            Role::Reward => self.reward.model.clone(),
+        };
+        if name.is_empty() {
+            return None;
+        }
+        if let Some(m) = self.models.get(&name) {
+            return Some(RoleModel {
+                name,
+                path: m.path.as_ref().map(PathBuf::from),
+                arch: Some(m.clone()),
+            });
+        }
+        let path = PathBuf::from(&name);
+        let arch = ModelConfig::from_hf_dir(&path).ok();
+        Some(RoleModel {
+            name,
+            path: Some(path),
+            arch,
+        })
+    }
+
+    /// The resolved config as YAML (what `check` prints).
+    pub fn to_yaml(&self) -> String {
+        serde_yaml::to_string(self).unwrap_or_else(|e| format!("# cannot render config: {e}\n"))
+    }
+}

@@ -1,0 +1,247 @@
+//! The generated key reference (`configs/README.md`).
+//!
+//! Keys and defaults come from the schema (the default config serialized), so
+//! they cannot drift; the one-line docs come from [`KEY_DOCS`] and, for the
+//! training keys, from their rustdoc. A test fails when a schema key has no
+//! doc, when a doc names no key, or when the committed file differs.
+
+use std::collections::BTreeMap;
+
+use serde_yaml::Value;
+
+use crate::config::TrainingConfig;
+use crate::load::{config_schema, ROLE_SECTIONS};
+use crate::model::ModelConfig;
+
+/// One-line docs of every non-training key, by full path.
+pub const KEY_DOCS: &[(&str, &str)] = &[
+    ("resource_pool.device", "Device kind every role runs on: GPU, NPU or CPU (the cluster resource name)."),
+    ("resource_pool.device_memory_gb", "Memory of one device in GiB; `check` warns when a role's estimate exceeds it."),
+    ("resource_pool.actor_rollout", "Devices of the actor; must equal num_gpus_for_train + num_gpus_for_infer."),
+    ("resource_pool.ref", "Devices of the reference model."),
+    ("resource_pool.critic", "Devices of the critic (its data-parallel ranks); unused without GAE."),
+    ("resource_pool.reward", "Devices of the reward role (0 for rule or HTTP rewards)."),
+    ("algorithm.adv_estimator", "Advantage estimator: gae, grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax."),
+    ("algorithm.gamma", "Discount factor."),
+    ("algorithm.lam", "GAE lambda."),
+    ("algorithm.kl_penalty", "Per-token KL estimator: kl (k1), abs, mse (k2), low_var_kl (k3)."),
+    ("algorithm.kl_ctrl.type", "KL coefficient controller: fixed or adaptive."),
+    ("algorithm.kl_ctrl.kl_coef", "Initial (or constant) KL coefficient."),
+    ("algorithm.kl_ctrl.target_kl", "Adaptive controller: the KL it steers towards."),
+    ("algorithm.kl_ctrl.horizon", "Adaptive controller: samples over which the error is corrected."),
+    ("algorithm.use_kl_in_reward", "Subtract kl_coef x KL from the per-token reward."),
+    ("algorithm.missing_eos_penalty", "Subtracted from the score of a response without EOS (null = off)."),
+    ("algorithm.reward_clip", "Clip scores to [-reward_clip, reward_clip] (null = off)."),
+    ("algorithm.whiten_rewards", "Whiten per-token rewards over the batch."),
+    ("algorithm.whiten_advantages", "Whiten GAE advantages over the batch."),
+    ("algorithm.norm_adv_by_std_in_grpo", "GRPO: divide by the group std (false = Dr. GRPO)."),
+    ("algorithm.grpo_epsilon", "GRPO: added to the group std before dividing."),
+    ("actor_rollout.model", "A model named in `defaults`, or a path to an HF model directory."),
+    ("actor_rollout.do_sample", "Sample during rollout; false decodes greedily (precision alignment)."),
+    ("actor_rollout.temperature", "Sampling temperature."),
+    ("actor_rollout.top_p", "Nucleus sampling threshold (1.0 = off)."),
+    ("actor_rollout.top_k", "Top-k sampling (0 = off)."),
+    ("actor_rollout.max_prompt_length", "Longest prompt in tokens; longer ones follow data.max_prompt_length_policy."),
+    ("actor_rollout.max_response_length", "Most tokens generated per response."),
+    ("actor_rollout.num_samples_per_step", "Responses sampled per prompt (the group size of GRPO / RLOO)."),
+    ("actor_rollout.ppo_mini_batch_size", "Sequences per actor optimizer step; divides the rollout batch."),
+    ("actor_rollout.ppo_epochs", "Passes of the actor over each rollout batch."),
+    ("actor_rollout.shuffle_minibatch", "Shuffle sequences between actor mini-batches."),
+    ("actor_rollout.num_gpus_for_train", "Data-parallel trainer ranks of the actor."),
+    ("actor_rollout.num_gpus_for_infer", "Rollout (generation) ranks of the actor."),
+    ("actor_rollout.clip_ratio", "PPO clip range epsilon."),
+    ("actor_rollout.clip_ratio_low", "Lower clip range (null = clip_ratio)."),
+    ("actor_rollout.clip_ratio_high", "Upper clip range (null = clip_ratio)."),
+    ("actor_rollout.clip_ratio_c", "Dual-clip bound for negative advantages, > 1 (null = off, TRL's loss)."),
+    ("actor_rollout.loss_agg_mode", "Token loss reduction: token-mean, seq-mean-token-sum, seq-mean-token-mean."),
+    ("actor_rollout.entropy_coeff", "Weight of the entropy bonus."),
+    ("actor_rollout.use_kl_loss", "Add a KL-to-reference loss term (GRPO style)."),
+    ("actor_rollout.kl_loss_coef", "Weight of that KL loss."),
+    ("actor_rollout.kl_loss_type", "KL estimator of that KL loss."),
+    ("actor_rollout.fixed_responses_file", "Precision alignment: a JSONL file of fixed responses that replaces generation (null = generate)."),
+    ("ref.model", "Model name or path (empty = the actor's model)."),
+    ("critic.model", "Model name or path (empty = the actor's model with a fresh value head)."),
+    ("critic.cliprange_value", "Value clip range around the rollout values."),
+    ("critic.vf_coef", "Weight of the value loss."),
+    ("critic.loss_agg_mode", "Value loss reduction (as actor_rollout.loss_agg_mode)."),
+    ("critic.critic_mini_batch_size", "Sequences per critic optimizer step; divides the rollout batch."),
+    ("critic.critic_update_epochs", "Passes of the critic over each rollout batch."),
+    ("critic.shuffle_minibatch", "Shuffle sequences between critic mini-batches."),
+    ("reward.kind", "How responses are scored: model, rule or http."),
+    ("reward.model", "Reward model name or path (kind: model)."),
+    ("reward.rule", "Built-in rule name (kind: rule)."),
+    ("reward.url", "Scoring endpoint, http:// or https:// (kind: http)."),
+    ("reward.timeout_s", "Timeout of one scoring call in seconds (kind: http)."),
+    ("data.path", "Prompt dataset file (JSONL or Parquet)."),
+    ("data.format", "auto (from the extension), jsonl or parquet."),
+    ("data.prompt_key", "Prompt column: a string, or a list of {role, content} messages."),
+    ("data.messages_key", "Chat-messages column; read instead of prompt_key when set."),
+    ("data.apply_chat_template", "Render prompts with the model's chat template (always for messages)."),
+    ("data.max_prompt_length_policy", "Prompts over actor_rollout.max_prompt_length: truncate (keep the last tokens) or skip."),
+    ("data.shuffle", "Reshuffle the prompts every epoch."),
+    ("data.seed", "Shuffle seed (null = training.seed)."),
+    ("data.bad_rows", "Rows that fail to parse: skip (count, report, drop) or fail."),
+    ("checkpoint.dir", "Directory of step_N/ checkpoints."),
+    ("checkpoint.save_steps", "Save every N steps (0 = only at the end)."),
+    ("checkpoint.keep_last", "Keep the newest N checkpoints (0 = all)."),
+    ("checkpoint.resume", "latest, a checkpoint path, or null to start fresh."),
+    ("logging.metrics_file", "JSONL file with one metrics record per step."),
+    ("logging.samples_file", "JSONL file with the sample tables."),
+    ("logging.sample_every", "Print and save a (query, response, score) table every N steps (0 = never)."),
+    ("logging.sample_rows", "Rows per sample table."),
+    ("logging.progress", "Show a progress bar with ETA and key metrics."),
+];
+
+/// One-line docs of the model file keys.
+pub const MODEL_KEY_DOCS: &[(&str, &str)] = &[
+    (
+        "path",
+        "HF model directory (weights, config.json, tokenizer).",
+    ),
+    ("model_type", "HF model_type (llama, qwen2, ...)."),
+    ("hidden_size", "Width of the residual stream."),
+    ("num_hidden_layers", "Decoder layers."),
+    ("num_attention_heads", "Query heads."),
+    (
+        "num_key_value_heads",
+        "Key/value heads (null = num_attention_heads).",
+    ),
+    (
+        "head_dim",
+        "Per-head width (null = hidden_size / num_attention_heads).",
+    ),
+    ("intermediate_size", "MLP inner width."),
+    ("vocab_size", "Vocabulary size."),
+    (
+        "max_position_embeddings",
+        "Longest sequence the positions support; prompt + response must fit.",
+    ),
+    (
+        "tie_word_embeddings",
+        "The LM head shares the embedding matrix.",
+    ),
+    ("attention_bias", "q/k/v projections carry a bias (Qwen2)."),
+    ("rope_theta", "RoPE base."),
+    ("rms_norm_eps", "RMSNorm epsilon."),
+];
+
+/// Every leaf key of `v`, as (dotted path, value).
+pub fn leaves(v: &Value) -> Vec<(String, Value)> {
+    fn walk(v: &Value, prefix: &str, out: &mut Vec<(String, Value)>) {
+        match v {
+            Value::Mapping(m) if !m.is_empty() => {
+                for (k, child) in m {
+                    let k = k.as_str().unwrap_or_default();
+                    let p = if prefix.is_empty() {
+                        k.to_string()
+                    } else {
+                        format!("{prefix}.{k}")
+                    };
+                    walk(child, &p, out);
+                }
+            }
+            other => out.push((prefix.to_string(), other.clone())),
+        }
+    }
+    let mut out = Vec::new();
+    walk(v, "", &mut out);
+    out
+}
+
+fn inline(v: &Value) -> String {
+    match v {
+        Value::Null => "null".into(),
+        Value::String(s) if s.is_empty() => "\"\"".into(),
+        other => serde_yaml::to_string(other)
+            .map(|s| s.trim().to_string())
+            .unwrap_or_default(),
+    }
+}
+
+/// The doc of a job-config key, if any.
+pub fn doc_of(path: &str) -> Option<String> {
+    let training: BTreeMap<&str, String> = TrainingConfig::key_docs().into_iter().collect();
+    if let Some(k) = path.strip_prefix("training.") {
+        return training.get(k).cloned();
+    }
+    if let Some((section, k)) = path.split_once('.') {
+        if ROLE_SECTIONS.contains(&section) && training.contains_key(k) {
+            return Some(format!(
+                "Role override of `training.{k}` (unset = inherit)."
+            ));
+        }
+    }
+    KEY_DOCS
+        .iter()
+        .find(|(p, _)| *p == path)
+        .map(|(_, d)| d.to_string())
+}
+
+/// The markdown of `configs/README.md`.
+pub fn config_reference_markdown() -> String {
+    let mut s = String::new();
+    s.push_str(
+        "# PPO job config keys\n\n\
+         <!-- Generated by `cargo run -p rlhf-config --example gen_config_docs`; do not edit.\n     \
+         A test in crates/rlhf-config fails when this file drifts from the code. -->\n\n\
+         A job config is `configs/<name>.yaml`, chosen with `--config-name <name>` (no `.yaml`)\n\
+         and `--config-dir` (default `configs`). `key.path=value` arguments override any key,\n\
+         e.g. `actor_rollout.ppo_epochs=2 algorithm.kl_ctrl.kl_coef=0.1`. Unknown keys are\n\
+         rejected with the closest valid key; batch-size divisibility, device counts and\n\
+         lengths are checked at load and every failure is listed with its numbers.\n\n\
+         Sections: `defaults` (model files), `training` (shared defaults), `resource_pool`,\n\
+         `algorithm`, `actor_rollout`, `ref`, `critic`, `reward`, `data`, `checkpoint`, `logging`.\n\
+         Each role section (`actor_rollout`, `ref`, `critic`, `reward`) may also set any\n\
+         `training` key to override it for that role only.\n\n\
+         ## defaults\n\n\
+         ```yaml\ndefaults:\n  - model: llama32_1b        # loads configs/model/llama32_1b.yaml\n```\n\n\
+         A role's `model` is either a name listed in `defaults` or a path to an HF model\n\
+         directory (then its `config.json` gives the architecture when present).\n\n",
+    );
+    let schema = config_schema();
+    let mut section = String::new();
+    for (path, default) in leaves(&schema) {
+        let sec = path.split('.').next().unwrap_or_default().to_string();
+        let is_role_training = path
+            .split_once('.')
+            .is_some_and(|(s, k)| ROLE_SECTIONS.contains(&s) && TrainingConfig::KEYS.contains(&k));
+        if is_role_training {
+            continue;
+        }
+        if sec != section {
+            section = sec;
+            s.push_str(&format!(
+                "## {section}\n\n| key | default | meaning |\n| --- | --- | --- |\n"
+            ));
+        }
+        let doc = doc_of(&path).unwrap_or_else(|| "(undocumented)".into());
+        s.push_str(&format!("| `{path}` | `{}` | {doc} |\n", inline(&default)));
+    }
+    // A blank line ends each table before the next section header.
+    s = s.replace("|\n## ", "|\n\n## ");
+    s.push_str(
+        "\n## Model files (`configs/model/<name>.yaml`)\n\n\
+         Hugging Face `config.json` names. Required unless a default is shown.\n\n\
+         | key | default | meaning |\n| --- | --- | --- |\n",
+    );
+    let model_schema = serde_yaml::to_value(ModelConfig::default()).unwrap_or(Value::Null);
+    for (path, _) in leaves(&model_schema) {
+        let default = match path.as_str() {
+            "path"
+            | "model_type"
+            | "num_key_value_heads"
+            | "head_dim"
+            | "rope_theta"
+            | "rms_norm_eps" => "null",
+            "tie_word_embeddings" | "attention_bias" => "false",
+            _ => "required",
+        };
+        let doc = MODEL_KEY_DOCS
+            .iter()
+            .find(|(k, _)| *k == path)
+            .map(|(_, d)| *d)
+            .unwrap_or("(undocumented)");
+        s.push_str(&format!("| `{path}` | `{default}` | {doc} |\n"));
+    }
+    s
+}

@@ -1,0 +1,442 @@
+//! Loading: file → `defaults` → overrides → schema check → typed structs →
+//! validation.
+//!
+//! The schema is the default config serialized to YAML, so it cannot drift
+//! from the structs. Keys are checked against it before deserialization
+//! because serde's own unknown-field errors name neither the full key path
+//! nor the line, and cannot see through the flattened role overrides.
+
+use std::path::{Path, PathBuf};
+
+use serde::de::DeserializeOwned;
+use serde_yaml::{Mapping, Value};
+
+use crate::config::{DefaultsEntry, PpoConfig, TrainingConfig};
+use crate::error::{ConfigError, Result};
+use crate::model::ModelConfig;
+
+/// Role sections that accept every `training` key as an override.
+pub(crate) const ROLE_SECTIONS: [&str; 4] = ["actor_rollout", "ref", "critic", "reward"];
+
+/// Loads `<config_dir>/<config_name>.yaml`, resolves its `defaults`, applies
+/// `key.path=value` overrides, checks every key and validates the result.
+///
+/// `config_name` is given without `.yaml` (a trailing `.yaml` is tolerated).
+pub fn load(config_dir: &Path, config_name: &str, overrides: &[String]) -> Result<PpoConfig> {
+    let name = config_name.strip_suffix(".yaml").unwrap_or(config_name);
+    let path = config_dir.join(format!("{name}.yaml"));
+    if !path.is_file() {
+        let mut names: Vec<String> = std::fs::read_dir(config_dir)
+            .map(|rd| {
+                rd.filter_map(|e| e.ok())
+                    .filter_map(|e| {
+                        let p = e.path();
+                        (p.extension().is_some_and(|x| x == "yaml"))
+                            .then(|| p.file_stem()?.to_str().map(str::to_string))
+                            .flatten()
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        names.sort();
+        return Err(ConfigError::Model {
+            origin: path.display().to_string(),
+            reason: format!(
+                "no such config; --config-name takes one of [{}] from --config-dir {}",
+                names.join(", "),
+                config_dir.display()
+            ),
+        });
+    }
+    load_file(&path, overrides)
+}
+
+/// Loads a config file by path; `defaults` resolve against the file's directory.
+pub fn load_file(path: &Path, overrides: &[String]) -> Result<PpoConfig> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Io {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let mut cfg = from_yaml_str(&text, &path.display().to_string(), dir, overrides)?;
+    cfg.source = Some(path.to_path_buf());
+    Ok(cfg)
+}
+
+/// Parses, checks and validates config text. `origin` names the text in
+/// errors; `config_dir` is where `model/<name>.yaml` files are looked up.
+pub fn from_yaml_str(
+    text: &str,
+    origin: &str,
+    config_dir: &Path,
+    overrides: &[String],
+) -> Result<PpoConfig> {
+    let mut root: Value = parse_yaml(text, origin)?;
+    if root.is_null() {
+        root = Value::Mapping(Mapping::new());
+    }
+    let Value::Mapping(map) = &mut root else {
+        return Err(ConfigError::BadValue {
+            origin: origin.into(),
+            key: "<root>".into(),
+            line: Some(1),
+            expected: "a mapping of sections (training, resource_pool, ...)".into(),
+            got: kind_name(&root).into(),
+        });
+    };
+    let defaults_value = map.remove("defaults").unwrap_or(Value::Sequence(vec![]));
+    let defaults: Vec<DefaultsEntry> = typed(defaults_value, origin, text, "defaults")?;
+
+    let schema = config_schema();
+    check_keys(&root, &schema, &mut Vec::new(), origin, text)?;
+    for o in overrides {
+        apply_override(&mut root, &schema, o)?;
+    }
+
+    let mut cfg: PpoConfig = typed(root, origin, text, "")?;
+    cfg.defaults = defaults;
+    for entry in &cfg.defaults {
+        for name in entry.model.names() {
+            let model = load_model(config_dir, name)?;
+            cfg.models.insert(name.to_string(), model);
+        }
+    }
+    crate::validate::validate(&cfg, origin)?;
+    Ok(cfg)
+}
+
+/// Reads `<config_dir>/model/<name>.yaml`.
+pub fn load_model(config_dir: &Path, name: &str) -> Result<ModelConfig> {
+    let path: PathBuf = config_dir.join("model").join(format!("{name}.yaml"));
+    let text = std::fs::read_to_string(&path).map_err(|source| ConfigError::Io {
+        path: path.clone(),
+        source,
+    })?;
+    let origin = path.display().to_string();
+    let value = parse_yaml(&text, &origin)?;
+    let schema = serde_yaml::to_value(ModelConfig::default()).unwrap_or(Value::Null);
+    check_keys(&value, &schema, &mut Vec::new(), &origin, &text)?;
+    let model: ModelConfig = typed(value, &origin, &text, "")?;
+    let problems = model.problems(&format!("model/{name}"));
+    if !problems.is_empty() {
+        return Err(ConfigError::Invalid {
+            origin,
+            errors: problems,
+        });
+    }
+    Ok(model)
+}
+
+/// Every valid key of a job config, as a YAML tree of defaults. Role sections
+/// also carry the `training` keys they may override.
+pub fn config_schema() -> Value {
+    let mut v = serde_yaml::to_value(PpoConfig::default()).unwrap_or(Value::Null);
+    let training = serde_yaml::to_value(TrainingConfig::default()).unwrap_or(Value::Null);
+    if let Value::Mapping(root) = &mut v {
+        root.shift_remove("defaults");
+        for section in ROLE_SECTIONS {
+            if let (Some(Value::Mapping(sec)), Value::Mapping(t)) =
+                (root.get_mut(section), &training)
+            {
+                for (k, val) in t {
+                    sec.entry(k.clone()).or_insert_with(|| val.clone());
+                }
+            }
+        }
+    }
+    v
+}
+
+fn parse_yaml(text: &str, origin: &str) -> Result<Value> {
+    serde_yaml::from_str(text).map_err(|e| ConfigError::Yaml {
+        origin: origin.into(),
+        line: e.location().map(|l| l.line()),
+        message: e.to_string(),
+    })
+}
+
+/// Deserializes with the failing key path attached to the error.
+fn typed<T: DeserializeOwned>(value: Value, origin: &str, text: &str, prefix: &str) -> Result<T> {
+    serde_path_to_error::deserialize::<_, T>(value).map_err(|e| {
+        let inner = e.path().to_string();
+        let key = match (prefix.is_empty(), inner == ".") {
+            (true, _) => inner,
+            (false, true) => prefix.to_string(),
+            (false, false) => format!("{prefix}.{inner}"),
+        };
+        let segs: Vec<String> = key.split('.').map(str::to_string).collect();
+        ConfigError::BadValue {
+            origin: origin.into(),
+            line: find_key_line(text, &segs),
+            key,
+            expected: "a value of the documented type (see configs/README.md)".into(),
+            got: e.into_inner().to_string(),
+        }
+    })
+}
+
+pub(crate) fn kind_name(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(n) if n.is_f64() => "a float",
+        Value::Number(_) => "an integer",
+        Value::String(_) => "a string",
+        Value::Sequence(_) => "a list",
+        Value::Mapping(_) => "a mapping",
+        Value::Tagged(_) => "a tagged value",
+    }
+}
+
+fn key_str(k: &Value) -> String {
+    match k {
+        Value::String(s) => s.clone(),
+        other => serde_yaml::to_string(other)
+            .map(|s| s.trim().to_string())
+            .unwrap_or_default(),
+    }
+}
+
+/// Walks `value` against `schema`: unknown keys and scalar kinds that can
+/// never deserialize are reported with the full path and the line.
+fn check_keys(
+    value: &Value,
+    schema: &Value,
+    path: &mut Vec<String>,
+    origin: &str,
+    text: &str,
+) -> Result<()> {
+    match (value, schema) {
+        (Value::Mapping(vm), Value::Mapping(sm)) => {
+            for (k, v) in vm {
+                let key = key_str(k);
+                path.push(key.clone());
+                match sm.get(k) {
+                    Some(s) => check_keys(v, s, path, origin, text)?,
+                    None => {
+                        return Err(ConfigError::UnknownKey {
+                            origin: origin.into(),
+                            line: find_key_line(text, path),
+                            key: path.join("."),
+                            suggestion: suggest(&path[..path.len() - 1], &key, sm),
+                        });
+                    }
+                }
+                path.pop();
+            }
+            Ok(())
+        }
+        (v, s) => match kind_mismatch(v, s) {
+            Some(expected) => Err(ConfigError::BadValue {
+                origin: origin.into(),
+                key: path.join("."),
+                line: find_key_line(text, path),
+                expected: expected.into(),
+                got: format!("{} ({})", kind_name(v), short(v)),
+            }),
+            None => Ok(()),
+        },
+    }
+}
+
+/// The expected kind when `v` can never fit the schema default `s`.
+/// Null user values are left to serde (they are valid for optional keys).
+fn kind_mismatch(v: &Value, s: &Value) -> Option<&'static str> {
+    if v.is_null() {
+        return None;
+    }
+    match s {
+        Value::Bool(_) if !v.is_bool() => Some("a boolean (true or false)"),
+        Value::Number(n) if n.is_f64() && !v.is_number() => Some("a number"),
+        Value::Number(n) if !n.is_f64() && v.as_u64().is_none() => Some("a non-negative integer"),
+        Value::String(_) if !v.is_string() => Some("a string"),
+        Value::Mapping(_) if !v.is_mapping() => Some("a mapping of keys"),
+        Value::Sequence(_) if !v.is_sequence() => Some("a list"),
+        _ => None,
+    }
+}
+
+fn short(v: &Value) -> String {
+    let s = serde_yaml::to_string(v).unwrap_or_default();
+    let s = s.trim().replace('\n', " ");
+    if s.chars().count() > 40 {
+        format!("{}...", s.chars().take(40).collect::<String>())
+    } else {
+        s
+    }
+}
+
+/// Closest sibling key (edit distance, or a prefix), as a full path.
+fn suggest(parent: &[String], key: &str, siblings: &Mapping) -> Option<String> {
+    let full = |k: &str| {
+        let mut p = parent.to_vec();
+        p.push(k.to_string());
+        p.join(".")
+    };
+    let limit = (key.chars().count() / 3).max(2);
+    let mut best: Option<(usize, String)> = None;
+    for k in siblings.keys() {
+        let k = key_str(k);
+        let d = levenshtein(key, &k);
+        let prefix = key.len() >= 3 && (k.starts_with(key) || key.starts_with(&k));
+        if (d <= limit || prefix) && best.as_ref().is_none_or(|(bd, _)| d < *bd) {
+            best = Some((d, k));
+        }
+    }
+    best.map(|(_, k)| full(&k))
+}
+
+/// Classic edit distance (insert, delete, substitute), on chars.
+pub(crate) fn levenshtein(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    let mut cur = vec![0; b.len() + 1];
+    for (i, ca) in a.chars().enumerate() {
+        cur[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let sub = prev[j] + usize::from(ca != *cb);
+            cur[j + 1] = sub.min(prev[j + 1] + 1).min(cur[j] + 1);
+        }
+        std::mem::swap(&mut prev, &mut cur);
+    }
+    prev[b.len()]
+}
+
+/// 1-based line of a block-style key path in YAML text, found by indentation.
+/// Flow mappings and anchors are not followed (the line is then omitted).
+pub(crate) fn find_key_line(text: &str, path: &[String]) -> Option<usize> {
+    if path.is_empty() {
+        return None;
+    }
+    let mut depth = 0;
+    let mut parent_indent: Option<usize> = None;
+    // Indentation of the current block's direct children, set by its first line.
+    let mut child_indent: Option<usize> = None;
+    for (no, raw) in text.lines().enumerate() {
+        let trimmed = raw.trim_start();
+        if trimmed.is_empty() || trimmed.starts_with('#') || trimmed.starts_with("---") {
+            continue;
+        }
+        let indent = raw.len() - trimmed.len();
+        if parent_indent.is_some_and(|pi| indent <= pi) {
+            return None; // left the parent block without finding the key
+        }
+        let ci = *child_indent.get_or_insert(indent);
+        if indent != ci {
+            continue;
+        }
+        let want = &path[depth];
+        let matches = [
+            format!("{want}:"),
+            format!("\"{want}\":"),
+            format!("'{want}':"),
+        ]
+        .iter()
+        .any(|p| trimmed.starts_with(p.as_str()));
+        if matches {
+            if depth + 1 == path.len() {
+                return Some(no + 1);
+            }
+            depth += 1;
+            parent_indent = Some(indent);
+            child_indent = None;
+        }
+    }
+    None
+}
+
+/// Applies one `key.path=value` override; the path must exist in the schema.
+fn apply_override(root: &mut Value, schema: &Value, text: &str) -> Result<()> {
+    let origin = format!("override '{text}'");
+    let Some((key, raw)) = text.split_once('=') else {
+        return Err(ConfigError::BadOverride {
+            text: text.into(),
+            reason: "expected key.path=value, e.g. actor_rollout.ppo_epochs=2".into(),
+        });
+    };
+    let key = key.trim();
+    let segs: Vec<String> = key.split('.').map(str::to_string).collect();
+    if key.is_empty() || segs.iter().any(String::is_empty) {
+        return Err(ConfigError::BadOverride {
+            text: text.into(),
+            reason: "the key path is empty or has an empty segment; write section.key=value".into(),
+        });
+    }
+    let value: Value = serde_yaml::from_str(raw).map_err(|e| ConfigError::BadOverride {
+        text: text.into(),
+        reason: format!("the value is not a YAML scalar or list: {e}"),
+    })?;
+
+    // Walk the schema first so a typo is reported before anything changes.
+    let mut s = schema;
+    for (i, seg) in segs.iter().enumerate() {
+        let next = s.as_mapping().and_then(|m| m.get(seg.as_str()));
+        match next {
+            Some(n) => s = n,
+            None => {
+                let suggestion = s.as_mapping().and_then(|m| suggest(&segs[..i], seg, m));
+                return Err(ConfigError::UnknownKey {
+                    origin,
+                    key: segs[..=i].join("."),
+                    line: None,
+                    suggestion,
+                });
+            }
+        }
+    }
+    if let Some(expected) = kind_mismatch(&value, s) {
+        return Err(ConfigError::BadValue {
+            origin,
+            key: key.into(),
+            line: None,
+            expected: expected.into(),
+            got: format!("{} ({})", kind_name(&value), short(&value)),
+        });
+    }
+    if value.is_mapping() {
+        check_keys(&value, s, &mut segs.clone(), &origin, "")?;
+    }
+
+    set_path(root, &segs, value);
+    Ok(())
+}
+
+/// Sets `path` in a YAML tree, creating (or replacing non-mapping) parents.
+fn set_path(node: &mut Value, path: &[String], value: Value) {
+    if !node.is_mapping() {
+        *node = Value::Mapping(Mapping::new());
+    }
+    if let (Value::Mapping(m), Some((first, rest))) = (node, path.split_first()) {
+        let key = Value::String(first.clone());
+        if rest.is_empty() {
+            m.insert(key, value);
+        } else {
+            let child = m.entry(key).or_insert(Value::Null);
+            set_path(child, rest, value);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn edit_distance() {
+        assert_eq!(levenshtein("ppo_epoch", "ppo_epochs"), 1);
+        assert_eq!(levenshtein("kitten", "sitting"), 3);
+        assert_eq!(levenshtein("", "abc"), 3);
+        assert_eq!(levenshtein("same", "same"), 0);
+    }
+
+    #[test]
+    fn key_lines_follow_indentation() {
+        let text = "a:\n  x: 1\n  b:\n    x: 9\nb:\n  # note\n  x: 2\n  c:\n    x: 3\n";
+        let p = |s: &str| s.split('.').map(str::to_string).collect::<Vec<_>>();
+        assert_eq!(find_key_line(text, &p("a.x")), Some(2));
+        assert_eq!(find_key_line(text, &p("a.b.x")), Some(4));
+        assert_eq!(find_key_line(text, &p("b.x")), Some(7));
+        assert_eq!(find_key_line(text, &p("b.c.x")), Some(9));
+        assert_eq!(find_key_line(text, &p("a.c")), None);
+    }
+}

@@ -1,0 +1,279 @@
+//! Per-device memory estimate of each role, and the `check` report.
+//!
+//! Formulas (bytes, per device; `P` parameters, `b` bytes per element of the
+//! role's dtype: 2 with `bf16`, else 4; `s` = max_prompt_length +
+//! max_response_length; `mb` the role's micro batch; `h`, `L`, `a`, `V` the
+//! model's hidden size, layers, heads and vocabulary):
+//!
+//! * weights: `P·b`;
+//! * gradients (trained roles): `P·b`;
+//! * optimizer (AdamW): `2·4·P` for the two f32 moments, plus `4·P` for an
+//!   f32 master copy when the weights are bf16;
+//! * KV cache (rollout ranks): `L · 2 · kv_heads · head_dim · s · B · b` with
+//!   `B` = rollout batch / `num_gpus_for_infer`;
+//! * activations, training: `L · mb·s·h · (34 + 5·a·s/h) · b/2` (Korthikanti
+//!   et al. 2022, no recomputation, no flash attention) plus `2 · mb·s·V · 4`
+//!   for f32 logits and log-probs (none for a value model);
+//! * activations, forward only: one layer's worth of the training term plus
+//!   the logits term (none for a value model); rollout ranks: the prefill of
+//!   `B` prompts through one layer plus `B·V·4` for the last-token logits.
+//!
+//! These are rough upper-ish bounds for planning, not allocator-exact numbers.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use crate::config::{PpoConfig, RewardKind, Role};
+use crate::model::ModelConfig;
+
+const GIB: f64 = (1u64 << 30) as f64;
+
+/// Estimated bytes per device for one role (or one kind of rank of a role).
+#[derive(Debug, Clone, PartialEq)]
+pub struct MemoryRow {
+    /// Role name, with the rank kind for the actor (`actor_rollout/train`).
+    pub label: String,
+    /// The role.
+    pub role: Role,
+    /// Model name, or why there is none.
+    pub model: String,
+    /// Parameters counted.
+    pub params: u64,
+    /// Weight bytes.
+    pub weights: u64,
+    /// Gradient bytes.
+    pub gradients: u64,
+    /// Optimizer-state bytes.
+    pub optimizer: u64,
+    /// KV-cache bytes.
+    pub kv_cache: u64,
+    /// Activation bytes.
+    pub activations: u64,
+}
+
+impl MemoryRow {
+    /// Sum of all parts.
+    pub fn total(&self) -> u64 {
+        self.weights + self.gradients + self.optimizer + self.kv_cache + self.activations
+    }
+}
+
+fn gib(bytes: u64) -> f64 {
+    bytes as f64 / GIB
+}
+
+impl PpoConfig {
+    /// Per-device memory estimate of every enabled role whose architecture
+    /// is known (from `defaults` or the model directory's `config.json`).
+    /// Roles without a known architecture are listed with zero bytes.
+    pub fn memory_estimate(&self) -> Vec<MemoryRow> {
+        let a = &self.actor_rollout;
+        let s = u64::from(a.max_prompt_length) + u64::from(a.max_response_length);
+        let mut rows = Vec::new();
+        for role in Role::ALL {
+            if !self.role_enabled(role) {
+                continue;
+            }
+            let t = self.resolved(role);
+            let b: u64 = if t.bf16 { 2 } else { 4 };
+            let mb = u64::from(t.micro_batch_size);
+            let model = self.role_model(role);
+            let empty = |label: &str, why: String| MemoryRow {
+                label: label.to_string(),
+                role,
+                model: why,
+                params: 0,
+                weights: 0,
+                gradients: 0,
+                optimizer: 0,
+                kv_cache: 0,
+                activations: 0,
+            };
+            let Some(m) = model else {
+                let why = match self.reward.kind {
+                    RewardKind::Rule => format!("rule '{}'", self.reward.rule),
+                    RewardKind::Http => format!("http {}", self.reward.url),
+                    RewardKind::Model => "no model".into(),
+                };
+                rows.push(empty(role.as_str(), why));
+                continue;
+            };
+            let Some(arch) = m.arch else {
+                rows.push(empty(
+                    role.as_str(),
+                    format!("{} (architecture unknown: no config.json yet)", m.name),
+                ));
+                continue;
+            };
+            let optimizer = |p: u64| 8 * p + if b == 2 { 4 * p } else { 0 };
+            match role {
+                Role::ActorRollout => {
+                    let p = arch.lm_params();
+                    rows.push(MemoryRow {
+                        label: "actor_rollout/train".into(),
+                        role,
+                        model: m.name.clone(),
+                        params: p,
+                        weights: p * b,
+                        gradients: p * b,
+                        optimizer: optimizer(p),
+                        kv_cache: 0,
+                        activations: train_activations(&arch, mb, s, b, true),
+                    });
+                    let infer = u64::from(a.num_gpus_for_infer.max(1));
+                    let batch = self.rollout_batch_size().div_ceil(infer);
+                    let kv = arch.num_hidden_layers
+                        * 2
+                        * arch.kv_heads()
+                        * arch.head_dim()
+                        * s
+                        * batch
+                        * b;
+                    let prefill =
+                        layer_activations(&arch, batch, u64::from(a.max_prompt_length), b)
+                            + batch * arch.vocab_size * 4;
+                    rows.push(MemoryRow {
+                        label: "actor_rollout/infer".into(),
+                        role,
+                        model: m.name,
+                        params: p,
+                        weights: p * b,
+                        gradients: 0,
+                        optimizer: 0,
+                        kv_cache: kv,
+                        activations: prefill,
+                    });
+                }
+                Role::Ref => {
+                    let p = arch.lm_params();
+                    rows.push(MemoryRow {
+                        label: "ref".into(),
+                        role,
+                        model: m.name,
+                        params: p,
+                        weights: p * b,
+                        gradients: 0,
+                        optimizer: 0,
+                        kv_cache: 0,
+                        activations: layer_activations(&arch, mb, s, b)
+                            + logits_bytes(&arch, mb, s),
+                    });
+                }
+                Role::Critic => {
+                    let p = arch.value_params();
+                    rows.push(MemoryRow {
+                        label: "critic".into(),
+                        role,
+                        model: m.name,
+                        params: p,
+                        weights: p * b,
+                        gradients: p * b,
+                        optimizer: optimizer(p),
+                        kv_cache: 0,
+                        activations: train_activations(&arch, mb, s, b, false),
+                    });
+                }
+                Role::Reward => {
+                    let p = arch.value_params();
+                    rows.push(MemoryRow {
+                        label: "reward".into(),
+                        role,
+                        model: m.name,
+                        params: p,
+                        weights: p * b,
+                        gradients: 0,
+                        optimizer: 0,
+                        kv_cache: 0,
+                        activations: layer_activations(&arch, mb, s, b),
+                    });
+                }
+            }
+        }
+        rows
+    }
+
+    /// Rows whose estimate exceeds `resource_pool.device_memory_gb`.
+    pub fn memory_warnings(&self) -> Vec<String> {
+        let cap = self.resource_pool.device_memory_gb;
+        self.memory_estimate()
+            .iter()
+            .filter(|r| gib(r.total()) > cap)
+            .map(|r| {
+                format!(
+                    "WARNING: {} needs about {:.1} GiB per device but resource_pool.device_memory_gb is {cap}; \
+                     lower micro_batch_size / lengths / the rollout batch, use bf16, or give the role more devices",
+                    r.label,
+                    gib(r.total())
+                )
+            })
+            .collect()
+    }
+
+    /// What `rlhf-head check` prints: the resolved config, the placement plan
+    /// on `nodes` (or why it fails), the memory table and fit warnings.
+    pub fn check_report(&self, nodes: &[(String, BTreeMap<String, f64>)]) -> String {
+        let mut out = String::new();
+        let _ = writeln!(out, "# resolved config");
+        out.push_str(&self.to_yaml());
+        for (name, m) in &self.models {
+            let _ = writeln!(out, "# model '{name}': {} parameters (LM)", m.lm_params());
+        }
+        let _ = writeln!(out, "\n# placement plan");
+        match self.placement_plan(nodes) {
+            Ok(plan) => out.push_str(&plan.to_string()),
+            Err(e) => {
+                let _ = writeln!(out, "ERROR: {e}");
+            }
+        }
+        let _ = writeln!(
+            out,
+            "\n# memory estimate per device (GiB; formulas in rlhf-config's memory module docs)"
+        );
+        let _ = writeln!(
+            out,
+            "{:<20} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8}  model",
+            "role", "weights", "grads", "optim", "kv", "activ", "total"
+        );
+        for r in self.memory_estimate() {
+            let _ = writeln!(
+                out,
+                "{:<20} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2}  {}",
+                r.label,
+                gib(r.weights),
+                gib(r.gradients),
+                gib(r.optimizer),
+                gib(r.kv_cache),
+                gib(r.activations),
+                gib(r.total()),
+                r.model
+            );
+        }
+        let _ = writeln!(
+            out,
+            "device memory: {} GiB per {} (resource_pool.device_memory_gb)",
+            self.resource_pool.device_memory_gb,
+            self.resource_pool.device.resource()
+        );
+        for w in self.memory_warnings() {
+            let _ = writeln!(out, "{w}");
+        }
+        out
+    }
+}
+
+/// One layer's activations for `batch` sequences of `s` tokens.
+fn layer_activations(m: &ModelConfig, batch: u64, s: u64, b: u64) -> u64 {
+    let h = m.hidden_size;
+    // (34·s·b·h + 5·a·s²·b) bytes at 16 bit; scale by b/2 for other dtypes.
+    (batch * s * (34 * h + 5 * m.num_attention_heads * s)) * b / 2
+}
+
+/// f32 logits plus f32 log-probs over the vocabulary.
+fn logits_bytes(m: &ModelConfig, batch: u64, s: u64) -> u64 {
+    2 * batch * s * m.vocab_size * 4
+}
+
+fn train_activations(m: &ModelConfig, mb: u64, s: u64, b: u64, lm_head: bool) -> u64 {
+    m.num_hidden_layers * layer_activations(m, mb, s, b)
+        + if lm_head { logits_bytes(m, mb, s) } else { 0 }
+}

@@ -1,0 +1,166 @@
+//! A simple placement plan for `check`: which role goes to which node with how
+//! many devices. The real placement runs on the head; this answers "does the
+//! job fit this cluster, and if not, what is missing" before anything starts.
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use crate::config::{PpoConfig, Role};
+use crate::error::{ConfigError, Result};
+
+/// One role's share on one node.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Assignment {
+    /// The role.
+    pub role: Role,
+    /// Node name as given to [`PpoConfig::placement_plan`].
+    pub node: String,
+    /// Devices of the pool's resource used there (0 = runs on the node's CPU
+    /// without a device, e.g. a rule reward).
+    pub devices: u32,
+}
+
+/// Where every role runs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    /// Resource the devices are counted in (`GPU`, `NPU`, `CPU`).
+    pub resource: String,
+    /// Assignments, grouped by role in placement order.
+    pub assignments: Vec<Assignment>,
+}
+
+impl Plan {
+    /// Devices a node gives the job.
+    pub fn devices_on(&self, node: &str) -> u32 {
+        self.assignments
+            .iter()
+            .filter(|a| a.node == node)
+            .map(|a| a.devices)
+            .sum()
+    }
+
+    /// The assignments of a role.
+    pub fn of(&self, role: Role) -> Vec<&Assignment> {
+        self.assignments.iter().filter(|a| a.role == role).collect()
+    }
+}
+
+impl fmt::Display for Plan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "{:<14} {:<20} {:>8}", "role", "node", self.resource)?;
+        for a in &self.assignments {
+            writeln!(f, "{:<14} {:<20} {:>8}", a.role.as_str(), a.node, a.devices)?;
+        }
+        Ok(())
+    }
+}
+
+impl PpoConfig {
+    /// Places every enabled role on `nodes` (name, free resources by name).
+    ///
+    /// Largest role first, each on the node with the least room that still
+    /// holds all its devices (so a role stays on one node when it can); a role
+    /// that fits no single node is spread over the nodes with the most room.
+    /// Refuses, naming the resource and the shortfall, when the cluster has
+    /// fewer free devices than the pool asks for.
+    pub fn placement_plan(&self, nodes: &[(String, BTreeMap<String, f64>)]) -> Result<Plan> {
+        let resource = self.resource_pool.device.resource().to_string();
+        let mut free: Vec<(String, u32)> = nodes
+            .iter()
+            .map(|(n, r)| {
+                let v = r.get(&resource).copied().unwrap_or(0.0);
+                // Fractional devices cannot host a rank; negative means none.
+                (
+                    n.clone(),
+                    if v.is_finite() && v > 0.0 {
+                        v.floor() as u32
+                    } else {
+                        0
+                    },
+                )
+            })
+            .collect();
+        let mut roles: Vec<(Role, u32)> = Role::ALL
+            .iter()
+            .filter(|r| self.role_enabled(**r))
+            .map(|r| (*r, self.devices(*r)))
+            .collect();
+        let required: u32 = roles.iter().map(|(_, n)| n).sum();
+        let available: u32 = free.iter().map(|(_, n)| n).sum();
+        let needs: Vec<String> = roles
+            .iter()
+            .filter(|(_, n)| *n > 0)
+            .map(|(r, n)| format!("{r} {n}"))
+            .collect();
+        if nodes.is_empty() || required > available {
+            return Err(ConfigError::Placement {
+                resource: resource.clone(),
+                required: f64::from(required),
+                available: f64::from(available),
+                shortfall: f64::from(required.saturating_sub(available)),
+                detail: format!(
+                    "resource_pool asks for {} on {} node(s); add {} or lower resource_pool.*",
+                    needs.join(" + "),
+                    nodes.len(),
+                    if nodes.is_empty() {
+                        "a node".to_string()
+                    } else {
+                        format!("{} {resource}", required - available)
+                    }
+                ),
+            });
+        }
+        // Stable sort: equal sizes keep role order.
+        roles.sort_by_key(|r| std::cmp::Reverse(r.1));
+        let mut assignments = Vec::new();
+        for (role, need) in roles {
+            if need == 0 {
+                assignments.push(Assignment {
+                    role,
+                    node: free[0].0.clone(),
+                    devices: 0,
+                });
+                continue;
+            }
+            let best = free
+                .iter()
+                .enumerate()
+                .filter(|(_, (_, f))| *f >= need)
+                .min_by_key(|(_, (_, f))| *f)
+                .map(|(i, _)| i);
+            if let Some(i) = best {
+                free[i].1 -= need;
+                assignments.push(Assignment {
+                    role,
+                    node: free[i].0.clone(),
+                    devices: need,
+                });
+                continue;
+            }
+            let mut left = need;
+            let mut order: Vec<usize> = (0..free.len()).collect();
+            order.sort_by(|a, b| free[*b].1.cmp(&free[*a].1));
+            for i in order {
+                if left == 0 {
+                    break;
+                }
+                let take = free[i].1.min(left);
+                if take > 0 {
+                    free[i].1 -= take;
+                    left -= take;
+                    assignments.push(Assignment {
+                        role,
+                        node: free[i].0.clone(),
+                        devices: take,
+                    });
+                }
+            }
+        }
+        // Present in role order, whatever order they were packed in.
+        assignments.sort_by_key(|a| a.role);
+        Ok(Plan {
+            resource,
+            assignments,
+        })
+    }
+}

@@ -1,0 +1,293 @@
+//! Load-time validation: every rule runs, every failure is reported with the
+//! keys and numbers involved and what to change.
+
+use crate::config::{PpoConfig, RewardKind, Role};
+use crate::error::{ConfigError, Result};
+
+/// Runs every rule; `Err(Invalid)` lists all failures at once.
+pub fn validate(cfg: &PpoConfig, origin: &str) -> Result<()> {
+    let errors = problems(cfg);
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(ConfigError::Invalid {
+            origin: origin.into(),
+            errors,
+        })
+    }
+}
+
+/// Every failed rule, one message each (empty when the config is valid).
+pub fn problems(cfg: &PpoConfig) -> Vec<String> {
+    let mut e = Vec::new();
+    let a = &cfg.actor_rollout;
+    let c = &cfg.critic;
+    let pool = &cfg.resource_pool;
+    let actor_t = cfg.resolved(Role::ActorRollout);
+    let critic_t = cfg.resolved(Role::Critic);
+    let prompts = actor_t.global_batch_size;
+    let rollout = cfg.rollout_batch_size();
+
+    // Sizes that everything else divides by.
+    for (key, v) in [
+        (
+            "training.global_batch_size (as resolved for actor_rollout)",
+            u64::from(prompts),
+        ),
+        (
+            "actor_rollout.num_samples_per_step",
+            u64::from(a.num_samples_per_step),
+        ),
+        (
+            "actor_rollout.ppo_mini_batch_size",
+            u64::from(a.ppo_mini_batch_size),
+        ),
+        ("actor_rollout.ppo_epochs", u64::from(a.ppo_epochs)),
+        (
+            "actor_rollout.num_gpus_for_train",
+            u64::from(a.num_gpus_for_train),
+        ),
+        (
+            "actor_rollout.num_gpus_for_infer",
+            u64::from(a.num_gpus_for_infer),
+        ),
+        (
+            "actor_rollout.max_prompt_length",
+            u64::from(a.max_prompt_length),
+        ),
+        (
+            "actor_rollout.max_response_length",
+            u64::from(a.max_response_length),
+        ),
+        ("training.train_iters", actor_t.train_iters),
+    ] {
+        if v == 0 {
+            e.push(format!("{key} must be > 0"));
+        }
+    }
+    for role in Role::ALL {
+        let t = cfg.resolved(role);
+        if t.micro_batch_size == 0 {
+            e.push(format!("{role}: micro_batch_size must be > 0 (training.micro_batch_size or {role}.micro_batch_size)"));
+        }
+        if t.seq_length == 0 {
+            e.push(format!("{role}: seq_length must be > 0"));
+        }
+        let total = u64::from(a.max_prompt_length) + u64::from(a.max_response_length);
+        if cfg.role_enabled(role)
+            && !(role == Role::Reward && cfg.reward.kind != RewardKind::Model)
+            && u64::from(t.seq_length) < total
+        {
+            e.push(format!(
+                "{role}: seq_length ({}) < actor_rollout.max_prompt_length ({}) + actor_rollout.max_response_length ({}) = {total}; raise seq_length (training or {role}) to at least {total}",
+                t.seq_length, a.max_prompt_length, a.max_response_length
+            ));
+        }
+        if !(t.lr.is_finite() && t.lr >= 0.0) {
+            e.push(format!(
+                "{role}: lr ({}) must be a finite number >= 0",
+                t.lr
+            ));
+        }
+        if !(t.min_lr.is_finite() && t.min_lr >= 0.0 && t.min_lr <= t.lr) {
+            e.push(format!(
+                "{role}: min_lr ({}) must be between 0 and lr ({})",
+                t.min_lr, t.lr
+            ));
+        }
+        for (k, v) in [("adam_beta1", t.adam_beta1), ("adam_beta2", t.adam_beta2)] {
+            if !(0.0..1.0).contains(&v) {
+                e.push(format!("{role}: {k} ({v}) must be in [0, 1)"));
+            }
+        }
+        if !positive(t.adam_eps) {
+            e.push(format!("{role}: adam_eps ({}) must be > 0", t.adam_eps));
+        }
+        if !non_negative(t.weight_decay) || !non_negative(t.clip_grad) {
+            e.push(format!(
+                "{role}: weight_decay ({}) and clip_grad ({}) must be >= 0",
+                t.weight_decay, t.clip_grad
+            ));
+        }
+    }
+
+    // Actor batch arithmetic.
+    if a.ppo_mini_batch_size > 0 && !rollout.is_multiple_of(u64::from(a.ppo_mini_batch_size)) {
+        e.push(format!(
+            "rollout batch = training.global_batch_size ({prompts}) x actor_rollout.num_samples_per_step ({}) = {rollout} is not divisible by actor_rollout.ppo_mini_batch_size ({}); use a mini batch that divides {rollout}",
+            a.num_samples_per_step, a.ppo_mini_batch_size
+        ));
+    }
+    let actor_step = u64::from(actor_t.micro_batch_size) * u64::from(a.num_gpus_for_train);
+    if actor_step > 0 && !u64::from(a.ppo_mini_batch_size).is_multiple_of(actor_step) {
+        e.push(format!(
+            "actor_rollout.ppo_mini_batch_size ({}) is not divisible by micro_batch_size ({}) x actor_rollout.num_gpus_for_train ({}) = {actor_step}; every trainer rank needs whole micro batches",
+            a.ppo_mini_batch_size, actor_t.micro_batch_size, a.num_gpus_for_train
+        ));
+    }
+    if a.num_gpus_for_infer > 0 && !rollout.is_multiple_of(u64::from(a.num_gpus_for_infer)) {
+        e.push(format!(
+            "rollout batch ({rollout} = {prompts} prompts x {} samples) is not divisible by actor_rollout.num_gpus_for_infer ({}); each rollout rank must get the same number of sequences",
+            a.num_samples_per_step, a.num_gpus_for_infer
+        ));
+    }
+    let split = a.num_gpus_for_train + a.num_gpus_for_infer;
+    if split != pool.actor_rollout {
+        e.push(format!(
+            "actor_rollout.num_gpus_for_train ({}) + actor_rollout.num_gpus_for_infer ({}) = {split} != resource_pool.actor_rollout ({}); make them equal",
+            a.num_gpus_for_train, a.num_gpus_for_infer, pool.actor_rollout
+        ));
+    }
+    if cfg.algorithm.adv_estimator.needs_groups() && a.num_samples_per_step < 2 {
+        e.push(format!(
+            "algorithm.adv_estimator = {} compares responses within a group: actor_rollout.num_samples_per_step ({}) must be >= 2",
+            cfg.algorithm.adv_estimator, a.num_samples_per_step
+        ));
+    }
+
+    // Critic batch arithmetic.
+    if cfg.role_enabled(Role::Critic) {
+        if pool.critic == 0 {
+            e.push(format!(
+                "algorithm.adv_estimator = {} needs a critic, but resource_pool.critic is 0",
+                cfg.algorithm.adv_estimator
+            ));
+        }
+        if c.critic_mini_batch_size == 0 || c.critic_update_epochs == 0 {
+            e.push(format!(
+                "critic.critic_mini_batch_size ({}) and critic.critic_update_epochs ({}) must be > 0",
+                c.critic_mini_batch_size, c.critic_update_epochs
+            ));
+        } else {
+            if !rollout.is_multiple_of(u64::from(c.critic_mini_batch_size)) {
+                e.push(format!(
+                    "rollout batch = training.global_batch_size ({prompts}) x actor_rollout.num_samples_per_step ({}) = {rollout} is not divisible by critic.critic_mini_batch_size ({})",
+                    a.num_samples_per_step, c.critic_mini_batch_size
+                ));
+            }
+            let step = u64::from(critic_t.micro_batch_size) * u64::from(pool.critic.max(1));
+            if step > 0 && !u64::from(c.critic_mini_batch_size).is_multiple_of(step) {
+                e.push(format!(
+                    "critic.critic_mini_batch_size ({}) is not divisible by micro_batch_size ({}) x resource_pool.critic ({}) = {step}",
+                    c.critic_mini_batch_size, critic_t.micro_batch_size, pool.critic
+                ));
+            }
+        }
+        if let Err(err) = c.value_loss().validate() {
+            e.push(format!("critic: {err}"));
+        }
+    }
+
+    if pool.ref_ == 0 && (cfg.algorithm.use_kl_in_reward || a.use_kl_loss) {
+        e.push("resource_pool.ref is 0 but the KL penalty needs reference log-probs (algorithm.use_kl_in_reward or actor_rollout.use_kl_loss)".into());
+    }
+
+    // Sampling.
+    if a.do_sample && !(a.temperature > 0.0 && a.temperature.is_finite()) {
+        e.push(format!(
+            "actor_rollout.temperature ({}) must be > 0 when do_sample is true",
+            a.temperature
+        ));
+    }
+    if !(a.top_p > 0.0 && a.top_p <= 1.0) {
+        e.push(format!(
+            "actor_rollout.top_p ({}) must be in (0, 1]",
+            a.top_p
+        ));
+    }
+    if let Err(err) = a.policy_loss().validate() {
+        e.push(format!("actor_rollout: {err}"));
+    }
+    if let Err(err) = cfg.algorithm.validate() {
+        e.push(err.to_string());
+    }
+
+    // Models and their context length.
+    if a.model.is_empty() {
+        e.push("actor_rollout.model is empty; name a model from `defaults` or give an HF model directory".into());
+    }
+    let total = u64::from(a.max_prompt_length) + u64::from(a.max_response_length);
+    for role in Role::ALL {
+        if !cfg.role_enabled(role) {
+            continue;
+        }
+        if let Some(m) = cfg.role_model(role) {
+            if let Some(arch) = &m.arch {
+                if total > arch.max_position_embeddings {
+                    e.push(format!(
+                        "{role}: actor_rollout.max_prompt_length ({}) + actor_rollout.max_response_length ({}) = {total} exceeds max_position_embeddings ({}) of model '{}'",
+                        a.max_prompt_length, a.max_response_length, arch.max_position_embeddings, m.name
+                    ));
+                }
+            }
+        }
+    }
+    for entry in &cfg.defaults {
+        for name in entry.model.names() {
+            if !cfg.models.contains_key(name) {
+                e.push(format!(
+                    "defaults names model '{name}' but it was not loaded"
+                ));
+            }
+        }
+    }
+
+    // Reward.
+    let r = &cfg.reward;
+    match r.kind {
+        RewardKind::Model => {
+            if r.model.is_empty() {
+                e.push("reward.kind is model but reward.model is empty; name a reward model, or use reward.kind: rule with reward.rule".into());
+            }
+            if pool.reward == 0 {
+                e.push("reward.kind is model but resource_pool.reward is 0".into());
+            }
+        }
+        RewardKind::Rule if r.rule.is_empty() => {
+            e.push("reward.kind is rule but reward.rule is empty; name a built-in rule".into());
+        }
+        RewardKind::Http => {
+            if !(r.url.starts_with("http://") || r.url.starts_with("https://")) {
+                e.push(format!(
+                    "reward.kind is http but reward.url ('{}') is not an http:// or https:// URL",
+                    r.url
+                ));
+            }
+            if !(r.timeout_s > 0.0 && r.timeout_s.is_finite()) {
+                e.push(format!("reward.timeout_s ({}) must be > 0", r.timeout_s));
+            }
+        }
+        RewardKind::Rule => {}
+    }
+
+    // Data, checkpoints, pool.
+    if cfg.data.path.is_empty() {
+        e.push("data.path is empty; point it at a JSONL or Parquet prompt file".into());
+    }
+    if cfg.data.prompt_key.is_empty() && cfg.data.messages_key.is_none() {
+        e.push(
+            "data.prompt_key is empty and data.messages_key is unset; name the prompt column"
+                .into(),
+        );
+    }
+    if cfg.checkpoint.dir.is_empty() {
+        e.push("checkpoint.dir is empty".into());
+    }
+    if !(pool.device_memory_gb > 0.0 && pool.device_memory_gb.is_finite()) {
+        e.push(format!(
+            "resource_pool.device_memory_gb ({}) must be > 0",
+            pool.device_memory_gb
+        ));
+    }
+    e
+}
+
+/// Finite and > 0 (false for NaN).
+fn positive(x: f64) -> bool {
+    x.is_finite() && x > 0.0
+}
+
+/// Finite and >= 0 (false for NaN).
+fn non_negative(x: f64) -> bool {
+    x.is_finite() && x >= 0.0
+}

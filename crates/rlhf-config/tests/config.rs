@@ -1,0 +1,560 @@
+//! Loading, overrides, unknown keys, validation, placement and memory.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use rlhf_config::{from_yaml_str, load, ConfigError, DeviceKind, PpoConfig, Role, TrainingConfig};
+
+fn configs() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs")
+}
+
+fn tiny(overrides: &[&str]) -> rlhf_config::Result<PpoConfig> {
+    let o: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+    load(&configs(), "ppo_tiny", &o)
+}
+
+fn node(name: &str, resource: &str, n: f64) -> (String, BTreeMap<String, f64>) {
+    (
+        name.to_string(),
+        BTreeMap::from([(resource.to_string(), n)]),
+    )
+}
+
+/// A small valid config as text, for tests that edit one line.
+const BASE: &str = "\
+training:
+  global_batch_size: 4
+  micro_batch_size: 2
+  seq_length: 64
+resource_pool:
+  device: CPU
+  actor_rollout: 2
+  ref: 1
+  critic: 1
+  reward: 0
+actor_rollout:
+  model: models/none
+  max_prompt_length: 16
+  max_response_length: 16
+  num_samples_per_step: 2
+  ppo_mini_batch_size: 4
+  ppo_epochs: 1
+  num_gpus_for_train: 1
+  num_gpus_for_infer: 1
+critic:
+  critic_mini_batch_size: 4
+reward:
+  kind: rule
+  rule: contains_digit
+";
+
+fn base_with(edits: &[(&str, &str)], overrides: &[&str]) -> rlhf_config::Result<PpoConfig> {
+    let mut text = BASE.to_string();
+    for (from, to) in edits {
+        assert!(text.contains(from), "BASE lacks {from:?}");
+        text = text.replace(from, to);
+    }
+    let o: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+    from_yaml_str(&text, "base.yaml", &configs(), &o)
+}
+
+#[test]
+fn every_shipped_config_loads_and_validates() {
+    let mut names: Vec<String> = std::fs::read_dir(configs())
+        .unwrap()
+        .filter_map(|e| {
+            let p = e.unwrap().path();
+            (p.extension()? == "yaml")
+                .then(|| p.file_stem().unwrap().to_string_lossy().into_owned())
+        })
+        .collect();
+    names.sort();
+    assert!(names.len() >= 3, "{names:?}");
+    for name in &names {
+        let cfg = load(&configs(), name, &[]).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(cfg.source.is_some());
+        assert!(rlhf_config::problems(&cfg).is_empty());
+    }
+    // `.yaml` in the name is tolerated; a missing name lists the choices.
+    assert!(load(&configs(), "ppo_tiny.yaml", &[]).is_ok());
+    let err = load(&configs(), "ppo_nope", &[]).unwrap_err().to_string();
+    assert!(
+        err.contains("ppo_tiny") && err.contains("ppo_llama32_1b"),
+        "{err}"
+    );
+}
+
+#[test]
+fn shipped_configs_have_the_documented_shape() {
+    let t = tiny(&[]).unwrap();
+    assert_eq!(t.resource_pool.device, DeviceKind::Cpu);
+    assert_eq!(t.prompts_per_step(), 8);
+    assert_eq!(t.rollout_batch_size(), 16);
+    assert_eq!(t.actor_rollout.max_response_length, 16);
+    assert_eq!(t.actor_rollout.ppo_epochs, 2);
+    assert_eq!(t.reward.kind, rlhf_config::RewardKind::Rule);
+    assert_eq!(t.reward.rule, "contains_digit");
+    assert_eq!(t.actor_rollout.model, "models/tiny");
+
+    let l = load(&configs(), "ppo_llama32_1b", &[]).unwrap();
+    let m = &l.models["llama32_1b"];
+    assert_eq!(
+        (
+            m.hidden_size,
+            m.num_hidden_layers,
+            m.num_attention_heads,
+            m.kv_heads()
+        ),
+        (2048, 16, 32, 8)
+    );
+    assert_eq!((m.intermediate_size, m.vocab_size), (8192, 128256));
+    assert!(m.tie_word_embeddings);
+    // Llama 3.2 1B has 1.236 B parameters.
+    assert_eq!(m.lm_params(), 1_235_814_400);
+    let actor = l.role_model(Role::ActorRollout).unwrap();
+    assert_eq!(
+        actor.path.unwrap(),
+        PathBuf::from("models/Llama-3.2-1B-Instruct")
+    );
+    assert_eq!(l.role_model(Role::Reward).unwrap().name, "llama32_1b_rm");
+
+    let q = load(&configs(), "ppo_qwen25_7b", &[]).unwrap();
+    let m = &q.models["qwen25_7b"];
+    // Qwen2.5 7B: 7.616 B parameters (q/k/v bias, untied head).
+    assert_eq!(m.lm_params(), 7_615_616_512);
+    assert_eq!(q.rollout_batch_size(), 256);
+}
+
+#[test]
+fn unknown_key_in_file_names_path_line_and_suggestion() {
+    let err = base_with(&[("  ppo_epochs: 1", "  ppo_epoch: 1")], &[]).unwrap_err();
+    let msg = err.to_string();
+    match err {
+        ConfigError::UnknownKey {
+            key,
+            line,
+            suggestion,
+            ..
+        } => {
+            assert_eq!(key, "actor_rollout.ppo_epoch");
+            assert_eq!(
+                line,
+                Some(BASE.lines().position(|l| l == "  ppo_epochs: 1").unwrap() + 1)
+            );
+            assert_eq!(suggestion.as_deref(), Some("actor_rollout.ppo_epochs"));
+        }
+        other => panic!("wrong error: {other}"),
+    }
+    assert!(
+        msg.contains("base.yaml: unknown key 'actor_rollout.ppo_epoch' at line"),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("did you mean 'actor_rollout.ppo_epochs'?"),
+        "{msg}"
+    );
+
+    // Nested (rlhf-algo) sections and top-level sections are checked too.
+    let err = base_with(
+        &[(
+            "reward:\n",
+            "algorithm:\n  kl_ctrl:\n    kl_cof: 0.1\nreward:\n",
+        )],
+        &[],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("'algorithm.kl_ctrl.kl_cof'") && err.contains("'algorithm.kl_ctrl.kl_coef'"),
+        "{err}"
+    );
+    let err = base_with(&[("critic:\n", "critc:\n")], &[])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("unknown key 'critc'") && err.contains("'critic'"),
+        "{err}"
+    );
+    // Far from everything: no suggestion.
+    let err = base_with(&[("reward:\n", "zzz_qqq: 1\nreward:\n")], &[])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("'zzz_qqq'") && !err.contains("did you mean"),
+        "{err}"
+    );
+}
+
+#[test]
+fn unknown_key_in_override_is_rejected_with_suggestion() {
+    let err = tiny(&["actor_rollout.ppo_epoch=3"]).unwrap_err();
+    let msg = err.to_string();
+    assert!(matches!(err, ConfigError::UnknownKey { .. }), "{msg}");
+    assert!(
+        msg.contains("override 'actor_rollout.ppo_epoch=3'"),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("did you mean 'actor_rollout.ppo_epochs'?"),
+        "{msg}"
+    );
+
+    let msg = tiny(&["algorithm.kl_ctrl.klcoef=0.1"])
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("'algorithm.kl_ctrl.kl_coef'"), "{msg}");
+    let msg = tiny(&["no_equals_sign"]).unwrap_err().to_string();
+    assert!(msg.contains("key.path=value"), "{msg}");
+}
+
+#[test]
+fn overrides_change_values() {
+    let cfg = tiny(&[
+        "actor_rollout.ppo_epochs=3",
+        "algorithm.kl_ctrl.kl_coef=0.1",
+        "algorithm.kl_ctrl.type=adaptive",
+        "data.shuffle=false",
+        "actor_rollout.clip_ratio_c=null",
+        "training.bf16=true",
+        "checkpoint.resume=latest",
+    ])
+    .unwrap();
+    assert_eq!(cfg.actor_rollout.ppo_epochs, 3);
+    assert_eq!(cfg.algorithm.kl_ctrl.kl_coef, 0.1);
+    assert_eq!(cfg.algorithm.kl_ctrl.kind, rlhf_algo::KlCtrlType::Adaptive);
+    assert!(!cfg.data.shuffle);
+    assert_eq!(cfg.actor_rollout.clip_ratio_c, None);
+    assert!(cfg.training.bf16);
+    assert_eq!(cfg.checkpoint.resume.as_deref(), Some("latest"));
+    // Unchanged keys keep the file's values.
+    assert_eq!(cfg.actor_rollout.num_samples_per_step, 2);
+}
+
+#[test]
+fn bad_value_types_name_the_key_and_expected_type() {
+    let err = tiny(&["actor_rollout.ppo_epochs=two"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("actor_rollout.ppo_epochs") && err.contains("non-negative integer"),
+        "{err}"
+    );
+    let err = base_with(&[("  ppo_epochs: 1", "  ppo_epochs: -1")], &[])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("'actor_rollout.ppo_epochs'") && err.contains("at line"),
+        "{err}"
+    );
+    let err = tiny(&["data.shuffle=maybe"]).unwrap_err().to_string();
+    assert!(
+        err.contains("data.shuffle") && err.contains("boolean"),
+        "{err}"
+    );
+    // Enum names: serde lists the variants, the path names the key.
+    let err = tiny(&["algorithm.adv_estimator=ppo"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("algorithm.adv_estimator") && err.contains("grpo"),
+        "{err}"
+    );
+    let err = tiny(&["critic.lr=fast"]).unwrap_err().to_string();
+    assert!(err.contains("critic.lr") && err.contains("number"), "{err}");
+}
+
+#[test]
+fn role_sections_override_training_keys() {
+    let cfg = tiny(&["ref.micro_batch_size=2", "actor_rollout.bf16=true"]).unwrap();
+    // The file sets critic.lr = 1e-4 over training.lr = 5e-5.
+    assert_eq!(cfg.training.lr, 5.0e-5);
+    assert_eq!(cfg.resolved(Role::Critic).lr, 1.0e-4);
+    assert_eq!(cfg.resolved(Role::ActorRollout).lr, 5.0e-5);
+    assert_eq!(cfg.resolved(Role::Ref).micro_batch_size, 2);
+    assert_eq!(cfg.resolved(Role::Critic).micro_batch_size, 4);
+    assert!(cfg.resolved(Role::ActorRollout).bf16);
+    assert!(!cfg.resolved(Role::Ref).bf16);
+    // Every training key is accepted in every role section.
+    for role in ["actor_rollout", "ref", "critic", "reward"] {
+        for key in TrainingConfig::KEYS {
+            let schema = rlhf_config::config_schema();
+            assert!(
+                schema[role][*key] == schema["training"][*key],
+                "{role}.{key}"
+            );
+        }
+    }
+    // The resolved YAML shows overrides where they were written.
+    let yaml = cfg.to_yaml();
+    assert!(yaml.contains("micro_batch_size: 2"), "{yaml}");
+}
+
+#[test]
+fn indivisible_batches_are_all_reported_with_keys_and_numbers() {
+    // rollout 4 x 2 = 8; mini batch 3 does not divide 8 and is not a multiple
+    // of micro 2 x 1 train rank; infer ranks 3 do not divide 8 either and
+    // 1 + 3 != 2 devices.
+    let err = base_with(
+        &[
+            ("  ppo_mini_batch_size: 4", "  ppo_mini_batch_size: 3"),
+            ("  num_gpus_for_infer: 1", "  num_gpus_for_infer: 3"),
+        ],
+        &[],
+    )
+    .unwrap_err();
+    let ConfigError::Invalid { errors, .. } = &err else {
+        panic!("wrong error: {err}")
+    };
+    let all = errors.join("\n");
+    assert!(
+        all.contains("= 8 is not divisible by actor_rollout.ppo_mini_batch_size (3)"),
+        "{all}"
+    );
+    assert!(
+        all.contains("actor_rollout.ppo_mini_batch_size (3) is not divisible by micro_batch_size (2) x actor_rollout.num_gpus_for_train (1) = 2"),
+        "{all}"
+    );
+    assert!(
+        all.contains("not divisible by actor_rollout.num_gpus_for_infer (3)"),
+        "{all}"
+    );
+    assert!(
+        all.contains("= 4 != resource_pool.actor_rollout (2)"),
+        "{all}"
+    );
+    assert_eq!(errors.len(), 4, "{all}");
+
+    let err = base_with(
+        &[("  critic_mini_batch_size: 4", "  critic_mini_batch_size: 3")],
+        &[],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("critic.critic_mini_batch_size (3)"), "{err}");
+
+    // GRPO needs groups.
+    let err = base_with(
+        &[],
+        &[
+            "algorithm.adv_estimator=grpo",
+            "actor_rollout.num_samples_per_step=1",
+            "actor_rollout.ppo_mini_batch_size=2",
+        ],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("num_samples_per_step (1) must be >= 2"),
+        "{err}"
+    );
+
+    // Lengths against the model's context and the role's seq_length.
+    let err = load(
+        &configs(),
+        "ppo_qwen25_7b",
+        &[
+            "actor_rollout.max_prompt_length=32000".into(),
+            "training.seq_length=40000".into(),
+        ],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("actor_rollout: actor_rollout.max_prompt_length (32000) + actor_rollout.max_response_length (1024) = 33024 exceeds max_position_embeddings (32768) of model 'qwen25_7b'"),
+        "{err}"
+    );
+    let err = base_with(&[], &["critic.seq_length=16"])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("critic: seq_length (16) < actor_rollout.max_prompt_length (16) + actor_rollout.max_response_length (16) = 32"), "{err}");
+}
+
+#[test]
+fn placement_packs_and_refuses_with_the_shortfall() {
+    let cfg = load(&configs(), "ppo_llama32_1b", &[]).unwrap();
+    // 8 GPUs on one node: everything fits there.
+    let plan = cfg.placement_plan(&[node("n0", "GPU", 8.0)]).unwrap();
+    assert_eq!(plan.devices_on("n0"), 8);
+    assert_eq!(plan.of(Role::ActorRollout)[0].devices, 4);
+    // Two 4-GPU nodes: the actor takes one whole node.
+    let plan = cfg
+        .placement_plan(&[node("a", "GPU", 4.0), node("b", "GPU", 4.0)])
+        .unwrap();
+    let actor = plan.of(Role::ActorRollout);
+    assert_eq!(actor.len(), 1);
+    assert_eq!(actor[0].devices, 4);
+    assert_eq!(plan.devices_on("a") + plan.devices_on("b"), 8);
+    // Too few GPUs: names the resource and the shortfall.
+    let err = cfg
+        .placement_plan(&[node("a", "GPU", 4.0), node("b", "GPU", 2.0)])
+        .unwrap_err();
+    match &err {
+        ConfigError::Placement {
+            resource,
+            required,
+            available,
+            shortfall,
+            ..
+        } => {
+            assert_eq!(resource, "GPU");
+            assert_eq!((*required, *available, *shortfall), (8.0, 6.0, 2.0));
+        }
+        other => panic!("wrong error: {other}"),
+    }
+    let msg = err.to_string();
+    assert!(
+        msg.contains("'GPU' is short by 2") && msg.contains("actor_rollout 4"),
+        "{msg}"
+    );
+    // GPUs of the wrong kind do not count.
+    let t = tiny(&[]).unwrap();
+    assert!(t.placement_plan(&[node("a", "GPU", 8.0)]).is_err());
+    let plan = t.placement_plan(&[node("a", "CPU", 4.0)]).unwrap();
+    assert_eq!(plan.devices_on("a"), 4);
+    assert_eq!(plan.of(Role::Reward)[0].devices, 0);
+    // A role bigger than any node is spread.
+    let plan = cfg
+        .placement_plan(&[
+            node("a", "GPU", 3.0),
+            node("b", "GPU", 3.0),
+            node("c", "GPU", 2.0),
+        ])
+        .unwrap();
+    let spread: u32 = plan.of(Role::ActorRollout).iter().map(|a| a.devices).sum();
+    assert_eq!(spread, 4);
+}
+
+#[test]
+fn memory_estimate_is_sane() {
+    let q = load(&configs(), "ppo_qwen25_7b", &[]).unwrap();
+    let rows = q.memory_estimate();
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let train = rows
+        .iter()
+        .find(|r| r.label == "actor_rollout/train")
+        .unwrap();
+    // 7.6 B bf16 parameters: about 14.2 GiB (15.2 GB) of weights.
+    assert!(
+        (14.0..15.0).contains(&gib(train.weights)),
+        "{}",
+        gib(train.weights)
+    );
+    assert_eq!(train.gradients, train.weights);
+    // AdamW moments (8 B) + f32 master copy (4 B) per parameter.
+    assert_eq!(train.optimizer, 12 * train.params);
+    let infer = rows
+        .iter()
+        .find(|r| r.label == "actor_rollout/infer")
+        .unwrap();
+    // KV: 28 layers x 2 x 4 kv heads x 128 x 2048 tokens x 64 seqs x 2 B = 7 GiB.
+    assert_eq!(infer.kv_cache, 28 * 2 * 4 * 128 * 2048 * 64 * 2);
+    assert_eq!(infer.optimizer, 0);
+    let critic = rows.iter().find(|r| r.role == Role::Critic).unwrap();
+    assert!(critic.params < train.params, "the critic has no LM head");
+    // f32 doubles the weights.
+    let f = load(&configs(), "ppo_qwen25_7b", &["training.bf16=false".into()]).unwrap();
+    let f_train = f.memory_estimate()[0].clone();
+    assert_eq!(f_train.weights, 2 * train.weights);
+    // Activations grow with the micro batch.
+    let big = load(
+        &configs(),
+        "ppo_qwen25_7b",
+        &["actor_rollout.micro_batch_size=4".into()],
+    )
+    .unwrap();
+    assert!(big.memory_estimate()[0].activations > 3 * train.activations);
+
+    // 7B plain data parallel does not fit an 80 GiB card: warned, not refused.
+    let small = load(
+        &configs(),
+        "ppo_qwen25_7b",
+        &["resource_pool.device_memory_gb=80".into()],
+    )
+    .unwrap();
+    let warnings = small.memory_warnings();
+    assert!(
+        warnings.iter().any(|w| w.contains("actor_rollout/train")),
+        "{warnings:?}"
+    );
+    let l = load(&configs(), "ppo_llama32_1b", &[]).unwrap();
+    assert!(l.memory_warnings().is_empty(), "{:?}", l.memory_warnings());
+}
+
+#[test]
+fn check_report_has_config_plan_and_memory() {
+    let cfg = load(
+        &configs(),
+        "ppo_qwen25_7b",
+        &["resource_pool.device_memory_gb=80".into()],
+    )
+    .unwrap();
+    let nodes = [node("n0", "GPU", 8.0), node("n1", "GPU", 8.0)];
+    let r = cfg.check_report(&nodes);
+    assert!(
+        r.contains("# resolved config") && r.contains("adv_estimator: gae"),
+        "{r}"
+    );
+    assert!(r.contains("# placement plan") && r.contains("n1"), "{r}");
+    assert!(
+        r.contains("actor_rollout/infer") && r.contains("WARNING"),
+        "{r}"
+    );
+    let r = cfg.check_report(&[node("n0", "GPU", 8.0)]);
+    assert!(
+        r.contains("ERROR: cannot place the job: resource 'GPU' is short by 8"),
+        "{r}"
+    );
+}
+
+#[test]
+fn model_files_are_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("model")).unwrap();
+    std::fs::write(
+        dir.path().join("model/m.yaml"),
+        "hidden_size: 64\nnum_hidden_layers: 2\nnum_attention_heads: 4\nintermediat_size: 128\nvocab_size: 100\nmax_position_embeddings: 64\n",
+    )
+    .unwrap();
+    let text = format!(
+        "defaults:\n  - model: m\n{}",
+        BASE.replace("models/none", "m")
+    );
+    let err = from_yaml_str(&text, "x.yaml", dir.path(), &[])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("unknown key 'intermediat_size' at line 4; did you mean 'intermediate_size'?"),
+        "{err}"
+    );
+    std::fs::write(
+        dir.path().join("model/m.yaml"),
+        "hidden_size: 64\nnum_hidden_layers: 2\nnum_attention_heads: 4\nintermediate_size: 128\nvocab_size: 100\nmax_position_embeddings: 24\n",
+    )
+    .unwrap();
+    let err = from_yaml_str(&text, "x.yaml", dir.path(), &[])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("= 32 exceeds max_position_embeddings (24) of model 'm'"),
+        "{err}"
+    );
+    let err = from_yaml_str(
+        &text.replace("- model: m", "- model: missing"),
+        "x.yaml",
+        dir.path(),
+        &[],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("missing.yaml"), "{err}");
+}
+
+#[test]
+fn yaml_syntax_errors_carry_the_line() {
+    let err = from_yaml_str("training:\n  lr: [1,\n", "bad.yaml", &configs(), &[]).unwrap_err();
+    assert!(
+        matches!(err, ConfigError::Yaml { line: Some(_), .. }),
+        "{err}"
+    );
+}
