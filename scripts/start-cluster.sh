@@ -199,7 +199,12 @@ for dir in "$@"; do
   for f in "$dir"/*.pid; do
     [ -f "$f" ] || continue
     pid=$(cat "$f"); name=$(basename "$f" .pid)
-    if [ -z "$pid" ] || ! kill -0 "$pid" 2>/dev/null || ! ours "$pid"; then rm -f "$f"; continue; fi
+    if [ -z "$pid" ] || ! kill -0 "$pid" 2>/dev/null; then
+      echo "$name (pid $pid) had exited"; rm -f "$f"; continue
+    fi
+    if ! ours "$pid"; then
+      echo "$name: pid $pid is no longer an rlhf process; stale pid file removed"; rm -f "$f"; continue
+    fi
     i=0; while kill -0 "$pid" 2>/dev/null && [ $i -lt $((timeout * 10)) ]; do sleep 0.1; i=$((i+1)); done
     if kill -0 "$pid" 2>/dev/null; then
       kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true

@@ -1,0 +1,637 @@
+//! Multi-node launch over several "hosts" made on one machine, driven by the real
+//! scripts/start-cluster.sh and scripts/stop-cluster.sh.
+//!
+//! A host is a network namespace with its own address (10.231.0.x on a bridge that lives in a
+//! namespace of its own, so nothing touches the machine's own network) when namespaces can be
+//! made (root and iproute2), else a loopback address (127.0.0.2-5; all of 127/8 is loopback on
+//! Linux). The remote shell the scripts use is overridden with `ip netns exec` or a local `sh`.
+//! Set RLHF_MULTINODE_MODE=loopback to skip the namespaces.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use rlhf_e2e::{bin, free_port, pid_alive, wait_for};
+use serde_json::Value;
+
+const DEAD_AFTER_MS: u64 = 1000;
+/// Prefix of every namespace these tests make; the test's pid follows, so a later run can
+/// tell stale namespaces (of a killed run) from those of a run still going.
+const NS_PREFIX: &str = "rlhfmn";
+
+fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn run_ok(cmd: &mut Command, what: &str) -> Result<Output> {
+    let out = cmd
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| format!("running {what}"))?;
+    if !out.status.success() {
+        bail!(
+            "{what} failed ({}):\n{}{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(out)
+}
+
+fn ip(args: &[&str]) -> Result<()> {
+    run_ok(
+        Command::new("ip").args(args),
+        &format!("ip {}", args.join(" ")),
+    )
+    .map(|_| ())
+}
+
+/// Pids of every process that lives in namespace `ns`.
+fn netns_pids(ns: &str) -> Vec<i32> {
+    Command::new("ip")
+        .args(["netns", "pids", ns])
+        .output()
+        .map(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .split_whitespace()
+                .filter_map(|p| p.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn kill_all(pids: &[i32]) {
+    for &p in pids {
+        let _ = kill(Pid::from_raw(p), Signal::SIGKILL);
+    }
+}
+
+/// Processes whose command line mentions `marker` (every process the scripts start names the
+/// test's state directory in its arguments).
+fn pids_with_marker(marker: &str) -> Vec<i32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|&pid| pid != std::process::id() as i32 && pid_alive(pid))
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .map(|c| String::from_utf8_lossy(&c).contains(marker))
+                .unwrap_or(false)
+        })
+        .collect()
+}
+
+/// Namespaces made for one test, deleted (with every process inside) on drop, so a failing
+/// test leaves none behind.
+struct Netns {
+    names: Vec<String>,
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        for ns in &self.names {
+            kill_all(&netns_pids(ns));
+        }
+        for ns in &self.names {
+            let _ = Command::new("ip")
+                .args(["netns", "del", ns])
+                .stderr(Stdio::null())
+                .status();
+        }
+    }
+}
+
+/// Removes namespaces left by a run of this test that was killed before its guards ran.
+fn remove_stale_namespaces() {
+    let Ok(out) = Command::new("ip").args(["netns", "list"]).output() else {
+        return;
+    };
+    for line in String::from_utf8_lossy(&out.stdout).lines() {
+        let name = line.split_whitespace().next().unwrap_or_default();
+        let Some(rest) = name.strip_prefix(NS_PREFIX) else {
+            continue;
+        };
+        let owner: i32 = rest
+            .split('-')
+            .next()
+            .and_then(|p| p.parse().ok())
+            .unwrap_or(0);
+        if owner > 0 && !pid_alive(owner) {
+            kill_all(&netns_pids(name));
+            let _ = Command::new("ip").args(["netns", "del", name]).status();
+        }
+    }
+}
+
+enum Mode {
+    /// One namespace per host; the namespace names by host address.
+    Netns(Netns),
+    Loopback,
+}
+
+struct Hosts {
+    mode: Mode,
+    addrs: Vec<String>,
+    /// RLHF_REMOTE_SHELL for the scripts.
+    remote_shell: String,
+}
+
+impl Hosts {
+    /// `n` hosts in network namespaces: a switch namespace holding a bridge, and per host a
+    /// namespace whose eth0 is a veth pair into that bridge.
+    fn netns(tag: &str, n: usize) -> Result<Hosts> {
+        remove_stale_namespaces();
+        let pid = std::process::id();
+        let prefix = format!("{NS_PREFIX}{pid}-{tag}");
+        let switch = format!("{prefix}-sw");
+        let mut guard = Netns { names: Vec::new() };
+        ip(&["netns", "add", &switch])?;
+        guard.names.push(switch.clone());
+        ip(&["-n", &switch, "link", "set", "lo", "up"])?;
+        ip(&["-n", &switch, "link", "add", "br0", "type", "bridge"])?;
+        ip(&["-n", &switch, "link", "set", "br0", "up"])?;
+        let mut addrs = Vec::new();
+        for i in 0..n {
+            let addr = format!("10.231.0.{}", i + 1);
+            let ns = format!("{prefix}-{addr}");
+            ip(&["netns", "add", &ns])?;
+            guard.names.push(ns.clone());
+            let port = format!("p{i}");
+            // Both ends are made inside namespaces of ours: the host's network is never touched.
+            ip(&[
+                "-n", &ns, "link", "add", "eth0", "type", "veth", "peer", "name", &port, "netns",
+                &switch,
+            ])?;
+            ip(&["-n", &switch, "link", "set", &port, "master", "br0"])?;
+            ip(&["-n", &switch, "link", "set", &port, "up"])?;
+            ip(&[
+                "-n",
+                &ns,
+                "addr",
+                "add",
+                &format!("{addr}/24"),
+                "dev",
+                "eth0",
+            ])?;
+            ip(&["-n", &ns, "link", "set", "eth0", "up"])?;
+            ip(&["-n", &ns, "link", "set", "lo", "up"])?;
+            addrs.push(addr);
+        }
+        Ok(Hosts {
+            mode: Mode::Netns(guard),
+            addrs,
+            remote_shell: format!("ip netns exec {prefix}-{{host}} sh -c"),
+        })
+    }
+
+    fn loopback(n: usize) -> Hosts {
+        Hosts {
+            mode: Mode::Loopback,
+            addrs: (0..n).map(|i| format!("127.0.0.{}", i + 2)).collect(),
+            remote_shell: "env RLHF_TEST_HOST={host} sh -c".into(),
+        }
+    }
+
+    /// Namespaces if allowed here (and not turned off), loopback addresses otherwise.
+    fn make(tag: &str, n: usize) -> Hosts {
+        if std::env::var("RLHF_MULTINODE_MODE").as_deref() == Ok("loopback") {
+            println!("multinode mode: loopback (RLHF_MULTINODE_MODE=loopback)");
+            return Hosts::loopback(n);
+        }
+        match Hosts::netns(tag, n) {
+            Ok(h) => {
+                println!(
+                    "multinode mode: network namespaces ({})",
+                    h.addrs.join(", ")
+                );
+                h
+            }
+            Err(e) => {
+                println!(
+                    "multinode mode: loopback addresses (network namespaces not available: {e:#})"
+                );
+                Hosts::loopback(n)
+            }
+        }
+    }
+
+    fn mode_name(&self) -> &'static str {
+        match self.mode {
+            Mode::Netns(_) => "netns",
+            Mode::Loopback => "loopback",
+        }
+    }
+
+    /// A command run "on" host `i`.
+    fn on_host(&self, i: usize, program: &Path) -> Command {
+        match &self.mode {
+            Mode::Netns(g) => {
+                // names[0] is the switch; host i is names[i + 1].
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", &g.names[i + 1]]).arg(program);
+                c
+            }
+            Mode::Loopback => Command::new(program),
+        }
+    }
+
+    /// Kills every process started for host `i`; returns their pids.
+    fn kill_host(&self, i: usize, state: &Path) -> Result<Vec<i32>> {
+        let pids = match &self.mode {
+            Mode::Netns(g) => netns_pids(&g.names[i + 1]),
+            Mode::Loopback => {
+                // The scripts start each process in a session of its own, group id = pid.
+                let pid: i32 =
+                    std::fs::read_to_string(state.join(&self.addrs[i]).join("worker.pid"))?
+                        .trim()
+                        .parse()?;
+                let _ = kill(Pid::from_raw(-pid), Signal::SIGKILL);
+                vec![pid]
+            }
+        };
+        if pids.is_empty() {
+            bail!("no process found for host {}", self.addrs[i]);
+        }
+        kill_all(&pids);
+        Ok(pids)
+    }
+
+    fn leftover_pids(&self, marker: &str) -> Vec<i32> {
+        let mut pids = pids_with_marker(marker);
+        if let Mode::Netns(g) = &self.mode {
+            for ns in &g.names {
+                pids.extend(netns_pids(ns));
+            }
+        }
+        pids.sort_unstable();
+        pids.dedup();
+        pids
+    }
+}
+
+/// Kills whatever the scripts started if a test fails half-way.
+struct KillOnDrop(String);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        kill_all(&pids_with_marker(&self.0));
+    }
+}
+
+fn node_map(status: &Value) -> BTreeMap<String, Value> {
+    status["nodes"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .map(|n| {
+                    let addr = n["address"].as_str().unwrap_or_default();
+                    let ip = addr.rsplit_once(':').map(|(h, _)| h).unwrap_or(addr);
+                    (ip.to_string(), n.clone())
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn scenario(tag: &str, hosts: Hosts) -> Result<()> {
+    let mode = hosts.mode_name();
+    let dir = tempfile::tempdir()?;
+    let state = dir.path().join("state");
+    let marker = state.display().to_string();
+    let _kill = KillOnDrop(marker.clone());
+    let head_bin = bin("rlhf-head");
+    let bin_dir = head_bin.parent().context("binary dir")?.to_path_buf();
+    let _ = bin("rlhf-worker");
+    // Timed from here: the build above waits for cargo.
+    let started = Instant::now();
+
+    // Head alone on host 0; three workers with different resources.
+    let worker_res = [
+        r#"{"GPU": 1, "CPU": 2}"#,
+        r#"{"GPU": 2, "CPU": 4, "special": 1}"#,
+        r#"{"GPU": 4, "CPU": 8}"#,
+    ];
+    let mut hostfile = format!("# head\n{}\n", hosts.addrs[0]);
+    for (a, r) in hosts.addrs[1..].iter().zip(worker_res) {
+        hostfile.push_str(&format!("{a} {r}   # worker\n"));
+    }
+    let hostfile_path = dir.path().join("hosts");
+    std::fs::write(&hostfile_path, &hostfile)?;
+
+    let mut common: Vec<String> = vec![
+        "--state-dir".into(),
+        marker.clone(),
+        "--bin-dir".into(),
+        bin_dir.display().to_string(),
+    ];
+    let mut start_args = vec![
+        "--timeout".to_string(),
+        "30".into(),
+        "--head-arg=--dashboard-port=0".into(),
+        format!("--head-arg=--dead-after-ms={DEAD_AFTER_MS}"),
+        "--head-arg=--heartbeat-ms=200".into(),
+    ];
+    if let Mode::Loopback = hosts.mode {
+        // Other tests may use the usual port on loopback; a namespace has its own ports.
+        start_args.extend([
+            "--port".into(),
+            free_port().to_string(),
+            "--head-bind".into(),
+            hosts.addrs[0].clone(),
+        ]);
+    }
+    common.push(hostfile_path.display().to_string());
+    let script = |name: &str| {
+        let mut c = Command::new("bash");
+        c.arg(repo_root().join("scripts").join(name))
+            .env("RLHF_REMOTE_SHELL", &hosts.remote_shell)
+            .env_remove("RLHF_TOKEN")
+            .env_remove("RLHF_STATE_DIR");
+        c
+    };
+
+    let out = run_ok(
+        script("start-cluster.sh").args(&start_args).args(&common),
+        &format!("start-cluster.sh ({mode})"),
+    )?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let start_took = started.elapsed();
+    assert!(text.contains("all 3 worker node(s) alive"), "{text}");
+    assert!(text.contains("Cluster status"), "status printed: {text}");
+    // The token reached every worker host through a 0600 file, not a command line.
+    for a in &hosts.addrs[1..] {
+        let f = state.join(a).join("token");
+        let meta = std::fs::metadata(&f).with_context(|| format!("{}", f.display()))?;
+        use std::os::unix::fs::PermissionsExt;
+        assert_eq!(
+            meta.permissions().mode() & 0o077,
+            0,
+            "{} readable by others",
+            f.display()
+        );
+    }
+    let token = std::fs::read_to_string(state.join("head/token"))?;
+    for pid in pids_with_marker(&marker) {
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        assert!(
+            !String::from_utf8_lossy(&cmdline).contains(token.trim()),
+            "the token is on the command line of pid {pid}"
+        );
+    }
+
+    let status = || -> Result<Value> {
+        let out = run_ok(
+            hosts
+                .on_host(0, &head_bin)
+                .args(["status", "--format", "json", "--connect-timeout", "2"])
+                .arg("--state-dir")
+                .arg(state.join("head"))
+                .env_remove("RLHF_TOKEN"),
+            "rlhf-head status",
+        )?;
+        Ok(serde_json::from_slice(&out.stdout)?)
+    };
+    let s = status()?;
+    let nodes = node_map(&s);
+    assert_eq!(nodes.len(), 3, "{s}");
+    for (a, r) in hosts.addrs[1..].iter().zip(worker_res) {
+        let n = nodes
+            .get(a)
+            .with_context(|| format!("no node with address {a} in {s}"))?;
+        assert_eq!(n["state"], "ALIVE", "{n}");
+        let want: Value = serde_json::from_str(r)?;
+        for (k, v) in want.as_object().context("resources")? {
+            assert_eq!(n["total"][k].as_f64(), v.as_f64(), "{a}: {k} in {n}");
+        }
+    }
+    assert_eq!(s["resources"]["total"]["GPU"], 7.0, "{s}");
+
+    // A worker host goes away: everything started for it is killed.
+    let victim = 2;
+    let killed_pids = hosts.kill_host(victim, &state)?;
+    let killed = Instant::now();
+    wait_for(
+        Duration::from_secs(5),
+        "killed host's processes gone",
+        || Ok(killed_pids.iter().all(|&p| !pid_alive(p)).then_some(())),
+    )?;
+    let victim_addr = hosts.addrs[victim].clone();
+    let s = wait_for(
+        Duration::from_millis(DEAD_AFTER_MS + 8000),
+        "node marked dead",
+        || {
+            let s = status()?;
+            Ok((node_map(&s)
+                .get(&victim_addr)
+                .map(|n| n["state"] == "DEAD")
+                .unwrap_or(false))
+            .then_some(s))
+        },
+    )?;
+    let took = killed.elapsed();
+    // Each status poll is a process start and a connection; 2 s covers that and a heartbeat.
+    assert!(
+        took <= Duration::from_millis(DEAD_AFTER_MS + 2000),
+        "{mode}: node dead after {took:?}, threshold {DEAD_AFTER_MS} ms"
+    );
+    let nodes = node_map(&s);
+    let dead = &nodes[&victim_addr];
+    assert!(
+        !dead["death_reason"].as_str().unwrap_or_default().is_empty(),
+        "{dead}"
+    );
+    for (i, a) in hosts.addrs.iter().enumerate().skip(1) {
+        if i != victim {
+            assert_eq!(nodes[a]["state"], "ALIVE", "{a} should live on: {s}");
+        }
+    }
+
+    // Stop: nothing the scripts started may survive.
+    let before = hosts.leftover_pids(&marker);
+    assert!(
+        !before.is_empty(),
+        "the cluster's processes should be found"
+    );
+    let out = run_ok(
+        script("stop-cluster.sh").args(&common),
+        &format!("stop-cluster.sh ({mode})"),
+    )?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("cluster stopped"), "{text}");
+    let left = wait_for(Duration::from_secs(5), "no process left", || {
+        let left = hosts.leftover_pids(&marker);
+        Ok(left.is_empty().then_some(()))
+    });
+    if let Err(e) = left {
+        bail!(
+            "{e}: still running: {:?}; stop output:\n{text}",
+            hosts.leftover_pids(&marker)
+        );
+    }
+    for pid in before {
+        assert!(!pid_alive(pid), "pid {pid} outlived stop-cluster.sh");
+    }
+    let pid_files: Vec<_> = walk(&state)
+        .into_iter()
+        .filter(|p| p.extension().is_some_and(|e| e == "pid"))
+        .collect();
+    assert!(pid_files.is_empty(), "pid files left: {pid_files:?}");
+    println!(
+        "multinode {tag} ({mode}) passed in {:?}: start-cluster.sh {start_took:?}, node dead {took:?} after the kill",
+        started.elapsed()
+    );
+    Ok(())
+}
+
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    if let Ok(rd) = std::fs::read_dir(dir) {
+        for e in rd.flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                out.extend(walk(&p));
+            } else {
+                out.push(p);
+            }
+        }
+    }
+    out
+}
+
+/// Namespaces where this machine allows them (loopback addresses otherwise): the head on one
+/// host, three workers on three others, a worker host killed, then everything stopped.
+#[test]
+fn scripts_start_a_cluster_across_hosts_detect_a_lost_host_and_stop_everything() -> Result<()> {
+    scenario("a", Hosts::make("a", 4))
+}
+
+/// The same on loopback addresses always, so the fallback path is tested where namespaces
+/// are allowed too.
+#[test]
+fn scripts_work_with_hosts_on_loopback_addresses() -> Result<()> {
+    println!("multinode mode: loopback (this test always uses it)");
+    scenario("lo", Hosts::loopback(4))
+}
+
+/// Bad host files are refused with the line and the fix, before anything is started.
+#[test]
+fn start_cluster_refuses_bad_host_files() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let cases = [
+        ("", "lists no host"),
+        ("10.0.0.1\n10.0.0.2 GPU=8\n", "line 2"),
+        (
+            "10.0.0.1\n10.0.0.2\n10.0.0.2 {\"GPU\": 1}\n",
+            "listed twice",
+        ),
+    ];
+    for (content, want) in cases {
+        let f = dir.path().join("hosts");
+        std::fs::write(&f, content)?;
+        let out = Command::new("bash")
+            .arg(repo_root().join("scripts/start-cluster.sh"))
+            .arg(&f)
+            // Nothing may be started: a remote shell that fails loudly proves it.
+            .env("RLHF_REMOTE_SHELL", "false {host}")
+            .stdin(Stdio::null())
+            .output()?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{content:?} accepted");
+        assert!(err.contains(want), "{content:?}: {err}");
+    }
+    Ok(())
+}
+
+/// scripts/slurm/rlhf.sbatch under stand-ins for `srun` and `scontrol` that run each step on
+/// this machine: two "nodes" (both localhost), the head and a worker step per node, the
+/// command run against the cluster, and everything stopped when the batch script ends.
+#[test]
+fn slurm_batch_script_starts_runs_and_stops_a_cluster() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let fake = dir.path().join("bin");
+    std::fs::create_dir_all(&fake)?;
+    // srun [--opt=value | -w NODE | --overlap ...] CMD...: --ntasks copies of CMD, output
+    // to --output with %N replaced.
+    let srun = r#"#!/usr/bin/env bash
+n=1; out=""
+while [[ $# -gt 0 && $1 == -* ]]; do
+  case $1 in
+    --ntasks=*) n=${1#*=} ;;
+    --output=*) out=${1#*=} ;;
+    -w|--nodelist) shift ;;
+  esac
+  shift
+done
+for i in $(seq 1 "$n"); do
+  if [[ -n $out ]]; then "$@" >"${out//%N/node$i}" 2>&1 & else "$@" & fi
+done
+wait
+"#;
+    let scontrol =
+        "#!/bin/sh\n[ \"$1 $2\" = 'show hostnames' ] && printf 'localhost\\nlocalhost\\n'\n";
+    use std::os::unix::fs::PermissionsExt;
+    for (name, text) in [("srun", srun), ("scontrol", scontrol)] {
+        let p = fake.join(name);
+        std::fs::write(&p, text)?;
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755))?;
+    }
+    let head_bin = bin("rlhf-head");
+    let bin_dir = head_bin.parent().context("binary dir")?.to_path_buf();
+    let _ = bin("rlhf-worker");
+    let job_dir = dir.path().join("job");
+    let marker = job_dir.display().to_string();
+    let _kill = KillOnDrop(marker.clone());
+    let path = format!(
+        "{}:{}",
+        fake.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    // The "job": the cluster's status as JSON, written where the test can read it.
+    let status_file = dir.path().join("status.json");
+    let out = Command::new("bash")
+        .arg(repo_root().join("scripts/slurm/rlhf.sbatch"))
+        .args(["sh", "-c"])
+        .arg(r#"rlhf-head status --format json > "$0""#)
+        .arg(&status_file)
+        .env("PATH", format!("{}:{path}", bin_dir.display()))
+        .env("SLURM_JOB_ID", "4242")
+        .env("SLURM_JOB_NODELIST", "localhost,localhost")
+        .env("SLURM_GPUS_ON_NODE", "2")
+        .env("SLURM_CPUS_ON_NODE", "3")
+        .env("RLHF_BIN_DIR", &bin_dir)
+        .env("RLHF_JOB_DIR", &job_dir)
+        .env("RLHF_PORT", free_port().to_string())
+        .env("RLHF_TIMEOUT", "30")
+        .env_remove("RLHF_IFACE")
+        .env_remove("RLHF_TOKEN")
+        .env_remove("RLHF_STATE_DIR")
+        .stdin(Stdio::null())
+        .output()?;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "sbatch script failed:\n{text}");
+    assert!(text.contains("all 2 nodes alive"), "{text}");
+    let s: Value = serde_json::from_str(&std::fs::read_to_string(&status_file)?)?;
+    let nodes = s["nodes"].as_array().context("nodes")?;
+    assert_eq!(nodes.len(), 2, "{s}");
+    for n in nodes {
+        assert_eq!(n["state"], "ALIVE", "{n}");
+        assert_eq!(n["total"]["GPU"], 2.0, "GPUs from SLURM_GPUS_ON_NODE: {n}");
+        assert_eq!(n["total"]["CPU"], 3.0, "CPUs from SLURM_CPUS_ON_NODE: {n}");
+    }
+    // The job's end stopped the cluster and removed the token.
+    wait_for(Duration::from_secs(10), "no process left", || {
+        Ok(pids_with_marker(&marker).is_empty().then_some(()))
+    })?;
+    assert!(!job_dir.join("head/token").exists(), "token left behind");
+    Ok(())
+}
