@@ -3,9 +3,11 @@
 //!
 //! No servers and no GPU code live here.
 
+pub mod batch;
 pub mod error;
 pub mod resources;
 
+pub use batch::{DataBatch, TensorData};
 pub use error::{Error, FailureKind, Result};
 pub use resources::Resources;
 

@@ -17,6 +17,9 @@ use crate::net;
 
 pub const ACTOR_KINDS: &[&str] = &["test"];
 
+/// Largest streamed batch an actor accepts.
+pub const MAX_BATCH_BYTES: u64 = 4 << 30;
+
 #[derive(Clone, Debug)]
 pub struct ActorOptions {
     pub actor_id: String,
@@ -48,6 +51,25 @@ impl ActorService for TestActor {
     ) -> std::result::Result<Response<pb::SleepResponse>, Status> {
         tokio::time::sleep(Duration::from_millis(req.into_inner().ms)).await;
         Ok(Response::new(pb::SleepResponse {}))
+    }
+
+    async fn put_batch(
+        &self,
+        req: Request<tonic::Streaming<pb::BatchChunk>>,
+    ) -> std::result::Result<Response<pb::PutBatchResponse>, Status> {
+        let mut stream = req.into_inner();
+        let mut asm = rlhf_core::batch::Assembler::new(MAX_BATCH_BYTES);
+        let mut bytes = 0u64;
+        while let Some(chunk) = stream.message().await? {
+            bytes += chunk.data.len() as u64;
+            asm.push(chunk)?;
+        }
+        let batch = asm.finish()?;
+        Ok(Response::new(pb::PutBatchResponse {
+            rows: batch.len()? as u64,
+            bytes,
+            checksum: rlhf_core::batch::checksum(&batch),
+        }))
     }
 
     async fn crash(

@@ -15,6 +15,17 @@ pub mod resources;
 pub mod status;
 pub mod worker;
 
+/// A DataBatch as a gRPC request stream of chunks well under the message limit.
+pub fn batch_stream(
+    b: &rlhf_core::DataBatch,
+) -> rlhf_core::Result<impl tokio_stream::Stream<Item = rlhf_proto::v1::BatchChunk>> {
+    let bytes = rlhf_core::batch::encode(b)?;
+    Ok(tokio_stream::iter(rlhf_core::batch::to_chunks(
+        bytes,
+        rlhf_core::batch::CHUNK_BYTES,
+    )))
+}
+
 use tokio_util::sync::CancellationToken;
 
 /// Cancels `token` on SIGINT or SIGTERM.

@@ -196,6 +196,28 @@ fn actors_run_on_their_bundle_node_answer_directly_and_report_crashes() -> Resul
         assert_eq!(r.payload, b"hello");
         assert_eq!(r.actor_id, a.actor_id);
 
+        // A batch far over gRPC's 4 MiB default message limit streams through in chunks.
+        let rows = 1024;
+        let logp: Vec<f32> = (0..rows * 3000).map(|i| (i % 977) as f32 * 0.001).collect();
+        let batch = rlhf_core::DataBatch::new()
+            .with_tensor(
+                "old_log_probs",
+                rlhf_core::TensorData::from_f32(vec![rows, 3000], &logp)?,
+            )
+            .with_column(
+                "prompt",
+                (0..rows)
+                    .map(|i| serde_json::json!(format!("q{i}")))
+                    .collect(),
+            );
+        let got = actor
+            .put_batch(rlhf_runtime::batch_stream(&batch)?)
+            .await?
+            .into_inner();
+        assert_eq!(got.rows, rows as u64);
+        assert!(got.bytes > (rows * 3000 * 4) as u64, "{}", got.bytes);
+        assert_eq!(got.checksum, rlhf_core::batch::checksum(&batch));
+
         // Without the token the actor refuses.
         let raw = tonic::transport::Endpoint::from_shared(format!("http://{}", a.address))?
             .connect()
