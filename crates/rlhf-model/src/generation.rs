@@ -298,20 +298,28 @@ pub fn generate(model: &Model, prompts: &[Vec<u32>], cfg: &GenerationConfig) -> 
     }
     let device = model.device().clone();
     let row_prompts: Vec<Vec<u32>> = rows.iter().map(|&(i, _)| fed[i].clone()).collect();
-    let batch = Batch::left_padded(&row_prompts, pad, &device)?;
     let r = rows.len();
-    let mut mask_host: Vec<Vec<u32>> = batch.attention_mask.to_vec2::<u32>()?;
     let mut next_pos: Vec<u32> = row_prompts.iter().map(|p| p.len() as u32).collect();
     let mut cache = model.new_cache();
     let mut rng = rand::rngs::StdRng::seed_from_u64(cfg.seed);
     let mut done = vec![false; r];
 
+    // Prefill each distinct prompt once, then give each of its n samples a copy of its cache.
+    let batch = Batch::left_padded(&fed, pad, &device)?;
     let mut logits = model.next_token_logits(
         &batch.input_ids,
         &batch.attention_mask,
         &batch.position_ids,
         &mut cache,
     )?;
+    let prompt_mask: Vec<Vec<u32>> = batch.attention_mask.to_vec2::<u32>()?;
+    let mut mask_host: Vec<Vec<u32>> = rows.iter().map(|&(i, _)| prompt_mask[i].clone()).collect();
+    if cfg.n > 1 {
+        let idx: Vec<u32> = rows.iter().map(|&(i, _)| i as u32).collect();
+        let idx = Tensor::from_vec(idx, r, &device)?;
+        logits = logits.index_select(&idx, 0)?;
+        cache.select_rows(&idx)?;
+    }
     for step in 0..cfg.max_new_tokens {
         let rows_logits = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
         let mut next = vec![pad; r];

@@ -457,6 +457,15 @@ impl KvCache {
             .unwrap_or(0)
     }
 
+    /// Reorders or repeats batch rows: row `i` of the result is row `idx[i]` of the cache.
+    pub fn select_rows(&mut self, idx: &Tensor) -> Result<()> {
+        for (k, v) in self.layers.iter_mut().flatten() {
+            *k = k.index_select(idx, 0)?;
+            *v = v.index_select(idx, 0)?;
+        }
+        Ok(())
+    }
+
     /// Drops every cached position.
     pub fn clear(&mut self) {
         for l in self.layers.iter_mut() {

@@ -245,9 +245,17 @@ impl<'a> ParamBuilder<'a> {
         let data: Vec<f32> = match init {
             Init::Zeros => vec![0.0; n],
             Init::Ones => vec![1.0; n],
-            Init::Normal(std) => (0..n)
-                .map(|_| (standard_normal(&mut self.rng) * std) as f32)
-                .collect(),
+            Init::Normal(std) => {
+                // Box-Muller gives two independent normals per pair of uniforms.
+                let mut v = Vec::with_capacity(n + 1);
+                while v.len() < n {
+                    let (a, b) = normal_pair(&mut self.rng);
+                    v.push((a * std) as f32);
+                    v.push((b * std) as f32);
+                }
+                v.truncate(n);
+                v
+            }
         };
         Ok(Tensor::from_vec(data, shape, &self.device)?.to_dtype(self.dtype)?)
     }
@@ -257,11 +265,14 @@ impl<'a> ParamBuilder<'a> {
     }
 }
 
-/// Box-Muller standard normal sample; avoids a dependency for one distribution.
-pub(crate) fn standard_normal(rng: &mut impl Rng) -> f64 {
+/// Two independent standard normal samples (Box-Muller); avoids a dependency for one
+/// distribution.
+pub(crate) fn normal_pair(rng: &mut impl Rng) -> (f64, f64) {
     let u1: f64 = rng.random::<f64>().max(f64::MIN_POSITIVE);
     let u2: f64 = rng.random::<f64>();
-    (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+    let r = (-2.0 * u1.ln()).sqrt();
+    let (s, c) = (2.0 * std::f64::consts::PI * u2).sin_cos();
+    (r * c, r * s)
 }
 
 /// Writes named tensors to one safetensors file with `{"format": "pt"}` metadata, which

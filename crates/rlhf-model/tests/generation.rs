@@ -194,3 +194,39 @@ fn generation_works_on_random_qwen2_and_in_bf16() {
             .all(|l| l.is_finite() && *l <= 0.0));
     }
 }
+
+#[test]
+fn samples_share_the_prefill_correctly() {
+    let m = model();
+    let one = generate(&m, &prompts(), &GenerationConfig::greedy(6)).unwrap();
+    let three = generate(
+        &m,
+        &prompts(),
+        &GenerationConfig {
+            n: 3,
+            ..GenerationConfig::greedy(6)
+        },
+    )
+    .unwrap();
+    for (k, s) in three.sequences.iter().enumerate() {
+        let base = &one.sequences[k / 3];
+        assert_eq!(s.token_ids, base.token_ids, "row {k}");
+        for (a, b) in s.logprobs.iter().zip(&base.logprobs) {
+            assert!((a - b).abs() < 1e-5);
+        }
+    }
+    // Sampled rows teacher-force to the same log-probs as reported.
+    let cfg = GenerationConfig {
+        n: 4,
+        ..sampling(21)
+    };
+    let out = generate(&m, &prompts(), &cfg).unwrap();
+    for s in &out.sequences {
+        let full: Vec<u32> = s.prompt_ids.iter().chain(&s.token_ids).copied().collect();
+        let b = Batch::left_padded(&[full], 0, &Device::Cpu).unwrap();
+        let lp = to_vec2(&m.token_log_probs(&b, 1.0).unwrap()).remove(0);
+        for (a, e) in s.logprobs.iter().zip(&lp[s.prompt_ids.len() - 1..]) {
+            assert!((a - e).abs() < 1e-4, "{a} vs {e}");
+        }
+    }
+}
