@@ -192,7 +192,8 @@ pub fn config_reference_markdown() -> String {
          Sections: `defaults` (model files), `training` (shared defaults), `resource_pool`,\n\
          `algorithm`, `actor_rollout`, `ref`, `critic`, `reward`, `data`, `checkpoint`, `logging`.\n\
          Each role section (`actor_rollout`, `ref`, `critic`, `reward`) may also set any\n\
-         `training` key to override it for that role only.\n\n\
+         `training` key to override it for that role only. Relative paths (models, data,\n\
+         checkpoints, logs) are relative to the directory the job is started from.\n\n\
          ## defaults\n\n\
          ```yaml\ndefaults:\n  - model: llama32_1b        # loads configs/model/llama32_1b.yaml\n```\n\n\
          A role's `model` is either a name listed in `defaults` or a path to an HF model\n\

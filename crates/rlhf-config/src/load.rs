@@ -88,7 +88,7 @@ pub fn from_yaml_str(
     let defaults: Vec<DefaultsEntry> = typed(defaults_value, origin, text, "defaults")?;
 
     let schema = config_schema();
-    check_keys(&root, &schema, &mut Vec::new(), origin, text)?;
+    check_keys(&root, &schema, &schema, &mut Vec::new(), origin, text)?;
     for o in overrides {
         apply_override(&mut root, &schema, o)?;
     }
@@ -115,7 +115,7 @@ pub fn load_model(config_dir: &Path, name: &str) -> Result<ModelConfig> {
     let origin = path.display().to_string();
     let value = parse_yaml(&text, &origin)?;
     let schema = serde_yaml::to_value(ModelConfig::default()).unwrap_or(Value::Null);
-    check_keys(&value, &schema, &mut Vec::new(), &origin, &text)?;
+    check_keys(&value, &schema, &schema, &mut Vec::new(), &origin, &text)?;
     let model: ModelConfig = typed(value, &origin, &text, "")?;
     let problems = model.problems(&format!("model/{name}"));
     if !problems.is_empty() {
@@ -162,9 +162,32 @@ fn typed<T: DeserializeOwned>(value: Value, origin: &str, text: &str, prefix: &s
         let key = match (prefix.is_empty(), inner == ".") {
             (true, _) => inner,
             (false, true) => prefix.to_string(),
+            (false, false) if inner.starts_with('[') => format!("{prefix}{inner}"),
             (false, false) => format!("{prefix}.{inner}"),
         };
         let segs: Vec<String> = key.split('.').map(str::to_string).collect();
+        let message = e.inner().to_string();
+        if let Some(rest) = message.strip_prefix("unknown field `") {
+            // serde: "unknown field `x`, expected `a`" / "expected one of `a`, `b`".
+            let mut parts = rest.split('`');
+            let field = parts.next().unwrap_or_default().to_string();
+            let valid: Vec<&str> = parts.skip(1).step_by(2).collect();
+            // The path already ends with the unknown field.
+            let parent = key
+                .strip_suffix(&field)
+                .map(|p| p.trim_end_matches('.'))
+                .unwrap_or(&key);
+            let suggestion = valid
+                .iter()
+                .min_by_key(|v| levenshtein(&field, v))
+                .map(|v| format!("{parent}.{v}"));
+            return ConfigError::UnknownKey {
+                origin: origin.into(),
+                line: None,
+                key,
+                suggestion,
+            };
+        }
         ConfigError::BadValue {
             origin: origin.into(),
             line: find_key_line(text, &segs),
@@ -202,6 +225,7 @@ fn key_str(k: &Value) -> String {
 fn check_keys(
     value: &Value,
     schema: &Value,
+    root: &Value,
     path: &mut Vec<String>,
     origin: &str,
     text: &str,
@@ -212,13 +236,14 @@ fn check_keys(
                 let key = key_str(k);
                 path.push(key.clone());
                 match sm.get(k) {
-                    Some(s) => check_keys(v, s, path, origin, text)?,
+                    Some(s) => check_keys(v, s, root, path, origin, text)?,
                     None => {
                         return Err(ConfigError::UnknownKey {
                             origin: origin.into(),
                             line: find_key_line(text, path),
                             key: path.join("."),
-                            suggestion: suggest(&path[..path.len() - 1], &key, sm),
+                            suggestion: suggest(&path[..path.len() - 1], &key, sm)
+                                .or_else(|| elsewhere(root, &key)),
                         });
                     }
                 }
@@ -284,6 +309,27 @@ fn suggest(parent: &[String], key: &str, siblings: &Mapping) -> Option<String> {
         }
     }
     best.map(|(_, k)| full(&k))
+}
+
+/// The first full path in `root` whose last segment is exactly `key`: a
+/// valid key written in the wrong section (`critic.ppo_epochs`).
+fn elsewhere(root: &Value, key: &str) -> Option<String> {
+    fn walk(v: &Value, path: &mut Vec<String>, key: &str) -> Option<String> {
+        let Value::Mapping(m) = v else { return None };
+        for (k, child) in m {
+            let k = key_str(k);
+            path.push(k.clone());
+            if k == key {
+                return Some(path.join("."));
+            }
+            if let Some(found) = walk(child, path, key) {
+                return Some(found);
+            }
+            path.pop();
+        }
+        None
+    }
+    walk(root, &mut Vec::new(), key)
 }
 
 /// Classic edit distance (insert, delete, substitute), on chars.
@@ -374,7 +420,10 @@ fn apply_override(root: &mut Value, schema: &Value, text: &str) -> Result<()> {
         match next {
             Some(n) => s = n,
             None => {
-                let suggestion = s.as_mapping().and_then(|m| suggest(&segs[..i], seg, m));
+                let suggestion = s
+                    .as_mapping()
+                    .and_then(|m| suggest(&segs[..i], seg, m))
+                    .or_else(|| elsewhere(schema, seg));
                 return Err(ConfigError::UnknownKey {
                     origin,
                     key: segs[..=i].join("."),
@@ -394,7 +443,7 @@ fn apply_override(root: &mut Value, schema: &Value, text: &str) -> Result<()> {
         });
     }
     if value.is_mapping() {
-        check_keys(&value, s, &mut segs.clone(), &origin, "")?;
+        check_keys(&value, s, schema, &mut segs.clone(), &origin, "")?;
     }
 
     set_path(root, &segs, value);

@@ -169,6 +169,16 @@ fn unknown_key_in_file_names_path_line_and_suggestion() {
         err.contains("'algorithm.kl_ctrl.kl_cof'") && err.contains("'algorithm.kl_ctrl.kl_coef'"),
         "{err}"
     );
+    let err = base_with(&[("critic:\n", "critic:\n  ppo_epochs: 2\n")], &[])
+        .unwrap_err()
+        .to_string();
+    let line = BASE.lines().position(|l| l == "critic:").unwrap() + 2;
+    assert!(
+        err.contains(&format!(
+            "'critic.ppo_epochs' at line {line}; did you mean 'actor_rollout.ppo_epochs'?"
+        )),
+        "{err}"
+    );
     let err = base_with(&[("critic:\n", "critc:\n")], &[])
         .unwrap_err()
         .to_string();
@@ -204,6 +214,12 @@ fn unknown_key_in_override_is_rejected_with_suggestion() {
         .unwrap_err()
         .to_string();
     assert!(msg.contains("'algorithm.kl_ctrl.kl_coef'"), "{msg}");
+    // A valid key in the wrong section points at the right one.
+    let msg = tiny(&["critic.ppo_epochs=2"]).unwrap_err().to_string();
+    assert!(
+        msg.contains("did you mean 'actor_rollout.ppo_epochs'?"),
+        "{msg}"
+    );
     let msg = tiny(&["no_equals_sign"]).unwrap_err().to_string();
     assert!(msg.contains("key.path=value"), "{msg}");
 }
@@ -537,6 +553,18 @@ fn model_files_are_checked() {
         .to_string();
     assert!(
         err.contains("= 32 exceeds max_position_embeddings (24) of model 'm'"),
+        "{err}"
+    );
+    let err = from_yaml_str(
+        &text.replace("- model: m", "- modle: m"),
+        "x.yaml",
+        dir.path(),
+        &[],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("unknown key 'defaults[0].modle'; did you mean 'defaults[0].model'?"),
         "{err}"
     );
     let err = from_yaml_str(
