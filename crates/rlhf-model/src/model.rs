@@ -474,6 +474,8 @@ impl Model {
 
     /// Log-probs `[B, T-1]` of tokens `1..T` given their prefixes, at `temperature`
     /// (gather of log-softmax(logits / temperature)); differentiable for trainable models.
+    /// Entry `t` is predicted at position `t`: where that position is padding (the first real
+    /// token of a left-padded row) the value is meaningless and must be masked out.
     pub fn token_log_probs(&self, batch: &Batch, temperature: f64) -> Result<Tensor> {
         let (lp, _) = self.log_probs_and_entropy(batch, temperature, false)?;
         Ok(lp)

@@ -206,10 +206,10 @@ impl Config {
             Some("qwen2") => Family::Qwen2,
             Some(other) => {
                 return Err(Error::UnsupportedArchitecture {
-                    name: archs
-                        .first()
-                        .cloned()
-                        .unwrap_or_else(|| format!("model_type {other}")),
+                    name: match archs.first() {
+                        Some(a) => format!("{a} (model_type {other})"),
+                        None => format!("model_type {other}"),
+                    },
                     supported: SUPPORTED_ARCHITECTURES.to_vec(),
                 })
             }

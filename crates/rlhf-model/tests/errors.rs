@@ -221,3 +221,12 @@ fn wrong_head_calls_are_errors() {
     assert!(matches!(m.values(&b), Err(Error::InvalidArgument(_))));
     assert!(matches!(m.scores(&b), Err(Error::InvalidArgument(_))));
 }
+
+#[test]
+fn out_of_vocabulary_ids_in_a_batch_are_errors() {
+    let m = Model::load(fixture("tiny-llama"), &LoadOptions::inference()).unwrap();
+    let b =
+        rlhf_model::Batch::left_padded(&[vec![1, 5000, 3]], 0, &rlhf_model::Device::Cpu).unwrap();
+    let err = m.logits(&b).unwrap_err();
+    assert!(err.to_string().contains("5000"), "{err}");
+}
