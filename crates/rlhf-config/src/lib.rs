@@ -41,7 +41,7 @@ pub use config::{
     TrainingOverrides,
 };
 pub use error::{ConfigError, Result};
-pub use load::{config_schema, from_yaml_str, load, load_file, load_model};
+pub use load::{config_schema, from_bundle, from_yaml_str, load, load_file, load_model};
 pub use memory::MemoryRow;
 pub use model::ModelConfig;
 pub use plan::{Assignment, Plan};

@@ -71,6 +71,60 @@ pub fn from_yaml_str(
     config_dir: &Path,
     overrides: &[String],
 ) -> Result<PpoConfig> {
+    from_yaml_with(text, origin, overrides, &|name| {
+        load_model(config_dir, name)
+    })
+}
+
+/// Parses a self-contained config made by [`PpoConfig::to_bundle`] (the
+/// resolved YAML plus its model configs), e.g. on a head that has no
+/// `configs/` directory. The config is checked and validated again.
+pub fn from_bundle(bundle: &str) -> Result<PpoConfig> {
+    let b: ConfigBundle = serde_json::from_str(bundle).map_err(|e| ConfigError::Model {
+        origin: "config bundle".into(),
+        reason: format!("not a config bundle: {e}"),
+    })?;
+    let mut cfg = from_yaml_with(&b.config, "config bundle", &[], &|name| {
+        b.models
+            .get(name)
+            .cloned()
+            .ok_or_else(|| ConfigError::Model {
+                origin: "config bundle".into(),
+                reason: format!("defaults names model '{name}' but the bundle does not carry it"),
+            })
+    })?;
+    cfg.source = b.source.map(PathBuf::from);
+    Ok(cfg)
+}
+
+/// What [`PpoConfig::to_bundle`] writes.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct ConfigBundle {
+    config: String,
+    models: std::collections::BTreeMap<String, ModelConfig>,
+    source: Option<String>,
+}
+
+impl PpoConfig {
+    /// The resolved config and the model configs it names, as one JSON
+    /// string that [`from_bundle`] turns back into this config without any
+    /// files (for `submit` to a remote head).
+    pub fn to_bundle(&self) -> String {
+        let b = ConfigBundle {
+            config: self.to_yaml(),
+            models: self.models.clone(),
+            source: self.source.as_ref().map(|p| p.display().to_string()),
+        };
+        serde_json::to_string(&b).unwrap_or_default()
+    }
+}
+
+fn from_yaml_with(
+    text: &str,
+    origin: &str,
+    overrides: &[String],
+    model_source: &dyn Fn(&str) -> Result<ModelConfig>,
+) -> Result<PpoConfig> {
     let mut root: Value = parse_yaml(text, origin)?;
     if root.is_null() {
         root = Value::Mapping(Mapping::new());
@@ -97,7 +151,7 @@ pub fn from_yaml_str(
     cfg.defaults = defaults;
     for entry in &cfg.defaults {
         for name in entry.model.names() {
-            let model = load_model(config_dir, name)?;
+            let model = model_source(name)?;
             cfg.models.insert(name.to_string(), model);
         }
     }

@@ -586,3 +586,43 @@ fn yaml_syntax_errors_carry_the_line() {
         "{err}"
     );
 }
+
+#[test]
+fn resolved_yaml_round_trips() {
+    for name in ["ppo_tiny", "ppo_llama32_1b", "ppo_qwen25_7b"] {
+        let cfg = load(&configs(), name, &["ref.micro_batch_size=2".into()]).unwrap();
+        let yaml = cfg.to_yaml();
+        let mut again = from_yaml_str(&yaml, "resolved.yaml", &configs(), &[])
+            .unwrap_or_else(|e| panic!("{name}: {e}\n{yaml}"));
+        again.source = cfg.source.clone();
+        assert_eq!(again, cfg, "{name}");
+        // The self-contained bundle needs no files.
+        let back = rlhf_config::from_bundle(&cfg.to_bundle()).unwrap();
+        assert_eq!(back, cfg, "{name}");
+    }
+}
+
+#[test]
+fn bundles_without_their_models_are_refused() {
+    let cfg = load(&configs(), "ppo_llama32_1b", &[]).unwrap();
+    let mut v: serde_json::Value = serde_json::from_str(&cfg.to_bundle()).unwrap();
+    v["models"].as_object_mut().unwrap().remove("llama32_1b_rm");
+    let err = rlhf_config::from_bundle(&v.to_string())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("'llama32_1b_rm'"), "{err}");
+    assert!(rlhf_config::from_bundle("{").is_err());
+}
+
+#[test]
+fn null_for_a_required_value_names_the_key() {
+    let err = tiny(&["actor_rollout.ppo_epochs=null"])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("actor_rollout.ppo_epochs"), "{err}");
+    let err = tiny(&["training.lr=null"]).unwrap_err().to_string();
+    assert!(err.contains("training.lr"), "{err}");
+    // In a role section null means "inherit".
+    let cfg = tiny(&["critic.lr=null"]).unwrap();
+    assert_eq!(cfg.resolved(Role::Critic).lr, cfg.training.lr);
+}
