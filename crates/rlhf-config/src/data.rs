@@ -356,6 +356,11 @@ fn parquet_prompt(row: &Row, cols: &Columns) -> std::result::Result<PromptConten
         .ok_or_else(|| format!("no '{key}' column"))?;
     match field {
         Field::Str(s) if cols.messages_key.is_none() => non_empty_text(s),
+        // Binary columns without the UTF8 annotation, as some writers emit.
+        Field::Bytes(b) if cols.messages_key.is_none() => match std::str::from_utf8(b.data()) {
+            Ok(s) => non_empty_text(s),
+            Err(e) => Err(format!("'{key}' is not UTF-8 text: {e}")),
+        },
         Field::ListInternal(list) => {
             let mut msgs = Vec::new();
             for (j, item) in list.elements().iter().enumerate() {

@@ -234,6 +234,7 @@ fn overrides_change_values() {
         "actor_rollout.clip_ratio_c=null",
         "training.bf16=true",
         "checkpoint.resume=latest",
+        "training.lr=1e-5",
     ])
     .unwrap();
     assert_eq!(cfg.actor_rollout.ppo_epochs, 3);
@@ -243,6 +244,7 @@ fn overrides_change_values() {
     assert_eq!(cfg.actor_rollout.clip_ratio_c, None);
     assert!(cfg.training.bf16);
     assert_eq!(cfg.checkpoint.resume.as_deref(), Some("latest"));
+    assert_eq!(cfg.training.lr, 1e-5);
     // Unchanged keys keep the file's values.
     assert_eq!(cfg.actor_rollout.num_samples_per_step, 2);
 }

@@ -219,6 +219,26 @@ fn parquet_prompt_column_with_null_rows() {
         "{err}"
     );
 
+    // Binary (non-UTF8-annotated) columns are read as text when they are UTF-8.
+    let raw = dir.path().join("raw.parquet");
+    write_parquet(
+        &raw,
+        "message schema { REQUIRED BYTE_ARRAY prompt; }",
+        vec![Column {
+            values: vec![ba("1+1="), ByteArray::from(vec![0xff, 0xfe])],
+            defs: vec![0, 0],
+            reps: None,
+        }],
+    );
+    let ds = PromptDataset::from_parquet(&raw, &cols(), BadRows::Skip).unwrap();
+    assert_eq!(ds.records[0].content, PromptContent::Text("1+1=".into()));
+    assert_eq!(ds.report.bad[0].location, "row 1");
+    assert!(
+        ds.report.bad[0].reason.contains("not UTF-8"),
+        "{:?}",
+        ds.report.bad
+    );
+
     // Not a parquet file; format forced by config.
     let fake = dir.path().join("fake.data");
     std::fs::write(&fake, "hello").unwrap();
