@@ -60,5 +60,6 @@ pub use ops::{entropy_from_logits, log_probs_from_logits, masked_mean};
 pub use tokenizer::{ChatMessage, Tokenizer};
 pub use train::{AdamW, AdamWConfig, GradAccumulator, Gradients, LrSchedule, LrScheduler};
 pub use transformer::{
-    position_ids_from_mask, Config, Family, Kernels, KvCache, RopeScaling, SUPPORTED_ARCHITECTURES,
+    position_ids_from_mask, Config, Family, Kernels, KvCache, MemoryEstimate, RopeScaling,
+    SUPPORTED_ARCHITECTURES,
 };

@@ -411,15 +411,86 @@ impl Config {
         }
     }
 
-    /// Number of parameters of the decoder plus LM head.
+    /// Number of parameters of the decoder plus LM head (tied heads count once).
     pub fn num_params(&self) -> usize {
         let h = self.hidden_size;
+        let i = self.intermediate_size;
         let q = self.num_attention_heads * self.head_dim;
         let kv = self.num_key_value_heads * self.head_dim;
-        let per_layer = h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size + 2 * h;
+        let mut per_layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h;
+        if self.qkv_bias {
+            per_layer += q + 2 * kv;
+        }
+        if self.o_bias {
+            per_layer += h;
+        }
+        if self.mlp_bias {
+            per_layer += 2 * i + h;
+        }
         let embed = self.vocab_size * h;
         let head = if self.tie_word_embeddings { 0 } else { embed };
         embed + head + h + self.num_hidden_layers * per_layer
+    }
+
+    /// Rough memory needs of one role, to refuse a plan that cannot fit before launching it.
+    ///
+    /// Weights in `dtype`; when `trainable`, gradients in `dtype` plus AdamW moments in f32 and
+    /// activations kept for backward (about 34 * hidden + 5 * heads * seq values per token and
+    /// layer, after Korthikanti et al. 2022, plus three copies of the logits); a KV cache in
+    /// `dtype` for `batch` sequences of `seq_len` tokens when not trainable.
+    pub fn memory_estimate(
+        &self,
+        dtype: DType,
+        trainable: bool,
+        batch: usize,
+        seq_len: usize,
+    ) -> MemoryEstimate {
+        let bytes = dtype.size_in_bytes();
+        let params = self.num_params();
+        let weights = params * bytes;
+        let tokens = batch * seq_len;
+        let kv_cache_per_token =
+            2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * bytes;
+        if trainable {
+            let per_token_layer = 34 * self.hidden_size + 5 * self.num_attention_heads * seq_len;
+            let activations = tokens * self.num_hidden_layers * per_token_layer * bytes
+                + 3 * tokens * self.vocab_size * 4;
+            MemoryEstimate {
+                weights,
+                gradients: params * bytes,
+                optimizer: params * 8,
+                activations,
+                kv_cache: 0,
+                kv_cache_per_token,
+            }
+        } else {
+            MemoryEstimate {
+                weights,
+                gradients: 0,
+                optimizer: 0,
+                activations: batch * self.vocab_size * 4,
+                kv_cache: tokens * kv_cache_per_token,
+                kv_cache_per_token,
+            }
+        }
+    }
+}
+
+/// Bytes a role needs, by kind (see [`Config::memory_estimate`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryEstimate {
+    pub weights: usize,
+    pub gradients: usize,
+    pub optimizer: usize,
+    pub activations: usize,
+    pub kv_cache: usize,
+    pub kv_cache_per_token: usize,
+}
+
+impl MemoryEstimate {
+    /// Sum of all parts.
+    pub fn total(&self) -> usize {
+        self.weights + self.gradients + self.optimizer + self.activations + self.kv_cache
     }
 }
 

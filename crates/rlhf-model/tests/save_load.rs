@@ -291,3 +291,29 @@ fn models_can_move_to_a_compute_thread() {
     assert_send::<Tokenizer>();
     assert_send::<AdamW>();
 }
+
+#[test]
+fn parameter_count_and_memory_estimate_match_the_loaded_models() {
+    for name in ["tiny-llama", "tiny-qwen2", "tiny-llama3-rope"] {
+        let m = Model::load(fixture(name), &LoadOptions::inference()).unwrap();
+        assert_eq!(m.config().num_params(), m.params().num_params(), "{name}");
+        let est = m
+            .config()
+            .memory_estimate(rlhf_model::DType::BF16, false, 4, 100);
+        assert_eq!(est.weights, 2 * m.params().num_params());
+        // 2 (k, v) * 2 layers * 2 KV heads * 16 head dim * 2 bytes.
+        assert_eq!(est.kv_cache_per_token, 2 * 2 * 2 * 16 * 2);
+        assert_eq!(est.kv_cache, 400 * est.kv_cache_per_token);
+        let train = m
+            .config()
+            .memory_estimate(rlhf_model::DType::F32, true, 4, 100);
+        assert_eq!(train.optimizer, 8 * m.params().num_params());
+        assert!(train.total() > est.total());
+        assert!(
+            m.config()
+                .memory_estimate(rlhf_model::DType::F32, true, 8, 100)
+                .activations
+                > train.activations
+        );
+    }
+}
