@@ -278,14 +278,48 @@ pub(crate) fn normal_pair(rng: &mut impl Rng) -> (f64, f64) {
 /// Writes named tensors to one safetensors file with `{"format": "pt"}` metadata, which
 /// transformers expects.
 pub fn save_safetensors(tensors: &[(String, Tensor)], path: &Path) -> Result<()> {
+    save_safetensors_with_metadata(tensors, &[], path)
+}
+
+/// As [`save_safetensors`], with extra string metadata in the header.
+pub fn save_safetensors_with_metadata(
+    tensors: &[(String, Tensor)],
+    metadata: &[(&str, String)],
+    path: &Path,
+) -> Result<()> {
     let mut map = std::collections::HashMap::new();
     for (name, t) in tensors {
         map.insert(name.clone(), t.contiguous()?);
     }
     let mut meta = std::collections::HashMap::new();
     meta.insert("format".to_string(), "pt".to_string());
+    for (k, v) in metadata {
+        meta.insert((*k).to_string(), v.clone());
+    }
     safetensors::serialize_to_file(&map, Some(meta), path).map_err(|e| Error::Io {
         path: path.to_path_buf(),
         source: std::io::Error::other(e.to_string()),
     })
+}
+
+/// Reads every tensor and the header metadata of one safetensors file.
+pub fn load_safetensors(
+    path: &Path,
+    device: &Device,
+) -> Result<(
+    Vec<(String, Tensor)>,
+    std::collections::HashMap<String, String>,
+)> {
+    let data = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+    let bad = |e: safetensors::SafeTensorError| Error::Json {
+        path: path.to_path_buf(),
+        message: format!("not a safetensors file: {e}"),
+    };
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&data).map_err(bad)?;
+    let meta = meta.metadata().clone().unwrap_or_default();
+    let mut tensors: Vec<(String, Tensor)> = candle_core::safetensors::load_buffer(&data, device)?
+        .into_iter()
+        .collect();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    Ok((tensors, meta))
 }
