@@ -302,14 +302,14 @@ pub fn save_safetensors_with_metadata(
     })
 }
 
-/// Reads every tensor and the header metadata of one safetensors file.
-pub fn load_safetensors(
-    path: &Path,
-    device: &Device,
-) -> Result<(
+/// Named tensors (sorted by name) and header metadata of a safetensors file.
+pub type SafetensorsContent = (
     Vec<(String, Tensor)>,
     std::collections::HashMap<String, String>,
-)> {
+);
+
+/// Reads every tensor and the header metadata of one safetensors file.
+pub fn load_safetensors(path: &Path, device: &Device) -> Result<SafetensorsContent> {
     let data = std::fs::read(path).map_err(|e| Error::io(path, e))?;
     let bad = |e: safetensors::SafeTensorError| Error::Json {
         path: path.to_path_buf(),
