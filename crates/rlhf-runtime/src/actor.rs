@@ -117,7 +117,7 @@ pub async fn run(opts: ActorOptions, shutdown: CancellationToken) -> Result<()> 
         .max_encoding_message_size(MAX_MESSAGE_BYTES),
         CheckToken::new(&opts.token, "actor"),
     );
-    tonic::transport::Server::builder()
+    net::server_builder()
         .add_service(svc)
         .serve_with_incoming_shutdown(
             tokio_stream::wrappers::TcpListenerStream::new(listener),

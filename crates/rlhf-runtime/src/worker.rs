@@ -452,7 +452,7 @@ pub async fn run(opts: WorkerOptions, shutdown: CancellationToken) -> Result<()>
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
     let sd = shutdown.clone();
     let server = tokio::spawn(async move {
-        if let Err(e) = tonic::transport::Server::builder()
+        if let Err(e) = net::server_builder()
             .add_service(svc)
             .serve_with_incoming_shutdown(incoming, sd.cancelled_owned())
             .await

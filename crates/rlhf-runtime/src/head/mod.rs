@@ -483,7 +483,7 @@ pub async fn start(
             .max_encoding_message_size(MAX_MESSAGE_BYTES),
         CheckToken::new(&opts.token, "head"),
     );
-    let mut builder = tonic::transport::Server::builder();
+    let mut builder = net::server_builder();
     if let Some(tls) = tls {
         builder = builder
             .tls_config(tls)
