@@ -39,6 +39,21 @@ fn gpu_bundles(n: usize, gpus: f64) -> Vec<pb::Bundle> {
         .collect()
 }
 
+fn pg_req(
+    name: &str,
+    strategy: pb::PlacementStrategy,
+    n: usize,
+    gpus: f64,
+    timeout_ms: u64,
+) -> pb::CreatePlacementGroupRequest {
+    pb::CreatePlacementGroupRequest {
+        name: name.into(),
+        strategy: strategy as i32,
+        bundles: gpu_bundles(n, gpus),
+        timeout_ms,
+    }
+}
+
 fn test_actor(pg_id: &str, bundle: i32) -> pb::CreateActorRequest {
     pb::CreateActorRequest {
         spec: Some(pb::ActorSpec {
@@ -92,12 +107,7 @@ fn three_workers_appear_in_status_and_groups_place_all_or_nothing() -> Result<()
         let mut h = head_client(&c).await?;
         // SPREAD: three bundles on three different nodes.
         let pg = h
-            .create_placement_group(pb::CreatePlacementGroupRequest {
-                name: "spread".into(),
-                strategy: pb::PlacementStrategy::Spread as i32,
-                bundles: gpu_bundles(3, 1.0),
-                timeout_ms: 0,
-            })
+            .create_placement_group(pg_req("spread", pb::PlacementStrategy::Spread, 3, 1.0, 0))
             .await?
             .into_inner()
             .placement_group
@@ -109,12 +119,13 @@ fn three_workers_appear_in_status_and_groups_place_all_or_nothing() -> Result<()
 
         // Impossible: refused at once, naming the resource, the shortfall and the nodes.
         let e = h
-            .create_placement_group(pb::CreatePlacementGroupRequest {
-                name: "huge".into(),
-                strategy: pb::PlacementStrategy::StrictSpread as i32,
-                bundles: gpu_bundles(3, 4.0),
-                timeout_ms: 0,
-            })
+            .create_placement_group(pg_req(
+                "huge",
+                pb::PlacementStrategy::StrictSpread,
+                3,
+                4.0,
+                0,
+            ))
             .await
             .unwrap_err();
         assert_eq!(e.code(), tonic::Code::ResourceExhausted);
@@ -128,25 +139,15 @@ fn three_workers_appear_in_status_and_groups_place_all_or_nothing() -> Result<()
         // Waiting variant: fails after the timeout, then succeeds once resources are freed.
         let t = Instant::now();
         let e = h
-            .create_placement_group(pb::CreatePlacementGroupRequest {
-                name: "wait".into(),
-                strategy: pb::PlacementStrategy::Pack as i32,
-                bundles: gpu_bundles(1, 4.0),
-                timeout_ms: 600,
-            })
+            .create_placement_group(pg_req("wait", pb::PlacementStrategy::Pack, 1, 4.0, 600))
             .await
             .unwrap_err();
         assert!(t.elapsed() >= Duration::from_millis(600));
         assert!(e.message().contains("waited 600 ms"), "{}", e.message());
         let mut h2 = h.clone();
         let waiter = tokio::spawn(async move {
-            h2.create_placement_group(pb::CreatePlacementGroupRequest {
-                name: "wait2".into(),
-                strategy: pb::PlacementStrategy::Pack as i32,
-                bundles: gpu_bundles(1, 4.0),
-                timeout_ms: 10_000,
-            })
-            .await
+            h2.create_placement_group(pg_req("wait2", pb::PlacementStrategy::Pack, 1, 4.0, 10_000))
+                .await
         });
         tokio::time::sleep(Duration::from_millis(300)).await;
         h.remove_placement_group(pb::RemovePlacementGroupRequest {
@@ -166,12 +167,7 @@ fn actors_run_on_their_bundle_node_answer_directly_and_report_crashes() -> Resul
     rt().block_on(async {
         let mut h = head_client(&c).await?;
         let pg = h
-            .create_placement_group(pb::CreatePlacementGroupRequest {
-                name: "g".into(),
-                strategy: pb::PlacementStrategy::StrictSpread as i32,
-                bundles: gpu_bundles(2, 1.0),
-                timeout_ms: 0,
-            })
+            .create_placement_group(pg_req("g", pb::PlacementStrategy::StrictSpread, 2, 1.0, 0))
             .await?
             .into_inner()
             .placement_group
@@ -255,12 +251,7 @@ fn killed_worker_is_marked_dead_within_threshold_with_its_actors() -> Result<()>
     let actor = rt().block_on(async {
         let mut h = head_client(&c).await?;
         let pg = h
-            .create_placement_group(pb::CreatePlacementGroupRequest {
-                name: "g".into(),
-                strategy: pb::PlacementStrategy::Pack as i32,
-                bundles: gpu_bundles(1, 4.0),
-                timeout_ms: 0,
-            })
+            .create_placement_group(pg_req("g", pb::PlacementStrategy::Pack, 1, 4.0, 0))
             .await?
             .into_inner()
             .placement_group
@@ -360,12 +351,7 @@ fn restarted_head_gets_its_state_back_and_workers_reregister() -> Result<()> {
     let (pg, actor) = rt().block_on(async {
         let mut h = head_client(&c).await?;
         let pg = h
-            .create_placement_group(pb::CreatePlacementGroupRequest {
-                name: "keep".into(),
-                strategy: pb::PlacementStrategy::Spread as i32,
-                bundles: gpu_bundles(2, 1.0),
-                timeout_ms: 0,
-            })
+            .create_placement_group(pg_req("keep", pb::PlacementStrategy::Spread, 2, 1.0, 0))
             .await?
             .into_inner()
             .placement_group
