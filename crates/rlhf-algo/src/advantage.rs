@@ -205,6 +205,37 @@ pub(crate) fn gae_host(
     (adv, ret)
 }
 
+/// The shape the group-baseline estimators share: each row's score (sum of its
+/// token rewards) judged against its group's `(mean, std, count)` by `per_row`,
+/// broadcast over the row's tokens, optionally whitened over the batch.
+/// Returns equal advantages.
+fn group_outcome(
+    token_rewards: &Tensor,
+    response_mask: &Tensor,
+    group_ids: &[usize],
+    whiten: bool,
+    per_row: impl Fn(f64, f64, f64, usize) -> f64,
+) -> Result<Advantages> {
+    let b = Batch::new(response_mask)?;
+    let r = b.token("token_rewards", token_rewards, response_mask)?;
+    let groups = b.groups(group_ids)?;
+    let scores = b.row_scores(&r);
+    let (mean, std, count) = group_stats(&scores, &groups);
+    let per: Vec<f64> = scores
+        .iter()
+        .zip(&groups)
+        .map(|(&s, &g)| per_row(s, mean[g], std[g], count[g]))
+        .collect();
+    let mut adv = b.broadcast_rows(&per);
+    if whiten {
+        host_whiten(&mut adv, &b.mask, true)?;
+    }
+    Ok(Advantages {
+        advantages: b.tensor(adv.clone())?,
+        returns: b.tensor(adv)?,
+    })
+}
+
 /// GRPO outcome advantage (verl `compute_grpo_outcome_advantage`): each row's
 /// score (sum of its token rewards) minus its group's mean, divided by the
 /// group's std plus `eps` when `norm_by_std`; broadcast over the row's tokens.
@@ -216,27 +247,19 @@ pub fn grpo_outcome_advantage(
     norm_by_std: bool,
     eps: f64,
 ) -> Result<Advantages> {
-    let b = Batch::new(response_mask)?;
-    let r = b.token("token_rewards", token_rewards, response_mask)?;
-    let groups = b.groups(group_ids)?;
-    let scores = b.row_scores(&r);
-    let (mean, std, _) = group_stats(&scores, &groups);
-    let adv: Vec<f64> = scores
-        .iter()
-        .zip(&groups)
-        .map(|(&s, &g)| {
+    group_outcome(
+        token_rewards,
+        response_mask,
+        group_ids,
+        false,
+        |s, mean, std, _| {
             if norm_by_std {
-                (s - mean[g]) / (std[g] + eps)
+                (s - mean) / (std + eps)
             } else {
-                s - mean[g]
+                s - mean
             }
-        })
-        .collect();
-    let adv = b.broadcast_rows(&adv);
-    Ok(Advantages {
-        advantages: b.tensor(adv.clone())?,
-        returns: b.tensor(adv)?,
-    })
+        },
+    )
 }
 
 /// RLOO outcome advantage (verl `compute_rloo_outcome_advantage`): with `n`
@@ -247,28 +270,20 @@ pub fn rloo_outcome_advantage(
     response_mask: &Tensor,
     group_ids: &[usize],
 ) -> Result<Advantages> {
-    let b = Batch::new(response_mask)?;
-    let r = b.token("token_rewards", token_rewards, response_mask)?;
-    let groups = b.groups(group_ids)?;
-    let scores = b.row_scores(&r);
-    let (mean, _, count) = group_stats(&scores, &groups);
-    let adv: Vec<f64> = scores
-        .iter()
-        .zip(&groups)
-        .map(|(&s, &g)| {
-            let n = count[g] as f64;
-            if count[g] > 1 {
-                (s - mean[g]) * n / (n - 1.0)
+    group_outcome(
+        token_rewards,
+        response_mask,
+        group_ids,
+        false,
+        |s, mean, _, count| {
+            let n = count as f64;
+            if count > 1 {
+                (s - mean) * n / (n - 1.0)
             } else {
                 s
             }
-        })
-        .collect();
-    let adv = b.broadcast_rows(&adv);
-    Ok(Advantages {
-        advantages: b.tensor(adv.clone())?,
-        returns: b.tensor(adv)?,
-    })
+        },
+    )
 }
 
 /// REINFORCE++ (verl `compute_reinforce_plus_plus_outcome_advantage`): the
@@ -314,22 +329,13 @@ pub fn reinforce_plus_plus_baseline_advantage(
     response_mask: &Tensor,
     group_ids: &[usize],
 ) -> Result<Advantages> {
-    let b = Batch::new(response_mask)?;
-    let r = b.token("token_rewards", token_rewards, response_mask)?;
-    let groups = b.groups(group_ids)?;
-    let scores = b.row_scores(&r);
-    let (mean, _, _) = group_stats(&scores, &groups);
-    let centered: Vec<f64> = scores
-        .iter()
-        .zip(&groups)
-        .map(|(&s, &g)| s - mean[g])
-        .collect();
-    let mut adv = b.broadcast_rows(&centered);
-    host_whiten(&mut adv, &b.mask, true)?;
-    Ok(Advantages {
-        advantages: b.tensor(adv.clone())?,
-        returns: b.tensor(adv)?,
-    })
+    group_outcome(
+        token_rewards,
+        response_mask,
+        group_ids,
+        true,
+        |s, mean, _, _| s - mean,
+    )
 }
 
 /// ReMax (verl `compute_remax_outcome_advantage`): undiscounted return-to-go
