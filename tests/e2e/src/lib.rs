@@ -139,6 +139,14 @@ pub fn wait_for<T>(
     }
 }
 
+/// Nodes in state ALIVE in a `status --format json` document.
+pub fn count_alive(status: &Value) -> usize {
+    status["nodes"]
+        .as_array()
+        .map(|a| a.iter().filter(|n| n["state"] == "ALIVE").count())
+        .unwrap_or(0)
+}
+
 /// A head (and workers) on loopback, in a private state directory.
 pub struct Cluster {
     pub dir: tempfile::TempDir,
@@ -261,21 +269,13 @@ impl Cluster {
     }
 
     pub fn alive_nodes(&self) -> Result<usize> {
-        let s = self.status()?;
-        Ok(s["nodes"]
-            .as_array()
-            .map(|a| a.iter().filter(|n| n["state"] == "ALIVE").count())
-            .unwrap_or(0))
+        Ok(count_alive(&self.status()?))
     }
 
     pub fn wait_alive_nodes(&self, n: usize, timeout: Duration) -> Result<Value> {
         wait_for(timeout, &format!("{n} alive nodes"), || {
             let s = self.status()?;
-            let alive = s["nodes"]
-                .as_array()
-                .map(|a| a.iter().filter(|x| x["state"] == "ALIVE").count())
-                .unwrap_or(0);
-            Ok((alive == n).then_some(s))
+            Ok((count_alive(&s) == n).then_some(s))
         })
     }
 

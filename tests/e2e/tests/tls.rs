@@ -73,11 +73,7 @@ fn tls_head_is_verified_by_joining_nodes() -> Result<()> {
             String::from_utf8_lossy(&out.stderr)
         );
         let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
-        let alive = v["nodes"]
-            .as_array()
-            .map(|a| a.iter().any(|n| n["state"] == "ALIVE"))
-            .unwrap_or(false);
-        Ok(alive.then_some(v))
+        Ok((rlhf_e2e::count_alive(&v) > 0).then_some(v))
     })?;
     assert_eq!(s["resources"]["total"]["GPU"], 1.0);
 
