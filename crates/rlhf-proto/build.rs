@@ -3,7 +3,7 @@ use std::path::PathBuf;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../proto");
-    let files = ["common.proto", "head.proto", "worker.proto", "actor.proto"]
+    let files = ["common.proto", "head.proto", "worker.proto", "actor.proto", "role.proto"]
         .map(|f| root.join("rlhf/v1").join(f));
     for f in &files {
         println!("cargo:rerun-if-changed={}", f.display());

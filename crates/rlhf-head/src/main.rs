@@ -1,4 +1,6 @@
-//! `rlhf-head`: start a head node, show cluster status, stop the cluster.
+//! `rlhf-head`: start a head node, show cluster status, stop the cluster, run PPO jobs.
+
+mod run_cmd;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -26,21 +28,21 @@ struct Cli {
 }
 
 #[derive(clap::Args, Clone)]
-struct Connect {
+pub(crate) struct Connect {
     /// Head address HOST:PORT; defaults to the head started from this machine's state dir.
     #[arg(long)]
-    address: Option<String>,
+    pub(crate) address: Option<String>,
     /// File holding the cluster token (default: the state dir's token file, or $RLHF_TOKEN).
     #[arg(long)]
-    token_file: Option<PathBuf>,
+    pub(crate) token_file: Option<PathBuf>,
     /// CA certificate (PEM) to verify a head that serves TLS.
     #[arg(long)]
-    tls_ca: Option<PathBuf>,
+    pub(crate) tls_ca: Option<PathBuf>,
     /// Seconds to keep retrying an unreachable head.
     #[arg(long, default_value_t = 10.0)]
-    connect_timeout: f64,
+    pub(crate) connect_timeout: f64,
     #[arg(long, env = "RLHF_STATE_DIR")]
-    state_dir: Option<PathBuf>,
+    pub(crate) state_dir: Option<PathBuf>,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -95,6 +97,12 @@ enum Cmd {
         #[command(flatten)]
         conn: Connect,
     },
+    /// Run a PPO job to the end: on an embedded head + local worker, or on a running cluster
+    /// with --address.
+    Run(run_cmd::RunArgs),
+    /// Validate a job config, print the resolved config, the placement plan and the memory
+    /// estimate; run nothing.
+    Check(run_cmd::CheckArgs),
 }
 
 fn main() -> ExitCode {
@@ -120,7 +128,7 @@ fn head_info_path(state_dir: &std::path::Path) -> PathBuf {
     state_dir.join("head.json")
 }
 
-async fn client(conn: &Connect) -> Result<HeadServiceClient<net::AuthChannel>> {
+pub(crate) async fn client(conn: &Connect) -> Result<HeadServiceClient<net::AuthChannel>> {
     let state_dir = conn
         .state_dir
         .clone()
@@ -263,5 +271,7 @@ async fn run(cli: Cli) -> Result<()> {
             println!("stopping the cluster");
             Ok(())
         }
+        Cmd::Run(args) => run_cmd::run(args).await,
+        Cmd::Check(args) => run_cmd::check(args).await,
     }
 }
