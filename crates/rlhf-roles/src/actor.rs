@@ -1,0 +1,308 @@
+//! One role process's state as the compute thread owns it: the loaded role and its
+//! communicator groups, driven by plain method calls (the RPC adapter in `server` only
+//! converts messages).
+
+use std::path::Path;
+
+use rlhf_config::PpoConfig;
+use rlhf_core::batch::DataBatch;
+use rlhf_proto::v1 as pb;
+
+use crate::comm::{Groups, JoinSpec, Prepared};
+use crate::error::{Ctx, Error, Result};
+use crate::reward::Reward;
+use crate::roles::{Critic, RefPolicy, Rollout, Trainer};
+
+/// The role kinds `rlhf-worker actor --kind` accepts besides `test`.
+pub const ROLE_KINDS: &[&str] = &["actor_rollout", "ref", "critic", "reward"];
+
+/// The loaded role.
+pub enum Role {
+    Trainer(Box<Trainer>),
+    Rollout(Box<Rollout>),
+    Ref(Box<RefPolicy>),
+    Critic(Box<Critic>),
+    Reward(Box<Reward>),
+}
+
+/// Batch calls, by RPC name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BatchCall {
+    Generate,
+    ComputeLogProbs,
+    ComputeValues,
+    ComputeScores,
+    UpdateActor,
+    UpdateCritic,
+}
+
+impl BatchCall {
+    pub fn name(self) -> &'static str {
+        match self {
+            BatchCall::Generate => "Generate",
+            BatchCall::ComputeLogProbs => "ComputeLogProbs",
+            BatchCall::ComputeValues => "ComputeValues",
+            BatchCall::ComputeScores => "ComputeScores",
+            BatchCall::UpdateActor => "UpdateActor",
+            BatchCall::UpdateCritic => "UpdateCritic",
+        }
+    }
+}
+
+/// Everything the compute thread owns.
+pub struct RoleActor {
+    /// The process kind (`--kind`): InitRole must name the same role.
+    pub kind: String,
+    /// IP the TCP rendezvous binds on (reachable by the other ranks).
+    pub host: String,
+    pub role: Option<Role>,
+    pub groups: Groups,
+    /// (role, part, rank, world) once initialised.
+    pub ident: Option<(String, String, usize, usize)>,
+}
+
+impl RoleActor {
+    pub fn new(kind: &str, host: &str) -> Self {
+        Self {
+            kind: kind.to_string(),
+            host: host.to_string(),
+            role: None,
+            groups: Groups::new(),
+            ident: None,
+        }
+    }
+
+    fn label(&self) -> String {
+        match &self.ident {
+            Some((role, part, rank, _)) if !part.is_empty() => format!("{role} {part} rank {rank}"),
+            Some((role, _, rank, _)) => format!("{role} rank {rank}"),
+            None => format!("{} (not initialised)", self.kind),
+        }
+    }
+
+    fn role(&mut self) -> Result<&mut Role> {
+        let kind = self.kind.clone();
+        self.role.as_mut().ok_or_else(|| {
+            Error::invalid(format!(
+                "the {kind} actor is not initialised; call InitRole first"
+            ))
+        })
+    }
+
+    pub fn init(&mut self, req: &pb::InitRoleRequest) -> Result<pb::InitRoleResponse> {
+        if self.role.is_some() {
+            return Err(Error::invalid(format!(
+                "{} is already initialised; InitRole runs once per process",
+                self.label()
+            )));
+        }
+        if req.role != self.kind && self.kind != "any" {
+            return Err(Error::invalid(format!(
+                "InitRole for role '{}' sent to a '{}' actor process",
+                req.role, self.kind
+            )));
+        }
+        let cfg: PpoConfig = rlhf_config::from_bundle(&req.config_bundle)?;
+        let (rank, world) = (req.rank as usize, req.world_size.max(1) as usize);
+        if rank >= world {
+            return Err(Error::invalid(format!(
+                "InitRole: rank {rank} is out of range for world_size {world}"
+            )));
+        }
+        let role = match (req.role.as_str(), req.part.as_str()) {
+            ("actor_rollout", "train") => {
+                Role::Trainer(Box::new(Trainer::from_config(&cfg, rank, world)?))
+            }
+            ("actor_rollout", "infer") => Role::Rollout(Box::new(Rollout::from_config(&cfg)?)),
+            ("actor_rollout", other) => {
+                return Err(Error::invalid(format!(
+                    "actor_rollout part '{other}' is unknown; use 'train' or 'infer'"
+                )))
+            }
+            ("ref", _) => Role::Ref(Box::new(RefPolicy::from_config(&cfg)?)),
+            ("critic", _) => Role::Critic(Box::new(Critic::from_config(&cfg, rank, world)?)),
+            ("reward", _) => Role::Reward(Box::new(Reward::from_config(&cfg)?)),
+            (other, _) => {
+                return Err(Error::invalid(format!(
+                    "unknown role '{other}'; known roles: {}",
+                    ROLE_KINDS.join(", ")
+                )))
+            }
+        };
+        let (model, num_params, checksum) = match &role {
+            Role::Trainer(t) => (src(&t.model), t.model.params().num_params(), t.checksum()?),
+            Role::Rollout(r) => (src(&r.model), r.model.params().num_params(), r.checksum()?),
+            Role::Ref(r) => (src(&r.model), r.model.params().num_params(), r.checksum()?),
+            Role::Critic(c) => (src(&c.model), c.model.params().num_params(), c.checksum()?),
+            Role::Reward(w) => match w.as_ref() {
+                Reward::Model { model, .. } => (
+                    src(model),
+                    model.params().num_params(),
+                    crate::weights::weights_checksum(model)?,
+                ),
+                other => (other.describe(), 0, 0),
+            },
+        };
+        self.role = Some(role);
+        self.ident = Some((req.role.clone(), req.part.clone(), rank, world));
+        Ok(pb::InitRoleResponse {
+            model,
+            num_params: num_params as u64,
+            weights_checksum: checksum,
+            device: "cpu".into(),
+        })
+    }
+
+    pub fn prepare_comm(&mut self, req: &pb::PrepareCommRequest) -> Result<Prepared> {
+        let host = self.host.clone();
+        self.groups.prepare(&req.group, &req.backend, &host)
+    }
+
+    pub fn join_comm(&mut self, req: &pb::JoinCommRequest) -> Result<()> {
+        self.groups.join(&JoinSpec {
+            group: req.group.clone(),
+            backend: req.backend.clone(),
+            rank: req.rank as usize,
+            world_size: req.world_size as usize,
+            address: req.address.clone(),
+            unique_id: req.unique_id.clone(),
+            timeout_ms: req.timeout_ms,
+        })
+    }
+
+    fn world(&self) -> usize {
+        self.ident.as_ref().map_or(1, |i| i.3)
+    }
+
+    /// Runs a batch call; the error names the role, rank and call.
+    pub fn batch(&mut self, call: BatchCall, batch: &DataBatch) -> Result<DataBatch> {
+        let label = self.label();
+        let world = self.world();
+        let wrong =
+            |label: &str| Error::invalid(format!("{} is not served by {label}", call.name()));
+        let out = match (call, self.role()?) {
+            (BatchCall::Generate, Role::Rollout(r)) => r.generate(batch),
+            (BatchCall::ComputeLogProbs, Role::Trainer(t)) => t.compute_log_probs(batch),
+            (BatchCall::ComputeLogProbs, Role::Ref(r)) => r.compute_log_probs(batch),
+            (BatchCall::ComputeValues, Role::Critic(c)) => c.compute_values(batch),
+            (BatchCall::ComputeScores, Role::Reward(w)) => w.compute_scores(batch),
+            (BatchCall::UpdateActor, Role::Trainer(_)) => self.update(call, batch, world),
+            (BatchCall::UpdateCritic, Role::Critic(_)) => self.update(call, batch, world),
+            _ => Err(wrong(&label)),
+        };
+        out.with_ctx(|| format!("{label} {}", call.name()))
+    }
+
+    fn update(&mut self, call: BatchCall, batch: &DataBatch, world: usize) -> Result<DataBatch> {
+        let group = if call == BatchCall::UpdateActor {
+            "actor_dp"
+        } else {
+            "critic_dp"
+        };
+        let comm = self.groups.get(group, world)?;
+        let res = match self.role.as_mut() {
+            Some(Role::Trainer(t)) => t.update(comm, batch),
+            Some(Role::Critic(c)) => c.update(comm, batch),
+            _ => Err(Error::internal("update on a role without an optimizer")),
+        };
+        if matches!(&res, Err(e) if is_collective(e)) {
+            self.groups.forget(group);
+        }
+        res
+    }
+
+    pub fn sync_weights(
+        &mut self,
+        req: &pb::SyncWeightsRequest,
+    ) -> Result<pb::SyncWeightsResponse> {
+        let label = self.label();
+        let group = if req.group.is_empty() {
+            "weights"
+        } else {
+            req.group.as_str()
+        };
+        let bucket = req.bucket_bytes as usize;
+        let size_hint = 2;
+        let comm = self.groups.get(group, size_hint)?;
+        let res = match self.role.as_mut() {
+            Some(Role::Trainer(t)) => t.send_weights(comm, req.version, bucket),
+            Some(Role::Rollout(r)) => r.recv_weights(comm, req.version, bucket),
+            _ => Err(Error::invalid(format!(
+                "SyncWeights is served by actor_rollout ranks only, not by {label}"
+            ))),
+        };
+        if matches!(&res, Err(e) if is_collective(e)) {
+            self.groups.forget(group);
+        }
+        let (stats, checksum) = res.with_ctx(|| format!("{label} SyncWeights"))?;
+        Ok(pb::SyncWeightsResponse {
+            checksum,
+            bytes: stats.bytes,
+            buckets: stats.buckets as u32,
+            seconds: stats.elapsed.as_secs_f64(),
+            version: req.version,
+        })
+    }
+
+    pub fn weights_checksum(&mut self) -> Result<pb::WeightsChecksumResponse> {
+        let (checksum, version) = match self.role()? {
+            Role::Trainer(t) => (t.checksum()?, t.version),
+            Role::Rollout(r) => (r.checksum()?, r.version),
+            Role::Ref(r) => (r.checksum()?, 0),
+            Role::Critic(c) => (c.checksum()?, c.version),
+            Role::Reward(w) => match w.as_ref() {
+                Reward::Model { model, .. } => (crate::weights::weights_checksum(model)?, 0),
+                _ => (0, 0),
+            },
+        };
+        Ok(pb::WeightsChecksumResponse { checksum, version })
+    }
+
+    pub fn save_checkpoint(&mut self, dir: &str) -> Result<Vec<String>> {
+        let label = self.label();
+        let dir = checkpoint_dir(dir)?;
+        match self.role()? {
+            Role::Trainer(t) => t.save_checkpoint(dir),
+            Role::Critic(c) => c.save_checkpoint(dir),
+            _ => Err(Error::invalid(format!(
+                "SaveCheckpoint is for trainable roles (actor_rollout train, critic), not {label}"
+            ))),
+        }
+        .with_ctx(|| format!("{label} SaveCheckpoint"))
+    }
+
+    pub fn load_checkpoint(&mut self, dir: &str) -> Result<u64> {
+        let label = self.label();
+        let dir = checkpoint_dir(dir)?;
+        match self.role()? {
+            Role::Trainer(t) => t.load_checkpoint(dir),
+            Role::Critic(c) => c.load_checkpoint(dir),
+            _ => Err(Error::invalid(format!(
+                "LoadCheckpoint is for trainable roles (actor_rollout train, critic), not {label}"
+            ))),
+        }
+        .with_ctx(|| format!("{label} LoadCheckpoint"))
+    }
+}
+
+fn checkpoint_dir(dir: &str) -> Result<&Path> {
+    if dir.is_empty() {
+        return Err(Error::invalid("checkpoint dir is empty"));
+    }
+    Ok(Path::new(dir))
+}
+
+fn src(model: &rlhf_model::Model) -> String {
+    model
+        .source_dir()
+        .map(|p| p.display().to_string())
+        .unwrap_or_else(|| "random".into())
+}
+
+fn is_collective(e: &Error) -> bool {
+    match e {
+        Error::Collective(_) => true,
+        Error::Context { source, .. } => is_collective(source),
+        _ => false,
+    }
+}

@@ -1,0 +1,252 @@
+//! Communicator groups of one role process (`actor_dp`, `critic_dp`, `weights`), made in
+//! two calls: PrepareComm on rank 0 (listen, or make an NCCL unique id), then JoinComm on
+//! every rank at once.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use rlhf_collective::{CommConfig, Communicator, TcpCommunicator, TcpRendezvous};
+
+use crate::error::{Error, Result};
+
+/// What PrepareComm hands back to the driver.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Prepared {
+    /// TCP: "ip:port" of rank 0's rendezvous.
+    pub address: String,
+    /// NCCL: the unique id.
+    pub unique_id: Vec<u8>,
+}
+
+/// A JoinComm request in domain form.
+#[derive(Debug, Clone, Default)]
+pub struct JoinSpec {
+    pub group: String,
+    pub backend: String,
+    pub rank: usize,
+    pub world_size: usize,
+    pub address: String,
+    pub unique_id: Vec<u8>,
+    /// 0 = the collective default (60 s).
+    pub timeout_ms: u64,
+}
+
+enum Pending {
+    Tcp(TcpRendezvous),
+    #[cfg(feature = "nccl")]
+    Nccl,
+}
+
+/// The groups this process belongs to, by name.
+#[derive(Default)]
+pub struct Groups {
+    pending: HashMap<String, Pending>,
+    joined: HashMap<String, Box<dyn Communicator>>,
+    /// CUDA device ordinal for NCCL groups.
+    pub cuda_device: usize,
+}
+
+fn check_backend(backend: &str) -> Result<()> {
+    match backend {
+        "tcp" | "" => Ok(()),
+        "nccl" if cfg!(feature = "nccl") => Ok(()),
+        "nccl" => Err(Error::invalid(
+            "communicator backend 'nccl' requested but this rlhf-worker was built without the \
+             nccl feature; rebuild with --features nccl or use backend 'tcp'",
+        )),
+        other => Err(Error::invalid(format!(
+            "unknown communicator backend '{other}'; known: tcp, nccl"
+        ))),
+    }
+}
+
+impl Groups {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Rank 0: binds a TCP rendezvous on `host` (port 0) and keeps it for JoinComm.
+    pub fn prepare(&mut self, group: &str, backend: &str, host: &str) -> Result<Prepared> {
+        check_backend(backend)?;
+        if group.is_empty() {
+            return Err(Error::invalid("PrepareComm needs a group name"));
+        }
+        if backend == "nccl" {
+            #[cfg(feature = "nccl")]
+            {
+                let id = rlhf_collective::nccl::unique_id()?;
+                self.pending.insert(group.to_string(), Pending::Nccl);
+                return Ok(Prepared {
+                    address: String::new(),
+                    unique_id: id.to_vec(),
+                });
+            }
+        }
+        let rv = TcpRendezvous::bind(&format!("{host}:0"))?;
+        let address = rv.local_addr().to_string();
+        self.pending.insert(group.to_string(), Pending::Tcp(rv));
+        Ok(Prepared {
+            address,
+            unique_id: Vec::new(),
+        })
+    }
+
+    /// Joins `spec.group`; returns once every rank joined (or the timeout passed).
+    pub fn join(&mut self, spec: &JoinSpec) -> Result<()> {
+        check_backend(&spec.backend)?;
+        if spec.world_size == 0 || spec.rank >= spec.world_size {
+            return Err(Error::invalid(format!(
+                "JoinComm for group '{}': rank {} is out of range for world_size {}",
+                spec.group, spec.rank, spec.world_size
+            )));
+        }
+        let config = if spec.timeout_ms > 0 {
+            CommConfig::with_timeout(Duration::from_millis(spec.timeout_ms))
+        } else {
+            CommConfig::default()
+        };
+        let pending = self.pending.remove(&spec.group);
+        let comm: Box<dyn Communicator> = if spec.backend == "nccl" {
+            self.join_nccl(spec, &config)?
+        } else if spec.world_size == 1 {
+            Box::new(TcpCommunicator::single(config))
+        } else if spec.rank == 0 {
+            match pending {
+                Some(Pending::Tcp(rv)) => Box::new(rv.accept(spec.world_size, config)?),
+                _ => {
+                    return Err(Error::invalid(format!(
+                        "JoinComm for group '{}' on rank 0 without a PrepareComm on this \
+                         process; call PrepareComm here first",
+                        spec.group
+                    )))
+                }
+            }
+        } else {
+            if spec.address.is_empty() {
+                return Err(Error::invalid(format!(
+                    "JoinComm for group '{}' rank {}: no address; pass rank 0's PrepareComm address",
+                    spec.group, spec.rank
+                )));
+            }
+            Box::new(TcpCommunicator::connect(
+                spec.rank,
+                spec.world_size,
+                &spec.address,
+                config,
+            )?)
+        };
+        self.joined.insert(spec.group.clone(), comm);
+        Ok(())
+    }
+
+    #[cfg(feature = "nccl")]
+    fn join_nccl(&mut self, spec: &JoinSpec, config: &CommConfig) -> Result<Box<dyn Communicator>> {
+        Ok(Box::new(rlhf_collective::NcclCommunicator::new(
+            spec.rank,
+            spec.world_size,
+            self.cuda_device,
+            &spec.unique_id,
+            config,
+        )?))
+    }
+
+    #[cfg(not(feature = "nccl"))]
+    fn join_nccl(&mut self, _: &JoinSpec, _: &CommConfig) -> Result<Box<dyn Communicator>> {
+        Err(Error::invalid(
+            "communicator backend 'nccl' requested but this build is without the nccl feature",
+        ))
+    }
+
+    /// Installs a ready communicator (tests, embedding).
+    pub fn insert(&mut self, group: &str, comm: Box<dyn Communicator>) {
+        self.joined.insert(group.to_string(), comm);
+    }
+
+    /// The joined group `group`. A group of one that was never joined is made on the spot,
+    /// so single-rank jobs need no PrepareComm/JoinComm round.
+    pub fn get(&mut self, group: &str, world_size: usize) -> Result<&mut dyn Communicator> {
+        if !self.joined.contains_key(group) {
+            if world_size > 1 {
+                return Err(Error::invalid(format!(
+                    "communicator group '{group}' was not joined on this process; call \
+                     PrepareComm (rank 0) and JoinComm (every rank) first"
+                )));
+            }
+            self.joined.insert(
+                group.to_string(),
+                Box::new(TcpCommunicator::single(CommConfig::default())),
+            );
+        }
+        self.joined
+            .get_mut(group)
+            .map(|c| c.as_mut() as &mut dyn Communicator)
+            .ok_or_else(|| Error::internal(format!("group '{group}' vanished")))
+    }
+
+    /// Drops a group after a failure (a communicator refuses every op after an error).
+    pub fn forget(&mut self, group: &str) {
+        self.joined.remove(group);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backends_are_checked_with_a_clear_message() {
+        let mut g = Groups::new();
+        let err = g.prepare("weights", "mpi", "127.0.0.1").unwrap_err();
+        assert!(err.to_string().contains("known: tcp, nccl"), "{err}");
+        if !cfg!(feature = "nccl") {
+            let err = g.prepare("weights", "nccl", "127.0.0.1").unwrap_err();
+            assert!(
+                err.to_string().contains("without the nccl feature"),
+                "{err}"
+            );
+        }
+        let err = g.get("actor_dp", 2).err().expect("not joined").to_string();
+        assert!(err.contains("PrepareComm"), "{err}");
+        assert_eq!(g.get("actor_dp", 1).expect("single").world_size(), 1);
+    }
+
+    #[test]
+    fn two_ranks_join_through_prepare() {
+        let mut g0 = Groups::new();
+        let p = g0.prepare("weights", "tcp", "127.0.0.1").expect("prepare");
+        let addr = p.address.clone();
+        let t = std::thread::spawn(move || {
+            let mut g1 = Groups::new();
+            g1.join(&JoinSpec {
+                group: "weights".into(),
+                backend: "tcp".into(),
+                rank: 1,
+                world_size: 2,
+                address: addr,
+                ..Default::default()
+            })
+            .expect("join 1");
+            let mut v = [2.0f32];
+            g1.get("weights", 2)
+                .expect("comm")
+                .all_reduce_f32(&mut v, rlhf_collective::ReduceOp::Sum)
+                .expect("reduce");
+            v[0]
+        });
+        g0.join(&JoinSpec {
+            group: "weights".into(),
+            backend: "tcp".into(),
+            rank: 0,
+            world_size: 2,
+            ..Default::default()
+        })
+        .expect("join 0");
+        let mut v = [1.0f32];
+        g0.get("weights", 2)
+            .expect("comm")
+            .all_reduce_f32(&mut v, rlhf_collective::ReduceOp::Sum)
+            .expect("reduce");
+        assert_eq!(v[0], 3.0);
+        assert_eq!(t.join().expect("thread"), 3.0);
+    }
+}

@@ -1,0 +1,285 @@
+//! The reward role: built-in rules, an HTTP endpoint, or a reward model.
+
+use std::time::Duration;
+
+use rlhf_config::{PpoConfig, RewardKind, Role};
+use rlhf_core::batch::{DataBatch, TensorData};
+use rlhf_model::{Batch, LoadOptions, Model, ModelKind};
+use serde_json::{json, Value};
+
+use crate::convert::{self, Request};
+use crate::error::{Ctx, Error, Result};
+use crate::roles::{model_dir, Shapes};
+
+/// The built-in rules, by config name (`reward.rule`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rule {
+    /// 1.0 when the response contains an ASCII digit, else 0.0.
+    ContainsDigit,
+    /// Response characters / 100, capped at 1.0.
+    Length,
+    /// 1.0 when the trimmed response equals the row's `ground_truth` column.
+    ExactMatch,
+}
+
+impl Rule {
+    pub const NAMES: &'static [&'static str] = &["contains_digit", "length", "exact_match"];
+
+    pub fn parse(name: &str) -> Result<Self> {
+        match name {
+            "contains_digit" => Ok(Rule::ContainsDigit),
+            "length" => Ok(Rule::Length),
+            "exact_match" => Ok(Rule::ExactMatch),
+            other => Err(Error::invalid(format!(
+                "unknown reward.rule '{other}'; built-in rules: {}",
+                Self::NAMES.join(", ")
+            ))),
+        }
+    }
+
+    /// Scores of `responses`; `ground_truth` is the column of that name when the batch has it.
+    pub fn score(self, responses: &[String], ground_truth: Option<&[Value]>) -> Result<Vec<f32>> {
+        match self {
+            Rule::ContainsDigit => Ok(responses
+                .iter()
+                .map(|r| f32::from(u8::from(r.chars().any(|c| c.is_ascii_digit()))))
+                .collect()),
+            Rule::Length => Ok(responses
+                .iter()
+                .map(|r| (r.chars().count() as f32 / 100.0).min(1.0))
+                .collect()),
+            Rule::ExactMatch => {
+                let gt = ground_truth.ok_or_else(|| {
+                    Error::invalid(
+                        "reward.rule exact_match needs a 'ground_truth' column in the \
+                         ComputeScores batch; put the answers in the prompt dataset's \
+                         ground_truth field",
+                    )
+                })?;
+                if gt.len() != responses.len() {
+                    return Err(Error::invalid(format!(
+                        "column 'ground_truth' has {} rows but there are {} responses",
+                        gt.len(),
+                        responses.len()
+                    )));
+                }
+                Ok(responses
+                    .iter()
+                    .zip(gt)
+                    .map(|(r, g)| {
+                        let want = match g {
+                            Value::String(s) => s.trim().to_string(),
+                            Value::Null => return 0.0,
+                            other => other.to_string(),
+                        };
+                        f32::from(u8::from(r.trim() == want))
+                    })
+                    .collect())
+            }
+        }
+    }
+}
+
+/// Scores from an HTTP endpoint: POST `{"prompts": [...], "responses": [...]}`, answer
+/// `{"scores": [...]}` with one number per response.
+#[derive(Debug, Clone)]
+pub struct HttpReward {
+    pub url: String,
+    pub timeout: Duration,
+}
+
+impl HttpReward {
+    pub fn new(url: &str, timeout_s: f64) -> Result<Self> {
+        if !(url.starts_with("http://") || url.starts_with("https://")) {
+            return Err(Error::invalid(format!(
+                "reward.url '{url}' is not an http:// or https:// URL"
+            )));
+        }
+        if !(timeout_s > 0.0 && timeout_s.is_finite()) {
+            return Err(Error::invalid(format!(
+                "reward.timeout_s ({timeout_s}) must be > 0"
+            )));
+        }
+        Ok(Self {
+            url: url.to_string(),
+            timeout: Duration::from_secs_f64(timeout_s),
+        })
+    }
+
+    fn fail(&self, reason: impl Into<String>) -> Error {
+        Error::Http {
+            url: self.url.clone(),
+            reason: reason.into(),
+        }
+    }
+
+    pub fn score(&self, prompts: &[String], responses: &[String]) -> Result<Vec<f32>> {
+        let agent = ureq::AgentBuilder::new().timeout(self.timeout).build();
+        let body = json!({ "prompts": prompts, "responses": responses }).to_string();
+        let resp = agent
+            .post(&self.url)
+            .set("Content-Type", "application/json")
+            .send_string(&body);
+        let text = match resp {
+            Ok(r) => r
+                .into_string()
+                .map_err(|e| self.fail(format!("reading the answer: {e}")))?,
+            Err(ureq::Error::Status(code, r)) => {
+                let detail = r.into_string().unwrap_or_default();
+                let detail: String = detail.chars().take(300).collect();
+                return Err(self.fail(format!("answered HTTP {code}: {detail}")));
+            }
+            Err(e) => {
+                return Err(self.fail(format!(
+                    "request failed (timeout {:.1} s): {e}",
+                    self.timeout.as_secs_f64()
+                )))
+            }
+        };
+        let v: Value = serde_json::from_str(&text).map_err(|e| {
+            let head: String = text.chars().take(200).collect();
+            self.fail(format!("answer is not JSON ({e}): {head}"))
+        })?;
+        let scores = v.get("scores").and_then(Value::as_array).ok_or_else(|| {
+            self.fail("answer has no \"scores\" array; expected {\"scores\": [numbers]}")
+        })?;
+        if scores.len() != responses.len() {
+            return Err(self.fail(format!(
+                "answer has {} scores for {} responses; expected one score per response",
+                scores.len(),
+                responses.len()
+            )));
+        }
+        scores
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                s.as_f64()
+                    .filter(|x| x.is_finite())
+                    .map(|x| x as f32)
+                    .ok_or_else(|| self.fail(format!("score {i} is {s}, not a finite number")))
+            })
+            .collect()
+    }
+}
+
+/// How this process scores.
+pub enum Reward {
+    Rule(Rule),
+    Http(HttpReward),
+    Model {
+        model: Box<Model>,
+        shapes: Shapes,
+        micro: usize,
+    },
+}
+
+impl Reward {
+    pub fn from_config(cfg: &PpoConfig) -> Result<Self> {
+        let r = &cfg.reward;
+        match r.kind {
+            RewardKind::Rule => Ok(Reward::Rule(Rule::parse(&r.rule)?)),
+            RewardKind::Http => Ok(Reward::Http(HttpReward::new(&r.url, r.timeout_s)?)),
+            RewardKind::Model => {
+                let dir = model_dir(cfg, Role::Reward)?;
+                let model =
+                    Model::load(&dir, &LoadOptions::inference().with_kind(ModelKind::Reward))
+                        .with_ctx(|| format!("loading the reward model from {}", dir.display()))?;
+                Ok(Reward::Model {
+                    model: Box::new(model),
+                    shapes: Shapes::from_config(cfg)?,
+                    micro: cfg.resolved(Role::Reward).micro_batch_size.max(1) as usize,
+                })
+            }
+        }
+    }
+
+    /// What was loaded, for InitRole.
+    pub fn describe(&self) -> String {
+        match self {
+            Reward::Rule(r) => format!("rule:{r:?}"),
+            Reward::Http(h) => format!("http:{}", h.url),
+            Reward::Model { model, .. } => model
+                .source_dir()
+                .map(|p| p.display().to_string())
+                .unwrap_or_else(|| "reward model".into()),
+        }
+    }
+
+    /// `input_ids`, `attention_mask`, `responses`, `response_mask`, columns `prompt_text`,
+    /// `response_text` -> `scores` `[B]`.
+    pub fn compute_scores(&self, batch: &DataBatch) -> Result<DataBatch> {
+        let req = Request::new("ComputeScores", batch);
+        let b = req.rows()?;
+        let scores = match self {
+            Reward::Rule(rule) => {
+                let responses = req.strings("response_text")?;
+                rule.score(
+                    &responses,
+                    batch.columns.get("ground_truth").map(Vec::as_slice),
+                )?
+            }
+            Reward::Http(h) => {
+                let prompts = req.strings("prompt_text")?;
+                let responses = req.strings("response_text")?;
+                h.score(&prompts, &responses)?
+            }
+            Reward::Model {
+                model,
+                shapes,
+                micro,
+            } => {
+                let device = model.device().clone();
+                let shape = [b, shapes.seq_len()];
+                let ids = req.ids("input_ids", &shape, &device)?;
+                let mask = req.ids("attention_mask", &shape, &device)?;
+                let mut out = Vec::with_capacity(b);
+                let all: Vec<usize> = (0..b).collect();
+                for idx in all.chunks(*micro) {
+                    let batch =
+                        Batch::from_mask(convert::rows(&ids, idx)?, convert::rows(&mask, idx)?)?;
+                    let s = model.scores(&batch)?;
+                    out.extend(s.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?);
+                }
+                out
+            }
+        };
+        Ok(DataBatch::new().with_tensor("scores", TensorData::from_f32(vec![b], &scores)?))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rules_score_and_name_their_inputs() {
+        let r = vec![
+            "no digits".to_string(),
+            "answer: 42".into(),
+            "x".repeat(250),
+        ];
+        assert_eq!(
+            Rule::parse("contains_digit")
+                .unwrap()
+                .score(&r, None)
+                .unwrap(),
+            vec![0.0, 1.0, 0.0]
+        );
+        assert_eq!(
+            Rule::parse("length").unwrap().score(&r, None).unwrap(),
+            vec![0.09, 0.1, 1.0]
+        );
+        let gt = vec![json!("no digits"), json!("42"), Value::Null];
+        let exact = Rule::parse("exact_match").unwrap();
+        let r2 = vec![" no digits \n".to_string(), "answer: 42".into(), "".into()];
+        assert_eq!(exact.score(&r2, Some(&gt)).unwrap(), vec![1.0, 0.0, 0.0]);
+        let err = exact.score(&r2, None).unwrap_err().to_string();
+        assert!(err.contains("'ground_truth' column"), "{err}");
+        let err = Rule::parse("regex").unwrap_err().to_string();
+        assert!(
+            err.contains("'regex'") && err.contains("contains_digit, length, exact_match"),
+            "{err}"
+        );
+    }
+}

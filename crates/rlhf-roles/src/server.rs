@@ -1,0 +1,318 @@
+//! The RPC side of a role process: a tonic `RoleService` that hands every call to the
+//! compute thread and awaits its reply.
+//!
+//! Why a thread: model forward/backward passes and collectives block for seconds to
+//! minutes, and the communicators block their caller by design. Running them on the
+//! tokio runtime would stall every other RPC, including the Ping the worker's health
+//! checks rely on. One dedicated OS thread owns the model, optimizer and communicators
+//! (none of which need to be shared), fed through a bounded channel; handlers only
+//! (de)serialize and wait on a oneshot. A panic on that thread ends the process with the
+//! message on stderr, so the worker sees an exit instead of a hang.
+
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
+
+use rlhf_core::batch::{encode, to_chunks, Assembler, DataBatch, CHUNK_BYTES};
+use rlhf_proto::v1 as pb;
+use rlhf_proto::v1::role_service_server::{RoleService, RoleServiceServer};
+use rlhf_proto::MAX_MESSAGE_BYTES;
+use rlhf_runtime::actor::MAX_BATCH_BYTES;
+use rlhf_runtime::auth::CheckToken;
+use rlhf_runtime::net;
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::actor::{BatchCall, RoleActor, ROLE_KINDS};
+
+type Job = Box<dyn FnOnce(&mut RoleActor) + Send>;
+
+/// Jobs waiting for the compute thread; callers wait (asynchronously) beyond this.
+const QUEUE: usize = 16;
+
+/// Sends jobs to the compute thread.
+#[derive(Clone)]
+pub struct Compute {
+    tx: mpsc::Sender<Job>,
+}
+
+fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "unknown panic payload".into())
+}
+
+impl Compute {
+    /// Starts the compute thread owning `actor`.
+    pub fn spawn(mut actor: RoleActor) -> rlhf_core::Result<Self> {
+        let (tx, mut rx) = mpsc::channel::<Job>(QUEUE);
+        std::thread::Builder::new()
+            .name("rlhf-compute".into())
+            .spawn(move || {
+                while let Some(job) = rx.blocking_recv() {
+                    if let Err(p) = std::panic::catch_unwind(AssertUnwindSafe(|| job(&mut actor))) {
+                        eprintln!(
+                            "error: the {} compute thread panicked: {}; exiting",
+                            actor.kind,
+                            panic_message(p.as_ref())
+                        );
+                        std::process::exit(101);
+                    }
+                }
+            })
+            .map_err(|e| rlhf_core::Error::io("starting the compute thread", e))?;
+        Ok(Self { tx })
+    }
+
+    /// Runs `f` on the compute thread and returns its result.
+    pub async fn run<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut RoleActor) -> crate::Result<T> + Send + 'static,
+    ) -> Result<T, Status> {
+        let (reply, rx) = oneshot::channel();
+        let job: Job = Box::new(move |a: &mut RoleActor| {
+            let _ = reply.send(f(a));
+        });
+        self.tx
+            .send(job)
+            .await
+            .map_err(|_| Status::internal("the compute thread is gone"))?;
+        match rx.await {
+            Ok(r) => r.map_err(|e| {
+                tracing::warn!("role call failed: {e}");
+                Status::from(e)
+            }),
+            Err(_) => Err(Status::internal("the compute thread dropped the call")),
+        }
+    }
+}
+
+/// The tonic service: a thin adapter over [`RoleActor`].
+pub struct RoleServer {
+    compute: Compute,
+}
+
+type ChunkStream = Pin<Box<dyn futures::Stream<Item = Result<pb::BatchChunk, Status>> + Send>>;
+
+impl RoleServer {
+    pub fn new(compute: Compute) -> Self {
+        Self { compute }
+    }
+
+    async fn batch(
+        &self,
+        call: BatchCall,
+        req: Request<Streaming<pb::BatchChunk>>,
+    ) -> Result<Response<ChunkStream>, Status> {
+        let mut stream = req.into_inner();
+        let mut asm = Assembler::new(MAX_BATCH_BYTES);
+        while let Some(chunk) = stream.message().await? {
+            asm.push(chunk)?;
+        }
+        let batch: DataBatch = asm.finish()?;
+        let chunks = self
+            .compute
+            .run(move |a| {
+                let out = a.batch(call, &batch)?;
+                Ok(to_chunks(encode(&out)?, CHUNK_BYTES))
+            })
+            .await?;
+        Ok(Response::new(Box::pin(tokio_stream::iter(
+            chunks.into_iter().map(Ok),
+        ))))
+    }
+}
+
+#[tonic::async_trait]
+impl RoleService for RoleServer {
+    async fn init_role(
+        &self,
+        req: Request<pb::InitRoleRequest>,
+    ) -> Result<Response<pb::InitRoleResponse>, Status> {
+        let req = req.into_inner();
+        let out = self.compute.run(move |a| a.init(&req)).await?;
+        Ok(Response::new(out))
+    }
+
+    async fn prepare_comm(
+        &self,
+        req: Request<pb::PrepareCommRequest>,
+    ) -> Result<Response<pb::PrepareCommResponse>, Status> {
+        let req = req.into_inner();
+        let p = self.compute.run(move |a| a.prepare_comm(&req)).await?;
+        Ok(Response::new(pb::PrepareCommResponse {
+            address: p.address,
+            unique_id: p.unique_id,
+        }))
+    }
+
+    async fn join_comm(
+        &self,
+        req: Request<pb::JoinCommRequest>,
+    ) -> Result<Response<pb::JoinCommResponse>, Status> {
+        let req = req.into_inner();
+        self.compute.run(move |a| a.join_comm(&req)).await?;
+        Ok(Response::new(pb::JoinCommResponse {}))
+    }
+
+    type GenerateStream = ChunkStream;
+    async fn generate(
+        &self,
+        req: Request<Streaming<pb::BatchChunk>>,
+    ) -> Result<Response<ChunkStream>, Status> {
+        self.batch(BatchCall::Generate, req).await
+    }
+
+    type ComputeLogProbsStream = ChunkStream;
+    async fn compute_log_probs(
+        &self,
+        req: Request<Streaming<pb::BatchChunk>>,
+    ) -> Result<Response<ChunkStream>, Status> {
+        self.batch(BatchCall::ComputeLogProbs, req).await
+    }
+
+    type ComputeValuesStream = ChunkStream;
+    async fn compute_values(
+        &self,
+        req: Request<Streaming<pb::BatchChunk>>,
+    ) -> Result<Response<ChunkStream>, Status> {
+        self.batch(BatchCall::ComputeValues, req).await
+    }
+
+    type ComputeScoresStream = ChunkStream;
+    async fn compute_scores(
+        &self,
+        req: Request<Streaming<pb::BatchChunk>>,
+    ) -> Result<Response<ChunkStream>, Status> {
+        self.batch(BatchCall::ComputeScores, req).await
+    }
+
+    type UpdateActorStream = ChunkStream;
+    async fn update_actor(
+        &self,
+        req: Request<Streaming<pb::BatchChunk>>,
+    ) -> Result<Response<ChunkStream>, Status> {
+        self.batch(BatchCall::UpdateActor, req).await
+    }
+
+    type UpdateCriticStream = ChunkStream;
+    async fn update_critic(
+        &self,
+        req: Request<Streaming<pb::BatchChunk>>,
+    ) -> Result<Response<ChunkStream>, Status> {
+        self.batch(BatchCall::UpdateCritic, req).await
+    }
+
+    async fn sync_weights(
+        &self,
+        req: Request<pb::SyncWeightsRequest>,
+    ) -> Result<Response<pb::SyncWeightsResponse>, Status> {
+        let req = req.into_inner();
+        let out = self.compute.run(move |a| a.sync_weights(&req)).await?;
+        Ok(Response::new(out))
+    }
+
+    async fn weights_checksum(
+        &self,
+        _req: Request<pb::WeightsChecksumRequest>,
+    ) -> Result<Response<pb::WeightsChecksumResponse>, Status> {
+        let out = self.compute.run(|a| a.weights_checksum()).await?;
+        Ok(Response::new(out))
+    }
+
+    async fn save_checkpoint(
+        &self,
+        req: Request<pb::SaveCheckpointRequest>,
+    ) -> Result<Response<pb::SaveCheckpointResponse>, Status> {
+        let dir = req.into_inner().dir;
+        let files = self.compute.run(move |a| a.save_checkpoint(&dir)).await?;
+        Ok(Response::new(pb::SaveCheckpointResponse { files }))
+    }
+
+    async fn load_checkpoint(
+        &self,
+        req: Request<pb::LoadCheckpointRequest>,
+    ) -> Result<Response<pb::LoadCheckpointResponse>, Status> {
+        let dir = req.into_inner().dir;
+        let weights_checksum = self.compute.run(move |a| a.load_checkpoint(&dir)).await?;
+        Ok(Response::new(pb::LoadCheckpointResponse {
+            weights_checksum,
+        }))
+    }
+}
+
+/// How a role process serves.
+#[derive(Debug, Clone)]
+pub struct ServeOptions {
+    pub actor_id: String,
+    /// actor_rollout | ref | critic | reward.
+    pub kind: String,
+    /// IP other ranks reach this process on (the TCP rendezvous binds here).
+    pub host: String,
+    pub token: String,
+}
+
+/// Serves RoleService and ActorService (Ping) on `listener` until `shutdown`.
+pub async fn serve(
+    opts: ServeOptions,
+    listener: tokio::net::TcpListener,
+    shutdown: CancellationToken,
+) -> rlhf_core::Result<()> {
+    if !ROLE_KINDS.contains(&opts.kind.as_str()) {
+        return Err(rlhf_core::Error::invalid(format!(
+            "unknown role kind '{}'; known: {}",
+            opts.kind,
+            ROLE_KINDS.join(", ")
+        )));
+    }
+    let host = advertised_host(&opts.host);
+    let compute = Compute::spawn(RoleActor::new(&opts.kind, &host))?;
+    let role = tonic::service::interceptor::InterceptedService::new(
+        RoleServiceServer::new(RoleServer::new(compute))
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES),
+        CheckToken::new(&opts.token, "role"),
+    );
+    net::server_builder()
+        .add_service(rlhf_runtime::actor::actor_service(
+            &opts.actor_id,
+            &opts.token,
+        ))
+        .add_service(role)
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            shutdown.cancelled_owned(),
+        )
+        .await
+        .map_err(|e| rlhf_core::Error::internal(format!("role server: {}", net::error_chain(&e))))
+}
+
+/// The worker's entry point for `rlhf-worker actor --kind <role>`: binds, writes the ready
+/// file and serves until `shutdown`.
+pub async fn run(
+    opts: rlhf_runtime::actor::ActorOptions,
+    shutdown: CancellationToken,
+) -> rlhf_core::Result<()> {
+    let (listener, addr) = rlhf_runtime::actor::bind_ready(&opts.host, &opts.ready_file).await?;
+    eprintln!("actor {} ({}) serving on {addr}", opts.actor_id, opts.kind);
+    serve(
+        ServeOptions {
+            actor_id: opts.actor_id,
+            kind: opts.kind,
+            host: opts.host,
+            token: opts.token,
+        },
+        listener,
+        shutdown,
+    )
+    .await
+}
+
+/// A wildcard bind address is not something a peer can connect to: use the primary IP.
+fn advertised_host(host: &str) -> String {
+    match host.parse::<std::net::IpAddr>() {
+        Ok(ip) if ip.is_unspecified() => net::primary_ip().to_string(),
+        _ => host.to_string(),
+    }
+}

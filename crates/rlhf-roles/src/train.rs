@@ -1,0 +1,435 @@
+//! The data-parallel PPO update loop shared by the policy trainer and the critic:
+//! epochs over a rank's shard, mini-batches (one optimizer step each), micro-batches
+//! with gradient accumulation, loss denominators and gradients all-reduced across the
+//! group so that N ranks on N shards compute the update of one rank on the whole batch.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Tensor, Var};
+use rand::seq::SliceRandom;
+use rand::SeedableRng;
+use rlhf_algo::LossAggMode;
+use rlhf_collective::{all_reduce_f32_bucketed, Communicator, ReduceOp};
+use rlhf_config::{LrDecayStyle, TrainingConfig};
+use rlhf_model::{AdamW, AdamWConfig, Gradients, LrSchedule, LrScheduler, Model};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Ctx, Error, Result};
+
+/// Elements per gradient all-reduce call (16 MiB of f32).
+const GRAD_BUCKET_ELEMS: usize = 4 << 20;
+
+/// Who is computing, for error messages.
+#[derive(Debug, Clone)]
+pub struct Ident {
+    pub role: String,
+    pub rank: usize,
+}
+
+/// How one update call walks its shard.
+#[derive(Debug, Clone)]
+pub struct EpochPlan {
+    pub epochs: usize,
+    /// Rows of this rank per mini-batch (global mini-batch / ranks).
+    pub mini_batch_rows: usize,
+    pub micro_batch_rows: usize,
+    pub shuffle: bool,
+    pub seed: u64,
+    pub step: u64,
+    /// All-reduce the loss denominators across ranks (the contract). Off only to show in
+    /// tests what goes wrong without it: each rank then assumes every rank has as many
+    /// tokens as itself.
+    pub sync_denominators: bool,
+}
+
+/// What a micro-batch forward returns.
+pub struct MicroOut {
+    /// The micro-batch loss aggregated over its own rows with the role's mode.
+    pub loss: Tensor,
+    /// Diagnostics, averaged over micro-batches weighted by their valid tokens.
+    pub stats: Vec<(&'static str, f64)>,
+}
+
+/// The loss denominator of some rows under `mode`: valid tokens for token-mean,
+/// sequences with at least one valid token for the seq-mean modes.
+pub fn denominator(mask: &[f32], width: usize, mode: LossAggMode) -> f64 {
+    match mode {
+        LossAggMode::TokenMean => mask.iter().filter(|&&m| m != 0.0).count() as f64,
+        LossAggMode::SeqMeanTokenSum | LossAggMode::SeqMeanTokenMean => mask
+            .chunks(width.max(1))
+            .filter(|row| row.iter().any(|&m| m != 0.0))
+            .count() as f64,
+    }
+}
+
+/// The factor a micro-batch loss is multiplied by: its own denominator over the global
+/// mini-batch's, so that the scaled losses summed over micro-batches and ranks equal the
+/// loss of the whole global mini-batch.
+pub fn micro_scale(
+    micro_mask: &[f32],
+    width: usize,
+    mode: LossAggMode,
+    global: f64,
+) -> Result<f64> {
+    if global.is_nan() || global <= 0.0 {
+        return Err(Error::internal(format!(
+            "global loss denominator is {global}; it must be > 0"
+        )));
+    }
+    Ok(denominator(micro_mask, width, mode) / global)
+}
+
+/// The optimizer side of a trainable role.
+pub struct Optim {
+    pub opt: AdamW,
+    pub sched: LrScheduler,
+    pub clip_grad: f64,
+}
+
+impl Optim {
+    /// AdamW and the schedule from the role's training config; `steps_per_iter` optimizer
+    /// steps happen per PPO step (epochs x mini-batches), so the schedule spans
+    /// `train_iters * steps_per_iter` optimizer steps and the warm-up counts optimizer steps.
+    pub fn new(
+        vars: Vec<(String, Var)>,
+        t: &TrainingConfig,
+        steps_per_iter: usize,
+    ) -> Result<Self> {
+        let opt = AdamW::new(
+            vars,
+            AdamWConfig {
+                lr: t.lr,
+                beta1: t.adam_beta1,
+                beta2: t.adam_beta2,
+                eps: t.adam_eps,
+                weight_decay: t.weight_decay,
+                decay_1d: false,
+            },
+        )?;
+        let schedule = match t.lr_decay_style {
+            LrDecayStyle::Constant => LrSchedule::Constant,
+            LrDecayStyle::Linear => LrSchedule::Linear,
+            LrDecayStyle::Cosine => LrSchedule::Cosine {
+                min_lr_ratio: if t.lr > 0.0 { t.min_lr / t.lr } else { 0.0 },
+            },
+        };
+        let total = (t.train_iters as usize).saturating_mul(steps_per_iter.max(1));
+        let sched = LrScheduler::new(t.lr, t.lr_warmup_iters as usize, total, schedule);
+        Ok(Self {
+            opt,
+            sched,
+            clip_grad: t.clip_grad,
+        })
+    }
+
+    /// Optimizer steps taken (the scheduler position).
+    pub fn steps(&self) -> usize {
+        self.opt.steps()
+    }
+}
+
+/// The shard permutation of one epoch: seeded from the job seed, the PPO step and the
+/// epoch only, so every rank walks its shard in the same pattern.
+pub fn epoch_order(rows: usize, shuffle: bool, seed: u64, step: u64, epoch: usize) -> Vec<usize> {
+    let mut idx: Vec<usize> = (0..rows).collect();
+    if shuffle {
+        let mix = seed
+            ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            ^ (epoch as u64 + 1).wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(mix);
+        idx.shuffle(&mut rng);
+    }
+    idx
+}
+
+fn mean_into(acc: &mut BTreeMap<String, (f64, f64)>, name: &str, value: f64, weight: f64) {
+    let e = acc.entry(name.to_string()).or_insert((0.0, 0.0));
+    e.0 += value * weight;
+    e.1 += weight;
+}
+
+/// Names of the per-step metrics of a role.
+pub struct StepNames {
+    pub grad_norm: &'static str,
+    pub lr: &'static str,
+}
+
+/// Runs the epochs of one update call. `mask` is the shard's `response_mask` on the host
+/// (`[rows, width]`); `micro` runs the forward of some shard rows and returns their loss.
+#[allow(clippy::too_many_arguments)]
+pub fn run_update(
+    model: &Model,
+    optim: &mut Optim,
+    comm: &mut dyn Communicator,
+    who: &Ident,
+    plan: &EpochPlan,
+    mask: &[f32],
+    width: usize,
+    mode: LossAggMode,
+    names: &StepNames,
+    micro: &mut dyn FnMut(&Model, &[usize]) -> Result<MicroOut>,
+) -> Result<BTreeMap<String, f64>> {
+    let rows = mask.len() / width.max(1);
+    if plan.mini_batch_rows == 0 || plan.micro_batch_rows == 0 || plan.epochs == 0 {
+        return Err(Error::invalid(format!(
+            "{} rank {}: mini-batch rows ({}), micro-batch rows ({}) and epochs ({}) must be > 0",
+            who.role, who.rank, plan.mini_batch_rows, plan.micro_batch_rows, plan.epochs
+        )));
+    }
+    // Every rank must make the same number of collective calls: agree on the number of
+    // mini-batches; a rank with fewer rows joins the extra ones with empty mini-batches.
+    let local_mbs = rows.div_ceil(plan.mini_batch_rows);
+    let mut n = [local_mbs as f64];
+    comm.all_reduce_f64(&mut n, ReduceOp::Max)
+        .ctx("agreeing on the number of mini-batches")?;
+    let n_mbs = n[0] as usize;
+    let vars = model.vars();
+    let mut metrics: BTreeMap<String, (f64, f64)> = BTreeMap::new();
+    for epoch in 0..plan.epochs {
+        let order = epoch_order(rows, plan.shuffle, plan.seed, plan.step, epoch);
+        for mb in 0..n_mbs {
+            let start = (mb * plan.mini_batch_rows).min(rows);
+            let end = ((mb + 1) * plan.mini_batch_rows).min(rows);
+            let idx = &order[start..end];
+            let mb_mask: Vec<f32> = idx
+                .iter()
+                .flat_map(|&r| mask[r * width..(r + 1) * width].iter().copied())
+                .collect();
+            let local = denominator(&mb_mask, width, mode);
+            let global = if plan.sync_denominators {
+                let mut d = [local];
+                comm.all_reduce_f64(&mut d, ReduceOp::Sum)
+                    .ctx("all-reducing the loss denominators")?;
+                d[0]
+            } else {
+                local * comm.world_size() as f64
+            };
+            if global <= 0.0 {
+                // No valid token on any rank: nothing to learn from this mini-batch.
+                continue;
+            }
+            let mut grads = Gradients::default();
+            let mut mb_stats: BTreeMap<String, (f64, f64)> = BTreeMap::new();
+            for micro_idx in idx.chunks(plan.micro_batch_rows) {
+                let m: Vec<f32> = micro_idx
+                    .iter()
+                    .flat_map(|&r| mask[r * width..(r + 1) * width].iter().copied())
+                    .collect();
+                let tokens = denominator(&m, width, LossAggMode::TokenMean);
+                if tokens == 0.0 {
+                    continue;
+                }
+                let scale = micro_scale(&m, width, mode, global)?;
+                let out = micro(model, micro_idx)?;
+                let loss_value = out.loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+                if !loss_value.is_finite() {
+                    return Err(Error::NonFinite {
+                        tensor: "loss".into(),
+                        role: who.role.clone(),
+                        rank: who.rank,
+                        step: plan.step,
+                    });
+                }
+                let g = Gradients::backward(&out.loss, &vars)?;
+                grads.add_scaled(&g, scale)?;
+                for (k, v) in out.stats {
+                    mean_into(&mut mb_stats, k, v, tokens);
+                }
+            }
+            let mut grads = all_reduce_grads(&grads, &vars, comm)?;
+            let norm = grads.global_norm()?;
+            if !norm.is_finite() {
+                let which = grads
+                    .check_finite()
+                    .err()
+                    .map(|e| e.to_string())
+                    .unwrap_or_else(|| "gradient norm".into());
+                return Err(Error::NonFinite {
+                    tensor: format!("gradient ({which})"),
+                    role: who.role.clone(),
+                    rank: who.rank,
+                    step: plan.step,
+                });
+            }
+            if optim.clip_grad > 0.0 {
+                grads.clip_global_norm(optim.clip_grad)?;
+            }
+            let lr = optim.sched.lr_at(optim.opt.steps());
+            optim.opt.set_learning_rate(lr);
+            optim.opt.step(&grads)?;
+            for (k, (sum, w)) in mb_stats {
+                if w > 0.0 {
+                    mean_into(&mut metrics, &k, sum / w, 1.0);
+                }
+            }
+            mean_into(&mut metrics, names.grad_norm, norm, 1.0);
+            mean_into(&mut metrics, names.lr, lr, 1.0);
+        }
+    }
+    Ok(metrics
+        .into_iter()
+        .map(|(k, (s, w))| (k, if w > 0.0 { s / w } else { 0.0 }))
+        .collect())
+}
+
+/// Sums gradients over the group. Parameters without a gradient on a rank count as zeros,
+/// so every rank (and a single rank) steps the same parameter set.
+pub fn all_reduce_grads(
+    grads: &Gradients,
+    vars: &[(String, Var)],
+    comm: &mut dyn Communicator,
+) -> Result<Gradients> {
+    let mut host: Vec<Vec<f32>> = Vec::with_capacity(vars.len());
+    for (name, var) in vars {
+        match grads.get(name) {
+            Some(g) => host.push(g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?),
+            None => host.push(vec![0.0; var.elem_count()]),
+        }
+    }
+    if comm.world_size() > 1 {
+        let mut parts: Vec<&mut [f32]> = host.iter_mut().map(|v| v.as_mut_slice()).collect();
+        all_reduce_f32_bucketed(comm, &mut parts, ReduceOp::Sum, GRAD_BUCKET_ELEMS)
+            .ctx("all-reducing gradients")?;
+    }
+    let mut store = GradStore::default();
+    for ((_, var), v) in vars.iter().zip(host) {
+        let t = Tensor::from_vec(v, var.shape(), var.device())?.to_dtype(var.dtype())?;
+        store.insert(var.as_tensor(), t);
+    }
+    Ok(Gradients::from_store(&store, vars))
+}
+
+/// `role_state.json` of a checkpoint.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RoleState {
+    pub role: String,
+    /// Optimizer steps taken = the scheduler position.
+    pub scheduler_step: u64,
+    pub weights_version: u64,
+}
+
+pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
+pub const ROLE_STATE_FILE: &str = "role_state.json";
+
+/// Writes an HF model directory plus the optimizer state and `role_state.json`.
+pub fn save_checkpoint(
+    model: &Model,
+    optim: &Optim,
+    state: &RoleState,
+    dir: &Path,
+    tokenizer_dir: Option<&Path>,
+) -> Result<Vec<String>> {
+    let tok = tokenizer_dir.filter(|d| d.join("tokenizer.json").is_file());
+    model
+        .save(dir, tok)
+        .with_ctx(|| format!("saving the model to {}", dir.display()))?;
+    optim
+        .opt
+        .save(&dir.join(OPTIMIZER_FILE))
+        .with_ctx(|| format!("saving the optimizer state to {}", dir.display()))?;
+    let text = serde_json::to_string_pretty(state)
+        .map_err(|e| Error::internal(format!("encoding role_state.json: {e}")))?;
+    let path = dir.join(ROLE_STATE_FILE);
+    std::fs::write(&path, text + "\n")
+        .map_err(|e| Error::internal(format!("writing {}: {e}", path.display())))?;
+    let mut files: Vec<String> = std::fs::read_dir(dir)
+        .map_err(|e| Error::internal(format!("listing {}: {e}", dir.display())))?
+        .filter_map(|e| e.ok())
+        .filter(|e| e.path().is_file())
+        .filter_map(|e| e.file_name().into_string().ok())
+        .collect();
+    files.sort();
+    Ok(files)
+}
+
+/// Loads weights (into the existing parameters, so the optimizer keeps its variables),
+/// the optimizer state and `role_state.json` written by [`save_checkpoint`].
+pub fn load_checkpoint(
+    model: &Model,
+    optim: &mut Optim,
+    dir: &Path,
+    opts: &rlhf_model::LoadOptions,
+) -> Result<RoleState> {
+    let path = dir.join(ROLE_STATE_FILE);
+    let text = std::fs::read_to_string(&path).map_err(|e| {
+        Error::invalid(format!(
+            "cannot read {}: {e}; LoadCheckpoint needs a directory written by SaveCheckpoint",
+            path.display()
+        ))
+    })?;
+    let state: RoleState = serde_json::from_str(&text)
+        .map_err(|e| Error::invalid(format!("{} is not a role state: {e}", path.display())))?;
+    let saved = Model::load(dir, opts).with_ctx(|| format!("loading {}", dir.display()))?;
+    model
+        .set_weights(&saved.named_tensors())
+        .with_ctx(|| format!("restoring the weights from {}", dir.display()))?;
+    optim
+        .opt
+        .load(&dir.join(OPTIMIZER_FILE))
+        .with_ctx(|| format!("restoring the optimizer from {}", dir.display()))?;
+    if optim.opt.steps() as u64 != state.scheduler_step {
+        return Err(Error::invalid(format!(
+            "{}: the optimizer has {} steps but role_state.json says {}; the checkpoint is inconsistent",
+            dir.display(),
+            optim.opt.steps(),
+            state.scheduler_step
+        )));
+    }
+    Ok(state)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two ranks with unequal token counts: scaling by the all-reduced denominator makes
+    /// the summed micro-batch losses equal the global token mean; assuming every rank has
+    /// as many tokens as this one (no all-reduce) does not.
+    #[test]
+    fn denominator_all_reduce_is_what_makes_ranks_add_up() {
+        let width = 4;
+        // rank 0: rows with 4 and 1 valid tokens; rank 1: rows with 2 and 0.
+        let m0 = [1., 1., 1., 1., 1., 0., 0., 0.];
+        let m1 = [1., 1., 0., 0., 0., 0., 0., 0.];
+        let l0 = [1., 2., 3., 4., 5., 0., 0., 0.];
+        let l1 = [6., 7., 0., 0., 0., 0., 0., 0.];
+        let masked_mean = |l: &[f64], m: &[f32]| {
+            let n: f64 = m.iter().map(|&x| x as f64).sum();
+            l.iter().zip(m).map(|(a, &b)| a * b as f64).sum::<f64>() / n
+        };
+        let want = (1. + 2. + 3. + 4. + 5. + 6. + 7.) / 7.0;
+        let d0 = denominator(&m0, width, LossAggMode::TokenMean);
+        let d1 = denominator(&m1, width, LossAggMode::TokenMean);
+        assert_eq!((d0, d1), (5.0, 2.0));
+        let global = d0 + d1;
+        let got = masked_mean(&l0, &m0)
+            * micro_scale(&m0, width, LossAggMode::TokenMean, global).unwrap()
+            + masked_mean(&l1, &m1)
+                * micro_scale(&m1, width, LossAggMode::TokenMean, global).unwrap();
+        assert!((got - want).abs() < 1e-12, "{got} vs {want}");
+        // Without the all-reduce each rank guesses global = local * world size.
+        let naive = masked_mean(&l0, &m0)
+            * micro_scale(&m0, width, LossAggMode::TokenMean, d0 * 2.0).unwrap()
+            + masked_mean(&l1, &m1)
+                * micro_scale(&m1, width, LossAggMode::TokenMean, d1 * 2.0).unwrap();
+        assert!((naive - want).abs() > 0.1, "{naive} vs {want}");
+        // seq-mean counts sequences with tokens: 2 on rank 0, 1 on rank 1.
+        assert_eq!(denominator(&m0, width, LossAggMode::SeqMeanTokenMean), 2.0);
+        assert_eq!(denominator(&m1, width, LossAggMode::SeqMeanTokenSum), 1.0);
+        assert!(micro_scale(&m0, width, LossAggMode::TokenMean, 0.0).is_err());
+    }
+
+    #[test]
+    fn epoch_order_depends_on_step_and_epoch_not_rank() {
+        let a = epoch_order(16, true, 7, 3, 0);
+        assert_eq!(a, epoch_order(16, true, 7, 3, 0));
+        assert_ne!(a, epoch_order(16, true, 7, 3, 1));
+        assert_ne!(a, epoch_order(16, true, 7, 4, 0));
+        let mut sorted = a.clone();
+        sorted.sort();
+        assert_eq!(sorted, (0..16).collect::<Vec<_>>());
+        assert_eq!(epoch_order(5, false, 7, 3, 0), vec![0, 1, 2, 3, 4]);
+    }
+}

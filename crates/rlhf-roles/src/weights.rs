@@ -1,0 +1,96 @@
+//! Weight lists for sync and checksums: every parameter of a model as host f32, in the
+//! model's parameter order, on both sides of a sync.
+
+use std::time::Instant;
+
+use candle_core::{DType, Tensor};
+use rlhf_collective::{checksum, BucketedSync, Communicator, Param, ParamMut, SyncStats};
+use rlhf_model::Model;
+
+use crate::error::{Ctx, Result};
+
+/// One parameter on the host.
+pub struct HostParam {
+    pub name: String,
+    pub shape: Vec<usize>,
+    pub data: Vec<f32>,
+}
+
+/// The model's parameters as host f32, in parameter order.
+pub fn host_params(model: &Model) -> Result<Vec<HostParam>> {
+    model
+        .named_tensors()
+        .into_iter()
+        .map(|(name, t)| {
+            let shape = t.dims().to_vec();
+            let data = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+            Ok(HostParam { name, shape, data })
+        })
+        .collect()
+}
+
+fn views(params: &[HostParam]) -> Result<Vec<Param<'_>>> {
+    params
+        .iter()
+        .map(|p| Ok(Param::f32(p.name.clone(), &p.shape, &p.data)?))
+        .collect()
+}
+
+/// `rlhf_collective::checksum` over the model's parameters.
+pub fn weights_checksum(model: &Model) -> Result<u64> {
+    let params = host_params(model)?;
+    Ok(checksum(&views(&params)?))
+}
+
+fn bucketed(bucket_bytes: usize) -> Result<BucketedSync> {
+    if bucket_bytes == 0 {
+        Ok(BucketedSync::default())
+    } else {
+        Ok(BucketedSync::new(bucket_bytes)?)
+    }
+}
+
+/// Root side of a sync: sends every parameter; returns the stats and the checksum.
+pub fn send_weights(
+    model: &Model,
+    comm: &mut dyn Communicator,
+    bucket_bytes: usize,
+) -> Result<(SyncStats, u64)> {
+    let params = host_params(model)?;
+    let views = views(&params)?;
+    let stats = bucketed(bucket_bytes)?
+        .send(comm, &views)
+        .ctx("sending weights")?;
+    Ok((stats, checksum(&views)))
+}
+
+/// Receiver side: fills every parameter from rank `root` and installs them in `model`.
+pub fn recv_weights(
+    model: &Model,
+    comm: &mut dyn Communicator,
+    root: usize,
+    bucket_bytes: usize,
+) -> Result<(SyncStats, u64)> {
+    let start = Instant::now();
+    let mut params = host_params(model)?;
+    let mut stats = {
+        let mut views: Vec<ParamMut<'_>> = params
+            .iter_mut()
+            .map(|p| ParamMut::f32(p.name.clone(), &p.shape, &mut p.data))
+            .collect::<std::result::Result<_, _>>()?;
+        bucketed(bucket_bytes)?
+            .recv(comm, root, &mut views)
+            .ctx("receiving weights")?
+    };
+    let sum = checksum(&views(&params)?);
+    let device = model.device().clone();
+    let tensors: Vec<(String, Tensor)> = params
+        .into_iter()
+        .map(|p| Ok((p.name, Tensor::from_vec(p.data, p.shape, &device)?)))
+        .collect::<Result<_>>()?;
+    model
+        .set_weights(&tensors)
+        .ctx("installing received weights")?;
+    stats.elapsed = start.elapsed();
+    Ok((stats, sum))
+}
