@@ -1,4 +1,5 @@
-//! A tiny read-only HTTP dashboard: `/` (a page that polls) and `/api/status` (JSON).
+//! A tiny read-only HTTP dashboard: `/` (a page that polls) and `/api/status` (JSON, with
+//! nodes, actors and jobs).
 //! Binds 127.0.0.1 unless `--dashboard-host` says otherwise; it needs no token because it
 //! only shows status and is local by default.
 
@@ -18,6 +19,8 @@ let h='<h2>Nodes</h2><table><tr><th>node</th><th>host</th><th>state</th><th>tota
 for(const n of s.nodes){h+=`<tr><td>${n.node_id}</td><td>${n.hostname} ${n.address}</td><td>${n.state} ${n.death_reason}</td><td>${JSON.stringify(n.total)}</td><td>${JSON.stringify(n.available)}</td></tr>`}
 h+='</table><h2>Actors</h2><table><tr><th>actor</th><th>role</th><th>node</th><th>state</th><th>reason</th></tr>';
 for(const a of s.actors){h+=`<tr><td>${a.actor_id}</td><td>${a.role}</td><td>${a.node_id}</td><td>${a.state}</td><td>${a.reason}</td></tr>`}
+h+='</table><h2>Jobs</h2><table><tr><th>job</th><th>config</th><th>state</th><th>submitted</th><th>error</th></tr>';
+for(const j of (s.jobs||[])){h+=`<tr><td>${j.job_id}</td><td>${j.config_name}</td><td>${j.state}</td><td>${new Date(j.submit_ms).toISOString()}</td><td>${j.error}</td></tr>`}
 document.getElementById('s').innerHTML=h+'</table>'}
 load();setInterval(load,2000);</script></body></html>"#;
 

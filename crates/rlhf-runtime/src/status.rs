@@ -76,6 +76,7 @@ pub fn to_json(s: &pb::ClusterStatusResponse) -> serde_json::Value {
             })
         })
         .collect();
+    let jobs: Vec<_> = s.jobs.iter().map(job_json).collect();
     let (used, total) = usage(s);
     json!({
         "protocol_version": s.protocol_version,
@@ -84,7 +85,32 @@ pub fn to_json(s: &pb::ClusterStatusResponse) -> serde_json::Value {
         "resources": {"used": used.0, "total": total.0},
         "placement_groups": pgs,
         "actors": actors,
+        "jobs": jobs,
     })
+}
+
+/// One job as JSON (`status --format json`, `job ... --format json`, the dashboard).
+pub fn job_json(j: &pb::JobInfo) -> serde_json::Value {
+    json!({
+        "job_id": j.job_id, "state": job_state(j.state), "config_name": j.config_name,
+        "overrides": j.overrides, "submit_ms": j.submit_ms, "start_ms": j.start_ms,
+        "end_ms": j.end_ms, "exit_code": j.has_exit_code.then_some(j.exit_code),
+        "signal": j.signal, "error": j.error, "pid": j.pid, "job_dir": j.job_dir,
+        "log_file": j.log_file, "last_metrics": j.last_metrics,
+    })
+}
+
+fn job_state(v: i32) -> &'static str {
+    crate::head::jobs::state_name(v)
+}
+
+/// `YYYY-MM-DD HH:MM:SS` UTC, or `-` for a time not reached yet.
+pub fn job_time(ms: i64) -> String {
+    if ms <= 0 {
+        "-".into()
+    } else {
+        crate::head::jobs::fmt_utc_ms(ms)
+    }
 }
 
 /// Used and total resources over alive nodes.
@@ -211,12 +237,56 @@ pub fn to_text(s: &pb::ClusterStatusResponse) -> String {
         }
         let _ = writeln!(o);
     }
+    let _ = writeln!(o, "\nJobs\n{rule}");
+    if s.jobs.is_empty() {
+        let _ = writeln!(o, " (none)");
+    }
+    for j in &s.jobs {
+        let _ = write!(
+            o,
+            " {} {} {} submitted {} UTC",
+            j.job_id,
+            job_state(j.state),
+            j.config_name,
+            job_time(j.submit_ms)
+        );
+        if !j.error.is_empty() {
+            let _ = write!(o, ": {}", j.error);
+        }
+        let _ = writeln!(o);
+    }
     o
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn renders_jobs_with_state_time_and_error() {
+        let s = pb::ClusterStatusResponse {
+            jobs: vec![pb::JobInfo {
+                job_id: "job-20231114-221320-ab12".into(),
+                state: pb::JobState::Failed as i32,
+                config_name: "ppo_tiny".into(),
+                submit_ms: 1_700_000_000_000,
+                has_exit_code: true,
+                exit_code: 3,
+                error: "no worker has 2 CPU free".into(),
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let t = to_text(&s);
+        assert!(
+            t.contains(" job-20231114-221320-ab12 FAILED ppo_tiny submitted 2023-11-14 22:13:20 UTC: no worker has 2 CPU free"),
+            "{t}"
+        );
+        let j = to_json(&s);
+        assert_eq!(j["jobs"][0]["state"], "FAILED");
+        assert_eq!(j["jobs"][0]["exit_code"], 3);
+        assert_eq!(j["jobs"][0]["start_ms"], 0);
+    }
 
     #[test]
     fn renders_nodes_usage_and_dead_reasons() {
@@ -246,7 +316,9 @@ mod tests {
         let t = to_text(&s);
         assert!(t.contains(" 2/16 GPU"), "{t}");
         assert!(t.contains("n3 h (a:1): no heartbeat for 6.0s"), "{t}");
+        assert!(t.contains("Jobs\n") && t.contains(" (none)"), "{t}");
         let j = to_json(&s);
+        assert_eq!(j["jobs"].as_array().unwrap().len(), 0);
         assert_eq!(j["resources"]["used"]["GPU"], 2.0);
         assert_eq!(j["nodes"].as_array().unwrap().len(), 3);
         assert_eq!(j["nodes"][2]["state"], "DEAD");

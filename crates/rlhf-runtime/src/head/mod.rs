@@ -2,6 +2,7 @@
 //! all persisted under `--state-dir`. `start` builds and binds the service so the binary,
 //! the embedded mode and tests share it.
 
+pub mod jobs;
 pub mod state;
 pub mod store;
 
@@ -39,6 +40,10 @@ pub struct HeadOptions {
     pub dead_threshold: Duration,
     /// None disables the dashboard.
     pub dashboard: Option<(String, u16)>,
+    /// Executable run as a submitted job's driver (`<exe> run ...`); None = this program.
+    pub job_exe: Option<PathBuf>,
+    /// Between SIGTERM and SIGKILL when a job is stopped.
+    pub job_stop_grace: Duration,
 }
 
 impl HeadOptions {
@@ -52,6 +57,8 @@ impl HeadOptions {
             heartbeat_interval: Duration::from_millis(500),
             dead_threshold: Duration::from_secs(3),
             dashboard: Some(("127.0.0.1".into(), 8260)),
+            job_exe: None,
+            job_stop_grace: Duration::from_secs(10),
         }
     }
 }
@@ -77,6 +84,7 @@ struct Inner {
     kv_changed: tokio::sync::Notify,
     workers: Mutex<HashMap<String, WorkerServiceClient<AuthChannel>>>,
     shutdown: CancellationToken,
+    jobs: jobs::Jobs,
 }
 
 #[derive(Clone)]
@@ -121,7 +129,19 @@ impl Head {
             actors: s.actors.values().map(convert::actor_to_proto).collect(),
             protocol_version: PROTOCOL_VERSION,
             now_ms: self.0.clock.now_ms(),
+            jobs: self
+                .0
+                .jobs
+                .list()
+                .iter()
+                .map(|j| self.0.jobs.to_proto(j))
+                .collect(),
         }
+    }
+
+    /// The job manager (submitted PPO jobs).
+    pub fn jobs(&self) -> &jobs::Jobs {
+        &self.0.jobs
     }
 
     async fn create_actor(
@@ -423,6 +443,67 @@ impl HeadService for Head {
         });
         Ok(Response::new(pb::ShutdownResponse {}))
     }
+
+    async fn submit_job(
+        &self,
+        req: Request<pb::SubmitJobRequest>,
+    ) -> std::result::Result<Response<pb::SubmitJobResponse>, Status> {
+        let jobs = &self.0.jobs;
+        let rec = jobs.submit(req.into_inner())?;
+        Ok(Response::new(pb::SubmitJobResponse {
+            job: Some(jobs.to_proto(&rec)),
+        }))
+    }
+
+    async fn list_jobs(
+        &self,
+        _req: Request<pb::ListJobsRequest>,
+    ) -> std::result::Result<Response<pb::ListJobsResponse>, Status> {
+        let jobs = &self.0.jobs;
+        Ok(Response::new(pb::ListJobsResponse {
+            jobs: jobs.list().iter().map(|j| jobs.to_proto(j)).collect(),
+        }))
+    }
+
+    async fn get_job(
+        &self,
+        req: Request<pb::GetJobRequest>,
+    ) -> std::result::Result<Response<pb::GetJobResponse>, Status> {
+        let job = self.0.jobs.info_with_metrics(&req.into_inner().job_id)?;
+        Ok(Response::new(pb::GetJobResponse { job: Some(job) }))
+    }
+
+    async fn job_logs(
+        &self,
+        req: Request<pb::JobLogsRequest>,
+    ) -> std::result::Result<Response<pb::JobLogsResponse>, Status> {
+        let r = req.into_inner();
+        Ok(Response::new(self.0.jobs.logs(
+            &r.job_id,
+            r.offset,
+            r.max_bytes,
+        )?))
+    }
+
+    async fn stop_job(
+        &self,
+        req: Request<pb::StopJobRequest>,
+    ) -> std::result::Result<Response<pb::StopJobResponse>, Status> {
+        let jobs = &self.0.jobs;
+        let rec = jobs.stop(&req.into_inner().job_id, "stopped by `rlhf-head job stop`")?;
+        Ok(Response::new(pb::StopJobResponse {
+            job: Some(jobs.to_proto(&rec)),
+        }))
+    }
+}
+
+/// The address a job driver on this machine uses to reach the head.
+fn local_head_address(host: &str, addr: SocketAddr) -> String {
+    match host {
+        "0.0.0.0" | "" => format!("127.0.0.1:{}", addr.port()),
+        "::" | "[::]" => format!("[::1]:{}", addr.port()),
+        _ => addr.to_string(),
+    }
 }
 
 /// Builds, binds and serves the head. Port 0 picks a free port (see `HeadHandle::addr`).
@@ -441,6 +522,23 @@ pub async fn start(
         None => None,
     };
     let store = Store::open(&opts.state_dir)?;
+    let job_exe = match &opts.job_exe {
+        Some(p) => p.clone(),
+        None => std::env::current_exe()
+            .map_err(|e| Error::io("finding this program's path (the job driver)", e))?,
+    };
+    let jobs = jobs::Jobs::open(
+        jobs::JobsConfig {
+            state_dir: opts.state_dir.clone(),
+            exe: job_exe,
+            head_address: local_head_address(&opts.host, addr),
+            tls_ca: opts.tls.cert.clone(),
+            token: opts.token.clone(),
+            stop_grace: opts.job_stop_grace,
+        },
+        Some(store.clone()),
+        clock.clone(),
+    )?;
     let state = HeadState::open(store, clock.now_ms())?;
     let head = Head(Arc::new(Inner {
         state: Mutex::new(state),
@@ -449,6 +547,7 @@ pub async fn start(
         kv_changed: tokio::sync::Notify::new(),
         workers: Mutex::new(HashMap::new()),
         shutdown: shutdown.clone(),
+        jobs: jobs.clone(),
     }));
 
     // Health: mark silent nodes dead. Checked often relative to the threshold so detection
@@ -499,6 +598,8 @@ pub async fn start(
         {
             tracing::error!("head server: {}", net::error_chain(&e));
         }
+        // Drivers would lose their head: stop them, so none is left running unwatched.
+        jobs.shutdown().await;
     });
     tracing::info!(%addr, "head listening");
     Ok(HeadHandle {

@@ -13,9 +13,13 @@ pub const PGS: &str = "placement_groups";
 pub const ACTORS: &str = "actors";
 pub const KV: &str = "kv";
 pub const META: &str = "meta";
+pub const JOBS: &str = "jobs";
 
+/// Cheap to clone: the registry and the job manager share one database, since redb
+/// allows a single opener per file.
+#[derive(Clone)]
 pub struct Store {
-    db: redb::Database,
+    db: std::sync::Arc<redb::Database>,
 }
 
 fn def(name: &str) -> TableDefinition<'_, &'static str, &'static [u8]> {
@@ -38,10 +42,12 @@ impl Store {
             )),
             other => db_err(&format!("opening {}", path.display()), other),
         })?;
-        let s = Store { db };
+        let s = Store {
+            db: std::sync::Arc::new(db),
+        };
         // Create tables up front so reads never meet a missing table.
         let tx = s.db.begin_write().map_err(|e| db_err("begin", e))?;
-        for t in [NODES, PGS, ACTORS, KV, META] {
+        for t in [NODES, PGS, ACTORS, KV, META, JOBS] {
             tx.open_table(def(t)).map_err(|e| db_err(t, e))?;
         }
         tx.commit().map_err(|e| db_err("commit", e))?;

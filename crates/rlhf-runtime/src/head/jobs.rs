@@ -1,0 +1,885 @@
+//! Submitted PPO jobs. The head runs each job as a driver process
+//! (`<exe> run --address HEAD --bundle FILE --job-id ID`) in its own process group, with
+//! the cluster token in the environment, its output in `<state-dir>/jobs/<id>/driver.log`,
+//! and records every state change (PENDING → RUNNING → SUCCEEDED | FAILED | STOPPED) in the
+//! state database, so `rlhf-head job ...` works across head restarts.
+
+use std::collections::BTreeMap;
+use std::io::{Read, Seek, SeekFrom};
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use nix::sys::signal::{self, Signal};
+use nix::unistd::Pid;
+use rlhf_core::{Error, Result};
+use rlhf_proto::v1 as pb;
+use serde::{Deserialize, Serialize};
+
+use super::store::{self, Store};
+use crate::clock::Clock;
+
+/// File names inside a job's directory.
+pub const CONFIG_FILE: &str = "config.yaml";
+pub const LOG_FILE: &str = "driver.log";
+/// A driver may write (or link) its metrics here; `job status` shows the last line.
+pub const METRICS_FILE: &str = "metrics.jsonl";
+
+/// Most log bytes one JobLogs call returns.
+const DEFAULT_LOG_CHUNK: u64 = 1024 * 1024;
+/// How far back from the end of driver.log the last `error:` line is looked for.
+const ERROR_SCAN_BYTES: u64 = 64 * 1024;
+/// Recent ids listed when a job id is unknown.
+const RECENT_IDS: usize = 5;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum JobState {
+    Pending,
+    Running,
+    Succeeded,
+    Failed,
+    Stopped,
+}
+
+impl JobState {
+    pub fn ended(self) -> bool {
+        matches!(
+            self,
+            JobState::Succeeded | JobState::Failed | JobState::Stopped
+        )
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobState::Pending => "PENDING",
+            JobState::Running => "RUNNING",
+            JobState::Succeeded => "SUCCEEDED",
+            JobState::Failed => "FAILED",
+            JobState::Stopped => "STOPPED",
+        }
+    }
+
+    pub fn to_proto(self) -> pb::JobState {
+        match self {
+            JobState::Pending => pb::JobState::Pending,
+            JobState::Running => pb::JobState::Running,
+            JobState::Succeeded => pb::JobState::Succeeded,
+            JobState::Failed => pb::JobState::Failed,
+            JobState::Stopped => pb::JobState::Stopped,
+        }
+    }
+}
+
+/// The name of a protocol job state, as `rlhf-head` prints it.
+pub fn state_name(v: i32) -> &'static str {
+    match pb::JobState::try_from(v) {
+        Ok(pb::JobState::Pending) => "PENDING",
+        Ok(pb::JobState::Running) => "RUNNING",
+        Ok(pb::JobState::Succeeded) => "SUCCEEDED",
+        Ok(pb::JobState::Failed) => "FAILED",
+        Ok(pb::JobState::Stopped) => "STOPPED",
+        _ => "UNKNOWN",
+    }
+}
+
+/// Whether a protocol job state is final.
+pub fn state_ended(v: i32) -> bool {
+    matches!(
+        pb::JobState::try_from(v),
+        Ok(pb::JobState::Succeeded | pb::JobState::Failed | pb::JobState::Stopped)
+    )
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct JobRecord {
+    pub job_id: String,
+    pub state: JobState,
+    pub config_name: String,
+    pub overrides: Vec<String>,
+    pub submit_ms: i64,
+    pub start_ms: i64,
+    pub end_ms: i64,
+    pub exit_code: Option<i32>,
+    pub signal: i32,
+    pub error: String,
+    pub pid: i32,
+    pub metrics_file: String,
+    /// Why a stop was asked for (empty: none); the job ends STOPPED with this reason.
+    pub stop_reason: String,
+}
+
+/// How the head runs drivers.
+#[derive(Debug, Clone)]
+pub struct JobsConfig {
+    pub state_dir: PathBuf,
+    /// The driver executable, run as `<exe> run --address ... --bundle ... --job-id ...`.
+    pub exe: PathBuf,
+    /// The head address the driver connects to.
+    pub head_address: String,
+    /// CA for a head that serves TLS (passed as `--tls-ca`).
+    pub tls_ca: Option<PathBuf>,
+    pub token: String,
+    /// Between SIGTERM and SIGKILL when a job is stopped.
+    pub stop_grace: Duration,
+}
+
+struct Inner {
+    cfg: JobsConfig,
+    store: Option<Store>,
+    clock: Arc<dyn Clock>,
+    jobs: Mutex<BTreeMap<String, JobRecord>>,
+    /// Bumped on every state change; waiters watch it.
+    changed: tokio::sync::watch::Sender<u64>,
+}
+
+/// The head's job manager. Cheap to clone.
+#[derive(Clone)]
+pub struct Jobs(Arc<Inner>);
+
+/// Formats milliseconds since the epoch as `YYYY-MM-DD HH:MM:SS` (UTC).
+pub fn fmt_utc_ms(ms: i64) -> String {
+    let (y, mo, d, h, mi, s) = utc_parts(ms);
+    format!("{y:04}-{mo:02}-{d:02} {h:02}:{mi:02}:{s:02}")
+}
+
+fn utc_parts(ms: i64) -> (i64, u32, u32, u32, u32, u32) {
+    let secs = ms.div_euclid(1000);
+    let days = secs.div_euclid(86_400);
+    let sod = secs.rem_euclid(86_400) as u32;
+    // Days since 1970-01-01 to a proleptic Gregorian date, counting eras of 400 years
+    // from 0000-03-01 so the leap day falls at the end of each year.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    (y, m, d, sod / 3600, sod / 60 % 60, sod % 60)
+}
+
+fn new_job_id(now_ms: i64) -> String {
+    let (y, mo, d, h, mi, s) = utc_parts(now_ms);
+    let u = uuid::Uuid::new_v4().simple().to_string();
+    format!("job-{y:04}{mo:02}{d:02}-{h:02}{mi:02}{s:02}-{}", &u[..4])
+}
+
+/// The text after the last line of `log` that starts with `error:`.
+pub fn last_error_line(log: &str) -> Option<String> {
+    log.lines()
+        .rev()
+        .map(str::trim)
+        .find_map(|l| l.strip_prefix("error:"))
+        .map(|e| e.trim().to_string())
+}
+
+fn read_tail(path: &Path, bytes: u64) -> String {
+    let Ok(mut f) = std::fs::File::open(path) else {
+        return String::new();
+    };
+    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
+    let _ = f.seek(SeekFrom::Start(len.saturating_sub(bytes)));
+    let mut buf = Vec::new();
+    let _ = f.read_to_end(&mut buf);
+    String::from_utf8_lossy(&buf).into_owned()
+}
+
+fn last_nonempty_line(path: &Path) -> Option<String> {
+    read_tail(path, 16 * 1024)
+        .lines()
+        .rev()
+        .map(str::trim)
+        .find(|l| !l.is_empty())
+        .map(str::to_string)
+}
+
+/// Whether `pid` is still the driver of `job_id` (not a process that reused the pid).
+fn driver_alive(pid: i32, job_id: &str) -> bool {
+    if pid <= 0 {
+        return false;
+    }
+    match std::fs::read(format!("/proc/{pid}/cmdline")) {
+        Ok(c) => {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let zombie = stat
+                .rsplit(')')
+                .next()
+                .is_some_and(|r| r.trim_start().starts_with('Z'));
+            !zombie && String::from_utf8_lossy(&c).contains(job_id)
+        }
+        Err(_) => false,
+    }
+}
+
+fn signal_group(pid: i32, sig: Signal) {
+    if pid > 0 {
+        // The driver leads its own group, so this reaches the processes it started too.
+        let _ = signal::killpg(Pid::from_raw(pid), sig);
+    }
+}
+
+impl Jobs {
+    /// Loads recorded jobs. A job recorded PENDING or RUNNING whose driver is gone failed
+    /// with the head; one whose driver still runs is watched until it ends.
+    pub fn open(cfg: JobsConfig, store: Option<Store>, clock: Arc<dyn Clock>) -> Result<Jobs> {
+        let mut jobs = BTreeMap::new();
+        if let Some(st) = &store {
+            for j in st.load::<JobRecord>(store::JOBS)? {
+                jobs.insert(j.job_id.clone(), j);
+            }
+        }
+        let (changed, _) = tokio::sync::watch::channel(0);
+        let me = Jobs(Arc::new(Inner {
+            cfg,
+            store,
+            clock,
+            jobs: Mutex::new(jobs),
+            changed,
+        }));
+        let unfinished: Vec<JobRecord> = me
+            .snapshot()
+            .into_iter()
+            .filter(|j| !j.state.ended())
+            .collect();
+        for j in unfinished {
+            if driver_alive(j.pid, &j.job_id) {
+                tracing::info!(job = %j.job_id, pid = j.pid, "driver outlived a head restart; watching it");
+                me.watch_orphan(j.job_id.clone(), j.pid);
+            } else {
+                let now = me.0.clock.now_ms();
+                me.update(&j.job_id, |r| {
+                    r.state = JobState::Failed;
+                    r.end_ms = now;
+                    r.error = "head restarted".into();
+                })?;
+            }
+        }
+        Ok(me)
+    }
+
+    fn snapshot(&self) -> Vec<JobRecord> {
+        crate::lock(&self.0.jobs).values().cloned().collect()
+    }
+
+    fn persist(&self, r: &JobRecord) -> Result<()> {
+        match &self.0.store {
+            Some(st) => st.put(store::JOBS, &r.job_id, r),
+            None => Ok(()),
+        }
+    }
+
+    /// Applies `f` to a job's record, persists it and wakes waiters.
+    fn update(&self, id: &str, f: impl FnOnce(&mut JobRecord)) -> Result<JobRecord> {
+        let rec = {
+            let mut jobs = crate::lock(&self.0.jobs);
+            let r = jobs
+                .get_mut(id)
+                .ok_or_else(|| Error::not_found(format!("no job {id}")))?;
+            f(r);
+            r.clone()
+        };
+        self.persist(&rec)?;
+        self.0.changed.send_modify(|v| *v += 1);
+        Ok(rec)
+    }
+
+    pub fn job_dir(&self, id: &str) -> PathBuf {
+        self.0.cfg.state_dir.join("jobs").join(id)
+    }
+
+    fn not_found(&self, id: &str) -> Error {
+        let jobs = crate::lock(&self.0.jobs);
+        let mut recent: Vec<&JobRecord> = jobs.values().collect();
+        recent.sort_by_key(|j| std::cmp::Reverse(j.submit_ms));
+        let ids: Vec<&str> = recent
+            .iter()
+            .take(RECENT_IDS)
+            .map(|j| j.job_id.as_str())
+            .collect();
+        if ids.is_empty() {
+            Error::not_found(format!(
+                "no job '{id}': this head has no jobs; submit one with `rlhf-head submit`"
+            ))
+        } else {
+            Error::not_found(format!(
+                "no job '{id}'; recent jobs: {} (all: `rlhf-head job list`)",
+                ids.join(", ")
+            ))
+        }
+    }
+
+    pub fn get(&self, id: &str) -> Result<JobRecord> {
+        let found = crate::lock(&self.0.jobs).get(id).cloned();
+        found.ok_or_else(|| self.not_found(id))
+    }
+
+    /// Every job, oldest first.
+    pub fn list(&self) -> Vec<JobRecord> {
+        let mut v = self.snapshot();
+        v.sort_by(|a, b| (a.submit_ms, &a.job_id).cmp(&(b.submit_ms, &b.job_id)));
+        v
+    }
+
+    pub fn to_proto(&self, r: &JobRecord) -> pb::JobInfo {
+        let dir = self.job_dir(&r.job_id);
+        pb::JobInfo {
+            job_id: r.job_id.clone(),
+            state: r.state.to_proto() as i32,
+            config_name: r.config_name.clone(),
+            overrides: r.overrides.clone(),
+            submit_ms: r.submit_ms,
+            start_ms: r.start_ms,
+            end_ms: r.end_ms,
+            has_exit_code: r.exit_code.is_some(),
+            exit_code: r.exit_code.unwrap_or(0),
+            signal: r.signal,
+            error: r.error.clone(),
+            pid: r.pid,
+            log_file: dir.join(LOG_FILE).display().to_string(),
+            job_dir: dir.display().to_string(),
+            last_metrics: String::new(),
+        }
+    }
+
+    /// The job with the last line of its metrics: `<job dir>/metrics.jsonl` if the driver
+    /// wrote one, else the config's `logging.metrics_file`.
+    pub fn info_with_metrics(&self, id: &str) -> Result<pb::JobInfo> {
+        let r = self.get(id)?;
+        let mut info = self.to_proto(&r);
+        let mut candidates = vec![self.job_dir(id).join(METRICS_FILE)];
+        if !r.metrics_file.is_empty() {
+            candidates.push(PathBuf::from(&r.metrics_file));
+        }
+        info.last_metrics = candidates
+            .iter()
+            .find_map(|p| last_nonempty_line(p))
+            .unwrap_or_default();
+        Ok(info)
+    }
+
+    /// Records the job, writes its config and starts its driver.
+    pub fn submit(&self, req: pb::SubmitJobRequest) -> Result<JobRecord> {
+        if req.bundle.trim().is_empty() {
+            return Err(Error::invalid(
+                "SubmitJob needs a config bundle; use `rlhf-head submit --config-name NAME`",
+            ));
+        }
+        let now = self.0.clock.now_ms();
+        let id = loop {
+            let id = new_job_id(now);
+            if !crate::lock(&self.0.jobs).contains_key(&id) {
+                break id;
+            }
+        };
+        let dir = self.job_dir(&id);
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| Error::io(format!("creating job directory {}", dir.display()), e))?;
+        let config = dir.join(CONFIG_FILE);
+        std::fs::write(&config, &req.bundle)
+            .map_err(|e| Error::io(format!("writing {}", config.display()), e))?;
+        let rec = JobRecord {
+            job_id: id.clone(),
+            state: JobState::Pending,
+            config_name: req.config_name,
+            overrides: req.overrides,
+            submit_ms: now,
+            start_ms: 0,
+            end_ms: 0,
+            exit_code: None,
+            signal: 0,
+            error: String::new(),
+            pid: 0,
+            metrics_file: req.metrics_file,
+            stop_reason: String::new(),
+        };
+        crate::lock(&self.0.jobs).insert(id.clone(), rec.clone());
+        self.persist(&rec)?;
+        tracing::info!(job = %id, config = %rec.config_name, "job submitted");
+        match self.spawn_driver(&id, &dir, &config) {
+            Ok(child) => {
+                let pid = child.id().map(|p| p as i32).unwrap_or(0);
+                let now = self.0.clock.now_ms();
+                let rec = self.update(&id, |r| {
+                    r.state = JobState::Running;
+                    r.pid = pid;
+                    r.start_ms = now;
+                })?;
+                tracing::info!(job = %id, pid, "driver started");
+                self.reap(id, child);
+                Ok(rec)
+            }
+            Err(e) => {
+                let now = self.0.clock.now_ms();
+                tracing::error!(job = %id, "driver did not start: {e}");
+                self.update(&id, |r| {
+                    r.state = JobState::Failed;
+                    r.end_ms = now;
+                    r.error = e.to_string();
+                })
+            }
+        }
+    }
+
+    fn spawn_driver(&self, id: &str, dir: &Path, config: &Path) -> Result<tokio::process::Child> {
+        let log_path = dir.join(LOG_FILE);
+        let log = std::fs::File::create(&log_path)
+            .map_err(|e| Error::io(format!("creating {}", log_path.display()), e))?;
+        let log2 = log
+            .try_clone()
+            .map_err(|e| Error::io(format!("opening {}", log_path.display()), e))?;
+        let cfg = &self.0.cfg;
+        let mut cmd = tokio::process::Command::new(&cfg.exe);
+        cmd.arg("run")
+            .arg("--address")
+            .arg(&cfg.head_address)
+            .arg("--bundle")
+            .arg(config)
+            .arg("--job-id")
+            .arg(id);
+        if let Some(ca) = &cfg.tls_ca {
+            cmd.arg("--tls-ca").arg(ca);
+        }
+        // The token goes in the environment: a command line is visible to every user.
+        cmd.env(crate::auth::TOKEN_ENV, &cfg.token)
+            .current_dir(dir)
+            .stdin(std::process::Stdio::null())
+            .stdout(log)
+            .stderr(log2)
+            // Its own group, so a stop reaches everything the driver started.
+            .process_group(0)
+            .kill_on_drop(false);
+        cmd.spawn().map_err(|e| {
+            Error::invalid(format!(
+                "cannot start the job driver {}: {e}",
+                cfg.exe.display()
+            ))
+        })
+    }
+
+    /// Waits for a driver this head started and records how it ended.
+    fn reap(&self, id: String, mut child: tokio::process::Child) {
+        let me = self.clone();
+        tokio::spawn(async move {
+            let status = child.wait().await;
+            let (code, sig) = match &status {
+                Ok(s) => (s.code(), s.signal().unwrap_or(0)),
+                Err(e) => {
+                    tracing::error!(job = %id, "waiting for the driver: {e}");
+                    (None, 0)
+                }
+            };
+            me.finish(&id, code, sig);
+        });
+    }
+
+    /// Polls a driver this head did not start (it outlived a head restart) until it exits.
+    /// Its exit status cannot be known; the log's last `error:` line decides.
+    fn watch_orphan(&self, id: String, pid: i32) {
+        let me = self.clone();
+        tokio::spawn(async move {
+            while driver_alive(pid, &id) {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            me.finish(&id, None, 0);
+        });
+    }
+
+    fn finish(&self, id: &str, code: Option<i32>, sig: i32) {
+        let now = self.0.clock.now_ms();
+        let log = read_tail(&self.job_dir(id).join(LOG_FILE), ERROR_SCAN_BYTES);
+        let err_line = last_error_line(&log);
+        let res = self.update(id, |r| {
+            r.end_ms = now;
+            r.exit_code = code;
+            r.signal = sig;
+            if !r.stop_reason.is_empty() {
+                r.state = JobState::Stopped;
+                r.error = r.stop_reason.clone();
+            } else if code == Some(0) {
+                r.state = JobState::Succeeded;
+            } else {
+                r.state = JobState::Failed;
+                r.error = match (err_line, code) {
+                    (Some(e), _) => e,
+                    (None, Some(c)) => format!("driver exited with code {c} (see {LOG_FILE})"),
+                    (None, None) if sig != 0 => {
+                        format!("driver killed by signal {sig} (see {LOG_FILE})")
+                    }
+                    (None, None) => format!(
+                        "driver ended while the head was restarting; its exit status is unknown (see {LOG_FILE})"
+                    ),
+                };
+            }
+        });
+        match res {
+            Ok(r) => {
+                tracing::info!(job = %id, state = r.state.as_str(), code = ?code, signal = sig, "job ended: {}", r.error)
+            }
+            Err(e) => tracing::error!(job = %id, "recording the job's end: {e}"),
+        }
+    }
+
+    /// Asks a job to stop: SIGTERM to its driver's process group, SIGKILL after the grace
+    /// period. Returns at once; the job turns STOPPED when its driver has exited.
+    pub fn stop(&self, id: &str, reason: &str) -> Result<JobRecord> {
+        let rec = self.get(id)?;
+        if rec.state.ended() {
+            return Ok(rec);
+        }
+        let rec = self.update(id, |r| {
+            if r.stop_reason.is_empty() {
+                r.stop_reason = reason.to_string();
+            }
+        })?;
+        tracing::info!(job = %id, pid = rec.pid, "stopping job: {reason}");
+        signal_group(rec.pid, Signal::SIGTERM);
+        let me = self.clone();
+        let id = id.to_string();
+        let grace = self.0.cfg.stop_grace;
+        tokio::spawn(async move {
+            if !me.wait_ended(&id, grace).await {
+                tracing::warn!(job = %id, "driver ignored SIGTERM for {grace:?}; sending SIGKILL");
+                signal_group(rec.pid, Signal::SIGKILL);
+            }
+        });
+        Ok(rec)
+    }
+
+    /// Waits until the job has ended or `timeout` passes; true when it ended.
+    pub async fn wait_ended(&self, id: &str, timeout: Duration) -> bool {
+        let mut rx = self.0.changed.subscribe();
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            if self.get(id).map(|r| r.state.ended()).unwrap_or(true) {
+                return true;
+            }
+            match tokio::time::timeout_at(deadline, rx.changed()).await {
+                Ok(Ok(())) => {}
+                _ => return self.get(id).map(|r| r.state.ended()).unwrap_or(true),
+            }
+        }
+    }
+
+    /// Bytes of driver.log from `offset`.
+    pub fn logs(&self, id: &str, offset: u64, max_bytes: u64) -> Result<pb::JobLogsResponse> {
+        let rec = self.get(id)?;
+        let path = self.job_dir(id).join(LOG_FILE);
+        let max = if max_bytes == 0 {
+            DEFAULT_LOG_CHUNK
+        } else {
+            max_bytes.min(DEFAULT_LOG_CHUNK * 16)
+        };
+        let (data, len) = match std::fs::File::open(&path) {
+            Ok(mut f) => {
+                let len = f
+                    .metadata()
+                    .map_err(|e| Error::io(format!("reading {}", path.display()), e))?
+                    .len();
+                let start = offset.min(len);
+                f.seek(SeekFrom::Start(start))
+                    .map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
+                let mut buf = Vec::new();
+                f.take(max)
+                    .read_to_end(&mut buf)
+                    .map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
+                (buf, len)
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => (Vec::new(), 0),
+            Err(e) => return Err(Error::io(format!("reading {}", path.display()), e)),
+        };
+        let next = offset.min(len) + data.len() as u64;
+        Ok(pb::JobLogsResponse {
+            finished: rec.state.ended() && next >= len,
+            next_offset: next,
+            data,
+            state: rec.state.to_proto() as i32,
+        })
+    }
+
+    /// Stops every unfinished job (the head is shutting down) and waits for them to end.
+    pub async fn shutdown(&self) {
+        let running: Vec<String> = self
+            .snapshot()
+            .into_iter()
+            .filter(|j| !j.state.ended())
+            .map(|j| j.job_id)
+            .collect();
+        for id in &running {
+            let _ = self.stop(id, "the head shut down");
+        }
+        let grace = self.0.cfg.stop_grace + Duration::from_secs(2);
+        for id in &running {
+            self.wait_ended(id, grace).await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::SystemClock;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn utc_formatting_and_job_ids() {
+        assert_eq!(fmt_utc_ms(0), "1970-01-01 00:00:00");
+        assert_eq!(fmt_utc_ms(1_700_000_000_000), "2023-11-14 22:13:20");
+        // A leap day and the day after.
+        assert_eq!(fmt_utc_ms(951_782_400_000), "2000-02-29 00:00:00");
+        assert_eq!(fmt_utc_ms(951_868_800_000), "2000-03-01 00:00:00");
+        let id = new_job_id(1_700_000_000_000);
+        assert!(id.starts_with("job-20231114-221320-"), "{id}");
+        assert_eq!(id.len(), "job-20231114-221320-abcd".len());
+    }
+
+    #[test]
+    fn last_error_line_is_the_last_one() {
+        let log = "starting\nerror: first\nmore\n  error: second problem \ndone\n";
+        assert_eq!(last_error_line(log).as_deref(), Some("second problem"));
+        assert_eq!(last_error_line("all good\n"), None);
+    }
+
+    fn script(dir: &Path, name: &str, body: &str) -> PathBuf {
+        let p = dir.join(name);
+        std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+        p
+    }
+
+    fn manager(dir: &Path, exe: PathBuf, grace: Duration) -> Jobs {
+        let store = Store::open(&dir.join("state")).unwrap();
+        Jobs::open(
+            JobsConfig {
+                state_dir: dir.join("state"),
+                exe,
+                head_address: "127.0.0.1:1".into(),
+                tls_ca: None,
+                token: "sekrit-token".into(),
+                stop_grace: grace,
+            },
+            Some(store),
+            Arc::new(SystemClock),
+        )
+        .unwrap()
+    }
+
+    fn submit(j: &Jobs) -> JobRecord {
+        j.submit(pb::SubmitJobRequest {
+            bundle: "{\"config\":\"x\"}".into(),
+            config_name: "ppo_tiny".into(),
+            overrides: vec!["training.train_iters=1".into()],
+            metrics_file: String::new(),
+        })
+        .unwrap()
+    }
+
+    #[tokio::test]
+    async fn driver_runs_with_args_env_and_cwd_and_succeeds() {
+        let dir = tempfile::tempdir().unwrap();
+        let exe = script(
+            dir.path(),
+            "ok.sh",
+            "echo \"args: $*\"\necho \"token: $RLHF_TOKEN\"\necho \"cwd: $(pwd)\"\necho '{\"step\":1}' > metrics.jsonl",
+        );
+        let j = manager(dir.path(), exe, Duration::from_secs(5));
+        let r = submit(&j);
+        assert_eq!(r.state, JobState::Running);
+        assert!(r.pid > 0);
+        assert!(j.wait_ended(&r.job_id, Duration::from_secs(10)).await);
+        let r = j.get(&r.job_id).unwrap();
+        assert_eq!(r.state, JobState::Succeeded, "{r:?}");
+        assert_eq!(r.exit_code, Some(0));
+        assert!(r.end_ms >= r.start_ms && r.start_ms >= r.submit_ms);
+        let jd = j.job_dir(&r.job_id);
+        assert_eq!(
+            std::fs::read_to_string(jd.join(CONFIG_FILE)).unwrap(),
+            "{\"config\":\"x\"}"
+        );
+        let log = String::from_utf8(j.logs(&r.job_id, 0, 0).unwrap().data).unwrap();
+        let cfg = jd.join(CONFIG_FILE).display().to_string();
+        assert!(
+            log.contains(&format!(
+                "args: run --address 127.0.0.1:1 --bundle {cfg} --job-id {}",
+                r.job_id
+            )),
+            "{log}"
+        );
+        assert!(log.contains("token: sekrit-token"), "{log}");
+        assert!(!log.lines().next().unwrap().contains("sekrit"), "{log}");
+        let cwd = std::fs::canonicalize(&jd).unwrap();
+        assert!(log.contains(&format!("cwd: {}", cwd.display())), "{log}");
+        let info = j.info_with_metrics(&r.job_id).unwrap();
+        assert_eq!(info.last_metrics, "{\"step\":1}");
+        assert_eq!(info.state, pb::JobState::Succeeded as i32);
+    }
+
+    #[tokio::test]
+    async fn failing_driver_reports_its_last_error_line_and_logs_page() {
+        let dir = tempfile::tempdir().unwrap();
+        let exe = script(
+            dir.path(),
+            "fail.sh",
+            "echo 'loading'\necho 'error: early' >&2\necho 'error: no worker has 2 CPU free' >&2\nexit 3",
+        );
+        let j = manager(dir.path(), exe, Duration::from_secs(5));
+        let r = submit(&j);
+        assert!(j.wait_ended(&r.job_id, Duration::from_secs(10)).await);
+        let r = j.get(&r.job_id).unwrap();
+        assert_eq!(r.state, JobState::Failed);
+        assert_eq!(r.exit_code, Some(3));
+        assert_eq!(r.error, "no worker has 2 CPU free");
+        // Paging through the log in small pieces gives the whole log back.
+        let mut off = 0;
+        let mut all = Vec::new();
+        loop {
+            let p = j.logs(&r.job_id, off, 5).unwrap();
+            assert!(p.data.len() <= 5);
+            all.extend_from_slice(&p.data);
+            off = p.next_offset;
+            if p.finished {
+                break;
+            }
+        }
+        assert_eq!(
+            String::from_utf8(all).unwrap(),
+            "loading\nerror: early\nerror: no worker has 2 CPU free\n"
+        );
+        // Beyond the end: nothing, and finished.
+        let p = j.logs(&r.job_id, 10_000, 0).unwrap();
+        assert!(p.data.is_empty() && p.finished);
+    }
+
+    #[tokio::test]
+    async fn stop_terms_then_kills_a_driver_that_ignores_sigterm() {
+        let dir = tempfile::tempdir().unwrap();
+        let polite = script(dir.path(), "sleep.sh", "echo started\nsleep 600");
+        let j = manager(dir.path(), polite, Duration::from_secs(30));
+        let r = submit(&j);
+        assert_eq!(r.state, JobState::Running);
+        let t = std::time::Instant::now();
+        j.stop(&r.job_id, "stopped by user").unwrap();
+        assert!(j.wait_ended(&r.job_id, Duration::from_secs(10)).await);
+        // SIGTERM was enough: well before the 30 s grace.
+        assert!(t.elapsed() < Duration::from_secs(10));
+        let r = j.get(&r.job_id).unwrap();
+        assert_eq!(r.state, JobState::Stopped);
+        assert_eq!(r.error, "stopped by user");
+        assert_eq!(r.signal, libc::SIGTERM);
+
+        // Ignores SIGTERM (its sleep inherits the ignored disposition): SIGKILL after grace.
+        let stubborn = script(
+            dir.path(),
+            "stubborn.sh",
+            "trap '' TERM\necho started\nwhile true; do sleep 0.1; done",
+        );
+        let j2 = manager(&dir.path().join("b"), stubborn, Duration::from_millis(300));
+        let r = submit(&j2);
+        // Let the shell install its trap first.
+        for _ in 0..100 {
+            if !j2.logs(&r.job_id, 0, 0).unwrap().data.is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        j2.stop(&r.job_id, "stopped by user").unwrap();
+        assert!(
+            !j2.wait_ended(&r.job_id, Duration::from_millis(150)).await,
+            "ended before the grace period although it ignores SIGTERM"
+        );
+        assert!(j2.wait_ended(&r.job_id, Duration::from_secs(10)).await);
+        let r = j2.get(&r.job_id).unwrap();
+        assert_eq!(r.state, JobState::Stopped);
+        assert_eq!(r.signal, libc::SIGKILL);
+        // Stopping an ended job changes nothing.
+        assert_eq!(
+            j2.stop(&r.job_id, "again").unwrap().error,
+            "stopped by user"
+        );
+    }
+
+    #[tokio::test]
+    async fn missing_exe_fails_the_job_and_unknown_ids_list_recent_ones() {
+        let dir = tempfile::tempdir().unwrap();
+        let j = manager(
+            dir.path(),
+            dir.path().join("no-such-driver"),
+            Duration::from_secs(1),
+        );
+        let e = j.get("job-x").unwrap_err().to_string();
+        assert!(e.contains("no jobs"), "{e}");
+        let r = submit(&j);
+        assert_eq!(r.state, JobState::Failed);
+        assert!(
+            r.error.contains("cannot start the job driver") && r.error.contains("no-such-driver"),
+            "{}",
+            r.error
+        );
+        let e = j.get("job-x").unwrap_err();
+        assert_eq!(e.kind(), rlhf_core::FailureKind::NotFound);
+        assert!(
+            e.to_string().contains("no job 'job-x'") && e.to_string().contains(&r.job_id),
+            "{e}"
+        );
+        let e = j
+            .submit(pb::SubmitJobRequest::default())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("config bundle"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn restart_fails_jobs_whose_driver_is_gone() {
+        let dir = tempfile::tempdir().unwrap();
+        // A pid that surely ended: a child we reaped.
+        let mut c = std::process::Command::new("true").spawn().unwrap();
+        let dead_pid = c.id() as i32;
+        c.wait().unwrap();
+        {
+            let st = Store::open(&dir.path().join("state")).unwrap();
+            let mut rec = JobRecord {
+                job_id: "job-20260101-000000-abcd".into(),
+                state: JobState::Running,
+                config_name: "ppo_tiny".into(),
+                overrides: vec![],
+                submit_ms: 1,
+                start_ms: 2,
+                end_ms: 0,
+                exit_code: None,
+                signal: 0,
+                error: String::new(),
+                pid: dead_pid,
+                metrics_file: String::new(),
+                stop_reason: String::new(),
+            };
+            st.put(store::JOBS, &rec.job_id, &rec).unwrap();
+            rec.job_id = "job-20260101-000000-done".into();
+            rec.state = JobState::Succeeded;
+            rec.exit_code = Some(0);
+            st.put(store::JOBS, &rec.job_id, &rec).unwrap();
+        }
+        let j = manager(
+            dir.path(),
+            PathBuf::from("/bin/true"),
+            Duration::from_secs(1),
+        );
+        let r = j.get("job-20260101-000000-abcd").unwrap();
+        assert_eq!(r.state, JobState::Failed);
+        assert_eq!(r.error, "head restarted");
+        assert!(r.end_ms > 0);
+        assert_eq!(
+            j.get("job-20260101-000000-done").unwrap().state,
+            JobState::Succeeded
+        );
+        assert_eq!(j.list().len(), 2);
+        drop(j);
+        // The change was persisted.
+        let st = Store::open(&dir.path().join("state")).unwrap();
+        let recs: Vec<JobRecord> = st.load(store::JOBS).unwrap();
+        assert!(recs
+            .iter()
+            .any(|r| r.state == JobState::Failed && r.error == "head restarted"));
+    }
+}
