@@ -1,611 +1,151 @@
-//! HF tokenizer (`tokenizer.json`) with `tokenizer_config.json` special tokens and chat template.
-//!
-//! The chat template is rendered with minijinja configured like transformers' sandbox
-//! (`trim_blocks`, `lstrip_blocks`, loop controls, `raise_exception`, a Python-style `tojson`)
-//! plus the Python string and dict methods HF templates call (`.strip()`, `.items()`, ...).
+//! The tokenizer lives in the candle-free `rlhf-tokenizer` crate (so the head can tokenize
+//! without linking candle); this module keeps `rlhf_model::Tokenizer` with methods that return
+//! this crate's [`Error`], so model code can mix both with `?`.
 
-use std::path::{Path, PathBuf};
+use std::ops::Deref;
+use std::path::Path;
 
-use minijinja::value::Kwargs;
-use minijinja::{Environment, ErrorKind, State, Value as JValue};
 use serde_json::Value;
 
-use crate::error::{read_json, Error, Result};
+use crate::error::{Error, Result};
 
-/// Files that make up a tokenizer, copied when a model is saved.
-pub const TOKENIZER_FILES: &[&str] = &[
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "tokenizer.model",
-    "chat_template.jinja",
-    "chat_template.json",
-];
+pub use rlhf_tokenizer::{ChatMessage, TOKENIZER_FILES};
 
-/// One chat turn.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct ChatMessage {
-    pub role: String,
-    pub content: String,
-}
-
-impl ChatMessage {
-    pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        Self {
-            role: role.into(),
-            content: content.into(),
-        }
-    }
-
-    pub fn user(content: impl Into<String>) -> Self {
-        Self::new("user", content)
-    }
-
-    pub fn system(content: impl Into<String>) -> Self {
-        Self::new("system", content)
-    }
-
-    pub fn assistant(content: impl Into<String>) -> Self {
-        Self::new("assistant", content)
-    }
-}
-
-/// A tokenizer loaded from an HF directory.
-pub struct Tokenizer {
-    inner: tokenizers::Tokenizer,
-    dir: PathBuf,
-    bos_token: Option<String>,
-    eos_token: Option<String>,
-    pad_token: Option<String>,
-    unk_token: Option<String>,
-    chat_template: Option<String>,
-    model_max_length: Option<usize>,
-}
-
-fn token_string(v: Option<&Value>) -> Option<String> {
-    match v? {
-        Value::String(s) => Some(s.clone()),
-        Value::Object(m) => m.get("content").and_then(Value::as_str).map(String::from),
-        _ => None,
-    }
-}
-
-fn template_from(v: Option<&Value>) -> Option<String> {
-    match v? {
-        Value::String(s) => Some(s.clone()),
-        // A list of named templates: use "default".
-        Value::Array(list) => list
-            .iter()
-            .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
-            .or_else(|| list.first())
-            .and_then(|t| t.get("template"))
-            .and_then(Value::as_str)
-            .map(String::from),
-        _ => None,
-    }
-}
+/// A tokenizer loaded from an HF directory: [`rlhf_tokenizer::Tokenizer`] whose fallible
+/// methods return [`crate::Error`]. The infallible ones (`eos_token_id`, `pad_token_id`,
+/// `vocab_size`, ...) come through `Deref`. (No `Debug`, as before the move: tests written
+/// against the old type call `.err().expect(..)`, which clippy rejects once `Debug` exists.)
+#[derive(Clone)]
+pub struct Tokenizer(rlhf_tokenizer::Tokenizer);
 
 impl Tokenizer {
-    /// Loads `tokenizer.json` and, when present, `tokenizer_config.json` (and
-    /// `chat_template.jinja` / `chat_template.json`, where newer transformers put the template).
+    /// See [`rlhf_tokenizer::Tokenizer::from_dir`].
     pub fn from_dir(dir: impl AsRef<Path>) -> Result<Self> {
-        let dir = dir.as_ref();
-        let tok_path = dir.join("tokenizer.json");
-        if !tok_path.is_file() {
-            return Err(Error::MissingFile {
-                path: tok_path,
-                hint: "only fast tokenizers (tokenizer.json) are supported; save one with \
-                       transformers' AutoTokenizer.save_pretrained"
-                    .to_string(),
-            });
-        }
-        let inner = tokenizers::Tokenizer::from_file(&tok_path)
-            .map_err(|e| Error::Tokenizer(format!("cannot load {}: {e}", tok_path.display())))?;
-        let cfg_path = dir.join("tokenizer_config.json");
-        let cfg: Value = if cfg_path.is_file() {
-            read_json(&cfg_path)?
-        } else {
-            Value::Object(Default::default())
-        };
-        let mut chat_template = template_from(cfg.get("chat_template"));
-        if chat_template.is_none() {
-            let jinja = dir.join("chat_template.jinja");
-            let json = dir.join("chat_template.json");
-            if jinja.is_file() {
-                chat_template =
-                    Some(std::fs::read_to_string(&jinja).map_err(|e| Error::io(&jinja, e))?);
-            } else if json.is_file() {
-                let v: Value = read_json(&json)?;
-                chat_template = template_from(v.get("chat_template"));
-            }
-        }
-        Ok(Self {
-            inner,
-            dir: dir.to_path_buf(),
-            bos_token: token_string(cfg.get("bos_token")),
-            eos_token: token_string(cfg.get("eos_token")),
-            pad_token: token_string(cfg.get("pad_token")),
-            unk_token: token_string(cfg.get("unk_token")),
-            chat_template,
-            model_max_length: cfg
-                .get("model_max_length")
-                .and_then(Value::as_u64)
-                .map(|n| n as usize),
-        })
+        Ok(Self(rlhf_tokenizer::Tokenizer::from_dir(dir)?))
     }
 
-    /// Directory the tokenizer was loaded from.
-    pub fn dir(&self) -> &Path {
-        &self.dir
+    /// See [`rlhf_tokenizer::Tokenizer::from_files`].
+    pub fn from_files(
+        tokenizer_json: impl AsRef<Path>,
+        tokenizer_config: Option<&Path>,
+    ) -> Result<Self> {
+        Ok(Self(rlhf_tokenizer::Tokenizer::from_files(
+            tokenizer_json,
+            tokenizer_config,
+        )?))
     }
 
-    /// The underlying `tokenizers` tokenizer.
-    pub fn inner(&self) -> &tokenizers::Tokenizer {
-        &self.inner
+    /// The candle-free tokenizer this wraps.
+    pub fn into_inner(self) -> rlhf_tokenizer::Tokenizer {
+        self.0
     }
 
-    /// Token ids of `text`; `add_special_tokens` applies the tokenizer's post-processor (BOS).
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
-        let enc = self
-            .inner
-            .encode(text, add_special_tokens)
-            .map_err(|e| Error::Tokenizer(format!("cannot encode text: {e}")))?;
-        Ok(enc.get_ids().to_vec())
+        Ok(self.0.encode(text, add_special_tokens)?)
     }
 
-    /// Text of `ids`.
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
-        self.inner
-            .decode(ids, skip_special_tokens)
-            .map_err(|e| Error::Tokenizer(format!("cannot decode ids: {e}")))
+        Ok(self.0.decode(ids, skip_special_tokens)?)
     }
 
-    pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
-    }
-
-    pub fn token_to_id(&self, token: &str) -> Option<u32> {
-        self.inner.token_to_id(token)
-    }
-
-    pub fn bos_token(&self) -> Option<&str> {
-        self.bos_token.as_deref()
-    }
-
-    pub fn eos_token(&self) -> Option<&str> {
-        self.eos_token.as_deref()
-    }
-
-    pub fn pad_token(&self) -> Option<&str> {
-        self.pad_token.as_deref()
-    }
-
-    pub fn bos_token_id(&self) -> Option<u32> {
-        self.bos_token.as_deref().and_then(|t| self.token_to_id(t))
-    }
-
-    pub fn eos_token_id(&self) -> Option<u32> {
-        self.eos_token.as_deref().and_then(|t| self.token_to_id(t))
-    }
-
-    pub fn pad_token_id(&self) -> Option<u32> {
-        self.pad_token.as_deref().and_then(|t| self.token_to_id(t))
-    }
-
-    pub fn model_max_length(&self) -> Option<usize> {
-        self.model_max_length
-    }
-
-    /// The raw chat template, if the tokenizer has one.
-    pub fn chat_template(&self) -> Option<&str> {
-        self.chat_template.as_deref()
-    }
-
-    /// Renders the chat template for `messages`.
     pub fn apply_chat_template(
         &self,
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String> {
-        let msgs = serde_json::to_value(messages).map_err(|e| Error::Template(e.to_string()))?;
-        self.apply_chat_template_json(&msgs, add_generation_prompt)
+        Ok(self
+            .0
+            .apply_chat_template(messages, add_generation_prompt)?)
     }
 
-    /// Renders the chat template for messages given as JSON (extra keys such as tool calls are
-    /// passed through to the template).
     pub fn apply_chat_template_json(
         &self,
         messages: &Value,
         add_generation_prompt: bool,
     ) -> Result<String> {
-        let template = self
-            .chat_template
-            .as_deref()
-            .ok_or_else(|| Error::NoChatTemplate {
-                path: self.dir.join("tokenizer_config.json"),
-            })?;
-        render_chat_template(
-            template,
-            messages,
-            add_generation_prompt,
-            &[
-                ("bos_token", self.bos_token.as_deref()),
-                ("eos_token", self.eos_token.as_deref()),
-                ("pad_token", self.pad_token.as_deref()),
-                ("unk_token", self.unk_token.as_deref()),
-            ],
-        )
+        Ok(self
+            .0
+            .apply_chat_template_json(messages, add_generation_prompt)?)
     }
 
-    /// Token ids of the rendered chat (the template adds the special tokens itself).
     pub fn encode_chat(
         &self,
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>> {
-        let text = self.apply_chat_template(messages, add_generation_prompt)?;
-        self.encode(&text, false)
+        Ok(self.0.encode_chat(messages, add_generation_prompt)?)
     }
 }
 
-/// Renders an HF chat template.
+impl Deref for Tokenizer {
+    type Target = rlhf_tokenizer::Tokenizer;
+
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl From<rlhf_tokenizer::Tokenizer> for Tokenizer {
+    fn from(t: rlhf_tokenizer::Tokenizer) -> Self {
+        Self(t)
+    }
+}
+
+/// Renders an HF chat template; see [`rlhf_tokenizer::render_chat_template`].
 pub fn render_chat_template(
     template: &str,
     messages: &Value,
     add_generation_prompt: bool,
     special_tokens: &[(&str, Option<&str>)],
 ) -> Result<String> {
-    let mut env = Environment::new();
-    env.set_trim_blocks(true);
-    env.set_lstrip_blocks(true);
-    env.add_function(
-        "raise_exception",
-        |msg: String| -> std::result::Result<JValue, minijinja::Error> {
-            Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
-        },
-    );
-    env.add_function("strftime_now", |fmt: String| -> String {
-        strftime_now(&fmt)
-    });
-    env.add_filter("tojson", tojson);
-    env.set_unknown_method_callback(python_methods);
-    env.add_template("chat", template)
-        .map_err(|e| Error::Template(format!("cannot parse chat template: {e}")))?;
-    let tmpl = env
-        .get_template("chat")
-        .map_err(|e| Error::Template(e.to_string()))?;
-    let mut ctx = serde_json::Map::new();
-    ctx.insert("messages".into(), messages.clone());
-    ctx.insert(
-        "add_generation_prompt".into(),
-        Value::Bool(add_generation_prompt),
-    );
-    for (k, v) in special_tokens {
-        if let Some(v) = v {
-            ctx.insert((*k).into(), Value::String((*v).to_string()));
-        }
-    }
-    tmpl.render(JValue::from_serialize(&ctx))
-        .map_err(|e| Error::Template(format!("cannot render chat template: {e}")))
-}
-
-/// Only the date formats templates use in practice (Llama 3.1 `"%d %b %Y"`); UTC.
-fn strftime_now(fmt: &str) -> String {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs() as i64)
-        .unwrap_or(0);
-    let days = secs.div_euclid(86_400);
-    // Civil-from-days (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    const MONTHS: [&str; 12] = [
-        "Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec",
-    ];
-    const FULL: [&str; 12] = [
-        "January",
-        "February",
-        "March",
-        "April",
-        "May",
-        "June",
-        "July",
-        "August",
-        "September",
-        "October",
-        "November",
-        "December",
-    ];
-    let mi = (m - 1) as usize;
-    fmt.replace("%d", &format!("{d:02}"))
-        .replace("%m", &format!("{m:02}"))
-        .replace("%Y", &y.to_string())
-        .replace("%b", MONTHS[mi])
-        .replace("%B", FULL[mi])
-}
-
-/// Python `json.dumps(x, ensure_ascii=False, indent=indent)` as transformers' `tojson`.
-fn tojson(value: JValue, kwargs: Kwargs) -> std::result::Result<String, minijinja::Error> {
-    let indent: Option<usize> = kwargs.get("indent")?;
-    let _: Option<bool> = kwargs.get("sort_keys")?;
-    let _: Option<JValue> = kwargs.get("separators")?;
-    let v = serde_json::to_value(&value)
-        .map_err(|e| minijinja::Error::new(ErrorKind::BadSerialization, e.to_string()))?;
-    let mut out = String::new();
-    py_json(&v, indent, 0, &mut out);
-    Ok(out)
-}
-
-fn py_json(v: &Value, indent: Option<usize>, level: usize, out: &mut String) {
-    let newline = |out: &mut String, level: usize| {
-        if let Some(n) = indent {
-            out.push('\n');
-            out.push_str(&" ".repeat(n * level));
-        }
-    };
-    let item_sep = if indent.is_some() { "," } else { ", " };
-    match v {
-        Value::Array(a) if !a.is_empty() => {
-            out.push('[');
-            for (i, x) in a.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(item_sep);
-                }
-                newline(out, level + 1);
-                py_json(x, indent, level + 1, out);
-            }
-            newline(out, level);
-            out.push(']');
-        }
-        Value::Object(m) if !m.is_empty() => {
-            out.push('{');
-            for (i, (k, x)) in m.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(item_sep);
-                }
-                newline(out, level + 1);
-                out.push_str(&Value::String(k.clone()).to_string());
-                out.push_str(": ");
-                py_json(x, indent, level + 1, out);
-            }
-            newline(out, level);
-            out.push('}');
-        }
-        other => out.push_str(&other.to_string()),
-    }
-}
-
-fn strip_chars(s: &str, chars: Option<&str>, left: bool, right: bool) -> String {
-    let pred = |c: char| match chars {
-        Some(cs) => cs.contains(c),
-        None => c.is_whitespace(),
-    };
-    let mut r = s;
-    if left {
-        r = r.trim_start_matches(pred);
-    }
-    if right {
-        r = r.trim_end_matches(pred);
-    }
-    r.to_string()
-}
-
-/// Python methods on strings and dicts that HF chat templates call.
-fn python_methods(
-    _state: &State,
-    value: &JValue,
-    method: &str,
-    args: &[JValue],
-) -> std::result::Result<JValue, minijinja::Error> {
-    let unknown = || {
-        minijinja::Error::new(
-            ErrorKind::UnknownMethod,
-            format!("{} has no method {method}", value.kind()),
-        )
-    };
-    let arg_str = |i: usize| args.get(i).and_then(|a| a.as_str());
-    if let Some(s) = value.as_str() {
-        let r: JValue = match method {
-            "strip" => strip_chars(s, arg_str(0), true, true).into(),
-            "lstrip" => strip_chars(s, arg_str(0), true, false).into(),
-            "rstrip" => strip_chars(s, arg_str(0), false, true).into(),
-            "upper" => s.to_uppercase().into(),
-            "lower" => s.to_lowercase().into(),
-            "title" => s
-                .split(' ')
-                .map(|w| {
-                    let mut c = w.chars();
-                    match c.next() {
-                        Some(f) => {
-                            f.to_uppercase().collect::<String>() + &c.as_str().to_lowercase()
-                        }
-                        None => String::new(),
-                    }
-                })
-                .collect::<Vec<_>>()
-                .join(" ")
-                .into(),
-            "capitalize" => {
-                let mut c = s.chars();
-                match c.next() {
-                    Some(f) => {
-                        (f.to_uppercase().collect::<String>() + &c.as_str().to_lowercase()).into()
-                    }
-                    None => String::new().into(),
-                }
-            }
-            "startswith" | "endswith" => {
-                let prefixes: Vec<String> = match args.first() {
-                    Some(a) if a.as_str().is_some() => vec![a.as_str().unwrap_or("").to_string()],
-                    Some(a) => a
-                        .try_iter()?
-                        .filter_map(|x| x.as_str().map(String::from))
-                        .collect(),
-                    None => return Err(unknown()),
-                };
-                let hit = prefixes.iter().any(|p| {
-                    if method == "startswith" {
-                        s.starts_with(p.as_str())
-                    } else {
-                        s.ends_with(p.as_str())
-                    }
-                });
-                hit.into()
-            }
-            "replace" => match (arg_str(0), arg_str(1)) {
-                (Some(a), Some(b)) => s.replace(a, b).into(),
-                _ => return Err(unknown()),
-            },
-            "split" => {
-                let parts: Vec<JValue> = match arg_str(0) {
-                    Some(sep) => s.split(sep).map(JValue::from).collect(),
-                    None => s.split_whitespace().map(JValue::from).collect(),
-                };
-                JValue::from(parts)
-            }
-            "find" => match arg_str(0) {
-                Some(a) => (s.find(a).map(|i| i as i64).unwrap_or(-1)).into(),
-                None => return Err(unknown()),
-            },
-            _ => return Err(unknown()),
-        };
-        return Ok(r);
-    }
-    if value.kind() == minijinja::value::ValueKind::Map {
-        let keys: Vec<JValue> = value.try_iter()?.collect();
-        return match method {
-            "items" => {
-                let mut items = Vec::with_capacity(keys.len());
-                for k in keys {
-                    let v = value.get_item(&k)?;
-                    items.push(JValue::from(vec![k, v]));
-                }
-                Ok(JValue::from(items))
-            }
-            "keys" => Ok(JValue::from(keys)),
-            "values" => {
-                let mut vals = Vec::with_capacity(keys.len());
-                for k in keys {
-                    vals.push(value.get_item(&k)?);
-                }
-                Ok(JValue::from(vals))
-            }
-            "get" => {
-                let key = args.first().cloned().ok_or_else(unknown)?;
-                let v = value.get_item(&key)?;
-                if v.is_undefined() {
-                    Ok(args.get(1).cloned().unwrap_or(JValue::from(())))
-                } else {
-                    Ok(v)
-                }
-            }
-            _ => Err(unknown()),
-        };
-    }
-    Err(unknown())
+    Ok(rlhf_tokenizer::render_chat_template(
+        template,
+        messages,
+        add_generation_prompt,
+        special_tokens,
+    )?)
 }
 
 /// Copies the tokenizer files present in `src` into `dst` (tokenizer.json is required).
 pub fn copy_tokenizer_files(src: &Path, dst: &Path) -> Result<()> {
-    if !src.join("tokenizer.json").is_file() {
-        return Err(Error::MissingFile {
-            path: src.join("tokenizer.json"),
-            hint: "cannot copy the tokenizer into the saved model".to_string(),
-        });
-    }
-    let same = match (src.canonicalize(), dst.canonicalize()) {
-        (Ok(a), Ok(b)) => a == b,
-        _ => false,
-    };
-    if same {
-        return Ok(());
-    }
-    for name in TOKENIZER_FILES {
-        let from = src.join(name);
-        if from.is_file() {
-            let to = dst.join(name);
-            std::fs::copy(&from, &to).map_err(|e| Error::io(&from, e))?;
+    Ok(rlhf_tokenizer::copy_tokenizer_files(src, dst)?)
+}
+
+impl From<rlhf_tokenizer::Error> for Error {
+    fn from(e: rlhf_tokenizer::Error) -> Self {
+        use rlhf_tokenizer::Error as T;
+        match e {
+            T::MissingFile { path, hint } => Error::MissingFile { path, hint },
+            T::Io { path, source } => Error::Io { path, source },
+            T::Json { path, message } => Error::Json { path, message },
+            T::Tokenizer(m) => Error::Tokenizer(m),
+            T::NoChatTemplate { path } => Error::NoChatTemplate { path },
+            T::Template(m) => Error::Template(m),
         }
     }
-    Ok(())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
-
-    const CHATML: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'].strip() + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
     #[test]
-    fn chatml_renders_with_strip() {
-        let msgs =
-            json!([{"role": "system", "content": " be brief "}, {"role": "user", "content": "hi"}]);
-        let out = render_chat_template(CHATML, &msgs, true, &[]).unwrap();
-        assert_eq!(
-            out,
-            "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-        );
-    }
-
-    #[test]
-    fn raise_exception_surfaces_message() {
-        let t = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first message must be from user') }}{% endif %}ok";
-        let err = render_chat_template(
-            t,
-            &json!([{"role": "assistant", "content": "x"}]),
-            false,
-            &[],
-        )
-        .unwrap_err();
-        assert!(
-            err.to_string().contains("first message must be from user"),
-            "{err}"
-        );
-    }
-
-    #[test]
-    fn tojson_is_python_style() {
-        let t = "{{ messages[0] | tojson }}|{{ messages[0] | tojson(indent=2) }}";
-        let out = render_chat_template(t, &json!([{"a": 1, "b": "x<y"}]), false, &[]).unwrap();
-        assert_eq!(
-            out,
-            "{\"a\": 1, \"b\": \"x<y\"}|{\n  \"a\": 1,\n  \"b\": \"x<y\"\n}"
-        );
-    }
-
-    #[test]
-    fn namespaces_loop_controls_and_dates_render() {
-        // Constructs found in Llama 3 / Qwen2.5-style templates: namespace(), loop controls,
-        // trim, strftime_now, default().
-        let t = "{%- set ns = namespace(sys=none) -%}\
-            {%- for m in messages -%}{%- if m.role == 'system' -%}{%- set ns.sys = m.content | trim -%}{%- break -%}{%- endif -%}{%- endfor -%}\
-            [{{ ns.sys | default('none', true) }}]\
-            {%- for m in messages -%}{%- if m.role == 'system' -%}{%- continue -%}{%- endif -%}<{{ m.role }}:{{ m.content }}>{%- endfor -%}\
-            {{ strftime_now('%Y') | length }}";
-        let msgs = json!([
-            {"role": "system", "content": "  S  "},
-            {"role": "user", "content": "u1"},
-            {"role": "assistant", "content": "a1"}
-        ]);
-        let out = render_chat_template(t, &msgs, false, &[]).unwrap();
-        assert_eq!(out, "[S]<user:u1><assistant:a1>4");
-    }
-
-    #[test]
-    fn dict_items_and_string_methods() {
-        let t = "{% for k, v in messages[0].items() %}{{ k }}={{ v.upper() }};{% endfor %}{{ 'a,b'.split(',') | length }}{{ ' x '.rstrip() }}|{% if 'abc'.startswith('ab') %}yes{% endif %}";
-        let out = render_chat_template(t, &json!([{"a": "x", "b": "y"}]), false, &[]).unwrap();
-        assert_eq!(out, "a=X;b=Y;2 x|yes");
+    fn tokenizer_errors_keep_their_variant() {
+        let e: Error = rlhf_tokenizer::Error::NoChatTemplate {
+            path: "x/tokenizer_config.json".into(),
+        }
+        .into();
+        assert!(matches!(e, Error::NoChatTemplate { .. }));
+        let e: Error = rlhf_tokenizer::Error::Json {
+            path: "c.json".into(),
+            message: "bad".into(),
+        }
+        .into();
+        assert_eq!(e.to_string(), "cannot parse c.json: bad");
+        let dir = tempfile::tempdir().unwrap();
+        let Err(e) = Tokenizer::from_dir(dir.path()) else {
+            panic!("an empty directory has no tokenizer");
+        };
+        assert!(matches!(e, Error::MissingFile { .. }), "{e:?}");
     }
 }

@@ -166,10 +166,7 @@ impl Tokenizer {
         };
         Ok(Self {
             inner,
-            dir: tok_path
-                .parent()
-                .map(Path::to_path_buf)
-                .unwrap_or_default(),
+            dir: tok_path.parent().map(Path::to_path_buf).unwrap_or_default(),
             bos_token: token_string(cfg.get("bos_token")),
             eos_token: token_string(cfg.get("eos_token")),
             pad_token: token_string(cfg.get("pad_token")),
@@ -348,4 +345,3 @@ pub fn copy_tokenizer_files(src: &Path, dst: &Path) -> Result<()> {
     }
     Ok(())
 }
-
