@@ -704,3 +704,89 @@ impl PpoConfig {
         serde_yaml::to_string(self).unwrap_or_else(|e| format!("# cannot render config: {e}\n"))
     }
 }
+
+impl PpoConfig {
+    /// Makes every file path of the job absolute against `base` (the directory the job was
+    /// started from), so the config means the same thing in a role process, in a job the
+    /// head runs, or on another node with the same shared filesystem. Model names that are
+    /// keys of `models` (from `defaults`) are left alone; their `path` is resolved instead.
+    pub fn absolutize_paths(&mut self, base: &std::path::Path) {
+        fn abs(base: &std::path::Path, p: &mut String) {
+            if !p.is_empty() && std::path::Path::new(p.as_str()).is_relative() {
+                *p = base.join(p.as_str()).to_string_lossy().into_owned();
+            }
+        }
+        let models: Vec<String> = self.models.keys().cloned().collect();
+        let model = |p: &mut String| {
+            if !models.contains(p) {
+                abs(base, p);
+            }
+        };
+        model(&mut self.actor_rollout.model);
+        model(&mut self.ref_.model);
+        model(&mut self.critic.model);
+        model(&mut self.reward.model);
+        for m in self.models.values_mut() {
+            if let Some(p) = m.path.as_mut() {
+                abs(base, p);
+            }
+        }
+        if let Some(p) = self.training.tokenizer_name_or_path.as_mut() {
+            abs(base, p);
+        }
+        for o in [
+            &mut self.actor_rollout.overrides,
+            &mut self.ref_.overrides,
+            &mut self.critic.overrides,
+            &mut self.reward.overrides,
+        ] {
+            if let Some(Some(p)) = o.tokenizer_name_or_path.as_mut() {
+                abs(base, p);
+            }
+        }
+        if let Some(p) = self.actor_rollout.fixed_responses_file.as_mut() {
+            abs(base, p);
+        }
+        abs(base, &mut self.data.path);
+        abs(base, &mut self.checkpoint.dir);
+        if let Some(p) = self.checkpoint.resume.as_mut() {
+            if p != "latest" {
+                abs(base, p);
+            }
+        }
+        abs(base, &mut self.logging.metrics_file);
+        abs(base, &mut self.logging.samples_file);
+    }
+}
+
+#[cfg(test)]
+mod absolutize_tests {
+    #[test]
+    fn relative_paths_become_absolute_and_model_names_stay() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs");
+        let mut cfg = crate::load(&dir, "ppo_tiny", &[]).unwrap();
+        cfg.absolutize_paths(std::path::Path::new("/base"));
+        assert_eq!(cfg.actor_rollout.model, "/base/models/tiny");
+        assert_eq!(cfg.data.path, "/base/data/prompts_tiny.jsonl");
+        assert_eq!(cfg.checkpoint.dir, "/base/checkpoints/ppo_tiny");
+        assert_eq!(
+            cfg.logging.metrics_file,
+            "/base/logs/ppo_tiny/metrics.jsonl"
+        );
+        assert_eq!(
+            cfg.training.tokenizer_name_or_path.as_deref(),
+            Some("/base/models/tiny")
+        );
+        let mut big = crate::load(&dir, "ppo_llama32_1b", &[]).unwrap();
+        let names: Vec<String> = big.models.keys().cloned().collect();
+        big.absolutize_paths(std::path::Path::new("/base"));
+        if names.contains(&big.actor_rollout.model) {
+            assert!(!big.actor_rollout.model.starts_with("/base"));
+        }
+        for m in big.models.values() {
+            if let Some(p) = &m.path {
+                assert!(std::path::Path::new(p).is_absolute(), "{p}");
+            }
+        }
+    }
+}

@@ -1,0 +1,428 @@
+//! Placing the role actors on the cluster, joining their communicators, diagnosing a dead
+//! role and cleaning up.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use futures::future::try_join_all;
+use rlhf_config::{PpoConfig, Role};
+use rlhf_core::{Error, FailureKind, Result};
+use rlhf_proto::v1 as pb;
+use rlhf_proto::v1::head_service_client::HeadServiceClient;
+use rlhf_proto::v1::role_service_client::RoleServiceClient;
+use rlhf_runtime::net::{self, AuthChannel, ClientOptions};
+
+use crate::group::{CallError, Member, WorkerGroup};
+
+pub type HeadClient = HeadServiceClient<AuthChannel>;
+
+/// Every role part of a job.
+#[derive(Clone, Debug)]
+pub struct Roles {
+    /// actor_rollout ranks that train the policy (and compute old log-probs).
+    pub train: WorkerGroup,
+    /// actor_rollout ranks that generate.
+    pub infer: WorkerGroup,
+    pub reference: WorkerGroup,
+    pub critic: WorkerGroup,
+    pub reward: WorkerGroup,
+    pub placement_groups: Vec<String>,
+}
+
+impl Roles {
+    pub fn groups(&self) -> [&WorkerGroup; 5] {
+        [
+            &self.train,
+            &self.infer,
+            &self.reference,
+            &self.critic,
+            &self.reward,
+        ]
+    }
+
+    pub fn all_members(&self) -> impl Iterator<Item = (&WorkerGroup, usize, &Member)> {
+        self.groups()
+            .into_iter()
+            .flat_map(|g| g.members.iter().enumerate().map(move |(i, m)| (g, i, m)))
+    }
+
+    /// The group that broadcasts weights: train rank 0 then the rollout ranks.
+    pub fn weights_group(&self) -> WorkerGroup {
+        let mut members = Vec::new();
+        members.extend(self.train.members.first().cloned());
+        members.extend(self.infer.members.iter().cloned());
+        WorkerGroup {
+            name: "weights".into(),
+            members,
+        }
+    }
+}
+
+/// What the driver needs to place a job.
+pub struct LaunchOptions {
+    pub job_id: String,
+    pub client: ClientOptions,
+    /// How long to wait for devices and for each actor to start.
+    pub start_timeout: Duration,
+    /// Bound for InitRole (model loading).
+    pub init_timeout: Duration,
+    /// "tcp" or "nccl".
+    pub comm_backend: String,
+}
+
+struct PartSpec {
+    role: Role,
+    part: &'static str,
+    ranks: usize,
+    /// Bundle offset in the role's placement group.
+    offset: usize,
+}
+
+fn parts(cfg: &PpoConfig) -> Vec<PartSpec> {
+    let mut v = Vec::new();
+    let ar = &cfg.actor_rollout;
+    v.push(PartSpec {
+        role: Role::ActorRollout,
+        part: "train",
+        ranks: ar.num_gpus_for_train.max(1) as usize,
+        offset: 0,
+    });
+    v.push(PartSpec {
+        role: Role::ActorRollout,
+        part: "infer",
+        ranks: ar.num_gpus_for_infer.max(1) as usize,
+        offset: ar.num_gpus_for_train.max(1) as usize,
+    });
+    for role in [Role::Ref, Role::Critic, Role::Reward] {
+        if cfg.role_enabled(role) {
+            v.push(PartSpec {
+                role,
+                part: "",
+                ranks: (cfg.devices(role) as usize).max(1),
+                offset: 0,
+            });
+        }
+    }
+    v
+}
+
+/// Creates the placement groups and actors, connects to them and loads their models.
+pub async fn launch(head: &mut HeadClient, cfg: &PpoConfig, opts: &LaunchOptions) -> Result<Roles> {
+    let resource = cfg.resource_pool.device.resource().to_string();
+    let mut pgs: BTreeMap<&'static str, String> = BTreeMap::new();
+    let mut placement_groups = Vec::new();
+    for role in Role::ALL {
+        let n = if cfg.role_enabled(role) {
+            cfg.devices(role)
+        } else {
+            0
+        };
+        if n == 0 {
+            continue;
+        }
+        let bundle = pb::Bundle {
+            resources: Some(pb::Resources {
+                amounts: [(resource.clone(), 1.0)].into_iter().collect(),
+            }),
+        };
+        let r = head
+            .create_placement_group(pb::CreatePlacementGroupRequest {
+                name: format!("{}-{}", opts.job_id, role.as_str()),
+                strategy: pb::PlacementStrategy::Pack as i32,
+                bundles: vec![bundle; n as usize],
+                timeout_ms: opts.start_timeout.as_millis() as u64,
+            })
+            .await
+            .map_err(|s| {
+                let e = Error::from(s);
+                Error::new(
+                    e.kind(),
+                    format!(
+                        "placing role {} ({n} x {resource}, resource_pool.{}): {e}",
+                        role.as_str(),
+                        role.as_str()
+                    ),
+                )
+            })?
+            .into_inner();
+        let pg = r.placement_group.unwrap_or_default().pg_id;
+        placement_groups.push(pg.clone());
+        pgs.insert(role.as_str(), pg);
+    }
+
+    let specs = parts(cfg);
+    let mut creations = Vec::new();
+    for p in &specs {
+        for rank in 0..p.ranks {
+            let (pg_id, bundle_index) = match pgs.get(p.role.as_str()) {
+                Some(pg) => (pg.clone(), (p.offset + rank) as i32),
+                None => (String::new(), 0),
+            };
+            let label = if p.part.is_empty() {
+                format!("{}{rank}", p.role.as_str())
+            } else {
+                format!("{}-{}{rank}", p.role.as_str(), p.part)
+            };
+            let spec = pb::ActorSpec {
+                name: format!("{}-{label}", opts.job_id),
+                role: p.role.as_str().to_string(),
+                kind: p.role.as_str().to_string(),
+                args: vec![],
+                env: [("RLHF_JOB_ID".to_string(), opts.job_id.clone())]
+                    .into_iter()
+                    .collect(),
+                resources: None,
+                pg_id,
+                bundle_index,
+            };
+            let mut h = head.clone();
+            let timeout = opts.start_timeout;
+            creations.push(async move {
+                h.create_actor(pb::CreateActorRequest {
+                    spec: Some(spec),
+                    timeout_ms: timeout.as_millis() as u64,
+                })
+                .await
+                .map(|r| r.into_inner().actor.unwrap_or_default())
+                .map_err(|s| {
+                    let e = Error::from(s);
+                    Error::new(e.kind(), format!("starting role actor {label}: {e}"))
+                })
+            });
+        }
+    }
+    let infos = match try_join_all(creations).await {
+        Ok(v) => v,
+        Err(e) => {
+            remove_placement_groups(head, &placement_groups).await;
+            return Err(e);
+        }
+    };
+
+    let mut it = infos.into_iter();
+    let mut groups: Vec<WorkerGroup> = Vec::new();
+    for p in &specs {
+        let mut members = Vec::new();
+        for _ in 0..p.ranks {
+            let info = it
+                .next()
+                .ok_or_else(|| Error::internal("fewer actors than ranks"))?;
+            let ch = net::connect(&info.address, &opts.client).await?;
+            members.push(Member {
+                actor_id: info.actor_id.clone(),
+                node_id: info.node_id.clone(),
+                address: info.address.clone(),
+                pid: info.pid,
+                log_file: info.log_file.clone(),
+                client: RoleServiceClient::new(ch)
+                    .max_decoding_message_size(rlhf_proto::MAX_MESSAGE_BYTES)
+                    .max_encoding_message_size(rlhf_proto::MAX_MESSAGE_BYTES),
+            });
+        }
+        let name = if p.part.is_empty() {
+            p.role.as_str().to_string()
+        } else {
+            format!("{}/{}", p.role.as_str(), p.part)
+        };
+        groups.push(WorkerGroup { name, members });
+    }
+    let mut g = groups.into_iter();
+    let train = g.next().unwrap_or_else(empty("actor_rollout/train"));
+    let infer = g.next().unwrap_or_else(empty("actor_rollout/infer"));
+    let mut rest: BTreeMap<String, WorkerGroup> = g.map(|w| (w.name.clone(), w)).collect();
+    let roles = Roles {
+        train,
+        infer,
+        reference: rest.remove("ref").unwrap_or_else(empty("ref")),
+        critic: rest.remove("critic").unwrap_or_else(empty("critic")),
+        reward: rest.remove("reward").unwrap_or_else(empty("reward")),
+        placement_groups,
+    };
+    Ok(roles)
+}
+
+fn empty(name: &'static str) -> impl FnOnce() -> WorkerGroup {
+    move || WorkerGroup {
+        name: name.into(),
+        members: vec![],
+    }
+}
+
+/// Loads every role's model (concurrently).
+pub async fn init_roles(
+    roles: &Roles,
+    bundle: &str,
+    job_id: &str,
+    timeout: Duration,
+) -> std::result::Result<Vec<(String, pb::InitRoleResponse)>, CallError> {
+    let mut out = Vec::new();
+    let futs = roles.groups().into_iter().map(|g| async move {
+        let (role, part) = match g.name.split_once('/') {
+            Some((r, p)) => (r.to_string(), p.to_string()),
+            None => (g.name.clone(), String::new()),
+        };
+        let world = g.len() as u32;
+        let answers = g
+            .unary(timeout, "InitRole", |rank, mut c| {
+                let req = pb::InitRoleRequest {
+                    role: role.clone(),
+                    part: part.clone(),
+                    rank: rank as u32,
+                    world_size: world,
+                    config_bundle: bundle.to_string(),
+                    job_id: job_id.to_string(),
+                };
+                async move { c.init_role(req).await }
+            })
+            .await?;
+        Ok::<_, CallError>(
+            answers
+                .into_iter()
+                .enumerate()
+                .map(|(r, a)| (format!("{} rank {r}", g.name), a))
+                .collect::<Vec<_>>(),
+        )
+    });
+    for v in try_join_all(futs).await? {
+        out.extend(v);
+    }
+    Ok(out)
+}
+
+/// Forms a communicator group over `group`'s members (rank = position).
+pub async fn join_comm(
+    group: &WorkerGroup,
+    name: &str,
+    backend: &str,
+    timeout: Duration,
+) -> std::result::Result<(), CallError> {
+    let Some(first) = group.members.first() else {
+        return Ok(());
+    };
+    let mut c = first.client.clone();
+    let prep = tokio::time::timeout(
+        timeout,
+        c.prepare_comm(pb::PrepareCommRequest {
+            group: name.into(),
+            backend: backend.into(),
+        }),
+    )
+    .await
+    .map_err(|_| {
+        group.err(
+            0,
+            Error::new(
+                FailureKind::Timeout,
+                format!("PrepareComm({name}) timed out"),
+            ),
+        )
+    })?
+    .map_err(|s| group.err(0, Error::from(s)))?
+    .into_inner();
+    let world = group.len() as u32;
+    group
+        .unary(timeout, "JoinComm", |rank, mut c| {
+            let req = pb::JoinCommRequest {
+                group: name.into(),
+                backend: backend.into(),
+                rank: rank as u32,
+                world_size: world,
+                address: prep.address.clone(),
+                unique_id: prep.unique_id.clone(),
+                timeout_ms: timeout.as_millis() as u64,
+            };
+            async move { c.join_comm(req).await }
+        })
+        .await?;
+    Ok(())
+}
+
+/// Turns a failed role call into the error the user sees: when a role process of this
+/// job died, name it, its node, its exit and its last log lines, whichever call noticed.
+pub async fn diagnose(head: &mut HeadClient, roles: &Roles, err: CallError) -> Error {
+    let ours: BTreeMap<String, (String, usize)> = roles
+        .all_members()
+        .map(|(g, r, m)| (m.actor_id.clone(), (g.name.clone(), r)))
+        .collect();
+    // The worker reports an exit within a heartbeat or so; give it a moment.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(6);
+    loop {
+        if let Ok(s) = head.cluster_status(pb::ClusterStatusRequest {}).await {
+            let s = s.into_inner();
+            let dead: Vec<&pb::ActorInfo> = s
+                .actors
+                .iter()
+                .filter(|a| ours.contains_key(&a.actor_id))
+                .filter(|a| a.state == pb::ActorState::Dead as i32)
+                .collect();
+            if let Some(a) = dead.first() {
+                let (role, rank) = ours.get(&a.actor_id).cloned().unwrap_or_default();
+                let node = s
+                    .nodes
+                    .iter()
+                    .find(|n| n.node_id == a.node_id)
+                    .map(|n| format!("{} ({})", n.node_id, n.hostname))
+                    .unwrap_or_else(|| a.node_id.clone());
+                let mut msg = format!(
+                    "role {role} rank {rank} died (actor {}, pid {}, node {node})",
+                    a.actor_id, a.pid
+                );
+                if let Some(exit) = &a.exit {
+                    if exit.signal != 0 {
+                        msg.push_str(&format!(": killed by signal {}", exit.signal));
+                    } else {
+                        msg.push_str(&format!(": exit code {}", exit.exit_code));
+                    }
+                    if !exit.reason.is_empty() {
+                        msg.push_str(&format!(" ({})", exit.reason));
+                    }
+                    if !exit.log_tail.is_empty() {
+                        msg.push_str("\nlast log lines:\n");
+                        for l in &exit.log_tail {
+                            msg.push_str("  ");
+                            msg.push_str(l);
+                            msg.push('\n');
+                        }
+                    }
+                } else if !a.reason.is_empty() {
+                    msg.push_str(&format!(": {}", a.reason));
+                }
+                if !a.log_file.is_empty() {
+                    msg.push_str(&format!("full log: {} on that node", a.log_file));
+                }
+                return Error::new(FailureKind::ActorDied, msg);
+            }
+        }
+        if tokio::time::Instant::now() >= deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    Error::new(err.error.kind(), err.to_string())
+}
+
+/// Kills the job's actors and frees its devices; best effort.
+pub async fn shutdown(head: &mut HeadClient, roles: &Roles) {
+    let ids: Vec<String> = roles
+        .all_members()
+        .map(|(_, _, m)| m.actor_id.clone())
+        .collect();
+    for id in ids {
+        let _ = tokio::time::timeout(
+            Duration::from_secs(10),
+            head.kill_actor(pb::KillActorRequest { actor_id: id }),
+        )
+        .await;
+    }
+    remove_placement_groups(head, &roles.placement_groups).await;
+}
+
+async fn remove_placement_groups(head: &mut HeadClient, pgs: &[String]) {
+    for pg in pgs {
+        let _ = tokio::time::timeout(
+            Duration::from_secs(10),
+            head.remove_placement_group(pb::RemovePlacementGroupRequest { pg_id: pg.clone() }),
+        )
+        .await;
+    }
+}

@@ -1,0 +1,256 @@
+//! WorkerGroup: the ranks of one role part. Splits a batch across its ranks, calls them
+//! concurrently, gathers the answers in rank order and drops the padding rows.
+
+use std::time::Duration;
+
+use futures::future::try_join_all;
+use rlhf_core::batch::{Assembler, DataBatch};
+use rlhf_core::{Error, FailureKind, Result};
+use rlhf_proto::v1::role_service_client::RoleServiceClient;
+use rlhf_runtime::net::AuthChannel;
+
+/// Largest batch a role answer may be.
+const MAX_ANSWER_BYTES: u64 = 8 << 30;
+
+/// One role process.
+#[derive(Clone, Debug)]
+pub struct Member {
+    pub actor_id: String,
+    pub node_id: String,
+    pub address: String,
+    pub pid: i32,
+    pub log_file: String,
+    pub client: RoleServiceClient<AuthChannel>,
+}
+
+/// The batch RPCs of RoleService.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BatchCall {
+    Generate,
+    ComputeLogProbs,
+    ComputeValues,
+    ComputeScores,
+    UpdateActor,
+    UpdateCritic,
+}
+
+impl BatchCall {
+    pub fn name(self) -> &'static str {
+        match self {
+            BatchCall::Generate => "Generate",
+            BatchCall::ComputeLogProbs => "ComputeLogProbs",
+            BatchCall::ComputeValues => "ComputeValues",
+            BatchCall::ComputeScores => "ComputeScores",
+            BatchCall::UpdateActor => "UpdateActor",
+            BatchCall::UpdateCritic => "UpdateCritic",
+        }
+    }
+}
+
+/// Sends `batch` to one member and returns its answer batch.
+pub async fn call_batch(
+    member: &Member,
+    call: BatchCall,
+    batch: &DataBatch,
+    timeout: Duration,
+) -> Result<DataBatch> {
+    let stream = rlhf_runtime::batch_stream(batch)?;
+    let mut c = member.client.clone();
+    let fut = async move {
+        let resp = match call {
+            BatchCall::Generate => c.generate(stream).await,
+            BatchCall::ComputeLogProbs => c.compute_log_probs(stream).await,
+            BatchCall::ComputeValues => c.compute_values(stream).await,
+            BatchCall::ComputeScores => c.compute_scores(stream).await,
+            BatchCall::UpdateActor => c.update_actor(stream).await,
+            BatchCall::UpdateCritic => c.update_critic(stream).await,
+        }
+        .map_err(Error::from)?;
+        let mut s = resp.into_inner();
+        let mut asm = Assembler::new(MAX_ANSWER_BYTES);
+        while let Some(chunk) = s.message().await.map_err(Error::from)? {
+            asm.push(chunk)?;
+        }
+        asm.finish()
+    };
+    match tokio::time::timeout(timeout, fut).await {
+        Ok(r) => r,
+        Err(_) => Err(Error::new(
+            FailureKind::Timeout,
+            format!(
+                "{} on actor {} did not answer within {:.0} s",
+                call.name(),
+                member.actor_id,
+                timeout.as_secs_f64()
+            ),
+        )),
+    }
+}
+
+/// Which rank of which role failed, carried with the error so the driver can diagnose it.
+#[derive(Debug)]
+pub struct CallError {
+    pub role: String,
+    pub rank: usize,
+    pub actor_id: String,
+    pub error: Error,
+}
+
+impl std::fmt::Display for CallError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} rank {} (actor {}): {}",
+            self.role, self.rank, self.actor_id, self.error
+        )
+    }
+}
+
+/// The ranks of one role part (e.g. actor_rollout/train).
+#[derive(Clone, Debug)]
+pub struct WorkerGroup {
+    /// `actor_rollout/train`, `ref`, ...
+    pub name: String,
+    pub members: Vec<Member>,
+}
+
+impl WorkerGroup {
+    pub fn len(&self) -> usize {
+        self.members.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.members.is_empty()
+    }
+
+    /// Splits `batch` into one shard per rank (padded to a multiple of the rank count by
+    /// repeating rows), calls every rank concurrently, concatenates the answers in rank order
+    /// and drops the rows that answer the padding. Answers with no rows (metrics) are
+    /// returned one per rank by [`WorkerGroup::call_each`] instead.
+    pub async fn call_split(
+        &self,
+        call: BatchCall,
+        batch: &DataBatch,
+        timeout: Duration,
+    ) -> std::result::Result<DataBatch, CallError> {
+        let n = self.members.len();
+        if n == 0 {
+            return Err(self.err(
+                0,
+                Error::invalid(format!("role {} has no ranks", self.name)),
+            ));
+        }
+        let (padded, pad) = batch.pad_to_multiple(n).map_err(|e| self.err(0, e))?;
+        let shards = padded.chunk(n).map_err(|e| self.err(0, e))?;
+        let answers = self.fan_out(call, &shards, timeout).await?;
+        let whole = DataBatch::concat(&answers).map_err(|e| self.err(0, e))?;
+        whole.unpad(pad).map_err(|e| self.err(0, e))
+    }
+
+    /// Sends shard `i` to rank `i` concurrently and returns every answer in rank order.
+    pub async fn fan_out(
+        &self,
+        call: BatchCall,
+        shards: &[DataBatch],
+        timeout: Duration,
+    ) -> std::result::Result<Vec<DataBatch>, CallError> {
+        if shards.len() != self.members.len() {
+            return Err(self.err(
+                0,
+                Error::internal(format!(
+                    "{} shards for {} ranks of {}",
+                    shards.len(),
+                    self.members.len(),
+                    self.name
+                )),
+            ));
+        }
+        let futs =
+            self.members
+                .iter()
+                .zip(shards)
+                .enumerate()
+                .map(|(rank, (m, shard))| async move {
+                    call_batch(m, call, shard, timeout)
+                        .await
+                        .map_err(|e| self.err(rank, e))
+                });
+        try_join_all(futs).await
+    }
+
+    /// Splits `batch` evenly (it must divide) and returns every rank's answer.
+    pub async fn call_each(
+        &self,
+        call: BatchCall,
+        batch: &DataBatch,
+        timeout: Duration,
+    ) -> std::result::Result<Vec<DataBatch>, CallError> {
+        let shards = batch
+            .chunk(self.members.len())
+            .map_err(|e| self.err(0, e))?;
+        self.fan_out(call, &shards, timeout).await
+    }
+
+    /// Runs a unary call on every rank concurrently.
+    pub async fn unary<T, F, Fut>(
+        &self,
+        timeout: Duration,
+        what: &str,
+        f: F,
+    ) -> std::result::Result<Vec<T>, CallError>
+    where
+        F: Fn(usize, RoleServiceClient<AuthChannel>) -> Fut,
+        Fut: std::future::Future<Output = std::result::Result<tonic::Response<T>, tonic::Status>>,
+    {
+        let futs = self.members.iter().enumerate().map(|(rank, m)| {
+            let fut = f(rank, m.client.clone());
+            async move {
+                match tokio::time::timeout(timeout, fut).await {
+                    Ok(Ok(r)) => Ok(r.into_inner()),
+                    Ok(Err(s)) => Err(self.err(rank, Error::from(s))),
+                    Err(_) => Err(self.err(
+                        rank,
+                        Error::new(
+                            FailureKind::Timeout,
+                            format!(
+                                "{what} did not answer within {:.0} s",
+                                timeout.as_secs_f64()
+                            ),
+                        ),
+                    )),
+                }
+            }
+        });
+        try_join_all(futs).await
+    }
+
+    pub fn err(&self, rank: usize, error: Error) -> CallError {
+        CallError {
+            role: self.name.clone(),
+            rank,
+            actor_id: self
+                .members
+                .get(rank)
+                .map(|m| m.actor_id.clone())
+                .unwrap_or_default(),
+            error,
+        }
+    }
+}
+
+/// Metrics a role returned in its answer's meta, averaged over the ranks that reported each.
+pub fn mean_meta_metrics(answers: &[DataBatch]) -> std::collections::BTreeMap<String, f64> {
+    let mut sums: std::collections::BTreeMap<String, (f64, usize)> = Default::default();
+    for a in answers {
+        for (k, v) in &a.meta {
+            if let Some(x) = v.as_f64() {
+                let e = sums.entry(k.clone()).or_default();
+                e.0 += x;
+                e.1 += 1;
+            }
+        }
+    }
+    sums.into_iter()
+        .map(|(k, (s, n))| (k, s / n as f64))
+        .collect()
+}

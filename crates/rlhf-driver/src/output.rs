@@ -1,0 +1,301 @@
+//! What the user sees: a progress line with ETA and key metrics, JSONL metrics per step,
+//! and a sample table (query, response, score) every N steps.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::{BufRead, BufReader, IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use rlhf_core::{Error, Result};
+use serde_json::json;
+
+/// Appends one JSON object per step.
+pub struct MetricsLog {
+    path: PathBuf,
+    file: File,
+}
+
+impl MetricsLog {
+    /// Opens `path`. A fresh run starts the file anew; a resumed run keeps the lines of steps
+    /// up to `keep_through` and drops later ones (they belong to the abandoned run).
+    pub fn open(path: &Path, keep_through: Option<u64>) -> Result<Self> {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+        }
+        let kept: Vec<String> = match keep_through {
+            Some(last) => File::open(path)
+                .map(|f| {
+                    BufReader::new(f)
+                        .lines()
+                        .map_while(|l| l.ok())
+                        .filter(|l| {
+                            serde_json::from_str::<serde_json::Value>(l)
+                                .ok()
+                                .and_then(|v| v["step"].as_u64())
+                                .is_some_and(|s| s <= last)
+                        })
+                        .collect()
+                })
+                .unwrap_or_default(),
+            None => vec![],
+        };
+        let mut file =
+            File::create(path).map_err(|e| Error::io(format!("creating {}", path.display()), e))?;
+        for l in kept {
+            writeln!(file, "{l}")
+                .map_err(|e| Error::io(format!("writing {}", path.display()), e))?;
+        }
+        Ok(Self {
+            path: path.to_path_buf(),
+            file,
+        })
+    }
+
+    pub fn write(&mut self, step: u64, metrics: &BTreeMap<String, f64>) -> Result<()> {
+        let mut obj = serde_json::Map::new();
+        obj.insert("step".into(), json!(step));
+        for (k, v) in metrics {
+            // JSON has no NaN/inf; write null rather than an unparsable line.
+            let val = if v.is_finite() {
+                json!(v)
+            } else {
+                serde_json::Value::Null
+            };
+            obj.insert(k.clone(), val);
+        }
+        writeln!(self.file, "{}", serde_json::Value::Object(obj))
+            .and_then(|_| self.file.flush())
+            .map_err(|e| Error::io(format!("writing {}", self.path.display()), e))
+    }
+}
+
+/// One generated sample for the table.
+pub struct Sample {
+    pub prompt: String,
+    pub response: String,
+    pub score: f64,
+}
+
+/// Appends samples as JSONL and prints them as a table.
+pub struct SampleLog {
+    path: PathBuf,
+    file: File,
+}
+
+impl SampleLog {
+    pub fn open(path: &Path, resume: bool) -> Result<Self> {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)
+                .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+        }
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(resume)
+            .write(true)
+            .truncate(!resume)
+            .open(path)
+            .map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            file,
+        })
+    }
+
+    pub fn write(&mut self, step: u64, samples: &[Sample]) -> Result<()> {
+        for s in samples {
+            let line =
+                json!({"step": step, "query": s.prompt, "response": s.response, "score": s.score});
+            writeln!(self.file, "{line}")
+                .map_err(|e| Error::io(format!("writing {}", self.path.display()), e))?;
+        }
+        self.file
+            .flush()
+            .map_err(|e| Error::io(format!("writing {}", self.path.display()), e))
+    }
+}
+
+fn one_line(s: &str, width: usize) -> String {
+    let flat: String = s
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect();
+    if flat.chars().count() <= width {
+        format!("{flat:width$}")
+    } else {
+        let cut: String = flat.chars().take(width.saturating_sub(1)).collect();
+        format!("{cut}…")
+    }
+}
+
+/// The sample table as text.
+pub fn sample_table(step: u64, samples: &[Sample]) -> String {
+    let (qw, rw) = (30, 40);
+    let mut out = format!("samples at step {step}\n");
+    out.push_str(&format!(
+        "  {} | {} | score\n",
+        one_line("query", qw),
+        one_line("response", rw)
+    ));
+    out.push_str(&format!(
+        "  {}-+-{}-+------\n",
+        "-".repeat(qw),
+        "-".repeat(rw)
+    ));
+    for s in samples {
+        out.push_str(&format!(
+            "  {} | {} | {:.3}\n",
+            one_line(&s.prompt, qw),
+            one_line(&s.response, rw),
+            s.score
+        ));
+    }
+    out
+}
+
+/// Progress with ETA. On a terminal it redraws one line; elsewhere (logs, CI) it prints a
+/// line per step.
+pub struct Progress {
+    enabled: bool,
+    tty: bool,
+    total: u64,
+    first_step: u64,
+    started: Instant,
+}
+
+impl Progress {
+    pub fn new(enabled: bool, first_step: u64, total: u64) -> Self {
+        Self {
+            enabled,
+            tty: std::io::stderr().is_terminal(),
+            total,
+            first_step,
+            started: Instant::now(),
+        }
+    }
+
+    pub fn line(&self, step: u64, metrics: &BTreeMap<String, f64>) -> String {
+        let done = step.saturating_sub(self.first_step);
+        let left = self.total.saturating_sub(step);
+        let per = if done > 0 {
+            self.started.elapsed().as_secs_f64() / done as f64
+        } else {
+            0.0
+        };
+        let width = 20usize;
+        let filled = if self.total > 0 {
+            (step as usize * width / self.total as usize).min(width)
+        } else {
+            width
+        };
+        let bar = format!("{}{}", "#".repeat(filled), ".".repeat(width - filled));
+        let mut s = format!(
+            "step {step}/{} [{bar}] {:.1} s/step ETA {}",
+            self.total,
+            per,
+            fmt_duration(per * left as f64)
+        );
+        for (k, short) in [
+            ("objective/scores", "score"),
+            ("objective/kl", "kl"),
+            ("loss/policy_avg", "pg_loss"),
+            ("loss/value_avg", "vf_loss"),
+            ("response_length/mean", "len"),
+        ] {
+            if let Some(v) = metrics.get(k) {
+                s.push_str(&format!(" | {short} {v:.4}"));
+            }
+        }
+        s
+    }
+
+    pub fn update(&self, step: u64, metrics: &BTreeMap<String, f64>) {
+        if !self.enabled {
+            return;
+        }
+        let line = self.line(step, metrics);
+        if self.tty {
+            eprint!("\r\x1b[2K{line}");
+            if step >= self.total {
+                eprintln!();
+            }
+        } else {
+            eprintln!("{line}");
+        }
+    }
+
+    /// Prints text without tearing the progress line.
+    pub fn println(&self, text: &str) {
+        if self.enabled && self.tty {
+            eprint!("\r\x1b[2K");
+        }
+        eprint!("{text}");
+        if !text.ends_with('\n') {
+            eprintln!();
+        }
+    }
+}
+
+fn fmt_duration(secs: f64) -> String {
+    let s = secs.max(0.0).round() as u64;
+    if s >= 3600 {
+        format!("{}h{:02}m", s / 3600, (s % 3600) / 60)
+    } else if s >= 60 {
+        format!("{}m{:02}s", s / 60, s % 60)
+    } else {
+        format!("{s}s")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metrics_log_resume_drops_abandoned_steps() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("m/metrics.jsonl");
+        let mut m = MetricsLog::open(&p, None).unwrap();
+        for s in 1..=4 {
+            m.write(s, &[("objective/scores".to_string(), s as f64)].into())
+                .unwrap();
+        }
+        drop(m);
+        let mut m = MetricsLog::open(&p, Some(2)).unwrap();
+        m.write(3, &[("x".to_string(), f64::NAN)].into()).unwrap();
+        let text = std::fs::read_to_string(&p).unwrap();
+        let steps: Vec<u64> = text
+            .lines()
+            .map(|l| {
+                serde_json::from_str::<serde_json::Value>(l).unwrap()["step"]
+                    .as_u64()
+                    .unwrap()
+            })
+            .collect();
+        assert_eq!(steps, vec![1, 2, 3]);
+        assert!(text.lines().last().unwrap().contains("\"x\":null"));
+    }
+
+    #[test]
+    fn progress_line_and_table() {
+        let p = Progress::new(true, 0, 40);
+        let l = p.line(10, &[("objective/scores".to_string(), 0.5)].into());
+        assert!(l.starts_with("step 10/40 [#####..............."), "{l}");
+        assert!(l.contains("score 0.5000") && l.contains("ETA"), "{l}");
+        let t = sample_table(
+            5,
+            &[Sample {
+                prompt: "2+3=".into(),
+                response: "5\nand a very long response that must be cut to fit the table".into(),
+                score: 1.0,
+            }],
+        );
+        assert!(
+            t.contains("2+3=") && t.contains("…") && t.contains("1.000"),
+            "{t}"
+        );
+        assert!(!t.lines().nth(3).unwrap().contains('\n'));
+        assert_eq!(fmt_duration(3725.0), "1h02m");
+    }
+}
