@@ -1,5 +1,7 @@
-//! `rlhf-head`: start a head node, show cluster status, stop the cluster, run PPO jobs.
+//! `rlhf-head`: start a head node, show cluster status, stop the cluster, run PPO jobs
+//! (in the foreground, or submitted to a running head).
 
+mod jobs_cli;
 mod run_cmd;
 
 use std::path::PathBuf;
@@ -103,6 +105,14 @@ enum Cmd {
     /// Validate a job config, print the resolved config, the placement plan and the memory
     /// estimate; run nothing.
     Check(run_cmd::CheckArgs),
+    /// Submit a PPO job to a running head, which runs its driver in the background
+    /// (like `ray job submit`); follow it with `rlhf-head job logs -f ID`.
+    Submit(jobs_cli::SubmitArgs),
+    /// List, inspect, follow and stop submitted jobs.
+    Job {
+        #[command(subcommand)]
+        cmd: jobs_cli::JobCmd,
+    },
 }
 
 fn main() -> ExitCode {
@@ -273,5 +283,7 @@ async fn run(cli: Cli) -> Result<()> {
         }
         Cmd::Run(args) => run_cmd::run(args).await,
         Cmd::Check(args) => run_cmd::check(args).await,
+        Cmd::Submit(args) => jobs_cli::submit(args).await,
+        Cmd::Job { cmd } => jobs_cli::job(cmd).await,
     }
 }

@@ -1,0 +1,452 @@
+//! `rlhf-head submit` and `rlhf-head job list|status|logs|stop`: PPO jobs on a running head.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use rlhf_core::{Error, FailureKind, Result};
+use rlhf_proto::v1 as pb;
+use rlhf_runtime::head::jobs::{state_ended, state_name};
+use rlhf_runtime::status::{job_json, job_time};
+
+use crate::{Connect, Format};
+
+#[derive(clap::Args, Clone)]
+pub(crate) struct SubmitArgs {
+    #[command(flatten)]
+    pub(crate) conn: Connect,
+    /// Directory of job configs.
+    #[arg(long, default_value = "configs")]
+    pub(crate) config_dir: PathBuf,
+    /// Config name: <config-dir>/<NAME>.yaml (no .yaml).
+    #[arg(long)]
+    pub(crate) config_name: String,
+    /// key.path=value overrides, e.g. actor_rollout.ppo_epochs=2.
+    pub(crate) overrides: Vec<String>,
+}
+
+#[derive(clap::Subcommand, Clone)]
+pub(crate) enum JobCmd {
+    /// Every job the head knows, oldest first.
+    List {
+        #[command(flatten)]
+        conn: Connect,
+        #[arg(long, value_enum, default_value_t = Format::Text)]
+        format: Format,
+    },
+    /// State, times, exit code, error and the last metrics line of one job.
+    Status {
+        job_id: String,
+        #[command(flatten)]
+        conn: Connect,
+        #[arg(long, value_enum, default_value_t = Format::Text)]
+        format: Format,
+    },
+    /// The job driver's output.
+    Logs {
+        job_id: String,
+        /// Keep printing new output until the job ends.
+        #[arg(short, long)]
+        follow: bool,
+        #[command(flatten)]
+        conn: Connect,
+    },
+    /// Stop a job: SIGTERM to its driver, SIGKILL after a grace period.
+    Stop {
+        job_id: String,
+        /// Return once the stop is asked for, without waiting for the job to end.
+        #[arg(long)]
+        no_wait: bool,
+        #[command(flatten)]
+        conn: Connect,
+    },
+}
+
+fn absolute(p: &mut String, base: &Path) {
+    if !p.is_empty() && Path::new(p.as_str()).is_relative() {
+        *p = base.join(p.as_str()).display().to_string();
+    }
+}
+
+fn absolute_opt(p: &mut Option<String>, base: &Path) {
+    if let Some(p) = p {
+        absolute(p, base);
+    }
+}
+
+/// Makes every relative path in `cfg` absolute against `base` (the submitting shell's
+/// directory), so a driver started elsewhere (the head's job directory) finds the same
+/// files. Model names that refer to `defaults` entries are names, not paths, and stay;
+/// their model files' `path` is made absolute instead.
+pub(crate) fn absolutize(cfg: &mut rlhf_config::PpoConfig, base: &Path) {
+    let models = cfg.models.keys().cloned().collect::<Vec<_>>();
+    let model_ref = |m: &mut String| {
+        if !models.iter().any(|n| n == m) {
+            absolute(m, base);
+        }
+    };
+    model_ref(&mut cfg.actor_rollout.model);
+    model_ref(&mut cfg.ref_.model);
+    model_ref(&mut cfg.critic.model);
+    model_ref(&mut cfg.reward.model);
+    for m in cfg.models.values_mut() {
+        absolute_opt(&mut m.path, base);
+    }
+    absolute_opt(&mut cfg.training.tokenizer_name_or_path, base);
+    for o in [
+        &mut cfg.actor_rollout.overrides,
+        &mut cfg.ref_.overrides,
+        &mut cfg.critic.overrides,
+        &mut cfg.reward.overrides,
+    ] {
+        if let Some(t) = &mut o.tokenizer_name_or_path {
+            absolute_opt(t, base);
+        }
+    }
+    absolute(&mut cfg.data.path, base);
+    absolute(&mut cfg.checkpoint.dir, base);
+    if let Some(r) = &mut cfg.checkpoint.resume {
+        if r != "latest" {
+            absolute(r, base);
+        }
+    }
+    absolute(&mut cfg.logging.metrics_file, base);
+    absolute(&mut cfg.logging.samples_file, base);
+    absolute_opt(&mut cfg.actor_rollout.fixed_responses_file, base);
+}
+
+pub(crate) async fn submit(args: SubmitArgs) -> Result<()> {
+    let mut cfg = rlhf_config::load(&args.config_dir, &args.config_name, &args.overrides)
+        .map_err(|e| Error::invalid(e.to_string()))?;
+    let cwd = std::env::current_dir().map_err(|e| Error::io("reading the current directory", e))?;
+    absolutize(&mut cfg, &cwd);
+    let mut c = crate::client(&args.conn).await?;
+    let job = c
+        .submit_job(pb::SubmitJobRequest {
+            bundle: cfg.to_bundle(),
+            config_name: args.config_name.clone(),
+            overrides: args.overrides.clone(),
+            metrics_file: cfg.logging.metrics_file.clone(),
+        })
+        .await
+        .map_err(Error::from)?
+        .into_inner()
+        .job
+        .unwrap_or_default();
+    if job.state == pb::JobState::Failed as i32 {
+        return Err(Error::internal(format!(
+            "job {} failed to start: {}",
+            job.job_id, job.error
+        )));
+    }
+    println!("submitted job {} ({})", job.job_id, state_name(job.state));
+    println!("  follow it:  rlhf-head job logs -f {}", job.job_id);
+    println!("  status:     rlhf-head job status {}", job.job_id);
+    println!("  stop it:    rlhf-head job stop {}", job.job_id);
+    Ok(())
+}
+
+fn duration_text(j: &pb::JobInfo, now_ms: i64) -> String {
+    if j.start_ms <= 0 {
+        return "-".into();
+    }
+    let end = if j.end_ms > 0 { j.end_ms } else { now_ms };
+    let s = (end - j.start_ms).max(0) / 1000;
+    format!("{}:{:02}:{:02}", s / 3600, s / 60 % 60, s % 60)
+}
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+fn exit_text(j: &pb::JobInfo) -> String {
+    match (j.has_exit_code, j.signal) {
+        (true, _) => j.exit_code.to_string(),
+        (false, s) if s != 0 => format!("signal {s}"),
+        _ => "-".into(),
+    }
+}
+
+fn status_text(j: &pb::JobInfo) -> String {
+    let mut o = format!(
+        "job:        {}\nstate:      {}\nconfig:     {}",
+        j.job_id,
+        state_name(j.state),
+        j.config_name
+    );
+    if !j.overrides.is_empty() {
+        o += &format!(" {}", j.overrides.join(" "));
+    }
+    o += &format!(
+        "\nsubmitted:  {} UTC\nstarted:    {}\nended:      {}\nduration:   {}\nexit:       {}\n",
+        job_time(j.submit_ms),
+        job_time(j.start_ms),
+        job_time(j.end_ms),
+        duration_text(j, now_ms()),
+        exit_text(j)
+    );
+    if !j.error.is_empty() {
+        o += &format!("error:      {}\n", j.error);
+    }
+    if !j.last_metrics.is_empty() {
+        o += &format!("metrics:    {}\n", j.last_metrics);
+    }
+    o += &format!("log:        {}\n", j.log_file);
+    o
+}
+
+fn print_json(v: &serde_json::Value) {
+    println!("{}", serde_json::to_string_pretty(v).unwrap_or_default());
+}
+
+pub(crate) async fn job(cmd: JobCmd) -> Result<()> {
+    match cmd {
+        JobCmd::List { conn, format } => {
+            let mut c = crate::client(&conn).await?;
+            let jobs = c
+                .list_jobs(pb::ListJobsRequest {})
+                .await
+                .map_err(Error::from)?
+                .into_inner()
+                .jobs;
+            match format {
+                Format::Json => print_json(&serde_json::Value::Array(
+                    jobs.iter().map(job_json).collect(),
+                )),
+                Format::Text => {
+                    if jobs.is_empty() {
+                        println!("no jobs; submit one with `rlhf-head submit --config-name NAME`");
+                    }
+                    let now = now_ms();
+                    for j in &jobs {
+                        let mut line = format!(
+                            "{}  {:<9}  {:<20}  {} UTC  {}",
+                            j.job_id,
+                            state_name(j.state),
+                            j.config_name,
+                            job_time(j.submit_ms),
+                            duration_text(j, now)
+                        );
+                        if !j.error.is_empty() {
+                            line += &format!("  {}", j.error);
+                        }
+                        println!("{line}");
+                    }
+                }
+            }
+            Ok(())
+        }
+        JobCmd::Status {
+            job_id,
+            conn,
+            format,
+        } => {
+            let mut c = crate::client(&conn).await?;
+            let j = get(&mut c, &job_id).await?;
+            match format {
+                Format::Json => print_json(&job_json(&j)),
+                Format::Text => print!("{}", status_text(&j)),
+            }
+            Ok(())
+        }
+        JobCmd::Logs {
+            job_id,
+            follow,
+            conn,
+        } => {
+            let mut c = crate::client(&conn).await?;
+            let mut offset = 0;
+            let mut out = std::io::stdout();
+            loop {
+                let r = c
+                    .job_logs(pb::JobLogsRequest {
+                        job_id: job_id.clone(),
+                        offset,
+                        max_bytes: 0,
+                    })
+                    .await
+                    .map_err(Error::from)?
+                    .into_inner();
+                let got = !r.data.is_empty();
+                out.write_all(&r.data)
+                    .and_then(|_| out.flush())
+                    .map_err(|e| Error::io("writing the log to stdout", e))?;
+                offset = r.next_offset;
+                if !follow || r.finished {
+                    if follow {
+                        let j = get(&mut c, &job_id).await?;
+                        eprintln!("job {} {}", j.job_id, ended_text(&j));
+                    }
+                    return Ok(());
+                }
+                if !got {
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                }
+            }
+        }
+        JobCmd::Stop {
+            job_id,
+            no_wait,
+            conn,
+        } => {
+            let mut c = crate::client(&conn).await?;
+            let j = c
+                .stop_job(pb::StopJobRequest {
+                    job_id: job_id.clone(),
+                })
+                .await
+                .map_err(Error::from)?
+                .into_inner()
+                .job
+                .unwrap_or_default();
+            if state_ended(j.state) {
+                println!("job {} had already ended: {}", j.job_id, ended_text(&j));
+                return Ok(());
+            }
+            if no_wait {
+                println!("stopping job {}", j.job_id);
+                return Ok(());
+            }
+            // The head escalates to SIGKILL after its grace period; wait a bit beyond it.
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+            loop {
+                let j = get(&mut c, &job_id).await?;
+                if state_ended(j.state) {
+                    println!("job {} {}", j.job_id, ended_text(&j));
+                    return Ok(());
+                }
+                if tokio::time::Instant::now() > deadline {
+                    return Err(Error::new(
+                        FailureKind::Timeout,
+                        format!(
+                            "job {job_id} is still {} 120 s after the stop; its driver has pid {} on the head's machine",
+                            state_name(j.state),
+                            j.pid
+                        ),
+                    ));
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    }
+}
+
+fn ended_text(j: &pb::JobInfo) -> String {
+    let mut s = state_name(j.state).to_string();
+    if j.has_exit_code || j.signal != 0 {
+        s += &format!(" (exit {})", exit_text(j));
+    }
+    if !j.error.is_empty() {
+        s += &format!(": {}", j.error);
+    }
+    s
+}
+
+async fn get(
+    c: &mut rlhf_proto::v1::head_service_client::HeadServiceClient<rlhf_runtime::net::AuthChannel>,
+    id: &str,
+) -> Result<pb::JobInfo> {
+    Ok(c.get_job(pb::GetJobRequest {
+        job_id: id.to_string(),
+    })
+    .await
+    .map_err(Error::from)?
+    .into_inner()
+    .job
+    .unwrap_or_default())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn configs() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs")
+    }
+
+    #[test]
+    fn absolutize_makes_relative_paths_absolute_and_keeps_names() {
+        let mut cfg = rlhf_config::load(&configs(), "ppo_tiny", &[]).unwrap();
+        cfg.logging.samples_file = "/abs/samples.jsonl".into();
+        cfg.actor_rollout.fixed_responses_file = Some("fixed.jsonl".into());
+        cfg.checkpoint.resume = Some("latest".into());
+        let base = Path::new("/home/u/proj");
+        absolutize(&mut cfg, base);
+        assert_eq!(cfg.actor_rollout.model, "/home/u/proj/models/tiny");
+        assert_eq!(cfg.ref_.model, "/home/u/proj/models/tiny");
+        assert_eq!(cfg.critic.model, "/home/u/proj/models/tiny");
+        assert_eq!(
+            cfg.training.tokenizer_name_or_path.as_deref(),
+            Some("/home/u/proj/models/tiny")
+        );
+        assert_eq!(cfg.data.path, "/home/u/proj/data/prompts_tiny.jsonl");
+        assert_eq!(cfg.checkpoint.dir, "/home/u/proj/checkpoints/ppo_tiny");
+        assert_eq!(
+            cfg.logging.metrics_file,
+            "/home/u/proj/logs/ppo_tiny/metrics.jsonl"
+        );
+        assert_eq!(cfg.logging.samples_file, "/abs/samples.jsonl");
+        assert_eq!(
+            cfg.actor_rollout.fixed_responses_file.as_deref(),
+            Some("/home/u/proj/fixed.jsonl")
+        );
+        assert_eq!(cfg.checkpoint.resume.as_deref(), Some("latest"));
+        // The rewritten config survives the bundle round trip the head receives.
+        let back = rlhf_config::from_bundle(&cfg.to_bundle()).unwrap();
+        assert_eq!(back.data.path, cfg.data.path);
+        assert_eq!(back.actor_rollout.model, cfg.actor_rollout.model);
+    }
+
+    #[test]
+    fn absolutize_keeps_defaults_model_names_and_fixes_their_paths() {
+        let mut cfg = rlhf_config::load(&configs(), "ppo_llama32_1b", &[]).unwrap();
+        let actor = cfg.actor_rollout.model.clone();
+        assert!(cfg.models.contains_key(&actor), "{actor}");
+        absolutize(&mut cfg, Path::new("/w"));
+        assert_eq!(cfg.actor_rollout.model, actor);
+        for (name, m) in &cfg.models {
+            let p = m.path.as_deref().unwrap_or("/");
+            assert!(p.starts_with('/'), "{name}: {p}");
+        }
+    }
+
+    #[test]
+    fn status_text_shows_times_exit_error_and_metrics() {
+        let j = pb::JobInfo {
+            job_id: "job-1".into(),
+            state: pb::JobState::Failed as i32,
+            config_name: "ppo_tiny".into(),
+            submit_ms: 1_700_000_000_000,
+            start_ms: 1_700_000_001_000,
+            end_ms: 1_700_000_062_000,
+            has_exit_code: true,
+            exit_code: 3,
+            error: "boom".into(),
+            last_metrics: "{\"step\":2}".into(),
+            log_file: "/s/jobs/job-1/driver.log".into(),
+            ..Default::default()
+        };
+        let t = status_text(&j);
+        for want in [
+            "state:      FAILED",
+            "submitted:  2023-11-14 22:13:20 UTC",
+            "duration:   0:01:01",
+            "exit:       3",
+            "error:      boom",
+            "metrics:    {\"step\":2}",
+        ] {
+            assert!(t.contains(want), "{want} not in\n{t}");
+        }
+        assert_eq!(
+            ended_text(&pb::JobInfo {
+                state: pb::JobState::Stopped as i32,
+                signal: 15,
+                ..Default::default()
+            }),
+            "STOPPED (exit signal 15)"
+        );
+    }
+}
