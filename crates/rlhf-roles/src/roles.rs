@@ -225,7 +225,7 @@ impl TrainSettings {
 fn rank_rows(global: u32, world: usize, what: &str) -> Result<usize> {
     let world = world.max(1);
     let g = global as usize;
-    if g == 0 || g % world != 0 {
+    if g == 0 || !g.is_multiple_of(world) {
         return Err(Error::invalid(format!(
             "{what} ({g}) must be a positive multiple of the number of ranks ({world})"
         )));

@@ -1,0 +1,142 @@
+//! Shared test fixtures: configs over the tiny models of rlhf-model and synthetic batches.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+use rlhf_config::PpoConfig;
+use rlhf_core::batch::{DataBatch, TensorData};
+use rlhf_roles::weights::host_params;
+
+pub fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../rlhf-model/tests/fixtures")
+        .join(name)
+}
+
+pub const P: usize = 6;
+pub const R: usize = 5;
+
+/// A config over tiny-llama with an SGD-like AdamW (eps 1.0): Adam's first step is
+/// sign(g) * lr for a small eps, which would hide how the gradients were combined.
+pub fn config() -> PpoConfig {
+    let mut cfg = PpoConfig::default();
+    let model = fixture("tiny-llama").display().to_string();
+    cfg.actor_rollout.model = model.clone();
+    cfg.ref_.model = model.clone();
+    cfg.critic.model = model;
+    cfg.actor_rollout.max_prompt_length = P as u32;
+    cfg.actor_rollout.max_response_length = R as u32;
+    cfg.actor_rollout.ppo_mini_batch_size = 8;
+    cfg.actor_rollout.ppo_epochs = 1;
+    cfg.actor_rollout.shuffle_minibatch = false;
+    cfg.actor_rollout.do_sample = false;
+    cfg.actor_rollout.temperature = 1.0;
+    cfg.critic.critic_mini_batch_size = 8;
+    cfg.critic.critic_update_epochs = 1;
+    cfg.critic.shuffle_minibatch = false;
+    cfg.training.micro_batch_size = 2;
+    cfg.training.global_batch_size = 8;
+    cfg.actor_rollout.num_samples_per_step = 1;
+    cfg.training.lr = 0.5;
+    cfg.training.adam_eps = 1.0;
+    cfg.training.weight_decay = 0.0;
+    cfg.training.clip_grad = 1.0;
+    cfg.training.seed = 7;
+    cfg.training.train_iters = 10;
+    cfg
+}
+
+/// Tiny deterministic pseudo-random numbers.
+pub struct Lcg(pub u64);
+impl Lcg {
+    pub fn next(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        self.0 >> 33
+    }
+    pub fn unit(&mut self) -> f32 {
+        (self.next() % 10_000) as f32 / 10_000.0
+    }
+}
+
+/// `rows` sequences [P+R]: prompts of 2..=P tokens left-padded, responses of the given
+/// lengths right-padded; ids in 1..320.
+pub fn sequences(resp_lens: &[usize], seed: u64) -> DataBatch {
+    let mut rng = Lcg(seed);
+    let b = resp_lens.len();
+    let t = P + R;
+    let mut ids = vec![0i64; b * t];
+    let mut am = vec![0i64; b * t];
+    let mut rm = vec![0f32; b * R];
+    for (i, &rl) in resp_lens.iter().enumerate() {
+        let pl = 2 + (rng.next() as usize) % (P - 1);
+        for j in P - pl..P {
+            ids[i * t + j] = 1 + (rng.next() % 319) as i64;
+            am[i * t + j] = 1;
+        }
+        for k in 0..rl {
+            ids[i * t + P + k] = 1 + (rng.next() % 319) as i64;
+            am[i * t + P + k] = 1;
+            rm[i * R + k] = 1.0;
+        }
+    }
+    DataBatch::new()
+        .with_tensor("input_ids", TensorData::from_i64(vec![b, t], &ids).unwrap())
+        .with_tensor(
+            "attention_mask",
+            TensorData::from_i64(vec![b, t], &am).unwrap(),
+        )
+        .with_tensor(
+            "response_mask",
+            TensorData::from_f32(vec![b, R], &rm).unwrap(),
+        )
+}
+
+/// An UpdateActor batch: old log-probs from `log_probs` shifted a little (so the ratio is
+/// not 1 everywhere) and mixed-sign advantages.
+pub fn actor_batch(seqs: &DataBatch, log_probs: &[f32], seed: u64) -> DataBatch {
+    let mut rng = Lcg(seed);
+    let b = seqs.len().unwrap();
+    let old: Vec<f32> = log_probs
+        .iter()
+        .map(|&x| x + (rng.unit() - 0.5) * 0.3)
+        .collect();
+    let adv: Vec<f32> = (0..b * R).map(|_| (rng.unit() - 0.5) * 2.0).collect();
+    let mut out = seqs.clone();
+    out.tensors.insert(
+        "old_log_probs".into(),
+        TensorData::from_f32(vec![b, R], &old).unwrap(),
+    );
+    out.tensors.insert(
+        "advantages".into(),
+        TensorData::from_f32(vec![b, R], &adv).unwrap(),
+    );
+    out.meta.insert("step".into(), serde_json::json!(1));
+    out
+}
+
+/// Parameters of a model as (name, values).
+pub fn params(model: &rlhf_model::Model) -> Vec<(String, Vec<f32>)> {
+    host_params(model)
+        .unwrap()
+        .into_iter()
+        .map(|p| (p.name, p.data))
+        .collect()
+}
+
+/// Largest |a - b| / (|b| + 1e-2) over all parameters, with its name.
+pub fn max_rel_diff(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> (f32, String) {
+    let mut worst = (0f32, String::new());
+    for ((na, va), (nb, vb)) in a.iter().zip(b) {
+        assert_eq!(na, nb);
+        for (x, y) in va.iter().zip(vb) {
+            let d = (x - y).abs() / (y.abs() + 1e-2);
+            if d > worst.0 || d.is_nan() {
+                worst = (d, na.clone());
+            }
+        }
+    }
+    worst
+}

@@ -1,0 +1,255 @@
+//! The role server in-process over real gRPC: InitRole, Generate, ComputeLogProbs,
+//! ComputeScores, Ping on the same endpoint, and a wrong token refused.
+
+mod common;
+
+use common::fixture;
+use rlhf_core::batch::{Assembler, DataBatch, TensorData};
+use rlhf_proto::v1 as pb;
+use rlhf_proto::v1::actor_service_client::ActorServiceClient;
+use rlhf_proto::v1::role_service_client::RoleServiceClient;
+use rlhf_roles::ServeOptions;
+use rlhf_runtime::net::{AuthChannel, ClientOptions};
+use tokio_util::sync::CancellationToken;
+
+const TOKEN: &str = "role-test-token";
+
+/// ppo_tiny with the tiny fixture model, as the driver would bundle it.
+fn bundle() -> String {
+    let configs = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs");
+    let model = fixture("tiny-llama").display().to_string();
+    let cfg = rlhf_config::load(
+        &configs,
+        "ppo_tiny",
+        &[
+            format!("actor_rollout.model={model}"),
+            format!("ref.model={model}"),
+            format!("critic.model={model}"),
+            format!("training.tokenizer_name_or_path={model}"),
+            "actor_rollout.do_sample=false".into(),
+        ],
+    )
+    .unwrap();
+    cfg.to_bundle()
+}
+
+async fn start(kind: &str, shutdown: &CancellationToken) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let opts = ServeOptions {
+        actor_id: format!("test-{kind}"),
+        kind: kind.into(),
+        host: "127.0.0.1".into(),
+        token: TOKEN.into(),
+    };
+    tokio::spawn(rlhf_roles::serve(opts, listener, shutdown.clone()));
+    addr
+}
+
+async fn client(addr: &str, token: &str) -> RoleServiceClient<AuthChannel> {
+    let ch = rlhf_runtime::net::connect(addr, &ClientOptions::new(token))
+        .await
+        .unwrap();
+    RoleServiceClient::new(ch)
+        .max_decoding_message_size(rlhf_proto::MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(rlhf_proto::MAX_MESSAGE_BYTES)
+}
+
+async fn collect(resp: tonic::Response<tonic::Streaming<pb::BatchChunk>>) -> DataBatch {
+    let mut s = resp.into_inner();
+    let mut asm = Assembler::new(1 << 30);
+    while let Some(c) = s.message().await.unwrap() {
+        asm.push(c).unwrap();
+    }
+    asm.finish().unwrap()
+}
+
+fn init(role: &str, part: &str) -> pb::InitRoleRequest {
+    pb::InitRoleRequest {
+        role: role.into(),
+        part: part.into(),
+        rank: 0,
+        world_size: 1,
+        config_bundle: bundle(),
+        job_id: "job-1".into(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generate_and_log_probs_over_grpc() {
+    let shutdown = CancellationToken::new();
+    let (p, r) = (32usize, 16usize);
+
+    // Rollout rank: Generate.
+    let addr = start("actor_rollout", &shutdown).await;
+    let mut bad = client(&addr, "wrong-token").await;
+    let err = bad
+        .init_role(init("actor_rollout", "infer"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::Unauthenticated, "{err}");
+
+    let mut c = client(&addr, TOKEN).await;
+    let err = c.init_role(init("critic", "")).await.unwrap_err();
+    assert!(
+        err.message().contains("sent to a 'actor_rollout' actor"),
+        "{err}"
+    );
+    let info = c
+        .init_role(init("actor_rollout", "infer"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        info.num_params > 0 && info.weights_checksum != 0,
+        "{info:?}"
+    );
+    let err = c
+        .init_role(init("actor_rollout", "infer"))
+        .await
+        .unwrap_err();
+    assert!(err.message().contains("already initialised"), "{err}");
+
+    let ping = ActorServiceClient::new(
+        rlhf_runtime::net::connect(&addr, &ClientOptions::new(TOKEN))
+            .await
+            .unwrap(),
+    )
+    .ping(pb::PingRequest {
+        payload: b"hi".to_vec(),
+    })
+    .await
+    .unwrap()
+    .into_inner();
+    assert_eq!(ping.payload, b"hi");
+
+    let mut ids = vec![0i64; 2 * p];
+    let mut mask = vec![0i64; 2 * p];
+    for (row, len) in [5usize, 9].iter().enumerate() {
+        for j in p - len..p {
+            ids[row * p + j] = (3 + row * 7 + j) as i64;
+            mask[row * p + j] = 1;
+        }
+    }
+    let mut prompts = DataBatch::new()
+        .with_tensor(
+            "prompt_ids",
+            TensorData::from_i64(vec![2, p], &ids).unwrap(),
+        )
+        .with_tensor(
+            "prompt_mask",
+            TensorData::from_i64(vec![2, p], &mask).unwrap(),
+        );
+    prompts.meta.insert("seed".into(), serde_json::json!(11));
+    let stream = rlhf_runtime::batch_stream(&prompts).unwrap();
+    let out = collect(c.generate(stream).await.unwrap()).await;
+    assert_eq!(out.tensors["responses"].shape, vec![2, r]);
+    assert_eq!(out.tensors["response_mask"].shape, vec![2, r]);
+    let lps = out.tensors["rollout_log_probs"].to_f32().unwrap();
+    let rmask = out.tensors["response_mask"].to_f32().unwrap();
+    assert!(
+        rmask[0] == 1.0 && rmask[r] == 1.0,
+        "every response has a first token"
+    );
+    assert!(lps
+        .iter()
+        .zip(&rmask)
+        .all(|(l, m)| *m == 0.0 || (*l <= 0.0 && l.is_finite())));
+
+    let bad_batch = DataBatch::new()
+        .with_tensor(
+            "prompt_ids",
+            TensorData::from_i64(vec![1, 3], &[1, 2, 3]).unwrap(),
+        )
+        .with_tensor(
+            "prompt_mask",
+            TensorData::from_i64(vec![1, 3], &[1, 1, 1]).unwrap(),
+        );
+    let err = c
+        .generate(rlhf_runtime::batch_stream(&bad_batch).unwrap())
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), tonic::Code::InvalidArgument);
+    assert!(
+        err.message()
+            .contains("'prompt_ids' has shape [1, 3], expected [1, 32]"),
+        "{err}"
+    );
+
+    // Trainer rank: ComputeLogProbs on the generated sequences.
+    let addr = start("actor_rollout", &shutdown).await;
+    let mut t = client(&addr, TOKEN).await;
+    let info = t
+        .init_role(init("actor_rollout", "train"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(info.num_params > 0);
+    let resp = out.tensors["responses"].to_i64().unwrap();
+    let mut seq_ids = vec![0i64; 2 * (p + r)];
+    let mut seq_mask = vec![0i64; 2 * (p + r)];
+    for row in 0..2 {
+        for j in 0..p {
+            seq_ids[row * (p + r) + j] = ids[row * p + j];
+            seq_mask[row * (p + r) + j] = mask[row * p + j];
+        }
+        for k in 0..r {
+            seq_ids[row * (p + r) + p + k] = resp[row * r + k];
+            seq_mask[row * (p + r) + p + k] = rmask[row * r + k] as i64;
+        }
+    }
+    let mut seqs = DataBatch::new()
+        .with_tensor(
+            "input_ids",
+            TensorData::from_i64(vec![2, p + r], &seq_ids).unwrap(),
+        )
+        .with_tensor(
+            "attention_mask",
+            TensorData::from_i64(vec![2, p + r], &seq_mask).unwrap(),
+        );
+    seqs.meta
+        .insert("response_length".into(), serde_json::json!(r));
+    let lp = collect(
+        t.compute_log_probs(rlhf_runtime::batch_stream(&seqs).unwrap())
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(lp.tensors["log_probs"].shape, vec![2, r]);
+    assert_eq!(lp.tensors["entropy"].shape, vec![2, r]);
+    // The trainer recomputes what the rollout sampled with (greedy: temperature 1).
+    let recomputed = lp.tensors["log_probs"].to_f32().unwrap();
+    for i in 0..2 * r {
+        if rmask[i] == 1.0 {
+            assert!(
+                (recomputed[i] - lps[i]).abs() < 1e-3,
+                "{i}: {} vs {}",
+                recomputed[i],
+                lps[i]
+            );
+        }
+    }
+    let sums = t
+        .weights_checksum(pb::WeightsChecksumRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(sums.checksum, info.weights_checksum);
+
+    // Reward rank: the rule of ppo_tiny (contains_digit).
+    let addr = start("reward", &shutdown).await;
+    let mut w = client(&addr, TOKEN).await;
+    w.init_role(init("reward", "")).await.unwrap();
+    let scored = seqs
+        .clone()
+        .with_column("prompt_text", vec!["a".into(), "b".into()])
+        .with_column("response_text", vec!["7 apples".into(), "none".into()]);
+    let s = collect(
+        w.compute_scores(rlhf_runtime::batch_stream(&scored).unwrap())
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(s.tensors["scores"].to_f32().unwrap(), vec![1.0, 0.0]);
+    shutdown.cancel();
+}

@@ -1,0 +1,309 @@
+//! Trainer and critic without gRPC: data-parallel exactness, gradients reaching every
+//! parameter, non-finite inputs, checkpoint round trips and trainer -> rollout weight sync.
+
+mod common;
+
+use std::thread;
+
+use common::*;
+use rlhf_algo::LossAggMode;
+use rlhf_collective::{CommConfig, Communicator, TcpCommunicator, TcpRendezvous};
+use rlhf_core::batch::{DataBatch, TensorData};
+use rlhf_roles::{Critic, Rollout, Trainer};
+
+fn single() -> TcpCommunicator {
+    TcpCommunicator::single(CommConfig::default())
+}
+
+/// A group of `n` TCP communicators on localhost, one per rank.
+fn group(n: usize) -> Vec<TcpCommunicator> {
+    let rv = TcpRendezvous::bind("127.0.0.1:0").unwrap();
+    let addr = rv.local_addr().to_string();
+    let peers: Vec<_> = (1..n)
+        .map(|r| {
+            let a = addr.clone();
+            thread::spawn(move || {
+                TcpCommunicator::connect(r, n, &a, CommConfig::default()).unwrap()
+            })
+        })
+        .collect();
+    let mut out = vec![rv.accept(n, CommConfig::default()).unwrap()];
+    out.extend(peers.into_iter().map(|p| p.join().unwrap()));
+    out
+}
+
+fn log_probs(t: &Trainer, seqs: &DataBatch) -> Vec<f32> {
+    t.compute_log_probs(seqs).unwrap().tensors["log_probs"]
+        .to_f32()
+        .unwrap()
+}
+
+/// Unequal response lengths, and rank 0's half has many more tokens than rank 1's, so
+/// the per-rank denominators differ.
+const LENS: [usize; 8] = [5, 4, 5, 3, 1, 2, 1, 2];
+
+fn dp_run(mode: LossAggMode, sync_denominators: bool) -> (f32, f32) {
+    let mut cfg = config();
+    cfg.actor_rollout.loss_agg_mode = mode;
+    let seqs = sequences(&LENS, 11);
+    let mut whole = Trainer::from_config(&cfg, 0, 1).unwrap();
+    let before = params(&whole.model);
+    let batch = actor_batch(&seqs, &log_probs(&whole, &seqs), 5);
+    let metrics = whole.update(&mut single(), &batch).unwrap();
+    let after_whole = params(&whole.model);
+    assert!(metrics.meta["actor/grad_norm"].as_f64().unwrap() > 0.0);
+
+    let halves = batch.chunk(2).unwrap();
+    let comms = group(2);
+    let handles: Vec<_> = comms
+        .into_iter()
+        .zip(halves)
+        .enumerate()
+        .map(|(rank, (mut comm, half))| {
+            let cfg = cfg.clone();
+            thread::spawn(move || {
+                let mut t = Trainer::from_config(&cfg, rank, 2).unwrap();
+                t.settings.sync_denominators = sync_denominators;
+                assert_eq!(t.settings.mini_batch_rows, 4);
+                t.update(&mut comm, &half).unwrap();
+                params(&t.model)
+            })
+        })
+        .collect();
+    let ranks: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let (moved, _) = max_rel_diff(&after_whole, &before);
+    let (between_ranks, _) = max_rel_diff(&ranks[0], &ranks[1]);
+    assert_eq!(between_ranks, 0.0, "DP ranks must stay bit-identical");
+    let (d, name) = max_rel_diff(&ranks[0], &after_whole);
+    eprintln!("{mode} sync={sync_denominators}: moved {moved:.3e}, DP vs whole {d:.3e} ({name})");
+    (moved, d)
+}
+
+#[test]
+fn two_ranks_on_halves_equal_one_rank_on_the_whole_batch() {
+    for mode in [LossAggMode::TokenMean, LossAggMode::SeqMeanTokenMean] {
+        let (moved, d) = dp_run(mode, true);
+        assert!(
+            moved > 1e-3,
+            "{mode}: the update barely moved the weights ({moved})"
+        );
+        assert!(d < 1e-5, "{mode}: DP differs from one rank by {d}");
+    }
+}
+
+#[test]
+fn without_the_denominator_all_reduce_the_ranks_do_not_add_up() {
+    let (_, d) = dp_run(LossAggMode::TokenMean, false);
+    assert!(
+        d > 1e-3,
+        "skipping the denominator all-reduce should change the update ({d})"
+    );
+}
+
+#[test]
+fn every_parameter_of_actor_and_critic_learns_and_nan_is_named() {
+    let cfg = config();
+    let seqs = sequences(&LENS, 3);
+    let mut actor = Trainer::from_config(&cfg, 0, 1).unwrap();
+    let before = params(&actor.model);
+    let mut batch = actor_batch(&seqs, &log_probs(&actor, &seqs), 9);
+    let m = actor.update(&mut single(), &batch).unwrap();
+    for key in [
+        "policy/approxkl_avg",
+        "policy/clipfrac_avg",
+        "policy/entropy_avg",
+        "loss/policy_avg",
+        "val/ratio",
+        "actor/grad_norm",
+        "actor/lr",
+        "actor/pg_clipfrac_lower",
+    ] {
+        let v = m.meta.get(key).and_then(|v| v.as_f64());
+        assert!(v.is_some_and(f64::is_finite), "metric {key}: {v:?}");
+    }
+    assert_eq!(m.len().unwrap(), 0);
+    for ((name, a), (_, b)) in params(&actor.model).iter().zip(&before) {
+        assert!(a.iter().all(|x| x.is_finite()), "{name} is not finite");
+        assert!(a != b, "actor parameter {name} got no gradient");
+    }
+
+    let mut critic = Critic::from_config(&cfg, 0, 1).unwrap();
+    let values = critic.compute_values(&seqs).unwrap().tensors["values"].clone();
+    assert_eq!(values.shape, vec![8, R]);
+    let mut cb = seqs.clone();
+    let v = values.to_f32().unwrap();
+    let returns: Vec<f32> = v
+        .iter()
+        .enumerate()
+        .map(|(i, x)| x + 1.0 - (i % 3) as f32)
+        .collect();
+    cb.tensors.insert("values".into(), values);
+    cb.tensors.insert(
+        "returns".into(),
+        TensorData::from_f32(vec![8, R], &returns).unwrap(),
+    );
+    let before = params(&critic.model);
+    let m = critic.update(&mut single(), &cb).unwrap();
+    for key in [
+        "loss/value_avg",
+        "val/clipfrac_avg",
+        "critic/grad_norm",
+        "critic/lr",
+        "val/vpred",
+    ] {
+        assert!(
+            m.meta
+                .get(key)
+                .and_then(|v| v.as_f64())
+                .is_some_and(f64::is_finite),
+            "{key}"
+        );
+    }
+    for ((name, a), (_, b)) in params(&critic.model).iter().zip(&before) {
+        assert!(a != b, "critic parameter {name} got no gradient");
+    }
+
+    let mut adv = batch.tensors["advantages"].to_f32().unwrap();
+    adv[R] = f32::NAN; // row 1, token 0: a valid position
+    batch.tensors.insert(
+        "advantages".into(),
+        TensorData::from_f32(vec![8, R], &adv).unwrap(),
+    );
+    batch.meta.insert("step".into(), serde_json::json!(3));
+    let err = actor.update(&mut single(), &batch).unwrap_err().to_string();
+    assert!(
+        err.contains("non-finite advantages in actor_rollout rank 0 at step 3"),
+        "{err}"
+    );
+}
+
+#[test]
+fn checkpoint_round_trip_resumes_bit_identically() {
+    let cfg = config();
+    let seqs = sequences(&LENS, 21);
+    let mut a = Trainer::from_config(&cfg, 0, 1).unwrap();
+    let batch = actor_batch(&seqs, &log_probs(&a, &seqs), 2);
+    a.update(&mut single(), &batch).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let files = a.save_checkpoint(dir.path()).unwrap();
+    for f in [
+        "config.json",
+        "model.safetensors",
+        "optimizer.safetensors",
+        "role_state.json",
+    ] {
+        assert!(files.iter().any(|x| x == f), "{f} missing from {files:?}");
+    }
+    let saved_sum = a.checksum().unwrap();
+    let (saved_opt, saved_steps) = a.optim.opt.state().unwrap();
+
+    let mut b = Trainer::from_config(&cfg, 0, 1).unwrap();
+    assert_ne!(b.checksum().unwrap(), saved_sum);
+    assert_eq!(b.load_checkpoint(dir.path()).unwrap(), saved_sum);
+    let (opt, steps) = b.optim.opt.state().unwrap();
+    assert_eq!((steps, b.optim.steps()), (saved_steps, 1));
+    for ((n1, t1), (n2, t2)) in opt.iter().zip(&saved_opt) {
+        assert_eq!(n1, n2);
+        let (x, y) = (
+            t1.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            t2.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+        );
+        assert!(
+            x.iter().zip(&y).all(|(p, q)| p.to_bits() == q.to_bits()),
+            "{n1} differs"
+        );
+    }
+    for t in [&mut a, &mut b] {
+        for step in 2..4 {
+            let mut bb = batch.clone();
+            bb.meta.insert("step".into(), serde_json::json!(step));
+            t.update(&mut single(), &bb).unwrap();
+        }
+    }
+    assert_eq!(a.checksum().unwrap(), b.checksum().unwrap());
+    assert_eq!(params(&a.model), params(&b.model));
+
+    let err = b
+        .load_checkpoint(&dir.path().join("nope"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("role_state.json"), "{err}");
+}
+
+#[test]
+fn weight_sync_makes_the_rollout_generate_like_the_trainer() {
+    let cfg = config();
+    let seqs = sequences(&LENS, 33);
+    let mut trainer = Trainer::from_config(&cfg, 0, 1).unwrap();
+    let batch = actor_batch(&seqs, &log_probs(&trainer, &seqs), 4);
+    trainer.update(&mut single(), &batch).unwrap();
+    let trained = trainer.checksum().unwrap();
+
+    let mut comms = group(3);
+    let (c2, c1) = (comms.pop().unwrap(), comms.pop().unwrap());
+    let mut c0 = comms.pop().unwrap();
+    let rollouts: Vec<_> = [c1, c2]
+        .into_iter()
+        .map(|mut comm| {
+            let cfg = cfg.clone();
+            thread::spawn(move || {
+                let mut r = Rollout::from_config(&cfg).unwrap();
+                let before = r.checksum().unwrap();
+                let (stats, sum) = r.recv_weights(&mut comm, 5, 4096).unwrap();
+                assert!(stats.buckets > 1);
+                assert_eq!(r.checksum().unwrap(), sum);
+                (r, before, sum)
+            })
+        })
+        .collect();
+    let (_, sent) = trainer.send_weights(&mut c0, 5, 4096).unwrap();
+    assert_eq!(sent, trained);
+    let mut outs = Vec::new();
+    for h in rollouts {
+        let (r, before, sum) = h.join().unwrap();
+        assert_eq!(sum, trained);
+        assert_ne!(before, trained, "the sync must change the rollout weights");
+        assert_eq!(r.version, 5);
+        outs.push(r);
+    }
+    assert_eq!(c0.world_size(), 3);
+
+    // Greedy generation after the sync equals generation with the trainer's weights.
+    let mut prompts = vec![0i64; 3 * P];
+    let mut pmask = vec![0i64; 3 * P];
+    for (i, len) in [6usize, 3, 4].iter().enumerate() {
+        for j in P - len..P {
+            prompts[i * P + j] = (7 + 13 * i + 5 * j) as i64 % 300 + 1;
+            pmask[i * P + j] = 1;
+        }
+    }
+    let gen_batch = DataBatch::new()
+        .with_tensor(
+            "prompt_ids",
+            TensorData::from_i64(vec![3, P], &prompts).unwrap(),
+        )
+        .with_tensor(
+            "prompt_mask",
+            TensorData::from_i64(vec![3, P], &pmask).unwrap(),
+        );
+    let got = outs[0].generate(&gen_batch).unwrap();
+    assert_eq!(got.tensors["responses"].shape, vec![3, R]);
+    assert_eq!(got.tensors["response_mask"].shape, vec![3, R]);
+    assert_eq!(got.tensors["rollout_log_probs"].shape, vec![3, R]);
+    let reference = Rollout::from_config(&cfg).unwrap();
+    let stale = reference.generate(&gen_batch).unwrap();
+    reference
+        .model
+        .set_weights(&trainer.model.named_tensors())
+        .unwrap();
+    let want = reference.generate(&gen_batch).unwrap();
+    assert_eq!(got.tensors["responses"], want.tensors["responses"]);
+    assert_eq!(
+        got.tensors["rollout_log_probs"],
+        want.tensors["rollout_log_probs"]
+    );
+    assert_ne!(
+        stale.tensors["rollout_log_probs"], want.tensors["rollout_log_probs"],
+        "the trained weights should change the generation"
+    );
+}
