@@ -1,7 +1,7 @@
 //! `rlhf-head submit` and `rlhf-head job list|status|logs|stop`: PPO jobs on a running head.
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use rlhf_core::{Error, FailureKind, Result};
@@ -62,64 +62,12 @@ pub(crate) enum JobCmd {
     },
 }
 
-fn absolute(p: &mut String, base: &Path) {
-    if !p.is_empty() && Path::new(p.as_str()).is_relative() {
-        *p = base.join(p.as_str()).display().to_string();
-    }
-}
-
-fn absolute_opt(p: &mut Option<String>, base: &Path) {
-    if let Some(p) = p {
-        absolute(p, base);
-    }
-}
-
-/// Makes every relative path in `cfg` absolute against `base` (the submitting shell's
-/// directory), so a driver started elsewhere (the head's job directory) finds the same
-/// files. Model names that refer to `defaults` entries are names, not paths, and stay;
-/// their model files' `path` is made absolute instead.
-pub(crate) fn absolutize(cfg: &mut rlhf_config::PpoConfig, base: &Path) {
-    let models = cfg.models.keys().cloned().collect::<Vec<_>>();
-    let model_ref = |m: &mut String| {
-        if !models.iter().any(|n| n == m) {
-            absolute(m, base);
-        }
-    };
-    model_ref(&mut cfg.actor_rollout.model);
-    model_ref(&mut cfg.ref_.model);
-    model_ref(&mut cfg.critic.model);
-    model_ref(&mut cfg.reward.model);
-    for m in cfg.models.values_mut() {
-        absolute_opt(&mut m.path, base);
-    }
-    absolute_opt(&mut cfg.training.tokenizer_name_or_path, base);
-    for o in [
-        &mut cfg.actor_rollout.overrides,
-        &mut cfg.ref_.overrides,
-        &mut cfg.critic.overrides,
-        &mut cfg.reward.overrides,
-    ] {
-        if let Some(t) = &mut o.tokenizer_name_or_path {
-            absolute_opt(t, base);
-        }
-    }
-    absolute(&mut cfg.data.path, base);
-    absolute(&mut cfg.checkpoint.dir, base);
-    if let Some(r) = &mut cfg.checkpoint.resume {
-        if r != "latest" {
-            absolute(r, base);
-        }
-    }
-    absolute(&mut cfg.logging.metrics_file, base);
-    absolute(&mut cfg.logging.samples_file, base);
-    absolute_opt(&mut cfg.actor_rollout.fixed_responses_file, base);
-}
-
 pub(crate) async fn submit(args: SubmitArgs) -> Result<()> {
     let mut cfg = rlhf_config::load(&args.config_dir, &args.config_name, &args.overrides)
         .map_err(|e| Error::invalid(e.to_string()))?;
     let cwd = std::env::current_dir().map_err(|e| Error::io("reading the current directory", e))?;
-    absolutize(&mut cfg, &cwd);
+    // The driver runs in the head's job directory: relative paths would point there.
+    cfg.absolutize_paths(&cwd);
     let mut c = crate::client(&args.conn).await?;
     let job = c
         .submit_job(pb::SubmitJobRequest {
@@ -362,55 +310,23 @@ async fn get(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::Path;
 
     fn configs() -> PathBuf {
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs")
     }
 
     #[test]
-    fn absolutize_makes_relative_paths_absolute_and_keeps_names() {
+    fn absolutized_config_survives_the_bundle_the_head_receives() {
         let mut cfg = rlhf_config::load(&configs(), "ppo_tiny", &[]).unwrap();
-        cfg.logging.samples_file = "/abs/samples.jsonl".into();
-        cfg.actor_rollout.fixed_responses_file = Some("fixed.jsonl".into());
-        cfg.checkpoint.resume = Some("latest".into());
-        let base = Path::new("/home/u/proj");
-        absolutize(&mut cfg, base);
-        assert_eq!(cfg.actor_rollout.model, "/home/u/proj/models/tiny");
-        assert_eq!(cfg.ref_.model, "/home/u/proj/models/tiny");
-        assert_eq!(cfg.critic.model, "/home/u/proj/models/tiny");
+        cfg.absolutize_paths(Path::new("/home/u/proj"));
+        let back = rlhf_config::from_bundle(&cfg.to_bundle()).unwrap();
+        assert_eq!(back.data.path, "/home/u/proj/data/prompts_tiny.jsonl");
+        assert_eq!(back.actor_rollout.model, "/home/u/proj/models/tiny");
         assert_eq!(
-            cfg.training.tokenizer_name_or_path.as_deref(),
-            Some("/home/u/proj/models/tiny")
-        );
-        assert_eq!(cfg.data.path, "/home/u/proj/data/prompts_tiny.jsonl");
-        assert_eq!(cfg.checkpoint.dir, "/home/u/proj/checkpoints/ppo_tiny");
-        assert_eq!(
-            cfg.logging.metrics_file,
+            back.logging.metrics_file,
             "/home/u/proj/logs/ppo_tiny/metrics.jsonl"
         );
-        assert_eq!(cfg.logging.samples_file, "/abs/samples.jsonl");
-        assert_eq!(
-            cfg.actor_rollout.fixed_responses_file.as_deref(),
-            Some("/home/u/proj/fixed.jsonl")
-        );
-        assert_eq!(cfg.checkpoint.resume.as_deref(), Some("latest"));
-        // The rewritten config survives the bundle round trip the head receives.
-        let back = rlhf_config::from_bundle(&cfg.to_bundle()).unwrap();
-        assert_eq!(back.data.path, cfg.data.path);
-        assert_eq!(back.actor_rollout.model, cfg.actor_rollout.model);
-    }
-
-    #[test]
-    fn absolutize_keeps_defaults_model_names_and_fixes_their_paths() {
-        let mut cfg = rlhf_config::load(&configs(), "ppo_llama32_1b", &[]).unwrap();
-        let actor = cfg.actor_rollout.model.clone();
-        assert!(cfg.models.contains_key(&actor), "{actor}");
-        absolutize(&mut cfg, Path::new("/w"));
-        assert_eq!(cfg.actor_rollout.model, actor);
-        for (name, m) in &cfg.models {
-            let p = m.path.as_deref().unwrap_or("/");
-            assert!(p.starts_with('/'), "{name}: {p}");
-        }
     }
 
     #[test]
