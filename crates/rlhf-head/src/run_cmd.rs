@@ -1,8 +1,25 @@
-//! `rlhf-head run` and `rlhf-head check`: the PPO job driver's command line.
+//! `rlhf-head run` and `rlhf-head check`: the PPO job from the command line.
+//!
+//! `run` without `--address` is the embedded default: a head and a worker inside this
+//! process on 127.0.0.1 (the worker spawns the role processes from the `rlhf-worker` binary
+//! next to this one), the job to its end, then everything stops. With `--address` it drives
+//! the job on a running cluster; `submit` makes the head do exactly that in a child process.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
 
+use rlhf_config::{PpoConfig, Role};
+use rlhf_core::resources::Resources;
 use rlhf_core::{Error, Result};
+use rlhf_driver::{DriverOptions, JobSummary};
+use rlhf_proto::v1 as pb;
+use rlhf_proto::v1::head_service_client::HeadServiceClient;
+use rlhf_runtime::auth;
+use rlhf_runtime::head::{self, HeadOptions};
+use rlhf_runtime::net::{self, ClientOptions};
+use rlhf_runtime::worker::{self, WorkerOptions};
+use tokio_util::sync::CancellationToken;
 
 use crate::Connect;
 
@@ -30,6 +47,22 @@ pub(crate) struct RunArgs {
     /// Continue from a checkpoint: `latest` or a global_step_N directory.
     #[arg(long)]
     pub(crate) resume: Option<String>,
+    /// Stop after this many steps of this invocation (a checkpoint is written first).
+    #[arg(long)]
+    pub(crate) stop_after: Option<u64>,
+    /// Seconds any single role call (generation, update, ...) may take.
+    #[arg(long, default_value_t = 3600.0)]
+    pub(crate) call_timeout: f64,
+    /// Seconds to wait for devices and for the role processes to start.
+    #[arg(long, default_value_t = 600.0)]
+    pub(crate) start_timeout: f64,
+    /// Collective backend between role processes (nccl needs GPUs and a build with it).
+    #[arg(long, default_value = "tcp")]
+    pub(crate) comm_backend: String,
+    /// Embedded mode only: `rlhf-worker` binary for the local worker (default: next to
+    /// this one).
+    #[arg(long)]
+    pub(crate) worker_exe: Option<PathBuf>,
     /// Job id (set by the head for submitted jobs).
     #[arg(long, hide = true)]
     pub(crate) job_id: Option<String>,
@@ -39,12 +72,294 @@ pub(crate) struct RunArgs {
 pub(crate) struct CheckArgs {
     #[command(flatten)]
     pub(crate) config: JobConfigArgs,
+    /// Also check the fit against this running cluster's free resources.
+    #[arg(long)]
+    pub(crate) address: Option<String>,
 }
 
-pub(crate) async fn run(_args: RunArgs) -> Result<()> {
-    Err(Error::invalid("rlhf-head run is not implemented yet"))
+/// Loads the job config from a bundle or from `--config-dir/--config-name` + overrides, with
+/// every path made absolute against the current directory.
+pub(crate) fn load_config(args: &JobConfigArgs) -> Result<PpoConfig> {
+    let mut cfg = match (&args.bundle, &args.config_name) {
+        (Some(b), _) => {
+            let text = std::fs::read_to_string(b)
+                .map_err(|e| Error::io(format!("reading {}", b.display()), e))?;
+            rlhf_config::from_bundle(&text)
+        }
+        (None, Some(name)) => rlhf_config::load(&args.config_dir, name, &args.overrides),
+        (None, None) => {
+            return Err(Error::invalid(
+                "no job config: pass --config-name NAME (and --config-dir DIR)",
+            ))
+        }
+    }
+    .map_err(|e| Error::invalid(e.to_string()))?;
+    let cwd = std::env::current_dir().map_err(|e| Error::io("reading the current directory", e))?;
+    cfg.absolutize_paths(&cwd);
+    Ok(cfg)
 }
 
-pub(crate) async fn check(_args: CheckArgs) -> Result<()> {
-    Err(Error::invalid("rlhf-head check is not implemented yet"))
+fn job_id() -> String {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    format!("run-{t}-{}", std::process::id())
+}
+
+/// Devices of the pool's resource the job needs in total.
+fn devices_needed(cfg: &PpoConfig) -> f64 {
+    Role::ALL
+        .iter()
+        .filter(|r| cfg.role_enabled(**r))
+        .map(|r| f64::from(cfg.devices(*r)))
+        .sum()
+}
+
+fn worker_exe(explicit: Option<&Path>) -> Result<PathBuf> {
+    if let Some(p) = explicit {
+        return Ok(p.to_path_buf());
+    }
+    let me = std::env::current_exe().map_err(|e| Error::io("locating rlhf-head", e))?;
+    let p = me.with_file_name("rlhf-worker");
+    if p.is_file() {
+        Ok(p)
+    } else {
+        Err(Error::invalid(format!(
+            "the embedded run starts role processes with rlhf-worker, but {} does not exist; build it (cargo build --release -p rlhf-worker) or pass --worker-exe",
+            p.display()
+        )))
+    }
+}
+
+/// A head and one worker inside this process, on loopback, with a throw-away state dir.
+struct Embedded {
+    shutdown: CancellationToken,
+    head: head::HeadHandle,
+    worker: tokio::task::JoinHandle<Result<()>>,
+    state_dir: PathBuf,
+    token: String,
+}
+
+async fn start_embedded(cfg: &PpoConfig, exe: PathBuf) -> Result<Embedded> {
+    let state_dir = std::env::temp_dir().join(format!("rlhf-run-{}", std::process::id()));
+    std::fs::create_dir_all(&state_dir)
+        .map_err(|e| Error::io(format!("creating {}", state_dir.display()), e))?;
+    let token = auth::generate_token();
+    let shutdown = CancellationToken::new();
+    let mut opts = HeadOptions::new(state_dir.join("head"), token.clone());
+    opts.host = "127.0.0.1".into();
+    opts.port = 0;
+    opts.dashboard = None;
+    // Role processes load models while their node heartbeats; be generous on a busy laptop.
+    opts.dead_threshold = Duration::from_secs(10);
+    let head = head::start(
+        opts,
+        Arc::new(rlhf_runtime::clock::SystemClock),
+        shutdown.clone(),
+    )
+    .await?;
+    // The local worker offers at least the devices the job asks for: on CPU each role rank is
+    // a CPU slot, not a core, so a 2-core laptop still runs the 4-slot demo.
+    let resource = cfg.resource_pool.device.resource();
+    let (detected, _) = rlhf_runtime::resources::node_resources(&Resources::new());
+    let mut resources = Resources::new();
+    if resource == "CPU" {
+        resources = resources.with("CPU", detected.get("CPU").max(devices_needed(cfg)));
+    }
+    let wopts = WorkerOptions {
+        head_address: head.addr.to_string(),
+        resources,
+        node_ip: Some("127.0.0.1".into()),
+        port: 0,
+        state_dir: state_dir.join("worker"),
+        client: ClientOptions::new(token.clone()),
+        actor_exe: exe,
+        hostname: "local".into(),
+    };
+    let worker = tokio::spawn(worker::run(wopts, shutdown.clone()));
+    Ok(Embedded {
+        shutdown,
+        head,
+        worker,
+        state_dir,
+        token,
+    })
+}
+
+async fn wait_for_nodes(
+    c: &mut HeadServiceClient<net::AuthChannel>,
+    n: usize,
+    timeout: Duration,
+) -> Result<()> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let s = c
+            .cluster_status(pb::ClusterStatusRequest {})
+            .await
+            .map_err(Error::from)?
+            .into_inner();
+        let alive = s
+            .nodes
+            .iter()
+            .filter(|x| x.state == pb::NodeState::Alive as i32)
+            .count();
+        if alive >= n {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(Error::new(
+                rlhf_core::FailureKind::Timeout,
+                format!("the local worker did not register within {timeout:?}"),
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn print_summary(s: &JobSummary) {
+    if let Some(last) = s.history.last() {
+        let first = s.history.first().unwrap_or(last);
+        let show = |k: &str| {
+            if let (Some(a), Some(b)) = (first.get(k), last.get(k)) {
+                eprintln!("  {k:<24} {a:>10.4} -> {b:>10.4}");
+            }
+        };
+        eprintln!(
+            "done: {} step(s) this run, at step {} (first -> last):",
+            s.steps_run, s.global_step
+        );
+        for k in [
+            "objective/scores",
+            "objective/kl",
+            "loss/policy_avg",
+            "loss/value_avg",
+            "response_length/mean",
+        ] {
+            show(k);
+        }
+    }
+    eprintln!("metrics: {}", s.metrics_file.display());
+    if let Some(c) = &s.last_checkpoint {
+        eprintln!("checkpoint: {}", c.display());
+    }
+}
+
+pub(crate) async fn run(args: RunArgs) -> Result<()> {
+    let cfg = load_config(&args.config)?;
+    let shutdown = CancellationToken::new();
+    rlhf_runtime::cancel_on_signals(shutdown.clone());
+    let mut embedded = None;
+    let (head_client, client_opts) = match &args.conn.address {
+        Some(_) => {
+            let c = crate::client(&args.conn).await?;
+            let state_dir = args
+                .conn
+                .state_dir
+                .clone()
+                .unwrap_or_else(rlhf_runtime::default_state_dir);
+            let (token, _) = auth::resolve_token(
+                args.conn.token_file.as_deref(),
+                &auth::default_token_path(&state_dir),
+            )?;
+            let mut o = ClientOptions::new(token);
+            o.tls_ca = args.conn.tls_ca.clone();
+            (c, o)
+        }
+        None => {
+            let exe = worker_exe(args.worker_exe.as_deref())?;
+            let e = start_embedded(&cfg, exe).await?;
+            let o = ClientOptions::new(e.token.clone());
+            let ch = net::connect(&e.head.addr.to_string(), &o).await?;
+            let mut c =
+                HeadServiceClient::new(ch).max_decoding_message_size(rlhf_proto::MAX_MESSAGE_BYTES);
+            wait_for_nodes(&mut c, 1, Duration::from_secs(30)).await?;
+            eprintln!(
+                "embedded cluster: head {} + local worker (logs under {})",
+                e.head.addr,
+                e.state_dir.display()
+            );
+            embedded = Some(e);
+            (c, o)
+        }
+    };
+    let mut opts = DriverOptions::new(cfg, args.job_id.clone().unwrap_or_else(job_id), client_opts);
+    opts.resume = args.resume.clone();
+    opts.stop_after = args.stop_after;
+    opts.call_timeout = Duration::from_secs_f64(args.call_timeout.max(1.0));
+    opts.start_timeout = Duration::from_secs_f64(args.start_timeout.max(1.0));
+    opts.comm_backend = args.comm_backend.clone();
+    let ckpt_dir = PathBuf::from(&opts.config.checkpoint.dir);
+    let result = rlhf_driver::run(head_client, opts, shutdown.clone()).await;
+    if let Some(e) = embedded {
+        e.shutdown.cancel();
+        let _ = tokio::time::timeout(Duration::from_secs(15), e.worker).await;
+        e.head.wait().await;
+        if result.is_ok() {
+            let _ = std::fs::remove_dir_all(&e.state_dir);
+        }
+    }
+    match result {
+        Ok(s) => {
+            print_summary(&s);
+            Ok(())
+        }
+        Err(e) => {
+            let hint = if rlhf_driver::checkpoint::list(&ckpt_dir).is_empty() {
+                String::new()
+            } else {
+                format!(
+                    "\nthe last checkpoint is under {}; continue with the same command plus --resume latest",
+                    ckpt_dir.display()
+                )
+            };
+            Err(Error::new(e.kind(), format!("{e}{hint}")))
+        }
+    }
+}
+
+pub(crate) async fn check(args: CheckArgs) -> Result<()> {
+    let cfg = load_config(&args.config)?;
+    let nodes: Vec<(String, std::collections::BTreeMap<String, f64>)> = match &args.address {
+        Some(a) => {
+            let conn = Connect {
+                address: Some(a.clone()),
+                token_file: None,
+                tls_ca: None,
+                connect_timeout: 10.0,
+                state_dir: None,
+            };
+            let mut c = crate::client(&conn).await?;
+            let s = c
+                .cluster_status(pb::ClusterStatusRequest {})
+                .await
+                .map_err(Error::from)?
+                .into_inner();
+            s.nodes
+                .iter()
+                .filter(|n| n.state == pb::NodeState::Alive as i32)
+                .map(|n| {
+                    (
+                        n.hostname.clone(),
+                        n.available
+                            .clone()
+                            .unwrap_or_default()
+                            .amounts
+                            .into_iter()
+                            .collect(),
+                    )
+                })
+                .collect()
+        }
+        None => {
+            // No cluster named: check against one node that has exactly what the pool asks.
+            let r = cfg.resource_pool.device.resource().to_string();
+            vec![(
+                "(the pool as configured)".to_string(),
+                [(r, devices_needed(&cfg))].into_iter().collect(),
+            )]
+        }
+    };
+    print!("{}", cfg.check_report(&nodes));
+    Ok(())
 }
