@@ -1,6 +1,7 @@
 //! The actor process side: serves an ActorService on its own endpoint and tells its
 //! worker where through a ready file. The built-in "test" actor echoes, sleeps and
-//! crashes on demand; the PPO role actors plug in here as further kinds.
+//! crashes on demand; other actor kinds (the PPO roles in rlhf-roles) reuse
+//! [`bind_ready`] and [`actor_service`] and add their own service next to it.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -59,16 +60,16 @@ impl ActorService for TestActor {
     ) -> std::result::Result<Response<pb::PutBatchResponse>, Status> {
         let mut stream = req.into_inner();
         let mut asm = rlhf_core::batch::Assembler::new(MAX_BATCH_BYTES);
-        let mut bytes = 0u64;
         while let Some(chunk) = stream.message().await? {
-            bytes += chunk.data.len() as u64;
             asm.push(chunk)?;
         }
-        let batch = asm.finish()?;
+        let bytes = asm.received_bytes();
+        // The checksum is computed while the chunks arrive, not in a second pass.
+        let (batch, checksum) = asm.finish_with_checksum()?;
         Ok(Response::new(pb::PutBatchResponse {
             rows: batch.len()? as u64,
             bytes,
-            checksum: rlhf_core::batch::checksum(&batch),
+            checksum,
         }))
     }
 
@@ -90,6 +91,43 @@ impl ActorService for TestActor {
     }
 }
 
+/// Binds `host` on a free port and announces the address in `ready_file` (write then rename,
+/// so the worker never reads half an address). Shared by every actor kind.
+pub async fn bind_ready(
+    host: &str,
+    ready_file: &std::path::Path,
+) -> Result<(tokio::net::TcpListener, std::net::SocketAddr)> {
+    let listener = net::bind(host, 0, "--host").await?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| Error::io("actor address", e))?;
+    let tmp = ready_file.with_extension("tmp");
+    std::fs::write(&tmp, addr.to_string())
+        .map_err(|e| Error::io(format!("writing {}", tmp.display()), e))?;
+    std::fs::rename(&tmp, ready_file)
+        .map_err(|e| Error::io(format!("writing {}", ready_file.display()), e))?;
+    Ok((listener, addr))
+}
+
+/// The ActorService (Ping, Sleep, PutBatch, Crash) every actor process serves, with the
+/// token check and message limits, ready to add to a server next to other services.
+pub fn actor_service(
+    actor_id: &str,
+    token: &str,
+) -> tonic::service::interceptor::InterceptedService<
+    ActorServiceServer<impl ActorService>,
+    CheckToken,
+> {
+    tonic::service::interceptor::InterceptedService::new(
+        ActorServiceServer::new(TestActor {
+            actor_id: actor_id.to_string(),
+        })
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES),
+        CheckToken::new(token, "actor"),
+    )
+}
+
 /// Serves until `shutdown`. The address is written to the ready file atomically (write then rename).
 pub async fn run(opts: ActorOptions, shutdown: CancellationToken) -> Result<()> {
     if !ACTOR_KINDS.contains(&opts.kind.as_str()) {
@@ -99,24 +137,9 @@ pub async fn run(opts: ActorOptions, shutdown: CancellationToken) -> Result<()> 
             ACTOR_KINDS.join(", ")
         )));
     }
-    let listener = net::bind(&opts.host, 0, "--host").await?;
-    let addr = listener
-        .local_addr()
-        .map_err(|e| Error::io("actor address", e))?;
-    let tmp = opts.ready_file.with_extension("tmp");
-    std::fs::write(&tmp, addr.to_string())
-        .map_err(|e| Error::io(format!("writing {}", tmp.display()), e))?;
-    std::fs::rename(&tmp, &opts.ready_file)
-        .map_err(|e| Error::io(format!("writing {}", opts.ready_file.display()), e))?;
+    let (listener, addr) = bind_ready(&opts.host, &opts.ready_file).await?;
     eprintln!("actor {} ({}) serving on {addr}", opts.actor_id, opts.kind);
-    let svc = tonic::service::interceptor::InterceptedService::new(
-        ActorServiceServer::new(TestActor {
-            actor_id: opts.actor_id.clone(),
-        })
-        .max_decoding_message_size(MAX_MESSAGE_BYTES)
-        .max_encoding_message_size(MAX_MESSAGE_BYTES),
-        CheckToken::new(&opts.token, "actor"),
-    );
+    let svc = actor_service(&opts.actor_id, &opts.token);
     net::server_builder()
         .add_service(svc)
         .serve_with_incoming_shutdown(

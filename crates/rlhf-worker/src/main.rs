@@ -55,7 +55,8 @@ enum Cmd {
         #[arg(long, env = "RLHF_STATE_DIR")]
         state_dir: Option<PathBuf>,
     },
-    /// Internal: run one actor process (started by the worker).
+    /// Internal: run one actor process (started by the worker). Kinds: `test`, and the PPO
+    /// roles `actor_rollout`, `ref`, `critic`, `reward`.
     #[command(hide = true)]
     Actor {
         #[arg(long)]
@@ -153,17 +154,25 @@ async fn run(cli: Cli) -> Result<()> {
                     auth::TOKEN_ENV
                 ))
             })?;
-            actor::run(
-                ActorOptions {
-                    actor_id,
-                    kind,
-                    ready_file,
-                    host,
-                    token,
-                },
-                shutdown,
-            )
-            .await
+            let opts = ActorOptions {
+                actor_id,
+                kind,
+                ready_file,
+                host,
+                token,
+            };
+            if rlhf_roles::ROLE_KINDS.contains(&opts.kind.as_str()) {
+                rlhf_roles::run(opts, shutdown).await
+            } else if actor::ACTOR_KINDS.contains(&opts.kind.as_str()) {
+                actor::run(opts, shutdown).await
+            } else {
+                Err(rlhf_core::Error::invalid(format!(
+                    "unknown actor kind '{}'; known kinds: {}, {}",
+                    opts.kind,
+                    actor::ACTOR_KINDS.join(", "),
+                    rlhf_roles::ROLE_KINDS.join(", ")
+                )))
+            }
         }
     }
 }
