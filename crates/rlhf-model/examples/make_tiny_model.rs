@@ -14,7 +14,8 @@
 //! data/prompts_tiny.jsonl), `--steps N` (SFT steps), `--seed N`, `--eval-only` (measure the
 //! digit rate of an existing directory), `--check-learnable` (after building or with
 //! `--eval-only`: a short REINFORCE run on the digit reward that prints the rate per step; the
-//! model directory is not changed), `--rl-lr X`, `--rl-steps N`.
+//! model directory is not changed), `--rl-lr X`, `--rl-steps N`, `--rl-prompts N`,
+//! `--rl-samples N`, `--rl-updates N` (optimizer steps per sampled batch).
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -55,6 +56,9 @@ struct Args {
     check_learnable: bool,
     rl_lr: f64,
     rl_steps: usize,
+    rl_prompts: usize,
+    rl_samples: usize,
+    rl_updates: usize,
 }
 
 fn repo_path(rel: &str) -> PathBuf {
@@ -74,6 +78,9 @@ fn parse_args() -> AnyResult<Args> {
         check_learnable: false,
         rl_lr: 1e-3,
         rl_steps: 30,
+        rl_prompts: 16,
+        rl_samples: 4,
+        rl_updates: 1,
     };
     let mut out = None;
     let mut it = std::env::args().skip(1);
@@ -89,6 +96,9 @@ fn parse_args() -> AnyResult<Args> {
             "--seed" => a.seed = value("--seed")?.parse()?,
             "--rl-lr" => a.rl_lr = value("--rl-lr")?.parse()?,
             "--rl-steps" => a.rl_steps = value("--rl-steps")?.parse()?,
+            "--rl-prompts" => a.rl_prompts = value("--rl-prompts")?.parse()?,
+            "--rl-samples" => a.rl_samples = value("--rl-samples")?.parse()?,
+            "--rl-updates" => a.rl_updates = value("--rl-updates")?.parse()?,
             "--eval-only" => a.eval_only = true,
             "--check-learnable" => a.check_learnable = true,
             s if s.starts_with("--") => return Err(format!("unknown option {s}").into()),
@@ -96,6 +106,13 @@ fn parse_args() -> AnyResult<Args> {
         }
     }
     a.out = out.ok_or("usage: make_tiny_model OUT_DIR [options]; e.g. models/tiny")?;
+    if a.rl_samples < 2 || a.rl_prompts == 0 || a.rl_updates == 0 {
+        return Err(
+            "--rl-samples must be >= 2 (the baseline needs a second sample), \
+                    --rl-prompts and --rl-updates >= 1"
+                .into(),
+        );
+    }
     Ok(a)
 }
 
@@ -346,7 +363,9 @@ fn digit_rate(
 }
 
 /// REINFORCE with a per-prompt leave-one-out baseline on the digit reward; prints the digit
-/// rate per step and returns (before, after) rates over all prompts x 4 samples.
+/// rate per step and returns (before, after) rates over all prompts x 4 samples. With
+/// `--rl-updates k` each batch takes k optimizer steps (as PPO's epochs x mini-batches do,
+/// without the ratio clip).
 fn check_learnable(
     dir: &Path,
     tok: &Tokenizer,
@@ -367,13 +386,13 @@ fn check_learnable(
     let eval_seed = 7;
     let (before, _) = digit_rate(&policy, tok, prompts, eos, eval_seed, 4)?;
     println!(
-        "REINFORCE: lr {}, {} steps, 16 prompts x 4 samples per step",
-        args.rl_lr, args.rl_steps
+        "REINFORCE: lr {}, {} steps, {} prompts x {} samples and {} update(s) per step",
+        args.rl_lr, args.rl_steps, args.rl_prompts, args.rl_samples, args.rl_updates
     );
     let mut rng = rand::rngs::StdRng::seed_from_u64(args.seed + 1);
-    let samples = 4;
+    let samples = args.rl_samples;
     for step in 0..args.rl_steps {
-        let picked: Vec<Vec<u32>> = (0..16)
+        let picked: Vec<Vec<u32>> = (0..args.rl_prompts)
             .map(|_| prompts[rng.random_range(0..prompts.len())].clone())
             .collect();
         let out = generate(
@@ -408,7 +427,6 @@ fn check_learnable(
             .collect();
         let t = seqs.iter().map(Vec::len).max().unwrap_or(0);
         let batch = Batch::left_padded(&seqs, eos, &Device::Cpu)?;
-        let lp = actor.token_log_probs(&batch, 1.0)?;
         let mut w = vec![0f32; seqs.len() * (t - 1)];
         for (r, s) in out.sequences.iter().enumerate() {
             let offset = t - seqs[r].len();
@@ -417,10 +435,13 @@ fn check_learnable(
             }
         }
         let w = Tensor::from_vec(w, (seqs.len(), t - 1), &Device::Cpu)?;
-        let loss = (lp * w)?.sum_all()?.neg()?;
-        let mut grads = Gradients::backward(&loss, &vars)?;
-        grads.clip_global_norm(1.0)?;
-        opt.step(&grads)?;
+        for _ in 0..args.rl_updates {
+            let lp = actor.token_log_probs(&batch, 1.0)?;
+            let loss = (lp * &w)?.sum_all()?.neg()?;
+            let mut grads = Gradients::backward(&loss, &vars)?;
+            grads.clip_global_norm(1.0)?;
+            opt.step(&grads)?;
+        }
         policy.set_weights(&actor.named_tensors())?;
         println!("rl step {:>2}: batch digit rate {rate:.3}", step + 1);
     }

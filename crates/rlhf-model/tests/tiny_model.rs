@@ -135,3 +135,20 @@ fn samples_are_text_with_digits_only_sometimes() {
     assert!(wordy >= 128, "only {wordy}/256 samples look like words");
     assert!(stopped >= 128, "only {stopped}/256 samples ended with EOS");
 }
+
+#[test]
+fn critic_and_reference_load_from_the_same_directory() {
+    // ppo_tiny builds the reference and the critic (fresh value head) from models/tiny too.
+    let tok = Tokenizer::from_dir(tiny()).unwrap();
+    let ids = tok.encode("2+3= five", true).unwrap();
+    let batch =
+        rlhf_model::Batch::left_padded(std::slice::from_ref(&ids), 0, &rlhf_model::Device::Cpu)
+            .unwrap();
+    let critic = Model::load(tiny(), &LoadOptions::training(rlhf_model::ModelKind::Value)).unwrap();
+    assert_eq!(critic.values(&batch).unwrap().dims(), &[1, ids.len()]);
+    let reference = Model::load(tiny(), &LoadOptions::inference()).unwrap();
+    let lp = reference.token_log_probs(&batch, 1.0).unwrap();
+    let lp: Vec<f32> = lp.flatten_all().unwrap().to_vec1().unwrap();
+    assert_eq!(lp.len(), ids.len() - 1);
+    assert!(lp.iter().all(|x| x.is_finite() && *x <= 0.0), "{lp:?}");
+}
