@@ -1,0 +1,286 @@
+//! The PPO job over real processes: `rlhf-head run` with the four roles as separate role
+//! actor processes, on a head + 2 workers and on the embedded default; resume continuity;
+//! config errors; a role killed mid-run, then resume.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use nix::sys::signal::Signal;
+use rlhf_e2e::{bin, wait_for, Cluster, Proc};
+use serde_json::Value;
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// `rlhf-head run --config-name ppo_tiny` with outputs under `out` and extra overrides.
+fn run_cmd(out: &Path, extra: &[&str]) -> Command {
+    let mut cmd = Command::new(bin("rlhf-head"));
+    cmd.current_dir(repo())
+        .args(["run", "--config-name", "ppo_tiny"])
+        .arg(format!("checkpoint.dir={}", out.join("ckpt").display()))
+        .arg(format!(
+            "logging.metrics_file={}",
+            out.join("metrics.jsonl").display()
+        ))
+        .arg(format!(
+            "logging.samples_file={}",
+            out.join("samples.jsonl").display()
+        ))
+        .arg("logging.sample_every=1")
+        .args(extra)
+        .env_remove("RLHF_TOKEN")
+        .env("RUST_LOG", "warn");
+    cmd
+}
+
+fn metrics(path: &Path) -> Result<Vec<Value>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    text.lines().map(|l| Ok(serde_json::from_str(l)?)).collect()
+}
+
+fn wait_success(p: &mut Proc, timeout: Duration) -> Result<()> {
+    let st = p.wait_exit(timeout)?;
+    if !st.success() {
+        bail!("{} failed ({st}):\n{}", p.name, p.output());
+    }
+    Ok(())
+}
+
+#[test]
+fn three_steps_on_a_head_and_two_workers() -> Result<()> {
+    let mut c = Cluster::start(&[])?;
+    c.add_worker(r#"{"CPU": 2}"#)?;
+    c.add_worker(r#"{"CPU": 2}"#)?;
+    c.wait_alive_nodes(2, Duration::from_secs(30))?;
+    let out = c.dir.path().join("job");
+    let mut cmd = run_cmd(&out, &["training.train_iters=3", "checkpoint.save_steps=3"]);
+    cmd.args(["--address", &c.address()])
+        .arg("--token-file")
+        .arg(c.token_file());
+    let mut p = Proc::spawn("run", c.dir.path(), &mut cmd)?;
+    wait_success(&mut p, Duration::from_secs(900))?;
+
+    // Every role ran as its own process, placed by the head on the two workers.
+    let status = c.status()?;
+    let actors = status["actors"].as_array().context("actors")?;
+    let mut kinds: Vec<String> = actors
+        .iter()
+        .map(|a| {
+            a["kind"]
+                .as_str()
+                .or(a["role"].as_str())
+                .unwrap_or("")
+                .to_string()
+        })
+        .collect();
+    kinds.sort();
+    for k in ["actor_rollout", "critic", "ref", "reward"] {
+        assert!(kinds.iter().any(|x| x == k), "no {k} actor in {kinds:?}");
+    }
+    let pids: std::collections::BTreeSet<i64> =
+        actors.iter().filter_map(|a| a["pid"].as_i64()).collect();
+    assert!(pids.len() >= 5, "role processes {pids:?}");
+    let nodes: std::collections::BTreeSet<&str> = actors
+        .iter()
+        .filter_map(|a| a["node_id"].as_str())
+        .collect();
+    assert_eq!(nodes.len(), 2, "roles should use both workers: {nodes:?}");
+
+    let m = metrics(&out.join("metrics.jsonl"))?;
+    assert_eq!(m.len(), 3, "one metrics line per step");
+    for (i, line) in m.iter().enumerate() {
+        assert_eq!(line["step"].as_u64(), Some(i as u64 + 1));
+        for k in [
+            "objective/scores",
+            "objective/kl",
+            "loss/policy_avg",
+            "loss/value_avg",
+            "policy/approxkl_avg",
+            "timing_s/gen",
+            "timing_s/update_actor",
+            "timing_s/sync_weights",
+            "perf/throughput",
+        ] {
+            assert!(
+                line[k].as_f64().is_some_and(f64::is_finite),
+                "step {}: {k} in {line}",
+                i + 1
+            );
+        }
+    }
+    let ck = out.join("ckpt/global_step_3");
+    for f in [
+        "trainer_state.json",
+        "actor/config.json",
+        "actor/model.safetensors",
+        "actor/optimizer.safetensors",
+        "actor/tokenizer.json",
+        "critic/model.safetensors",
+    ] {
+        assert!(ck.join(f).is_file(), "missing {f} in {}", ck.display());
+    }
+    let samples = std::fs::read_to_string(out.join("samples.jsonl"))?;
+    assert!(samples.lines().count() >= 3, "{samples}");
+    assert!(p.output().contains("samples at step"), "{}", p.output());
+    Ok(())
+}
+
+/// Steps to compare between runs: everything but wall-clock numbers.
+fn comparable(m: &Value) -> Vec<(String, f64)> {
+    m.as_object()
+        .into_iter()
+        .flatten()
+        .filter(|(k, _)| !k.starts_with("timing_s/") && !k.starts_with("perf/throughput"))
+        .filter_map(|(k, v)| v.as_f64().map(|x| (k.clone(), x)))
+        .collect()
+}
+
+#[test]
+fn resume_gives_the_same_metrics_as_a_straight_run() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let common = ["training.train_iters=4", "checkpoint.save_steps=2"];
+    let a = dir.path().join("straight");
+    let mut p = Proc::spawn("straight", dir.path(), &mut run_cmd(&a, &common))?;
+    wait_success(&mut p, Duration::from_secs(900))?;
+
+    let b = dir.path().join("resumed");
+    let mut cmd = run_cmd(&b, &common);
+    cmd.args(["--stop-after", "2"]);
+    let mut p = Proc::spawn("first-half", dir.path(), &mut cmd)?;
+    wait_success(&mut p, Duration::from_secs(900))?;
+    assert_eq!(metrics(&b.join("metrics.jsonl"))?.len(), 2);
+    let mut cmd = run_cmd(&b, &common);
+    cmd.args(["--resume", "latest"]);
+    let mut p = Proc::spawn("second-half", dir.path(), &mut cmd)?;
+    wait_success(&mut p, Duration::from_secs(900))?;
+
+    let (ma, mb) = (
+        metrics(&a.join("metrics.jsonl"))?,
+        metrics(&b.join("metrics.jsonl"))?,
+    );
+    assert_eq!(mb.len(), 4);
+    for (x, y) in ma.iter().zip(&mb) {
+        let (cx, cy) = (comparable(x), comparable(y));
+        assert_eq!(
+            cx.iter().map(|(k, _)| k).collect::<Vec<_>>(),
+            cy.iter().map(|(k, _)| k).collect::<Vec<_>>()
+        );
+        for ((k, u), (_, v)) in cx.iter().zip(&cy) {
+            let tol = 1e-4 * (1.0 + u.abs());
+            assert!(
+                (u - v).abs() <= tol,
+                "step {}: {k} straight {u} vs resumed {v}",
+                x["step"]
+            );
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn config_errors_are_one_clear_line() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let cases: [(&[&str], &[&str]); 3] = [
+        (
+            &["actor_rollout.ppo_epoch=2"],
+            &["actor_rollout.ppo_epoch", "ppo_epochs"],
+        ),
+        (
+            &["actor_rollout.ppo_mini_batch_size=5"],
+            &["ppo_mini_batch_size", "5"],
+        ),
+        (&["bogus.key=1"], &["bogus"]),
+    ];
+    for (args, needles) in cases {
+        let out = run_cmd(dir.path(), args).output()?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} should fail");
+        for n in needles {
+            assert!(err.contains(n), "{args:?}: '{n}' not in:\n{err}");
+        }
+        assert!(!err.contains("panicked"), "{err}");
+    }
+    // Too few devices: a cluster with 2 CPU slots for a job that needs 4.
+    let mut c = Cluster::start(&[])?;
+    c.add_worker(r#"{"CPU": 2}"#)?;
+    c.wait_alive_nodes(1, Duration::from_secs(30))?;
+    let out = run_cmd(dir.path(), &[])
+        .args(["--address", &c.address(), "--start-timeout", "2"])
+        .arg("--token-file")
+        .arg(c.token_file())
+        .output()?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("CPU") && err.contains("resource_pool"),
+        "{err}"
+    );
+    Ok(())
+}
+
+/// Role processes are children of the embedded worker, i.e. of the `run` process itself.
+fn child_with(parent: i32, needle: &str) -> Option<i32> {
+    for e in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+            .and_then(|s| s.parse::<i32>().ok());
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
+        if ppid == Some(parent) && cmdline.contains(needle) {
+            return Some(pid);
+        }
+    }
+    None
+}
+
+#[test]
+fn a_killed_role_stops_the_job_clearly_and_resume_finishes_it() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let out = dir.path().join("job");
+    // Enough steps that the kill lands mid-run even on a loaded machine (~0.5 s a step).
+    let common = ["training.train_iters=12", "checkpoint.save_steps=1"];
+    let mut p = Proc::spawn("run", dir.path(), &mut run_cmd(&out, &common))?;
+    let metrics_file = out.join("metrics.jsonl");
+    wait_for(Duration::from_secs(600), "two steps", || {
+        if let Some(st) = p.child.try_wait()? {
+            bail!("run ended early ({st}): {}", p.output());
+        }
+        Ok(metrics(&metrics_file)
+            .map(|m| m.len() >= 2)
+            .unwrap_or(false)
+            .then_some(()))
+    })?;
+    let critic = child_with(p.pid(), "--kind critic").context("critic process")?;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(critic), Signal::SIGKILL)?;
+    let st = p.wait_exit(Duration::from_secs(120))?;
+    let text = p.output();
+    assert!(!st.success(), "the run must fail when a role dies:\n{text}");
+    let err = text
+        .lines()
+        .filter(|l| !l.starts_with("step "))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let done = metrics(&metrics_file)?.len();
+    assert!(done < 12, "the run finished before the kill landed");
+    assert!(err.contains("role critic rank 0 died"), "{err}");
+    assert!(err.contains("signal 9"), "{err}");
+    assert!(err.contains("--resume latest"), "{err}");
+
+    let mut cmd = run_cmd(&out, &common);
+    cmd.args(["--resume", "latest"]);
+    let mut p = Proc::spawn("resume", dir.path(), &mut cmd)?;
+    wait_success(&mut p, Duration::from_secs(900))?;
+    let m = metrics(&metrics_file)?;
+    let steps: Vec<u64> = m.iter().filter_map(|l| l["step"].as_u64()).collect();
+    assert_eq!(steps, (1..=12).collect::<Vec<u64>>(), "{steps:?}");
+    Ok(())
+}
