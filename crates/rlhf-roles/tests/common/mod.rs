@@ -103,15 +103,16 @@ pub fn actor_batch(seqs: &DataBatch, log_probs: &[f32], seed: u64) -> DataBatch 
         .iter()
         .map(|&x| x + (rng.unit() - 0.5) * 0.3)
         .collect();
-    let adv: Vec<f32> = (0..b * R).map(|_| (rng.unit() - 0.5) * 2.0).collect();
+    let w = log_probs.len() / b;
+    let adv: Vec<f32> = (0..b * w).map(|_| (rng.unit() - 0.5) * 2.0).collect();
     let mut out = seqs.clone();
     out.tensors.insert(
         "old_log_probs".into(),
-        TensorData::from_f32(vec![b, R], &old).unwrap(),
+        TensorData::from_f32(vec![b, w], &old).unwrap(),
     );
     out.tensors.insert(
         "advantages".into(),
-        TensorData::from_f32(vec![b, R], &adv).unwrap(),
+        TensorData::from_f32(vec![b, w], &adv).unwrap(),
     );
     out.meta.insert("step".into(), serde_json::json!(1));
     out
