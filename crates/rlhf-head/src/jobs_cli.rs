@@ -223,11 +223,13 @@ pub(crate) async fn job(cmd: JobCmd) -> Result<()> {
                     .and_then(|_| out.flush())
                     .map_err(|e| Error::io("writing the log to stdout", e))?;
                 offset = r.next_offset;
-                if !follow || r.finished {
-                    if follow {
-                        let j = get(&mut c, &job_id).await?;
-                        eprintln!("job {} {}", j.job_id, ended_text(&j));
-                    }
+                if r.finished && follow {
+                    let j = get(&mut c, &job_id).await?;
+                    eprintln!("job {} {}", j.job_id, ended_text(&j));
+                    return Ok(());
+                }
+                // Without -f: everything written so far, in as many chunks as it takes.
+                if r.finished || (!follow && !got) {
                     return Ok(());
                 }
                 if !got {

@@ -100,6 +100,9 @@ pub fn job_json(j: &pb::JobInfo) -> serde_json::Value {
     })
 }
 
+/// Jobs shown by the text status (the newest).
+const STATUS_JOBS: usize = 10;
+
 fn job_state(v: i32) -> &'static str {
     crate::head::jobs::state_name(v)
 }
@@ -241,7 +244,12 @@ pub fn to_text(s: &pb::ClusterStatusResponse) -> String {
     if s.jobs.is_empty() {
         let _ = writeln!(o, " (none)");
     }
-    for j in &s.jobs {
+    // Jobs accumulate over the head's life; the newest few are what status is for.
+    let older = s.jobs.len().saturating_sub(STATUS_JOBS);
+    if older > 0 {
+        let _ = writeln!(o, " ... {older} older (rlhf-head job list)");
+    }
+    for j in &s.jobs[older..] {
         let _ = write!(
             o,
             " {} {} {} submitted {} UTC",
@@ -284,6 +292,21 @@ mod tests {
         );
         let j = to_json(&s);
         assert_eq!(j["jobs"][0]["state"], "FAILED");
+        let many = pb::ClusterStatusResponse {
+            jobs: (0..12)
+                .map(|i| pb::JobInfo {
+                    job_id: format!("job-{i:02}"),
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        };
+        let t = to_text(&many);
+        assert!(t.contains(" ... 2 older (rlhf-head job list)"), "{t}");
+        assert!(
+            !t.contains("job-01 ") && t.contains("job-02 ") && t.contains("job-11 "),
+            "{t}"
+        );
         assert_eq!(j["jobs"][0]["exit_code"], 3);
         assert_eq!(j["jobs"][0]["start_ms"], 0);
     }

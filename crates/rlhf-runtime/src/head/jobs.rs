@@ -408,6 +408,10 @@ impl Jobs {
                     r.start_ms = now;
                 })?;
                 tracing::info!(job = %id, pid, "driver started");
+                // A stop that came while the driver was being started.
+                if !rec.stop_reason.is_empty() {
+                    signal_group(pid, Signal::SIGTERM);
+                }
                 self.reap(id, child);
                 Ok(rec)
             }
