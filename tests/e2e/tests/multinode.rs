@@ -412,6 +412,66 @@ fn scenario(tag: &str, hosts: Hosts) -> Result<()> {
     }
     assert_eq!(s["resources"]["total"]["GPU"], 7.0, "{s}");
 
+    // A PPO job across the hosts: the driver on the head's host, the four roles placed by the
+    // head on the worker hosts, batches and weights crossing between them.
+    let head_json: Value =
+        serde_json::from_str(&std::fs::read_to_string(state.join("head/head.json"))?)?;
+    let head_addr = head_json["address"]
+        .as_str()
+        .context("head address")?
+        .to_string();
+    let job = dir.path().join("job");
+    let ppo_started = Instant::now();
+    run_ok(
+        hosts
+            .on_host(0, &head_bin)
+            .current_dir(repo_root())
+            .args(["run", "--address", &head_addr, "--config-name", "ppo_tiny"])
+            .args(["training.train_iters=2", "checkpoint.save_steps=0"])
+            .arg(format!("checkpoint.dir={}", job.join("ckpt").display()))
+            .arg(format!(
+                "logging.metrics_file={}",
+                job.join("metrics.jsonl").display()
+            ))
+            .arg(format!(
+                "logging.samples_file={}",
+                job.join("samples.jsonl").display()
+            ))
+            .arg("--token-file")
+            .arg(state.join("head/token"))
+            .env_remove("RLHF_TOKEN"),
+        "rlhf-head run across hosts",
+    )?;
+    let lines = std::fs::read_to_string(job.join("metrics.jsonl"))?;
+    assert_eq!(lines.lines().count(), 2, "{lines}");
+    let s = status()?;
+    let actors: Vec<&Value> = s["actors"]
+        .as_array()
+        .context("actors")?
+        .iter()
+        .filter(|a| !a["role"].as_str().unwrap_or_default().is_empty())
+        .collect();
+    assert!(actors.len() >= 4, "{s}");
+    let mut role_hosts = BTreeMap::new();
+    for a in &actors {
+        let host = a["address"]
+            .as_str()
+            .unwrap_or_default()
+            .rsplit_once(':')
+            .map(|x| x.0.to_string());
+        let host = host.unwrap_or_default();
+        assert!(
+            hosts.addrs[1..].contains(&host),
+            "role {} ran on {host}, not on a worker host: {a}",
+            a["role"]
+        );
+        role_hosts.insert(a["role"].as_str().unwrap_or_default().to_string(), host);
+    }
+    println!(
+        "multinode {tag}: PPO job of 2 steps in {:?}, roles on {role_hosts:?}",
+        ppo_started.elapsed()
+    );
+
     // A worker host goes away: everything started for it is killed.
     let victim = 2;
     let killed_pids = hosts.kill_host(victim, &state)?;
