@@ -5,6 +5,9 @@
 //! few MiB by default, and whole batches are often hundreds of MiB).
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use bytes::{Bytes, BytesMut};
 
 use rlhf_proto::v1 as pb;
 use serde::{Deserialize, Serialize};
@@ -35,12 +38,91 @@ impl DType {
     }
 }
 
+/// A tensor's bytes, shared copy-on-write. Cloning a batch or streaming it hands out
+/// references instead of copying hundreds of MiB; writing through it (it derefs to a
+/// `Vec<u8>`) copies only while another reference is alive.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct TensorBytes(Arc<Vec<u8>>);
+
+impl TensorBytes {
+    /// The bytes as an owned vector, without a copy when this is the only reference.
+    pub fn into_vec(self) -> Vec<u8> {
+        Arc::try_unwrap(self.0).unwrap_or_else(|shared| (*shared).clone())
+    }
+
+    /// A zero-copy `Bytes` view that keeps the buffer alive (for stream chunks).
+    pub fn to_bytes(&self) -> Bytes {
+        Bytes::from_owner(SharedVec(Arc::clone(&self.0)))
+    }
+}
+
+struct SharedVec(Arc<Vec<u8>>);
+
+impl AsRef<[u8]> for SharedVec {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl std::ops::Deref for TensorBytes {
+    type Target = Vec<u8>;
+    fn deref(&self) -> &Vec<u8> {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for TensorBytes {
+    fn deref_mut(&mut self) -> &mut Vec<u8> {
+        Arc::make_mut(&mut self.0)
+    }
+}
+
+impl From<Vec<u8>> for TensorBytes {
+    fn from(v: Vec<u8>) -> Self {
+        Self(Arc::new(v))
+    }
+}
+
+impl From<TensorBytes> for Vec<u8> {
+    fn from(b: TensorBytes) -> Self {
+        b.into_vec()
+    }
+}
+
+impl PartialEq<[u8]> for TensorBytes {
+    fn eq(&self, other: &[u8]) -> bool {
+        self.0.as_slice() == other
+    }
+}
+
+impl PartialEq<Vec<u8>> for TensorBytes {
+    fn eq(&self, other: &Vec<u8>) -> bool {
+        *self.0 == *other
+    }
+}
+
+impl std::fmt::Debug for TensorBytes {
+    // Batches are often hundreds of MiB: print small tensors whole, big ones by length.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.0.len() <= 64 {
+            f.debug_tuple("TensorBytes").field(&self.0).finish()
+        } else {
+            write!(
+                f,
+                "TensorBytes({} bytes, starting {:?}..)",
+                self.0.len(),
+                &self.0[..16]
+            )
+        }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub struct TensorData {
     pub dtype: DType,
     pub shape: Vec<usize>,
     /// Little-endian, row-major.
-    pub data: Vec<u8>,
+    pub data: TensorBytes,
 }
 
 impl TensorData {
@@ -52,7 +134,11 @@ impl TensorData {
                 data.len()
             )));
         }
-        Ok(Self { dtype, shape, data })
+        Ok(Self {
+            dtype,
+            shape,
+            data: data.into(),
+        })
     }
 
     pub fn from_f32(shape: Vec<usize>, values: &[f32]) -> Result<Self> {
@@ -116,7 +202,7 @@ impl TensorData {
         TensorData {
             dtype: self.dtype,
             shape,
-            data: self.data[start * rb..end * rb].to_vec(),
+            data: self.data[start * rb..end * rb].to_vec().into(),
         }
     }
 
@@ -133,7 +219,7 @@ impl TensorData {
         TensorData {
             dtype: self.dtype,
             shape,
-            data,
+            data: data.into(),
         }
     }
 }
@@ -251,7 +337,7 @@ impl DataBatch {
                 TensorData {
                     dtype: t0.dtype,
                     shape,
-                    data,
+                    data: data.into(),
                 },
             );
         }
@@ -330,6 +416,8 @@ impl DataBatch {
 
 const MAGIC: &[u8; 4] = b"RLHB";
 const FORMAT_VERSION: u32 = 1;
+/// Magic, version and header length.
+const PREFIX: usize = 16;
 
 #[derive(Serialize, Deserialize)]
 struct Header {
@@ -346,9 +434,8 @@ struct TensorHeader {
     len: usize,
 }
 
-/// Encoding: "RLHB", u32 version, u64 header length, JSON header, then each tensor's bytes
-/// in header order. All integers little-endian.
-pub fn encode(b: &DataBatch) -> Result<Vec<u8>> {
+/// The prefix and JSON header: everything of the encoding but the tensor bytes.
+fn encode_header(b: &DataBatch) -> Result<Vec<u8>> {
     b.len()?;
     let header = Header {
         tensors: b
@@ -366,16 +453,82 @@ pub fn encode(b: &DataBatch) -> Result<Vec<u8>> {
     };
     let h = serde_json::to_vec(&header)
         .map_err(|e| Error::internal(format!("encoding batch header: {e}")))?;
-    let total: usize = 16 + h.len() + b.tensors.values().map(|t| t.data.len()).sum::<usize>();
-    let mut out = Vec::with_capacity(total);
+    let mut out = Vec::with_capacity(PREFIX + h.len());
     out.extend_from_slice(MAGIC);
     out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
     out.extend_from_slice(&(h.len() as u64).to_le_bytes());
     out.extend_from_slice(&h);
+    Ok(out)
+}
+
+/// Encoding: "RLHB", u32 version, u64 header length, JSON header, then each tensor's bytes
+/// in header order (name order). All integers little-endian.
+pub fn encode(b: &DataBatch) -> Result<Vec<u8>> {
+    let mut out = encode_header(b)?;
+    out.reserve_exact(b.tensors.values().map(|t| t.data.len()).sum());
     for t in b.tensors.values() {
         out.extend_from_slice(&t.data);
     }
     Ok(out)
+}
+
+/// Encodes straight into stream chunks of `chunk_bytes` (the last one shorter). A chunk
+/// that lies inside one tensor is a zero-copy view of that tensor's storage; only chunks
+/// that straddle the header or a tensor boundary are copied. Same bytes as
+/// `to_chunks(encode(b)?, chunk_bytes)`, without the two whole-batch copies.
+pub fn encode_chunks(b: &DataBatch, chunk_bytes: usize) -> Result<Vec<pb::BatchChunk>> {
+    let head = Bytes::from(encode_header(b)?);
+    let total = head.len() as u64 + b.tensors.values().map(|t| t.data.len() as u64).sum::<u64>();
+    let segments = std::iter::once(head).chain(b.tensors.values().map(|t| t.data.to_bytes()));
+    Ok(chunk_segments(segments, total, chunk_bytes))
+}
+
+/// Cuts the concatenation of `segments` (`total` bytes) into chunks of `chunk_bytes`.
+fn chunk_segments(
+    segments: impl Iterator<Item = Bytes>,
+    total: u64,
+    chunk_bytes: usize,
+) -> Vec<pb::BatchChunk> {
+    let size = chunk_bytes.max(1);
+    let mut out = Vec::with_capacity(usize::try_from(total).unwrap_or(0).div_ceil(size).max(1));
+    let mut segments = segments.filter(|s| !s.is_empty());
+    let mut cur = Bytes::new();
+    loop {
+        if cur.is_empty() {
+            match segments.next() {
+                Some(s) => cur = s,
+                None => break,
+            }
+        }
+        let data = if cur.len() >= size {
+            cur.split_to(size)
+        } else {
+            // Straddles a boundary: gather the pieces into one buffer.
+            let mut buf = BytesMut::with_capacity(size);
+            buf.extend_from_slice(&cur);
+            cur = Bytes::new();
+            while buf.len() < size {
+                let Some(mut s) = segments.next() else { break };
+                let take = (size - buf.len()).min(s.len());
+                buf.extend_from_slice(&s.split_to(take));
+                cur = s;
+            }
+            buf.freeze()
+        };
+        out.push(pb::BatchChunk {
+            data,
+            total_bytes: total,
+            index: out.len() as u32,
+        });
+    }
+    if out.is_empty() {
+        out.push(pb::BatchChunk {
+            data: Bytes::new(),
+            total_bytes: 0,
+            index: 0,
+        });
+    }
+    out
 }
 
 fn corrupt(why: impl std::fmt::Display) -> Error {
@@ -383,94 +536,344 @@ fn corrupt(why: impl std::fmt::Display) -> Error {
 }
 
 pub fn decode(bytes: &[u8]) -> Result<DataBatch> {
-    if bytes.len() < 16 || &bytes[..4] != MAGIC {
-        return Err(corrupt("missing RLHB header"));
-    }
-    let version = u32::from_le_bytes(bytes[4..8].try_into().map_err(corrupt)?);
-    if version != FORMAT_VERSION {
-        return Err(corrupt(format!(
-            "format version {version}, this build reads {FORMAT_VERSION}"
-        )));
-    }
-    let hlen = u64::from_le_bytes(bytes[8..16].try_into().map_err(corrupt)?) as usize;
-    let hend = 16usize
-        .checked_add(hlen)
-        .filter(|&e| e <= bytes.len())
-        .ok_or_else(|| corrupt("header length past the end"))?;
-    let header: Header = serde_json::from_slice(&bytes[16..hend]).map_err(corrupt)?;
-    let mut pos = hend;
-    let mut out = DataBatch {
-        columns: header.columns,
-        meta: header.meta,
-        ..Default::default()
-    };
-    for t in header.tensors {
-        let end = pos
-            .checked_add(t.len)
-            .filter(|&e| e <= bytes.len())
-            .ok_or_else(|| corrupt(format!("tensor '{}' runs past the end", t.name)))?;
-        let td = TensorData::new(t.dtype, t.shape, bytes[pos..end].to_vec())
-            .map_err(|e| corrupt(format!("tensor '{}': {e}", t.name)))?;
-        out.tensors.insert(t.name, td);
-        pos = end;
-    }
-    if pos != bytes.len() {
-        return Err(corrupt(format!("{} trailing bytes", bytes.len() - pos)));
-    }
-    out.len()?;
-    Ok(out)
+    let mut d = Decoder::new(bytes.len());
+    d.feed(bytes)?;
+    d.finish().map(|(b, _)| b)
 }
 
-/// An FNV-1a-style 64-bit hash over every tensor's bytes in name order, eight bytes per
-/// step (a byte-wise loop would cost more than the transfer it checks).
-pub fn checksum(b: &DataBatch) -> u64 {
-    const PRIME: u64 = 0x0100_0000_01b3;
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for t in b.tensors.values() {
-        let words = t.data.chunks_exact(8);
-        let tail = words.remainder();
-        for w in words {
-            h ^= u64::from_le_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]);
-            h = h.wrapping_mul(PRIME);
+/// Decodes a batch from pieces as they arrive: the header is parsed as soon as it is
+/// complete, then every piece is copied once, straight into its tensor's final buffer,
+/// and hashed while it is still in cache.
+struct Decoder {
+    total: usize,
+    seen: usize,
+    head: Vec<u8>,
+    /// Prefix plus header length, once the prefix has arrived.
+    head_end: Option<usize>,
+    body: Option<Body>,
+    hasher: Hasher,
+}
+
+struct Body {
+    tensors: Vec<PendingTensor>,
+    columns: BTreeMap<String, Vec<serde_json::Value>>,
+    meta: BTreeMap<String, serde_json::Value>,
+    /// The tensor the next byte belongs to.
+    cur: usize,
+    /// Header order is name order, so the running hash equals `checksum` of the result.
+    sorted: bool,
+}
+
+struct PendingTensor {
+    name: String,
+    dtype: DType,
+    shape: Vec<usize>,
+    len: usize,
+    data: Vec<u8>,
+}
+
+/// Pieces are hashed this many bytes at a time, right after their copy, while in cache.
+const HASH_STEP: usize = 64 << 10;
+
+impl Decoder {
+    fn new(total: usize) -> Self {
+        Self {
+            total,
+            seen: 0,
+            head: Vec::new(),
+            head_end: None,
+            body: None,
+            hasher: Hasher::new(),
         }
-        for &x in tail {
-            h ^= u64::from(x);
-            h = h.wrapping_mul(PRIME);
-        }
-        h ^= t.data.len() as u64;
-        h = h.wrapping_mul(PRIME);
     }
-    h
+
+    fn feed(&mut self, mut data: &[u8]) -> Result<()> {
+        if data.len() > self.total - self.seen {
+            return Err(corrupt(format!(
+                "more bytes than the {} announced",
+                self.total
+            )));
+        }
+        self.seen += data.len();
+        while self.body.is_none() && !data.is_empty() {
+            let want = self.head_end.unwrap_or(PREFIX);
+            let take = (want - self.head.len()).min(data.len());
+            self.head.extend_from_slice(&data[..take]);
+            data = &data[take..];
+            self.parse_head()?;
+        }
+        if data.is_empty() {
+            return Ok(());
+        }
+        let Some(body) = &mut self.body else {
+            return Err(corrupt("tensor bytes before the header"));
+        };
+        while !data.is_empty() {
+            let Some(t) = body.tensors.get_mut(body.cur) else {
+                return Err(corrupt(format!("{} trailing bytes", data.len())));
+            };
+            let take = (t.len - t.data.len()).min(data.len());
+            for piece in data[..take].chunks(HASH_STEP) {
+                t.data.extend_from_slice(piece);
+                self.hasher.update(piece);
+            }
+            data = &data[take..];
+            body.skip_full(&mut self.hasher);
+        }
+        Ok(())
+    }
+
+    fn parse_head(&mut self) -> Result<()> {
+        if self.head_end.is_none() && self.head.len() == PREFIX {
+            let p = &self.head;
+            if &p[..4] != MAGIC {
+                return Err(corrupt("missing RLHB header"));
+            }
+            let version = u32::from_le_bytes([p[4], p[5], p[6], p[7]]);
+            if version != FORMAT_VERSION {
+                return Err(corrupt(format!(
+                    "format version {version}, this build reads {FORMAT_VERSION}"
+                )));
+            }
+            let hlen = u64::from_le_bytes([p[8], p[9], p[10], p[11], p[12], p[13], p[14], p[15]]);
+            let end = usize::try_from(hlen)
+                .ok()
+                .and_then(|h| PREFIX.checked_add(h))
+                .filter(|&e| e <= self.total)
+                .ok_or_else(|| {
+                    corrupt(format!(
+                        "header length {hlen} runs past the end of a {}-byte batch",
+                        self.total
+                    ))
+                })?;
+            self.head.reserve_exact(end - PREFIX);
+            self.head_end = Some(end);
+        }
+        if self.head_end == Some(self.head.len()) {
+            let header: Header = serde_json::from_slice(&self.head[PREFIX..]).map_err(corrupt)?;
+            let mut body = Body::new(header, self.total - self.head.len())?;
+            body.skip_full(&mut self.hasher);
+            self.body = Some(body);
+            self.head = Vec::new();
+        }
+        Ok(())
+    }
+
+    /// The batch and its `checksum`.
+    fn finish(self) -> Result<(DataBatch, u64)> {
+        if self.seen != self.total {
+            return Err(corrupt(format!(
+                "stream ended after {} of {} bytes",
+                self.seen, self.total
+            )));
+        }
+        let Some(body) = self.body else {
+            return Err(corrupt("missing RLHB header"));
+        };
+        if let Some(t) = body.tensors.get(body.cur) {
+            return Err(corrupt(format!("tensor '{}' runs past the end", t.name)));
+        }
+        let mut out = DataBatch {
+            columns: body.columns,
+            meta: body.meta,
+            ..Default::default()
+        };
+        for t in body.tensors {
+            out.tensors.insert(
+                t.name,
+                TensorData {
+                    dtype: t.dtype,
+                    shape: t.shape,
+                    data: t.data.into(),
+                },
+            );
+        }
+        out.len()?;
+        let sum = if body.sorted {
+            self.hasher.finish()
+        } else {
+            checksum(&out)
+        };
+        Ok((out, sum))
+    }
+}
+
+impl Body {
+    /// Checks the header against itself and against the bytes that follow it, before any
+    /// tensor buffer is allocated (so a corrupt length cannot ask for terabytes).
+    fn new(h: Header, body_bytes: usize) -> Result<Self> {
+        let mut tensors = Vec::with_capacity(h.tensors.len());
+        let mut sum = 0usize;
+        let mut sorted = true;
+        for t in h.tensors {
+            let want = t
+                .shape
+                .iter()
+                .try_fold(t.dtype.size(), |a, &d| a.checked_mul(d));
+            if want != Some(t.len) {
+                return Err(corrupt(format!(
+                    "tensor '{}' of shape {:?} and dtype {:?} needs {} bytes, the header says {}",
+                    t.name,
+                    t.shape,
+                    t.dtype,
+                    want.map_or_else(|| "more than usize::MAX".to_string(), |w| w.to_string()),
+                    t.len
+                )));
+            }
+            if let Some(prev) = tensors.last().map(|p: &PendingTensor| &p.name) {
+                if *prev == t.name || tensors.iter().any(|p| p.name == t.name) {
+                    return Err(corrupt(format!("tensor '{}' appears twice", t.name)));
+                }
+                sorted &= *prev < t.name;
+            }
+            sum = sum
+                .checked_add(t.len)
+                .filter(|&s| s <= body_bytes)
+                .ok_or_else(|| {
+                    corrupt(format!(
+                        "tensor '{}' runs past the end: the header describes more than the {body_bytes} bytes that follow it",
+                        t.name
+                    ))
+                })?;
+            tensors.push(PendingTensor {
+                name: t.name,
+                dtype: t.dtype,
+                shape: t.shape,
+                len: t.len,
+                data: Vec::new(),
+            });
+        }
+        if sum != body_bytes {
+            return Err(corrupt(format!(
+                "{} trailing bytes after the {sum} bytes of tensors the header describes",
+                body_bytes - sum
+            )));
+        }
+        for t in &mut tensors {
+            t.data.reserve_exact(t.len);
+        }
+        Ok(Self {
+            tensors,
+            columns: h.columns,
+            meta: h.meta,
+            cur: 0,
+            sorted,
+        })
+    }
+
+    fn skip_full(&mut self, hasher: &mut Hasher) {
+        while let Some(t) = self.tensors.get(self.cur) {
+            if t.data.len() < t.len {
+                break;
+            }
+            hasher.end_tensor(t.len);
+            self.cur += 1;
+        }
+    }
+}
+
+const PRIME: u64 = 0x0100_0000_01b3;
+const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+const LANES: usize = 4;
+const BLOCK: usize = 8 * LANES;
+
+/// FNV-1a-style 64-bit hash in four independent lanes of eight bytes (one multiply chain
+/// would hash slower than the transfer it checks), fed in pieces of any size.
+#[derive(Clone)]
+struct Hasher {
+    lanes: [u64; LANES],
+    pending: [u8; BLOCK],
+    npending: usize,
+}
+
+impl Hasher {
+    fn new() -> Self {
+        let mut lanes = [OFFSET; LANES];
+        for (i, l) in lanes.iter_mut().enumerate() {
+            *l = (*l ^ i as u64).wrapping_mul(PRIME);
+        }
+        Self {
+            lanes,
+            pending: [0; BLOCK],
+            npending: 0,
+        }
+    }
+
+    #[inline]
+    fn block(&mut self, b: &[u8]) {
+        for (i, l) in self.lanes.iter_mut().enumerate() {
+            let w = &b[i * 8..i * 8 + 8];
+            let w = u64::from_le_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]);
+            *l = (*l ^ w).wrapping_mul(PRIME);
+        }
+    }
+
+    fn update(&mut self, mut data: &[u8]) {
+        if self.npending > 0 {
+            let take = (BLOCK - self.npending).min(data.len());
+            self.pending[self.npending..self.npending + take].copy_from_slice(&data[..take]);
+            self.npending += take;
+            data = &data[take..];
+            if self.npending < BLOCK {
+                return;
+            }
+            let p = self.pending;
+            self.block(&p);
+            self.npending = 0;
+        }
+        let blocks = data.chunks_exact(BLOCK);
+        let rest = blocks.remainder();
+        for b in blocks {
+            self.block(b);
+        }
+        self.pending[..rest.len()].copy_from_slice(rest);
+        self.npending = rest.len();
+    }
+
+    /// Closes one tensor: its tail and its length go into lane 0, so bytes moved across a
+    /// tensor boundary change the sum.
+    fn end_tensor(&mut self, len: usize) {
+        let mut h = self.lanes[0];
+        for &x in &self.pending[..self.npending] {
+            h = (h ^ u64::from(x)).wrapping_mul(PRIME);
+        }
+        self.lanes[0] = (h ^ len as u64).wrapping_mul(PRIME);
+        self.npending = 0;
+    }
+
+    fn finish(&self) -> u64 {
+        self.lanes
+            .iter()
+            .fold(OFFSET, |h, &l| (h ^ l).wrapping_mul(PRIME))
+    }
+}
+
+/// A 64-bit hash over every tensor's bytes and length in name order, to check a transfer
+/// end to end (not a cryptographic digest). `Assembler::finish_with_checksum` computes
+/// the same value while receiving.
+pub fn checksum(b: &DataBatch) -> u64 {
+    let mut h = Hasher::new();
+    for t in b.tensors.values() {
+        h.update(&t.data);
+        h.end_tensor(t.data.len());
+    }
+    h.finish()
 }
 
 /// Default chunk size for streaming: well under gRPC's 4 MiB default message limit.
 pub const CHUNK_BYTES: usize = 1 << 20;
 
-/// Splits an encoded batch into stream messages.
+/// Splits an encoded batch into stream messages (zero-copy views of `bytes`).
 pub fn to_chunks(bytes: Vec<u8>, chunk_bytes: usize) -> Vec<pb::BatchChunk> {
     let total = bytes.len() as u64;
-    if bytes.is_empty() {
-        return vec![pb::BatchChunk {
-            data: Vec::new(),
-            total_bytes: 0,
-            index: 0,
-        }];
-    }
-    bytes
-        .chunks(chunk_bytes.max(1))
-        .enumerate()
-        .map(|(i, c)| pb::BatchChunk {
-            data: c.to_vec(),
-            total_bytes: total,
-            index: i as u32,
-        })
-        .collect()
+    chunk_segments(std::iter::once(Bytes::from(bytes)), total, chunk_bytes)
 }
 
-/// Reassembles a streamed batch, refusing out-of-order chunks and anything above `max_bytes`.
+/// Reassembles a streamed batch, refusing out-of-order chunks and anything above
+/// `max_bytes`. Each chunk is decoded as it arrives: its bytes are copied once, into the
+/// final tensor buffers, and hashed on the way.
 pub struct Assembler {
-    buf: Vec<u8>,
-    total: Option<u64>,
+    dec: Option<Decoder>,
     next: u32,
     max_bytes: u64,
 }
@@ -478,8 +881,7 @@ pub struct Assembler {
 impl Assembler {
     pub fn new(max_bytes: u64) -> Self {
         Self {
-            buf: Vec::new(),
-            total: None,
+            dec: None,
             next: 0,
             max_bytes,
         }
@@ -492,7 +894,16 @@ impl Assembler {
                 c.index, self.next
             )));
         }
-        match self.total {
+        let dec = match &mut self.dec {
+            Some(d) => {
+                if d.total as u64 != c.total_bytes {
+                    return Err(corrupt(format!(
+                        "chunk {} says {} total bytes, chunk 0 said {}",
+                        c.index, c.total_bytes, d.total
+                    )));
+                }
+                d
+            }
             None => {
                 if c.total_bytes > self.max_bytes {
                     return Err(Error::invalid(format!(
@@ -500,34 +911,34 @@ impl Assembler {
                         c.total_bytes, self.max_bytes
                     )));
                 }
-                self.total = Some(c.total_bytes);
-                self.buf.reserve(c.total_bytes as usize);
+                let total = usize::try_from(c.total_bytes).map_err(|_| {
+                    Error::invalid(format!(
+                        "batch of {} bytes does not fit in this machine's memory",
+                        c.total_bytes
+                    ))
+                })?;
+                self.dec.insert(Decoder::new(total))
             }
-            Some(t) if t != c.total_bytes => {
-                return Err(corrupt(format!(
-                    "chunk {} says {} total bytes, chunk 0 said {t}",
-                    c.index, c.total_bytes
-                )))
-            }
-            _ => {}
-        }
-        if (self.buf.len() + c.data.len()) as u64 > self.total.unwrap_or(0) {
-            return Err(corrupt("more bytes than announced"));
-        }
-        self.buf.extend_from_slice(&c.data);
+        };
+        dec.feed(&c.data)
+            .map_err(|e| Error::invalid(format!("{e} (in chunk {})", c.index)))?;
         self.next += 1;
         Ok(())
     }
 
+    /// Bytes received so far.
+    pub fn received_bytes(&self) -> u64 {
+        self.dec.as_ref().map_or(0, |d| d.seen as u64)
+    }
+
     pub fn finish(self) -> Result<DataBatch> {
-        let total = self.total.ok_or_else(|| corrupt("empty stream"))?;
-        if self.buf.len() as u64 != total {
-            return Err(corrupt(format!(
-                "stream ended after {} of {total} bytes",
-                self.buf.len()
-            )));
-        }
-        decode(&self.buf)
+        self.finish_with_checksum().map(|(b, _)| b)
+    }
+
+    /// The batch and its `checksum`, computed while the chunks arrived (no extra pass).
+    pub fn finish_with_checksum(self) -> Result<(DataBatch, u64)> {
+        let dec = self.dec.ok_or_else(|| corrupt("empty stream"))?;
+        dec.finish()
     }
 }
 
@@ -644,5 +1055,253 @@ mod tests {
         let last = d.len() - 1;
         d[last] ^= 0x80;
         assert_ne!(checksum(&c), sum);
+    }
+
+    /// Odd byte counts everywhere: a U8 tensor of 7x13, an f32 tensor, an empty tensor and
+    /// a column, so chunk boundaries fall inside the header, inside tensors and on edges.
+    fn odd_batch() -> DataBatch {
+        let u: Vec<u8> = (0..91u32).map(|i| (i * 37 % 251) as u8).collect();
+        let f: Vec<f32> = (0..7 * 5).map(|i| i as f32 - 3.25).collect();
+        DataBatch::new()
+            .with_tensor(
+                "a_bytes",
+                TensorData::new(DType::U8, vec![7, 13], u).unwrap(),
+            )
+            .with_tensor("b_vals", TensorData::from_f32(vec![7, 5], &f).unwrap())
+            .with_tensor(
+                "c_empty",
+                TensorData::new(DType::I64, vec![7, 0], Vec::new()).unwrap(),
+            )
+            .with_column("id", (0..7).map(|i| json!(i)).collect())
+    }
+
+    fn assemble(chunks: Vec<pb::BatchChunk>, max: u64) -> Result<(DataBatch, u64)> {
+        let mut a = Assembler::new(max);
+        for c in chunks {
+            a.push(c)?;
+        }
+        a.finish_with_checksum()
+    }
+
+    #[test]
+    fn zero_copy_chunks_round_trip_at_every_size() {
+        let b = odd_batch();
+        let whole = encode(&b).unwrap();
+        for size in [
+            1,
+            2,
+            7,
+            16,
+            31,
+            100,
+            333,
+            whole.len() - 1,
+            whole.len(),
+            1 << 20,
+        ] {
+            let chunks = encode_chunks(&b, size).unwrap();
+            assert_eq!(chunks.len(), whole.len().div_ceil(size), "size {size}");
+            let joined: Vec<u8> = chunks.iter().flat_map(|c| c.data.to_vec()).collect();
+            assert_eq!(joined, whole, "size {size}");
+            assert!(chunks.iter().all(|c| c.total_bytes == whole.len() as u64));
+            let (got, sum) = assemble(chunks, 1 << 20).unwrap();
+            assert_eq!(got, b, "size {size}");
+            assert_eq!(sum, checksum(&b), "size {size}");
+            // The old path gives the same chunks.
+            let old: Vec<Vec<u8>> = to_chunks(whole.clone(), size)
+                .into_iter()
+                .map(|c| c.data.to_vec())
+                .collect();
+            let new: Vec<Vec<u8>> = encode_chunks(&b, size)
+                .unwrap()
+                .into_iter()
+                .map(|c| c.data.to_vec())
+                .collect();
+            assert_eq!(old, new, "size {size}");
+        }
+    }
+
+    #[test]
+    fn chunks_inside_a_tensor_share_its_storage() {
+        let data: Vec<f32> = (0..4096).map(|i| i as f32).collect();
+        let b =
+            DataBatch::new().with_tensor("v", TensorData::from_f32(vec![64, 64], &data).unwrap());
+        let t = &b.tensors["v"].data;
+        let range = t.as_ptr() as usize..t.as_ptr() as usize + t.len();
+        let chunks = encode_chunks(&b, 1000).unwrap();
+        let inside = chunks
+            .iter()
+            .filter(|c| range.contains(&(c.data.as_ptr() as usize)))
+            .count();
+        // All but the chunk that carries the header (and the tail it copies) are views.
+        assert!(inside >= chunks.len() - 2, "{inside} of {}", chunks.len());
+        // Writing to the batch afterwards leaves the chunks as they were (copy-on-write).
+        let mut c = b.clone();
+        c.tensors.get_mut("v").unwrap().data[40_00] ^= 0xff;
+        assert_eq!(assemble(chunks, 1 << 20).unwrap().0, b);
+        assert_ne!(c, b);
+    }
+
+    #[test]
+    fn streamed_checksum_matches_for_any_split() {
+        let b = odd_batch();
+        let whole = encode(&b).unwrap();
+        for piece in [1, 3, 32, 33, 64, 1000] {
+            let mut d = Decoder::new(whole.len());
+            for p in whole.chunks(piece) {
+                d.feed(p).unwrap();
+            }
+            let (got, sum) = d.finish().unwrap();
+            assert_eq!((got, sum), (b.clone(), checksum(&b)), "pieces of {piece}");
+        }
+        // A byte moved from the end of one tensor to the start of the next changes the sum.
+        let x = DataBatch::new()
+            .with_tensor(
+                "a",
+                TensorData::new(DType::U8, vec![3], vec![1, 2, 3]).unwrap(),
+            )
+            .with_tensor("b", TensorData::new(DType::U8, vec![1], vec![4]).unwrap());
+        let y = DataBatch::new()
+            .with_tensor(
+                "a",
+                TensorData::new(DType::U8, vec![2], vec![1, 2]).unwrap(),
+            )
+            .with_tensor(
+                "b",
+                TensorData::new(DType::U8, vec![2], vec![3, 4]).unwrap(),
+            );
+        assert_ne!(checksum(&x), checksum(&y));
+    }
+
+    #[test]
+    fn missing_corrupt_and_mismatched_chunks_are_clear_errors() {
+        let b = odd_batch();
+        let chunks = encode_chunks(&b, 50).unwrap();
+        assert!(chunks.len() > 4);
+        // A missing chunk.
+        let mut gap = chunks.clone();
+        gap.remove(2);
+        let e = assemble(gap, 1 << 20).unwrap_err().to_string();
+        assert!(e.contains("chunk 3 arrived, expected 2"), "{e}");
+        // A lost last chunk.
+        let mut short = chunks.clone();
+        short.pop();
+        let e = assemble(short, 1 << 20).unwrap_err().to_string();
+        assert!(e.contains("stream ended after"), "{e}");
+        // Chunks that disagree on the total.
+        let mut odd = chunks.clone();
+        odd[3].total_bytes += 1;
+        let e = assemble(odd, 1 << 20).unwrap_err().to_string();
+        assert!(
+            e.contains("chunk 3 says") && e.contains("chunk 0 said"),
+            "{e}"
+        );
+        // A total that does not match what the header describes, both ways.
+        for delta in [-8i64, 8] {
+            let mut wrong = chunks.clone();
+            for c in &mut wrong {
+                c.total_bytes = (c.total_bytes as i64 + delta) as u64;
+            }
+            let e = assemble(wrong, 1 << 20).unwrap_err().to_string();
+            assert!(e.contains("malformed batch encoding"), "{e}");
+        }
+        // A chunk with more bytes than announced.
+        let mut big = chunks.clone();
+        let last = big.len() - 1;
+        let mut extra = big[last].data.to_vec();
+        extra.extend_from_slice(&[0; 9]);
+        big[last].data = extra.into();
+        let e = assemble(big, 1 << 20).unwrap_err().to_string();
+        assert!(
+            e.contains("more bytes than the") && e.contains(&format!("chunk {last}")),
+            "{e}"
+        );
+        // A corrupted header: wrong magic, and a broken JSON byte.
+        let mut bad = chunks.clone();
+        let mut d = bad[0].data.to_vec();
+        d[1] = b'X';
+        bad[0].data = d.into();
+        let e = assemble(bad, 1 << 20).unwrap_err().to_string();
+        assert!(e.contains("missing RLHB header"), "{e}");
+        let mut bad = chunks.clone();
+        let mut d = bad[0].data.to_vec();
+        d[PREFIX] = b'#';
+        bad[0].data = d.into();
+        assert!(assemble(bad, 1 << 20).is_err());
+        // A flipped bit in tensor bytes decodes, and the checksum says so.
+        let mut bad = chunks.clone();
+        let mut d = bad[last].data.to_vec();
+        d[0] ^= 4;
+        bad[last].data = d.into();
+        let (got, sum) = assemble(bad, 1 << 20).unwrap();
+        assert_ne!(got, b);
+        assert_ne!(sum, checksum(&b));
+        assert_eq!(sum, checksum(&got));
+    }
+
+    /// Hand-made encoding with a chosen header.
+    fn raw(header: serde_json::Value, body: &[u8]) -> Vec<u8> {
+        let h = serde_json::to_vec(&header).unwrap();
+        let mut out = MAGIC.to_vec();
+        out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+        out.extend_from_slice(&(h.len() as u64).to_le_bytes());
+        out.extend_from_slice(&h);
+        out.extend_from_slice(body);
+        out
+    }
+
+    #[test]
+    fn headers_that_lie_are_refused_before_allocating() {
+        let t = |name: &str, shape: serde_json::Value, len: u64| json!({"name": name, "dtype": "u8", "shape": shape, "len": len});
+        let h = |ts: Vec<serde_json::Value>| json!({"tensors": ts, "columns": {}, "meta": {}});
+        // Length that disagrees with the shape names the tensor.
+        let e = decode(&raw(h(vec![t("x", json!([4]), 3)]), &[0; 3]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("tensor 'x'") && e.contains("needs 4 bytes"),
+            "{e}"
+        );
+        // A terabyte tensor in a tiny stream fails on the header, not on allocation.
+        let e = decode(&raw(h(vec![t("x", json!([1u64 << 40]), 1 << 40)]), &[0; 8]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("tensor 'x' runs past the end"), "{e}");
+        // Shapes whose product overflows.
+        let e = decode(&raw(h(vec![t("x", json!([u64::MAX, 4]), 4)]), &[0; 4]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("more than usize::MAX"), "{e}");
+        // Trailing bytes after the tensors.
+        let e = decode(&raw(h(vec![t("x", json!([2]), 2)]), &[0; 5]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("3 trailing bytes"), "{e}");
+        // The same name twice.
+        let e = decode(&raw(
+            h(vec![t("x", json!([1]), 1), t("x", json!([1]), 1)]),
+            &[0; 2],
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("'x' appears twice"), "{e}");
+        // A header length past the end.
+        let mut bytes = raw(h(vec![]), &[]);
+        bytes[8] = 0xff;
+        let e = decode(&bytes).unwrap_err().to_string();
+        assert!(e.contains("runs past the end of a"), "{e}");
+        // Tensors out of name order still decode, and the checksum is still `checksum`.
+        let bytes = raw(
+            h(vec![t("b", json!([1, 2]), 2), t("a", json!([1]), 1)]),
+            &[1, 2, 3],
+        );
+        let mut a = Assembler::new(1 << 20);
+        for c in to_chunks(bytes, 4) {
+            a.push(c).unwrap();
+        }
+        let (got, sum) = a.finish_with_checksum().unwrap();
+        assert_eq!(*got.tensors["b"].data, vec![1, 2]);
+        assert_eq!(*got.tensors["a"].data, vec![3]);
+        assert_eq!(sum, checksum(&got));
     }
 }

@@ -19,11 +19,11 @@ pub mod worker;
 pub fn batch_stream(
     b: &rlhf_core::DataBatch,
 ) -> rlhf_core::Result<impl tokio_stream::Stream<Item = rlhf_proto::v1::BatchChunk>> {
-    let bytes = rlhf_core::batch::encode(b)?;
-    Ok(tokio_stream::iter(rlhf_core::batch::to_chunks(
-        bytes,
+    // Chunks are views of the tensors' storage: nothing is copied before the first send.
+    Ok(tokio_stream::iter(rlhf_core::batch::encode_chunks(
+        b,
         rlhf_core::batch::CHUNK_BYTES,
-    )))
+    )?))
 }
 
 use tokio_util::sync::CancellationToken;

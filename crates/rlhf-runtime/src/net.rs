@@ -19,6 +19,8 @@ pub type AuthChannel = InterceptedService<Channel, AddToken>;
 /// what the link carries (a window update per 64 KiB); a few MiB keep the pipe full.
 const STREAM_WINDOW: u32 = 8 << 20;
 const CONNECTION_WINDOW: u32 = 32 << 20;
+/// Bigger DATA frames: 16 KiB frames cost a frame header and a wakeup each.
+const MAX_FRAME: u32 = 1 << 20;
 
 /// The server builder every service of the cluster uses: same windows as the clients.
 pub fn server_builder() -> tonic::transport::Server {
@@ -26,8 +28,7 @@ pub fn server_builder() -> tonic::transport::Server {
         .tcp_nodelay(true)
         .initial_stream_window_size(Some(STREAM_WINDOW))
         .initial_connection_window_size(Some(CONNECTION_WINDOW))
-        // Bigger DATA frames: 16 KiB frames cost a frame header and a wakeup each.
-        .max_frame_size(Some(1 << 20))
+        .max_frame_size(Some(MAX_FRAME))
 }
 
 /// How a client reaches a server of this cluster.
@@ -93,6 +94,8 @@ fn endpoint(addr: &str, opts: &ClientOptions) -> Result<Endpoint> {
         .tcp_nodelay(true)
         .initial_stream_window_size(Some(STREAM_WINDOW))
         .initial_connection_window_size(Some(CONNECTION_WINDOW))
+        // Same frame size as the servers, for batches that stream back (role outputs).
+        .max_frame_size(Some(MAX_FRAME))
         .http2_keep_alive_interval(Duration::from_secs(10))
         .keep_alive_timeout(Duration::from_secs(20));
     if let Some(ca) = &opts.tls_ca {

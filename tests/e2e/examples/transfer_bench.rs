@@ -1,0 +1,235 @@
+//! Experience-batch transfer bench: a DataBatch streamed with `PutBatch` to a real actor
+//! process (encode, gRPC stream, decode and checksum on the actor; the process is this
+//! program serving the built-in test actor, as a worker would), next to a raw TCP
+//! loopback copy of the same number of bytes measured in the same run. Each size runs
+//! `--reps` times, alternating the two, and the medians are compared (goal: >= 0.5).
+//! Also prints the in-process cost of encoding into chunks and of reassembling them.
+//!
+//! Run: `cargo run --release -p rlhf-e2e --example transfer_bench [-- --sizes 64,256 --reps 3 --chunk-kib 1024]`
+
+use std::io::{Read, Write};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use rlhf_core::batch::{self, DataBatch, TensorData};
+use rlhf_proto::v1::actor_service_client::ActorServiceClient;
+use rlhf_runtime::net::{self, ClientOptions};
+use tonic::codegen::tokio_stream;
+
+fn arg(name: &str) -> Option<String> {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .cloned()
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// Seconds to push `bytes` through one loopback TCP connection to a reading thread that
+/// collects them into one buffer (what a receiver of a whole batch must do at least).
+fn raw_tcp_copy(src: &[u8]) -> Result<f64> {
+    let bytes = src.len();
+    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let addr = l.local_addr()?;
+    let srv = std::thread::spawn(move || -> std::io::Result<Vec<u8>> {
+        let (mut s, _) = l.accept()?;
+        let mut out = Vec::with_capacity(bytes);
+        s.read_to_end(&mut out)?;
+        Ok(out)
+    });
+    let t = Instant::now();
+    let mut c = std::net::TcpStream::connect(addr)?;
+    c.write_all(src)?;
+    drop(c);
+    let got = srv
+        .join()
+        .map_err(|_| anyhow::anyhow!("reader panicked"))??;
+    let s = t.elapsed().as_secs_f64();
+    anyhow::ensure!(got.len() == bytes, "short copy");
+    Ok(s)
+}
+
+/// A batch of `mib` MiB shaped like rollout output: one big f32 tensor and a small
+/// i64 one, 256 rows, a prompt column.
+fn make_batch(mib: usize) -> Result<DataBatch> {
+    let rows = 256;
+    let ids_per_row = 64;
+    let small = rows * ids_per_row * 8;
+    let floats = ((mib << 20) - small) / 4 / rows * rows;
+    let data: Vec<f32> = (0..floats).map(|i| (i % 1009) as f32).collect();
+    let ids: Vec<i64> = (0..(rows * ids_per_row) as i64).collect();
+    Ok(DataBatch::new()
+        .with_tensor(
+            "values",
+            TensorData::from_f32(vec![rows, floats / rows], &data)?,
+        )
+        .with_tensor(
+            "input_ids",
+            TensorData::from_i64(vec![rows, ids_per_row], &ids)?,
+        )
+        .with_column(
+            "prompt",
+            (0..rows)
+                .map(|i| serde_json::json!(format!("prompt {i}")))
+                .collect(),
+        ))
+}
+
+/// The actor process: this same program, serving the built-in test actor (the code a
+/// worker runs for `kind: "test"`), so the bench needs no head or worker.
+fn serve_actor(ready_file: &str, token: &str) -> Result<()> {
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(rlhf_runtime::actor::run(
+        rlhf_runtime::actor::ActorOptions {
+            actor_id: "bench-actor".into(),
+            kind: "test".into(),
+            ready_file: ready_file.into(),
+            host: "127.0.0.1".into(),
+            token: token.into(),
+        },
+        tokio_util::sync::CancellationToken::new(),
+    ))?;
+    Ok(())
+}
+
+/// Kills the actor process when the bench ends, however it ends.
+struct Child(std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn spawn_actor(token: &str) -> Result<(Child, String)> {
+    let dir = tempfile::tempdir()?;
+    let ready = dir.path().join("actor.ready");
+    let child = Child(
+        std::process::Command::new(std::env::current_exe()?)
+            .arg("--serve-actor")
+            .arg(&ready)
+            .arg(token)
+            .spawn()
+            .context("starting the actor process")?,
+    );
+    let t = Instant::now();
+    loop {
+        if let Ok(addr) = std::fs::read_to_string(&ready) {
+            return Ok((child, addr.trim().to_string()));
+        }
+        anyhow::ensure!(
+            t.elapsed() < Duration::from_secs(20),
+            "the actor process did not announce its address within 20 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    if let (Some("--serve-actor"), Some(ready), Some(token)) =
+        (args.get(1).map(String::as_str), args.get(2), args.get(3))
+    {
+        return serve_actor(ready, token);
+    }
+    let sizes: Vec<usize> = arg("--sizes")
+        .unwrap_or_else(|| "64,256".into())
+        .split(',')
+        .map(|s| s.trim().parse().context("--sizes takes MiB like 64,256"))
+        .collect::<Result<_>>()?;
+    let reps: usize = arg("--reps").map_or(Ok(3), |s| s.parse())?;
+    let chunk = arg("--chunk-kib").map_or(Ok(batch::CHUNK_BYTES), |s| {
+        s.parse::<usize>().map(|k| k << 10)
+    })?;
+    anyhow::ensure!(reps > 0, "--reps must be at least 1");
+
+    let rt = tokio::runtime::Runtime::new()?;
+    let token = "transfer-bench-token".to_string();
+    let o = ClientOptions::new(token.clone());
+    let (_actor, addr) = spawn_actor(&token)?;
+    let mut client =
+        rt.block_on(async { anyhow::Ok(ActorServiceClient::new(net::connect(&addr, &o).await?)) })?;
+    println!(
+        "chunk size {} KiB, {reps} repetitions per size, medians",
+        chunk >> 10
+    );
+
+    let mut put = |b: &DataBatch, sum: u64| -> Result<f64> {
+        rt.block_on(async {
+            let t = Instant::now();
+            let r = if chunk == batch::CHUNK_BYTES {
+                client.put_batch(rlhf_runtime::batch_stream(b)?).await?
+            } else {
+                let chunks = batch::encode_chunks(b, chunk)?;
+                client.put_batch(tokio_stream::iter(chunks)).await?
+            }
+            .into_inner();
+            let s = t.elapsed().as_secs_f64();
+            anyhow::ensure!(r.checksum == sum, "checksum mismatch: data corrupted");
+            anyhow::ensure!(r.rows == b.len()? as u64, "row count mismatch");
+            anyhow::Ok(s)
+        })
+    };
+    // Warm up the connection and the actor's allocator.
+    let warm = make_batch(8)?;
+    put(&warm, batch::checksum(&warm))?;
+
+    for mib in sizes {
+        let b = make_batch(mib)?;
+        let sum = batch::checksum(&b);
+        let wire = batch::encode(&b)?;
+        let bytes = wire.len();
+
+        // In-process stages, for where the time goes.
+        let t = Instant::now();
+        let chunks = batch::encode_chunks(&b, chunk)?;
+        let enc_s = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let mut asm = batch::Assembler::new(u64::MAX);
+        for ch in chunks {
+            asm.push(ch)?;
+        }
+        let (back, back_sum) = asm.finish_with_checksum()?;
+        let asm_s = t.elapsed().as_secs_f64();
+        anyhow::ensure!(
+            back_sum == sum && back == b,
+            "in-process round trip differs"
+        );
+        drop(back);
+
+        let (mut raw, mut grpc) = (Vec::new(), Vec::new());
+        for _ in 0..reps {
+            raw.push(raw_tcp_copy(&wire)?);
+            grpc.push(put(&b, sum)?);
+        }
+        let each: Vec<String> = raw
+            .iter()
+            .zip(&grpc)
+            .map(|(r, g)| format!("{:.2}", r / g))
+            .collect();
+        let (raw_m, grpc_m) = (median(&mut raw), median(&mut grpc));
+        let gbps = |s: f64| bytes as f64 / s / 1e9;
+        println!(
+            "batch {mib} MiB ({bytes} bytes) to actor process: {:.1} ms, {:.2} GB/s; raw TCP copy {:.1} ms, {:.2} GB/s; ratio {:.2} (per run {}); goal >= 0.5: {}",
+            grpc_m * 1e3,
+            gbps(grpc_m),
+            raw_m * 1e3,
+            gbps(raw_m),
+            raw_m / grpc_m,
+            each.join(" "),
+            if raw_m / grpc_m >= 0.5 { "met" } else { "NOT met" }
+        );
+        println!(
+            "  in process: encode_chunks {:.2} ms, assemble + decode + checksum {:.1} ms ({:.2} GB/s)",
+            enc_s * 1e3,
+            asm_s * 1e3,
+            gbps(asm_s)
+        );
+    }
+    Ok(())
+}
