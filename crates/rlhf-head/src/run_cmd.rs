@@ -217,16 +217,26 @@ async fn wait_for_nodes(
     }
 }
 
+/// Mean of `key` over the first and the last `n` steps of this run.
+fn ends(s: &JobSummary, key: &str, n: usize) -> Option<(f64, f64)> {
+    let v: Vec<f64> = s
+        .history
+        .iter()
+        .filter_map(|m| m.get(key).copied())
+        .collect();
+    if v.is_empty() {
+        return None;
+    }
+    let n = n.min(v.len());
+    let mean = |x: &[f64]| x.iter().sum::<f64>() / x.len() as f64;
+    Some((mean(&v[..n]), mean(&v[v.len() - n..])))
+}
+
 fn print_summary(s: &JobSummary) {
-    if let Some(last) = s.history.last() {
-        let first = s.history.first().unwrap_or(last);
-        let show = |k: &str| {
-            if let (Some(a), Some(b)) = (first.get(k), last.get(k)) {
-                eprintln!("  {k:<24} {a:>10.4} -> {b:>10.4}");
-            }
-        };
+    if !s.history.is_empty() {
+        let n = (s.history.len() / 4).clamp(1, 10);
         eprintln!(
-            "done: {} step(s) this run, at step {} (first -> last):",
+            "done: {} step(s) this run, at step {}; mean of the first {n} -> last {n} steps:",
             s.steps_run, s.global_step
         );
         for k in [
@@ -235,8 +245,11 @@ fn print_summary(s: &JobSummary) {
             "loss/policy_avg",
             "loss/value_avg",
             "response_length/mean",
+            "timing_s/step",
         ] {
-            show(k);
+            if let Some((a, b)) = ends(s, k, n) {
+                eprintln!("  {k:<24} {a:>10.4} -> {b:>10.4}");
+            }
         }
     }
     eprintln!("metrics: {}", s.metrics_file.display());

@@ -284,3 +284,34 @@ fn a_killed_role_stops_the_job_clearly_and_resume_finishes_it() -> Result<()> {
     assert_eq!(steps, (1..=12).collect::<Vec<u64>>(), "{steps:?}");
     Ok(())
 }
+
+/// The demo as shipped (configs/ppo_tiny.yaml, the committed tiny policy, the rule reward):
+/// `objective/scores` climbs clearly over the run.
+#[test]
+fn the_demo_raises_the_score() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let out = dir.path().join("demo");
+    let mut p = Proc::spawn(
+        "demo",
+        dir.path(),
+        &mut run_cmd(&out, &["checkpoint.save_steps=0"]),
+    )?;
+    wait_success(&mut p, Duration::from_secs(1200))?;
+    let m = metrics(&out.join("metrics.jsonl"))?;
+    let scores: Vec<f64> = m
+        .iter()
+        .filter_map(|l| l["objective/scores"].as_f64())
+        .collect();
+    assert_eq!(scores.len(), m.len());
+    assert!(scores.len() >= 20, "{} steps", scores.len());
+    let k = 10;
+    let first = scores[..k].iter().sum::<f64>() / k as f64;
+    let last = scores[scores.len() - k..].iter().sum::<f64>() / k as f64;
+    println!("objective/scores: first {k} steps {first:.3}, last {k} steps {last:.3}");
+    assert!(
+        last >= first + 0.15,
+        "the score should climb: first {k} steps {first:.3}, last {k} steps {last:.3}"
+    );
+    assert!(p.output().contains("objective/scores"), "{}", p.output());
+    Ok(())
+}
