@@ -417,3 +417,42 @@ async fn update_and_sync_weights_over_grpc() {
     assert!(err.message().contains("trainable roles"), "{err}");
     shutdown.cancel();
 }
+
+/// A panic on the compute thread must end the process with the message on stderr (the
+/// worker reports the log tail), never leave the RPC side waiting. Runs itself as a child.
+#[test]
+fn a_panic_on_the_compute_thread_ends_the_process() {
+    const CHILD: &str = "RLHF_ROLES_PANIC_CHILD";
+    if std::env::var(CHILD).is_ok() {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let c = rlhf_roles::server::Compute::spawn(rlhf_roles::RoleActor::new(
+                "critic",
+                "127.0.0.1",
+            ))
+            .unwrap();
+            let r = c
+                .run(|_| -> rlhf_roles::Result<()> { panic!("boom in compute") })
+                .await;
+            assert!(r.is_err());
+        });
+        // The compute thread exits the process; reaching the end here would be a bug.
+        std::thread::sleep(std::time::Duration::from_secs(20));
+        std::process::exit(0);
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "a_panic_on_the_compute_thread_ends_the_process",
+            "--nocapture",
+        ])
+        .env(CHILD, "1")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(101), "{err}");
+    assert!(
+        err.contains("the critic compute thread panicked: boom in compute"),
+        "{err}"
+    );
+}

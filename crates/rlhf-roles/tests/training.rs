@@ -307,3 +307,69 @@ fn weight_sync_makes_the_rollout_generate_like_the_trainer() {
         "the trained weights should change the generation"
     );
 }
+
+#[test]
+fn kl_loss_needs_and_uses_the_reference_log_probs() {
+    let mut cfg = config();
+    cfg.actor_rollout.use_kl_loss = true;
+    cfg.actor_rollout.kl_loss_coef = 0.1;
+    let seqs = sequences(&LENS, 8);
+    let mut t = Trainer::from_config(&cfg, 0, 1).unwrap();
+    let lp = log_probs(&t, &seqs);
+    let mut batch = actor_batch(&seqs, &lp, 1);
+    let err = t.update(&mut single(), &batch).unwrap_err().to_string();
+    assert!(err.contains("no tensor 'ref_log_probs'"), "{err}");
+
+    // The frozen reference (fast kernels) agrees with the trainer before any update.
+    let reference = rlhf_roles::RefPolicy::from_config(&cfg).unwrap();
+    let ref_lp = reference.compute_log_probs(&seqs).unwrap().tensors["log_probs"].clone();
+    let mask = seqs.tensors["response_mask"].to_f32().unwrap();
+    for ((a, b), m) in ref_lp.to_f32().unwrap().iter().zip(&lp).zip(&mask) {
+        if *m == 1.0 {
+            assert!((a - b).abs() < 1e-4, "{a} vs {b}");
+        }
+    }
+    batch.tensors.insert("ref_log_probs".into(), ref_lp);
+    let m = t.update(&mut single(), &batch).unwrap();
+    let kl = m.meta["actor/kl_loss"].as_f64().unwrap();
+    assert!(kl.is_finite() && kl >= 0.0, "{kl}");
+}
+
+#[test]
+fn two_critic_ranks_equal_one() {
+    let cfg = config();
+    let seqs = sequences(&LENS, 17);
+    let mut whole = Critic::from_config(&cfg, 0, 1).unwrap();
+    let values = whole.compute_values(&seqs).unwrap().tensors["values"].clone();
+    let v = values.to_f32().unwrap();
+    let returns: Vec<f32> = v
+        .iter()
+        .enumerate()
+        .map(|(i, x)| x + ((i * 7) % 5) as f32 * 0.3 - 0.6)
+        .collect();
+    let mut batch = seqs.clone();
+    batch.tensors.insert("values".into(), values);
+    batch.tensors.insert(
+        "returns".into(),
+        TensorData::from_f32(vec![8, R], &returns).unwrap(),
+    );
+    whole.update(&mut single(), &batch).unwrap();
+    let want = params(&whole.model);
+    let handles: Vec<_> = group(2)
+        .into_iter()
+        .zip(batch.chunk(2).unwrap())
+        .enumerate()
+        .map(|(rank, (mut comm, half))| {
+            let cfg = cfg.clone();
+            thread::spawn(move || {
+                let mut c = Critic::from_config(&cfg, rank, 2).unwrap();
+                c.update(&mut comm, &half).unwrap();
+                params(&c.model)
+            })
+        })
+        .collect();
+    for h in handles {
+        let (d, name) = max_rel_diff(&h.join().unwrap(), &want);
+        assert!(d < 1e-5, "critic DP differs by {d} at {name}");
+    }
+}
