@@ -129,10 +129,10 @@ fn status_text(j: &pb::JobInfo) -> String {
         o += &format!(" {}", j.overrides.join(" "));
     }
     o += &format!(
-        "\nsubmitted:  {} UTC\nstarted:    {}\nended:      {}\nduration:   {}\nexit:       {}\n",
-        job_time(j.submit_ms),
-        job_time(j.start_ms),
-        job_time(j.end_ms),
+        "\nsubmitted:  {}\nstarted:    {}\nended:      {}\nduration:   {}\nexit:       {}\n",
+        utc(j.submit_ms),
+        utc(j.start_ms),
+        utc(j.end_ms),
         duration_text(j, now_ms()),
         exit_text(j)
     );
@@ -144,6 +144,14 @@ fn status_text(j: &pb::JobInfo) -> String {
     }
     o += &format!("log:        {}\n", j.log_file);
     o
+}
+
+/// A time with its zone, or `-` when not reached yet.
+fn utc(ms: i64) -> String {
+    match job_time(ms) {
+        t if t == "-" => t,
+        t => format!("{t} UTC"),
+    }
 }
 
 fn print_json(v: &serde_json::Value) {
@@ -171,11 +179,11 @@ pub(crate) async fn job(cmd: JobCmd) -> Result<()> {
                     let now = now_ms();
                     for j in &jobs {
                         let mut line = format!(
-                            "{}  {:<9}  {:<20}  {} UTC  {}",
+                            "{}  {:<9}  {:<20}  {}  {}",
                             j.job_id,
                             state_name(j.state),
                             j.config_name,
-                            job_time(j.submit_ms),
+                            utc(j.submit_ms),
                             duration_text(j, now)
                         );
                         if !j.error.is_empty() {
@@ -351,6 +359,8 @@ mod tests {
         for want in [
             "state:      FAILED",
             "submitted:  2023-11-14 22:13:20 UTC",
+            "started:    2023-11-14 22:13:21 UTC",
+            "ended:      2023-11-14 22:14:22 UTC",
             "duration:   0:01:01",
             "exit:       3",
             "error:      boom",
