@@ -195,6 +195,12 @@ fn metrics_batch(metrics: BTreeMap<String, f64>) -> DataBatch {
     b
 }
 
+/// Where an update failed: before its first collective (the group must be told) or after.
+enum Failure {
+    Before(Error),
+    During(Error),
+}
+
 /// Training settings one trainable role needs besides its model.
 #[derive(Debug, Clone)]
 pub struct TrainSettings {
@@ -305,28 +311,48 @@ impl Trainer {
         )
     }
 
-    /// PPO epochs over this rank's shard; returns the metrics in the meta.
+    /// PPO epochs over this rank's shard; returns the metrics in the meta. A shard this
+    /// rank refuses (missing tensor, NaN input) fails the whole group's call.
     pub fn update(&mut self, comm: &mut dyn Communicator, batch: &DataBatch) -> Result<DataBatch> {
-        let req = Request::new("UpdateActor", batch);
-        let device = self.model.device().clone();
-        let step = req.meta_u64("step")?.unwrap_or(0);
-        let (b, ids, mask) = sequences(&req, self.shapes, &device)?;
-        let r = self.shapes.response_len;
-        let tok = [b, r];
-        let resp_mask = req.f32("response_mask", &tok, &device)?;
-        let old = req.f32("old_log_probs", &tok, &device)?;
-        let adv = req.f32("advantages", &tok, &device)?;
-        let refp = if self.loss.use_kl_loss {
-            Some(req.f32("ref_log_probs", &tok, &device)?)
-        } else {
-            None
+        self.update_inner(comm, batch)
+            .map_err(|e| match e {
+                Failure::Before(e) => train::abort_update(comm, e),
+                Failure::During(e) => e,
+            })
+            .with_ctx(|| format!("actor_rollout train rank {} UpdateActor", self.who.rank))
+    }
+
+    fn update_inner(
+        &mut self,
+        comm: &mut dyn Communicator,
+        batch: &DataBatch,
+    ) -> std::result::Result<DataBatch, Failure> {
+        let prep = || -> Result<_> {
+            let req = Request::new("UpdateActor", batch);
+            let device = self.model.device().clone();
+            let step = req.meta_u64("step")?.unwrap_or(0);
+            let (b, ids, mask) = sequences(&req, self.shapes, &device)?;
+            let r = self.shapes.response_len;
+            let tok = [b, r];
+            let resp_mask = req.f32("response_mask", &tok, &device)?;
+            let old = req.f32("old_log_probs", &tok, &device)?;
+            let adv = req.f32("advantages", &tok, &device)?;
+            let refp = if self.loss.use_kl_loss {
+                Some(req.f32("ref_log_probs", &tok, &device)?)
+            } else {
+                None
+            };
+            let mask_host = host_f32(&resp_mask)?;
+            check_finite_masked("advantages", &adv, &mask_host, &self.who, step)?;
+            check_finite_masked("old_log_probs", &old, &mask_host, &self.who, step)?;
+            if let Some(rp) = &refp {
+                check_finite_masked("ref_log_probs", rp, &mask_host, &self.who, step)?;
+            }
+            Ok((step, ids, mask, resp_mask, old, adv, refp, mask_host))
         };
-        let mask_host = host_f32(&resp_mask)?;
-        check_finite_masked("advantages", &adv, &mask_host, &self.who, step)?;
-        check_finite_masked("old_log_probs", &old, &mask_host, &self.who, step)?;
-        if let Some(rp) = &refp {
-            check_finite_masked("ref_log_probs", rp, &mask_host, &self.who, step)?;
-        }
+        let (step, ids, mask, resp_mask, old, adv, refp, mask_host) =
+            prep().map_err(Failure::Before)?;
+        let r = self.shapes.response_len;
         let (shapes, temperature, loss_cfg) = (self.shapes, self.temperature, self.loss.clone());
         let mut micro = |model: &Model, idx: &[usize]| -> Result<MicroOut> {
             let m = convert::rows(&resp_mask, idx)?;
@@ -390,7 +416,7 @@ impl Trainer {
             &names,
             &mut micro,
         )
-        .with_ctx(|| format!("actor_rollout train rank {} UpdateActor", self.who.rank))?;
+        .map_err(Failure::During)?;
         Ok(metrics_batch(metrics))
     }
 
@@ -508,18 +534,36 @@ impl Critic {
 
     /// Value epochs over this rank's shard; returns the metrics in the meta.
     pub fn update(&mut self, comm: &mut dyn Communicator, batch: &DataBatch) -> Result<DataBatch> {
-        let req = Request::new("UpdateCritic", batch);
-        let device = self.model.device().clone();
-        let step = req.meta_u64("step")?.unwrap_or(0);
-        let (b, ids, mask) = sequences(&req, self.shapes, &device)?;
+        self.update_inner(comm, batch)
+            .map_err(|e| match e {
+                Failure::Before(e) => train::abort_update(comm, e),
+                Failure::During(e) => e,
+            })
+            .with_ctx(|| format!("critic rank {} UpdateCritic", self.who.rank))
+    }
+
+    fn update_inner(
+        &mut self,
+        comm: &mut dyn Communicator,
+        batch: &DataBatch,
+    ) -> std::result::Result<DataBatch, Failure> {
+        let prep = || -> Result<_> {
+            let req = Request::new("UpdateCritic", batch);
+            let device = self.model.device().clone();
+            let step = req.meta_u64("step")?.unwrap_or(0);
+            let (b, ids, mask) = sequences(&req, self.shapes, &device)?;
+            let r = self.shapes.response_len;
+            let tok = [b, r];
+            let resp_mask = req.f32("response_mask", &tok, &device)?;
+            let old = req.f32("values", &tok, &device)?;
+            let ret = req.f32("returns", &tok, &device)?;
+            let mask_host = host_f32(&resp_mask)?;
+            check_finite_masked("values", &old, &mask_host, &self.who, step)?;
+            check_finite_masked("returns", &ret, &mask_host, &self.who, step)?;
+            Ok((step, ids, mask, resp_mask, old, ret, mask_host))
+        };
+        let (step, ids, mask, resp_mask, old, ret, mask_host) = prep().map_err(Failure::Before)?;
         let r = self.shapes.response_len;
-        let tok = [b, r];
-        let resp_mask = req.f32("response_mask", &tok, &device)?;
-        let old = req.f32("values", &tok, &device)?;
-        let ret = req.f32("returns", &tok, &device)?;
-        let mask_host = host_f32(&resp_mask)?;
-        check_finite_masked("values", &old, &mask_host, &self.who, step)?;
-        check_finite_masked("returns", &ret, &mask_host, &self.who, step)?;
         let loss_cfg = self.loss.clone();
         let shapes = self.shapes;
         let mut micro = |model: &Model, idx: &[usize]| -> Result<MicroOut> {
@@ -569,7 +613,7 @@ impl Critic {
             &names,
             &mut micro,
         )
-        .with_ctx(|| format!("critic rank {} UpdateCritic", self.who.rank))?;
+        .map_err(Failure::During)?;
         Ok(metrics_batch(metrics))
     }
 

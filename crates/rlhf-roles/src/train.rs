@@ -181,9 +181,15 @@ pub fn run_update(
     // Every rank must make the same number of collective calls: agree on the number of
     // mini-batches; a rank with fewer rows joins the extra ones with empty mini-batches.
     let local_mbs = rows.div_ceil(plan.mini_batch_rows);
-    let mut n = [local_mbs as f64];
+    let mut n = [local_mbs as f64, 0.0];
     comm.all_reduce_f64(&mut n, ReduceOp::Max)
         .ctx("agreeing on the number of mini-batches")?;
+    if n[1] > 0.0 {
+        return Err(Error::invalid(format!(
+            "{} rank {}: another rank of the group refused its shard (see that rank's error)",
+            who.role, who.rank
+        )));
+    }
     let n_mbs = n[0] as usize;
     let vars = model.vars();
     let mut metrics: BTreeMap<String, (f64, f64)> = BTreeMap::new();
@@ -212,6 +218,9 @@ pub fn run_update(
             }
             let mut grads = Gradients::default();
             let mut mb_stats: BTreeMap<String, (f64, f64)> = BTreeMap::new();
+            // A bad loss here must fail every rank of the group, not leave the others
+            // waiting in the gradient all-reduce: it travels as a flag with the gradients.
+            let mut failed: Option<Error> = None;
             for micro_idx in idx.chunks(plan.micro_batch_rows) {
                 let m: Vec<f32> = micro_idx
                     .iter()
@@ -225,12 +234,13 @@ pub fn run_update(
                 let out = micro(model, micro_idx)?;
                 let loss_value = out.loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
                 if !loss_value.is_finite() {
-                    return Err(Error::NonFinite {
+                    failed = Some(Error::NonFinite {
                         tensor: "loss".into(),
                         role: who.role.clone(),
                         rank: who.rank,
                         step: plan.step,
                     });
+                    break;
                 }
                 let g = Gradients::backward(&out.loss, &vars)?;
                 grads.add_scaled(&g, scale)?;
@@ -238,7 +248,18 @@ pub fn run_update(
                     mean_into(&mut mb_stats, k, v, tokens);
                 }
             }
-            let mut grads = all_reduce_grads(&grads, &vars, comm)?;
+            let (mut grads, failures) = all_reduce_grads(&grads, &vars, comm, failed.is_some())?;
+            if let Some(e) = failed {
+                return Err(e);
+            }
+            if failures > 0 {
+                return Err(Error::NonFinite {
+                    tensor: format!("loss on {failures} other rank(s) of the group"),
+                    role: who.role.clone(),
+                    rank: who.rank,
+                    step: plan.step,
+                });
+            }
             let norm = grads.global_norm()?;
             if !norm.is_finite() {
                 let which = grads
@@ -274,13 +295,27 @@ pub fn run_update(
         .collect())
 }
 
+/// Fails an update call collectively: makes the first collective of [`run_update`] with a
+/// failure flag, so the other ranks of the group stop too instead of waiting for this one.
+pub fn abort_update(comm: &mut dyn Communicator, error: Error) -> Error {
+    let mut n = [0.0, 1.0];
+    if comm.world_size() > 1 {
+        if let Err(e) = comm.all_reduce_f64(&mut n, ReduceOp::Max) {
+            tracing::warn!("telling the group about a failed update: {e}");
+        }
+    }
+    error
+}
+
 /// Sums gradients over the group. Parameters without a gradient on a rank count as zeros,
-/// so every rank (and a single rank) steps the same parameter set.
+/// so every rank (and a single rank) steps the same parameter set. `failed` travels along:
+/// the second value is the number of ranks that reported a failure.
 pub fn all_reduce_grads(
     grads: &Gradients,
     vars: &[(String, Var)],
     comm: &mut dyn Communicator,
-) -> Result<Gradients> {
+    failed: bool,
+) -> Result<(Gradients, usize)> {
     let mut host: Vec<Vec<f32>> = Vec::with_capacity(vars.len());
     for (name, var) in vars {
         match grads.get(name) {
@@ -288,17 +323,20 @@ pub fn all_reduce_grads(
             None => host.push(vec![0.0; var.elem_count()]),
         }
     }
+    let mut flag = [f32::from(u8::from(failed))];
     if comm.world_size() > 1 {
         let mut parts: Vec<&mut [f32]> = host.iter_mut().map(|v| v.as_mut_slice()).collect();
+        parts.push(&mut flag);
         all_reduce_f32_bucketed(comm, &mut parts, ReduceOp::Sum, GRAD_BUCKET_ELEMS)
             .ctx("all-reducing gradients")?;
     }
+    let failures = flag[0].round() as usize - usize::from(failed);
     let mut store = GradStore::default();
     for ((_, var), v) in vars.iter().zip(host) {
         let t = Tensor::from_vec(v, var.shape(), var.device())?.to_dtype(var.dtype())?;
         store.insert(var.as_tensor(), t);
     }
-    Ok(Gradients::from_store(&store, vars))
+    Ok((Gradients::from_store(&store, vars), failures))
 }
 
 /// `role_state.json` of a checkpoint.

@@ -373,3 +373,45 @@ fn two_critic_ranks_equal_one() {
         assert!(d < 1e-5, "critic DP differs by {d} at {name}");
     }
 }
+
+/// A rank that refuses its shard fails the whole group at once instead of leaving the
+/// other ranks waiting in a collective until the timeout.
+#[test]
+fn a_bad_shard_on_one_rank_fails_every_rank_promptly() {
+    let cfg = config();
+    let seqs = sequences(&LENS, 13);
+    let probe = Trainer::from_config(&cfg, 0, 1).unwrap();
+    let batch = actor_batch(&seqs, &log_probs(&probe, &seqs), 6);
+    let mut halves = batch.chunk(2).unwrap();
+    let mut adv = halves[1].tensors["advantages"].to_f32().unwrap();
+    adv[0] = f32::INFINITY;
+    halves[1].tensors.insert(
+        "advantages".into(),
+        TensorData::from_f32(vec![4, R], &adv).unwrap(),
+    );
+    let start = std::time::Instant::now();
+    let handles: Vec<_> = group(2)
+        .into_iter()
+        .zip(halves)
+        .enumerate()
+        .map(|(rank, (mut comm, half))| {
+            let cfg = cfg.clone();
+            thread::spawn(move || {
+                let mut t = Trainer::from_config(&cfg, rank, 2).unwrap();
+                t.update(&mut comm, &half).unwrap_err().to_string()
+            })
+        })
+        .collect();
+    let errs: Vec<String> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    assert!(start.elapsed() < std::time::Duration::from_secs(20));
+    assert!(
+        errs[0].contains("another rank of the group refused its shard"),
+        "{}",
+        errs[0]
+    );
+    assert!(
+        errs[1].contains("non-finite advantages in actor_rollout rank 1 at step 1"),
+        "{}",
+        errs[1]
+    );
+}
