@@ -96,7 +96,7 @@ impl RoleActor {
                 self.label()
             )));
         }
-        if req.role != self.kind && self.kind != "any" {
+        if req.role != self.kind {
             return Err(Error::invalid(format!(
                 "InitRole for role '{}' sent to a '{}' actor process",
                 req.role, self.kind
@@ -222,8 +222,9 @@ impl RoleActor {
             req.group.as_str()
         };
         let bucket = req.bucket_bytes as usize;
-        let size_hint = 2;
-        let comm = self.groups.get(group, size_hint)?;
+        // The weights group has the trainer and at least one rollout rank: never a group
+        // of one made on the spot, so a missing JoinComm is reported.
+        let comm = self.groups.get(group, 2)?;
         let res = match self.role.as_mut() {
             Some(Role::Trainer(t)) => t.send_weights(comm, req.version, bucket),
             Some(Role::Rollout(r)) => r.recv_weights(comm, req.version, bucket),
