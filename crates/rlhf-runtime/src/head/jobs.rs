@@ -834,6 +834,88 @@ mod tests {
         assert!(e.contains("config bundle"), "{e}");
     }
 
+    fn running_record(id: &str, pid: i32) -> JobRecord {
+        JobRecord {
+            job_id: id.into(),
+            state: JobState::Running,
+            config_name: "ppo_tiny".into(),
+            overrides: vec![],
+            submit_ms: 1,
+            start_ms: 2,
+            end_ms: 0,
+            exit_code: None,
+            signal: 0,
+            error: String::new(),
+            pid,
+            metrics_file: String::new(),
+            stop_reason: String::new(),
+        }
+    }
+
+    #[tokio::test]
+    async fn drivers_that_outlive_a_head_restart_are_watched_and_stoppable() {
+        use std::os::unix::process::CommandExt;
+        let dir = tempfile::tempdir().unwrap();
+        // Stand-ins for drivers of a previous head: the job id is on their command line,
+        // as it is on a real driver's, and each leads its own process group.
+        let orphan = |id: &str, body: &str| {
+            let jd = dir.path().join("state/jobs").join(id);
+            std::fs::create_dir_all(&jd).unwrap();
+            let log = std::fs::File::create(jd.join(LOG_FILE)).unwrap();
+            std::process::Command::new("sh")
+                .args(["-c", body, id])
+                .current_dir(&jd)
+                .stdout(log.try_clone().unwrap())
+                .stderr(log)
+                .process_group(0)
+                .spawn()
+                .unwrap()
+        };
+        let stop_id = "job-20260101-000000-stop";
+        let fail_id = "job-20260101-000000-fail";
+        let mut a = orphan(stop_id, "sleep 600; exit 0");
+        let mut b = orphan(
+            fail_id,
+            "while [ ! -e go ]; do sleep 0.05; done; echo 'error: lost the head' >&2; exit 4",
+        );
+        {
+            let st = Store::open(&dir.path().join("state")).unwrap();
+            for (id, pid) in [(stop_id, a.id() as i32), (fail_id, b.id() as i32)] {
+                st.put(store::JOBS, id, &running_record(id, pid)).unwrap();
+            }
+        }
+        let j = manager(
+            dir.path(),
+            PathBuf::from("/bin/true"),
+            Duration::from_secs(5),
+        );
+        assert_eq!(j.get(stop_id).unwrap().state, JobState::Running);
+        assert_eq!(j.get(fail_id).unwrap().state, JobState::Running);
+
+        // Reaped here (they are this test's children) so they do not linger as zombies.
+        let reap_a = std::thread::spawn(move || a.wait());
+        let reap_b = std::thread::spawn(move || b.wait());
+        j.stop(stop_id, "stopped by user").unwrap();
+        assert!(j.wait_ended(stop_id, Duration::from_secs(10)).await);
+        let r = j.get(stop_id).unwrap();
+        assert_eq!(
+            (r.state, r.error.as_str()),
+            (JobState::Stopped, "stopped by user")
+        );
+
+        std::fs::write(j.job_dir(fail_id).join("go"), "").unwrap();
+        assert!(j.wait_ended(fail_id, Duration::from_secs(10)).await);
+        let r = j.get(fail_id).unwrap();
+        // Its exit status is unknown to this head; its log says why it failed.
+        assert_eq!(
+            (r.state, r.error.as_str()),
+            (JobState::Failed, "lost the head")
+        );
+        assert_eq!(r.exit_code, None);
+        reap_a.join().unwrap().unwrap();
+        assert_eq!(reap_b.join().unwrap().unwrap().code(), Some(4));
+    }
+
     #[tokio::test]
     async fn restart_fails_jobs_whose_driver_is_gone() {
         let dir = tempfile::tempdir().unwrap();
