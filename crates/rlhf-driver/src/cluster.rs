@@ -369,12 +369,12 @@ pub async fn diagnose(head: &mut HeadClient, roles: &Roles, err: CallError) -> E
                 );
                 if let Some(exit) = &a.exit {
                     if exit.signal != 0 {
-                        msg.push_str(&format!(": killed by signal {}", exit.signal));
+                        msg.push_str(&format!(": signal {}", exit.signal));
                     } else {
                         msg.push_str(&format!(": exit code {}", exit.exit_code));
                     }
                     if !exit.reason.is_empty() {
-                        msg.push_str(&format!(" ({})", exit.reason));
+                        msg.push_str(&format!(" - {}", exit.reason));
                     }
                     if !exit.log_tail.is_empty() {
                         msg.push_str("\nlast log lines:\n");
