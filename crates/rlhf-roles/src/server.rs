@@ -110,7 +110,10 @@ impl RoleServer {
         while let Some(chunk) = stream.message().await? {
             asm.push(chunk)?;
         }
-        let batch: DataBatch = asm.finish()?;
+        // Decoding copies the whole batch: off the async workers, which also serve Ping.
+        let batch: DataBatch = tokio::task::spawn_blocking(move || asm.finish())
+            .await
+            .map_err(|e| Status::internal(format!("batch decoder: {e}")))??;
         let chunks = self
             .compute
             .run(move |a| {
