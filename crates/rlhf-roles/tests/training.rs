@@ -81,7 +81,7 @@ fn dp_run(mode: LossAggMode, sync_denominators: bool) -> (f32, f32) {
 
 #[test]
 fn two_ranks_on_halves_equal_one_rank_on_the_whole_batch() {
-    for mode in [LossAggMode::TokenMean, LossAggMode::SeqMeanTokenMean] {
+    for mode in LossAggMode::ALL.iter().copied() {
         let (moved, d) = dp_run(mode, true);
         assert!(
             moved > 1e-3,
