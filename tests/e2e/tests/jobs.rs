@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use rlhf_e2e::{bin, wait_for, Cluster};
+use rlhf_e2e::{bin, wait_for, Cluster, Proc};
 use rlhf_proto::v1 as pb;
 use rlhf_proto::v1::head_service_client::HeadServiceClient;
 use rlhf_runtime::clock::SystemClock;
@@ -298,6 +298,23 @@ fn submit_ppo_tiny_then_stop_or_see_the_drivers_error() -> Result<()> {
     eprintln!("job {id} left PENDING as {}", j["state"]);
     match j["state"].as_str() {
         Some("RUNNING") => {
+            // A follower started while the job runs returns once the stop has ended it.
+            let mut follow = Proc::spawn(
+                "follow",
+                c.dir.path(),
+                Command::new(bin("rlhf-head"))
+                    .args(["job", "logs", "-f", &id])
+                    .args(["--address", &c.address()])
+                    .arg("--token-file")
+                    .arg(c.token_file())
+                    .env_remove("RLHF_TOKEN"),
+            )?;
+            std::thread::sleep(Duration::from_millis(300));
+            assert!(
+                follow.child.try_wait()?.is_none(),
+                "`job logs -f` returned while the job was running: {}",
+                follow.output()
+            );
             let out = head_cmd(&c, &["job", "stop", &id])?;
             let text = ok_stdout(&out, "job stop")?;
             let j = job_json(&c, &id)?;
@@ -307,6 +324,15 @@ fn submit_ppo_tiny_then_stop_or_see_the_drivers_error() -> Result<()> {
                 // The driver ended on its own between the two calls.
                 assert_eq!(j["state"], "FAILED", "{j}");
             }
+            let st = follow.wait_exit(Duration::from_secs(10))?;
+            assert!(st.success(), "{}", follow.output());
+            assert!(
+                follow
+                    .output()
+                    .contains(&format!("job {id} {}", j["state"].as_str().unwrap_or("?"))),
+                "{}",
+                follow.output()
+            );
         }
         Some("FAILED") => {}
         _ => bail!("unexpected job state: {j}"),
