@@ -164,7 +164,7 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
 /// Binds a listener, turning "address in use" into an error that names the port and the flag.
 pub async fn bind(host: &str, port: u16, flag: &str) -> Result<tokio::net::TcpListener> {
     let addr = format!("{host}:{port}");
-    tokio::net::TcpListener::bind(&addr).await.map_err(|e| {
+    let l = tokio::net::TcpListener::bind(&addr).await.map_err(|e| {
         if e.kind() == std::io::ErrorKind::AddrInUse {
             Error::invalid(format!(
                 "port {port} is already in use on {host}; choose another with {flag} PORT, or {flag} 0 to pick a free one"
@@ -172,7 +172,35 @@ pub async fn bind(host: &str, port: u16, flag: &str) -> Result<tokio::net::TcpLi
         } else {
             Error::io(format!("binding {addr} ({flag})"), e)
         }
-    })
+    })?;
+    nodelay_for_accepted(&l);
+    Ok(l)
+}
+
+/// Sets TCP_NODELAY on a listening socket; Linux copies it to every accepted connection.
+/// Servers here take their connections from a listener stream, where tonic's own
+/// `tcp_nodelay` setting does not apply, so without this every reply would wait on Nagle's
+/// algorithm (up to a delayed-ACK timeout, 40 ms, behind the previous small write).
+fn nodelay_for_accepted(l: &tokio::net::TcpListener) {
+    use std::os::fd::AsRawFd;
+    let on: libc::c_int = 1;
+    // SAFETY: the fd is a live socket owned by `l` for the duration of the call, and the
+    // option value points to a c_int of the size passed.
+    let rc = unsafe {
+        libc::setsockopt(
+            l.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_NODELAY,
+            (&on as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc != 0 {
+        tracing::debug!(
+            "TCP_NODELAY on the listener: {}",
+            std::io::Error::last_os_error()
+        );
+    }
 }
 
 /// The address of this machine's interface that routes to `peer` (no packet is sent).
@@ -216,6 +244,18 @@ mod tests {
         assert!(
             m.contains(&format!("port {port} is already in use")) && m.contains("--port 0"),
             "{m}"
+        );
+    }
+
+    #[tokio::test]
+    async fn accepted_connections_have_nodelay() {
+        let l = bind("127.0.0.1", 0, "--port").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let _c = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let (s, _) = l.accept().await.unwrap();
+        assert!(
+            s.nodelay().unwrap(),
+            "server side of a connection must not use Nagle"
         );
     }
 

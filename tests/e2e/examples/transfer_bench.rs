@@ -24,6 +24,18 @@ fn arg(name: &str) -> Option<String> {
         .cloned()
 }
 
+/// CPU seconds (user + system) a process has used so far, from /proc.
+fn cpu_seconds(pid: u32) -> Result<f64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    let rest = s.rsplit(')').next().context("stat format")?;
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // After the command: state is index 0, utime 11, stime 12 (clock ticks).
+    let ticks = f[11].parse::<f64>()? + f[12].parse::<f64>()?;
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
+    Ok(ticks / hz)
+}
+
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -151,7 +163,8 @@ fn main() -> Result<()> {
     let rt = tokio::runtime::Runtime::new()?;
     let token = "transfer-bench-token".to_string();
     let o = ClientOptions::new(token.clone());
-    let (_actor, addr) = spawn_actor(&token)?;
+    let (actor, addr) = spawn_actor(&token)?;
+    let actor_pid = actor.0.id();
     let mut client =
         rt.block_on(async { anyhow::Ok(ActorServiceClient::new(net::connect(&addr, &o).await?)) })?;
     println!(
@@ -203,9 +216,15 @@ fn main() -> Result<()> {
         drop(back);
 
         let (mut raw, mut grpc) = (Vec::new(), Vec::new());
+        let (mut raw_cpu, mut client_cpu, mut actor_cpu) = (0.0, 0.0, 0.0);
         for _ in 0..reps {
+            let r0 = cpu_seconds(std::process::id())?;
             raw.push(raw_tcp_copy(&wire)?);
+            raw_cpu += cpu_seconds(std::process::id())? - r0;
+            let (c0, a0) = (cpu_seconds(std::process::id())?, cpu_seconds(actor_pid)?);
             grpc.push(put(&b, sum)?);
+            client_cpu += cpu_seconds(std::process::id())? - c0;
+            actor_cpu += cpu_seconds(actor_pid)? - a0;
         }
         let each: Vec<String> = raw
             .iter()
@@ -225,7 +244,10 @@ fn main() -> Result<()> {
             if raw_m / grpc_m >= 0.5 { "met" } else { "NOT met" }
         );
         println!(
-            "  in process: encode_chunks {:.2} ms, assemble + decode + checksum {:.1} ms ({:.2} GB/s)",
+            "  cpu per transfer: sender {:.0} ms + actor {:.0} ms (raw copy: {:.0} ms); in process: encode_chunks {:.2} ms, assemble + decode + checksum {:.1} ms ({:.2} GB/s)",
+            client_cpu / reps as f64 * 1e3,
+            actor_cpu / reps as f64 * 1e3,
+            raw_cpu / reps as f64 * 1e3,
             enc_s * 1e3,
             asm_s * 1e3,
             gbps(asm_s)
