@@ -6,6 +6,7 @@ use std::time::Duration;
 use futures::future::try_join_all;
 use rlhf_core::batch::{Assembler, DataBatch};
 use rlhf_core::{Error, FailureKind, Result};
+pub use rlhf_proto::BatchCall;
 use rlhf_proto::v1::role_service_client::RoleServiceClient;
 use rlhf_runtime::net::AuthChannel;
 
@@ -21,30 +22,6 @@ pub struct Member {
     pub pid: i32,
     pub log_file: String,
     pub client: RoleServiceClient<AuthChannel>,
-}
-
-/// The batch RPCs of RoleService.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum BatchCall {
-    Generate,
-    ComputeLogProbs,
-    ComputeValues,
-    ComputeScores,
-    UpdateActor,
-    UpdateCritic,
-}
-
-impl BatchCall {
-    pub fn name(self) -> &'static str {
-        match self {
-            BatchCall::Generate => "Generate",
-            BatchCall::ComputeLogProbs => "ComputeLogProbs",
-            BatchCall::ComputeValues => "ComputeValues",
-            BatchCall::ComputeScores => "ComputeScores",
-            BatchCall::UpdateActor => "UpdateActor",
-            BatchCall::UpdateCritic => "UpdateCritic",
-        }
-    }
 }
 
 /// Sends `batch` to one member and returns its answer batch.

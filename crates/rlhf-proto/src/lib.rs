@@ -1,8 +1,8 @@
 //! The rlhf wire protocol: generated prost/tonic code for proto/rlhf/v1 and the
 //! protocol version every node checks at register and heartbeat.
 //!
-//! Only generated code and constants live here; conversions to domain types are in
-//! `rlhf-core`.
+//! Only generated code, constants and names of the wire live here; conversions to domain
+//! types are in `rlhf-core`.
 
 /// Bumped on any incompatible change to proto/. Checked at register and on every heartbeat.
 pub const PROTOCOL_VERSION: u32 = 1;
@@ -14,4 +14,29 @@ pub const MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
 #[allow(clippy::all, missing_docs)]
 pub mod v1 {
     tonic::include_proto!("rlhf.v1");
+}
+
+/// The batch RPCs of `RoleService`: the driver and the role actors name calls with it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BatchCall {
+    Generate,
+    ComputeLogProbs,
+    ComputeValues,
+    ComputeScores,
+    UpdateActor,
+    UpdateCritic,
+}
+
+impl BatchCall {
+    /// The RPC's name in role.proto.
+    pub fn name(self) -> &'static str {
+        match self {
+            BatchCall::Generate => "Generate",
+            BatchCall::ComputeLogProbs => "ComputeLogProbs",
+            BatchCall::ComputeValues => "ComputeValues",
+            BatchCall::ComputeScores => "ComputeScores",
+            BatchCall::UpdateActor => "UpdateActor",
+            BatchCall::UpdateCritic => "UpdateCritic",
+        }
+    }
 }

@@ -6,6 +6,7 @@ use std::path::Path;
 
 use rlhf_config::PpoConfig;
 use rlhf_core::batch::DataBatch;
+pub use rlhf_proto::BatchCall;
 use rlhf_proto::v1 as pb;
 
 use crate::comm::{Groups, JoinSpec, Prepared};
@@ -23,30 +24,6 @@ pub enum Role {
     Ref(Box<RefPolicy>),
     Critic(Box<Critic>),
     Reward(Box<Reward>),
-}
-
-/// Batch calls, by RPC name.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum BatchCall {
-    Generate,
-    ComputeLogProbs,
-    ComputeValues,
-    ComputeScores,
-    UpdateActor,
-    UpdateCritic,
-}
-
-impl BatchCall {
-    pub fn name(self) -> &'static str {
-        match self {
-            BatchCall::Generate => "Generate",
-            BatchCall::ComputeLogProbs => "ComputeLogProbs",
-            BatchCall::ComputeValues => "ComputeValues",
-            BatchCall::ComputeScores => "ComputeScores",
-            BatchCall::UpdateActor => "UpdateActor",
-            BatchCall::UpdateCritic => "UpdateCritic",
-        }
-    }
 }
 
 /// Everything the compute thread owns.
