@@ -23,6 +23,10 @@ pub(crate) struct SubmitArgs {
     pub(crate) config_name: String,
     /// key.path=value overrides, e.g. actor_rollout.ppo_epochs=2.
     pub(crate) overrides: Vec<String>,
+    /// Stay attached: print the driver's output until the job ends, and exit non-zero
+    /// unless it succeeded.
+    #[arg(long, short)]
+    pub(crate) follow: bool,
 }
 
 #[derive(clap::Subcommand, Clone)]
@@ -91,7 +95,20 @@ pub(crate) async fn submit(args: SubmitArgs) -> Result<()> {
     println!("  follow it:  rlhf-head job logs -f {}", job.job_id);
     println!("  status:     rlhf-head job status {}", job.job_id);
     println!("  stop it:    rlhf-head job stop {}", job.job_id);
-    Ok(())
+    if !args.follow {
+        return Ok(());
+    }
+    let j = print_logs(&mut c, &job.job_id, true).await?;
+    if j.state == pb::JobState::Succeeded as i32 {
+        eprintln!("job {} {}", j.job_id, ended_text(&j));
+        Ok(())
+    } else {
+        Err(Error::internal(format!(
+            "job {} {}",
+            j.job_id,
+            ended_text(&j)
+        )))
+    }
 }
 
 fn duration_text(j: &pb::JobInfo, now_ms: i64) -> String {
@@ -214,36 +231,11 @@ pub(crate) async fn job(cmd: JobCmd) -> Result<()> {
             conn,
         } => {
             let mut c = crate::client(&conn).await?;
-            let mut offset = 0;
-            let mut out = std::io::stdout();
-            loop {
-                let r = c
-                    .job_logs(pb::JobLogsRequest {
-                        job_id: job_id.clone(),
-                        offset,
-                        max_bytes: 0,
-                    })
-                    .await
-                    .map_err(Error::from)?
-                    .into_inner();
-                let got = !r.data.is_empty();
-                out.write_all(&r.data)
-                    .and_then(|_| out.flush())
-                    .map_err(|e| Error::io("writing the log to stdout", e))?;
-                offset = r.next_offset;
-                if r.finished && follow {
-                    let j = get(&mut c, &job_id).await?;
-                    eprintln!("job {} {}", j.job_id, ended_text(&j));
-                    return Ok(());
-                }
-                // Without -f: everything written so far, in as many chunks as it takes.
-                if r.finished || (!follow && !got) {
-                    return Ok(());
-                }
-                if !got {
-                    tokio::time::sleep(Duration::from_millis(300)).await;
-                }
+            let j = print_logs(&mut c, &job_id, follow).await?;
+            if follow {
+                eprintln!("job {} {}", j.job_id, ended_text(&j));
             }
+            Ok(())
         }
         JobCmd::Stop {
             job_id,
@@ -292,6 +284,39 @@ pub(crate) async fn job(cmd: JobCmd) -> Result<()> {
     }
 }
 
+type Client =
+    rlhf_proto::v1::head_service_client::HeadServiceClient<rlhf_runtime::net::AuthChannel>;
+
+/// Prints the job's log; with `follow`, keeps polling until the job has ended and its log
+/// is drained. Returns the job as it is afterwards.
+async fn print_logs(c: &mut Client, job_id: &str, follow: bool) -> Result<pb::JobInfo> {
+    let mut offset = 0;
+    let mut out = std::io::stdout();
+    loop {
+        let r = c
+            .job_logs(pb::JobLogsRequest {
+                job_id: job_id.to_string(),
+                offset,
+                max_bytes: 0,
+            })
+            .await
+            .map_err(Error::from)?
+            .into_inner();
+        let got = !r.data.is_empty();
+        out.write_all(&r.data)
+            .and_then(|_| out.flush())
+            .map_err(|e| Error::io("writing the log to stdout", e))?;
+        offset = r.next_offset;
+        // Without follow: everything written so far, in as many chunks as it takes.
+        if r.finished || (!follow && !got) {
+            return get(c, job_id).await;
+        }
+        if !got {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    }
+}
+
 fn ended_text(j: &pb::JobInfo) -> String {
     let mut s = state_name(j.state).to_string();
     if j.has_exit_code || j.signal != 0 {
@@ -303,10 +328,7 @@ fn ended_text(j: &pb::JobInfo) -> String {
     s
 }
 
-async fn get(
-    c: &mut rlhf_proto::v1::head_service_client::HeadServiceClient<rlhf_runtime::net::AuthChannel>,
-    id: &str,
-) -> Result<pb::JobInfo> {
+async fn get(c: &mut Client, id: &str) -> Result<pb::JobInfo> {
     Ok(c.get_job(pb::GetJobRequest {
         job_id: id.to_string(),
     })

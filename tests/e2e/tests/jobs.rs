@@ -358,6 +358,57 @@ fn submit_ppo_tiny_then_stop_or_see_the_drivers_error() -> Result<()> {
     let s = c.status()?;
     assert_eq!(s["jobs"][0]["job_id"], id.as_str(), "{s}");
 
+    // `submit --follow` stays attached and exits non-zero unless the job succeeds.
+    let mut attached = Proc::spawn(
+        "submit-follow",
+        c.dir.path(),
+        Command::new(bin("rlhf-head"))
+            .args(["submit", "--follow", "--config-name", "ppo_tiny"])
+            .args([
+                "training.train_iters=1",
+                &format!("checkpoint.dir={out_dir}/ckpt"),
+            ])
+            .args([&format!("logging.metrics_file={out_dir}/metrics.jsonl")])
+            .args([&format!("logging.samples_file={out_dir}/samples.jsonl")])
+            .args(["--address", &c.address()])
+            .arg("--token-file")
+            .arg(c.token_file())
+            .current_dir(&repo)
+            .env_remove("RLHF_TOKEN"),
+    )?;
+    let id2 = wait_for(Duration::from_secs(20), "submit --follow's job id", || {
+        let out = attached.output();
+        Ok(out
+            .split_whitespace()
+            .skip_while(|w| *w != "job")
+            .nth(1)
+            .filter(|w| w.starts_with("job-"))
+            .map(str::to_string))
+    })?;
+    if job_json(&c, &id2)?["state"] == "RUNNING" {
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(
+            attached.child.try_wait()?.is_none(),
+            "{}",
+            attached.output()
+        );
+        ok_stdout(&head_cmd(&c, &["job", "stop", &id2])?, "job stop")?;
+    }
+    let st = attached.wait_exit(Duration::from_secs(20))?;
+    let end = job_json(&c, &id2)?;
+    let state = end["state"].as_str().unwrap_or("?");
+    assert!(
+        !st.success() && (state == "STOPPED" || state == "FAILED"),
+        "{end}"
+    );
+    assert!(
+        attached
+            .output()
+            .contains(&format!("error: job {id2} {state}")),
+        "{}",
+        attached.output()
+    );
+
     let out = head_cmd(&c, &["job", "status", "job-nope"])?;
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
