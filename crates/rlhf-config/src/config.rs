@@ -465,6 +465,8 @@ pub struct DataConfig {
     pub prompt_key: String,
     /// Column with chat messages; when set it is read instead of `prompt_key`.
     pub messages_key: Option<String>,
+    /// Column with the reference answer, passed to the reward as `ground_truth` (rule `exact_match`).
+    pub ground_truth_key: Option<String>,
     /// Render prompts with the model's chat template.
     pub apply_chat_template: bool,
     /// truncate or skip prompts longer than `actor_rollout.max_prompt_length`.
@@ -484,6 +486,7 @@ impl Default for DataConfig {
             format: DataFormat::Auto,
             prompt_key: "prompt".into(),
             messages_key: None,
+            ground_truth_key: None,
             apply_chat_template: false,
             max_prompt_length_policy: PromptOverflow::Truncate,
             shuffle: true,

@@ -48,6 +48,9 @@ pub struct PromptRecord {
     pub source_row: usize,
     /// The prompt.
     pub content: PromptContent,
+    /// The reference answer from `data.ground_truth_key`, when set.
+    #[serde(default)]
+    pub ground_truth: Option<String>,
 }
 
 /// A row that failed to parse.
@@ -88,6 +91,8 @@ pub struct Columns {
     pub prompt_key: String,
     /// Messages column; read instead of `prompt_key` when set.
     pub messages_key: Option<String>,
+    /// Reference-answer column, when set.
+    pub ground_truth_key: Option<String>,
 }
 
 impl Columns {
@@ -96,6 +101,7 @@ impl Columns {
         Self {
             prompt_key: cfg.prompt_key.clone(),
             messages_key: cfg.messages_key.clone(),
+            ground_truth_key: cfg.ground_truth_key.clone(),
         }
     }
 
@@ -134,7 +140,7 @@ impl PromptDataset {
             }
             let parsed = serde_json::from_str::<Json>(line)
                 .map_err(|e| format!("not JSON: {e}"))
-                .and_then(|v| json_prompt(&v, cols));
+                .and_then(|v| json_record(&v, cols));
             rows.push((i + 1, format!("line {}", i + 1), parsed));
         }
         Self::collect(origin, rows, bad)
@@ -173,14 +179,14 @@ impl PromptDataset {
         let mut rows = Vec::new();
         for (i, row) in iter.enumerate() {
             let row = row.map_err(|e| ds_err(format!("row {i}: cannot decode: {e}")))?;
-            rows.push((i, format!("row {i}"), parquet_prompt(&row, cols)));
+            rows.push((i, format!("row {i}"), parquet_record(&row, cols)));
         }
         Self::collect(&origin, rows, bad)
     }
 
     fn collect(
         origin: &str,
-        rows: Vec<(usize, String, std::result::Result<PromptContent, String>)>,
+        rows: Vec<(usize, String, std::result::Result<Parsed, String>)>,
         bad: BadRows,
     ) -> Result<Self> {
         let mut report = LoadReport {
@@ -190,10 +196,11 @@ impl PromptDataset {
         let mut records = Vec::new();
         for (source_row, location, parsed) in rows {
             match parsed {
-                Ok(content) => records.push(PromptRecord {
+                Ok((content, ground_truth)) => records.push(PromptRecord {
                     index: records.len(),
                     source_row,
                     content,
+                    ground_truth,
                 }),
                 Err(reason) => report.bad.push(BadRow { location, reason }),
             }
@@ -273,6 +280,54 @@ fn detect_format(path: &Path) -> Result<DataFormat> {
                     .into(),
         }),
     }
+}
+
+/// A parsed row: the prompt and its reference answer.
+type Parsed = (PromptContent, Option<String>);
+
+fn json_record(v: &Json, cols: &Columns) -> std::result::Result<Parsed, String> {
+    let content = json_prompt(v, cols)?;
+    let Some(key) = &cols.ground_truth_key else {
+        return Ok((content, None));
+    };
+    let answer = match v.get(key.as_str()) {
+        Some(Json::String(s)) => s.clone(),
+        Some(Json::Number(n)) => n.to_string(),
+        Some(Json::Bool(b)) => b.to_string(),
+        Some(other) => {
+            return Err(format!(
+                "'{key}' (data.ground_truth_key) is not text: {other}"
+            ))
+        }
+        None => return Err(format!("no '{key}' key (data.ground_truth_key)")),
+    };
+    Ok((content, Some(answer)))
+}
+
+fn parquet_record(row: &Row, cols: &Columns) -> std::result::Result<Parsed, String> {
+    let content = parquet_prompt(row, cols)?;
+    let Some(key) = &cols.ground_truth_key else {
+        return Ok((content, None));
+    };
+    let field = row
+        .get_column_iter()
+        .find(|(name, _)| name.as_str() == key.as_str())
+        .map(|(_, f)| f)
+        .ok_or_else(|| format!("no '{key}' column (data.ground_truth_key)"))?;
+    let answer = match field {
+        Field::Str(s) => s.clone(),
+        Field::Int(x) => x.to_string(),
+        Field::Long(x) => x.to_string(),
+        Field::Double(x) => x.to_string(),
+        Field::Float(x) => x.to_string(),
+        Field::Bool(x) => x.to_string(),
+        other => {
+            return Err(format!(
+                "'{key}' (data.ground_truth_key) is not text: {other}"
+            ))
+        }
+    };
+    Ok((content, Some(answer)))
 }
 
 fn json_prompt(v: &Json, cols: &Columns) -> std::result::Result<PromptContent, String> {

@@ -76,6 +76,7 @@ pub const KEY_DOCS: &[(&str, &str)] = &[
     ("data.format", "auto (from the extension), jsonl or parquet."),
     ("data.prompt_key", "Prompt column: a string, or a list of {role, content} messages."),
     ("data.messages_key", "Chat-messages column; read instead of prompt_key when set."),
+    ("data.ground_truth_key", "Reference-answer column (string or number), sent to the reward as `ground_truth` (rule exact_match)."),
     ("data.apply_chat_template", "Render prompts with the model's chat template (always for messages)."),
     ("data.max_prompt_length_policy", "Prompts over actor_rollout.max_prompt_length: truncate (keep the last tokens) or skip."),
     ("data.shuffle", "Reshuffle the prompts every epoch."),

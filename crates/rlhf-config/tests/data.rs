@@ -23,6 +23,7 @@ fn cols() -> Columns {
     Columns {
         prompt_key: "prompt".into(),
         messages_key: None,
+        ground_truth_key: None,
     }
 }
 
@@ -107,6 +108,7 @@ fn jsonl_prompts_and_messages() {
     let c = Columns {
         prompt_key: "prompt".into(),
         messages_key: Some("messages".into()),
+        ground_truth_key: None,
     };
     let ds = PromptDataset::from_jsonl_str(text, "m.jsonl", &c, BadRows::Fail).unwrap();
     assert!(matches!(&ds.records[0].content, PromptContent::Messages(m) if m[0].content == "hi"));
@@ -404,4 +406,22 @@ fn sampler_refuses_a_dataset_smaller_than_a_batch() {
         "{err}"
     );
     assert!(PromptSampler::new(3, 0, true, 1).is_err());
+}
+
+#[test]
+fn ground_truth_column_is_read_and_required_when_named() {
+    let text = "{\"prompt\": \"2+3=\", \"answer\": 5}\n{\"prompt\": \"4+4=\", \"answer\": \"8\"}\n{\"prompt\": \"1+1=\"}\n";
+    let c = Columns {
+        prompt_key: "prompt".into(),
+        messages_key: None,
+        ground_truth_key: Some("answer".into()),
+    };
+    let ds = PromptDataset::from_jsonl_str(text, "gt.jsonl", &c, BadRows::Skip).unwrap();
+    let gts: Vec<_> = ds.records.iter().map(|r| r.ground_truth.clone()).collect();
+    assert_eq!(gts, vec![Some("5".to_string()), Some("8".to_string())]);
+    assert_eq!(ds.report.bad.len(), 1);
+    assert!(ds.report.bad[0].location == "line 3" && ds.report.bad[0].reason.contains("answer"));
+    // Without the key nothing is read.
+    let ds = PromptDataset::from_jsonl_str(text, "gt.jsonl", &cols(), BadRows::Fail).unwrap();
+    assert!(ds.records.iter().all(|r| r.ground_truth.is_none()));
 }

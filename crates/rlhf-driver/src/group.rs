@@ -6,8 +6,8 @@ use std::time::Duration;
 use futures::future::try_join_all;
 use rlhf_core::batch::{Assembler, DataBatch};
 use rlhf_core::{Error, FailureKind, Result};
-pub use rlhf_proto::BatchCall;
 use rlhf_proto::v1::role_service_client::RoleServiceClient;
+pub use rlhf_proto::BatchCall;
 use rlhf_runtime::net::AuthChannel;
 
 /// Largest batch a role answer may be.

@@ -261,6 +261,7 @@ struct Rollout {
     response_mask: Vec<f32>,
     prompt_text: Vec<String>,
     response_text: Vec<String>,
+    ground_truth: Option<Vec<String>>,
     has_eos: Vec<bool>,
     group_ids: Vec<usize>,
     tokens: usize,
@@ -623,6 +624,10 @@ impl Loop<'_> {
             );
         }
         let n = cfg.actor_rollout.num_samples_per_step.max(1) as usize;
+        let ground_truth = which
+            .iter()
+            .map(|&i| self.prompts[i].ground_truth.clone())
+            .collect::<Option<Vec<String>>>();
         Ok(Rollout {
             rows,
             p,
@@ -633,6 +638,7 @@ impl Loop<'_> {
             response_mask,
             prompt_text,
             response_text,
+            ground_truth,
             has_eos,
             group_ids: (0..rows).map(|i| i / n).collect(),
             tokens,
@@ -666,6 +672,11 @@ impl Loop<'_> {
             "response_text".into(),
             ro.response_text.iter().map(|s| json!(s)).collect(),
         );
+        if let Some(gt) = &ro.ground_truth {
+            score_batch
+                .columns
+                .insert("ground_truth".into(), gt.iter().map(|s| json!(s)).collect());
+        }
         let tmo = self.opts.call_timeout;
         let roles = self.roles;
         let t = Instant::now();

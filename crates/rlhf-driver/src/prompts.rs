@@ -19,6 +19,8 @@ pub struct Prompt {
     pub ids: Vec<u32>,
     /// Row in the dataset file, for messages.
     pub source_row: usize,
+    /// Reference answer (`data.ground_truth_key`), sent to the reward as `ground_truth`.
+    pub ground_truth: Option<String>,
 }
 
 pub struct Prompts {
@@ -62,24 +64,26 @@ pub fn load(cfg: &PpoConfig, tok: &Tokenizer) -> Result<Prompts> {
                 cfg.data.path, r.source_row
             ))
         })?;
-        encoded.push((display, ids, r.source_row));
+        encoded.push((display, ids, r.source_row, r.ground_truth.clone()));
     }
-    let lengths: Vec<usize> = encoded.iter().map(|(_, ids, _)| ids.len()).collect();
+    let lengths: Vec<usize> = encoded.iter().map(|(_, ids, _, _)| ids.len()).collect();
     let (decisions, length) =
         apply_length_policy(&lengths, max_len, cfg.data.max_prompt_length_policy);
     let prompts: Vec<Prompt> = encoded
         .into_iter()
         .zip(decisions)
-        .filter_map(|((display, ids, source_row), d)| match d {
+        .filter_map(|((display, ids, source_row, ground_truth), d)| match d {
             LengthDecision::Keep => Some(Prompt {
                 display,
                 ids,
                 source_row,
+                ground_truth,
             }),
             LengthDecision::TruncateFront(n) => Some(Prompt {
                 display,
                 ids: ids[n..].to_vec(),
                 source_row,
+                ground_truth,
             }),
             LengthDecision::Skip => None,
         })
