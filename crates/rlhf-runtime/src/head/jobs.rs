@@ -350,12 +350,16 @@ impl Jobs {
         let r = self.get(id)?;
         let mut info = self.to_proto(&r);
         let mut candidates = vec![self.job_dir(id).join(METRICS_FILE)];
-        if !r.metrics_file.is_empty() {
-            candidates.push(PathBuf::from(&r.metrics_file));
+        // The path comes from the submitter: only a JSONL file's JSON records are shown,
+        // so `job status` cannot be used to read the tail of other files on the head.
+        let from_config = PathBuf::from(&r.metrics_file);
+        if from_config.extension().is_some_and(|e| e == "jsonl") {
+            candidates.push(from_config);
         }
         info.last_metrics = candidates
             .iter()
             .find_map(|p| last_nonempty_line(p))
+            .filter(|l| serde_json::from_str::<serde_json::Value>(l).is_ok_and(|v| v.is_object()))
             .unwrap_or_default();
         Ok(info)
     }
@@ -717,6 +721,25 @@ mod tests {
         assert!(log.contains(&format!("cwd: {}", cwd.display())), "{log}");
         let info = j.info_with_metrics(&r.job_id).unwrap();
         assert_eq!(info.last_metrics, "{\"step\":1}");
+        // A metrics path that is not a JSONL file of records is not read.
+        let secret = dir.path().join("secret.txt");
+        std::fs::write(&secret, "password\n").unwrap();
+        std::fs::remove_file(jd.join(METRICS_FILE)).unwrap();
+        crate::lock(&j.0.jobs)
+            .get_mut(&r.job_id)
+            .unwrap()
+            .metrics_file = secret.display().to_string();
+        assert_eq!(j.info_with_metrics(&r.job_id).unwrap().last_metrics, "");
+        let m = dir.path().join("m.jsonl");
+        std::fs::write(&m, "{\"step\":1}\n{\"step\":2}\n\n").unwrap();
+        crate::lock(&j.0.jobs)
+            .get_mut(&r.job_id)
+            .unwrap()
+            .metrics_file = m.display().to_string();
+        assert_eq!(
+            j.info_with_metrics(&r.job_id).unwrap().last_metrics,
+            "{\"step\":2}"
+        );
         assert_eq!(info.state, pb::JobState::Succeeded as i32);
     }
 
