@@ -3,6 +3,10 @@
 //! across ranks (`chunk`), gathers back (`concat`), pads to a divisor and unpads, and has a
 //! self-describing byte encoding that is streamed in chunks (gRPC refuses messages over a
 //! few MiB by default, and whole batches are often hundreds of MiB).
+//!
+//! Streaming copies as little as it can: tensor storage is shared ([`TensorBytes`]), so
+//! [`encode_chunks`] hands out views of it as chunk data, and the [`Assembler`] copies each
+//! received byte once, into its final tensor buffer, hashing it on the way.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -778,11 +782,11 @@ impl Body {
                     t.len
                 )));
             }
-            if let Some(prev) = tensors.last().map(|p: &PendingTensor| &p.name) {
-                if *prev == t.name || tensors.iter().any(|p| p.name == t.name) {
-                    return Err(corrupt(format!("tensor '{}' appears twice", t.name)));
-                }
-                sorted &= *prev < t.name;
+            if tensors.iter().any(|p: &PendingTensor| p.name == t.name) {
+                return Err(corrupt(format!("tensor '{}' appears twice", t.name)));
+            }
+            if let Some(prev) = tensors.last() {
+                sorted &= prev.name < t.name;
             }
             sum = sum
                 .checked_add(t.len)
