@@ -1225,6 +1225,43 @@ mod tests {
     }
 
     #[test]
+    fn random_batches_round_trip_at_random_chunk_sizes() {
+        // A small xorshift generator: deterministic, no dependency.
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move |n: usize| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % n as u64) as usize
+        };
+        let dtypes = [DType::F32, DType::F64, DType::BF16, DType::I64, DType::U8];
+        for case in 0..60 {
+            let rows = next(9);
+            let mut b = DataBatch::new();
+            for k in 0..next(4) {
+                let dtype = dtypes[next(dtypes.len())];
+                let shape = vec![rows, next(40), 1 + next(3)];
+                let len = shape.iter().product::<usize>() * dtype.size();
+                let data = (0..len).map(|_| next(256) as u8).collect();
+                b = b.with_tensor(
+                    &format!("t{k}"),
+                    TensorData::new(dtype, shape, data).unwrap(),
+                );
+            }
+            if next(2) == 0 {
+                b = b.with_column("c", (0..rows).map(|i| json!(i)).collect());
+            }
+            let whole = encode(&b).unwrap();
+            let size = 1 + next(whole.len() + 10);
+            let chunks = encode_chunks(&b, size).unwrap();
+            let joined: Vec<u8> = chunks.iter().flat_map(|c| c.data.to_vec()).collect();
+            assert_eq!(joined, whole, "case {case}");
+            let (got, sum) = assemble(chunks, 1 << 20).unwrap();
+            assert_eq!((got, sum), (b.clone(), checksum(&b)), "case {case}");
+        }
+    }
+
+    #[test]
     fn streamed_checksum_matches_for_any_split() {
         let b = odd_batch();
         let whole = encode(&b).unwrap();
