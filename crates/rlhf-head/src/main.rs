@@ -73,6 +73,10 @@ enum Cmd {
         tls_cert: Option<PathBuf>,
         #[arg(long, requires = "tls_cert")]
         tls_key: Option<PathBuf>,
+        /// CA that verifies --tls-cert, for the job drivers this head starts (default: the
+        /// certificate itself, right for a self-signed one).
+        #[arg(long, requires = "tls_cert")]
+        job_tls_ca: Option<PathBuf>,
         /// Interface for the dashboard (HTTP); local only unless you say otherwise.
         #[arg(long, default_value = "127.0.0.1")]
         dashboard_host: String,
@@ -178,6 +182,7 @@ async fn run(cli: Cli) -> Result<()> {
             token_file,
             tls_cert,
             tls_key,
+            job_tls_ca,
             dashboard_host,
             dashboard_port,
             no_dashboard,
@@ -213,6 +218,7 @@ async fn run(cli: Cli) -> Result<()> {
                 cert: tls_cert,
                 key: tls_key,
             };
+            opts.job_tls_ca = job_tls_ca;
             opts.heartbeat_interval = Duration::from_millis(heartbeat_ms.max(10));
             opts.dead_threshold = Duration::from_millis(dead_after_ms.max(50));
             opts.dashboard = (!no_dashboard).then_some((dashboard_host, dashboard_port));

@@ -658,13 +658,17 @@ mod tests {
     }
 
     fn manager(dir: &Path, exe: PathBuf, grace: Duration) -> Jobs {
+        manager_with(dir, exe, grace, None)
+    }
+
+    fn manager_with(dir: &Path, exe: PathBuf, grace: Duration, tls_ca: Option<PathBuf>) -> Jobs {
         let store = Store::open(&dir.join("state")).unwrap();
         Jobs::open(
             JobsConfig {
                 state_dir: dir.join("state"),
                 exe,
                 head_address: "127.0.0.1:1".into(),
-                tls_ca: None,
+                tls_ca,
                 token: "sekrit-token".into(),
                 stop_grace: grace,
             },
@@ -721,6 +725,22 @@ mod tests {
         assert!(log.contains(&format!("cwd: {}", cwd.display())), "{log}");
         let info = j.info_with_metrics(&r.job_id).unwrap();
         assert_eq!(info.last_metrics, "{\"step\":1}");
+        // A TLS head tells its drivers which CA verifies it.
+        let echo = script(dir.path(), "echo.sh", "echo \"$*\"");
+        let t = manager_with(
+            &dir.path().join("tls"),
+            echo,
+            Duration::from_secs(5),
+            Some(PathBuf::from("/pki/ca.crt")),
+        );
+        let tr = submit(&t);
+        assert!(t.wait_ended(&tr.job_id, Duration::from_secs(10)).await);
+        let args = String::from_utf8(t.logs(&tr.job_id, 0, 0).unwrap().data).unwrap();
+        assert!(
+            args.trim_end()
+                .ends_with(&format!("--job-id {} --tls-ca /pki/ca.crt", tr.job_id)),
+            "{args}"
+        );
         // A metrics path that is not a JSONL file of records is not read.
         let secret = dir.path().join("secret.txt");
         std::fs::write(&secret, "password\n").unwrap();

@@ -44,6 +44,9 @@ pub struct HeadOptions {
     pub job_exe: Option<PathBuf>,
     /// Between SIGTERM and SIGKILL when a job is stopped.
     pub job_stop_grace: Duration,
+    /// CA that verifies this head's TLS certificate, for the job drivers it starts; None =
+    /// the certificate itself (right for a self-signed one).
+    pub job_tls_ca: Option<PathBuf>,
 }
 
 impl HeadOptions {
@@ -59,6 +62,7 @@ impl HeadOptions {
             dashboard: Some(("127.0.0.1".into(), 8260)),
             job_exe: None,
             job_stop_grace: Duration::from_secs(10),
+            job_tls_ca: None,
         }
     }
 }
@@ -532,7 +536,11 @@ pub async fn start(
             state_dir: opts.state_dir.clone(),
             exe: job_exe,
             head_address: local_head_address(&opts.host, addr),
-            tls_ca: opts.tls.cert.clone(),
+            tls_ca: opts
+                .tls
+                .cert
+                .as_ref()
+                .map(|cert| opts.job_tls_ca.clone().unwrap_or_else(|| cert.clone())),
             token: opts.token.clone(),
             stop_grace: opts.job_stop_grace,
         },
