@@ -157,7 +157,7 @@ pub async fn run(
         start_step = st.global_step;
         eprintln!("resuming from {} (step {})", dir.display(), st.global_step);
     }
-    let total = u64::from(cfg.training.train_iters);
+    let total = cfg.training.train_iters;
     let metrics_file = PathBuf::from(&cfg.logging.metrics_file);
     if start_step >= total {
         eprintln!(
@@ -281,6 +281,15 @@ impl Rollout {
     }
 }
 
+/// A step's prompts: dataset index per row, the batch for the rollout ranks and its
+/// `[rows, P]` ids and mask on the host.
+struct PromptBatch {
+    which: Vec<usize>,
+    batch: DataBatch,
+    ids: Vec<i64>,
+    mask: Vec<i64>,
+}
+
 async fn timed<T>(f: impl std::future::Future<Output = T>) -> (T, f64) {
     let t = Instant::now();
     let v = f.await;
@@ -357,7 +366,7 @@ impl Loop<'_> {
             let t0 = Instant::now();
             let save_steps = cfg.checkpoint.save_steps;
             let stopping = self.opts.stop_after.is_some_and(|n| step - start_step >= n);
-            if save_steps > 0 && (step % save_steps == 0 || step == total || stopping) {
+            if save_steps > 0 && (step.is_multiple_of(save_steps) || step == total || stopping) {
                 last_checkpoint = Some(self.save(step).await?);
                 metrics.insert("timing_s/checkpoint".into(), t0.elapsed().as_secs_f64());
             }
@@ -365,7 +374,7 @@ impl Loop<'_> {
             progress.update(step, &metrics);
             if let Some(log) = samples_log.as_mut() {
                 let every = cfg.logging.sample_every;
-                if every > 0 && (step % every == 0 || step == start_step + 1) {
+                if every > 0 && (step.is_multiple_of(every) || step == start_step + 1) {
                     log.write(step, &samples)?;
                     progress.println(&sample_table(step, &samples));
                 }
@@ -468,7 +477,7 @@ impl Loop<'_> {
         Ok(dir)
     }
 
-    fn prompt_batch(&mut self) -> Result<(Vec<usize>, DataBatch, Vec<i64>, Vec<i64>)> {
+    fn prompt_batch(&mut self) -> Result<PromptBatch> {
         let cfg = self.cfg;
         let n = cfg.actor_rollout.num_samples_per_step.max(1) as usize;
         let p = cfg.actor_rollout.max_prompt_length as usize;
@@ -490,10 +499,15 @@ impl Loop<'_> {
                 which.push(i);
             }
         }
-        let b = DataBatch::new()
+        let batch = DataBatch::new()
             .with_tensor("prompt_ids", wire_i64(&ids, &[rows, p])?)
             .with_tensor("prompt_mask", wire_i64(&mask, &[rows, p])?);
-        Ok((which, b, ids, mask))
+        Ok(PromptBatch {
+            which,
+            batch,
+            ids,
+            mask,
+        })
     }
 
     fn pad_id(&self) -> u32 {
@@ -568,7 +582,12 @@ impl Loop<'_> {
 
     async fn rollout(&mut self, step: u64, timing: &mut BTreeMap<String, f64>) -> Res<Rollout> {
         let cfg = self.cfg;
-        let (which, prompt_batch, prompt_ids, prompt_mask) = self.prompt_batch()?;
+        let PromptBatch {
+            which,
+            batch: prompt_batch,
+            ids: prompt_ids,
+            mask: prompt_mask,
+        } = self.prompt_batch()?;
         let rows = which.len();
         let p = cfg.actor_rollout.max_prompt_length as usize;
         let r = cfg.actor_rollout.max_response_length as usize;

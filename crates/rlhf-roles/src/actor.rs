@@ -6,8 +6,8 @@ use std::path::Path;
 
 use rlhf_config::PpoConfig;
 use rlhf_core::batch::DataBatch;
-pub use rlhf_proto::BatchCall;
 use rlhf_proto::v1 as pb;
+pub use rlhf_proto::BatchCall;
 
 use crate::comm::{Groups, JoinSpec, Prepared};
 use crate::error::{Ctx, Error, Result};
