@@ -120,17 +120,28 @@ pub async fn run(
         ))
     })?;
     let data = prompts::load(cfg, &tok)?;
-    tracing::info!(
-        "dataset {}: {} rows, {} prompts ({} bad rows skipped; {} kept, {} truncated, {} skipped by max_prompt_length={})",
+    eprintln!(
+        "dataset {}: {} rows, {} prompts ({} kept, {} truncated, {} skipped by actor_rollout.max_prompt_length={})",
         cfg.data.path,
         data.rows,
         data.prompts.len(),
-        data.bad_rows,
         data.length.kept,
         data.length.truncated,
         data.length.skipped,
         cfg.actor_rollout.max_prompt_length
     );
+    if !data.bad_rows.is_empty() {
+        eprintln!(
+            "{} bad row(s) skipped (data.bad_rows: skip):",
+            data.bad_rows.len()
+        );
+        for b in data.bad_rows.iter().take(20) {
+            eprintln!("  {b}");
+        }
+        if data.bad_rows.len() > 20 {
+            eprintln!("  ... and {} more", data.bad_rows.len() - 20);
+        }
+    }
     let fixed = match &cfg.actor_rollout.fixed_responses_file {
         Some(p) if !p.is_empty() => Some(prompts::load_fixed_responses(std::path::Path::new(p))?),
         _ => None,

@@ -26,7 +26,8 @@ pub struct Prompt {
 pub struct Prompts {
     pub prompts: Vec<Prompt>,
     pub length: LengthSummary,
-    pub bad_rows: usize,
+    /// Rows skipped as unparsable (`data.bad_rows: skip`): where and why.
+    pub bad_rows: Vec<String>,
     pub rows: usize,
 }
 
@@ -103,7 +104,12 @@ pub fn load(cfg: &PpoConfig, tok: &Tokenizer) -> Result<Prompts> {
     Ok(Prompts {
         prompts,
         length,
-        bad_rows: ds.report.bad.len(),
+        bad_rows: ds
+            .report
+            .bad
+            .iter()
+            .map(|b| format!("{}: {}", b.location, b.reason))
+            .collect(),
         rows: ds.report.rows,
     })
 }

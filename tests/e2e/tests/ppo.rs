@@ -406,3 +406,72 @@ fn two_trainer_processes_make_the_same_update_as_one() -> Result<()> {
     }
     Ok(())
 }
+
+/// Precision-alignment mode: responses come from `actor_rollout.fixed_responses_file` instead
+/// of generation, so two runs give the same losses step by step; bad dataset rows are
+/// skipped and reported with their line numbers.
+#[test]
+fn fixed_responses_replace_generation_and_bad_rows_are_reported() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let data = dir.path().join("prompts.jsonl");
+    std::fs::write(
+        &data,
+        "{\"prompt\": \"2+3=\"}\n{\"prompt\": \"7-4=\"}\nnot json\n{\"prompt\": \"3*3=\"}\n{\"text\": \"no prompt key\"}\n{\"prompt\": \"4+5=\"}\n",
+    )?;
+    let fixed = dir.path().join("fixed.jsonl");
+    let answers = [
+        ("2+3=", " 5."),
+        ("7-4=", " It is three."),
+        ("3*3=", " 9."),
+        ("4+5=", " Nine."),
+    ];
+    let lines: Vec<String> = answers
+        .iter()
+        .map(|(p, r)| serde_json::json!({"prompt": p, "response": r}).to_string())
+        .collect();
+    std::fs::write(&fixed, lines.join("\n"))?;
+    let args = [
+        format!("data.path={}", data.display()),
+        "data.bad_rows=skip".to_string(),
+        format!("actor_rollout.fixed_responses_file={}", fixed.display()),
+        "actor_rollout.do_sample=false".into(),
+        "training.global_batch_size=4".into(),
+        "training.train_iters=2".into(),
+        "checkpoint.save_steps=0".into(),
+        "logging.sample_rows=8".into(),
+    ];
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let mut runs = Vec::new();
+    for tag in ["a", "b"] {
+        let out = dir.path().join(tag);
+        let mut p = Proc::spawn(tag, dir.path(), &mut run_cmd(&out, &args))?;
+        wait_success(&mut p, Duration::from_secs(600))?;
+        let text = p.output();
+        assert!(text.contains("2 bad row(s) skipped"), "{text}");
+        assert!(
+            text.contains("line 3:") && text.contains("line 5:"),
+            "{text}"
+        );
+        let samples = std::fs::read_to_string(out.join("samples.jsonl"))?;
+        for l in samples.lines() {
+            let v: Value = serde_json::from_str(l)?;
+            let q = v["query"].as_str().unwrap_or_default();
+            let want = answers.iter().find(|(p, _)| *p == q).map(|(_, r)| r.trim());
+            assert_eq!(v["response"].as_str().map(str::trim), want, "{l}");
+            let digit = want.is_some_and(|r| r.chars().any(|c| c.is_ascii_digit()));
+            assert_eq!(
+                v["score"].as_f64(),
+                Some(if digit { 1.0 } else { 0.0 }),
+                "{l}"
+            );
+        }
+        runs.push(metrics(&out.join("metrics.jsonl"))?);
+    }
+    for (x, y) in runs[0].iter().zip(&runs[1]) {
+        for (k, u) in comparable(x) {
+            let v = y[&k].as_f64().unwrap_or(f64::NAN);
+            assert!((u - v).abs() <= 1e-6 * (1.0 + u.abs()), "{k}: {u} vs {v}");
+        }
+    }
+    Ok(())
+}
