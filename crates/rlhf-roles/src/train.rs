@@ -280,6 +280,13 @@ pub fn run_update(
             let lr = optim.sched.lr_at(optim.opt.steps());
             optim.opt.set_learning_rate(lr);
             optim.opt.step(&grads)?;
+            // Every rank reports the mini-batch's token-weighted metrics over the whole group,
+            // so the numbers do not depend on how the batch was split across ranks.
+            let mb_stats = if comm.world_size() > 1 {
+                merge_stats(comm, &mb_stats)?
+            } else {
+                mb_stats
+            };
             for (k, (sum, w)) in mb_stats {
                 if w > 0.0 {
                     mean_into(&mut metrics, &k, sum / w, 1.0);
@@ -293,6 +300,29 @@ pub fn run_update(
         .into_iter()
         .map(|(k, (s, w))| (k, if w > 0.0 { s / w } else { 0.0 }))
         .collect())
+}
+
+/// Sums `(weighted sum, weight)` metric pairs over the group (ranks may lack keys).
+fn merge_stats(
+    comm: &mut dyn Communicator,
+    mine: &BTreeMap<String, (f64, f64)>,
+) -> Result<BTreeMap<String, (f64, f64)>> {
+    let bytes = serde_json::to_vec(mine)
+        .map_err(|e| Error::internal(format!("encoding update metrics: {e}")))?;
+    let all = comm
+        .all_gather(&bytes)
+        .ctx("gathering the update metrics of the group")?;
+    let mut out: BTreeMap<String, (f64, f64)> = BTreeMap::new();
+    for b in all {
+        let m: BTreeMap<String, (f64, f64)> = serde_json::from_slice(&b)
+            .map_err(|e| Error::internal(format!("decoding a rank's update metrics: {e}")))?;
+        for (k, (sum, w)) in m {
+            let e = out.entry(k).or_insert((0.0, 0.0));
+            e.0 += sum;
+            e.1 += w;
+        }
+    }
+    Ok(out)
 }
 
 /// Fails an update call collectively: makes the first collective of [`run_update`] with a

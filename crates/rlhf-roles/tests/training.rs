@@ -65,12 +65,27 @@ fn dp_run(mode: LossAggMode, sync_denominators: bool) -> (f32, f32) {
                 let mut t = Trainer::from_config(&cfg, rank, 2).unwrap();
                 t.settings.sync_denominators = sync_denominators;
                 assert_eq!(t.settings.mini_batch_rows, 4);
-                t.update(&mut comm, &half).unwrap();
-                params(&t.model)
+                let m = t.update(&mut comm, &half).unwrap();
+                (params(&t.model), m.meta)
             })
         })
         .collect();
-    let ranks: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let (ranks, rank_metrics): (Vec<_>, Vec<_>) =
+        handles.into_iter().map(|h| h.join().unwrap()).unzip();
+    if sync_denominators {
+        // The update metrics are the group's, whatever the split: equal on every rank and
+        // equal to one rank's on the whole batch.
+        for (k, v) in &metrics.meta {
+            let whole_v = v.as_f64().unwrap();
+            for (rank, m) in rank_metrics.iter().enumerate() {
+                let dp_v = m[k].as_f64().unwrap();
+                assert!(
+                    (dp_v - whole_v).abs() <= 1e-5 * (1.0 + whole_v.abs()),
+                    "{mode}: {k} on rank {rank} {dp_v} vs whole batch {whole_v}"
+                );
+            }
+        }
+    }
     let (moved, _) = max_rel_diff(&after_whole, &before);
     let (between_ranks, _) = max_rel_diff(&ranks[0], &ranks[1]);
     assert_eq!(between_ranks, 0.0, "DP ranks must stay bit-identical");

@@ -395,9 +395,16 @@ fn two_trainer_processes_make_the_same_update_as_one() -> Result<()> {
         moved > 1e-4,
         "the update did not change the policy (max change {moved})"
     );
-    // Experience metrics (old log-probs split over the trainer ranks) agree too. The update's
-    // loss metrics are per-rank means of micro-batch means, so they are not compared.
-    for k in ["objective/scores", "objective/kl", "objective/rlhf_reward"] {
+    // Experience metrics (old log-probs split over the trainer ranks) and the update's metrics
+    // (token-weighted over the whole group) agree too.
+    for k in [
+        "objective/scores",
+        "objective/kl",
+        "objective/rlhf_reward",
+        "loss/policy_avg",
+        "policy/approxkl_avg",
+        "policy/clipfrac_avg",
+    ] {
         let (a, b) = (
             m1[0][k].as_f64().unwrap_or(f64::NAN),
             m2[0][k].as_f64().unwrap_or(f64::NAN),
