@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # PPO bench: a step's timing breakdown from a real ppo_tiny run (release build), then
 # experience-batch transfer (64 and 256 MiB to a separate actor process) and bucketed weight
-# sync between processes' communicators, each next to a raw TCP loopback copy of the same
+# sync between two ranks' TCP communicators, each next to a raw TCP loopback copy of the same
 # bytes measured in the same run (ratio = raw time / our time; goal >= 0.5).
 # Usage: scripts/ppo_bench.sh [STEPS]   (default 20)
 set -euo pipefail
