@@ -9,7 +9,7 @@ use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use rlhf_e2e::Cluster;
+use rlhf_e2e::{raw_tcp_copy, Cluster};
 use rlhf_proto::v1 as pb;
 use rlhf_proto::v1::actor_service_client::ActorServiceClient;
 use rlhf_proto::v1::head_service_client::HeadServiceClient;
@@ -57,29 +57,6 @@ fn raw_tcp_rtt(calls: usize) -> Result<Vec<f64>> {
     drop(c);
     let _ = srv.join();
     Ok(out)
-}
-
-/// Seconds to push `bytes` through one loopback TCP connection to a reading thread.
-fn raw_tcp_copy(bytes: usize) -> Result<f64> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
-    let addr = l.local_addr()?;
-    let srv = std::thread::spawn(move || -> std::io::Result<Vec<u8>> {
-        let (mut s, _) = l.accept()?;
-        let mut out = Vec::with_capacity(bytes);
-        s.read_to_end(&mut out)?;
-        Ok(out)
-    });
-    let src = vec![7u8; bytes];
-    let t = Instant::now();
-    let mut c = std::net::TcpStream::connect(addr)?;
-    c.write_all(&src)?;
-    drop(c);
-    let got = srv
-        .join()
-        .map_err(|_| anyhow::anyhow!("reader panicked"))??;
-    let s = t.elapsed().as_secs_f64();
-    anyhow::ensure!(got.len() == bytes, "short copy");
-    Ok(s)
 }
 
 fn proc_cpu_seconds(pid: i32) -> Result<f64> {
@@ -167,7 +144,7 @@ fn main() -> Result<()> {
         let sum = rlhf_core::batch::checksum(&batch);
         let (mut raw, mut grpc) = (Vec::new(), Vec::new());
         for _ in 0..3 {
-            raw.push(raw_tcp_copy(mib << 20)?);
+            raw.push(raw_tcp_copy(&vec![7u8; mib << 20])?);
             grpc.push(rt.block_on(async {
                 let t = Instant::now();
                 let r = batch_client

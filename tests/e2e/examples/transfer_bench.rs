@@ -7,11 +7,11 @@
 //!
 //! Run: `cargo run --release -p rlhf-e2e --example transfer_bench [-- --sizes 64,256 --reps 3 --chunk-kib 1024]`
 
-use std::io::{Read, Write};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use rlhf_core::batch::{self, DataBatch, TensorData};
+use rlhf_e2e::raw_tcp_copy;
 use rlhf_proto::v1::actor_service_client::ActorServiceClient;
 use rlhf_runtime::net::{self, ClientOptions};
 use tonic::codegen::tokio_stream;
@@ -39,30 +39,6 @@ fn cpu_seconds(pid: u32) -> Result<f64> {
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
-}
-
-/// Seconds to push `bytes` through one loopback TCP connection to a reading thread that
-/// collects them into one buffer (what a receiver of a whole batch must do at least).
-fn raw_tcp_copy(src: &[u8]) -> Result<f64> {
-    let bytes = src.len();
-    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
-    let addr = l.local_addr()?;
-    let srv = std::thread::spawn(move || -> std::io::Result<Vec<u8>> {
-        let (mut s, _) = l.accept()?;
-        let mut out = Vec::with_capacity(bytes);
-        s.read_to_end(&mut out)?;
-        Ok(out)
-    });
-    let t = Instant::now();
-    let mut c = std::net::TcpStream::connect(addr)?;
-    c.write_all(src)?;
-    drop(c);
-    let got = srv
-        .join()
-        .map_err(|_| anyhow::anyhow!("reader panicked"))??;
-    let s = t.elapsed().as_secs_f64();
-    anyhow::ensure!(got.len() == bytes, "short copy");
-    Ok(s)
 }
 
 /// A batch of `mib` MiB shaped like rollout output: one big f32 tensor and a small

@@ -1,6 +1,7 @@
 //! Helpers for end-to-end tests: build and spawn the real binaries, free ports, one log
 //! per child, kill on drop, and polling with deadlines instead of fixed sleeps.
 
+use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
@@ -288,4 +289,29 @@ impl Cluster {
     pub fn head_log(&self) -> String {
         std::fs::read_to_string(self.state_dir().join("logs/head.log")).unwrap_or_default()
     }
+}
+
+/// Seconds to push `src` through one loopback TCP connection to a reading thread that
+/// collects it into one buffer: the baseline the transfer benches compare against (what a
+/// receiver of a whole batch must do at least).
+pub fn raw_tcp_copy(src: &[u8]) -> Result<f64> {
+    let bytes = src.len();
+    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let addr = l.local_addr()?;
+    let srv = std::thread::spawn(move || -> std::io::Result<Vec<u8>> {
+        let (mut s, _) = l.accept()?;
+        let mut out = Vec::with_capacity(bytes);
+        s.read_to_end(&mut out)?;
+        Ok(out)
+    });
+    let t = Instant::now();
+    let mut c = std::net::TcpStream::connect(addr)?;
+    c.write_all(src)?;
+    drop(c);
+    let got = srv
+        .join()
+        .map_err(|_| anyhow::anyhow!("reader panicked"))??;
+    let s = t.elapsed().as_secs_f64();
+    anyhow::ensure!(got.len() == bytes, "short copy");
+    Ok(s)
 }
