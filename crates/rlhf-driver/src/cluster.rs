@@ -64,10 +64,6 @@ pub struct LaunchOptions {
     pub client: ClientOptions,
     /// How long to wait for devices and for each actor to start.
     pub start_timeout: Duration,
-    /// Bound for InitRole (model loading).
-    pub init_timeout: Duration,
-    /// "tcp" or "nccl".
-    pub comm_backend: String,
 }
 
 struct PartSpec {

@@ -187,8 +187,6 @@ pub async fn run(
         job_id: opts.job_id.clone(),
         client: opts.client.clone(),
         start_timeout: opts.start_timeout,
-        init_timeout: opts.start_timeout,
-        comm_backend: opts.comm_backend.clone(),
     };
     let started = Instant::now();
     let roles = tokio::select! {
@@ -212,7 +210,7 @@ pub async fn run(
         ckpt_root: &ckpt_root,
     };
     let result = tokio::select! {
-        r = ctx.drive(&mut head, start_step, total, resumed.as_ref().map(|(d, _)| d.clone())) => r,
+        r = ctx.drive(start_step, total, resumed.as_ref().map(|(d, _)| d.clone())) => r,
         _ = shutdown.cancelled() => Err(Failed::Other(Error::new(FailureKind::Unavailable, "stopped by a signal; continue with --resume latest"))),
     };
     let result = match result {
@@ -310,7 +308,6 @@ async fn timed<T>(f: impl std::future::Future<Output = T>) -> (T, f64) {
 impl Loop<'_> {
     async fn drive(
         &mut self,
-        head: &mut HeadClient,
         start_step: u64,
         total: u64,
         resume_dir: Option<PathBuf>,
@@ -353,7 +350,7 @@ impl Loop<'_> {
                 }),
             )?;
         }
-        self.sync_weights(head, start_step).await?;
+        self.sync_weights(start_step).await?;
 
         let mut metrics_log = MetricsLog::open(
             std::path::Path::new(&cfg.logging.metrics_file),
@@ -373,7 +370,7 @@ impl Loop<'_> {
         let mut step = start_step;
         while step < total {
             step += 1;
-            let (mut metrics, samples) = self.step(head, step).await?;
+            let (mut metrics, samples) = self.step(step).await?;
             let t0 = Instant::now();
             let save_steps = cfg.checkpoint.save_steps;
             let stopping = self.opts.stop_after.is_some_and(|n| step - start_step >= n);
@@ -410,7 +407,7 @@ impl Loop<'_> {
 
     /// Broadcasts the trainer's weights to the rollout ranks and checks that every rank
     /// ends with the trainer's checksum.
-    async fn sync_weights(&self, _head: &mut HeadClient, version: u64) -> Res<f64> {
+    async fn sync_weights(&self, version: u64) -> Res<f64> {
         let g = self.roles.weights_group();
         let (answers, secs) = timed(g.unary(
             self.opts.call_timeout,
@@ -675,11 +672,7 @@ impl Loop<'_> {
         })
     }
 
-    async fn step(
-        &mut self,
-        head: &mut HeadClient,
-        step: u64,
-    ) -> Res<(BTreeMap<String, f64>, Vec<Sample>)> {
+    async fn step(&mut self, step: u64) -> Res<(BTreeMap<String, f64>, Vec<Sample>)> {
         let cfg = self.cfg;
         let step_start = Instant::now();
         let mut timing = BTreeMap::new();
@@ -876,7 +869,7 @@ impl Loop<'_> {
             }
         }
 
-        let t_sync = self.sync_weights(head, step).await?;
+        let t_sync = self.sync_weights(step).await?;
         timing.insert("timing_s/sync_weights".into(), t_sync);
 
         let kl = metrics.get("objective/kl").copied().unwrap_or(0.0);
