@@ -142,7 +142,9 @@ fn head_info_path(state_dir: &std::path::Path) -> PathBuf {
     state_dir.join("head.json")
 }
 
-pub(crate) async fn client(conn: &Connect) -> Result<HeadServiceClient<net::AuthChannel>> {
+/// The head's address and how to reach it (token, TLS, connect timeout) from the flags, the
+/// environment or the state dir of a head started on this machine.
+pub(crate) fn head_connection(conn: &Connect) -> Result<(String, ClientOptions)> {
     let state_dir = conn
         .state_dir
         .clone()
@@ -169,6 +171,11 @@ pub(crate) async fn client(conn: &Connect) -> Result<HeadServiceClient<net::Auth
     let mut opts = ClientOptions::new(token);
     opts.tls_ca = conn.tls_ca.clone();
     opts.connect_timeout = Duration::from_secs_f64(conn.connect_timeout.max(0.0));
+    Ok((address, opts))
+}
+
+pub(crate) async fn client(conn: &Connect) -> Result<HeadServiceClient<net::AuthChannel>> {
+    let (address, opts) = head_connection(conn)?;
     let ch = net::connect(&address, &opts).await?;
     Ok(HeadServiceClient::new(ch).max_decoding_message_size(rlhf_proto::MAX_MESSAGE_BYTES))
 }

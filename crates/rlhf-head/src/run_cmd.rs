@@ -266,17 +266,10 @@ pub(crate) async fn run(args: RunArgs) -> Result<()> {
     let (head_client, client_opts) = match &args.conn.address {
         Some(_) => {
             let c = crate::client(&args.conn).await?;
-            let state_dir = args
-                .conn
-                .state_dir
-                .clone()
-                .unwrap_or_else(rlhf_runtime::default_state_dir);
-            let (token, _) = auth::resolve_token(
-                args.conn.token_file.as_deref(),
-                &auth::default_token_path(&state_dir),
-            )?;
-            let mut o = ClientOptions::new(token);
-            o.tls_ca = args.conn.tls_ca.clone();
+            // Role actors: the head's token and CA, the default connect timeout.
+            let (_, head_opts) = crate::head_connection(&args.conn)?;
+            let mut o = ClientOptions::new(head_opts.token);
+            o.tls_ca = head_opts.tls_ca;
             (c, o)
         }
         None => {
