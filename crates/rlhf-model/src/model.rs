@@ -334,12 +334,15 @@ impl Model {
             });
         }
         let w = pb.get_renamed("score.weight", wn, &[1, h])?;
+        // Train exactly what the checkpoint defines: a reward model's score head has no bias
+        // (`*ForSequenceClassification`, TRL's value model), and a zero bias added here would
+        // be moved by the optimizer and saved as a parameter the source never had.
         let b = if pb.contains(bn) {
-            pb.get_renamed("score.bias", bn, &[1])?
+            Some(pb.get_renamed("score.bias", bn, &[1])?)
         } else {
-            pb.get_or_init("score.bias", &[1], Init::Zeros)?
+            None
         };
-        Ok(Linear { w, b: Some(b) })
+        Ok(Linear { w, b })
     }
 
     /// Decoder config.
@@ -589,7 +592,13 @@ impl Model {
         let p = self.config.family.class_prefix();
         match self.kind {
             ModelKind::CausalLm => format!("{p}ForCausalLM"),
-            ModelKind::Value => format!("{p}ForTokenClassification"),
+            // A value head with a bias is saved as HF's token classifier (`score.weight` and
+            // `score.bias`); one without is TRL's value model layout, a sequence classifier
+            // whose `score` has no bias. Both load back as a critic.
+            ModelKind::Value => match &self.head {
+                Head::Value(Linear { b: None, .. }) => format!("{p}ForSequenceClassification"),
+                _ => format!("{p}ForTokenClassification"),
+            },
             ModelKind::Reward => format!("{p}ForSequenceClassification"),
         }
     }

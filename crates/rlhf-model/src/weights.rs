@@ -192,16 +192,6 @@ impl<'a> ParamBuilder<'a> {
         self.register(name, t)
     }
 
-    /// A parameter taken from the checkpoint when present, otherwise freshly initialised.
-    pub fn get_or_init(&mut self, name: &str, shape: &[usize], init: Init) -> Result<Tensor> {
-        if self.contains(name) {
-            self.get(name, shape, init)
-        } else {
-            let t = self.random(shape, init)?;
-            self.register(name, t)
-        }
-    }
-
     /// A freshly initialised parameter, even when the checkpoint has one of that name.
     pub fn fresh(&mut self, name: &str, shape: &[usize], init: Init) -> Result<Tensor> {
         let t = self.random(shape, init)?;

@@ -317,3 +317,40 @@ fn parameter_count_and_memory_estimate_match_the_loaded_models() {
         );
     }
 }
+
+/// A critic started from a reward model trains exactly the reward model's parameters: its
+/// score head has no bias, so none is added (AdamW would move it), and the saved critic holds
+/// the same tensor names as the source, in TRL's value-model layout.
+#[test]
+fn critic_from_a_reward_model_trains_and_saves_exactly_its_parameters() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = fixture("tiny-llama-reward");
+    let opts = LoadOptions {
+        value_head_init: ValueHeadInit::FromCheckpoint,
+        ..LoadOptions::training(ModelKind::Value)
+    };
+    let critic = Model::load(&src, &opts).unwrap();
+    let mut trained: Vec<String> = critic.vars().into_iter().map(|(n, _)| n).collect();
+    trained.sort();
+    let source = safetensors_names(&src.join("model.safetensors"));
+    assert_eq!(
+        trained, source,
+        "trainable parameters = the checkpoint's tensors"
+    );
+    let dir = tmp.path().join("critic");
+    critic.save(&dir, None).unwrap();
+    assert_eq!(safetensors_names(&dir.join("model.safetensors")), source);
+    let cfg = read_json(&dir.join("config.json"));
+    assert_eq!(cfg["architectures"][0], "LlamaForSequenceClassification");
+    // It loads back as a critic with the same values (inference kernels vs training ones).
+    let back = Model::load(
+        &dir,
+        &LoadOptions {
+            value_head_init: ValueHeadInit::FromCheckpoint,
+            ..LoadOptions::inference().with_kind(ModelKind::Value)
+        },
+    )
+    .unwrap();
+    let b = tiny_batch(&Device::Cpu);
+    assert!(max_abs_diff(&critic.values(&b).unwrap(), &back.values(&b).unwrap()) < 1e-5);
+}
