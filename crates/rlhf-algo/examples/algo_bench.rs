@@ -119,6 +119,7 @@ fn main() -> rlhf_algo::Result<()> {
             token_rewards: &rw.rewards,
             response_mask: &mask,
             values: Some(&values),
+            value_mask: None,
             group_ids: None,
             baseline_scores: None,
         };

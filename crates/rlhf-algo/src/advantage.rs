@@ -383,6 +383,10 @@ pub struct AdvantageInputs<'a> {
     pub response_mask: &'a Tensor,
     /// `[batch, len]` critic values at rollout time (`gae`).
     pub values: Option<&'a Tensor>,
+    /// `[batch, len]` where GAE runs when it differs from the response mask
+    /// ([`crate::TokenRewards::value_mask`] with TRL's score placement); advantages are
+    /// still whitened over, and kept on, the response mask.
+    pub value_mask: Option<&'a Tensor>,
     /// Prompt index of each row (`grpo`, `rloo`, `reinforce_plus_plus_baseline`).
     pub group_ids: Option<&'a [usize]>,
     /// `[batch]` greedy-baseline scores (`remax`).
@@ -410,13 +414,25 @@ pub fn compute_advantage(
     match est {
         AdvEstimator::Gae => {
             let values = inputs.values.ok_or_else(|| missing("values", est))?;
-            let out = gae(r, values, m, cfg.gamma, cfg.lam)?;
-            if !cfg.whiten_advantages {
-                return Ok(out);
-            }
+            let out = gae(
+                r,
+                values,
+                inputs.value_mask.unwrap_or(m),
+                cfg.gamma,
+                cfg.lam,
+            )?;
             let mask = host_vec(m)?;
             let mut adv = host_vec(&out.advantages)?;
-            host_whiten(&mut adv, &mask, true)?;
+            if cfg.whiten_advantages {
+                host_whiten(&mut adv, &mask, true)?;
+            } else {
+                // TRL: `advantages = masked_fill(advantages, padding_mask, 0)`.
+                for (a, &k) in adv.iter_mut().zip(&mask) {
+                    if k == 0.0 {
+                        *a = 0.0;
+                    }
+                }
+            }
             Ok(Advantages {
                 advantages: Tensor::from_vec(adv, m.dims(), m.device())?,
                 returns: out.returns,
@@ -486,6 +502,7 @@ mod tests {
             token_rewards: &r,
             response_mask: &m,
             values: None,
+            value_mask: None,
             group_ids: None,
             baseline_scores: None,
         };

@@ -7,7 +7,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::{AlgoError, Result};
-use crate::names::{AdvEstimator, KlCtrlType, KlPenalty, LossAggMode};
+use crate::names::{AdvEstimator, KlCtrlType, KlPenalty, LossAggMode, ScorePlacement};
 use crate::validate::{check_non_negative, check_positive, check_unit_interval};
 
 /// KL coefficient controller settings (`algorithm.kl_ctrl`).
@@ -76,6 +76,9 @@ pub struct AlgorithmConfig {
     pub norm_adv_by_std_in_grpo: bool,
     /// GRPO: added to the group std before dividing.
     pub grpo_epsilon: f64,
+    /// Where the score goes: `last_token` (verl) or `trl` (one slot past it, as TRL's
+    /// PPOTrainer does; values and the value loss then cover that slot too).
+    pub score_placement: ScorePlacement,
 }
 
 impl Default for AlgorithmConfig {
@@ -93,6 +96,7 @@ impl Default for AlgorithmConfig {
             whiten_advantages: true,
             norm_adv_by_std_in_grpo: true,
             grpo_epsilon: 1e-6,
+            score_placement: ScorePlacement::LastToken,
         }
     }
 }
@@ -119,6 +123,18 @@ impl AlgorithmConfig {
             check_positive("algorithm.reward_clip", c)?;
         }
         check_non_negative("algorithm.grpo_epsilon", self.grpo_epsilon)?;
+        if self.score_placement == ScorePlacement::Trl && self.adv_estimator != AdvEstimator::Gae {
+            return Err(AlgoError::InvalidConfig {
+                key: "algorithm.score_placement",
+                value: "trl".into(),
+                reason: format!(
+                    "TRL's placement puts the score past the response, where only a critic's \
+                     extra value slot sees it; it needs adv_estimator gae, not {}: \
+                     use score_placement last_token",
+                    self.adv_estimator
+                ),
+            });
+        }
         Ok(())
     }
 }

@@ -43,6 +43,7 @@
 //!     token_rewards: &rewards.rewards,
 //!     response_mask: &mask,
 //!     values: Some(&values),
+//!     value_mask: None,
 //!     group_ids: None,
 //!     baseline_scores: None,
 //! };
@@ -103,5 +104,5 @@ pub use masked::{masked_mean, masked_sum, masked_var, masked_whiten, WHITEN_EPS}
 pub use metrics::{
     compute_metrics, rollout_metrics, RolloutMetricsInputs, TrainStats, METRIC_NAMES,
 };
-pub use names::{AdvEstimator, KlCtrlType, KlPenalty, LossAggMode};
+pub use names::{AdvEstimator, KlCtrlType, KlPenalty, LossAggMode, ScorePlacement};
 pub use rewards::{compute_token_rewards, TokenRewards};

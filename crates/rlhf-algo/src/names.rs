@@ -117,6 +117,20 @@ named_enum! {
     }
 }
 
+named_enum! {
+    /// Where the sequence score enters the per-token rewards (`algorithm.score_placement`).
+    ScorePlacement, "score placement (algorithm.score_placement)" {
+        /// On the last valid response token (verl). Values, GAE and the value loss cover the
+        /// response tokens.
+        #[default]
+        LastToken = "last_token",
+        /// TRL's PPOTrainer: one slot past the last valid token (on the last slot when the
+        /// response fills it), with values, GAE and the value loss extended by that slot.
+        /// For precision alignment with TRL; `gae` only.
+        Trl = "trl",
+    }
+}
+
 impl AdvEstimator {
     /// Whether the estimator needs a critic (value model).
     pub fn needs_critic(self) -> bool {

@@ -7,7 +7,7 @@ use crate::config::AlgorithmConfig;
 use crate::error::{AlgoError, Result};
 use crate::kl::kl_elem;
 use crate::masked::host_whiten;
-use crate::names::KlPenalty;
+use crate::names::{KlPenalty, ScorePlacement};
 use crate::validate::{check_batch_vec, check_finite, HostMask};
 
 /// Result of [`compute_token_rewards`]. All `[batch, len]` tensors are zero
@@ -22,6 +22,9 @@ pub struct TokenRewards {
     pub non_score_reward: Tensor,
     /// `[batch]` scores after the missing-EOS penalty and clipping.
     pub scores: Tensor,
+    /// `[batch, len]` where values, GAE and the value loss run: the response mask, or with
+    /// [`ScorePlacement::Trl`] the response mask plus the slot the score sits on.
+    pub value_mask: Tensor,
 }
 
 /// Index of the last valid token of each row, or an error naming the empty row.
@@ -42,7 +45,8 @@ pub(crate) fn last_valid(mask: &[f32], batch: usize, len: usize) -> Result<Vec<u
 }
 
 /// Builds per-token rewards as TRL's PPOTrainer does, with the score placed on
-/// the last valid response token (not on the token after EOS):
+/// the last valid response token (verl), or with `score_placement: trl` one slot past
+/// it as TRL does (the last slot when the response fills the row):
 ///
 /// 1. `score -= missing_eos_penalty` for rows whose `has_eos` is false;
 /// 2. `score = clamp(score, -reward_clip, reward_clip)` when set;
@@ -120,7 +124,18 @@ pub fn compute_token_rewards(
         }
     }
     let mut rewards = nsr.clone();
+    let mut value_mask = mask.to_vec();
     for (i, t) in last_valid(mask, batch, len)?.into_iter().enumerate() {
+        // TRL: `actual_end = where(seq_len + 1 < len, seq_len + 1, seq_len)`, and values are
+        // kept up to `seq_len + 1` (`padding_mask_p1`).
+        let t = match cfg.score_placement {
+            ScorePlacement::LastToken => t,
+            ScorePlacement::Trl if t + 1 < len => {
+                value_mask[i * len + t + 1] = 1.0;
+                t + 1
+            }
+            ScorePlacement::Trl => t,
+        };
         rewards[i * len + t] += sc[i];
     }
     if cfg.whiten_rewards {
@@ -133,5 +148,6 @@ pub fn compute_token_rewards(
         kl: Tensor::from_vec(kl, (batch, len), dev)?,
         non_score_reward: Tensor::from_vec(nsr, (batch, len), dev)?,
         scores: Tensor::from_vec(sc, batch, dev)?,
+        value_mask: Tensor::from_vec(value_mask, (batch, len), dev)?,
     })
 }

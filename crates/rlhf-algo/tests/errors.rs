@@ -186,6 +186,7 @@ fn other_bad_inputs() {
         token_rewards: &r,
         response_mask: &m,
         values: None,
+        value_mask: None,
         group_ids: None,
         baseline_scores: None,
     };

@@ -162,6 +162,7 @@ proptest! {
                     token_rewards: &rewards,
                     response_mask: &mask,
                     values: Some(&values),
+                    value_mask: None,
                     group_ids: Some(&groups),
                     baseline_scores: Some(&baseline),
                 };

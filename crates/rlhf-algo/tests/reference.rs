@@ -199,6 +199,7 @@ fn advantage_estimators_match() {
             token_rewards: &rewards,
             response_mask: &mask,
             values: Some(&values),
+            value_mask: None,
             group_ids: Some(&groups),
             baseline_scores: Some(&base),
         };
