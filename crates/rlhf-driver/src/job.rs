@@ -1,6 +1,6 @@
 //! One PPO job from placement to the last checkpoint.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -22,7 +22,7 @@ use crate::checkpoint::{self, TrainerState};
 use crate::cluster::{self, HeadClient, LaunchOptions, Roles};
 use crate::group::{mean_meta_metrics, BatchCall, CallError, WorkerGroup};
 use crate::output::{sample_table, MetricsLog, Progress, Sample, SampleLog};
-use crate::prompts::{self, Prompt};
+use crate::prompts::{self, FixedResponse, FixedResponses, Prompt};
 use crate::tensors::{candle, f32_1d, f32_2d, get, host, wire_f32, wire_i64};
 
 /// How to run a job.
@@ -143,7 +143,10 @@ pub async fn run(
         }
     }
     let fixed = match &cfg.actor_rollout.fixed_responses_file {
-        Some(p) if !p.is_empty() => Some(prompts::load_fixed_responses(std::path::Path::new(p))?),
+        Some(p) if !p.is_empty() => Some(prompts::load_fixed_responses(
+            std::path::Path::new(p),
+            tok.vocab_size(),
+        )?),
         _ => None,
     };
     let mut sampler = PromptSampler::for_config(cfg, data.prompts.len())
@@ -252,7 +255,7 @@ struct Loop<'a> {
     opts: &'a DriverOptions,
     tok: &'a Tokenizer,
     prompts: &'a [Prompt],
-    fixed: Option<&'a HashMap<String, String>>,
+    fixed: Option<&'a FixedResponses>,
     sampler: &'a mut PromptSampler,
     kl_ctl: &'a mut KlController,
     roles: &'a Roles,
@@ -549,11 +552,7 @@ impl Loop<'_> {
     }
 
     /// Responses from the fixed-responses file instead of generation.
-    fn fixed_responses(
-        &self,
-        fixed: &HashMap<String, String>,
-        which: &[usize],
-    ) -> Result<DataBatch> {
+    fn fixed_responses(&self, fixed: &FixedResponses, which: &[usize]) -> Result<DataBatch> {
         let r = self.cfg.actor_rollout.max_response_length as usize;
         let pad = i64::from(self.pad_id());
         let eos = self.tok.eos_token_id();
@@ -562,22 +561,41 @@ impl Loop<'_> {
         let mut mask = vec![0f32; rows * r];
         for (row, &i) in which.iter().enumerate() {
             let p = &self.prompts[i];
-            let text = fixed.get(&p.display).ok_or_else(|| {
-                Error::invalid(format!(
-                    "actor_rollout.fixed_responses_file has no response for prompt {:?} (data row {})",
-                    p.display, p.source_row
-                ))
-            })?;
-            let mut toks = self
-                .tok
-                .encode(text, false)
-                .map_err(|e| Error::invalid(format!("tokenizing a fixed response: {e}")))?;
-            toks.truncate(r);
-            if let Some(e) = eos {
-                if toks.len() < r {
-                    toks.push(e);
+            let toks = match fixed.get(p) {
+                Some(FixedResponse::Ids(toks)) => {
+                    if toks.len() > r {
+                        return Err(Error::invalid(format!(
+                            "actor_rollout.fixed_responses_file: the response_ids for prompt {:?} \
+                             (data row {}) have {} tokens, more than \
+                             actor_rollout.max_response_length={r}; raise it or shorten the response",
+                            p.display,
+                            p.source_row,
+                            toks.len()
+                        )));
+                    }
+                    toks
                 }
-            }
+                Some(FixedResponse::Text(text)) => {
+                    let mut toks = self
+                        .tok
+                        .encode(&text, false)
+                        .map_err(|e| Error::invalid(format!("tokenizing a fixed response: {e}")))?;
+                    toks.truncate(r);
+                    if let Some(e) = eos {
+                        if toks.len() < r {
+                            toks.push(e);
+                        }
+                    }
+                    toks
+                }
+                None => {
+                    return Err(Error::invalid(format!(
+                        "actor_rollout.fixed_responses_file has no response for prompt {:?} \
+                         (data row {}, token ids {:?})",
+                        p.display, p.source_row, p.ids
+                    )))
+                }
+            };
             for (j, &t) in toks.iter().enumerate() {
                 ids[row * r + j] = i64::from(t);
                 mask[row * r + j] = 1.0;
@@ -790,6 +808,7 @@ impl Loop<'_> {
                 token_rewards: &rewards.rewards,
                 response_mask: &mask_t,
                 values: vals_t.as_ref(),
+                value_mask: Some(&rewards.value_mask),
                 group_ids: Some(&ro.group_ids),
                 baseline_scores: None,
             },
@@ -806,6 +825,9 @@ impl Loop<'_> {
         })?;
         let advantages = host(&adv.advantages)?;
         let returns = host(&adv.returns)?;
+        // The critic fits values where GAE ran: the response, plus the score's slot with
+        // TRL's placement.
+        let value_mask = host(&rewards.value_mask)?;
         timing.insert("timing_s/adv".into(), t.elapsed().as_secs_f64());
 
         // Updates: critic and actor at once.
@@ -830,7 +852,7 @@ impl Loop<'_> {
                 let mut b = seq.clone();
                 b.meta.insert("step".into(), json!(step));
                 b.tensors
-                    .insert("response_mask".into(), wire_f32(&ro.response_mask, &shape)?);
+                    .insert("response_mask".into(), wire_f32(&value_mask, &shape)?);
                 b.tensors.insert("values".into(), wire_f32(v, &shape)?);
                 b.tensors
                     .insert("returns".into(), wire_f32(&returns, &shape)?);
@@ -858,6 +880,10 @@ impl Loop<'_> {
         timing.insert("timing_s/update_actor".into(), t_actor);
         timing.insert("timing_s/update_critic".into(), t_critic);
         metrics.extend(mean_meta_metrics(&actor_out?));
+        // TRL logs the policy's learning rate as `lr`.
+        if let Some(&lr) = metrics.get("actor/lr") {
+            metrics.insert("lr".into(), lr);
+        }
         if let Some(c) = critic_out? {
             metrics.extend(mean_meta_metrics(&c));
         }

@@ -114,9 +114,85 @@ pub fn load(cfg: &PpoConfig, tok: &Tokenizer) -> Result<Prompts> {
     })
 }
 
-/// `actor_rollout.fixed_responses_file`: JSONL of `{"prompt": ..., "response": ...}`; the
-/// response of a prompt replaces generation (precision-alignment mode).
-pub fn load_fixed_responses(path: &Path) -> Result<HashMap<String, String>> {
+/// One line of the fixed-responses file, by how it names its prompt and response.
+#[derive(Debug, Clone, PartialEq)]
+pub enum FixedResponse {
+    /// `{"prompt": ..., "response": ...}`: the response is tokenized, EOS appended.
+    Text(String),
+    /// `{"prompt_ids": [...], "response_ids": [...]}`: the exact tokens, used as they are
+    /// (no tokenizer round trip, no EOS added), for alignment with another implementation.
+    Ids(Vec<u32>),
+}
+
+/// `actor_rollout.fixed_responses_file`, by prompt text and by prompt token ids.
+#[derive(Debug, Default)]
+pub struct FixedResponses {
+    by_text: HashMap<String, String>,
+    by_ids: HashMap<Vec<u32>, Vec<u32>>,
+}
+
+impl FixedResponses {
+    /// The response for a dataset prompt: by its token ids first, then by its text.
+    pub fn get(&self, prompt: &Prompt) -> Option<FixedResponse> {
+        self.by_ids
+            .get(&prompt.ids)
+            .map(|r| FixedResponse::Ids(r.clone()))
+            .or_else(|| {
+                self.by_text
+                    .get(&prompt.display)
+                    .map(|r| FixedResponse::Text(r.clone()))
+            })
+    }
+
+    /// Number of lines read.
+    pub fn len(&self) -> usize {
+        self.by_text.len() + self.by_ids.len()
+    }
+
+    /// Whether the file had no line.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+fn ids_field(
+    v: &serde_json::Value,
+    key: &str,
+    vocab: usize,
+    at: &dyn Fn() -> String,
+) -> Result<Vec<u32>> {
+    let arr = v[key].as_array().ok_or_else(|| {
+        Error::invalid(format!("{}: \"{key}\" must be an array of token ids", at()))
+    })?;
+    if arr.is_empty() {
+        return Err(Error::invalid(format!(
+            "{}: \"{key}\" is empty; give at least one token id",
+            at()
+        )));
+    }
+    arr.iter()
+        .enumerate()
+        .map(|(j, x)| match x.as_u64() {
+            Some(id) if (id as u128) < vocab as u128 => Ok(id as u32),
+            Some(id) => Err(Error::invalid(format!(
+                "{}: \"{key}\"[{j}] = {id} is outside the tokenizer's vocabulary \
+                 (ids 0..{vocab}); regenerate the ids with the policy's tokenizer",
+                at()
+            ))),
+            None => Err(Error::invalid(format!(
+                "{}: \"{key}\"[{j}] = {x} is not a token id (a non-negative integer)",
+                at()
+            ))),
+        })
+        .collect()
+}
+
+/// Reads `actor_rollout.fixed_responses_file`: JSONL lines of either
+/// `{"prompt": ..., "response": ...}` (text) or `{"prompt_ids": [...], "response_ids": [...]}`
+/// (token ids, each below `vocab`, the tokenizer's vocabulary size). A prompt matches a
+/// dataset row by its token ids (after the chat template) or by its text; errors name the
+/// file and line.
+pub fn load_fixed_responses(path: &Path, vocab: usize) -> Result<FixedResponses> {
     let text = std::fs::read_to_string(path).map_err(|e| {
         Error::io(
             format!(
@@ -126,25 +202,114 @@ pub fn load_fixed_responses(path: &Path) -> Result<HashMap<String, String>> {
             e,
         )
     })?;
-    let mut out = HashMap::new();
+    let mut out = FixedResponses::default();
     for (i, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
             continue;
         }
-        let v: serde_json::Value = serde_json::from_str(line)
-            .map_err(|e| Error::invalid(format!("{} line {}: {e}", path.display(), i + 1)))?;
+        let at = || format!("{} line {}", path.display(), i + 1);
+        let v: serde_json::Value =
+            serde_json::from_str(line).map_err(|e| Error::invalid(format!("{}: {e}", at())))?;
+        if v.get("prompt_ids").is_some() || v.get("response_ids").is_some() {
+            let p = ids_field(&v, "prompt_ids", vocab, &at)?;
+            let r = ids_field(&v, "response_ids", vocab, &at)?;
+            out.by_ids.insert(p, r);
+            continue;
+        }
         match (v["prompt"].as_str(), v["response"].as_str()) {
             (Some(p), Some(r)) => {
-                out.insert(p.to_string(), r.to_string());
+                out.by_text.insert(p.to_string(), r.to_string());
             }
             _ => {
                 return Err(Error::invalid(format!(
-                    "{} line {}: expected {{\"prompt\": string, \"response\": string}}",
-                    path.display(),
-                    i + 1
+                    "{}: expected {{\"prompt\": string, \"response\": string}} or \
+                     {{\"prompt_ids\": [ids], \"response_ids\": [ids]}}",
+                    at()
                 )))
             }
         }
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn prompt(display: &str, ids: &[u32]) -> Prompt {
+        Prompt {
+            display: display.into(),
+            ids: ids.to_vec(),
+            source_row: 1,
+            ground_truth: None,
+        }
+    }
+
+    fn load(text: &str) -> Result<FixedResponses> {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("fixed.jsonl");
+        std::fs::write(&p, text).unwrap();
+        load_fixed_responses(&p, 320)
+    }
+
+    #[test]
+    fn text_and_token_id_lines_are_both_read() {
+        let f = load(concat!(
+            "{\"prompt\": \"2+3=\", \"response\": \" 5.\"}\n",
+            "\n",
+            "{\"prompt_ids\": [57, 74, 33], \"response_ids\": [302, 201, 2]}\n",
+        ))
+        .unwrap();
+        assert_eq!(f.len(), 2);
+        assert_eq!(
+            f.get(&prompt("2+3=", &[9, 9])),
+            Some(FixedResponse::Text(" 5.".into()))
+        );
+        // Matched by ids whatever the text; ids win over text.
+        assert_eq!(
+            f.get(&prompt("2+3=", &[57, 74, 33])),
+            Some(FixedResponse::Ids(vec![302, 201, 2]))
+        );
+        assert_eq!(f.get(&prompt("other", &[57, 74])), None);
+    }
+
+    #[test]
+    fn bad_token_ids_are_refused_with_the_line() {
+        let cases = [
+            (
+                "{\"prompt_ids\": [1, 2], \"response_ids\": [5, 320]}",
+                "line 1: \"response_ids\"[1] = 320 is outside the tokenizer's vocabulary (ids 0..320)",
+            ),
+            (
+                "{\"prompt_ids\": [1, -2], \"response_ids\": [5]}",
+                "line 1: \"prompt_ids\"[1] = -2 is not a token id",
+            ),
+            (
+                "{\"prompt_ids\": [1], \"response_ids\": []}",
+                "line 1: \"response_ids\" is empty",
+            ),
+            (
+                "{\"prompt_ids\": [1], \"response_ids\": \"5 6\"}",
+                "line 1: \"response_ids\" must be an array of token ids",
+            ),
+            (
+                "{\"prompt_ids\": [1, 99999999999], \"response_ids\": [5]}",
+                "\"prompt_ids\"[1] = 99999999999 is outside",
+            ),
+            (
+                "{\"prompt\": \"a\"}",
+                "line 1: expected {\"prompt\": string, \"response\": string} or {\"prompt_ids\"",
+            ),
+        ];
+        for (line, want) in cases {
+            let e = load(&format!(
+                "{{\"prompt\": \"ok\", \"response\": \"x\"}}\n{line}\n"
+            ))
+            .unwrap_err()
+            .to_string();
+            let want = want.replace("line 1", "line 2");
+            assert!(e.contains(&want), "{line}: {e}");
+            assert!(e.contains("fixed.jsonl"), "{e}");
+        }
+    }
 }

@@ -403,6 +403,7 @@ impl Trainer {
         let names = StepNames {
             grad_norm: "actor/grad_norm",
             lr: "actor/lr",
+            variance: Some(("val/ratio", "val/ratio_var")),
         };
         let metrics = train::run_update(
             &self.model,
@@ -599,6 +600,7 @@ impl Critic {
         let names = StepNames {
             grad_norm: "critic/grad_norm",
             lr: "critic/lr",
+            variance: None,
         };
         let plan = self.settings.plan(step);
         let metrics = train::run_update(

@@ -154,6 +154,9 @@ fn mean_into(acc: &mut BTreeMap<String, (f64, f64)>, name: &str, value: f64, wei
 pub struct StepNames {
     pub grad_norm: &'static str,
     pub lr: &'static str,
+    /// `(stat, name)`: also report the unbiased variance of `stat`'s per-mini-batch group
+    /// means over the whole update as `name` (TRL's `val/ratio_var`).
+    pub variance: Option<(&'static str, &'static str)>,
 }
 
 /// Runs the epochs of one update call. `mask` is the shard's `response_mask` on the host
@@ -193,6 +196,7 @@ pub fn run_update(
     let n_mbs = n[0] as usize;
     let vars = model.vars();
     let mut metrics: BTreeMap<String, (f64, f64)> = BTreeMap::new();
+    let mut spread: Vec<f64> = Vec::new();
     for epoch in 0..plan.epochs {
         let order = epoch_order(rows, plan.shuffle, plan.seed, plan.step, epoch);
         for mb in 0..n_mbs {
@@ -289,6 +293,9 @@ pub fn run_update(
             };
             for (k, (sum, w)) in mb_stats {
                 if w > 0.0 {
+                    if names.variance.is_some_and(|(stat, _)| stat == k) {
+                        spread.push(sum / w);
+                    }
                     mean_into(&mut metrics, &k, sum / w, 1.0);
                 }
             }
@@ -296,10 +303,17 @@ pub fn run_update(
             mean_into(&mut metrics, names.lr, lr, 1.0);
         }
     }
-    Ok(metrics
+    let mut out: BTreeMap<String, f64> = metrics
         .into_iter()
         .map(|(k, (s, w))| (k, if w > 0.0 { s / w } else { 0.0 }))
-        .collect())
+        .collect();
+    if let (Some((_, name)), true) = (names.variance, spread.len() >= 2) {
+        let n = spread.len() as f64;
+        let mean = spread.iter().sum::<f64>() / n;
+        let ss: f64 = spread.iter().map(|x| (x - mean) * (x - mean)).sum();
+        out.insert(name.to_string(), ss / (n - 1.0));
+    }
+    Ok(out)
 }
 
 /// Sums `(weighted sum, weight)` metric pairs over the group (ranks may lack keys).
