@@ -1,64 +1,302 @@
-//! Saved directories load back in transformers with the same outputs.
+//! Saved directories load in transformers with the same outputs, checked on every run.
 //!
-//! Needs a Python with torch + transformers (scripts/model_fixtures.sh creates `.venv-ref`), so
-//! it is ignored by default:
+//! Four directories are saved the way the roles save them: a causal LM (Qwen2: tied
+//! embeddings, q/k/v biases), a critic with a biased value head (`*ForTokenClassification`), a
+//! critic started from a reward model (no bias: `*ForSequenceClassification`, TRL's value
+//! model) and a reward model. Every input is deterministic (fixtures, no random head), so the
+//! saved bytes are too.
+//!
+//! `transformers_output_matches_the_committed_reference` (CI) saves them, checks that the
+//! bytes are the ones transformers was shown (a content hash per file), that transformers
+//! reported no missing, unexpected or mismatched tensor, and that our outputs equal the ones
+//! transformers computed from those files (`tests/fixtures/transformers_load.json`).
+//!
+//! `regenerate_with_transformers` (ignored; needs a Python with torch + transformers, e.g. the
+//! `.venv-ref` of scripts/model_fixtures.sh) loads the directories in transformers and writes
+//! that file. Rerun it when the save format changes:
 //! `RLHF_REF_PYTHON=.venv-ref/bin/python cargo test -p rlhf-model --test transformers_load -- --ignored`
 
 mod common;
 
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
 use common::{fixture, tiny_batch, to_vec2, to_vec3};
-use rlhf_model::{Device, LoadOptions, Model, ModelKind, ValueHeadInit};
+use rlhf_model::{Batch, Device, LoadOptions, Model, ModelKind, Tensor, ValueHeadInit};
+use serde_json::{json, Value};
 
 const SCRIPT: &str = r#"
-import json, sys, torch
+import json, sys, torch, transformers
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification, AutoModelForSequenceClassification
 d = json.load(open(sys.argv[1]))
 ids = torch.tensor(d["input_ids"]); mask = torch.tensor(d["attention_mask"]); pos = torch.tensor(d["position_ids"])
-out = {}
+classes = {"ForCausalLM": AutoModelForCausalLM, "ForTokenClassification": AutoModelForTokenClassification,
+           "ForSequenceClassification": AutoModelForSequenceClassification}
+out = {"transformers": transformers.__version__, "torch": torch.__version__, "models": {}}
 with torch.no_grad():
-    m = AutoModelForCausalLM.from_pretrained(d["causal"], dtype=torch.float32)
-    out["logits"] = m(input_ids=ids, attention_mask=mask, position_ids=pos).logits.tolist()
-    m = AutoModelForTokenClassification.from_pretrained(d["critic"], dtype=torch.float32)
-    out["values"] = m(input_ids=ids, attention_mask=mask, position_ids=pos).logits[..., 0].tolist()
-    m = AutoModelForSequenceClassification.from_pretrained(d["reward"], dtype=torch.float32)
-    out["scores"] = m(input_ids=ids, attention_mask=mask, position_ids=pos).logits[..., 0].tolist()
+    for name, path in d["dirs"].items():
+        arch = json.load(open(path + "/config.json"))["architectures"][0]
+        auto = next(c for suffix, c in classes.items() if arch.endswith(suffix))
+        m, info = auto.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+        o = m(input_ids=ids, attention_mask=mask, position_ids=pos)
+        # Token classifiers give one value per position; sequence classifiers are read per
+        # position too (TRL reads its value model that way): score applied to hidden states.
+        if arch.endswith("ForSequenceClassification") and name != "reward":
+            h = m.model(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
+            logits = m.score(h)
+        else:
+            logits = o.logits
+        out["models"][name] = {
+            "class": type(m).__name__,
+            "missing_keys": sorted(info["missing_keys"]),
+            "unexpected_keys": sorted(info["unexpected_keys"]),
+            "mismatched_keys": [list(map(str, k)) for k in info["mismatched_keys"]],
+            "output": logits.tolist(),
+        }
 json.dump(out, open(sys.argv[2], "w"))
 "#;
 
+fn reference_path() -> PathBuf {
+    fixture("transformers_load.json")
+}
+
+/// FNV-1a, 64-bit: enough to tell that the saved bytes changed.
+fn fnv64(bytes: &[u8]) -> String {
+    let mut h: u64 = 0xcbf29ce484222325;
+    for &b in bytes {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x100000001b3);
+    }
+    format!("{h:016x}")
+}
+
+/// A critic checkpoint with a biased head, made without randomness: tiny-llama's body, the
+/// head taken from a row of its LM head, bias 0.25.
+fn biased_critic_source(dir: &Path) -> PathBuf {
+    let src = fixture("tiny-llama");
+    let out = dir.join("critic-src");
+    std::fs::create_dir_all(&out).unwrap();
+    std::fs::copy(src.join("config.json"), out.join("config.json")).unwrap();
+    let data = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&data).unwrap();
+    let mut tensors: std::collections::HashMap<String, Tensor> = Default::default();
+    for (name, view) in st.tensors() {
+        let v: Vec<f32> = view
+            .data()
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        let t = Tensor::from_vec(v, view.shape(), &Device::Cpu).unwrap();
+        if name == "lm_head.weight" {
+            tensors.insert("score.weight".into(), t.narrow(0, 5, 1).unwrap());
+        } else {
+            tensors.insert(name, t);
+        }
+    }
+    tensors.insert(
+        "score.bias".into(),
+        Tensor::new(&[0.25f32], &Device::Cpu).unwrap(),
+    );
+    candle_core::safetensors::save(&tensors, out.join("model.safetensors")).unwrap();
+    out
+}
+
+/// Saves the four directories under `root`; returns (name, directory, model).
+fn save_dirs(root: &Path) -> Vec<(&'static str, PathBuf, Model)> {
+    let from_ckpt = |kind| LoadOptions {
+        value_head_init: ValueHeadInit::FromCheckpoint,
+        ..LoadOptions::inference().with_kind(kind)
+    };
+    let models = [
+        (
+            "causal",
+            Model::load(fixture("tiny-qwen2"), &LoadOptions::inference()).unwrap(),
+        ),
+        (
+            "critic",
+            Model::load(biased_critic_source(root), &from_ckpt(ModelKind::Value)).unwrap(),
+        ),
+        (
+            "critic_from_rm",
+            Model::load(fixture("tiny-llama-reward"), &from_ckpt(ModelKind::Value)).unwrap(),
+        ),
+        (
+            "reward",
+            Model::load(
+                fixture("tiny-llama-reward"),
+                &LoadOptions::inference().with_kind(ModelKind::Reward),
+            )
+            .unwrap(),
+        ),
+    ];
+    models
+        .into_iter()
+        .map(|(name, m)| {
+            let dir = root.join(name);
+            m.save(&dir, None).unwrap();
+            (name, dir, m)
+        })
+        .collect()
+}
+
+fn file_hashes(dir: &Path) -> BTreeMap<String, String> {
+    ["config.json", "model.safetensors"]
+        .into_iter()
+        .map(|f| (f.to_string(), fnv64(&std::fs::read(dir.join(f)).unwrap())))
+        .collect()
+}
+
+/// Our output for a saved model, `[B, T]` per position (or `[B]` scores for the reward),
+/// flattened over the valid positions, in the same order as transformers' output is read.
+fn ours(name: &str, m: &Model, b: &Batch) -> Vec<f32> {
+    let mask = b.attention_mask.to_vec2::<u32>().unwrap();
+    match name {
+        "causal" => {
+            let l = to_vec3(&m.logits(b).unwrap());
+            valid3(&l, &mask)
+        }
+        "reward" => m.scores(b).unwrap().to_vec1::<f32>().unwrap(),
+        _ => valid2(&to_vec2(&m.values(b).unwrap()), &mask),
+    }
+}
+
+fn valid3(x: &[Vec<Vec<f32>>], mask: &[Vec<u32>]) -> Vec<f32> {
+    let mut out = Vec::new();
+    for (i, row) in x.iter().enumerate() {
+        for (t, v) in row.iter().enumerate() {
+            if mask[i][t] == 1 {
+                out.extend_from_slice(v);
+            }
+        }
+    }
+    out
+}
+
+fn valid2(x: &[Vec<f32>], mask: &[Vec<u32>]) -> Vec<f32> {
+    let mut out = Vec::new();
+    for (i, row) in x.iter().enumerate() {
+        for (t, &v) in row.iter().enumerate() {
+            if mask[i][t] == 1 {
+                out.push(v);
+            }
+        }
+    }
+    out
+}
+
+/// transformers' output in the same layout as [`ours`].
+fn theirs(name: &str, out: &Value, mask: &[Vec<u32>]) -> Vec<f32> {
+    let f = |v: &Value| v.as_f64().unwrap() as f32;
+    match name {
+        "causal" => {
+            let l: Vec<Vec<Vec<f32>>> = out
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|r| {
+                    r.as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|t| t.as_array().unwrap().iter().map(f).collect())
+                        .collect()
+                })
+                .collect();
+            valid3(&l, mask)
+        }
+        // Sequence classification picks the last non-pad token; with left padding that is
+        // the last position.
+        "reward" => out
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| f(&r.as_array().unwrap()[0]))
+            .collect(),
+        _ => {
+            let l: Vec<Vec<f32>> = out
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|r| {
+                    r.as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|t| f(&t.as_array().unwrap()[0]))
+                        .collect()
+                })
+                .collect();
+            valid2(&l, mask)
+        }
+    }
+}
+
+#[test]
+fn transformers_output_matches_the_committed_reference() {
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(reference_path()).unwrap()).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let b = tiny_batch(&Device::Cpu);
+    let mask = b.attention_mask.to_vec2::<u32>().unwrap();
+    let saved = save_dirs(tmp.path());
+    assert_eq!(saved.len(), reference["models"].as_object().unwrap().len());
+    for (name, dir, model) in &saved {
+        let r = &reference["models"][*name];
+        let hashes = serde_json::to_value(file_hashes(dir)).unwrap();
+        assert_eq!(
+            hashes, r["files"],
+            "{name}: the saved files differ from the ones transformers loaded; if the save \
+             format changed on purpose, rerun the ignored regenerate_with_transformers test \
+             (see this file's header)"
+        );
+        let cfg: Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
+                .unwrap();
+        let arch = cfg["architectures"][0].as_str().unwrap();
+        assert_eq!(
+            r["class"], arch,
+            "{name}: transformers built {}",
+            r["class"]
+        );
+        for k in ["missing_keys", "unexpected_keys", "mismatched_keys"] {
+            assert_eq!(r[k], json!([]), "{name}: transformers reported {k}");
+        }
+        let (a, t) = (ours(name, model, &b), theirs(name, &r["output"], &mask));
+        assert_eq!(a.len(), t.len(), "{name}");
+        let d = a
+            .iter()
+            .zip(&t)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        println!("{name} ({arch}): max abs diff to transformers {d:e}");
+        assert!(d <= 1e-4, "{name}: {d}");
+    }
+    // The layouts the roles rely on.
+    let arch = |n: &str| {
+        reference["models"][n]["class"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    assert_eq!(arch("critic"), "LlamaForTokenClassification");
+    assert_eq!(arch("critic_from_rm"), "LlamaForSequenceClassification");
+    assert_eq!(arch("reward"), "LlamaForSequenceClassification");
+}
+
 #[test]
 #[ignore = "needs RLHF_REF_PYTHON pointing at a Python with torch and transformers"]
-fn transformers_loads_what_we_save() {
+fn regenerate_with_transformers() {
     let python = std::env::var("RLHF_REF_PYTHON").expect("set RLHF_REF_PYTHON");
     let tmp = tempfile::tempdir().unwrap();
     let b = tiny_batch(&Device::Cpu);
-
-    let causal = Model::load(fixture("tiny-qwen2"), &LoadOptions::inference()).unwrap();
-    causal
-        .save(tmp.path().join("causal"), Some(&fixture("tiny-qwen2")))
-        .unwrap();
-    let critic = Model::load(
-        fixture("tiny-llama"),
-        &LoadOptions {
-            value_head_init: ValueHeadInit::Fresh { std: 0.1 },
-            ..LoadOptions::inference().with_kind(ModelKind::Value)
-        },
-    )
-    .unwrap();
-    critic.save(tmp.path().join("critic"), None).unwrap();
-    let reward = Model::load(
-        fixture("tiny-llama-reward"),
-        &LoadOptions::inference().with_kind(ModelKind::Reward),
-    )
-    .unwrap();
-    reward.save(tmp.path().join("reward"), None).unwrap();
-
-    let input = serde_json::json!({
+    let saved = save_dirs(tmp.path());
+    let dirs: BTreeMap<&str, String> = saved
+        .iter()
+        .map(|(n, d, _)| (*n, d.display().to_string()))
+        .collect();
+    let input = json!({
         "input_ids": b.input_ids.to_vec2::<u32>().unwrap(),
         "attention_mask": b.attention_mask.to_vec2::<u32>().unwrap(),
         "position_ids": b.position_ids.to_vec2::<u32>().unwrap(),
-        "causal": tmp.path().join("causal"),
-        "critic": tmp.path().join("critic"),
-        "reward": tmp.path().join("reward"),
+        "dirs": dirs,
     });
     let inp = tmp.path().join("in.json");
     let outp = tmp.path().join("out.json");
@@ -71,41 +309,17 @@ fn transformers_loads_what_we_save() {
         .status()
         .unwrap();
     assert!(st.success(), "python failed");
-    let out: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&outp).unwrap()).unwrap();
-    let mask = b.attention_mask.to_vec2::<u32>().unwrap();
-
-    let ours = to_vec3(&causal.logits(&b).unwrap());
-    let mut d = 0f32;
-    for (i, row) in ours.iter().enumerate() {
-        for (t, v) in row.iter().enumerate() {
-            if mask[i][t] == 1 {
-                for (k, x) in v.iter().enumerate() {
-                    let y = out["logits"][i][t][k].as_f64().unwrap() as f32;
-                    d = d.max((x - y).abs());
-                }
-            }
-        }
+    let mut out: Value = serde_json::from_str(&std::fs::read_to_string(&outp).unwrap()).unwrap();
+    for (name, dir, _) in &saved {
+        out["models"][*name]["files"] = serde_json::to_value(file_hashes(dir)).unwrap();
     }
-    println!("causal logits max abs diff {d:e}");
-    assert!(d <= 1e-4);
-
-    let ours = to_vec2(&critic.values(&b).unwrap());
-    let mut d = 0f32;
-    for (i, row) in ours.iter().enumerate() {
-        for (t, x) in row.iter().enumerate() {
-            if mask[i][t] == 1 {
-                d = d.max((x - out["values"][i][t].as_f64().unwrap() as f32).abs());
-            }
-        }
-    }
-    println!("critic values max abs diff {d:e}");
-    assert!(d <= 1e-4);
-
-    let ours = reward.scores(&b).unwrap().to_vec1::<f32>().unwrap();
-    for (i, x) in ours.iter().enumerate() {
-        let y = out["scores"][i].as_f64().unwrap() as f32;
-        println!("reward score {x} vs transformers {y}");
-        assert!((x - y).abs() <= 1e-4);
-    }
+    out["about"] = json!(
+        "transformers loading directories saved by rlhf-model; made by the ignored \
+         regenerate_with_transformers test in tests/transformers_load.rs"
+    );
+    std::fs::write(
+        reference_path(),
+        serde_json::to_string_pretty(&out).unwrap() + "\n",
+    )
+    .unwrap();
 }
