@@ -425,3 +425,70 @@ fn ground_truth_column_is_read_and_required_when_named() {
     let ds = PromptDataset::from_jsonl_str(text, "gt.jsonl", &cols(), BadRows::Fail).unwrap();
     assert!(ds.records.iter().all(|r| r.ground_truth.is_none()));
 }
+
+/// A dataset written by another implementation: pyarrow, the writer behind HF datasets'
+/// `to_parquet` (snappy pages, dictionary encoding, three row groups, a null row, verl-style
+/// message lists, a reference-answer column), made by scripts/data_fixtures.py. The expected
+/// rows are what pyarrow reads back from the same file.
+#[test]
+fn parquet_written_by_pyarrow() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let path = dir.join("pyarrow_prompts.parquet");
+    let want: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("pyarrow_prompts.json")).unwrap())
+            .unwrap();
+    assert!(want["writer"].as_str().unwrap().contains("arrow"));
+    assert!(want["row_groups"].as_u64().unwrap() > 1);
+    let rows = want["rows"].as_array().unwrap();
+    let ok: Vec<(usize, &serde_json::Value)> = rows
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| !r["prompt"].is_null())
+        .collect();
+    assert!(ok.len() < rows.len(), "the fixture has a null row");
+
+    // Plain prompts with their answers; the null row is reported by its row number.
+    let text_cols = Columns {
+        prompt_key: "prompt".into(),
+        messages_key: None,
+        ground_truth_key: Some("answer".into()),
+    };
+    let ds = PromptDataset::from_parquet(&path, &text_cols, BadRows::Skip).unwrap();
+    assert_eq!(ds.len(), ok.len());
+    for (rec, (row, r)) in ds.records.iter().zip(&ok) {
+        assert_eq!(rec.source_row, *row);
+        assert_eq!(
+            rec.content,
+            PromptContent::Text(r["prompt"].as_str().unwrap().into())
+        );
+        assert_eq!(rec.ground_truth.as_deref(), r["answer"].as_str());
+    }
+    let null_row = rows.iter().position(|r| r["prompt"].is_null()).unwrap();
+    assert_eq!(ds.report.bad.len(), 1);
+    assert_eq!(ds.report.bad[0].location, format!("row {null_row}"));
+
+    // The message lists, role and content in order.
+    let msg_cols = Columns {
+        prompt_key: "prompt".into(),
+        messages_key: Some("messages".into()),
+        ground_truth_key: None,
+    };
+    let ds = PromptDataset::from_parquet(&path, &msg_cols, BadRows::Skip).unwrap();
+    assert_eq!(ds.len(), ok.len());
+    for (rec, (_, r)) in ds.records.iter().zip(&ok) {
+        let PromptContent::Messages(m) = &rec.content else {
+            panic!("expected messages, got {:?}", rec.content)
+        };
+        let want: Vec<(&str, &str)> = r["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| (x["role"].as_str().unwrap(), x["content"].as_str().unwrap()))
+            .collect();
+        let got: Vec<(&str, &str)> = m
+            .iter()
+            .map(|x| (x.role.as_str(), x.content.as_str()))
+            .collect();
+        assert_eq!(got, want);
+    }
+}
