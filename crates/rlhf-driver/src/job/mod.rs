@@ -1,0 +1,371 @@
+//! One PPO job from placement to the last checkpoint: options, the run (placement, resume,
+//! the loop, summary) and the loop's state. The step's parts live beside it: `rollout`
+//! (prompts and responses), `step` (experience, advantages, updates, metrics), `sync`
+//! (weights and checkpoints).
+
+mod rollout;
+mod step;
+mod sync;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use rlhf_algo::{AdvEstimator, KlController};
+use rlhf_config::data::PromptSampler;
+use rlhf_config::{PpoConfig, Role};
+use rlhf_core::{Error, FailureKind, Result};
+use rlhf_proto::v1 as pb;
+use rlhf_runtime::net::ClientOptions;
+use rlhf_tokenizer::Tokenizer;
+use tokio_util::sync::CancellationToken;
+
+use crate::checkpoint::{self};
+use crate::cluster::{self, HeadClient, LaunchOptions, Roles};
+use crate::group::CallError;
+use crate::output::{sample_table, MetricsLog, Progress, SampleLog};
+use crate::prompts::{self, FixedResponses, Prompt};
+
+/// How to run a job.
+pub struct DriverOptions {
+    /// The job config with every path absolute.
+    pub config: PpoConfig,
+    pub job_id: String,
+    /// `--resume`: `latest` or a checkpoint directory (overrides `checkpoint.resume`).
+    pub resume: Option<String>,
+    /// Token and TLS for talking to role actors.
+    pub client: ClientOptions,
+    /// Collective backend between role processes: `tcp` (CPU) or `nccl`.
+    pub comm_backend: String,
+    /// Bound on every role call (a generation, an update, ...).
+    pub call_timeout: Duration,
+    /// Bound on placement and actor start-up (model loading included).
+    pub start_timeout: Duration,
+    /// Stop (after checkpointing) once this many steps ran in this invocation.
+    pub stop_after: Option<u64>,
+}
+
+impl DriverOptions {
+    pub fn new(config: PpoConfig, job_id: impl Into<String>, client: ClientOptions) -> Self {
+        Self {
+            config,
+            job_id: job_id.into(),
+            resume: None,
+            client,
+            comm_backend: "tcp".into(),
+            call_timeout: Duration::from_secs(3600),
+            start_timeout: Duration::from_secs(600),
+            stop_after: None,
+        }
+    }
+}
+
+/// How a job ended.
+#[derive(Debug, Clone)]
+pub struct JobSummary {
+    /// Completed steps overall (including steps before a resume).
+    pub global_step: u64,
+    /// Steps run by this invocation.
+    pub steps_run: u64,
+    pub metrics_file: PathBuf,
+    /// Metrics of every step of this invocation.
+    pub history: Vec<BTreeMap<String, f64>>,
+    /// Newest checkpoint written, if any.
+    pub last_checkpoint: Option<PathBuf>,
+}
+
+fn mix(seed: u64, step: u64, rank: u64) -> u64 {
+    // splitmix64 over the three inputs: independent streams per (step, rank).
+    let mut z =
+        seed ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ rank.wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+fn tokenizer_dir(cfg: &PpoConfig) -> Result<PathBuf> {
+    if let Some(t) = cfg
+        .training
+        .tokenizer_name_or_path
+        .as_deref()
+        .filter(|t| !t.is_empty())
+    {
+        return Ok(PathBuf::from(t));
+    }
+    cfg.role_model(Role::ActorRollout)
+        .and_then(|m| m.path)
+        .ok_or_else(|| {
+            Error::invalid(
+                "no tokenizer: set training.tokenizer_name_or_path or actor_rollout.model to an HF directory",
+            )
+        })
+}
+
+/// Runs the job to its end (or to `stop_after`), then frees the actors and devices.
+pub async fn run(
+    mut head: HeadClient,
+    opts: DriverOptions,
+    shutdown: CancellationToken,
+) -> Result<JobSummary> {
+    let cfg = &opts.config;
+    if cfg.algorithm.adv_estimator == AdvEstimator::Remax {
+        return Err(Error::invalid(
+            "algorithm.adv_estimator=remax needs a greedy baseline rollout per prompt, which the driver does not run yet; use gae, grpo, rloo, reinforce_plus_plus or reinforce_plus_plus_baseline",
+        ));
+    }
+    let tok_dir = tokenizer_dir(cfg)?;
+    let tok = Tokenizer::from_dir(&tok_dir).map_err(|e| {
+        Error::invalid(format!(
+            "loading the tokenizer from {} (training.tokenizer_name_or_path): {e}",
+            tok_dir.display()
+        ))
+    })?;
+    let data = prompts::load(cfg, &tok)?;
+    eprintln!(
+        "dataset {}: {} rows, {} prompts ({} kept, {} truncated, {} skipped by actor_rollout.max_prompt_length={})",
+        cfg.data.path,
+        data.rows,
+        data.prompts.len(),
+        data.length.kept,
+        data.length.truncated,
+        data.length.skipped,
+        cfg.actor_rollout.max_prompt_length
+    );
+    if !data.bad_rows.is_empty() {
+        eprintln!(
+            "{} bad row(s) skipped (data.bad_rows: skip):",
+            data.bad_rows.len()
+        );
+        for b in data.bad_rows.iter().take(20) {
+            eprintln!("  {b}");
+        }
+        if data.bad_rows.len() > 20 {
+            eprintln!("  ... and {} more", data.bad_rows.len() - 20);
+        }
+    }
+    let fixed = match &cfg.actor_rollout.fixed_responses_file {
+        Some(p) if !p.is_empty() => Some(prompts::load_fixed_responses(
+            std::path::Path::new(p),
+            tok.vocab_size(),
+        )?),
+        _ => None,
+    };
+    let mut sampler = PromptSampler::for_config(cfg, data.prompts.len())
+        .map_err(|e| Error::invalid(e.to_string()))?;
+    let mut kl_ctl = KlController::from_config(&cfg.algorithm.kl_ctrl)
+        .map_err(|e| Error::invalid(format!("algorithm.kl_ctrl: {e}")))?;
+    let ckpt_root = PathBuf::from(&cfg.checkpoint.dir);
+    let resume_spec = opts
+        .resume
+        .clone()
+        .or_else(|| cfg.checkpoint.resume.clone().filter(|s| !s.is_empty()));
+    let resumed = match &resume_spec {
+        Some(s) => Some(checkpoint::resolve(&ckpt_root, s)?),
+        None => None,
+    };
+    let mut start_step = 0;
+    if let Some((dir, st)) = &resumed {
+        sampler
+            .restore(st.data_cursor)
+            .map_err(|e| Error::invalid(format!("{}: {e}", dir.display())))?;
+        kl_ctl = st.kl_ctl.clone();
+        start_step = st.global_step;
+        eprintln!("resuming from {} (step {})", dir.display(), st.global_step);
+    }
+    let total = cfg.training.train_iters;
+    let metrics_file = PathBuf::from(&cfg.logging.metrics_file);
+    if start_step >= total {
+        eprintln!(
+            "nothing to do: the checkpoint is at step {start_step} of training.train_iters={total}"
+        );
+        return Ok(JobSummary {
+            global_step: start_step,
+            steps_run: 0,
+            metrics_file,
+            history: vec![],
+            last_checkpoint: resumed.map(|(d, _)| d),
+        });
+    }
+
+    let launch = LaunchOptions {
+        job_id: opts.job_id.clone(),
+        client: opts.client.clone(),
+        start_timeout: opts.start_timeout,
+    };
+    let started = Instant::now();
+    let roles = tokio::select! {
+        r = cluster::launch(&mut head, cfg, &launch) => r?,
+        _ = shutdown.cancelled() => return Err(Error::new(FailureKind::Unavailable, "stopped before the roles started")),
+    };
+    eprintln!(
+        "placed {} role processes in {:.1} s",
+        roles.all_members().count(),
+        started.elapsed().as_secs_f64()
+    );
+    let mut ctx = Loop {
+        cfg,
+        opts: &opts,
+        tok: &tok,
+        prompts: &data.prompts,
+        fixed: fixed.as_ref(),
+        sampler: &mut sampler,
+        kl_ctl: &mut kl_ctl,
+        roles: &roles,
+        ckpt_root: &ckpt_root,
+    };
+    let result = tokio::select! {
+        r = ctx.drive(start_step, total, resumed.as_ref().map(|(d, _)| d.clone())) => r,
+        _ = shutdown.cancelled() => Err(Failed::Other(Error::new(FailureKind::Unavailable, "stopped by a signal; continue with --resume latest"))),
+    };
+    let result = match result {
+        Ok(s) => Ok(s),
+        Err(Failed::Call(e)) => Err(cluster::diagnose(&mut head, &roles, e).await),
+        Err(Failed::Other(e)) => Err(e),
+    };
+    cluster::shutdown(&mut head, &roles).await;
+    result
+}
+
+enum Failed {
+    Call(CallError),
+    Other(Error),
+}
+
+impl From<CallError> for Failed {
+    fn from(e: CallError) -> Self {
+        Failed::Call(e)
+    }
+}
+
+impl From<Error> for Failed {
+    fn from(e: Error) -> Self {
+        Failed::Other(e)
+    }
+}
+
+impl From<rlhf_algo::AlgoError> for Failed {
+    fn from(e: rlhf_algo::AlgoError) -> Self {
+        Failed::Other(Error::invalid(e.to_string()))
+    }
+}
+
+type Res<T> = std::result::Result<T, Failed>;
+
+struct Loop<'a> {
+    cfg: &'a PpoConfig,
+    opts: &'a DriverOptions,
+    tok: &'a Tokenizer,
+    prompts: &'a [Prompt],
+    fixed: Option<&'a FixedResponses>,
+    sampler: &'a mut PromptSampler,
+    kl_ctl: &'a mut KlController,
+    roles: &'a Roles,
+    ckpt_root: &'a std::path::Path,
+}
+
+async fn timed<T>(f: impl std::future::Future<Output = T>) -> (T, f64) {
+    let t = Instant::now();
+    let v = f.await;
+    (v, t.elapsed().as_secs_f64())
+}
+
+impl Loop<'_> {
+    async fn drive(
+        &mut self,
+        start_step: u64,
+        total: u64,
+        resume_dir: Option<PathBuf>,
+    ) -> Res<JobSummary> {
+        let cfg = self.cfg;
+        let t = self.opts.start_timeout;
+        let bundle = cfg.to_bundle();
+        for (who, info) in cluster::init_roles(self.roles, &bundle, &self.opts.job_id, t).await? {
+            tracing::info!(
+                "{who}: {} ({} parameters, {})",
+                info.model,
+                info.num_params,
+                info.device
+            );
+        }
+        let backend = self.opts.comm_backend.as_str();
+        let weights = self.roles.weights_group();
+        tokio::try_join!(
+            cluster::join_comm(&self.roles.train, "actor_dp", backend, t),
+            cluster::join_comm(&self.roles.critic, "critic_dp", backend, t),
+            cluster::join_comm(&weights, "weights", backend, t),
+        )?;
+        if let Some(dir) = &resume_dir {
+            let actor_dir = dir.join("actor").to_string_lossy().into_owned();
+            let critic_dir = dir.join("critic").to_string_lossy().into_owned();
+            tokio::try_join!(
+                self.roles.train.unary(t, "LoadCheckpoint", |_, mut c| {
+                    let d = actor_dir.clone();
+                    async move {
+                        c.load_checkpoint(pb::LoadCheckpointRequest { dir: d })
+                            .await
+                    }
+                }),
+                self.roles.critic.unary(t, "LoadCheckpoint", |_, mut c| {
+                    let d = critic_dir.clone();
+                    async move {
+                        c.load_checkpoint(pb::LoadCheckpointRequest { dir: d })
+                            .await
+                    }
+                }),
+            )?;
+        }
+        self.sync_weights(start_step).await?;
+
+        let mut metrics_log = MetricsLog::open(
+            std::path::Path::new(&cfg.logging.metrics_file),
+            resume_dir.as_ref().map(|_| start_step),
+        )?;
+        let mut samples_log = if cfg.logging.samples_file.is_empty() {
+            None
+        } else {
+            Some(SampleLog::open(
+                std::path::Path::new(&cfg.logging.samples_file),
+                resume_dir.is_some(),
+            )?)
+        };
+        let progress = Progress::new(cfg.logging.progress, start_step, total);
+        let mut history = Vec::new();
+        let mut last_checkpoint = resume_dir.clone();
+        let mut step = start_step;
+        while step < total {
+            step += 1;
+            let (mut metrics, samples) = self.step(step).await?;
+            let t0 = Instant::now();
+            let save_steps = cfg.checkpoint.save_steps;
+            let stopping = self.opts.stop_after.is_some_and(|n| step - start_step >= n);
+            if save_steps > 0 && (step.is_multiple_of(save_steps) || step == total || stopping) {
+                last_checkpoint = Some(self.save(step).await?);
+                metrics.insert("timing_s/checkpoint".into(), t0.elapsed().as_secs_f64());
+            }
+            metrics_log.write(step, &metrics)?;
+            progress.update(step, &metrics);
+            if let Some(log) = samples_log.as_mut() {
+                let every = cfg.logging.sample_every;
+                if every > 0 && (step.is_multiple_of(every) || step == start_step + 1) {
+                    log.write(step, &samples)?;
+                    progress.println(&sample_table(step, &samples));
+                }
+            }
+            history.push(metrics);
+            if stopping {
+                eprintln!(
+                    "stopping after {} step(s) as asked (--stop-after)",
+                    step - start_step
+                );
+                break;
+            }
+        }
+        Ok(JobSummary {
+            global_step: step,
+            steps_run: step - start_step,
+            metrics_file: PathBuf::from(&cfg.logging.metrics_file),
+            history,
+            last_checkpoint,
+        })
+    }
+}
