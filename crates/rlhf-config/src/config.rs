@@ -7,10 +7,10 @@
 //! check (see [`crate::load`]) before these structs are deserialized.
 
 use std::collections::BTreeMap;
-use std::fmt;
 use std::path::PathBuf;
 
 use rlhf_algo::{AlgorithmConfig, KlPenalty, LossAggMode, PolicyLossConfig, ValueLossConfig};
+pub use rlhf_core::RoleKind;
 use serde::{Deserialize, Serialize};
 
 use crate::model::ModelConfig;
@@ -165,44 +165,6 @@ impl Default for ResourcePool {
             critic: 1,
             reward: 1,
         }
-    }
-}
-
-/// The four PPO roles.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-pub enum Role {
-    /// Policy: generation and PPO update.
-    #[serde(rename = "actor_rollout")]
-    ActorRollout,
-    /// Frozen reference policy.
-    #[serde(rename = "ref")]
-    Ref,
-    /// Value model.
-    #[serde(rename = "critic")]
-    Critic,
-    /// Scores responses.
-    #[serde(rename = "reward")]
-    Reward,
-}
-
-impl Role {
-    /// Every role, in placement order.
-    pub const ALL: [Role; 4] = [Role::ActorRollout, Role::Ref, Role::Critic, Role::Reward];
-
-    /// The section / resource-pool key of this role.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Role::ActorRollout => "actor_rollout",
-            Role::Ref => "ref",
-            Role::Critic => "critic",
-            Role::Reward => "reward",
-        }
-    }
-}
-
-impl fmt::Display for Role {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
     }
 }
 
@@ -625,19 +587,19 @@ pub struct RoleModel {
 
 impl PpoConfig {
     /// Training settings of a role: `training` with the role's overrides applied.
-    pub fn resolved(&self, role: Role) -> TrainingConfig {
+    pub fn resolved(&self, role: RoleKind) -> TrainingConfig {
         let o = match role {
-            Role::ActorRollout => &self.actor_rollout.overrides,
-            Role::Ref => &self.ref_.overrides,
-            Role::Critic => &self.critic.overrides,
-            Role::Reward => &self.reward.overrides,
+            RoleKind::ActorRollout => &self.actor_rollout.overrides,
+            RoleKind::Ref => &self.ref_.overrides,
+            RoleKind::Critic => &self.critic.overrides,
+            RoleKind::Reward => &self.reward.overrides,
         };
         self.training.merged(o)
     }
 
     /// Prompts per step (`training.global_batch_size` as the actor resolves it).
     pub fn prompts_per_step(&self) -> u32 {
-        self.resolved(Role::ActorRollout).global_batch_size
+        self.resolved(RoleKind::ActorRollout).global_batch_size
     }
 
     /// Sequences per step: prompts per step × `actor_rollout.num_samples_per_step`.
@@ -652,20 +614,20 @@ impl PpoConfig {
     }
 
     /// Devices the resource pool gives a role.
-    pub fn devices(&self, role: Role) -> u32 {
+    pub fn devices(&self, role: RoleKind) -> u32 {
         match role {
-            Role::ActorRollout => self.resource_pool.actor_rollout,
-            Role::Ref => self.resource_pool.ref_,
-            Role::Critic => self.resource_pool.critic,
-            Role::Reward => self.resource_pool.reward,
+            RoleKind::ActorRollout => self.resource_pool.actor_rollout,
+            RoleKind::Ref => self.resource_pool.ref_,
+            RoleKind::Critic => self.resource_pool.critic,
+            RoleKind::Reward => self.resource_pool.reward,
         }
     }
 
     /// Whether the job runs this role at all (no critic without GAE, no reward
     /// model process needed for devices when the reward is a rule or HTTP).
-    pub fn role_enabled(&self, role: Role) -> bool {
+    pub fn role_enabled(&self, role: RoleKind) -> bool {
         match role {
-            Role::Critic => self.algorithm.adv_estimator.needs_critic(),
+            RoleKind::Critic => self.algorithm.adv_estimator.needs_critic(),
             _ => true,
         }
     }
@@ -673,15 +635,15 @@ impl PpoConfig {
     /// The model a role loads, resolved against `defaults` (empty names of
     /// ref and critic fall back to the actor's model). `None` for a reward
     /// that is not a model.
-    pub fn role_model(&self, role: Role) -> Option<RoleModel> {
+    pub fn role_model(&self, role: RoleKind) -> Option<RoleModel> {
         let name = match role {
-            Role::ActorRollout => self.actor_rollout.model.clone(),
-            Role::Ref if self.ref_.model.is_empty() => self.actor_rollout.model.clone(),
-            Role::Ref => self.ref_.model.clone(),
-            Role::Critic if self.critic.model.is_empty() => self.actor_rollout.model.clone(),
-            Role::Critic => self.critic.model.clone(),
-            Role::Reward if self.reward.kind != RewardKind::Model => return None,
-            Role::Reward => self.reward.model.clone(),
+            RoleKind::ActorRollout => self.actor_rollout.model.clone(),
+            RoleKind::Ref if self.ref_.model.is_empty() => self.actor_rollout.model.clone(),
+            RoleKind::Ref => self.ref_.model.clone(),
+            RoleKind::Critic if self.critic.model.is_empty() => self.actor_rollout.model.clone(),
+            RoleKind::Critic => self.critic.model.clone(),
+            RoleKind::Reward if self.reward.kind != RewardKind::Model => return None,
+            RoleKind::Reward => self.reward.model.clone(),
         };
         if name.is_empty() {
             return None;

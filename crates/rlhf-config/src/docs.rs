@@ -169,7 +169,7 @@ pub fn doc_of(path: &str) -> Option<String> {
     if let Some((section, k)) = path.split_once('.') {
         if ROLE_SECTIONS.contains(&section) && training.contains_key(k) {
             return Some(format!(
-                "Role override of `training.{k}` (unset = inherit)."
+                "RoleKind override of `training.{k}` (unset = inherit)."
             ));
         }
     }

@@ -19,7 +19,7 @@
 //! let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs");
 //! let cfg = rlhf_config::load(&dir, "ppo_tiny", &["actor_rollout.ppo_epochs=3".into()])?;
 //! assert_eq!(cfg.actor_rollout.ppo_epochs, 3);
-//! let actor = cfg.resolved(rlhf_config::Role::ActorRollout);
+//! let actor = cfg.resolved(rlhf_config::RoleKind::ActorRollout);
 //! assert!(actor.micro_batch_size > 0);
 //! # Ok(()) }
 //! ```
@@ -37,7 +37,7 @@ mod validate;
 pub use config::{
     ActorRolloutConfig, BadRows, CheckpointConfig, CriticConfig, DataConfig, DataFormat,
     DefaultsEntry, DeviceKind, LoggingConfig, LrDecayStyle, OneOrMany, PpoConfig, PromptOverflow,
-    RefConfig, ResourcePool, RewardConfig, RewardKind, Role, RoleModel, TrainingConfig,
+    RefConfig, ResourcePool, RewardConfig, RewardKind, RoleKind, RoleModel, TrainingConfig,
     TrainingOverrides,
 };
 pub use error::{ConfigError, Result};

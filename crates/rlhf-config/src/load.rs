@@ -11,12 +11,18 @@ use std::path::{Path, PathBuf};
 use serde::de::DeserializeOwned;
 use serde_yaml::{Mapping, Value};
 
-use crate::config::{DefaultsEntry, PpoConfig, TrainingConfig};
+use crate::config::{DefaultsEntry, PpoConfig, RoleKind, TrainingConfig};
 use crate::error::{ConfigError, Result};
 use crate::model::ModelConfig;
 
 /// Role sections that accept every `training` key as an override.
-pub(crate) const ROLE_SECTIONS: [&str; 4] = ["actor_rollout", "ref", "critic", "reward"];
+/// The config sections named after roles (each may override `training` keys).
+pub(crate) const ROLE_SECTIONS: [&str; 4] = [
+    RoleKind::ActorRollout.as_str(),
+    RoleKind::Ref.as_str(),
+    RoleKind::Critic.as_str(),
+    RoleKind::Reward.as_str(),
+];
 
 /// Loads `<config_dir>/<config_name>.yaml`, resolves its `defaults`, applies
 /// `key.path=value` overrides, checks every key and validates the result.

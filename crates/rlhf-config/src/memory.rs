@@ -23,7 +23,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
-use crate::config::{PpoConfig, RewardKind, Role};
+use crate::config::{PpoConfig, RewardKind, RoleKind};
 use crate::model::ModelConfig;
 
 const GIB: f64 = (1u64 << 30) as f64;
@@ -34,7 +34,7 @@ pub struct MemoryRow {
     /// Role name, with the rank kind for the actor (`actor_rollout/train`).
     pub label: String,
     /// The role.
-    pub role: Role,
+    pub role: RoleKind,
     /// Model name, or why there is none.
     pub model: String,
     /// Parameters counted.
@@ -70,7 +70,7 @@ impl PpoConfig {
         let a = &self.actor_rollout;
         let s = u64::from(a.max_prompt_length) + u64::from(a.max_response_length);
         let mut rows = Vec::new();
-        for role in Role::ALL {
+        for role in RoleKind::ALL {
             if !self.role_enabled(role) {
                 continue;
             }
@@ -107,7 +107,7 @@ impl PpoConfig {
             };
             let optimizer = |p: u64| 8 * p + if b == 2 { 4 * p } else { 0 };
             match role {
-                Role::ActorRollout => {
+                RoleKind::ActorRollout => {
                     let p = arch.lm_params();
                     rows.push(MemoryRow {
                         label: "actor_rollout/train".into(),
@@ -144,10 +144,10 @@ impl PpoConfig {
                         activations: prefill,
                     });
                 }
-                Role::Ref => {
+                RoleKind::Ref => {
                     let p = arch.lm_params();
                     rows.push(MemoryRow {
-                        label: "ref".into(),
+                        label: RoleKind::Ref.to_string(),
                         role,
                         model: m.name,
                         params: p,
@@ -159,10 +159,10 @@ impl PpoConfig {
                             + logits_bytes(&arch, mb, s),
                     });
                 }
-                Role::Critic => {
+                RoleKind::Critic => {
                     let p = arch.value_params();
                     rows.push(MemoryRow {
-                        label: "critic".into(),
+                        label: RoleKind::Critic.to_string(),
                         role,
                         model: m.name,
                         params: p,
@@ -173,10 +173,10 @@ impl PpoConfig {
                         activations: train_activations(&arch, mb, s, b, false),
                     });
                 }
-                Role::Reward => {
+                RoleKind::Reward => {
                     let p = arch.value_params();
                     rows.push(MemoryRow {
-                        label: "reward".into(),
+                        label: RoleKind::Reward.to_string(),
                         role,
                         model: m.name,
                         params: p,

@@ -5,14 +5,14 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
-use crate::config::{PpoConfig, Role};
+use crate::config::{PpoConfig, RoleKind};
 use crate::error::{ConfigError, Result};
 
 /// One role's share on one node.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Assignment {
     /// The role.
-    pub role: Role,
+    pub role: RoleKind,
     /// Node name as given to [`PpoConfig::placement_plan`].
     pub node: String,
     /// Devices of the pool's resource used there (0 = runs on the node's CPU
@@ -40,7 +40,7 @@ impl Plan {
     }
 
     /// The assignments of a role.
-    pub fn of(&self, role: Role) -> Vec<&Assignment> {
+    pub fn of(&self, role: RoleKind) -> Vec<&Assignment> {
         self.assignments.iter().filter(|a| a.role == role).collect()
     }
 }
@@ -80,7 +80,7 @@ impl PpoConfig {
                 )
             })
             .collect();
-        let mut roles: Vec<(Role, u32)> = Role::ALL
+        let mut roles: Vec<(RoleKind, u32)> = RoleKind::ALL
             .iter()
             .filter(|r| self.role_enabled(**r))
             .map(|r| (*r, self.devices(*r)))

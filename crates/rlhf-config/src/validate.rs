@@ -1,7 +1,7 @@
 //! Load-time validation: every rule runs, every failure is reported with the
 //! keys and numbers involved and what to change.
 
-use crate::config::{PpoConfig, RewardKind, Role};
+use crate::config::{PpoConfig, RewardKind, RoleKind};
 use crate::error::{ConfigError, Result};
 
 /// Runs every rule; `Err(Invalid)` lists all failures at once.
@@ -23,8 +23,8 @@ pub fn problems(cfg: &PpoConfig) -> Vec<String> {
     let a = &cfg.actor_rollout;
     let c = &cfg.critic;
     let pool = &cfg.resource_pool;
-    let actor_t = cfg.resolved(Role::ActorRollout);
-    let critic_t = cfg.resolved(Role::Critic);
+    let actor_t = cfg.resolved(RoleKind::ActorRollout);
+    let critic_t = cfg.resolved(RoleKind::Critic);
     let prompts = actor_t.global_batch_size;
     let rollout = cfg.rollout_batch_size();
 
@@ -65,7 +65,7 @@ pub fn problems(cfg: &PpoConfig) -> Vec<String> {
             e.push(format!("{key} must be > 0"));
         }
     }
-    for role in Role::ALL {
+    for role in RoleKind::ALL {
         let t = cfg.resolved(role);
         if t.micro_batch_size == 0 {
             e.push(format!("{role}: micro_batch_size must be > 0 (training.micro_batch_size or {role}.micro_batch_size)"));
@@ -75,7 +75,7 @@ pub fn problems(cfg: &PpoConfig) -> Vec<String> {
         }
         let total = u64::from(a.max_prompt_length) + u64::from(a.max_response_length);
         if cfg.role_enabled(role)
-            && !(role == Role::Reward && cfg.reward.kind != RewardKind::Model)
+            && !(role == RoleKind::Reward && cfg.reward.kind != RewardKind::Model)
             && u64::from(t.seq_length) < total
         {
             e.push(format!(
@@ -146,7 +146,7 @@ pub fn problems(cfg: &PpoConfig) -> Vec<String> {
     }
 
     // Critic batch arithmetic.
-    if cfg.role_enabled(Role::Critic) {
+    if cfg.role_enabled(RoleKind::Critic) {
         if pool.critic == 0 {
             e.push(format!(
                 "algorithm.adv_estimator = {} needs a critic, but resource_pool.critic is 0",
@@ -207,7 +207,7 @@ pub fn problems(cfg: &PpoConfig) -> Vec<String> {
         e.push("actor_rollout.model is empty; name a model from `defaults` or give an HF model directory".into());
     }
     let total = u64::from(a.max_prompt_length) + u64::from(a.max_response_length);
-    for role in Role::ALL {
+    for role in RoleKind::ALL {
         if !cfg.role_enabled(role) {
             continue;
         }

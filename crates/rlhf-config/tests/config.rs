@@ -3,7 +3,9 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use rlhf_config::{from_yaml_str, load, ConfigError, DeviceKind, PpoConfig, Role, TrainingConfig};
+use rlhf_config::{
+    from_yaml_str, load, ConfigError, DeviceKind, PpoConfig, RoleKind, TrainingConfig,
+};
 
 fn configs() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs")
@@ -112,12 +114,15 @@ fn shipped_configs_have_the_documented_shape() {
     assert!(m.tie_word_embeddings);
     // Llama 3.2 1B has 1.236 B parameters.
     assert_eq!(m.lm_params(), 1_235_814_400);
-    let actor = l.role_model(Role::ActorRollout).unwrap();
+    let actor = l.role_model(RoleKind::ActorRollout).unwrap();
     assert_eq!(
         actor.path.unwrap(),
         PathBuf::from("models/Llama-3.2-1B-Instruct")
     );
-    assert_eq!(l.role_model(Role::Reward).unwrap().name, "llama32_1b_rm");
+    assert_eq!(
+        l.role_model(RoleKind::Reward).unwrap().name,
+        "llama32_1b_rm"
+    );
 
     let q = load(&configs(), "ppo_qwen25_7b", &[]).unwrap();
     let m = &q.models["qwen25_7b"];
@@ -287,12 +292,12 @@ fn role_sections_override_training_keys() {
     let cfg = tiny(&["ref.micro_batch_size=2", "actor_rollout.bf16=true"]).unwrap();
     // The file sets critic.lr = 1e-4 over training.lr = 5e-5.
     assert_eq!(cfg.training.lr, 5.0e-5);
-    assert_eq!(cfg.resolved(Role::Critic).lr, 1.0e-4);
-    assert_eq!(cfg.resolved(Role::ActorRollout).lr, 5.0e-5);
-    assert_eq!(cfg.resolved(Role::Ref).micro_batch_size, 2);
-    assert_eq!(cfg.resolved(Role::Critic).micro_batch_size, 4);
-    assert!(cfg.resolved(Role::ActorRollout).bf16);
-    assert!(!cfg.resolved(Role::Ref).bf16);
+    assert_eq!(cfg.resolved(RoleKind::Critic).lr, 1.0e-4);
+    assert_eq!(cfg.resolved(RoleKind::ActorRollout).lr, 5.0e-5);
+    assert_eq!(cfg.resolved(RoleKind::Ref).micro_batch_size, 2);
+    assert_eq!(cfg.resolved(RoleKind::Critic).micro_batch_size, 4);
+    assert!(cfg.resolved(RoleKind::ActorRollout).bf16);
+    assert!(!cfg.resolved(RoleKind::Ref).bf16);
     // Every training key is accepted in every role section.
     for role in ["actor_rollout", "ref", "critic", "reward"] {
         for key in TrainingConfig::KEYS {
@@ -394,12 +399,12 @@ fn placement_packs_and_refuses_with_the_shortfall() {
     // 8 GPUs on one node: everything fits there.
     let plan = cfg.placement_plan(&[node("n0", "GPU", 8.0)]).unwrap();
     assert_eq!(plan.devices_on("n0"), 8);
-    assert_eq!(plan.of(Role::ActorRollout)[0].devices, 4);
+    assert_eq!(plan.of(RoleKind::ActorRollout)[0].devices, 4);
     // Two 4-GPU nodes: the actor takes one whole node.
     let plan = cfg
         .placement_plan(&[node("a", "GPU", 4.0), node("b", "GPU", 4.0)])
         .unwrap();
-    let actor = plan.of(Role::ActorRollout);
+    let actor = plan.of(RoleKind::ActorRollout);
     assert_eq!(actor.len(), 1);
     assert_eq!(actor[0].devices, 4);
     assert_eq!(plan.devices_on("a") + plan.devices_on("b"), 8);
@@ -430,7 +435,7 @@ fn placement_packs_and_refuses_with_the_shortfall() {
     assert!(t.placement_plan(&[node("a", "GPU", 8.0)]).is_err());
     let plan = t.placement_plan(&[node("a", "CPU", 4.0)]).unwrap();
     assert_eq!(plan.devices_on("a"), 4);
-    assert_eq!(plan.of(Role::Reward)[0].devices, 0);
+    assert_eq!(plan.of(RoleKind::Reward)[0].devices, 0);
     // A role bigger than any node is spread.
     let plan = cfg
         .placement_plan(&[
@@ -439,7 +444,11 @@ fn placement_packs_and_refuses_with_the_shortfall() {
             node("c", "GPU", 2.0),
         ])
         .unwrap();
-    let spread: u32 = plan.of(Role::ActorRollout).iter().map(|a| a.devices).sum();
+    let spread: u32 = plan
+        .of(RoleKind::ActorRollout)
+        .iter()
+        .map(|a| a.devices)
+        .sum();
     assert_eq!(spread, 4);
 }
 
@@ -468,7 +477,7 @@ fn memory_estimate_is_sane() {
     // KV: 28 layers x 2 x 4 kv heads x 128 x 2048 tokens x 64 seqs x 2 B = 7 GiB.
     assert_eq!(infer.kv_cache, 28 * 2 * 4 * 128 * 2048 * 64 * 2);
     assert_eq!(infer.optimizer, 0);
-    let critic = rows.iter().find(|r| r.role == Role::Critic).unwrap();
+    let critic = rows.iter().find(|r| r.role == RoleKind::Critic).unwrap();
     assert!(critic.params < train.params, "the critic has no LM head");
     // f32 doubles the weights.
     let f = load(&configs(), "ppo_qwen25_7b", &["training.bf16=false".into()]).unwrap();
@@ -626,5 +635,5 @@ fn null_for_a_required_value_names_the_key() {
     assert!(err.contains("training.lr"), "{err}");
     // In a role section null means "inherit".
     let cfg = tiny(&["critic.lr=null"]).unwrap();
-    assert_eq!(cfg.resolved(Role::Critic).lr, cfg.training.lr);
+    assert_eq!(cfg.resolved(RoleKind::Critic).lr, cfg.training.lr);
 }

@@ -1,15 +1,18 @@
 //! Core domain types shared by the head, the workers and the tools: resources and their
-//! parsing, the error type with scheduling-relevant failure kinds, and wire conversions.
+//! parsing, the error type with scheduling-relevant failure kinds, role identity (role,
+//! part, communicator group and backend), and wire conversions.
 //!
 //! No servers and no GPU code live here.
 
 pub mod batch;
 pub mod error;
 pub mod resources;
+pub mod role;
 
 pub use batch::{DataBatch, TensorData};
 pub use error::{Error, FailureKind, Result};
 pub use resources::Resources;
+pub use role::{CommBackend, CommGroup, RoleKind, RolePart, RoleSlot};
 
 /// Milliseconds since the Unix epoch, for timestamps that cross the wire or the state store.
 pub fn unix_ms() -> i64 {

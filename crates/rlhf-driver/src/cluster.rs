@@ -5,14 +5,14 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use futures::future::try_join_all;
-use rlhf_config::{PpoConfig, Role};
-use rlhf_core::{Error, FailureKind, Result};
+use rlhf_config::PpoConfig;
+use rlhf_core::{CommBackend, CommGroup, Error, FailureKind, Result, RoleKind, RolePart};
 use rlhf_proto::v1 as pb;
 use rlhf_proto::v1::head_service_client::HeadServiceClient;
 use rlhf_proto::v1::role_service_client::RoleServiceClient;
 use rlhf_runtime::net::{self, AuthChannel, ClientOptions};
 
-use crate::group::{CallError, Member, WorkerGroup};
+use crate::group::{CallError, GroupId, Member, WorkerGroup};
 
 pub type HeadClient = HeadServiceClient<AuthChannel>;
 
@@ -52,7 +52,7 @@ impl Roles {
         members.extend(self.train.members.first().cloned());
         members.extend(self.infer.members.iter().cloned());
         WorkerGroup {
-            name: "weights".into(),
+            id: GroupId::Comm(CommGroup::Weights),
             members,
         }
     }
@@ -67,8 +67,8 @@ pub struct LaunchOptions {
 }
 
 struct PartSpec {
-    role: Role,
-    part: &'static str,
+    role: RoleKind,
+    part: RolePart,
     ranks: usize,
     /// Bundle offset in the role's placement group.
     offset: usize,
@@ -78,22 +78,22 @@ fn parts(cfg: &PpoConfig) -> Vec<PartSpec> {
     let mut v = Vec::new();
     let ar = &cfg.actor_rollout;
     v.push(PartSpec {
-        role: Role::ActorRollout,
-        part: "train",
+        role: RoleKind::ActorRollout,
+        part: RolePart::Train,
         ranks: ar.num_gpus_for_train.max(1) as usize,
         offset: 0,
     });
     v.push(PartSpec {
-        role: Role::ActorRollout,
-        part: "infer",
+        role: RoleKind::ActorRollout,
+        part: RolePart::Infer,
         ranks: ar.num_gpus_for_infer.max(1) as usize,
         offset: ar.num_gpus_for_train.max(1) as usize,
     });
-    for role in [Role::Ref, Role::Critic, Role::Reward] {
+    for role in [RoleKind::Ref, RoleKind::Critic, RoleKind::Reward] {
         if cfg.role_enabled(role) {
             v.push(PartSpec {
                 role,
-                part: "",
+                part: RolePart::Whole,
                 ranks: (cfg.devices(role) as usize).max(1),
                 offset: 0,
             });
@@ -107,7 +107,7 @@ pub async fn launch(head: &mut HeadClient, cfg: &PpoConfig, opts: &LaunchOptions
     let resource = cfg.resource_pool.device.resource().to_string();
     let mut pgs: BTreeMap<&'static str, String> = BTreeMap::new();
     let mut placement_groups = Vec::new();
-    for role in Role::ALL {
+    for role in RoleKind::ALL {
         let n = if cfg.role_enabled(role) {
             cfg.devices(role)
         } else {
@@ -154,10 +154,9 @@ pub async fn launch(head: &mut HeadClient, cfg: &PpoConfig, opts: &LaunchOptions
                 Some(pg) => (pg.clone(), (p.offset + rank) as i32),
                 None => (String::new(), 0),
             };
-            let label = if p.part.is_empty() {
-                format!("{}{rank}", p.role.as_str())
-            } else {
-                format!("{}-{}{rank}", p.role.as_str(), p.part)
+            let label = match p.part {
+                RolePart::Whole => format!("{}{rank}", p.role),
+                part => format!("{}-{part}{rank}", p.role),
             };
             let spec = pb::ActorSpec {
                 name: format!("{}-{label}", opts.job_id),
@@ -215,33 +214,30 @@ pub async fn launch(head: &mut HeadClient, cfg: &PpoConfig, opts: &LaunchOptions
                     .max_encoding_message_size(rlhf_proto::MAX_MESSAGE_BYTES),
             });
         }
-        let name = if p.part.is_empty() {
-            p.role.as_str().to_string()
-        } else {
-            format!("{}/{}", p.role.as_str(), p.part)
-        };
-        groups.push(WorkerGroup { name, members });
+        groups.push(WorkerGroup {
+            id: GroupId::Role(p.role, p.part),
+            members,
+        });
     }
-    let mut g = groups.into_iter();
-    let train = g.next().unwrap_or_else(empty("actor_rollout/train"));
-    let infer = g.next().unwrap_or_else(empty("actor_rollout/infer"));
-    let mut rest: BTreeMap<String, WorkerGroup> = g.map(|w| (w.name.clone(), w)).collect();
+    let mut take = |kind, part| {
+        let id = GroupId::Role(kind, part);
+        match groups.iter().position(|g| g.id == id) {
+            Some(i) => groups.swap_remove(i),
+            None => WorkerGroup {
+                id,
+                members: vec![],
+            },
+        }
+    };
     let roles = Roles {
-        train,
-        infer,
-        reference: rest.remove("ref").unwrap_or_else(empty("ref")),
-        critic: rest.remove("critic").unwrap_or_else(empty("critic")),
-        reward: rest.remove("reward").unwrap_or_else(empty("reward")),
+        train: take(RoleKind::ActorRollout, RolePart::Train),
+        infer: take(RoleKind::ActorRollout, RolePart::Infer),
+        reference: take(RoleKind::Ref, RolePart::Whole),
+        critic: take(RoleKind::Critic, RolePart::Whole),
+        reward: take(RoleKind::Reward, RolePart::Whole),
         placement_groups,
     };
     Ok(roles)
-}
-
-fn empty(name: &'static str) -> impl FnOnce() -> WorkerGroup {
-    move || WorkerGroup {
-        name: name.into(),
-        members: vec![],
-    }
 }
 
 /// Loads every role's model (concurrently).
@@ -253,16 +249,18 @@ pub async fn init_roles(
 ) -> std::result::Result<Vec<(String, pb::InitRoleResponse)>, CallError> {
     let mut out = Vec::new();
     let futs = roles.groups().into_iter().map(|g| async move {
-        let (role, part) = match g.name.split_once('/') {
-            Some((r, p)) => (r.to_string(), p.to_string()),
-            None => (g.name.clone(), String::new()),
+        let GroupId::Role(role, part) = g.id else {
+            return Err(g.err(
+                0,
+                Error::internal(format!("InitRole sent to communicator group {}", g.id)),
+            ));
         };
         let world = g.len() as u32;
         let answers = g
             .unary(timeout, "InitRole", |rank, mut c| {
                 let req = pb::InitRoleRequest {
-                    role: role.clone(),
-                    part: part.clone(),
+                    role: pb::RoleKind::from(role) as i32,
+                    part: pb::RolePart::from(part) as i32,
                     rank: rank as u32,
                     world_size: world,
                     config_bundle: bundle.to_string(),
@@ -275,7 +273,7 @@ pub async fn init_roles(
             answers
                 .into_iter()
                 .enumerate()
-                .map(|(r, a)| (format!("{} rank {r}", g.name), a))
+                .map(|(r, a)| (format!("{} rank {r}", g.id), a))
                 .collect::<Vec<_>>(),
         )
     });
@@ -288,8 +286,8 @@ pub async fn init_roles(
 /// Forms a communicator group over `group`'s members (rank = position).
 pub async fn join_comm(
     group: &WorkerGroup,
-    name: &str,
-    backend: &str,
+    name: CommGroup,
+    backend: CommBackend,
     timeout: Duration,
 ) -> std::result::Result<(), CallError> {
     let Some(first) = group.members.first() else {
@@ -299,8 +297,8 @@ pub async fn join_comm(
     let prep = tokio::time::timeout(
         timeout,
         c.prepare_comm(pb::PrepareCommRequest {
-            group: name.into(),
-            backend: backend.into(),
+            group: pb::CommGroup::from(name) as i32,
+            backend: pb::CommBackend::from(backend) as i32,
         }),
     )
     .await
@@ -319,8 +317,8 @@ pub async fn join_comm(
     group
         .unary(timeout, "JoinComm", |rank, mut c| {
             let req = pb::JoinCommRequest {
-                group: name.into(),
-                backend: backend.into(),
+                group: pb::CommGroup::from(name) as i32,
+                backend: pb::CommBackend::from(backend) as i32,
                 rank: rank as u32,
                 world_size: world,
                 address: prep.address.clone(),
@@ -338,7 +336,7 @@ pub async fn join_comm(
 pub async fn diagnose(head: &mut HeadClient, roles: &Roles, err: CallError) -> Error {
     let ours: BTreeMap<String, (String, usize)> = roles
         .all_members()
-        .map(|(g, r, m)| (m.actor_id.clone(), (g.name.clone(), r)))
+        .map(|(g, r, m)| (m.actor_id.clone(), (g.name(), r)))
         .collect();
     // The worker reports an exit within a heartbeat or so; give it a moment.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(6);

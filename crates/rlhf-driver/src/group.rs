@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use futures::future::try_join_all;
 use rlhf_core::batch::{Assembler, DataBatch};
-use rlhf_core::{Error, FailureKind, Result};
+use rlhf_core::{CommGroup, Error, FailureKind, Result, RoleKind, RolePart};
 use rlhf_proto::v1::role_service_client::RoleServiceClient;
 pub use rlhf_proto::BatchCall;
 use rlhf_runtime::net::AuthChannel;
@@ -83,15 +83,37 @@ impl std::fmt::Display for CallError {
     }
 }
 
+/// What a worker group is: the ranks of one role part, or a communicator group made of
+/// ranks of several parts (trainer rank 0 + the rollout ranks share the weights group).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GroupId {
+    Role(RoleKind, RolePart),
+    Comm(CommGroup),
+}
+
+impl std::fmt::Display for GroupId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            GroupId::Role(k, RolePart::Whole) => write!(f, "{k}"),
+            GroupId::Role(k, p) => write!(f, "{k}/{p}"),
+            GroupId::Comm(g) => write!(f, "{g}"),
+        }
+    }
+}
+
 /// The ranks of one role part (e.g. actor_rollout/train).
 #[derive(Clone, Debug)]
 pub struct WorkerGroup {
-    /// `actor_rollout/train`, `ref`, ...
-    pub name: String,
+    pub id: GroupId,
     pub members: Vec<Member>,
 }
 
 impl WorkerGroup {
+    /// `actor_rollout/train`, `ref`, `weights`: how messages name the group.
+    pub fn name(&self) -> String {
+        self.id.to_string()
+    }
+
     pub fn len(&self) -> usize {
         self.members.len()
     }
@@ -112,10 +134,7 @@ impl WorkerGroup {
     ) -> std::result::Result<DataBatch, CallError> {
         let n = self.members.len();
         if n == 0 {
-            return Err(self.err(
-                0,
-                Error::invalid(format!("role {} has no ranks", self.name)),
-            ));
+            return Err(self.err(0, Error::invalid(format!("role {} has no ranks", self.id))));
         }
         let (padded, pad) = batch.pad_to_multiple(n).map_err(|e| self.err(0, e))?;
         let shards = padded.chunk(n).map_err(|e| self.err(0, e))?;
@@ -138,7 +157,7 @@ impl WorkerGroup {
                     "{} shards for {} ranks of {}",
                     shards.len(),
                     self.members.len(),
-                    self.name
+                    self.id
                 )),
             ));
         }
@@ -203,7 +222,7 @@ impl WorkerGroup {
 
     pub fn err(&self, rank: usize, error: Error) -> CallError {
         CallError {
-            role: self.name.clone(),
+            role: self.name(),
             rank,
             actor_id: self
                 .members

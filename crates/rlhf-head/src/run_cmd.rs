@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use rlhf_config::{PpoConfig, Role};
+use rlhf_config::{PpoConfig, RoleKind};
 use rlhf_core::resources::Resources;
 use rlhf_core::{Error, Result};
 use rlhf_driver::{DriverOptions, JobSummary};
@@ -58,7 +58,7 @@ pub(crate) struct RunArgs {
     pub(crate) start_timeout: f64,
     /// Collective backend between role processes (nccl needs GPUs and a build with it).
     #[arg(long, default_value = "tcp")]
-    pub(crate) comm_backend: String,
+    pub(crate) comm_backend: rlhf_core::CommBackend,
     /// Embedded mode only: `rlhf-worker` binary for the local worker (default: next to
     /// this one).
     #[arg(long)]
@@ -109,7 +109,7 @@ fn job_id() -> String {
 
 /// Devices of the pool's resource the job needs in total.
 fn devices_needed(cfg: &PpoConfig) -> f64 {
-    Role::ALL
+    RoleKind::ALL
         .iter()
         .filter(|r| cfg.role_enabled(**r))
         .map(|r| f64::from(cfg.devices(*r)))
@@ -294,7 +294,7 @@ pub(crate) async fn run(args: RunArgs) -> Result<()> {
     opts.stop_after = args.stop_after;
     opts.call_timeout = Duration::from_secs_f64(args.call_timeout.max(1.0));
     opts.start_timeout = Duration::from_secs_f64(args.start_timeout.max(1.0));
-    opts.comm_backend = args.comm_backend.clone();
+    opts.comm_backend = args.comm_backend;
     let ckpt_dir = PathBuf::from(&opts.config.checkpoint.dir);
     let result = rlhf_driver::run(head_client, opts, shutdown.clone()).await;
     if let Some(e) = embedded {

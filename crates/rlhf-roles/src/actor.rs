@@ -6,6 +6,7 @@ use std::path::Path;
 
 use rlhf_config::PpoConfig;
 use rlhf_core::batch::DataBatch;
+use rlhf_core::{CommBackend, CommGroup, RoleKind, RolePart, RoleSlot};
 use rlhf_proto::v1 as pb;
 pub use rlhf_proto::BatchCall;
 
@@ -13,9 +14,6 @@ use crate::comm::{Groups, JoinSpec, Prepared};
 use crate::error::{Ctx, Error, Result};
 use crate::reward::Reward;
 use crate::roles::{Critic, RefPolicy, Rollout, Trainer};
-
-/// The role kinds `rlhf-worker actor --kind` accepts besides `test`.
-pub const ROLE_KINDS: &[&str] = &["actor_rollout", "ref", "critic", "reward"];
 
 /// The loaded role.
 pub enum Role {
@@ -29,19 +27,19 @@ pub enum Role {
 /// Everything the compute thread owns.
 pub struct RoleActor {
     /// The process kind (`--kind`): InitRole must name the same role.
-    pub kind: String,
+    pub kind: RoleKind,
     /// IP the TCP rendezvous binds on (reachable by the other ranks).
     pub host: String,
     pub role: Option<Role>,
     pub groups: Groups,
-    /// (role, part, rank, world) once initialised.
-    pub ident: Option<(String, String, usize, usize)>,
+    /// Which rank of which role part, once initialised.
+    pub ident: Option<RoleSlot>,
 }
 
 impl RoleActor {
-    pub fn new(kind: &str, host: &str) -> Self {
+    pub fn new(kind: RoleKind, host: &str) -> Self {
         Self {
-            kind: kind.to_string(),
+            kind,
             host: host.to_string(),
             role: None,
             groups: Groups::new(),
@@ -51,14 +49,13 @@ impl RoleActor {
 
     fn label(&self) -> String {
         match &self.ident {
-            Some((role, part, rank, _)) if !part.is_empty() => format!("{role} {part} rank {rank}"),
-            Some((role, _, rank, _)) => format!("{role} rank {rank}"),
+            Some(slot) => slot.label(),
             None => format!("{} (not initialised)", self.kind),
         }
     }
 
     fn role(&mut self) -> Result<&mut Role> {
-        let kind = self.kind.clone();
+        let kind = self.kind;
         self.role.as_mut().ok_or_else(|| {
             Error::invalid(format!(
                 "the {kind} actor is not initialised; call InitRole first"
@@ -73,38 +70,31 @@ impl RoleActor {
                 self.label()
             )));
         }
-        if req.role != self.kind {
+        let slot = RoleSlot {
+            kind: RoleKind::from_wire(req.role, "InitRoleRequest.role")?,
+            part: RolePart::from_wire(req.part, "InitRoleRequest.part")?,
+            rank: req.rank,
+            world_size: req.world_size.max(1),
+        };
+        if slot.kind != self.kind {
             return Err(Error::invalid(format!(
                 "InitRole for role '{}' sent to a '{}' actor process",
-                req.role, self.kind
+                slot.kind, self.kind
             )));
         }
+        slot.validate()?;
         let cfg: PpoConfig = rlhf_config::from_bundle(&req.config_bundle)?;
-        let (rank, world) = (req.rank as usize, req.world_size.max(1) as usize);
-        if rank >= world {
-            return Err(Error::invalid(format!(
-                "InitRole: rank {rank} is out of range for world_size {world}"
-            )));
-        }
-        let role = match (req.role.as_str(), req.part.as_str()) {
-            ("actor_rollout", "train") => {
+        let (rank, world) = (slot.rank as usize, slot.world_size as usize);
+        let role = match (slot.kind, slot.part) {
+            (RoleKind::ActorRollout, RolePart::Train) => {
                 Role::Trainer(Box::new(Trainer::from_config(&cfg, rank, world)?))
             }
-            ("actor_rollout", "infer") => Role::Rollout(Box::new(Rollout::from_config(&cfg)?)),
-            ("actor_rollout", other) => {
-                return Err(Error::invalid(format!(
-                    "actor_rollout part '{other}' is unknown; use 'train' or 'infer'"
-                )))
+            (RoleKind::ActorRollout, _) => Role::Rollout(Box::new(Rollout::from_config(&cfg)?)),
+            (RoleKind::Ref, _) => Role::Ref(Box::new(RefPolicy::from_config(&cfg)?)),
+            (RoleKind::Critic, _) => {
+                Role::Critic(Box::new(Critic::from_config(&cfg, rank, world)?))
             }
-            ("ref", _) => Role::Ref(Box::new(RefPolicy::from_config(&cfg)?)),
-            ("critic", _) => Role::Critic(Box::new(Critic::from_config(&cfg, rank, world)?)),
-            ("reward", _) => Role::Reward(Box::new(Reward::from_config(&cfg)?)),
-            (other, _) => {
-                return Err(Error::invalid(format!(
-                    "unknown role '{other}'; known roles: {}",
-                    ROLE_KINDS.join(", ")
-                )))
-            }
+            (RoleKind::Reward, _) => Role::Reward(Box::new(Reward::from_config(&cfg)?)),
         };
         let (model, num_params, checksum) = match &role {
             Role::Trainer(t) => (src(&t.model), t.model.params().num_params(), t.checksum()?),
@@ -121,7 +111,7 @@ impl RoleActor {
             },
         };
         self.role = Some(role);
-        self.ident = Some((req.role.clone(), req.part.clone(), rank, world));
+        self.ident = Some(slot);
         Ok(pb::InitRoleResponse {
             model,
             num_params: num_params as u64,
@@ -132,13 +122,17 @@ impl RoleActor {
 
     pub fn prepare_comm(&mut self, req: &pb::PrepareCommRequest) -> Result<Prepared> {
         let host = self.host.clone();
-        self.groups.prepare(&req.group, &req.backend, &host)
+        self.groups.prepare(
+            CommGroup::from_wire(req.group, "PrepareCommRequest.group")?,
+            CommBackend::from_wire(req.backend, "PrepareCommRequest.backend")?,
+            &host,
+        )
     }
 
     pub fn join_comm(&mut self, req: &pb::JoinCommRequest) -> Result<()> {
         self.groups.join(&JoinSpec {
-            group: req.group.clone(),
-            backend: req.backend.clone(),
+            group: CommGroup::from_wire(req.group, "JoinCommRequest.group")?,
+            backend: CommBackend::from_wire(req.backend, "JoinCommRequest.backend")?,
             rank: req.rank as usize,
             world_size: req.world_size as usize,
             address: req.address.clone(),
@@ -148,7 +142,7 @@ impl RoleActor {
     }
 
     fn world(&self) -> usize {
-        self.ident.as_ref().map_or(1, |i| i.3)
+        self.ident.as_ref().map_or(1, |s| s.world_size as usize)
     }
 
     /// Runs a batch call; the error names the role, rank and call.
@@ -172,9 +166,9 @@ impl RoleActor {
 
     fn update(&mut self, call: BatchCall, batch: &DataBatch, world: usize) -> Result<DataBatch> {
         let group = if call == BatchCall::UpdateActor {
-            "actor_dp"
+            CommGroup::ActorDp
         } else {
-            "critic_dp"
+            CommGroup::CriticDp
         };
         let comm = self.groups.get(group, world)?;
         let res = match self.role.as_mut() {
@@ -193,11 +187,7 @@ impl RoleActor {
         req: &pb::SyncWeightsRequest,
     ) -> Result<pb::SyncWeightsResponse> {
         let label = self.label();
-        let group = if req.group.is_empty() {
-            "weights"
-        } else {
-            req.group.as_str()
-        };
+        let group = CommGroup::from_wire(req.group, "SyncWeightsRequest.group")?;
         let bucket = req.bucket_bytes as usize;
         // The weights group has the trainer and at least one rollout rank: never a group
         // of one made on the spot, so a missing JoinComm is reported.

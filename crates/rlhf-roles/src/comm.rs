@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::time::Duration;
 
 use rlhf_collective::{CommConfig, Communicator, TcpCommunicator, TcpRendezvous};
+use rlhf_core::{CommBackend, CommGroup};
 
 use crate::error::{Error, Result};
 
@@ -19,10 +20,10 @@ pub struct Prepared {
 }
 
 /// A JoinComm request in domain form.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct JoinSpec {
-    pub group: String,
-    pub backend: String,
+    pub group: CommGroup,
+    pub backend: CommBackend,
     pub rank: usize,
     pub world_size: usize,
     pub address: String,
@@ -40,23 +41,20 @@ enum Pending {
 /// The groups this process belongs to, by name.
 #[derive(Default)]
 pub struct Groups {
-    pending: HashMap<String, Pending>,
-    joined: HashMap<String, Box<dyn Communicator>>,
+    pending: HashMap<CommGroup, Pending>,
+    joined: HashMap<CommGroup, Box<dyn Communicator>>,
     /// CUDA device ordinal for NCCL groups.
     pub cuda_device: usize,
 }
 
-fn check_backend(backend: &str) -> Result<()> {
+fn check_backend(backend: CommBackend) -> Result<()> {
     match backend {
-        "tcp" | "" => Ok(()),
-        "nccl" if cfg!(feature = "nccl") => Ok(()),
-        "nccl" => Err(Error::invalid(
+        CommBackend::Tcp => Ok(()),
+        CommBackend::Nccl if cfg!(feature = "nccl") => Ok(()),
+        CommBackend::Nccl => Err(Error::invalid(
             "communicator backend 'nccl' requested but this rlhf-worker was built without the \
              nccl feature; rebuild with --features nccl or use backend 'tcp'",
         )),
-        other => Err(Error::invalid(format!(
-            "unknown communicator backend '{other}'; known: tcp, nccl"
-        ))),
     }
 }
 
@@ -66,16 +64,18 @@ impl Groups {
     }
 
     /// Rank 0: binds a TCP rendezvous on `host` (port 0) and keeps it for JoinComm.
-    pub fn prepare(&mut self, group: &str, backend: &str, host: &str) -> Result<Prepared> {
+    pub fn prepare(
+        &mut self,
+        group: CommGroup,
+        backend: CommBackend,
+        host: &str,
+    ) -> Result<Prepared> {
         check_backend(backend)?;
-        if group.is_empty() {
-            return Err(Error::invalid("PrepareComm needs a group name"));
-        }
-        if backend == "nccl" {
+        if backend == CommBackend::Nccl {
             #[cfg(feature = "nccl")]
             {
                 let id = rlhf_collective::nccl::unique_id()?;
-                self.pending.insert(group.to_string(), Pending::Nccl);
+                self.pending.insert(group, Pending::Nccl);
                 return Ok(Prepared {
                     address: String::new(),
                     unique_id: id.to_vec(),
@@ -84,7 +84,7 @@ impl Groups {
         }
         let rv = TcpRendezvous::bind(&format!("{host}:0"))?;
         let address = rv.local_addr().to_string();
-        self.pending.insert(group.to_string(), Pending::Tcp(rv));
+        self.pending.insert(group, Pending::Tcp(rv));
         Ok(Prepared {
             address,
             unique_id: Vec::new(),
@@ -93,7 +93,7 @@ impl Groups {
 
     /// Joins `spec.group`; returns once every rank joined (or the timeout passed).
     pub fn join(&mut self, spec: &JoinSpec) -> Result<()> {
-        check_backend(&spec.backend)?;
+        check_backend(spec.backend)?;
         if spec.world_size == 0 || spec.rank >= spec.world_size {
             return Err(Error::invalid(format!(
                 "JoinComm for group '{}': rank {} is out of range for world_size {}",
@@ -106,7 +106,7 @@ impl Groups {
             CommConfig::default()
         };
         let pending = self.pending.remove(&spec.group);
-        let comm: Box<dyn Communicator> = if spec.backend == "nccl" {
+        let comm: Box<dyn Communicator> = if spec.backend == CommBackend::Nccl {
             self.join_nccl(spec, &config)?
         } else if spec.world_size == 1 {
             Box::new(TcpCommunicator::single(config))
@@ -135,7 +135,7 @@ impl Groups {
                 config,
             )?)
         };
-        self.joined.insert(spec.group.clone(), comm);
+        self.joined.insert(spec.group, comm);
         Ok(())
     }
 
@@ -158,34 +158,29 @@ impl Groups {
     }
 
     /// Installs a ready communicator (tests, embedding).
-    pub fn insert(&mut self, group: &str, comm: Box<dyn Communicator>) {
-        self.joined.insert(group.to_string(), comm);
+    pub fn insert(&mut self, group: CommGroup, comm: Box<dyn Communicator>) {
+        self.joined.insert(group, comm);
     }
 
     /// The joined group `group`. A group of one that was never joined is made on the spot,
     /// so single-rank jobs need no PrepareComm/JoinComm round.
-    pub fn get(&mut self, group: &str, world_size: usize) -> Result<&mut dyn Communicator> {
-        if !self.joined.contains_key(group) {
-            if world_size > 1 {
-                return Err(Error::invalid(format!(
-                    "communicator group '{group}' was not joined on this process; call \
-                     PrepareComm (rank 0) and JoinComm (every rank) first"
-                )));
-            }
-            self.joined.insert(
-                group.to_string(),
-                Box::new(TcpCommunicator::single(CommConfig::default())),
-            );
+    pub fn get(&mut self, group: CommGroup, world_size: usize) -> Result<&mut dyn Communicator> {
+        use std::collections::hash_map::Entry;
+        match self.joined.entry(group) {
+            Entry::Occupied(e) => Ok(e.into_mut().as_mut()),
+            Entry::Vacant(_) if world_size > 1 => Err(Error::invalid(format!(
+                "communicator group '{group}' was not joined on this process; call \
+                 PrepareComm (rank 0) and JoinComm (every rank) first"
+            ))),
+            Entry::Vacant(v) => Ok(v
+                .insert(Box::new(TcpCommunicator::single(CommConfig::default())))
+                .as_mut()),
         }
-        self.joined
-            .get_mut(group)
-            .map(|c| c.as_mut() as &mut dyn Communicator)
-            .ok_or_else(|| Error::internal(format!("group '{group}' vanished")))
     }
 
     /// Drops a group after a failure (a communicator refuses every op after an error).
-    pub fn forget(&mut self, group: &str) {
-        self.joined.remove(group);
+    pub fn forget(&mut self, group: CommGroup) {
+        self.joined.remove(&group);
     }
 }
 
@@ -196,53 +191,68 @@ mod tests {
     #[test]
     fn backends_are_checked_with_a_clear_message() {
         let mut g = Groups::new();
-        let err = g.prepare("weights", "mpi", "127.0.0.1").unwrap_err();
-        assert!(err.to_string().contains("known: tcp, nccl"), "{err}");
         if !cfg!(feature = "nccl") {
-            let err = g.prepare("weights", "nccl", "127.0.0.1").unwrap_err();
+            let err = g
+                .prepare(CommGroup::Weights, CommBackend::Nccl, "127.0.0.1")
+                .unwrap_err();
             assert!(
                 err.to_string().contains("without the nccl feature"),
                 "{err}"
             );
         }
-        let err = g.get("actor_dp", 2).err().expect("not joined").to_string();
-        assert!(err.contains("PrepareComm"), "{err}");
-        assert_eq!(g.get("actor_dp", 1).expect("single").world_size(), 1);
+        let err = g
+            .get(CommGroup::ActorDp, 2)
+            .err()
+            .expect("not joined")
+            .to_string();
+        assert!(
+            err.contains("'actor_dp'") && err.contains("PrepareComm"),
+            "{err}"
+        );
+        assert_eq!(
+            g.get(CommGroup::ActorDp, 1).expect("single").world_size(),
+            1
+        );
     }
 
     #[test]
     fn two_ranks_join_through_prepare() {
         let mut g0 = Groups::new();
-        let p = g0.prepare("weights", "tcp", "127.0.0.1").expect("prepare");
+        let p = g0
+            .prepare(CommGroup::Weights, CommBackend::Tcp, "127.0.0.1")
+            .expect("prepare");
         let addr = p.address.clone();
         let t = std::thread::spawn(move || {
             let mut g1 = Groups::new();
             g1.join(&JoinSpec {
-                group: "weights".into(),
-                backend: "tcp".into(),
+                group: CommGroup::Weights,
+                backend: CommBackend::Tcp,
                 rank: 1,
                 world_size: 2,
                 address: addr,
-                ..Default::default()
+                unique_id: vec![],
+                timeout_ms: 0,
             })
             .expect("join 1");
             let mut v = [2.0f32];
-            g1.get("weights", 2)
+            g1.get(CommGroup::Weights, 2)
                 .expect("comm")
                 .all_reduce_f32(&mut v, rlhf_collective::ReduceOp::Sum)
                 .expect("reduce");
             v[0]
         });
         g0.join(&JoinSpec {
-            group: "weights".into(),
-            backend: "tcp".into(),
+            group: CommGroup::Weights,
+            backend: CommBackend::Tcp,
             rank: 0,
             world_size: 2,
-            ..Default::default()
+            address: String::new(),
+            unique_id: vec![],
+            timeout_ms: 0,
         })
         .expect("join 0");
         let mut v = [1.0f32];
-        g0.get("weights", 2)
+        g0.get(CommGroup::Weights, 2)
             .expect("comm")
             .all_reduce_f32(&mut v, rlhf_collective::ReduceOp::Sum)
             .expect("reduce");

@@ -16,7 +16,7 @@ pub enum Error {
     #[error("non-finite {tensor} in {role} rank {rank} at step {step}")]
     NonFinite {
         tensor: String,
-        role: String,
+        role: rlhf_core::RoleKind,
         rank: usize,
         step: u64,
     },
@@ -137,7 +137,7 @@ mod tests {
         assert_eq!(status.code(), tonic::Code::InvalidArgument);
         let nf = Error::NonFinite {
             tensor: "loss".into(),
-            role: "critic".into(),
+            role: rlhf_core::RoleKind::Critic,
             rank: 0,
             step: 3,
         };

@@ -28,7 +28,7 @@ pub mod server;
 pub mod train;
 pub mod weights;
 
-pub use actor::{BatchCall, RoleActor, ROLE_KINDS};
+pub use actor::{BatchCall, RoleActor};
 pub use comm::Groups;
 pub use error::{Error, Result};
 pub use reward::{HttpReward, Reward, Rule};

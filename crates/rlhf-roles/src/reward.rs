@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use rlhf_config::{PpoConfig, RewardKind, Role};
+use rlhf_config::{PpoConfig, RewardKind, RoleKind};
 use rlhf_core::batch::{DataBatch, TensorData};
 use rlhf_model::{Batch, LoadOptions, Model, ModelKind};
 use serde_json::{json, Value};
@@ -181,14 +181,14 @@ impl Reward {
             RewardKind::Rule => Ok(Reward::Rule(Rule::parse(&r.rule)?)),
             RewardKind::Http => Ok(Reward::Http(HttpReward::new(&r.url, r.timeout_s)?)),
             RewardKind::Model => {
-                let dir = model_dir(cfg, Role::Reward)?;
+                let dir = model_dir(cfg, RoleKind::Reward)?;
                 let model =
                     Model::load(&dir, &LoadOptions::inference().with_kind(ModelKind::Reward))
                         .with_ctx(|| format!("loading the reward model from {}", dir.display()))?;
                 Ok(Reward::Model {
                     model: Box::new(model),
                     shapes: Shapes::from_config(cfg)?,
-                    micro: cfg.resolved(Role::Reward).micro_batch_size.max(1) as usize,
+                    micro: cfg.resolved(RoleKind::Reward).micro_batch_size.max(1) as usize,
                 })
             }
         }

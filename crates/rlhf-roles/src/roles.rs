@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Tensor};
 use rlhf_algo::{actor_loss, value_loss, PolicyLossConfig, ValueLossConfig};
 use rlhf_collective::{Communicator, SyncStats};
-use rlhf_config::{PpoConfig, Role};
+use rlhf_config::{PpoConfig, RoleKind};
 use rlhf_core::batch::DataBatch;
 use rlhf_model::{generate, Batch, GenerationConfig, LoadOptions, Model, ModelKind, Tokenizer};
 use serde_json::json;
@@ -47,7 +47,7 @@ impl Shapes {
 }
 
 /// The HF directory a role loads.
-pub fn model_dir(cfg: &PpoConfig, role: Role) -> Result<PathBuf> {
+pub fn model_dir(cfg: &PpoConfig, role: RoleKind) -> Result<PathBuf> {
     let m = cfg.role_model(role).ok_or_else(|| {
         Error::invalid(format!(
             "{role} has no model in the config (set {role}.model, or actor_rollout.model)"
@@ -67,7 +67,7 @@ pub fn model_dir(cfg: &PpoConfig, role: Role) -> Result<PathBuf> {
 
 /// The tokenizer directory: `training.tokenizer_name_or_path` as the role resolves it,
 /// else the model directory.
-pub fn tokenizer_dir(cfg: &PpoConfig, role: Role, model_dir: &Path) -> PathBuf {
+pub fn tokenizer_dir(cfg: &PpoConfig, role: RoleKind, model_dir: &Path) -> PathBuf {
     cfg.resolved(role)
         .tokenizer_name_or_path
         .filter(|p| !p.is_empty())
@@ -175,7 +175,7 @@ fn check_finite_masked(name: &str, t: &Tensor, mask: &[f32], who: &Ident, step: 
     if v.iter().zip(mask).any(|(x, &m)| m != 0.0 && !x.is_finite()) {
         return Err(Error::NonFinite {
             tensor: name.to_string(),
-            role: who.role.clone(),
+            role: who.role,
             rank: who.rank,
             step,
         });
@@ -257,8 +257,8 @@ pub struct Trainer {
 impl Trainer {
     /// Rank `rank` of `world` trainer ranks, from the job config.
     pub fn from_config(cfg: &PpoConfig, rank: usize, world: usize) -> Result<Self> {
-        let t = cfg.resolved(Role::ActorRollout);
-        let dir = model_dir(cfg, Role::ActorRollout)?;
+        let t = cfg.resolved(RoleKind::ActorRollout);
+        let dir = model_dir(cfg, RoleKind::ActorRollout)?;
         let load_opts = LoadOptions {
             seed: t.seed,
             ..LoadOptions::training(ModelKind::CausalLm)
@@ -273,7 +273,7 @@ impl Trainer {
         Ok(Self {
             optim,
             who: Ident {
-                role: "actor_rollout".into(),
+                role: RoleKind::ActorRollout,
                 rank,
             },
             shapes: Shapes::from_config(cfg)?,
@@ -292,7 +292,7 @@ impl Trainer {
             loss: a.policy_loss(),
             temperature: logprob_temperature(cfg),
             infer_micro: t.micro_batch_size.max(1) as usize,
-            tokenizer_dir: tokenizer_dir(cfg, Role::ActorRollout, &dir),
+            tokenizer_dir: tokenizer_dir(cfg, RoleKind::ActorRollout, &dir),
             load_opts,
             model,
             version: 0,
@@ -439,7 +439,7 @@ impl Trainer {
 
     pub fn save_checkpoint(&self, dir: &Path) -> Result<Vec<String>> {
         let state = RoleState {
-            role: "actor_rollout".into(),
+            role: RoleKind::ActorRollout,
             scheduler_step: self.optim.steps() as u64,
             weights_version: self.version,
         };
@@ -475,8 +475,8 @@ pub struct Critic {
 
 impl Critic {
     pub fn from_config(cfg: &PpoConfig, rank: usize, world: usize) -> Result<Self> {
-        let t = cfg.resolved(Role::Critic);
-        let dir = model_dir(cfg, Role::Critic)?;
+        let t = cfg.resolved(RoleKind::Critic);
+        let dir = model_dir(cfg, RoleKind::Critic)?;
         let load_opts = LoadOptions {
             seed: t.seed,
             ..LoadOptions::training(ModelKind::Value)
@@ -491,7 +491,7 @@ impl Critic {
         Ok(Self {
             optim,
             who: Ident {
-                role: "critic".into(),
+                role: RoleKind::Critic,
                 rank,
             },
             shapes: Shapes::from_config(cfg)?,
@@ -509,7 +509,7 @@ impl Critic {
             },
             loss: c.value_loss(),
             infer_micro: t.micro_batch_size.max(1) as usize,
-            tokenizer_dir: tokenizer_dir(cfg, Role::Critic, &dir),
+            tokenizer_dir: tokenizer_dir(cfg, RoleKind::Critic, &dir),
             load_opts,
             model,
             version: 0,
@@ -625,7 +625,7 @@ impl Critic {
 
     pub fn save_checkpoint(&self, dir: &Path) -> Result<Vec<String>> {
         let state = RoleState {
-            role: "critic".into(),
+            role: RoleKind::Critic,
             scheduler_step: self.optim.steps() as u64,
             weights_version: self.version,
         };
@@ -655,8 +655,8 @@ pub struct Rollout {
 
 impl Rollout {
     pub fn from_config(cfg: &PpoConfig) -> Result<Self> {
-        let t = cfg.resolved(Role::ActorRollout);
-        let dir = model_dir(cfg, Role::ActorRollout)?;
+        let t = cfg.resolved(RoleKind::ActorRollout);
+        let dir = model_dir(cfg, RoleKind::ActorRollout)?;
         let model = Model::load(&dir, &LoadOptions::inference())
             .with_ctx(|| format!("loading the rollout policy from {}", dir.display()))?;
         let shapes = Shapes::from_config(cfg)?;
@@ -669,7 +669,7 @@ impl Rollout {
         gen.top_k = a.top_k as usize;
         gen.n = 1;
         gen.truncate_prompts = false;
-        let tok_dir = tokenizer_dir(cfg, Role::ActorRollout, &dir);
+        let tok_dir = tokenizer_dir(cfg, RoleKind::ActorRollout, &dir);
         if let Ok(tok) = Tokenizer::from_dir(&tok_dir) {
             if let Some(eos) = tok.eos_token_id() {
                 if !gen.eos_token_ids.contains(&eos) {
@@ -765,8 +765,8 @@ pub struct RefPolicy {
 
 impl RefPolicy {
     pub fn from_config(cfg: &PpoConfig) -> Result<Self> {
-        let t = cfg.resolved(Role::Ref);
-        let dir = model_dir(cfg, Role::Ref)?;
+        let t = cfg.resolved(RoleKind::Ref);
+        let dir = model_dir(cfg, RoleKind::Ref)?;
         let model = Model::load(&dir, &LoadOptions::inference())
             .with_ctx(|| format!("loading the reference policy from {}", dir.display()))?;
         Ok(Self {

@@ -23,7 +23,7 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::actor::{BatchCall, RoleActor, ROLE_KINDS};
+use crate::actor::{BatchCall, RoleActor};
 
 type Job = Box<dyn FnOnce(&mut RoleActor) + Send>;
 
@@ -249,8 +249,7 @@ impl RoleService for RoleServer {
 #[derive(Debug, Clone)]
 pub struct ServeOptions {
     pub actor_id: String,
-    /// actor_rollout | ref | critic | reward.
-    pub kind: String,
+    pub kind: rlhf_core::RoleKind,
     /// IP other ranks reach this process on (the TCP rendezvous binds here).
     pub host: String,
     pub token: String,
@@ -262,15 +261,8 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     shutdown: CancellationToken,
 ) -> rlhf_core::Result<()> {
-    if !ROLE_KINDS.contains(&opts.kind.as_str()) {
-        return Err(rlhf_core::Error::invalid(format!(
-            "unknown role kind '{}'; known: {}",
-            opts.kind,
-            ROLE_KINDS.join(", ")
-        )));
-    }
     let host = advertised_host(&opts.host);
-    let compute = Compute::spawn(RoleActor::new(&opts.kind, &host))?;
+    let compute = Compute::spawn(RoleActor::new(opts.kind, &host))?;
     let role = tonic::service::interceptor::InterceptedService::new(
         RoleServiceServer::new(RoleServer::new(compute))
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
@@ -297,12 +289,13 @@ pub async fn run(
     opts: rlhf_runtime::actor::ActorOptions,
     shutdown: CancellationToken,
 ) -> rlhf_core::Result<()> {
+    let kind: rlhf_core::RoleKind = opts.kind.parse()?;
     let (listener, addr) = rlhf_runtime::actor::bind_ready(&opts.host, &opts.ready_file).await?;
-    eprintln!("actor {} ({}) serving on {addr}", opts.actor_id, opts.kind);
+    eprintln!("actor {} ({kind}) serving on {addr}", opts.actor_id);
     serve(
         ServeOptions {
             actor_id: opts.actor_id,
-            kind: opts.kind,
+            kind,
             host: opts.host,
             token: opts.token,
         },

@@ -24,7 +24,7 @@ const GRAD_BUCKET_ELEMS: usize = 4 << 20;
 /// Who is computing, for error messages.
 #[derive(Debug, Clone)]
 pub struct Ident {
-    pub role: String,
+    pub role: rlhf_core::RoleKind,
     pub rank: usize,
 }
 
@@ -240,7 +240,7 @@ pub fn run_update(
                 if !loss_value.is_finite() {
                     failed = Some(Error::NonFinite {
                         tensor: "loss".into(),
-                        role: who.role.clone(),
+                        role: who.role,
                         rank: who.rank,
                         step: plan.step,
                     });
@@ -259,7 +259,7 @@ pub fn run_update(
             if failures > 0 {
                 return Err(Error::NonFinite {
                     tensor: format!("loss on {failures} other rank(s) of the group"),
-                    role: who.role.clone(),
+                    role: who.role,
                     rank: who.rank,
                     step: plan.step,
                 });
@@ -273,7 +273,7 @@ pub fn run_update(
                     .unwrap_or_else(|| "gradient norm".into());
                 return Err(Error::NonFinite {
                     tensor: format!("gradient ({which})"),
-                    role: who.role.clone(),
+                    role: who.role,
                     rank: who.rank,
                     step: plan.step,
                 });
@@ -386,7 +386,7 @@ pub fn all_reduce_grads(
 /// `role_state.json` of a checkpoint.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RoleState {
-    pub role: String,
+    pub role: rlhf_core::RoleKind,
     /// Optimizer steps taken = the scheduler position.
     pub scheduler_step: u64,
     pub weights_version: u64,

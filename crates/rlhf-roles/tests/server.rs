@@ -38,7 +38,7 @@ async fn start(kind: &str, shutdown: &CancellationToken) -> String {
     let addr = listener.local_addr().unwrap().to_string();
     let opts = ServeOptions {
         actor_id: format!("test-{kind}"),
-        kind: kind.into(),
+        kind: kind.parse().unwrap(),
         host: "127.0.0.1".into(),
         token: TOKEN.into(),
     };
@@ -65,9 +65,11 @@ async fn collect(resp: tonic::Response<tonic::Streaming<pb::BatchChunk>>) -> Dat
 }
 
 fn init(role: &str, part: &str) -> pb::InitRoleRequest {
+    let role: rlhf_core::RoleKind = role.parse().unwrap();
+    let part: rlhf_core::RolePart = part.parse().unwrap();
     pb::InitRoleRequest {
-        role: role.into(),
-        part: part.into(),
+        role: pb::RoleKind::from(role) as i32,
+        part: pb::RolePart::from(part) as i32,
         rank: 0,
         world_size: 1,
         config_bundle: bundle(),
@@ -274,16 +276,16 @@ async fn update_and_sync_weights_over_grpc() {
 
     let prepared = t
         .prepare_comm(pb::PrepareCommRequest {
-            group: "weights".into(),
-            backend: "tcp".into(),
+            group: pb::CommGroup::Weights as i32,
+            backend: pb::CommBackend::Tcp as i32,
         })
         .await
         .unwrap()
         .into_inner();
     assert!(prepared.address.starts_with("127.0.0.1:"), "{prepared:?}");
     let join = |rank: u32| pb::JoinCommRequest {
-        group: "weights".into(),
-        backend: "tcp".into(),
+        group: pb::CommGroup::Weights as i32,
+        backend: pb::CommBackend::Tcp as i32,
         rank,
         world_size: 2,
         address: prepared.address.clone(),
@@ -295,8 +297,8 @@ async fn update_and_sync_weights_over_grpc() {
     b.unwrap();
     let err = g
         .prepare_comm(pb::PrepareCommRequest {
-            group: "x".into(),
-            backend: "nccl".into(),
+            group: pb::CommGroup::Weights as i32,
+            backend: pb::CommBackend::Nccl as i32,
         })
         .await;
     if !cfg!(feature = "nccl") {
@@ -367,7 +369,7 @@ async fn update_and_sync_weights_over_grpc() {
     assert_eq!(metrics.meta["actor/lr"].as_f64().unwrap(), 5e-5);
 
     let sync = |_: ()| pb::SyncWeightsRequest {
-        group: "weights".into(),
+        group: pb::CommGroup::Weights as i32,
         version: 1,
         bucket_bytes: 64 << 10,
     };
@@ -427,7 +429,7 @@ fn a_panic_on_the_compute_thread_ends_the_process() {
         let rt = tokio::runtime::Runtime::new().unwrap();
         rt.block_on(async {
             let c = rlhf_roles::server::Compute::spawn(rlhf_roles::RoleActor::new(
-                "critic",
+                rlhf_core::RoleKind::Critic,
                 "127.0.0.1",
             ))
             .unwrap();

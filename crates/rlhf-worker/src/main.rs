@@ -161,16 +161,20 @@ async fn run(cli: Cli) -> Result<()> {
                 host,
                 token,
             };
-            if rlhf_roles::ROLE_KINDS.contains(&opts.kind.as_str()) {
+            if opts.kind.parse::<rlhf_core::RoleKind>().is_ok() {
                 rlhf_roles::run(opts, shutdown).await
             } else if actor::ACTOR_KINDS.contains(&opts.kind.as_str()) {
                 actor::run(opts, shutdown).await
             } else {
+                let roles: Vec<&str> = rlhf_core::RoleKind::ALL
+                    .iter()
+                    .map(|k| k.as_str())
+                    .collect();
                 Err(rlhf_core::Error::invalid(format!(
                     "unknown actor kind '{}'; known kinds: {}, {}",
                     opts.kind,
                     actor::ACTOR_KINDS.join(", "),
-                    rlhf_roles::ROLE_KINDS.join(", ")
+                    roles.join(", ")
                 )))
             }
         }

@@ -80,8 +80,8 @@ async fn reward_actor_process_scores_over_grpc() {
     let mut roles = pb::role_service_client::RoleServiceClient::new(ch);
     let info = roles
         .init_role(pb::InitRoleRequest {
-            role: "reward".into(),
-            part: String::new(),
+            role: pb::RoleKind::Reward as i32,
+            part: pb::RolePart::Whole as i32,
             rank: 0,
             world_size: 1,
             config_bundle: cfg.to_bundle(),

@@ -140,6 +140,22 @@ pub fn wait_for<T>(
     }
 }
 
+/// Reports a test that cannot run on this machine: prints `SKIPPED <test>: <reason>` and
+/// leaves the reason in `<tmp_dir>/skipped/<test>`, where CI lists run-time skips (a passing
+/// test's output is captured). `tmp_dir` is the calling test's `env!("CARGO_TARGET_TMPDIR")`.
+pub fn skip(tmp_dir: &str, test: &str, reason: &str) {
+    eprintln!("SKIPPED {test}: {reason}");
+    let dir = Path::new(tmp_dir).join("skipped");
+    let file = dir.join(test);
+    let record = || -> std::io::Result<()> {
+        std::fs::create_dir_all(&dir)?;
+        std::fs::write(&file, reason)
+    };
+    if let Err(e) = record() {
+        eprintln!("could not record the skip in {}: {e}", file.display());
+    }
+}
+
 /// Nodes in state ALIVE in a `status --format json` document.
 pub fn count_alive(status: &Value) -> usize {
     status["nodes"]

@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use rlhf_algo::{AdvEstimator, KlController};
 use rlhf_config::data::PromptSampler;
-use rlhf_config::{PpoConfig, Role};
-use rlhf_core::{Error, FailureKind, Result};
+use rlhf_config::{PpoConfig, RoleKind};
+use rlhf_core::{CommBackend, CommGroup, Error, FailureKind, Result};
 use rlhf_proto::v1 as pb;
 use rlhf_runtime::net::ClientOptions;
 use rlhf_tokenizer::Tokenizer;
@@ -36,7 +36,7 @@ pub struct DriverOptions {
     /// Token and TLS for talking to role actors.
     pub client: ClientOptions,
     /// Collective backend between role processes: `tcp` (CPU) or `nccl`.
-    pub comm_backend: String,
+    pub comm_backend: CommBackend,
     /// Bound on every role call (a generation, an update, ...).
     pub call_timeout: Duration,
     /// Bound on placement and actor start-up (model loading included).
@@ -52,7 +52,7 @@ impl DriverOptions {
             job_id: job_id.into(),
             resume: None,
             client,
-            comm_backend: "tcp".into(),
+            comm_backend: CommBackend::Tcp,
             call_timeout: Duration::from_secs(3600),
             start_timeout: Duration::from_secs(600),
             stop_after: None,
@@ -92,7 +92,7 @@ fn tokenizer_dir(cfg: &PpoConfig) -> Result<PathBuf> {
     {
         return Ok(PathBuf::from(t));
     }
-    cfg.role_model(Role::ActorRollout)
+    cfg.role_model(RoleKind::ActorRollout)
         .and_then(|m| m.path)
         .ok_or_else(|| {
             Error::invalid(
@@ -287,12 +287,12 @@ impl Loop<'_> {
                 info.device
             );
         }
-        let backend = self.opts.comm_backend.as_str();
+        let backend = self.opts.comm_backend;
         let weights = self.roles.weights_group();
         tokio::try_join!(
-            cluster::join_comm(&self.roles.train, "actor_dp", backend, t),
-            cluster::join_comm(&self.roles.critic, "critic_dp", backend, t),
-            cluster::join_comm(&weights, "weights", backend, t),
+            cluster::join_comm(&self.roles.train, CommGroup::ActorDp, backend, t),
+            cluster::join_comm(&self.roles.critic, CommGroup::CriticDp, backend, t),
+            cluster::join_comm(&weights, CommGroup::Weights, backend, t),
         )?;
         if let Some(dir) = &resume_dir {
             let actor_dir = dir.join("actor").to_string_lossy().into_owned();

@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 
+use rlhf_core::CommGroup;
 use rlhf_core::Error;
 use rlhf_proto::v1 as pb;
 
@@ -20,7 +21,7 @@ impl Loop<'_> {
             "SyncWeights",
             |_, mut c| async move {
                 c.sync_weights(pb::SyncWeightsRequest {
-                    group: "weights".into(),
+                    group: pb::CommGroup::from(CommGroup::Weights) as i32,
                     version,
                     bucket_bytes: 0,
                 })
@@ -50,7 +51,7 @@ impl Loop<'_> {
         let actor_dir = dir.join("actor").to_string_lossy().into_owned();
         let critic_dir = dir.join("critic").to_string_lossy().into_owned();
         let first = |g: &WorkerGroup| WorkerGroup {
-            name: g.name.clone(),
+            id: g.id,
             members: g.members.iter().take(1).cloned().collect(),
         };
         let (train0, critic0) = (first(&self.roles.train), first(&self.roles.critic));
