@@ -257,7 +257,6 @@ fn mismatched_ops_and_roots_are_reported() {
 #[test]
 fn a_peer_that_leaves_mid_op_gives_peer_closed() {
     let mut comms = world(3, config(5_000));
-    let t0 = Instant::now();
     let got = run_all(&mut comms, |r, c| {
         if r == 2 {
             // Take part in the first op's header exchange, then vanish: the
@@ -270,11 +269,8 @@ fn a_peer_that_leaves_mid_op_gives_peer_closed() {
         let mut v = vec![1.0f32; 4 << 20];
         Some(c.all_reduce_f32(&mut v, ReduceOp::Sum))
     });
-    assert!(
-        t0.elapsed() < Duration::from_secs(4),
-        "took {:?}",
-        t0.elapsed()
-    );
+    // No wall-clock bound: PeerClosed (not Timeout) is what shows the others noticed the
+    // closed sockets instead of waiting out the 5 s timeout, and that timeout bounds the op.
     for (r, g) in got.into_iter().enumerate().take(2) {
         let e = g.unwrap().expect_err("peer 2 left");
         assert!(
@@ -322,7 +318,13 @@ fn rendezvous_errors_are_clear() {
     assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
     assert_eq!(e.peer(), Some(0));
     assert!(e.to_string().contains(&addr), "{e}");
-    assert!(t0.elapsed() < Duration::from_secs(3));
+    // The 300 ms timeout was honoured rather than the 60 s default; the margin is for a
+    // loaded machine, not a speed claim.
+    assert!(
+        t0.elapsed() < Duration::from_secs(30),
+        "took {:?}",
+        t0.elapsed()
+    );
 
     // Rank 0 waiting for ranks that never come names them.
     let rv = TcpRendezvous::bind("127.0.0.1:0").unwrap();

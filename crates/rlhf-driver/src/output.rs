@@ -295,7 +295,16 @@ mod tests {
             t.contains("2+3=") && t.contains("…") && t.contains("1.000"),
             "{t}"
         );
-        assert!(!t.lines().nth(3).unwrap().contains('\n'));
+        // The newline inside the response does not break the row: the table is exactly
+        // title, column header, rule and one row, and that row holds every cell.
+        assert_eq!(t.matches('\n').count(), 4, "{t:?}");
+        let row = t.lines().nth(3).unwrap();
+        assert!(
+            row.trim_start().starts_with("2+3=")
+                && row.contains("| 5 and a very long response that must be… |")
+                && row.ends_with("| 1.000"),
+            "{row:?}"
+        );
         assert_eq!(fmt_duration(3725.0), "1h02m");
     }
 }
