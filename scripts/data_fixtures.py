@@ -6,7 +6,7 @@ row groups, nulls, a verl-style list of {role, content} messages, a reference-an
 
 Writes crates/rlhf-config/tests/fixtures/pyarrow_prompts.parquet and, beside it,
 pyarrow_prompts.json: the rows as pyarrow reads them back, for the test to compare with.
-Run: .venv-ref/bin/python scripts/data_fixtures.py (pip install pyarrow into it first).
+Run: scripts/ref-venv.sh scripts/data_fixtures.py
 """
 
 import json

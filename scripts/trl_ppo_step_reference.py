@@ -198,6 +198,7 @@ def responses_for(vocab: int, eos: int, pad: int) -> list[list[int]]:
 
 def main() -> None:
     torch.manual_seed(0)
+    np.random.seed(0)  # the epochs' row permutations (TRL draws them from numpy)
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     OUT.mkdir(parents=True, exist_ok=True)

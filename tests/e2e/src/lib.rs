@@ -38,6 +38,32 @@ pub fn bin(name: &str) -> PathBuf {
     dir.join(name)
 }
 
+/// The repository root (configs, models and data paths resolve against it).
+pub fn repo_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// `rlhf-head run --config-name ppo_tiny` from the repository, embedded head and worker, with
+/// the checkpoints, metrics and samples under `out`, then the `extra` overrides.
+pub fn ppo_run_cmd(out: &Path, extra: &[&str]) -> Command {
+    let mut cmd = Command::new(bin("rlhf-head"));
+    cmd.current_dir(repo_root())
+        .args(["run", "--config-name", "ppo_tiny"])
+        .arg(format!("checkpoint.dir={}", out.join("ckpt").display()))
+        .arg(format!(
+            "logging.metrics_file={}",
+            out.join("metrics.jsonl").display()
+        ))
+        .arg(format!(
+            "logging.samples_file={}",
+            out.join("samples.jsonl").display()
+        ))
+        .args(extra)
+        .env_remove("RLHF_TOKEN")
+        .env("RUST_LOG", "warn");
+    cmd
+}
+
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())

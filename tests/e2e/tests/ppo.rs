@@ -8,32 +8,19 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use nix::sys::signal::Signal;
-use rlhf_e2e::{bin, wait_for, Cluster, Proc};
+use rlhf_e2e::{wait_for, Cluster, Proc};
 use serde_json::Value;
 
 fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+    rlhf_e2e::repo_root()
 }
 
-/// `rlhf-head run --config-name ppo_tiny` with outputs under `out` and extra overrides.
+/// `rlhf-head run --config-name ppo_tiny` with outputs under `out`, a sample table every
+/// step and extra overrides.
 fn run_cmd(out: &Path, extra: &[&str]) -> Command {
-    let mut cmd = Command::new(bin("rlhf-head"));
-    cmd.current_dir(repo())
-        .args(["run", "--config-name", "ppo_tiny"])
-        .arg(format!("checkpoint.dir={}", out.join("ckpt").display()))
-        .arg(format!(
-            "logging.metrics_file={}",
-            out.join("metrics.jsonl").display()
-        ))
-        .arg(format!(
-            "logging.samples_file={}",
-            out.join("samples.jsonl").display()
-        ))
-        .arg("logging.sample_every=1")
-        .args(extra)
-        .env_remove("RLHF_TOKEN")
-        .env("RUST_LOG", "warn");
-    cmd
+    let mut args = vec!["logging.sample_every=1"];
+    args.extend_from_slice(extra);
+    rlhf_e2e::ppo_run_cmd(out, &args)
 }
 
 fn metrics(path: &Path) -> Result<Vec<Value>> {

@@ -6,15 +6,14 @@
 //! `tests/e2e/fixtures/trl_ppo_step/`).
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use rlhf_e2e::{bin, Proc};
+use rlhf_e2e::Proc;
 use serde_json::Value;
 
 fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+    rlhf_e2e::repo_root()
 }
 
 fn fixture() -> PathBuf {
@@ -38,29 +37,15 @@ fn safetensors_names(path: &Path) -> Result<Vec<String>> {
 }
 
 fn run_step(out: &Path, reference: &Value, extra: &[&str]) -> Result<Vec<Value>> {
-    let overrides: Vec<&str> = reference["overrides"]
+    let mut args: Vec<&str> = reference["overrides"]
         .as_array()
         .context("overrides")?
         .iter()
         .filter_map(Value::as_str)
         .collect();
-    let mut cmd = Command::new(bin("rlhf-head"));
-    cmd.current_dir(repo())
-        .args(["run", "--config-name", "ppo_tiny"])
-        .args(&overrides)
-        .arg(format!("checkpoint.dir={}", out.join("ckpt").display()))
-        .arg("checkpoint.save_steps=1")
-        .arg(format!(
-            "logging.metrics_file={}",
-            out.join("metrics.jsonl").display()
-        ))
-        .arg(format!(
-            "logging.samples_file={}",
-            out.join("samples.jsonl").display()
-        ))
-        .args(extra)
-        .env_remove("RLHF_TOKEN")
-        .env("RUST_LOG", "warn");
+    args.push("checkpoint.save_steps=1");
+    args.extend_from_slice(extra);
+    let mut cmd = rlhf_e2e::ppo_run_cmd(out, &args);
     let mut p = Proc::spawn("run", out, &mut cmd)?;
     let st = p.wait_exit(Duration::from_secs(600))?;
     if !st.success() {
