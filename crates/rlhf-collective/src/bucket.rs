@@ -14,57 +14,9 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Op, Result};
-use crate::hash::Checksum;
 use crate::{as_bytes, as_bytes_mut, Communicator};
-
-/// Element type of a parameter, as a tag: the data always travels as bytes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum DType {
-    F32,
-    F64,
-    BF16,
-    F16,
-    U8,
-    I32,
-    I64,
-}
-
-impl DType {
-    /// Bytes per element.
-    pub fn size(self) -> usize {
-        match self {
-            DType::U8 => 1,
-            DType::BF16 | DType::F16 => 2,
-            DType::F32 | DType::I32 => 4,
-            DType::F64 | DType::I64 => 8,
-        }
-    }
-
-    /// Lower-case name, as in safetensors headers.
-    pub fn name(self) -> &'static str {
-        match self {
-            DType::F32 => "f32",
-            DType::F64 => "f64",
-            DType::BF16 => "bf16",
-            DType::F16 => "f16",
-            DType::U8 => "u8",
-            DType::I32 => "i32",
-            DType::I64 => "i64",
-        }
-    }
-
-    fn tag(self) -> u64 {
-        match self {
-            DType::F32 => 1,
-            DType::F64 => 2,
-            DType::BF16 => 3,
-            DType::F16 => 4,
-            DType::U8 => 5,
-            DType::I32 => 6,
-            DType::I64 => 7,
-        }
-    }
-}
+use rlhf_types::Checksum;
+pub use rlhf_types::DType;
 
 fn check_len(name: &str, shape: &[usize], dtype: DType, len: usize) -> Result<()> {
     let elems = shape

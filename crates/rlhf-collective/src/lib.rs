@@ -38,7 +38,6 @@ compile_error!("rlhf-collective sends native-endian numbers and assumes a little
 
 mod bucket;
 mod error;
-mod hash;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod tcp;
@@ -49,9 +48,9 @@ pub use bucket::{
     all_reduce_f32_bucketed, checksum, BucketedSync, DType, Param, ParamMut, ParamView, SyncStats,
 };
 pub use error::{Error, ErrorKind, Op, Result};
-pub use hash::Checksum;
 #[cfg(feature = "nccl")]
 pub use nccl::NcclCommunicator;
+pub use rlhf_types::Checksum;
 pub use tcp::{TcpCommunicator, TcpRendezvous};
 
 /// Reduction applied element-wise by all-reduce.

@@ -18,29 +18,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::{Error, Result};
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum DType {
-    F32,
-    F64,
-    F16,
-    BF16,
-    I64,
-    I32,
-    U32,
-    U8,
-}
-
-impl DType {
-    pub fn size(self) -> usize {
-        match self {
-            DType::F64 | DType::I64 => 8,
-            DType::F32 | DType::I32 | DType::U32 => 4,
-            DType::F16 | DType::BF16 => 2,
-            DType::U8 => 1,
-        }
-    }
-}
+use rlhf_types::Checksum;
+pub use rlhf_types::DType;
 
 /// A tensor's bytes, shared copy-on-write. Cloning a batch or streaming it hands out
 /// references instead of copying hundreds of MiB; writing through it (it derefs to a
@@ -555,7 +534,7 @@ struct Decoder {
     /// Prefix plus header length, once the prefix has arrived.
     head_end: Option<usize>,
     body: Option<Body>,
-    hasher: Hasher,
+    hasher: Checksum,
 }
 
 struct Body {
@@ -644,7 +623,7 @@ impl Decoder {
             head: Vec::new(),
             head_end: None,
             body: None,
-            hasher: Hasher::new(),
+            hasher: Checksum::new(),
         }
     }
 
@@ -824,90 +803,15 @@ impl Body {
         })
     }
 
-    fn skip_full(&mut self, hasher: &mut Hasher) {
+    fn skip_full(&mut self, hasher: &mut Checksum) {
         while let Some(t) = self.tensors.get(self.cur) {
             if t.data.len() < t.len {
                 break;
             }
-            hasher.end_tensor(t.len);
+            // The length closes each tensor: bytes moved across a boundary change the sum.
+            hasher.update_u64(t.len as u64);
             self.cur += 1;
         }
-    }
-}
-
-const PRIME: u64 = 0x0100_0000_01b3;
-const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
-const LANES: usize = 4;
-const BLOCK: usize = 8 * LANES;
-
-/// FNV-1a-style 64-bit hash in four independent lanes of eight bytes (one multiply chain
-/// would hash slower than the transfer it checks), fed in pieces of any size.
-#[derive(Clone)]
-struct Hasher {
-    lanes: [u64; LANES],
-    pending: [u8; BLOCK],
-    npending: usize,
-}
-
-impl Hasher {
-    fn new() -> Self {
-        let mut lanes = [OFFSET; LANES];
-        for (i, l) in lanes.iter_mut().enumerate() {
-            *l = (*l ^ i as u64).wrapping_mul(PRIME);
-        }
-        Self {
-            lanes,
-            pending: [0; BLOCK],
-            npending: 0,
-        }
-    }
-
-    #[inline]
-    fn block(&mut self, b: &[u8]) {
-        for (i, l) in self.lanes.iter_mut().enumerate() {
-            let w = &b[i * 8..i * 8 + 8];
-            let w = u64::from_le_bytes([w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7]]);
-            *l = (*l ^ w).wrapping_mul(PRIME);
-        }
-    }
-
-    fn update(&mut self, mut data: &[u8]) {
-        if self.npending > 0 {
-            let take = (BLOCK - self.npending).min(data.len());
-            self.pending[self.npending..self.npending + take].copy_from_slice(&data[..take]);
-            self.npending += take;
-            data = &data[take..];
-            if self.npending < BLOCK {
-                return;
-            }
-            let p = self.pending;
-            self.block(&p);
-            self.npending = 0;
-        }
-        let blocks = data.chunks_exact(BLOCK);
-        let rest = blocks.remainder();
-        for b in blocks {
-            self.block(b);
-        }
-        self.pending[..rest.len()].copy_from_slice(rest);
-        self.npending = rest.len();
-    }
-
-    /// Closes one tensor: its tail and its length go into lane 0, so bytes moved across a
-    /// tensor boundary change the sum.
-    fn end_tensor(&mut self, len: usize) {
-        let mut h = self.lanes[0];
-        for &x in &self.pending[..self.npending] {
-            h = (h ^ u64::from(x)).wrapping_mul(PRIME);
-        }
-        self.lanes[0] = (h ^ len as u64).wrapping_mul(PRIME);
-        self.npending = 0;
-    }
-
-    fn finish(&self) -> u64 {
-        self.lanes
-            .iter()
-            .fold(OFFSET, |h, &l| (h ^ l).wrapping_mul(PRIME))
     }
 }
 
@@ -915,10 +819,10 @@ impl Hasher {
 /// end to end (not a cryptographic digest). `Assembler::finish_with_checksum` computes
 /// the same value while receiving.
 pub fn checksum(b: &DataBatch) -> u64 {
-    let mut h = Hasher::new();
+    let mut h = Checksum::new();
     for t in b.tensors.values() {
         h.update(&t.data);
-        h.end_tensor(t.data.len());
+        h.update_u64(t.data.len() as u64);
     }
     h.finish()
 }
