@@ -43,6 +43,7 @@
 //! ```
 
 pub mod error;
+mod gen_config;
 pub mod generation;
 mod kernels;
 pub mod model;

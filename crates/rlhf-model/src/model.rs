@@ -6,7 +6,7 @@ use candle_core::{DType, Device, Tensor, Var, D};
 use serde_json::{json, Value};
 
 use crate::error::{read_json, Error, Result};
-use crate::generation::GenerationConfig;
+use crate::gen_config::GenerationConfig;
 use crate::ops;
 use crate::transformer::{position_ids_from_mask, Config, Kernels, KvCache, Linear, Transformer};
 use crate::weights::{save_safetensors, Init, ParamBuilder, ParamStore, WeightFiles};

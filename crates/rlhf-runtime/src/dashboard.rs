@@ -5,11 +5,16 @@
 
 use std::net::SocketAddr;
 
+use std::sync::Arc;
+
 use rlhf_core::{Error, Result};
+use rlhf_proto::v1 as pb;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 
-use crate::head::Head;
+/// Where the dashboard reads the cluster's status from (the head passes its own); the
+/// dashboard knows nothing else of the head.
+pub type StatusSource = Arc<dyn Fn() -> pb::ClusterStatusResponse + Send + Sync>;
 
 const PAGE: &str = r#"<!doctype html><html><head><meta charset="utf-8"><title>rlhf cluster</title>
 <style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 8px}</style>
@@ -26,7 +31,7 @@ load();setInterval(load,2000);</script></body></html>"#;
 
 pub fn serve(
     listener: tokio::net::TcpListener,
-    head: Head,
+    status: StatusSource,
     shutdown: CancellationToken,
 ) -> Result<SocketAddr> {
     let addr = listener
@@ -38,7 +43,7 @@ pub fn serve(
                 _ = shutdown.cancelled() => break,
                 r = listener.accept() => match r { Ok(x) => x, Err(_) => continue },
             };
-            let head = head.clone();
+            let status = Arc::clone(&status);
             tokio::spawn(async move {
                 let mut buf = vec![0u8; 4096];
                 let n = match tokio::time::timeout(
@@ -57,7 +62,7 @@ pub fn serve(
                     "/api/status" => (
                         "200 OK",
                         "application/json",
-                        crate::status::to_json(&head.status()).to_string(),
+                        crate::status::to_json(&status()).to_string(),
                     ),
                     _ => ("404 Not Found", "text/plain", "not found\n".to_string()),
                 };

@@ -580,7 +580,14 @@ pub async fn start(
     });
 
     let dashboard = match dash_listener {
-        Some(l) => Some(crate::dashboard::serve(l, head.clone(), shutdown.clone())?),
+        Some(l) => {
+            let h = head.clone();
+            Some(crate::dashboard::serve(
+                l,
+                Arc::new(move || h.status()),
+                shutdown.clone(),
+            )?)
+        }
         None => None,
     };
 
