@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use candle_core::{Device, Tensor};
 use rlhf_algo::{
-    compute_advantage, compute_metrics, compute_token_rewards, policy_loss, value_loss,
+    compute_advantage, compute_metrics, compute_token_rewards, metric, policy_loss, value_loss,
     AdvantageInputs, AlgorithmConfig, PolicyLossConfig, RolloutMetricsInputs, TrainStats,
     ValueLossConfig,
 };
@@ -152,7 +152,7 @@ fn main() -> rlhf_algo::Result<()> {
             }
             times[stages.len()].push(total);
         }
-        checksum = metrics["loss/policy_avg"] + metrics["loss/value_avg"];
+        checksum = metrics[metric::LOSS_POLICY_AVG] + metrics[metric::LOSS_VALUE_AVG];
     }
     println!("rlhf-algo bench: batch {b} x len {t}, {iters} iterations (median ms)");
     for (i, s) in stages.iter().enumerate() {

@@ -83,6 +83,7 @@ mod fused;
 mod kl;
 mod loss;
 mod masked;
+pub mod metric;
 mod metrics;
 mod names;
 mod rewards;

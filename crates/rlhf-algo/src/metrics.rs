@@ -16,25 +16,25 @@ use crate::validate::{check_2d, check_mask_host, check_same_shape, find_non_fini
 
 /// Every metric name [`compute_metrics`] can produce.
 pub const METRIC_NAMES: &[&str] = &[
-    "objective/kl",
-    "objective/entropy",
-    "objective/non_score_reward",
-    "objective/rlhf_reward",
-    "objective/scores",
-    "policy/approxkl_avg",
-    "policy/clipfrac_avg",
-    "loss/policy_avg",
-    "loss/value_avg",
-    "val/clipfrac_avg",
-    "policy/entropy_avg",
-    "val/ratio",
-    "val/ratio_var",
-    "val/num_eos_tokens",
-    "critic/advantages/mean",
-    "critic/returns/mean",
-    "critic/values/mean",
-    "critic/vf_explained_var",
-    "response_length/mean",
+    crate::metric::OBJECTIVE_KL,
+    crate::metric::OBJECTIVE_ENTROPY,
+    crate::metric::OBJECTIVE_NON_SCORE_REWARD,
+    crate::metric::OBJECTIVE_RLHF_REWARD,
+    crate::metric::OBJECTIVE_SCORES,
+    crate::metric::POLICY_APPROXKL_AVG,
+    crate::metric::POLICY_CLIPFRAC_AVG,
+    crate::metric::LOSS_POLICY_AVG,
+    crate::metric::LOSS_VALUE_AVG,
+    crate::metric::VAL_CLIPFRAC_AVG,
+    crate::metric::POLICY_ENTROPY_AVG,
+    crate::metric::VAL_RATIO,
+    crate::metric::VAL_RATIO_VAR,
+    crate::metric::VAL_NUM_EOS_TOKENS,
+    crate::metric::CRITIC_ADVANTAGES_MEAN,
+    crate::metric::CRITIC_RETURNS_MEAN,
+    crate::metric::CRITIC_VALUES_MEAN,
+    crate::metric::CRITIC_VF_EXPLAINED_VAR,
+    crate::metric::RESPONSE_LENGTH_MEAN,
 ];
 
 /// Rollout-level tensors, all `[batch, len]` except where noted.
@@ -104,13 +104,16 @@ pub fn rollout_metrics(inp: &RolloutMetricsInputs<'_>) -> Result<BTreeMap<String
     let n_valid: f64 = mask.iter().map(|&m| m as f64).sum();
 
     let mut out = BTreeMap::new();
-    out.insert("objective/kl".into(), mean_kl);
-    out.insert("objective/entropy".into(), mean_entropy);
-    out.insert("objective/non_score_reward".into(), mean_nsr);
-    out.insert("objective/rlhf_reward".into(), mean_nsr + mean_score);
-    out.insert("objective/scores".into(), mean_score);
+    out.insert(crate::metric::OBJECTIVE_KL.into(), mean_kl);
+    out.insert(crate::metric::OBJECTIVE_ENTROPY.into(), mean_entropy);
+    out.insert(crate::metric::OBJECTIVE_NON_SCORE_REWARD.into(), mean_nsr);
     out.insert(
-        "val/num_eos_tokens".into(),
+        crate::metric::OBJECTIVE_RLHF_REWARD.into(),
+        mean_nsr + mean_score,
+    );
+    out.insert(crate::metric::OBJECTIVE_SCORES.into(), mean_score);
+    out.insert(
+        crate::metric::VAL_NUM_EOS_TOKENS.into(),
         inp.has_eos.iter().filter(|&&e| e).count() as f64,
     );
     let masked_mean = |v: &[f32]| -> f64 {
@@ -120,12 +123,15 @@ pub fn rollout_metrics(inp: &RolloutMetricsInputs<'_>) -> Result<BTreeMap<String
             .sum::<f64>()
             / n_valid
     };
-    out.insert("critic/advantages/mean".into(), masked_mean(&adv));
-    out.insert("critic/returns/mean".into(), masked_mean(&ret));
-    out.insert("response_length/mean".into(), n_valid / b);
+    out.insert(
+        crate::metric::CRITIC_ADVANTAGES_MEAN.into(),
+        masked_mean(&adv),
+    );
+    out.insert(crate::metric::CRITIC_RETURNS_MEAN.into(), masked_mean(&ret));
+    out.insert(crate::metric::RESPONSE_LENGTH_MEAN.into(), n_valid / b);
     if let Some(values) = inp.values {
         let val = token("values", values)?;
-        out.insert("critic/values/mean".into(), masked_mean(&val));
+        out.insert(crate::metric::CRITIC_VALUES_MEAN.into(), masked_mean(&val));
         // verl: 1 - var(returns - values) / (var(returns) + 1e-5), unbiased variances.
         let diff: Vec<f32> = ret.iter().zip(&val).map(|(r, v)| r - v).collect();
         let var = |v: &[f32]| -> f64 {
@@ -143,7 +149,7 @@ pub fn rollout_metrics(inp: &RolloutMetricsInputs<'_>) -> Result<BTreeMap<String
             }
         };
         out.insert(
-            "critic/vf_explained_var".into(),
+            crate::metric::CRITIC_VF_EXPLAINED_VAR.into(),
             1.0 - var(&diff) / (var(&ret) + 1e-5),
         );
     }
@@ -204,13 +210,13 @@ impl TrainStats {
                 out.insert(k.to_string(), v);
             }
         };
-        put("policy/approxkl_avg", mean(&self.approxkl));
-        put("policy/clipfrac_avg", mean(&self.clipfrac));
-        put("loss/policy_avg", mean(&self.pg_loss));
-        put("loss/value_avg", mean(&self.vf_loss));
-        put("val/clipfrac_avg", mean(&self.vf_clipfrac));
-        put("policy/entropy_avg", mean(&self.entropy));
-        put("val/ratio", mean(&self.ratio));
+        put(crate::metric::POLICY_APPROXKL_AVG, mean(&self.approxkl));
+        put(crate::metric::POLICY_CLIPFRAC_AVG, mean(&self.clipfrac));
+        put(crate::metric::LOSS_POLICY_AVG, mean(&self.pg_loss));
+        put(crate::metric::LOSS_VALUE_AVG, mean(&self.vf_loss));
+        put(crate::metric::VAL_CLIPFRAC_AVG, mean(&self.vf_clipfrac));
+        put(crate::metric::POLICY_ENTROPY_AVG, mean(&self.entropy));
+        put(crate::metric::VAL_RATIO, mean(&self.ratio));
         let ratio_var = mean(&self.ratio).map(|mu| {
             let n = self.ratio.len();
             if n < 2 {
@@ -219,7 +225,7 @@ impl TrainStats {
                 self.ratio.iter().map(|r| (r - mu).powi(2)).sum::<f64>() / (n - 1) as f64
             }
         });
-        put("val/ratio_var", ratio_var);
+        put(crate::metric::VAL_RATIO_VAR, ratio_var);
         out
     }
 }

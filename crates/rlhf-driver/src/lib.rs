@@ -18,3 +18,5 @@ pub mod prompts;
 mod tensors;
 
 pub use job::{run, DriverOptions, JobSummary};
+/// The metric names the job logs (rlhf-algo owns them).
+pub use rlhf_algo::metric;

@@ -7,6 +7,7 @@ use std::io::{BufRead, BufReader, IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use rlhf_algo::metric;
 use rlhf_core::{Error, Result};
 use serde_json::json;
 
@@ -197,11 +198,11 @@ impl Progress {
             fmt_duration(per * left as f64)
         );
         for (k, short) in [
-            ("objective/scores", "score"),
-            ("objective/kl", "kl"),
-            ("loss/policy_avg", "pg_loss"),
-            ("loss/value_avg", "vf_loss"),
-            ("response_length/mean", "len"),
+            (metric::OBJECTIVE_SCORES, "score"),
+            (metric::OBJECTIVE_KL, "kl"),
+            (metric::LOSS_POLICY_AVG, "pg_loss"),
+            (metric::LOSS_VALUE_AVG, "vf_loss"),
+            (metric::RESPONSE_LENGTH_MEAN, "len"),
         ] {
             if let Some(v) = metrics.get(k) {
                 s.push_str(&format!(" | {short} {v:.4}"));
@@ -258,8 +259,11 @@ mod tests {
         let p = d.path().join("m/metrics.jsonl");
         let mut m = MetricsLog::open(&p, None).unwrap();
         for s in 1..=4 {
-            m.write(s, &[("objective/scores".to_string(), s as f64)].into())
-                .unwrap();
+            m.write(
+                s,
+                &[(metric::OBJECTIVE_SCORES.to_string(), s as f64)].into(),
+            )
+            .unwrap();
         }
         drop(m);
         let mut m = MetricsLog::open(&p, Some(2)).unwrap();
@@ -280,7 +284,7 @@ mod tests {
     #[test]
     fn progress_line_and_table() {
         let p = Progress::new(true, 0, 40);
-        let l = p.line(10, &[("objective/scores".to_string(), 0.5)].into());
+        let l = p.line(10, &[(metric::OBJECTIVE_SCORES.to_string(), 0.5)].into());
         assert!(l.starts_with("step 10/40 [#####..............."), "{l}");
         assert!(l.contains("score 0.5000") && l.contains("ETA"), "{l}");
         let t = sample_table(

@@ -12,7 +12,7 @@ use std::time::Duration;
 use rlhf_config::{PpoConfig, RoleKind};
 use rlhf_core::resources::Resources;
 use rlhf_core::{Error, Result};
-use rlhf_driver::{DriverOptions, JobSummary};
+use rlhf_driver::{metric, DriverOptions, JobSummary};
 use rlhf_proto::v1 as pb;
 use rlhf_proto::v1::head_service_client::HeadServiceClient;
 use rlhf_runtime::auth;
@@ -240,12 +240,12 @@ fn print_summary(s: &JobSummary) {
             s.steps_run, s.global_step
         );
         for k in [
-            "objective/scores",
-            "objective/kl",
-            "loss/policy_avg",
-            "loss/value_avg",
-            "response_length/mean",
-            "timing_s/step",
+            metric::OBJECTIVE_SCORES,
+            metric::OBJECTIVE_KL,
+            metric::LOSS_POLICY_AVG,
+            metric::LOSS_VALUE_AVG,
+            metric::RESPONSE_LENGTH_MEAN,
+            metric::TIMING_S_STEP,
         ] {
             if let Some((a, b)) = ends(s, k, n) {
                 eprintln!("  {k:<24} {a:>10.4} -> {b:>10.4}");

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
-use rlhf_algo::{actor_loss, value_loss, PolicyLossConfig, ValueLossConfig};
+use rlhf_algo::{actor_loss, metric, value_loss, PolicyLossConfig, ValueLossConfig};
 use rlhf_collective::{Communicator, SyncStats};
 use rlhf_config::{PpoConfig, RoleKind};
 use rlhf_core::batch::DataBatch;
@@ -383,17 +383,17 @@ impl Trainer {
             let p = &out.policy;
             let pg = p.loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
             let mut stats = vec![
-                ("policy/approxkl_avg", p.approxkl),
-                ("policy/clipfrac_avg", p.clipfrac),
-                ("loss/policy_avg", pg),
-                ("val/ratio", p.ratio_mean),
-                ("actor/pg_clipfrac_lower", p.clipfrac_lower),
+                (metric::POLICY_APPROXKL_AVG, p.approxkl),
+                (metric::POLICY_CLIPFRAC_AVG, p.clipfrac),
+                (metric::LOSS_POLICY_AVG, pg),
+                (metric::VAL_RATIO, p.ratio_mean),
+                (metric::ACTOR_PG_CLIPFRAC_LOWER, p.clipfrac_lower),
             ];
             if let Some(e) = out.entropy {
-                stats.push(("policy/entropy_avg", e));
+                stats.push((metric::POLICY_ENTROPY_AVG, e));
             }
             if let Some(k) = out.kl_loss {
-                stats.push(("actor/kl_loss", k));
+                stats.push((metric::ACTOR_KL_LOSS, k));
             }
             Ok(MicroOut {
                 loss: out.loss,
@@ -401,9 +401,9 @@ impl Trainer {
             })
         };
         let names = StepNames {
-            grad_norm: "actor/grad_norm",
-            lr: "actor/lr",
-            variance: Some(("val/ratio", "val/ratio_var")),
+            grad_norm: metric::ACTOR_GRAD_NORM,
+            lr: metric::ACTOR_LR,
+            variance: Some((metric::VAL_RATIO, metric::VAL_RATIO_VAR)),
         };
         let metrics = train::run_update(
             &self.model,
@@ -589,17 +589,17 @@ impl Critic {
                 loss: out.weighted_loss,
                 stats: vec![
                     (
-                        "loss/value_avg",
+                        metric::LOSS_VALUE_AVG,
                         out.loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
                     ),
-                    ("val/clipfrac_avg", out.clipfrac),
-                    ("val/vpred", vpred),
+                    (metric::VAL_CLIPFRAC_AVG, out.clipfrac),
+                    (metric::VAL_VPRED, vpred),
                 ],
             })
         };
         let names = StepNames {
-            grad_norm: "critic/grad_norm",
-            lr: "critic/lr",
+            grad_norm: metric::CRITIC_GRAD_NORM,
+            lr: metric::CRITIC_LR,
             variance: None,
         };
         let plan = self.settings.plan(step);

@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use rlhf_algo::{AdvEstimator, KlController};
+use rlhf_algo::{metric, AdvEstimator, KlController};
 use rlhf_config::data::PromptSampler;
 use rlhf_config::{PpoConfig, RoleKind};
 use rlhf_core::{CommBackend, CommGroup, Error, FailureKind, Result};
@@ -340,7 +340,10 @@ impl Loop<'_> {
             let stopping = self.opts.stop_after.is_some_and(|n| step - start_step >= n);
             if save_steps > 0 && (step.is_multiple_of(save_steps) || step == total || stopping) {
                 last_checkpoint = Some(self.save(step).await?);
-                metrics.insert("timing_s/checkpoint".into(), t0.elapsed().as_secs_f64());
+                metrics.insert(
+                    metric::TIMING_S_CHECKPOINT.into(),
+                    t0.elapsed().as_secs_f64(),
+                );
             }
             metrics_log.write(step, &metrics)?;
             progress.update(step, &metrics);

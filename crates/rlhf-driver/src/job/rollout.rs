@@ -4,6 +4,7 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
+use rlhf_algo::metric;
 use rlhf_core::batch::DataBatch;
 use rlhf_core::{Error, Result};
 use serde_json::json;
@@ -193,7 +194,7 @@ impl Loop<'_> {
             Some(f) => self.fixed_responses(f, &which)?,
             None => self.generate(&prompt_batch, step).await?,
         };
-        timing.insert("timing_s/gen".into(), t.elapsed().as_secs_f64());
+        timing.insert(metric::TIMING_S_GEN.into(), t.elapsed().as_secs_f64());
         let from = "actor_rollout/infer Generate";
         let responses = get(&gen, "responses", from)?.to_i64()?;
         let response_mask = f32_2d(&gen, "response_mask", rows, r, from)?;

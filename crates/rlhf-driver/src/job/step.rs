@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use rlhf_algo::{
-    compute_advantage, compute_token_rewards, rollout_metrics, AdvantageInputs,
+    compute_advantage, compute_token_rewards, metric, rollout_metrics, AdvantageInputs,
     RolloutMetricsInputs,
 };
 use rlhf_core::Error;
@@ -83,11 +83,14 @@ impl Loop<'_> {
                     .call_split(BatchCall::ComputeScores, &score_batch, tmo)
             ),
         );
-        timing.insert("timing_s/old_log_prob".into(), t_old);
-        timing.insert("timing_s/ref".into(), t_ref);
-        timing.insert("timing_s/values".into(), t_val);
-        timing.insert("timing_s/reward".into(), t_score);
-        timing.insert("timing_s/experience".into(), t.elapsed().as_secs_f64());
+        timing.insert(metric::TIMING_S_OLD_LOG_PROB.into(), t_old);
+        timing.insert(metric::TIMING_S_REF.into(), t_ref);
+        timing.insert(metric::TIMING_S_VALUES.into(), t_val);
+        timing.insert(metric::TIMING_S_REWARD.into(), t_score);
+        timing.insert(
+            metric::TIMING_S_EXPERIENCE.into(),
+            t.elapsed().as_secs_f64(),
+        );
         let old = f32_2d(
             &old?,
             "log_probs",
@@ -156,7 +159,7 @@ impl Loop<'_> {
         // The critic fits values where GAE ran: the response, plus the score's slot with
         // TRL's placement.
         let value_mask = host(&rewards.value_mask)?;
-        timing.insert("timing_s/adv".into(), t.elapsed().as_secs_f64());
+        timing.insert(metric::TIMING_S_ADV.into(), t.elapsed().as_secs_f64());
 
         // Updates: critic and actor at once.
         let mut actor_batch = seq.clone();
@@ -205,12 +208,12 @@ impl Loop<'_> {
                 }
             }),
         );
-        timing.insert("timing_s/update_actor".into(), t_actor);
-        timing.insert("timing_s/update_critic".into(), t_critic);
+        timing.insert(metric::TIMING_S_UPDATE_ACTOR.into(), t_actor);
+        timing.insert(metric::TIMING_S_UPDATE_CRITIC.into(), t_critic);
         metrics.extend(mean_meta_metrics(&actor_out?));
         // TRL logs the policy's learning rate as `lr`.
-        if let Some(&lr) = metrics.get("actor/lr") {
-            metrics.insert("lr".into(), lr);
+        if let Some(&lr) = metrics.get(metric::ACTOR_LR) {
+            metrics.insert(metric::LR.into(), lr);
         }
         if let Some(c) = critic_out? {
             metrics.extend(mean_meta_metrics(&c));
@@ -224,21 +227,21 @@ impl Loop<'_> {
         }
 
         let t_sync = self.sync_weights(step).await?;
-        timing.insert("timing_s/sync_weights".into(), t_sync);
+        timing.insert(metric::TIMING_S_SYNC_WEIGHTS.into(), t_sync);
 
-        let kl = metrics.get("objective/kl").copied().unwrap_or(0.0);
-        metrics.insert("objective/kl_coef".into(), self.kl_ctl.value());
+        let kl = metrics.get(metric::OBJECTIVE_KL).copied().unwrap_or(0.0);
+        metrics.insert(metric::OBJECTIVE_KL_COEF.into(), self.kl_ctl.value());
         self.kl_ctl.update(kl, rows)?;
         let elapsed = step_start.elapsed().as_secs_f64();
-        timing.insert("timing_s/step".into(), elapsed);
+        timing.insert(metric::TIMING_S_STEP.into(), elapsed);
         metrics.extend(timing);
         metrics.insert(
-            "perf/throughput".into(),
+            metric::PERF_THROUGHPUT.into(),
             ro.tokens as f64 / elapsed.max(1e-9),
         );
-        metrics.insert("perf/total_num_tokens".into(), ro.tokens as f64);
-        metrics.insert("episode".into(), (step * rows as u64) as f64);
-        metrics.insert("epoch".into(), self.sampler.cursor().epoch as f64);
+        metrics.insert(metric::PERF_TOTAL_NUM_TOKENS.into(), ro.tokens as f64);
+        metrics.insert(metric::EPISODE.into(), (step * rows as u64) as f64);
+        metrics.insert(metric::EPOCH.into(), self.sampler.cursor().epoch as f64);
 
         let k = (cfg.logging.sample_rows as usize).min(rows);
         let samples = (0..k)

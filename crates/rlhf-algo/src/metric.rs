@@ -1,0 +1,61 @@
+//! Every metric name the job logs, as constants: TRL's PPOTrainer names (`objective/*`,
+//! `policy/*`, `loss/*`, `val/*`, `lr`, `episode`), verl's families (`critic/*`,
+//! `response_length/*`, `timing_s/*`, `perf/*`) and the per-role update statistics
+//! (`actor/*`). Producers and readers use these, so a renamed metric is one edit.
+
+pub const OBJECTIVE_ENTROPY: &str = "objective/entropy";
+pub const OBJECTIVE_KL: &str = "objective/kl";
+pub const OBJECTIVE_KL_COEF: &str = "objective/kl_coef";
+pub const OBJECTIVE_NON_SCORE_REWARD: &str = "objective/non_score_reward";
+pub const OBJECTIVE_RLHF_REWARD: &str = "objective/rlhf_reward";
+pub const OBJECTIVE_SCORES: &str = "objective/scores";
+
+pub const POLICY_APPROXKL_AVG: &str = "policy/approxkl_avg";
+pub const POLICY_CLIPFRAC_AVG: &str = "policy/clipfrac_avg";
+pub const POLICY_ENTROPY_AVG: &str = "policy/entropy_avg";
+
+pub const LOSS_POLICY_AVG: &str = "loss/policy_avg";
+pub const LOSS_VALUE_AVG: &str = "loss/value_avg";
+
+pub const VAL_CLIPFRAC_AVG: &str = "val/clipfrac_avg";
+pub const VAL_NUM_EOS_TOKENS: &str = "val/num_eos_tokens";
+pub const VAL_RATIO: &str = "val/ratio";
+pub const VAL_RATIO_VAR: &str = "val/ratio_var";
+pub const VAL_VPRED: &str = "val/vpred";
+
+pub const EPISODE: &str = "episode";
+pub const EPOCH: &str = "epoch";
+pub const LR: &str = "lr";
+
+pub const CRITIC_ADVANTAGES_MEAN: &str = "critic/advantages/mean";
+pub const CRITIC_GRAD_NORM: &str = "critic/grad_norm";
+pub const CRITIC_LR: &str = "critic/lr";
+pub const CRITIC_RETURNS_MEAN: &str = "critic/returns/mean";
+pub const CRITIC_VALUES_MEAN: &str = "critic/values/mean";
+pub const CRITIC_VF_EXPLAINED_VAR: &str = "critic/vf_explained_var";
+
+pub const ACTOR_GRAD_NORM: &str = "actor/grad_norm";
+pub const ACTOR_KL_LOSS: &str = "actor/kl_loss";
+pub const ACTOR_LR: &str = "actor/lr";
+pub const ACTOR_PG_CLIPFRAC_LOWER: &str = "actor/pg_clipfrac_lower";
+
+pub const RESPONSE_LENGTH_MEAN: &str = "response_length/mean";
+
+pub const TIMING_S_ADV: &str = "timing_s/adv";
+pub const TIMING_S_CHECKPOINT: &str = "timing_s/checkpoint";
+pub const TIMING_S_EXPERIENCE: &str = "timing_s/experience";
+pub const TIMING_S_GEN: &str = "timing_s/gen";
+pub const TIMING_S_OLD_LOG_PROB: &str = "timing_s/old_log_prob";
+pub const TIMING_S_REF: &str = "timing_s/ref";
+pub const TIMING_S_REWARD: &str = "timing_s/reward";
+pub const TIMING_S_STEP: &str = "timing_s/step";
+pub const TIMING_S_SYNC_WEIGHTS: &str = "timing_s/sync_weights";
+pub const TIMING_S_UPDATE_ACTOR: &str = "timing_s/update_actor";
+pub const TIMING_S_UPDATE_CRITIC: &str = "timing_s/update_critic";
+pub const TIMING_S_VALUES: &str = "timing_s/values";
+
+pub const PERF_THROUGHPUT: &str = "perf/throughput";
+pub const PERF_TOTAL_NUM_TOKENS: &str = "perf/total_num_tokens";
+
+/// Prefix of the wall-clock timings (left out when runs are compared).
+pub const TIMING_PREFIX: &str = "timing_s/";
