@@ -4,7 +4,8 @@
 use rlhf_proto::v1 as pb;
 
 /// What went wrong, as data the scheduler and clients can act on.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum FailureKind {
     InvalidArgument,
     NotFound,

@@ -6,11 +6,13 @@
 
 pub mod batch;
 pub mod error;
+pub mod outcome;
 pub mod resources;
 pub mod role;
 
 pub use batch::{DataBatch, TensorData};
 pub use error::{Error, FailureKind, Result};
+pub use outcome::{JobFailure, JobOutcome};
 pub use resources::Resources;
 pub use role::{CommBackend, CommGroup, RoleKind, RolePart, RoleSlot};
 

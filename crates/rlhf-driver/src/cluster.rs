@@ -333,7 +333,12 @@ pub async fn join_comm(
 
 /// Turns a failed role call into the error the user sees: when a role process of this
 /// job died, name it, its node, its exit and its last log lines, whichever call noticed.
-pub async fn diagnose(head: &mut HeadClient, roles: &Roles, err: CallError) -> Error {
+/// Also returns the role part and rank to blame.
+pub async fn diagnose(
+    head: &mut HeadClient,
+    roles: &Roles,
+    err: CallError,
+) -> (Error, Option<(String, u32)>) {
     let ours: BTreeMap<String, (String, usize)> = roles
         .all_members()
         .map(|(g, r, m)| (m.actor_id.clone(), (g.name(), r)))
@@ -384,7 +389,10 @@ pub async fn diagnose(head: &mut HeadClient, roles: &Roles, err: CallError) -> E
                 if !a.log_file.is_empty() {
                     msg.push_str(&format!("full log: {} on that node", a.log_file));
                 }
-                return Error::new(FailureKind::ActorDied, msg);
+                return (
+                    Error::new(FailureKind::ActorDied, msg),
+                    Some((role, rank as u32)),
+                );
             }
         }
         if tokio::time::Instant::now() >= deadline {
@@ -392,7 +400,8 @@ pub async fn diagnose(head: &mut HeadClient, roles: &Roles, err: CallError) -> E
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
-    Error::new(err.error.kind(), err.to_string())
+    let at = Some((err.role.clone(), err.rank as u32));
+    (Error::new(err.error.kind(), err.to_string()), at)
 }
 
 /// Kills the job's actors and frees its devices; best effort.

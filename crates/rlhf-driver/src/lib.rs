@@ -17,6 +17,6 @@ pub mod output;
 pub mod prompts;
 mod tensors;
 
-pub use job::{run, DriverOptions, JobSummary};
+pub use job::{run, DriverOptions, JobSummary, RunError};
 /// The metric names the job logs (rlhf-algo owns them).
 pub use rlhf_algo::metric;

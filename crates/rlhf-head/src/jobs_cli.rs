@@ -156,6 +156,19 @@ fn status_text(j: &pb::JobInfo) -> String {
     if !j.error.is_empty() {
         o += &format!("error:      {}\n", j.error);
     }
+    if !j.failure_kind.is_empty() {
+        let at = match (j.failure_role.is_empty(), j.failure_rank) {
+            (false, r) if r >= 0 => format!(" in {} rank {r}", j.failure_role),
+            (false, _) => format!(" in {}", j.failure_role),
+            _ => String::new(),
+        };
+        let again = if j.retryable {
+            "running it again (--resume latest) may succeed"
+        } else {
+            "needs a change before running again"
+        };
+        o += &format!("failure:    {}{at}; {again}\n", j.failure_kind);
+    }
     if !j.last_metrics.is_empty() {
         o += &format!("metrics:    {}\n", j.last_metrics);
     }

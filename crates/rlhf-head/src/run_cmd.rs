@@ -12,7 +12,7 @@ use std::time::Duration;
 use rlhf_config::{PpoConfig, RoleKind};
 use rlhf_core::resources::Resources;
 use rlhf_core::{Error, Result};
-use rlhf_driver::{metric, DriverOptions, JobSummary};
+use rlhf_driver::{metric, DriverOptions, JobSummary, RunError};
 use rlhf_proto::v1 as pb;
 use rlhf_proto::v1::head_service_client::HeadServiceClient;
 use rlhf_runtime::auth;
@@ -297,6 +297,23 @@ pub(crate) async fn run(args: RunArgs) -> Result<()> {
     opts.comm_backend = args.comm_backend;
     let ckpt_dir = PathBuf::from(&opts.config.checkpoint.dir);
     let result = rlhf_driver::run(head_client, opts, shutdown.clone()).await;
+    // A job the head started runs from a bundle in its job directory: say how it ended
+    // there, as data, for the head to record.
+    if let Some(bundle) = args.config.bundle.as_deref() {
+        let dir = bundle
+            .parent()
+            .filter(|d| !d.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        let outcome = rlhf_core::JobOutcome {
+            failure: result.as_ref().err().map(|e| e.failure()),
+        };
+        if let Err(e) = outcome.write(dir) {
+            eprintln!(
+                "warning: cannot write {}: {e}",
+                dir.join(rlhf_core::outcome::OUTCOME_FILE).display()
+            );
+        }
+    }
     if let Some(e) = embedded {
         e.shutdown.cancel();
         let _ = tokio::time::timeout(Duration::from_secs(15), e.worker).await;
@@ -310,7 +327,7 @@ pub(crate) async fn run(args: RunArgs) -> Result<()> {
             print_summary(&s);
             Ok(())
         }
-        Err(e) => {
+        Err(RunError { error: e, .. }) => {
             let hint = if rlhf_driver::checkpoint::list(&ckpt_dir).is_empty() {
                 String::new()
             } else {

@@ -449,6 +449,11 @@ fn a_submitted_ppo_tiny_job_runs_to_success() -> Result<()> {
         .unwrap_or_default();
     assert_eq!(end["state"], "SUCCEEDED", "{end}\ndriver log:\n{log}");
     assert_eq!(end["exit_code"].as_i64(), Some(0), "{end}");
+    // The driver recorded how it ended, as data, in its job directory.
+    let outcome = rlhf_core::JobOutcome::read(&c.state_dir().join("jobs").join(&id))
+        .context("the driver wrote no outcome.json")?;
+    assert_eq!(outcome.failure, None);
+    assert!(end["failure"].is_null(), "{end}");
 
     let metrics = std::fs::read_to_string(out_dir.join("metrics.jsonl"))?;
     let steps: Vec<u64> = metrics

@@ -101,17 +101,43 @@ fn tokenizer_dir(cfg: &PpoConfig) -> Result<PathBuf> {
         })
 }
 
+/// Why a run failed: the error, and the role part and rank to blame when there is one.
+#[derive(Debug)]
+pub struct RunError {
+    pub error: Error,
+    pub at: Option<(String, u32)>,
+}
+
+impl From<Error> for RunError {
+    fn from(error: Error) -> Self {
+        RunError { error, at: None }
+    }
+}
+
+impl std::fmt::Display for RunError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.error.fmt(f)
+    }
+}
+
+impl RunError {
+    /// The structured outcome the head records for a submitted job.
+    pub fn failure(&self) -> rlhf_core::JobFailure {
+        rlhf_core::JobFailure::new(&self.error, self.at.clone())
+    }
+}
+
 /// Runs the job to its end (or to `stop_after`), then frees the actors and devices.
 pub async fn run(
     mut head: HeadClient,
     opts: DriverOptions,
     shutdown: CancellationToken,
-) -> Result<JobSummary> {
+) -> std::result::Result<JobSummary, RunError> {
     let cfg = &opts.config;
     if cfg.algorithm.adv_estimator == AdvEstimator::Remax {
-        return Err(Error::invalid(
+        return Err(RunError::from(Error::invalid(
             "algorithm.adv_estimator=remax needs a greedy baseline rollout per prompt, which the driver does not run yet; use gae, grpo, rloo, reinforce_plus_plus or reinforce_plus_plus_baseline",
-        ));
+        )));
     }
     let tok_dir = tokenizer_dir(cfg)?;
     let tok = Tokenizer::from_dir(&tok_dir).map_err(|e| {
@@ -195,7 +221,7 @@ pub async fn run(
     let started = Instant::now();
     let roles = tokio::select! {
         r = cluster::launch(&mut head, cfg, &launch) => r?,
-        _ = shutdown.cancelled() => return Err(Error::new(FailureKind::Unavailable, "stopped before the roles started")),
+        _ = shutdown.cancelled() => return Err(Error::new(FailureKind::Unavailable, "stopped before the roles started").into()),
     };
     eprintln!(
         "placed {} role processes in {:.1} s",
@@ -219,8 +245,11 @@ pub async fn run(
     };
     let result = match result {
         Ok(s) => Ok(s),
-        Err(Failed::Call(e)) => Err(cluster::diagnose(&mut head, &roles, e).await),
-        Err(Failed::Other(e)) => Err(e),
+        Err(Failed::Call(e)) => {
+            let (error, at) = cluster::diagnose(&mut head, &roles, e).await;
+            Err(RunError { error, at })
+        }
+        Err(Failed::Other(e)) => Err(RunError::from(e)),
     };
     cluster::shutdown(&mut head, &roles).await;
     result

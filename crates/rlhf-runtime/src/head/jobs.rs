@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use nix::sys::signal::{self, Signal};
 use nix::unistd::Pid;
-use rlhf_core::{Error, Result};
+use rlhf_core::{Error, JobFailure, JobOutcome, Result};
 use rlhf_proto::v1 as pb;
 use serde::{Deserialize, Serialize};
 
@@ -107,6 +107,9 @@ pub struct JobRecord {
     pub metrics_file: String,
     /// Why a stop was asked for (empty: none); the job ends STOPPED with this reason.
     pub stop_reason: String,
+    /// How a failed job failed, as its driver recorded it (`outcome.json`).
+    #[serde(default)]
+    pub failure: Option<JobFailure>,
 }
 
 /// How the head runs drivers.
@@ -341,6 +344,22 @@ impl Jobs {
             log_file: dir.join(LOG_FILE).display().to_string(),
             job_dir: dir.display().to_string(),
             last_metrics: String::new(),
+            failure_kind: r
+                .failure
+                .as_ref()
+                .map(|f| f.kind.as_str().to_string())
+                .unwrap_or_default(),
+            failure_role: r
+                .failure
+                .as_ref()
+                .and_then(|f| f.role.clone())
+                .unwrap_or_default(),
+            failure_rank: r
+                .failure
+                .as_ref()
+                .and_then(|f| f.rank)
+                .map_or(-1, |k| k as i32),
+            retryable: r.failure.as_ref().is_some_and(|f| f.retryable),
         }
     }
 
@@ -398,6 +417,7 @@ impl Jobs {
             pid: 0,
             metrics_file: req.metrics_file,
             stop_reason: String::new(),
+            failure: None,
         };
         crate::lock(&self.0.jobs).insert(id.clone(), rec.clone());
         self.persist(&rec)?;
@@ -499,6 +519,9 @@ impl Jobs {
         let now = self.0.clock.now_ms();
         let log = read_tail(&self.job_dir(id).join(LOG_FILE), ERROR_SCAN_BYTES);
         let err_line = last_error_line(&log);
+        // What the driver recorded beats what its log says; the log is the fallback for a
+        // driver that died before writing it.
+        let failure = JobOutcome::read(&self.job_dir(id)).and_then(|o| o.failure);
         let res = self.update(id, |r| {
             r.end_ms = now;
             r.exit_code = code;
@@ -510,7 +533,8 @@ impl Jobs {
                 r.state = JobState::Succeeded;
             } else {
                 r.state = JobState::Failed;
-                r.error = match (err_line, code) {
+                r.failure = failure.clone();
+                r.error = match (failure.as_ref().map(|f| f.summary().to_string()).or(err_line), code) {
                     (Some(e), _) => e,
                     (None, Some(c)) => format!("driver exited with code {c} (see {LOG_FILE})"),
                     (None, None) if sig != 0 => {
@@ -778,6 +802,7 @@ mod tests {
         assert_eq!(r.state, JobState::Failed);
         assert_eq!(r.exit_code, Some(3));
         assert_eq!(r.error, "no worker has 2 CPU free");
+        assert_eq!(r.failure, None, "no outcome.json: the log decides");
         // Paging through the log in small pieces gives the whole log back.
         let mut off = 0;
         let mut all = Vec::new();
@@ -797,6 +822,51 @@ mod tests {
         // Beyond the end: nothing, and finished.
         let p = j.logs(&r.job_id, 10_000, 0).unwrap();
         assert!(p.data.is_empty() && p.finished);
+    }
+
+    /// A driver that records its outcome (as `rlhf-head run --bundle` does): the head takes
+    /// the kind, the role and rank to blame and the message from it, not from the log.
+    #[tokio::test]
+    async fn a_recorded_outcome_beats_the_log() {
+        let dir = tempfile::tempdir().unwrap();
+        let outcome = rlhf_core::JobOutcome {
+            failure: Some(JobFailure::new(
+                &Error::new(
+                    rlhf_core::FailureKind::ActorDied,
+                    "role critic rank 1 died (actor a7, pid 9, node n1): signal 9\nlast log lines:\n  x",
+                ),
+                Some(("critic".into(), 1)),
+            )),
+        };
+        let json = serde_json::to_string(&outcome).unwrap();
+        let exe = script(
+            dir.path(),
+            "fail.sh",
+            &format!(
+                "echo 'error: a misleading last line' >&2\ncat > {} <<'EOF'\n{json}\nEOF\nexit 1",
+                rlhf_core::outcome::OUTCOME_FILE
+            ),
+        );
+        let j = manager(dir.path(), exe, Duration::from_secs(5));
+        let r = submit(&j);
+        assert!(j.wait_ended(&r.job_id, Duration::from_secs(10)).await);
+        let r = j.get(&r.job_id).unwrap();
+        assert_eq!(r.state, JobState::Failed);
+        assert_eq!(
+            r.error,
+            "role critic rank 1 died (actor a7, pid 9, node n1): signal 9"
+        );
+        assert_eq!(r.failure, outcome.failure);
+        let p = j.to_proto(&r);
+        assert_eq!(
+            (
+                p.failure_kind.as_str(),
+                p.failure_role.as_str(),
+                p.failure_rank,
+                p.retryable
+            ),
+            ("actor_died", "critic", 1, true)
+        );
     }
 
     #[tokio::test]
@@ -892,6 +962,7 @@ mod tests {
             pid,
             metrics_file: String::new(),
             stop_reason: String::new(),
+            failure: None,
         }
     }
 
@@ -982,6 +1053,7 @@ mod tests {
                 pid: dead_pid,
                 metrics_file: String::new(),
                 stop_reason: String::new(),
+                failure: None,
             };
             st.put(store::JOBS, &rec.job_id, &rec).unwrap();
             rec.job_id = "job-20260101-000000-done".into();
