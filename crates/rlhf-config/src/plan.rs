@@ -1,9 +1,14 @@
-//! A simple placement plan for `check`: which role goes to which node with how
-//! many devices. The real placement runs on the head; this answers "does the
-//! job fit this cluster, and if not, what is missing" before anything starts.
+//! The placement plan for `check`: which role goes to which node with how many devices.
+//! It makes the driver's requests (one PACK group of one-device bundles per role, in role
+//! order) through the head's own placement function, so it shows what the head will do,
+//! and answers "does the job fit this cluster, and if not, what is missing" before anything
+//! starts.
 
 use std::collections::BTreeMap;
 use std::fmt;
+
+use rlhf_core::placement::{place, NodeCapacity, Strategy};
+use rlhf_core::Resources;
 
 use crate::config::{PpoConfig, RoleKind};
 use crate::error::{ConfigError, Result};
@@ -56,16 +61,14 @@ impl fmt::Display for Plan {
 }
 
 impl PpoConfig {
-    /// Places every enabled role on `nodes` (name, free resources by name).
-    ///
-    /// Largest role first, each on the node with the least room that still
-    /// holds all its devices (so a role stays on one node when it can); a role
-    /// that fits no single node is spread over the nodes with the most room.
-    /// Refuses, naming the resource and the shortfall, when the cluster has
-    /// fewer free devices than the pool asks for.
+    /// Places every enabled role on `nodes` (name, free resources by name) as the driver
+    /// asks the head to: role by role, each a PACK placement group of one-device bundles
+    /// (on the tightest node that holds it all, else first fit), through the head's
+    /// placement function. Refuses, naming the resource and the shortfall, when the
+    /// cluster has fewer free devices than the pool asks for.
     pub fn placement_plan(&self, nodes: &[(String, BTreeMap<String, f64>)]) -> Result<Plan> {
         let resource = self.resource_pool.device.resource().to_string();
-        let mut free: Vec<(String, u32)> = nodes
+        let free: Vec<(String, u32)> = nodes
             .iter()
             .map(|(n, r)| {
                 let v = r.get(&resource).copied().unwrap_or(0.0);
@@ -80,7 +83,7 @@ impl PpoConfig {
                 )
             })
             .collect();
-        let mut roles: Vec<(RoleKind, u32)> = RoleKind::ALL
+        let roles: Vec<(RoleKind, u32)> = RoleKind::ALL
             .iter()
             .filter(|r| self.role_enabled(**r))
             .map(|r| (*r, self.devices(*r)))
@@ -110,8 +113,14 @@ impl PpoConfig {
                 ),
             });
         }
-        // Stable sort: equal sizes keep role order.
-        roles.sort_by_key(|r| std::cmp::Reverse(r.1));
+        let mut caps: Vec<NodeCapacity> = free
+            .iter()
+            .map(|(n, f)| NodeCapacity {
+                node_id: n.clone(),
+                label: n.clone(),
+                available: Resources::new().with(&resource, f64::from(*f)),
+            })
+            .collect();
         let mut assignments = Vec::new();
         for (role, need) in roles {
             if need == 0 {
@@ -122,38 +131,26 @@ impl PpoConfig {
                 });
                 continue;
             }
-            let best = free
-                .iter()
-                .enumerate()
-                .filter(|(_, (_, f))| *f >= need)
-                .min_by_key(|(_, (_, f))| *f)
-                .map(|(i, _)| i);
-            if let Some(i) = best {
-                free[i].1 -= need;
+            let bundle = Resources::new().with(&resource, 1.0);
+            let chosen = place(&caps, &vec![bundle.clone(); need as usize], Strategy::Pack)
+                .map_err(|e| ConfigError::Placement {
+                    resource: resource.clone(),
+                    required: f64::from(need),
+                    available: caps.iter().map(|c| c.available.get(&resource)).sum(),
+                    shortfall: 0.0,
+                    detail: format!("placing {role}: {e}"),
+                })?;
+            let mut per_node: BTreeMap<usize, u32> = BTreeMap::new();
+            for i in chosen {
+                caps[i].available.sub(&bundle);
+                *per_node.entry(i).or_default() += 1;
+            }
+            for (i, devices) in per_node {
                 assignments.push(Assignment {
                     role,
-                    node: free[i].0.clone(),
-                    devices: need,
+                    node: caps[i].node_id.clone(),
+                    devices,
                 });
-                continue;
-            }
-            let mut left = need;
-            let mut order: Vec<usize> = (0..free.len()).collect();
-            order.sort_by(|a, b| free[*b].1.cmp(&free[*a].1));
-            for i in order {
-                if left == 0 {
-                    break;
-                }
-                let take = free[i].1.min(left);
-                if take > 0 {
-                    free[i].1 -= take;
-                    left -= take;
-                    assignments.push(Assignment {
-                        role,
-                        node: free[i].0.clone(),
-                        devices: take,
-                    });
-                }
             }
         }
         // Present in role order, whatever order they were packed in.

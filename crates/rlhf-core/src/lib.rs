@@ -7,6 +7,7 @@
 pub mod batch;
 pub mod error;
 pub mod outcome;
+pub mod placement;
 pub mod resources;
 pub mod role;
 

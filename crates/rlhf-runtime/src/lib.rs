@@ -10,7 +10,8 @@ pub mod dashboard;
 pub mod head;
 pub mod logging;
 pub mod net;
-pub mod placement;
+/// Gang placement (in rlhf-core, shared with `check`).
+pub use rlhf_core::placement;
 pub mod resources;
 pub mod status;
 pub mod worker;

@@ -1,8 +1,10 @@
 //! Gang placement of bundles on nodes: all or nothing, with Ray's four strategies.
 //! Pure functions over a snapshot of available resources, so every case is unit-tested.
+//! The head places with them, and `rlhf-head check` plans with the same calls the driver
+//! makes, so the plan it shows is the head's.
 
-use rlhf_core::resources::fmt_amount;
-use rlhf_core::{Error, FailureKind, Resources, Result};
+use crate::resources::fmt_amount;
+use crate::{Error, FailureKind, Resources, Result};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum Strategy {
