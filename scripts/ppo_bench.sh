@@ -7,9 +7,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 steps=${1:-20}
-cargo build --release -p rlhf-head -p rlhf-worker
-cargo build --release -p rlhf-e2e --example transfer_bench
-cargo build --release -p rlhf-collective --example collective_bench
+# One build of the whole workspace (binaries and examples) so that every piece is compiled
+# once with the same unified features; per-package builds would compile shared crates again.
+cargo build --release --workspace --bins --examples
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 

@@ -3,7 +3,10 @@
 //! registering and heartbeating at 1 Hz against one head process (registration latency,
 //! head CPU use from /proc).
 //!
-//! Run: `cargo run --release -p rlhf-e2e --example cluster_bench [-- --nodes 1000 --seconds 10 --calls 2000]`
+//! Run: `cargo build --release --workspace --bins --examples`, then
+//! `target/release/examples/cluster_bench [--nodes 1000 --seconds 10 --calls 2000]`
+//! (one workspace build: the bench spawns the release `rlhf-head` and `rlhf-worker` built
+//! beside it).
 
 use std::io::{Read, Write};
 use std::time::{Duration, Instant};

@@ -5,7 +5,8 @@
 //! `--reps` times, alternating the two, and the medians are compared (goal: >= 0.5).
 //! Also prints the in-process cost of encoding into chunks and of reassembling them.
 //!
-//! Run: `cargo run --release -p rlhf-e2e --example transfer_bench [-- --sizes 64,256 --reps 3 --chunk-kib 1024]`
+//! Run: `cargo build --release --workspace --bins --examples`, then
+//! `target/release/examples/transfer_bench [--sizes 64,256 --reps 3 --chunk-kib 1024]`.
 
 use std::time::{Duration, Instant};
 

@@ -1,41 +1,92 @@
-//! Helpers for end-to-end tests: build and spawn the real binaries, free ports, one log
+//! Helpers for end-to-end tests: find and spawn the real binaries, free ports, one log
 //! per child, kill on drop, and polling with deadlines instead of fixed sleeps.
 
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
 
-/// Path of a workspace binary, built once per test process with the same cargo that runs
-/// the tests (a plain `cargo test` does not build other packages' binaries).
+/// Path of a workspace binary as cargo built it: `cargo test --workspace` builds
+/// `rlhf-head` and `rlhf-worker` before any test runs (each has integration tests of its
+/// own, for which cargo builds the package's binaries), with the features the whole
+/// workspace unifies to. Tests never run cargo themselves: a nested `cargo build -p ...`
+/// resolves features for a different package set and recompiles a dozen crates.
+///
+/// Panics with the command to run when the binary is missing or older than a source file
+/// (e.g. after `cargo test -p rlhf-e2e` alone, which does not rebuild other packages).
 pub fn bin(name: &str) -> PathBuf {
-    static BUILT: OnceLock<PathBuf> = OnceLock::new();
-    let dir = BUILT.get_or_init(|| {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-        let st = Command::new(cargo)
-            .current_dir(&root)
-            .args(["build", "--quiet", "-p", "rlhf-head", "-p", "rlhf-worker"])
-            .args(if cfg!(debug_assertions) {
-                &[][..]
-            } else {
-                &["--release"][..]
-            })
-            .status()
-            .expect("running cargo build for the e2e binaries");
-        assert!(st.success(), "cargo build of rlhf-head/rlhf-worker failed");
-        // tests run from target/<profile>/deps/<test-binary>
-        let exe = std::env::current_exe().expect("current_exe");
-        exe.parent()
-            .and_then(Path::parent)
-            .expect("target dir")
-            .to_path_buf()
-    });
-    dir.join(name)
+    // tests run from target/<profile>/deps/<test-binary>, examples from
+    // target/<profile>/examples/<example>
+    let exe = std::env::current_exe().expect("current_exe");
+    let dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target dir")
+        .to_path_buf();
+    let path = dir.join(name);
+    let release = if cfg!(debug_assertions) {
+        ""
+    } else {
+        " --release"
+    };
+    let fix = format!(
+        "run `cargo test{release} --workspace` (it builds every binary first) or \
+         `cargo build{release} --workspace --bins`"
+    );
+    let built = match std::fs::metadata(&path).and_then(|m| m.modified()) {
+        Ok(t) => t,
+        Err(_) => panic!("{} does not exist: {fix}", path.display()),
+    };
+    if let Some((src, _)) = newest_source() {
+        let newer = std::fs::metadata(&src)
+            .and_then(|m| m.modified())
+            .is_ok_and(|t| t > built);
+        if newer {
+            panic!("{} is older than {}: {fix}", path.display(), src.display());
+        }
+    }
+    path
+}
+
+/// The most recently modified source of the binaries (Rust sources, manifests, protos).
+fn newest_source() -> Option<(PathBuf, std::time::SystemTime)> {
+    fn walk(dir: &Path, best: &mut Option<(PathBuf, std::time::SystemTime)>) {
+        let Ok(rd) = std::fs::read_dir(dir) else {
+            return;
+        };
+        for e in rd.flatten() {
+            let p = e.path();
+            let Ok(md) = e.metadata() else { continue };
+            if md.is_dir() {
+                // A crate's own tests, examples and fixtures are not part of its binary.
+                let skip = matches!(
+                    p.file_name().and_then(|n| n.to_str()),
+                    Some("tests" | "examples" | "benches" | "fixtures" | "target")
+                );
+                if !skip {
+                    walk(&p, best);
+                }
+                continue;
+            }
+            let relevant = matches!(
+                p.extension().and_then(|x| x.to_str()),
+                Some("rs" | "proto" | "toml")
+            );
+            if let (true, Ok(t)) = (relevant, md.modified()) {
+                if best.as_ref().is_none_or(|(_, b)| t > *b) {
+                    *best = Some((p, t));
+                }
+            }
+        }
+    }
+    let root = repo_root();
+    let mut best = None;
+    walk(&root.join("crates"), &mut best);
+    walk(&root.join("proto"), &mut best);
+    best
 }
 
 /// The repository root (configs, models and data paths resolve against it).

@@ -288,7 +288,7 @@ fn scenario(tag: &str, hosts: Hosts) -> Result<()> {
     let head_bin = bin("rlhf-head");
     let bin_dir = head_bin.parent().context("binary dir")?.to_path_buf();
     let _ = bin("rlhf-worker");
-    // Timed from here: the build above waits for cargo.
+    // Timed from here.
     let started = Instant::now();
 
     // Head alone on host 0; three workers with different resources.
