@@ -41,6 +41,13 @@ pub const ACTOR_PG_CLIPFRAC_LOWER: &str = "actor/pg_clipfrac_lower";
 
 pub const RESPONSE_LENGTH_MEAN: &str = "response_length/mean";
 
+/// |behaviour log-prob - old log-prob| over valid response tokens: the sampling policy
+/// (inference kernels, synced weights) against the trainer's recomputation.
+pub const ROLLOUT_LOG_PROB_DIFF_MEAN: &str = "rollout/log_prob_diff_mean";
+pub const ROLLOUT_LOG_PROB_DIFF_MAX: &str = "rollout/log_prob_diff_max";
+/// Steps between the weights that sampled the oldest row and the trainer's current ones.
+pub const ROLLOUT_STALENESS: &str = "rollout/staleness";
+
 pub const TIMING_S_ADV: &str = "timing_s/adv";
 pub const TIMING_S_CHECKPOINT: &str = "timing_s/checkpoint";
 pub const TIMING_S_EXPERIENCE: &str = "timing_s/experience";

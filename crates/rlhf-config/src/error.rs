@@ -74,6 +74,10 @@ pub enum ConfigError {
         reason: String,
     },
 
+    /// A role rank's spec cannot be resolved (or read back in the role process).
+    #[error("{0}")]
+    Spec(String),
+
     /// One or more validation rules failed; every failure is listed.
     #[error("{origin}: {} invalid setting(s):\n  - {}", errors.len(), errors.join("\n  - "))]
     Invalid {

@@ -32,6 +32,7 @@ mod load;
 mod memory;
 mod model;
 mod plan;
+pub mod spec;
 mod validate;
 
 pub use config::{
@@ -46,4 +47,5 @@ pub use memory::MemoryRow;
 pub use model::ModelConfig;
 pub use plan::{Assignment, Plan};
 pub use rlhf_algo::{AlgorithmConfig, KlCtrlConfig};
+pub use spec::{EngineSpec, RewardSpec, RoleSpec, SamplingSpec, Shapes, TrainSpec};
 pub use validate::problems;

@@ -5,6 +5,7 @@
 //! No servers and no GPU code live here.
 
 pub mod batch;
+pub mod calls;
 pub mod error;
 pub mod outcome;
 pub mod placement;
@@ -15,7 +16,7 @@ pub use batch::{DataBatch, TensorData};
 pub use error::{Error, FailureKind, Result};
 pub use outcome::{JobFailure, JobOutcome};
 pub use resources::Resources;
-pub use role::{CommBackend, CommGroup, RoleKind, RolePart, RoleSlot};
+pub use role::{CommBackend, CommGroup, DeviceSpec, RoleKind, RolePart, RoleSlot};
 
 /// Milliseconds since the Unix epoch, for timestamps that cross the wire or the state store.
 pub fn unix_ms() -> i64 {

@@ -103,7 +103,7 @@ names!(RolePart, "role part" {
 });
 
 /// One rank of one role part.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct RoleSlot {
     pub kind: RoleKind,
     pub part: RolePart,
@@ -191,6 +191,60 @@ names!(CommBackend, "communicator backend" {
     Tcp = "tcp",
     Nccl = "nccl",
 });
+
+/// The device a role rank computes on. The driver resolves it from the placement: a rank on
+/// a GPU bundle gets `Cuda { ordinal: 0 }` (the worker makes the bundle's GPU the only
+/// visible one), a CPU bundle gets `Cpu`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum DeviceSpec {
+    #[default]
+    Cpu,
+    Cuda {
+        ordinal: u32,
+    },
+    Npu {
+        ordinal: u32,
+    },
+}
+
+impl fmt::Display for DeviceSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DeviceSpec::Cpu => f.write_str("cpu"),
+            DeviceSpec::Cuda { ordinal } => write!(f, "cuda:{ordinal}"),
+            DeviceSpec::Npu { ordinal } => write!(f, "npu:{ordinal}"),
+        }
+    }
+}
+
+impl DeviceSpec {
+    pub fn to_wire(self) -> pb::DeviceSpec {
+        let (kind, ordinal) = match self {
+            DeviceSpec::Cpu => (pb::DeviceKind::Cpu, 0),
+            DeviceSpec::Cuda { ordinal } => (pb::DeviceKind::Cuda, ordinal),
+            DeviceSpec::Npu { ordinal } => (pb::DeviceKind::Npu, ordinal),
+        };
+        pb::DeviceSpec {
+            kind: kind as i32,
+            ordinal,
+        }
+    }
+
+    pub fn from_wire(d: Option<&pb::DeviceSpec>, field: &str) -> Result<Self> {
+        let d = d.ok_or_else(|| unspecified("device", field))?;
+        match pb::DeviceKind::try_from(d.kind) {
+            Ok(pb::DeviceKind::Cpu) => Ok(DeviceSpec::Cpu),
+            Ok(pb::DeviceKind::Cuda) => Ok(DeviceSpec::Cuda { ordinal: d.ordinal }),
+            Ok(pb::DeviceKind::Npu) => Ok(DeviceSpec::Npu { ordinal: d.ordinal }),
+            Ok(pb::DeviceKind::Unspecified) => Err(unspecified("device", field)),
+            Err(_) => Err(Error::invalid(format!(
+                "{field}: unknown device kind {}",
+                d.kind
+            ))),
+        }
+    }
+}
 
 // ---------------------------------------------------------------------------------------
 // Wire conversions: the only place these enums meet their proto counterparts.

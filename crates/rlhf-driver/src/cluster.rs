@@ -5,8 +5,8 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use futures::future::try_join_all;
-use rlhf_config::PpoConfig;
-use rlhf_core::{CommBackend, CommGroup, Error, FailureKind, Result, RoleKind, RolePart};
+use rlhf_config::{PpoConfig, RoleSpec};
+use rlhf_core::{CommBackend, CommGroup, Error, FailureKind, Result, RoleKind, RolePart, RoleSlot};
 use rlhf_proto::v1 as pb;
 use rlhf_proto::v1::head_service_client::HeadServiceClient;
 use rlhf_proto::v1::role_service_client::RoleServiceClient;
@@ -241,9 +241,11 @@ pub async fn launch(head: &mut HeadClient, cfg: &PpoConfig, opts: &LaunchOptions
 }
 
 /// Loads every role's model (concurrently).
+/// Resolves every rank's `RoleSpec` (the only place role settings are derived) and sends
+/// it in InitRole, all ranks at once.
 pub async fn init_roles(
     roles: &Roles,
-    bundle: &str,
+    cfg: &PpoConfig,
     job_id: &str,
     timeout: Duration,
 ) -> std::result::Result<Vec<(String, pb::InitRoleResponse)>, CallError> {
@@ -256,14 +258,24 @@ pub async fn init_roles(
             ));
         };
         let world = g.len() as u32;
+        let specs = (0..world)
+            .map(|rank| {
+                let slot = RoleSlot {
+                    kind: role,
+                    part,
+                    rank,
+                    world_size: world,
+                };
+                RoleSpec::resolve(cfg, slot)
+                    .map(|s| s.to_json())
+                    .map_err(|e| g.err(rank as usize, Error::invalid(e.to_string())))
+            })
+            .collect::<std::result::Result<Vec<String>, CallError>>()?;
         let answers = g
             .unary(timeout, "InitRole", |rank, mut c| {
                 let req = pb::InitRoleRequest {
                     role: pb::RoleKind::from(role) as i32,
-                    part: pb::RolePart::from(part) as i32,
-                    rank: rank as u32,
-                    world_size: world,
-                    config_bundle: bundle.to_string(),
+                    spec: specs[rank].clone(),
                     job_id: job_id.to_string(),
                 };
                 async move { c.init_role(req).await }

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use futures::future::try_join_all;
 use rlhf_core::batch::{Assembler, DataBatch};
+use rlhf_core::calls::{self, RoleCall, Wire};
 use rlhf_core::{CommGroup, Error, FailureKind, Result, RoleKind, RolePart};
 use rlhf_proto::v1::role_service_client::RoleServiceClient;
 pub use rlhf_proto::BatchCall;
@@ -122,32 +123,54 @@ impl WorkerGroup {
         self.members.is_empty()
     }
 
-    /// Splits `batch` into one shard per rank (padded to a multiple of the rank count by
+    /// Splits a request into one shard per rank (padded to a multiple of the rank count by
     /// repeating rows), calls every rank concurrently, concatenates the answers in rank order
     /// and drops the rows that answer the padding. Answers with no rows (metrics) are
     /// returned one per rank by [`WorkerGroup::call_each`] instead.
-    pub async fn call_split(
+    pub async fn call_split<R: RoleCall>(
         &self,
-        call: BatchCall,
-        batch: &DataBatch,
+        req: &R,
         timeout: Duration,
-    ) -> std::result::Result<DataBatch, CallError> {
+    ) -> std::result::Result<R::Response, CallError> {
         let n = self.members.len();
         if n == 0 {
             return Err(self.err(0, Error::invalid(format!("role {} has no ranks", self.id))));
         }
+        let batch = req.to_batch().map_err(|e| self.err(0, e))?;
         let (padded, pad) = batch.pad_to_multiple(n).map_err(|e| self.err(0, e))?;
         let shards = padded.chunk(n).map_err(|e| self.err(0, e))?;
-        let answers = self.fan_out(call, &shards, timeout).await?;
-        let whole = DataBatch::concat(&answers).map_err(|e| self.err(0, e))?;
-        whole.unpad(pad).map_err(|e| self.err(0, e))
+        let answers = self.fan_out(R::CALL, shards, timeout).await?;
+        let whole = DataBatch::concat(&answers)
+            .and_then(|w| w.unpad(pad))
+            .and_then(|w| R::Response::from_batch(R::CALL, &w))
+            .map_err(|e| self.err(0, e))?;
+        Ok(whole)
     }
 
-    /// Sends shard `i` to rank `i` concurrently and returns every answer in rank order.
-    pub async fn fan_out(
+    /// Splits a request evenly (it must divide) and returns every rank's answer.
+    pub async fn call_each<R: RoleCall>(
+        &self,
+        req: &R,
+        timeout: Duration,
+    ) -> std::result::Result<Vec<R::Response>, CallError> {
+        let batch = req.to_batch().map_err(|e| self.err(0, e))?;
+        let shards = batch
+            .chunk(self.members.len())
+            .map_err(|e| self.err(0, e))?;
+        let answers = self.fan_out(R::CALL, shards, timeout).await?;
+        answers
+            .iter()
+            .enumerate()
+            .map(|(rank, a)| R::Response::from_batch(R::CALL, a).map_err(|e| self.err(rank, e)))
+            .collect()
+    }
+
+    /// Sends shard `i` to rank `i` concurrently, addressed to this group's role part, and
+    /// returns every answer in rank order.
+    async fn fan_out(
         &self,
         call: BatchCall,
-        shards: &[DataBatch],
+        mut shards: Vec<DataBatch>,
         timeout: Duration,
     ) -> std::result::Result<Vec<DataBatch>, CallError> {
         if shards.len() != self.members.len() {
@@ -161,10 +184,15 @@ impl WorkerGroup {
                 )),
             ));
         }
+        if let GroupId::Role(kind, part) = self.id {
+            for s in &mut shards {
+                calls::set_target(s, kind, part);
+            }
+        }
         let futs =
             self.members
                 .iter()
-                .zip(shards)
+                .zip(&shards)
                 .enumerate()
                 .map(|(rank, (m, shard))| async move {
                     call_batch(m, call, shard, timeout)
@@ -172,19 +200,6 @@ impl WorkerGroup {
                         .map_err(|e| self.err(rank, e))
                 });
         try_join_all(futs).await
-    }
-
-    /// Splits `batch` evenly (it must divide) and returns every rank's answer.
-    pub async fn call_each(
-        &self,
-        call: BatchCall,
-        batch: &DataBatch,
-        timeout: Duration,
-    ) -> std::result::Result<Vec<DataBatch>, CallError> {
-        let shards = batch
-            .chunk(self.members.len())
-            .map_err(|e| self.err(0, e))?;
-        self.fan_out(call, &shards, timeout).await
     }
 
     /// Runs a unary call on every rank concurrently.
@@ -234,16 +249,14 @@ impl WorkerGroup {
     }
 }
 
-/// Metrics a role returned in its answer's meta, averaged over the ranks that reported each.
-pub fn mean_meta_metrics(answers: &[DataBatch]) -> std::collections::BTreeMap<String, f64> {
+/// Update metrics averaged over the ranks that reported each.
+pub fn mean_metrics(answers: &[calls::UpdateResponse]) -> std::collections::BTreeMap<String, f64> {
     let mut sums: std::collections::BTreeMap<String, (f64, usize)> = Default::default();
     for a in answers {
-        for (k, v) in &a.meta {
-            if let Some(x) = v.as_f64() {
-                let e = sums.entry(k.clone()).or_default();
-                e.0 += x;
-                e.1 += 1;
-            }
+        for (k, &x) in &a.metrics {
+            let e = sums.entry(k.clone()).or_default();
+            e.0 += x;
+            e.1 += 1;
         }
     }
     sums.into_iter()

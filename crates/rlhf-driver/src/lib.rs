@@ -15,7 +15,6 @@ pub mod group;
 mod job;
 pub mod output;
 pub mod prompts;
-mod tensors;
 
 pub use job::{run, DriverOptions, JobSummary, RunError};
 /// The metric names the job logs (rlhf-algo owns them).

@@ -1,134 +1,77 @@
-//! Between the wire batch (`rlhf_core::batch::DataBatch`, little-endian host bytes) and
-//! candle tensors, with errors that name the call, the tensor and the shapes.
+//! What the engines share between a typed request and their model: the checks of a
+//! request's geometry against the job's shapes (errors name the call, the tensor and the
+//! config key), its tensors on the device, and row selection for micro-batches. The
+//! host ↔ tensor conversion itself lives once, in `rlhf_core::calls::candle`.
 
-use candle_core::{DType, Device, Tensor};
-use rlhf_core::batch::{DataBatch, TensorData};
+use candle_core::{Device, Tensor};
+use rlhf_config::Shapes;
+use rlhf_core::calls::candle::{f32_tensor, ids_tensor};
+use rlhf_core::calls::{Mat, Sequences};
 
 use crate::error::{Error, Result};
+use crate::train::Ident;
 
-/// A request batch with the name of the call it came with, for error messages.
-pub struct Request<'a> {
-    pub call: &'static str,
-    pub batch: &'a DataBatch,
+/// Checks that `seq` has this job's geometry and returns its ids and mask on `device`.
+pub fn sequences(
+    call: &str,
+    seq: &Sequences,
+    shapes: Shapes,
+    device: &Device,
+) -> Result<(Tensor, Tensor)> {
+    if seq.input_ids.cols != shapes.seq_len() || seq.response_len != shapes.response_len {
+        return Err(Error::invalid(format!(
+            "{call}: sequences of {} columns with {} response columns, but this job has \
+             actor_rollout.max_prompt_length={} + max_response_length={}",
+            seq.input_ids.cols, seq.response_len, shapes.prompt_len, shapes.response_len
+        )));
+    }
+    Ok((
+        ids_tensor(&seq.input_ids, "input_ids", device)?,
+        ids_tensor(&seq.attention_mask, "attention_mask", device)?,
+    ))
 }
 
-impl<'a> Request<'a> {
-    pub fn new(call: &'static str, batch: &'a DataBatch) -> Self {
-        Self { call, batch }
+/// A `[B, R]` token matrix of a request, checked against the rows and response length.
+pub fn tokens(
+    call: &str,
+    name: &str,
+    m: &Mat<f32>,
+    rows: usize,
+    shapes: Shapes,
+    device: &Device,
+) -> Result<Tensor> {
+    if m.shape() != [rows, shapes.response_len] {
+        return Err(Error::invalid(format!(
+            "{call}: tensor '{name}' has shape {:?}, expected [{rows}, {}] \
+             (rows x actor_rollout.max_response_length)",
+            m.shape(),
+            shapes.response_len
+        )));
     }
-
-    /// Rows of the batch (every tensor and column agrees).
-    pub fn rows(&self) -> Result<usize> {
-        Ok(self.batch.len()?)
-    }
-
-    pub fn tensor(&self, name: &str) -> Result<&'a TensorData> {
-        self.batch.tensors.get(name).ok_or_else(|| {
-            let have: Vec<&str> = self.batch.tensors.keys().map(String::as_str).collect();
-            Error::invalid(format!(
-                "{} request has no tensor '{name}' (it carries: {}); the driver must send it",
-                self.call,
-                if have.is_empty() {
-                    "none".to_string()
-                } else {
-                    have.join(", ")
-                }
-            ))
-        })
-    }
-
-    fn shaped(&self, name: &str, shape: &[usize]) -> Result<&'a TensorData> {
-        let t = self.tensor(name)?;
-        if t.shape != shape {
-            return Err(Error::invalid(format!(
-                "{}: tensor '{name}' has shape {:?}, expected {shape:?}",
-                self.call, t.shape
-            )));
-        }
-        Ok(t)
-    }
-
-    /// An I64 id or mask tensor of exactly `shape`, as a u32 tensor.
-    pub fn ids(&self, name: &str, shape: &[usize], device: &Device) -> Result<Tensor> {
-        let t = self.shaped(name, shape)?;
-        let v = t
-            .to_i64()
-            .map_err(|e| Error::invalid(format!("{}: tensor '{name}': {e}", self.call)))?;
-        let mut out = Vec::with_capacity(v.len());
-        for (i, x) in v.into_iter().enumerate() {
-            let x = u32::try_from(x).map_err(|_| {
-                Error::invalid(format!(
-                    "{}: tensor '{name}' holds {x} at flat index {i}; ids and masks must be in 0..2^32",
-                    self.call
-                ))
-            })?;
-            out.push(x);
-        }
-        Ok(Tensor::from_vec(out, shape, device)?)
-    }
-
-    /// An F32 tensor of exactly `shape` (finiteness is the caller's check: only valid
-    /// positions matter).
-    pub fn f32(&self, name: &str, shape: &[usize], device: &Device) -> Result<Tensor> {
-        let t = self.shaped(name, shape)?;
-        let v = t
-            .to_f32()
-            .map_err(|e| Error::invalid(format!("{}: tensor '{name}': {e}", self.call)))?;
-        Ok(Tensor::from_vec(v, shape, device)?)
-    }
-
-    /// An optional `u64` from the batch meta.
-    pub fn meta_u64(&self, key: &str) -> Result<Option<u64>> {
-        match self.batch.meta.get(key) {
-            None | Some(serde_json::Value::Null) => Ok(None),
-            Some(v) => v.as_u64().map(Some).ok_or_else(|| {
-                Error::invalid(format!(
-                    "{}: meta '{key}' must be a non-negative integer, got {v}",
-                    self.call
-                ))
-            }),
-        }
-    }
-
-    /// A string column, one entry per row.
-    pub fn strings(&self, name: &str) -> Result<Vec<String>> {
-        let col = self.batch.columns.get(name).ok_or_else(|| {
-            let have: Vec<&str> = self.batch.columns.keys().map(String::as_str).collect();
-            Error::invalid(format!(
-                "{} request has no column '{name}' (columns: {})",
-                self.call,
-                if have.is_empty() {
-                    "none".to_string()
-                } else {
-                    have.join(", ")
-                }
-            ))
-        })?;
-        col.iter()
-            .enumerate()
-            .map(|(i, v)| match v {
-                serde_json::Value::String(s) => Ok(s.clone()),
-                other => Err(Error::invalid(format!(
-                    "{}: column '{name}' row {i} is {other}, expected a string",
-                    self.call
-                ))),
-            })
-            .collect()
-    }
+    Ok(f32_tensor(m, name, device)?)
 }
 
-/// A `[B, ...]` f32 tensor as wire data.
-pub fn f32_data(t: &Tensor) -> Result<TensorData> {
-    let shape = t.dims().to_vec();
-    let v = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-    Ok(TensorData::from_f32(shape, &v)?)
-}
-
-/// A `[B, ...]` integer tensor as I64 wire data.
-pub fn i64_data(t: &Tensor) -> Result<TensorData> {
-    let shape = t.dims().to_vec();
-    let v = t.to_dtype(DType::I64)?.flatten_all()?.to_vec1::<i64>()?;
-    Ok(TensorData::from_i64(shape, &v)?)
+/// Refuses NaN / inf at valid positions of a token matrix (only valid positions matter).
+pub fn check_finite_masked(
+    name: &str,
+    m: &Mat<f32>,
+    mask: &[f32],
+    who: &Ident,
+    step: u64,
+) -> Result<()> {
+    if m.data
+        .iter()
+        .zip(mask)
+        .any(|(x, &k)| k != 0.0 && !x.is_finite())
+    {
+        return Err(Error::NonFinite {
+            tensor: name.to_string(),
+            role: who.role,
+            rank: who.rank,
+            step,
+        });
+    }
+    Ok(())
 }
 
 /// Rows `idx` of `t` (dim 0).
@@ -136,4 +79,24 @@ pub fn rows(t: &Tensor, idx: &[usize]) -> Result<Tensor> {
     let ids: Vec<u32> = idx.iter().map(|&i| i as u32).collect();
     let ids = Tensor::from_vec(ids, idx.len(), t.device())?;
     Ok(t.index_select(&ids, 0)?)
+}
+
+/// Runs `f` over row chunks of `chunk` rows and concatenates the outputs along dim 0.
+pub fn chunked(
+    b: usize,
+    chunk: usize,
+    mut f: impl FnMut(&[usize]) -> Result<Vec<Tensor>>,
+) -> Result<Vec<Tensor>> {
+    let all: Vec<usize> = (0..b).collect();
+    let mut parts: Vec<Vec<Tensor>> = Vec::new();
+    for idx in all.chunks(chunk.max(1)) {
+        parts.push(f(idx)?);
+    }
+    let n = parts.first().map_or(0, Vec::len);
+    (0..n)
+        .map(|i| {
+            let ts: Vec<&Tensor> = parts.iter().map(|p| &p[i]).collect();
+            Ok(Tensor::cat(&ts, 0)?.detach())
+        })
+        .collect()
 }

@@ -31,7 +31,7 @@ pub enum Error {
     Algo(#[from] rlhf_algo::AlgoError),
     #[error(transparent)]
     Collective(#[from] rlhf_collective::Error),
-    #[error("config bundle: {0}")]
+    #[error(transparent)]
     Config(#[from] rlhf_config::ConfigError),
     #[error(transparent)]
     Core(#[from] rlhf_core::Error),

@@ -2,14 +2,18 @@
 
 use std::time::Duration;
 
-use rlhf_config::{PpoConfig, RewardKind, RoleKind};
-use rlhf_core::batch::{DataBatch, TensorData};
+use std::sync::Arc;
+
+use candle_core::Device;
+use rlhf_config::{EngineSpec, RewardSpec, RoleSpec, Shapes};
+use rlhf_core::calls::{ScoresRequest, ScoresResponse};
 use rlhf_model::{Batch, LoadOptions, Model, ModelKind};
 use serde_json::{json, Value};
 
-use crate::convert::{self, Request};
+use crate::convert::{self, sequences};
+use crate::engine::Score;
 use crate::error::{Ctx, Error, Result};
-use crate::roles::{model_dir, Shapes};
+use crate::policy::wrong_engine;
 
 /// The built-in rules, by config name (`reward.rule`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,7 +42,11 @@ impl Rule {
     }
 
     /// Scores of `responses`; `ground_truth` is the column of that name when the batch has it.
-    pub fn score(self, responses: &[String], ground_truth: Option<&[Value]>) -> Result<Vec<f32>> {
+    pub fn score(
+        self,
+        responses: &[String],
+        ground_truth: Option<&[Option<String>]>,
+    ) -> Result<Vec<f32>> {
         match self {
             Rule::ContainsDigit => Ok(responses
                 .iter()
@@ -67,12 +75,8 @@ impl Rule {
                     .iter()
                     .zip(gt)
                     .map(|(r, g)| {
-                        let want = match g {
-                            Value::String(s) => s.trim().to_string(),
-                            Value::Null => return 0.0,
-                            other => other.to_string(),
-                        };
-                        f32::from(u8::from(r.trim() == want))
+                        let Some(want) = g else { return 0.0 };
+                        f32::from(u8::from(r.trim() == want.trim()))
                     })
                     .collect())
             }
@@ -168,29 +172,43 @@ pub enum Reward {
     Rule(Rule),
     Http(HttpReward),
     Model {
-        model: Box<Model>,
+        model: Arc<Model>,
         shapes: Shapes,
         micro: usize,
     },
 }
 
 impl Reward {
-    pub fn from_config(cfg: &PpoConfig) -> Result<Self> {
-        let r = &cfg.reward;
-        match r.kind {
-            RewardKind::Rule => Ok(Reward::Rule(Rule::parse(&r.rule)?)),
-            RewardKind::Http => Ok(Reward::Http(HttpReward::new(&r.url, r.timeout_s)?)),
-            RewardKind::Model => {
-                let dir = model_dir(cfg, RoleKind::Reward)?;
-                let model =
-                    Model::load(&dir, &LoadOptions::inference().with_kind(ModelKind::Reward))
-                        .with_ctx(|| format!("loading the reward model from {}", dir.display()))?;
+    pub fn new(spec: &RoleSpec, device: &Device) -> Result<Self> {
+        let EngineSpec::Reward(r) = &spec.engine else {
+            return Err(wrong_engine(spec, "a reward"));
+        };
+        match r {
+            RewardSpec::Rule { rule } => Ok(Reward::Rule(Rule::parse(rule)?)),
+            RewardSpec::Http { url, timeout_s } => {
+                Ok(Reward::Http(HttpReward::new(url, *timeout_s)?))
+            }
+            RewardSpec::Model => {
+                let dir = spec.model_dir()?;
+                let opts = LoadOptions::inference()
+                    .with_kind(ModelKind::Reward)
+                    .with_device(device.clone());
+                let model = Model::load(dir, &opts)
+                    .with_ctx(|| format!("loading the reward model from {}", dir.display()))?;
                 Ok(Reward::Model {
-                    model: Box::new(model),
-                    shapes: Shapes::from_config(cfg)?,
-                    micro: cfg.resolved(RoleKind::Reward).micro_batch_size.max(1) as usize,
+                    model: Arc::new(model),
+                    shapes: spec.shapes,
+                    micro: spec.micro_batch_rows,
                 })
             }
+        }
+    }
+
+    /// The reward model, when scores come from one.
+    pub fn model(&self) -> Option<&Arc<Model>> {
+        match self {
+            Reward::Model { model, .. } => Some(model),
+            _ => None,
         }
     }
 
@@ -205,34 +223,22 @@ impl Reward {
                 .unwrap_or_else(|| "reward model".into()),
         }
     }
+}
 
-    /// `input_ids`, `attention_mask`, `responses`, `response_mask`, columns `prompt_text`,
-    /// `response_text` -> `scores` `[B]`.
-    pub fn compute_scores(&self, batch: &DataBatch) -> Result<DataBatch> {
-        let req = Request::new("ComputeScores", batch);
-        let b = req.rows()?;
+impl Score for Reward {
+    /// Rules read the response texts (and `ground_truth`), endpoints the prompt and
+    /// response texts, reward models the token ids.
+    fn score(&self, req: &ScoresRequest) -> Result<ScoresResponse> {
+        let b = req.seq.rows();
         let scores = match self {
-            Reward::Rule(rule) => {
-                let responses = req.strings("response_text")?;
-                rule.score(
-                    &responses,
-                    batch.columns.get("ground_truth").map(Vec::as_slice),
-                )?
-            }
-            Reward::Http(h) => {
-                let prompts = req.strings("prompt_text")?;
-                let responses = req.strings("response_text")?;
-                h.score(&prompts, &responses)?
-            }
+            Reward::Rule(rule) => rule.score(&req.response_text, req.ground_truth.as_deref())?,
+            Reward::Http(h) => h.score(&req.prompt_text, &req.response_text)?,
             Reward::Model {
                 model,
                 shapes,
                 micro,
             } => {
-                let device = model.device().clone();
-                let shape = [b, shapes.seq_len()];
-                let ids = req.ids("input_ids", &shape, &device)?;
-                let mask = req.ids("attention_mask", &shape, &device)?;
+                let (ids, mask) = sequences("ComputeScores", &req.seq, *shapes, model.device())?;
                 let mut out = Vec::with_capacity(b);
                 let all: Vec<usize> = (0..b).collect();
                 for idx in all.chunks(*micro) {
@@ -244,7 +250,13 @@ impl Reward {
                 out
             }
         };
-        Ok(DataBatch::new().with_tensor("scores", TensorData::from_f32(vec![b], &scores)?))
+        if scores.len() != b {
+            return Err(Error::internal(format!(
+                "{} scores for {b} rows",
+                scores.len()
+            )));
+        }
+        Ok(ScoresResponse { scores })
     }
 }
 
@@ -270,7 +282,7 @@ mod tests {
             Rule::parse("length").unwrap().score(&r, None).unwrap(),
             vec![0.09, 0.1, 1.0]
         );
-        let gt = vec![json!("no digits"), json!("42"), Value::Null];
+        let gt = vec![Some("no digits".to_string()), Some("42".into()), None];
         let exact = Rule::parse("exact_match").unwrap();
         let r2 = vec![" no digits \n".to_string(), "answer: 42".into(), "".into()];
         assert_eq!(exact.score(&r2, Some(&gt)).unwrap(), vec![1.0, 0.0, 0.0]);

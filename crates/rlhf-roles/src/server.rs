@@ -23,9 +23,9 @@ use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::actor::{BatchCall, RoleActor};
+use crate::host::{BatchCall, RoleHost};
 
-type Job = Box<dyn FnOnce(&mut RoleActor) + Send>;
+type Job = Box<dyn FnOnce(&mut RoleHost) + Send>;
 
 /// Jobs waiting for the compute thread; callers wait (asynchronously) beyond this.
 const QUEUE: usize = 16;
@@ -45,7 +45,7 @@ fn panic_message(p: &(dyn std::any::Any + Send)) -> String {
 
 impl Compute {
     /// Starts the compute thread owning `actor`.
-    pub fn spawn(mut actor: RoleActor) -> rlhf_core::Result<Self> {
+    pub fn spawn(mut actor: RoleHost) -> rlhf_core::Result<Self> {
         let (tx, mut rx) = mpsc::channel::<Job>(QUEUE);
         std::thread::Builder::new()
             .name("rlhf-compute".into())
@@ -68,10 +68,10 @@ impl Compute {
     /// Runs `f` on the compute thread and returns its result.
     pub async fn run<T: Send + 'static>(
         &self,
-        f: impl FnOnce(&mut RoleActor) -> crate::Result<T> + Send + 'static,
+        f: impl FnOnce(&mut RoleHost) -> crate::Result<T> + Send + 'static,
     ) -> Result<T, Status> {
         let (reply, rx) = oneshot::channel();
-        let job: Job = Box::new(move |a: &mut RoleActor| {
+        let job: Job = Box::new(move |a: &mut RoleHost| {
             let _ = reply.send(f(a));
         });
         self.tx
@@ -88,7 +88,7 @@ impl Compute {
     }
 }
 
-/// The tonic service: a thin adapter over [`RoleActor`].
+/// The tonic service: a thin adapter over [`RoleHost`].
 pub struct RoleServer {
     compute: Compute,
 }
@@ -262,7 +262,7 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) -> rlhf_core::Result<()> {
     let host = advertised_host(&opts.host);
-    let compute = Compute::spawn(RoleActor::new(opts.kind, &host))?;
+    let compute = Compute::spawn(RoleHost::new(opts.kind, &host))?;
     let role = tonic::service::interceptor::InterceptedService::new(
         RoleServiceServer::new(RoleServer::new(compute))
             .max_decoding_message_size(MAX_MESSAGE_BYTES)

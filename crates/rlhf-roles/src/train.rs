@@ -1,10 +1,13 @@
-//! The data-parallel PPO update loop shared by the policy trainer and the critic:
-//! epochs over a rank's shard, mini-batches (one optimizer step each), micro-batches
-//! with gradient accumulation, loss denominators and gradients all-reduced across the
-//! group so that N ranks on N shards compute the update of one rank on the whole batch.
+//! What every trainable engine shares: its state ([`TrainState`]: model, optimizer, plan,
+//! version, checkpoint I/O), the [`Train`] capability (prepare a request, then a
+//! `micro_loss` per micro-batch), and the data-parallel update loop over them: epochs over
+//! a rank's shard, mini-batches (one optimizer step each), micro-batches with gradient
+//! accumulation, loss denominators and gradients all-reduced across the group so that N
+//! ranks on N shards compute the update of one rank on the whole batch.
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Tensor, Var};
@@ -12,10 +15,12 @@ use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rlhf_algo::LossAggMode;
 use rlhf_collective::{all_reduce_f32_bucketed, Communicator, ReduceOp};
-use rlhf_config::{LrDecayStyle, TrainingConfig};
-use rlhf_model::{AdamW, AdamWConfig, Gradients, LrSchedule, LrScheduler, Model};
-use serde::{Deserialize, Serialize};
+use rlhf_config::{LrDecayStyle, TrainSpec, TrainingConfig};
+use rlhf_core::calls::{RoleCall, UpdateResponse};
+use rlhf_core::RoleSlot;
+use rlhf_model::{AdamW, AdamWConfig, Gradients, LoadOptions, LrSchedule, LrScheduler, Model};
 
+use crate::checkpoint::{self, RoleState};
 use crate::error::{Ctx, Error, Result};
 
 /// Elements per gradient all-reduce call (16 MiB of f32).
@@ -26,6 +31,17 @@ const GRAD_BUCKET_ELEMS: usize = 4 << 20;
 pub struct Ident {
     pub role: rlhf_core::RoleKind,
     pub rank: usize,
+}
+
+impl std::fmt::Display for Ident {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.role {
+            rlhf_core::RoleKind::ActorRollout => {
+                write!(f, "actor_rollout train rank {}", self.rank)
+            }
+            r => write!(f, "{r} rank {}", self.rank),
+        }
+    }
 }
 
 /// How one update call walks its shard.
@@ -159,21 +175,171 @@ pub struct StepNames {
     pub variance: Option<(&'static str, &'static str)>,
 }
 
-/// Runs the epochs of one update call. `mask` is the shard's `response_mask` on the host
-/// (`[rows, width]`); `micro` runs the forward of some shard rows and returns their loss.
-#[allow(clippy::too_many_arguments)]
-pub fn run_update(
-    model: &Model,
-    optim: &mut Optim,
+/// What a trainable engine's state holds besides the engine-specific loss settings.
+pub struct TrainState {
+    pub model: Arc<Model>,
+    pub optim: Optim,
+    pub who: Ident,
+    pub settings: TrainSettings,
+    /// The weights version: the driver's step of the last update (and sync).
+    pub version: u64,
+    /// Copied into checkpoints with the model.
+    pub tokenizer_dir: Option<PathBuf>,
+    /// How the model was loaded (a checkpoint is loaded the same way).
+    pub load_opts: LoadOptions,
+}
+
+/// Training settings one trainable engine needs besides its model.
+#[derive(Debug, Clone)]
+pub struct TrainSettings {
+    pub epochs: usize,
+    pub mini_batch_rows: usize,
+    pub micro_batch_rows: usize,
+    pub shuffle: bool,
+    pub seed: u64,
+    /// See [`EpochPlan::sync_denominators`].
+    pub sync_denominators: bool,
+}
+
+impl TrainSettings {
+    pub fn from_spec(t: &TrainSpec, micro_batch_rows: usize, seed: u64) -> Self {
+        Self {
+            epochs: t.epochs,
+            mini_batch_rows: t.mini_batch_rows,
+            micro_batch_rows,
+            shuffle: t.shuffle,
+            seed,
+            sync_denominators: true,
+        }
+    }
+
+    fn plan(&self, step: u64) -> EpochPlan {
+        EpochPlan {
+            epochs: self.epochs,
+            mini_batch_rows: self.mini_batch_rows,
+            micro_batch_rows: self.micro_batch_rows,
+            shuffle: self.shuffle,
+            seed: self.seed,
+            step,
+            sync_denominators: self.sync_denominators,
+        }
+    }
+}
+
+impl TrainState {
+    /// Loads the trainable model of `slot` from `dir` with AdamW and the schedule of `t`.
+    pub fn load(
+        slot: &RoleSlot,
+        dir: &Path,
+        load_opts: LoadOptions,
+        t: &TrainSpec,
+        micro_batch_rows: usize,
+        seed: u64,
+        tokenizer_dir: Option<PathBuf>,
+    ) -> Result<Self> {
+        let model = Model::load(dir, &load_opts)
+            .with_ctx(|| format!("{}: loading {}", slot.label(), dir.display()))?;
+        let optim = Optim::new(model.vars(), &t.optimizer, t.steps_per_iter)?;
+        Ok(Self {
+            model: Arc::new(model),
+            optim,
+            who: Ident {
+                role: slot.kind,
+                rank: slot.rank as usize,
+            },
+            settings: TrainSettings::from_spec(t, micro_batch_rows, seed),
+            version: 0,
+            tokenizer_dir,
+            load_opts,
+        })
+    }
+
+    pub fn checksum(&self) -> Result<u64> {
+        crate::weights::weights_checksum(&self.model)
+    }
+
+    pub fn save_checkpoint(&self, dir: &Path) -> Result<Vec<String>> {
+        let state = RoleState {
+            role: self.who.role,
+            scheduler_step: self.optim.steps() as u64,
+            weights_version: self.version,
+        };
+        checkpoint::save(
+            &self.model,
+            &self.optim,
+            &state,
+            dir,
+            self.tokenizer_dir.as_deref(),
+        )
+    }
+
+    pub fn load_checkpoint(&mut self, dir: &Path) -> Result<u64> {
+        let s = checkpoint::load(&self.model, &mut self.optim, dir, &self.load_opts)?;
+        self.version = s.weights_version;
+        self.checksum()
+    }
+}
+
+/// A request checked and moved to the device, ready for micro-batches.
+pub struct Prepared<B> {
+    pub batch: B,
+    /// The shard's loss mask on the host, `[rows, width]`.
+    pub mask: Vec<f32>,
+    pub width: usize,
+    pub step: u64,
+}
+
+/// A trainable engine: it prepares its update request once, then computes the loss of any
+/// rows of it; [`update`] does the rest (epochs, accumulation, collectives, the optimizer).
+pub trait Train {
+    /// The typed update call.
+    type Request: RoleCall<Response = UpdateResponse>;
+    /// The request's tensors on the device.
+    type Batch;
+    /// Metric names of the optimizer step.
+    const NAMES: StepNames;
+
+    fn state(&self) -> &TrainState;
+    fn state_mut(&mut self) -> &mut TrainState;
+    fn agg_mode(&self) -> LossAggMode;
+    /// Checks the request (shapes, finiteness at valid positions) and moves it to the device.
+    fn prepare(&self, req: &Self::Request) -> Result<Prepared<Self::Batch>>;
+    /// The loss of `rows` of the prepared batch, aggregated over those rows, with stats.
+    fn micro_loss(&self, model: &Model, batch: &Self::Batch, rows: &[usize]) -> Result<MicroOut>;
+}
+
+/// One update call of a trainable engine. A request this rank refuses (bad shape, NaN input)
+/// fails the whole group's call instead of leaving the other ranks in a collective.
+pub fn update<T: Train>(
+    engine: &mut T,
     comm: &mut dyn Communicator,
-    who: &Ident,
-    plan: &EpochPlan,
-    mask: &[f32],
-    width: usize,
-    mode: LossAggMode,
-    names: &StepNames,
-    micro: &mut dyn FnMut(&Model, &[usize]) -> Result<MicroOut>,
+    req: &T::Request,
+) -> Result<UpdateResponse> {
+    let who = engine.state().who.clone();
+    let call = T::Request::CALL.name();
+    let prepared = match engine.prepare(req) {
+        Ok(p) => p,
+        Err(e) => {
+            return Err(abort_update(comm, e)).with_ctx(|| format!("{who} {call}"));
+        }
+    };
+    let metrics = run_update(engine, comm, &prepared).with_ctx(|| format!("{who} {call}"))?;
+    engine.state_mut().version = prepared.step;
+    Ok(UpdateResponse { metrics })
+}
+
+/// Runs the epochs of one update call over a prepared shard.
+pub fn run_update<T: Train>(
+    engine: &mut T,
+    comm: &mut dyn Communicator,
+    prepared: &Prepared<T::Batch>,
 ) -> Result<BTreeMap<String, f64>> {
+    let (mask, width) = (&prepared.mask[..], prepared.width);
+    let model = engine.state().model.clone();
+    let who = engine.state().who.clone();
+    let plan = engine.state().settings.plan(prepared.step);
+    let mode = engine.agg_mode();
+    let names = &T::NAMES;
     let rows = mask.len() / width.max(1);
     if plan.mini_batch_rows == 0 || plan.micro_batch_rows == 0 || plan.epochs == 0 {
         return Err(Error::invalid(format!(
@@ -235,7 +401,7 @@ pub fn run_update(
                     continue;
                 }
                 let scale = micro_scale(&m, width, mode, global)?;
-                let out = micro(model, micro_idx)?;
+                let out = engine.micro_loss(&model, &prepared.batch, micro_idx)?;
                 let loss_value = out.loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
                 if !loss_value.is_finite() {
                     failed = Some(Error::NonFinite {
@@ -278,6 +444,7 @@ pub fn run_update(
                     step: plan.step,
                 });
             }
+            let optim = &mut engine.state_mut().optim;
             if optim.clip_grad > 0.0 {
                 grads.clip_global_norm(optim.clip_grad)?;
             }
@@ -381,85 +548,6 @@ pub fn all_reduce_grads(
         store.insert(var.as_tensor(), t);
     }
     Ok((Gradients::from_store(&store, vars), failures))
-}
-
-/// `role_state.json` of a checkpoint.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct RoleState {
-    pub role: rlhf_core::RoleKind,
-    /// Optimizer steps taken = the scheduler position.
-    pub scheduler_step: u64,
-    pub weights_version: u64,
-}
-
-pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
-pub const ROLE_STATE_FILE: &str = "role_state.json";
-
-/// Writes an HF model directory plus the optimizer state and `role_state.json`.
-pub fn save_checkpoint(
-    model: &Model,
-    optim: &Optim,
-    state: &RoleState,
-    dir: &Path,
-    tokenizer_dir: Option<&Path>,
-) -> Result<Vec<String>> {
-    let tok = tokenizer_dir.filter(|d| d.join("tokenizer.json").is_file());
-    model
-        .save(dir, tok)
-        .with_ctx(|| format!("saving the model to {}", dir.display()))?;
-    optim
-        .opt
-        .save(&dir.join(OPTIMIZER_FILE))
-        .with_ctx(|| format!("saving the optimizer state to {}", dir.display()))?;
-    let text = serde_json::to_string_pretty(state)
-        .map_err(|e| Error::internal(format!("encoding role_state.json: {e}")))?;
-    let path = dir.join(ROLE_STATE_FILE);
-    std::fs::write(&path, text + "\n")
-        .map_err(|e| Error::internal(format!("writing {}: {e}", path.display())))?;
-    let mut files: Vec<String> = std::fs::read_dir(dir)
-        .map_err(|e| Error::internal(format!("listing {}: {e}", dir.display())))?
-        .filter_map(|e| e.ok())
-        .filter(|e| e.path().is_file())
-        .filter_map(|e| e.file_name().into_string().ok())
-        .collect();
-    files.sort();
-    Ok(files)
-}
-
-/// Loads weights (into the existing parameters, so the optimizer keeps its variables),
-/// the optimizer state and `role_state.json` written by [`save_checkpoint`].
-pub fn load_checkpoint(
-    model: &Model,
-    optim: &mut Optim,
-    dir: &Path,
-    opts: &rlhf_model::LoadOptions,
-) -> Result<RoleState> {
-    let path = dir.join(ROLE_STATE_FILE);
-    let text = std::fs::read_to_string(&path).map_err(|e| {
-        Error::invalid(format!(
-            "cannot read {}: {e}; LoadCheckpoint needs a directory written by SaveCheckpoint",
-            path.display()
-        ))
-    })?;
-    let state: RoleState = serde_json::from_str(&text)
-        .map_err(|e| Error::invalid(format!("{} is not a role state: {e}", path.display())))?;
-    let saved = Model::load(dir, opts).with_ctx(|| format!("loading {}", dir.display()))?;
-    model
-        .set_weights(&saved.named_tensors())
-        .with_ctx(|| format!("restoring the weights from {}", dir.display()))?;
-    optim
-        .opt
-        .load(&dir.join(OPTIMIZER_FILE))
-        .with_ctx(|| format!("restoring the optimizer from {}", dir.display()))?;
-    if optim.opt.steps() as u64 != state.scheduler_step {
-        return Err(Error::invalid(format!(
-            "{}: the optimizer has {} steps but role_state.json says {}; the checkpoint is inconsistent",
-            dir.display(),
-            optim.opt.steps(),
-            state.scheduler_step
-        )));
-    }
-    Ok(state)
 }
 
 #[cfg(test)]

@@ -7,8 +7,7 @@ use std::net::TcpListener;
 use std::thread;
 
 use rlhf_config::RewardKind;
-use rlhf_core::batch::DataBatch;
-use rlhf_roles::{HttpReward, Reward};
+use rlhf_roles::HttpReward;
 use serde_json::{json, Value};
 
 /// Serves `n` requests; `answer` maps the request JSON to (status, body).
@@ -118,27 +117,28 @@ fn reward_from_config_rule_http_and_model() {
     let mut cfg = common::config();
     cfg.reward.kind = RewardKind::Rule;
     cfg.reward.rule = "nope".into();
-    let err = Reward::from_config(&cfg).err().unwrap().to_string();
+    let err = common::reward(&cfg).err().unwrap().to_string();
     assert!(err.contains("contains_digit, length, exact_match"), "{err}");
 
     cfg.reward.kind = RewardKind::Http;
     cfg.reward.url = server(1, |_| (200, json!({ "scores": [0.5, -1.0] }).to_string()));
-    let reward = Reward::from_config(&cfg).unwrap();
+    let reward = common::reward(&cfg).unwrap();
     let batch = common::sequences(&[2, 3], 1)
         .with_column("prompt_text", vec!["x".into(), "y".into()])
         .with_column("response_text", vec!["1".into(), "2".into()]);
-    let out = reward.compute_scores(&batch).unwrap();
+    let out = common::scores_of(&reward, &batch).unwrap();
     assert_eq!(out.tensors["scores"].to_f32().unwrap(), vec![0.5, -1.0]);
-    let err = reward
-        .compute_scores(&DataBatch::new())
+    let mut no_text = batch.clone();
+    no_text.columns.remove("prompt_text");
+    let err = common::scores_of(&reward, &no_text)
         .unwrap_err()
         .to_string();
     assert!(err.contains("no column 'prompt_text'"), "{err}");
 
     cfg.reward.kind = RewardKind::Model;
     cfg.reward.model = common::fixture("tiny-llama-reward").display().to_string();
-    let reward = Reward::from_config(&cfg).unwrap();
-    let out = reward.compute_scores(&batch).unwrap();
+    let reward = common::reward(&cfg).unwrap();
+    let out = common::scores_of(&reward, &batch).unwrap();
     let s = out.tensors["scores"].to_f32().unwrap();
     assert_eq!(s.len(), 2);
     assert!(s.iter().all(|x| x.is_finite()) && s[0] != s[1], "{s:?}");

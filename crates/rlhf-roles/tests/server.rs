@@ -5,6 +5,7 @@ mod common;
 
 use common::fixture;
 use rlhf_core::batch::{Assembler, DataBatch, TensorData};
+use rlhf_core::calls::{ActorUpdateRequest, GenerateRequest, LogProbsRequest, ScoresRequest};
 use rlhf_proto::v1 as pb;
 use rlhf_proto::v1::actor_service_client::ActorServiceClient;
 use rlhf_proto::v1::role_service_client::RoleServiceClient;
@@ -14,11 +15,11 @@ use tokio_util::sync::CancellationToken;
 
 const TOKEN: &str = "role-test-token";
 
-/// ppo_tiny with the tiny fixture model, as the driver would bundle it.
-fn bundle() -> String {
+/// ppo_tiny with the tiny fixture model.
+fn config() -> rlhf_config::PpoConfig {
     let configs = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs");
     let model = fixture("tiny-llama").display().to_string();
-    let cfg = rlhf_config::load(
+    rlhf_config::load(
         &configs,
         "ppo_tiny",
         &[
@@ -29,8 +30,7 @@ fn bundle() -> String {
             "actor_rollout.do_sample=false".into(),
         ],
     )
-    .unwrap();
-    cfg.to_bundle()
+    .unwrap()
 }
 
 async fn start(kind: &str, shutdown: &CancellationToken) -> String {
@@ -69,12 +69,14 @@ fn init(role: &str, part: &str) -> pb::InitRoleRequest {
     let part: rlhf_core::RolePart = part.parse().unwrap();
     pb::InitRoleRequest {
         role: pb::RoleKind::from(role) as i32,
-        part: pb::RolePart::from(part) as i32,
-        rank: 0,
-        world_size: 1,
-        config_bundle: bundle(),
+        spec: common::spec(&config(), role, part, 0, 1).to_json(),
         job_id: "job-1".into(),
     }
+}
+
+/// A test batch as the driver sends it: through the typed request of its call.
+fn wire<R: rlhf_core::calls::RoleCall>(b: &DataBatch) -> DataBatch {
+    common::typed::<R>(b).unwrap().to_batch().unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -143,11 +145,11 @@ async fn generate_and_log_probs_over_grpc() {
             TensorData::from_i64(vec![2, p], &mask).unwrap(),
         );
     prompts.meta.insert("seed".into(), serde_json::json!(11));
-    let stream = rlhf_runtime::batch_stream(&prompts).unwrap();
+    let stream = rlhf_runtime::batch_stream(&wire::<GenerateRequest>(&prompts)).unwrap();
     let out = collect(c.generate(stream).await.unwrap()).await;
     assert_eq!(out.tensors["responses"].shape, vec![2, r]);
     assert_eq!(out.tensors["response_mask"].shape, vec![2, r]);
-    let lps = out.tensors["rollout_log_probs"].to_f32().unwrap();
+    let lps = out.tensors["behaviour_log_probs"].to_f32().unwrap();
     let rmask = out.tensors["response_mask"].to_f32().unwrap();
     assert!(
         rmask[0] == 1.0 && rmask[r] == 1.0,
@@ -168,7 +170,7 @@ async fn generate_and_log_probs_over_grpc() {
             TensorData::from_i64(vec![1, 3], &[1, 1, 1]).unwrap(),
         );
     let err = c
-        .generate(rlhf_runtime::batch_stream(&bad_batch).unwrap())
+        .generate(rlhf_runtime::batch_stream(&wire::<GenerateRequest>(&bad_batch)).unwrap())
         .await
         .unwrap_err();
     assert_eq!(err.code(), tonic::Code::InvalidArgument);
@@ -212,7 +214,7 @@ async fn generate_and_log_probs_over_grpc() {
     seqs.meta
         .insert("response_length".into(), serde_json::json!(r));
     let lp = collect(
-        t.compute_log_probs(rlhf_runtime::batch_stream(&seqs).unwrap())
+        t.compute_log_probs(rlhf_runtime::batch_stream(&wire::<LogProbsRequest>(&seqs)).unwrap())
             .await
             .unwrap(),
     )
@@ -247,7 +249,7 @@ async fn generate_and_log_probs_over_grpc() {
         .with_column("prompt_text", vec!["a".into(), "b".into()])
         .with_column("response_text", vec!["7 apples".into(), "none".into()]);
     let s = collect(
-        w.compute_scores(rlhf_runtime::batch_stream(&scored).unwrap())
+        w.compute_scores(rlhf_runtime::batch_stream(&wire::<ScoresRequest>(&scored)).unwrap())
             .await
             .unwrap(),
     )
@@ -349,14 +351,14 @@ async fn update_and_sync_weights_over_grpc() {
     };
     pad(&mut seqs);
     let lp = collect(
-        t.compute_log_probs(rlhf_runtime::batch_stream(&seqs).unwrap())
+        t.compute_log_probs(rlhf_runtime::batch_stream(&wire::<LogProbsRequest>(&seqs)).unwrap())
             .await
             .unwrap(),
     )
     .await;
     let update = common::actor_batch(&seqs, &lp.tensors["log_probs"].to_f32().unwrap(), 3);
     let metrics = collect(
-        t.update_actor(rlhf_runtime::batch_stream(&update).unwrap())
+        t.update_actor(rlhf_runtime::batch_stream(&wire::<ActorUpdateRequest>(&update)).unwrap())
             .await
             .unwrap(),
     )
@@ -428,7 +430,7 @@ fn a_panic_on_the_compute_thread_ends_the_process() {
     if std::env::var(CHILD).is_ok() {
         let rt = tokio::runtime::Runtime::new().unwrap();
         rt.block_on(async {
-            let c = rlhf_roles::server::Compute::spawn(rlhf_roles::RoleActor::new(
+            let c = rlhf_roles::server::Compute::spawn(rlhf_roles::RoleHost::new(
                 rlhf_core::RoleKind::Critic,
                 "127.0.0.1",
             ))

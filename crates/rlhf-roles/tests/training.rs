@@ -9,7 +9,7 @@ use common::*;
 use rlhf_algo::LossAggMode;
 use rlhf_collective::{CommConfig, Communicator, TcpCommunicator, TcpRendezvous};
 use rlhf_core::batch::{DataBatch, TensorData};
-use rlhf_roles::{Critic, Rollout, Trainer};
+use rlhf_roles::Trainer;
 
 fn single() -> TcpCommunicator {
     TcpCommunicator::single(CommConfig::default())
@@ -33,7 +33,7 @@ fn group(n: usize) -> Vec<TcpCommunicator> {
 }
 
 fn log_probs(t: &Trainer, seqs: &DataBatch) -> Vec<f32> {
-    t.compute_log_probs(seqs).unwrap().tensors["log_probs"]
+    log_probs_of(t, seqs).unwrap().tensors["log_probs"]
         .to_f32()
         .unwrap()
 }
@@ -46,11 +46,11 @@ fn dp_run(mode: LossAggMode, sync_denominators: bool) -> (f32, f32) {
     let mut cfg = config();
     cfg.actor_rollout.loss_agg_mode = mode;
     let seqs = sequences(&LENS, 11);
-    let mut whole = Trainer::from_config(&cfg, 0, 1).unwrap();
-    let before = params(&whole.model);
+    let mut whole = trainer(&cfg, 0, 1);
+    let before = params(&whole.state.model);
     let batch = actor_batch(&seqs, &log_probs(&whole, &seqs), 5);
-    let metrics = whole.update(&mut single(), &batch).unwrap();
-    let after_whole = params(&whole.model);
+    let metrics = whole.upd(&mut single(), &batch).unwrap();
+    let after_whole = params(&whole.state.model);
     assert!(metrics.meta["actor/grad_norm"].as_f64().unwrap() > 0.0);
 
     let halves = batch.chunk(2).unwrap();
@@ -62,11 +62,11 @@ fn dp_run(mode: LossAggMode, sync_denominators: bool) -> (f32, f32) {
         .map(|(rank, (mut comm, half))| {
             let cfg = cfg.clone();
             thread::spawn(move || {
-                let mut t = Trainer::from_config(&cfg, rank, 2).unwrap();
-                t.settings.sync_denominators = sync_denominators;
-                assert_eq!(t.settings.mini_batch_rows, 4);
-                let m = t.update(&mut comm, &half).unwrap();
-                (params(&t.model), m.meta)
+                let mut t = trainer(&cfg, rank, 2);
+                t.state.settings.sync_denominators = sync_denominators;
+                assert_eq!(t.state.settings.mini_batch_rows, 4);
+                let m = t.upd(&mut comm, &half).unwrap();
+                (params(&t.state.model), m.meta)
             })
         })
         .collect();
@@ -119,10 +119,10 @@ fn without_the_denominator_all_reduce_the_ranks_do_not_add_up() {
 fn every_parameter_of_actor_and_critic_learns_and_nan_is_named() {
     let cfg = config();
     let seqs = sequences(&LENS, 3);
-    let mut actor = Trainer::from_config(&cfg, 0, 1).unwrap();
-    let before = params(&actor.model);
+    let mut actor = trainer(&cfg, 0, 1);
+    let before = params(&actor.state.model);
     let mut batch = actor_batch(&seqs, &log_probs(&actor, &seqs), 9);
-    let m = actor.update(&mut single(), &batch).unwrap();
+    let m = actor.upd(&mut single(), &batch).unwrap();
     for key in [
         "policy/approxkl_avg",
         "policy/clipfrac_avg",
@@ -137,13 +137,13 @@ fn every_parameter_of_actor_and_critic_learns_and_nan_is_named() {
         assert!(v.is_some_and(f64::is_finite), "metric {key}: {v:?}");
     }
     assert_eq!(m.len().unwrap(), 0);
-    for ((name, a), (_, b)) in params(&actor.model).iter().zip(&before) {
+    for ((name, a), (_, b)) in params(&actor.state.model).iter().zip(&before) {
         assert!(a.iter().all(|x| x.is_finite()), "{name} is not finite");
         assert!(a != b, "actor parameter {name} got no gradient");
     }
 
-    let mut critic = Critic::from_config(&cfg, 0, 1).unwrap();
-    let values = critic.compute_values(&seqs).unwrap().tensors["values"].clone();
+    let mut critic = critic(&cfg, 0, 1);
+    let values = values_of(&critic, &seqs).unwrap().tensors["values"].clone();
     assert_eq!(values.shape, vec![8, R]);
     let mut cb = seqs.clone();
     let v = values.to_f32().unwrap();
@@ -157,8 +157,8 @@ fn every_parameter_of_actor_and_critic_learns_and_nan_is_named() {
         "returns".into(),
         TensorData::from_f32(vec![8, R], &returns).unwrap(),
     );
-    let before = params(&critic.model);
-    let m = critic.update(&mut single(), &cb).unwrap();
+    let before = params(&critic.state.model);
+    let m = critic.upd(&mut single(), &cb).unwrap();
     for key in [
         "loss/value_avg",
         "val/clipfrac_avg",
@@ -174,7 +174,7 @@ fn every_parameter_of_actor_and_critic_learns_and_nan_is_named() {
             "{key}"
         );
     }
-    for ((name, a), (_, b)) in params(&critic.model).iter().zip(&before) {
+    for ((name, a), (_, b)) in params(&critic.state.model).iter().zip(&before) {
         assert!(a != b, "critic parameter {name} got no gradient");
     }
 
@@ -185,7 +185,7 @@ fn every_parameter_of_actor_and_critic_learns_and_nan_is_named() {
         TensorData::from_f32(vec![8, R], &adv).unwrap(),
     );
     batch.meta.insert("step".into(), serde_json::json!(3));
-    let err = actor.update(&mut single(), &batch).unwrap_err().to_string();
+    let err = actor.upd(&mut single(), &batch).unwrap_err().to_string();
     assert!(
         err.contains("non-finite advantages in actor_rollout rank 0 at step 3"),
         "{err}"
@@ -196,11 +196,11 @@ fn every_parameter_of_actor_and_critic_learns_and_nan_is_named() {
 fn checkpoint_round_trip_resumes_bit_identically() {
     let cfg = config();
     let seqs = sequences(&LENS, 21);
-    let mut a = Trainer::from_config(&cfg, 0, 1).unwrap();
+    let mut a = trainer(&cfg, 0, 1);
     let batch = actor_batch(&seqs, &log_probs(&a, &seqs), 2);
-    a.update(&mut single(), &batch).unwrap();
+    a.upd(&mut single(), &batch).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let files = a.save_checkpoint(dir.path()).unwrap();
+    let files = a.state.save_checkpoint(dir.path()).unwrap();
     for f in [
         "config.json",
         "model.safetensors",
@@ -209,14 +209,14 @@ fn checkpoint_round_trip_resumes_bit_identically() {
     ] {
         assert!(files.iter().any(|x| x == f), "{f} missing from {files:?}");
     }
-    let saved_sum = a.checksum().unwrap();
-    let (saved_opt, saved_steps) = a.optim.opt.state().unwrap();
+    let saved_sum = a.state.checksum().unwrap();
+    let (saved_opt, saved_steps) = a.state.optim.opt.state().unwrap();
 
-    let mut b = Trainer::from_config(&cfg, 0, 1).unwrap();
-    assert_ne!(b.checksum().unwrap(), saved_sum);
-    assert_eq!(b.load_checkpoint(dir.path()).unwrap(), saved_sum);
-    let (opt, steps) = b.optim.opt.state().unwrap();
-    assert_eq!((steps, b.optim.steps()), (saved_steps, 1));
+    let mut b = trainer(&cfg, 0, 1);
+    assert_ne!(b.state.checksum().unwrap(), saved_sum);
+    assert_eq!(b.state.load_checkpoint(dir.path()).unwrap(), saved_sum);
+    let (opt, steps) = b.state.optim.opt.state().unwrap();
+    assert_eq!((steps, b.state.optim.steps()), (saved_steps, 1));
     for ((n1, t1), (n2, t2)) in opt.iter().zip(&saved_opt) {
         assert_eq!(n1, n2);
         let (x, y) = (
@@ -232,13 +232,14 @@ fn checkpoint_round_trip_resumes_bit_identically() {
         for step in 2..4 {
             let mut bb = batch.clone();
             bb.meta.insert("step".into(), serde_json::json!(step));
-            t.update(&mut single(), &bb).unwrap();
+            t.upd(&mut single(), &bb).unwrap();
         }
     }
-    assert_eq!(a.checksum().unwrap(), b.checksum().unwrap());
-    assert_eq!(params(&a.model), params(&b.model));
+    assert_eq!(a.state.checksum().unwrap(), b.state.checksum().unwrap());
+    assert_eq!(params(&a.state.model), params(&b.state.model));
 
     let err = b
+        .state
         .load_checkpoint(&dir.path().join("nope"))
         .unwrap_err()
         .to_string();
@@ -249,10 +250,10 @@ fn checkpoint_round_trip_resumes_bit_identically() {
 fn weight_sync_makes_the_rollout_generate_like_the_trainer() {
     let cfg = config();
     let seqs = sequences(&LENS, 33);
-    let mut trainer = Trainer::from_config(&cfg, 0, 1).unwrap();
+    let mut trainer = trainer(&cfg, 0, 1);
     let batch = actor_batch(&seqs, &log_probs(&trainer, &seqs), 4);
-    trainer.update(&mut single(), &batch).unwrap();
-    let trained = trainer.checksum().unwrap();
+    trainer.upd(&mut single(), &batch).unwrap();
+    let trained = trainer.state.checksum().unwrap();
 
     let mut comms = group(3);
     let (c2, c1) = (comms.pop().unwrap(), comms.pop().unwrap());
@@ -262,7 +263,7 @@ fn weight_sync_makes_the_rollout_generate_like_the_trainer() {
         .map(|mut comm| {
             let cfg = cfg.clone();
             thread::spawn(move || {
-                let mut r = Rollout::from_config(&cfg).unwrap();
+                let mut r = rollout(&cfg);
                 let before = r.checksum().unwrap();
                 let (stats, sum) = r.recv_weights(&mut comm, 5, 4096).unwrap();
                 assert!(stats.buckets > 1);
@@ -301,24 +302,24 @@ fn weight_sync_makes_the_rollout_generate_like_the_trainer() {
             "prompt_mask",
             TensorData::from_i64(vec![3, P], &pmask).unwrap(),
         );
-    let got = outs[0].generate(&gen_batch).unwrap();
+    let got = generate_with(&outs[0], &gen_batch).unwrap();
     assert_eq!(got.tensors["responses"].shape, vec![3, R]);
     assert_eq!(got.tensors["response_mask"].shape, vec![3, R]);
-    assert_eq!(got.tensors["rollout_log_probs"].shape, vec![3, R]);
-    let reference = Rollout::from_config(&cfg).unwrap();
-    let stale = reference.generate(&gen_batch).unwrap();
+    assert_eq!(got.tensors["behaviour_log_probs"].shape, vec![3, R]);
+    let reference = rollout(&cfg);
+    let stale = generate_with(&reference, &gen_batch).unwrap();
     reference
         .model
-        .set_weights(&trainer.model.named_tensors())
+        .set_weights(&trainer.state.model.named_tensors())
         .unwrap();
-    let want = reference.generate(&gen_batch).unwrap();
+    let want = generate_with(&reference, &gen_batch).unwrap();
     assert_eq!(got.tensors["responses"], want.tensors["responses"]);
     assert_eq!(
-        got.tensors["rollout_log_probs"],
-        want.tensors["rollout_log_probs"]
+        got.tensors["behaviour_log_probs"],
+        want.tensors["behaviour_log_probs"]
     );
     assert_ne!(
-        stale.tensors["rollout_log_probs"], want.tensors["rollout_log_probs"],
+        stale.tensors["behaviour_log_probs"], want.tensors["behaviour_log_probs"],
         "the trained weights should change the generation"
     );
 }
@@ -329,15 +330,18 @@ fn kl_loss_needs_and_uses_the_reference_log_probs() {
     cfg.actor_rollout.use_kl_loss = true;
     cfg.actor_rollout.kl_loss_coef = 0.1;
     let seqs = sequences(&LENS, 8);
-    let mut t = Trainer::from_config(&cfg, 0, 1).unwrap();
+    let mut t = trainer(&cfg, 0, 1);
     let lp = log_probs(&t, &seqs);
     let mut batch = actor_batch(&seqs, &lp, 1);
-    let err = t.update(&mut single(), &batch).unwrap_err().to_string();
-    assert!(err.contains("no tensor 'ref_log_probs'"), "{err}");
+    let err = t.upd(&mut single(), &batch).unwrap_err().to_string();
+    assert!(
+        err.contains("use_kl_loss is on but the request has no ref_log_probs"),
+        "{err}"
+    );
 
     // The frozen reference (fast kernels) agrees with the trainer before any update.
-    let reference = rlhf_roles::RefPolicy::from_config(&cfg).unwrap();
-    let ref_lp = reference.compute_log_probs(&seqs).unwrap().tensors["log_probs"].clone();
+    let reference = reference(&cfg);
+    let ref_lp = log_probs_of(&reference, &seqs).unwrap().tensors["log_probs"].clone();
     let mask = seqs.tensors["response_mask"].to_f32().unwrap();
     for ((a, b), m) in ref_lp.to_f32().unwrap().iter().zip(&lp).zip(&mask) {
         if *m == 1.0 {
@@ -345,7 +349,7 @@ fn kl_loss_needs_and_uses_the_reference_log_probs() {
         }
     }
     batch.tensors.insert("ref_log_probs".into(), ref_lp);
-    let m = t.update(&mut single(), &batch).unwrap();
+    let m = t.upd(&mut single(), &batch).unwrap();
     let kl = m.meta["actor/kl_loss"].as_f64().unwrap();
     assert!(kl.is_finite() && kl >= 0.0, "{kl}");
 }
@@ -354,8 +358,8 @@ fn kl_loss_needs_and_uses_the_reference_log_probs() {
 fn two_critic_ranks_equal_one() {
     let cfg = config();
     let seqs = sequences(&LENS, 17);
-    let mut whole = Critic::from_config(&cfg, 0, 1).unwrap();
-    let values = whole.compute_values(&seqs).unwrap().tensors["values"].clone();
+    let mut whole = critic(&cfg, 0, 1);
+    let values = values_of(&whole, &seqs).unwrap().tensors["values"].clone();
     let v = values.to_f32().unwrap();
     let returns: Vec<f32> = v
         .iter()
@@ -368,8 +372,8 @@ fn two_critic_ranks_equal_one() {
         "returns".into(),
         TensorData::from_f32(vec![8, R], &returns).unwrap(),
     );
-    whole.update(&mut single(), &batch).unwrap();
-    let want = params(&whole.model);
+    whole.upd(&mut single(), &batch).unwrap();
+    let want = params(&whole.state.model);
     let handles: Vec<_> = group(2)
         .into_iter()
         .zip(batch.chunk(2).unwrap())
@@ -377,9 +381,9 @@ fn two_critic_ranks_equal_one() {
         .map(|(rank, (mut comm, half))| {
             let cfg = cfg.clone();
             thread::spawn(move || {
-                let mut c = Critic::from_config(&cfg, rank, 2).unwrap();
-                c.update(&mut comm, &half).unwrap();
-                params(&c.model)
+                let mut c = critic(&cfg, rank, 2);
+                c.upd(&mut comm, &half).unwrap();
+                params(&c.state.model)
             })
         })
         .collect();
@@ -395,7 +399,7 @@ fn two_critic_ranks_equal_one() {
 fn a_bad_shard_on_one_rank_fails_every_rank_promptly() {
     let cfg = config();
     let seqs = sequences(&LENS, 13);
-    let probe = Trainer::from_config(&cfg, 0, 1).unwrap();
+    let probe = trainer(&cfg, 0, 1);
     let batch = actor_batch(&seqs, &log_probs(&probe, &seqs), 6);
     let mut halves = batch.chunk(2).unwrap();
     let mut adv = halves[1].tensors["advantages"].to_f32().unwrap();
@@ -412,8 +416,8 @@ fn a_bad_shard_on_one_rank_fails_every_rank_promptly() {
         .map(|(rank, (mut comm, half))| {
             let cfg = cfg.clone();
             thread::spawn(move || {
-                let mut t = Trainer::from_config(&cfg, rank, 2).unwrap();
-                t.update(&mut comm, &half).unwrap_err().to_string()
+                let mut t = trainer(&cfg, rank, 2);
+                t.upd(&mut comm, &half).unwrap_err().to_string()
             })
         })
         .collect();

@@ -4,7 +4,7 @@
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use rlhf_core::batch::{Assembler, DataBatch, TensorData};
+use rlhf_core::batch::Assembler;
 use rlhf_proto::v1 as pb;
 use rlhf_runtime::net::ClientOptions;
 
@@ -81,26 +81,35 @@ async fn reward_actor_process_scores_over_grpc() {
     let info = roles
         .init_role(pb::InitRoleRequest {
             role: pb::RoleKind::Reward as i32,
-            part: pb::RolePart::Whole as i32,
-            rank: 0,
-            world_size: 1,
-            config_bundle: cfg.to_bundle(),
+            spec: rlhf_config::RoleSpec::resolve(
+                &cfg,
+                rlhf_core::RoleSlot {
+                    kind: rlhf_core::RoleKind::Reward,
+                    part: rlhf_core::RolePart::Whole,
+                    rank: 0,
+                    world_size: 1,
+                },
+            )
+            .unwrap()
+            .to_json(),
             job_id: "j".into(),
         })
         .await
         .unwrap()
         .into_inner();
     assert!(info.model.contains("Length"), "{info:?}");
-    let batch = DataBatch::new()
-        .with_tensor(
-            "input_ids",
-            TensorData::from_i64(vec![2, 1], &[1, 2]).unwrap(),
-        )
-        .with_column("prompt_text", vec!["p".into(), "q".into()])
-        .with_column(
-            "response_text",
-            vec!["x".repeat(50).into(), "y".repeat(300).into()],
-        );
+    let seq = |v: Vec<i64>| rlhf_core::calls::Mat::new(2, 2, v).unwrap();
+    let batch = rlhf_core::calls::ScoresRequest {
+        seq: rlhf_core::calls::Sequences {
+            input_ids: seq(vec![1, 2, 3, 4]),
+            attention_mask: seq(vec![1; 4]),
+            response_len: 1,
+        },
+        prompt_text: vec!["p".into(), "q".into()],
+        response_text: vec!["x".repeat(50), "y".repeat(300)],
+        ground_truth: None,
+    };
+    let batch = rlhf_core::calls::Wire::to_batch(&batch).unwrap();
     let mut s = roles
         .compute_scores(rlhf_runtime::batch_stream(&batch).unwrap())
         .await

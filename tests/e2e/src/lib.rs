@@ -15,7 +15,7 @@ use serde_json::Value;
 /// workspace unifies to. Tests never run cargo themselves: a nested `cargo build -p ...`
 /// resolves features for a different package set and recompiles a dozen crates.
 ///
-/// Panics with the command to run when the binary is missing or older than a source file
+/// Panics with the command to run when the binary is missing or older than one of its sources
 /// (e.g. after `cargo test -p rlhf-e2e` alone, which does not rebuild other packages).
 pub fn bin(name: &str) -> PathBuf {
     // tests run from target/<profile>/deps/<test-binary>, examples from
@@ -40,53 +40,42 @@ pub fn bin(name: &str) -> PathBuf {
         Ok(t) => t,
         Err(_) => panic!("{} does not exist: {fix}", path.display()),
     };
-    if let Some((src, _)) = newest_source() {
-        let newer = std::fs::metadata(&src)
-            .and_then(|m| m.modified())
-            .is_ok_and(|t| t > built);
-        if newer {
-            panic!("{} is older than {}: {fix}", path.display(), src.display());
-        }
+    // Cargo's dep-info file beside the binary lists every source it was built from.
+    if let Some(src) = newer_source(&path.with_extension("d"), built) {
+        panic!("{} is older than {}: {fix}", path.display(), src.display());
     }
     path
 }
 
-/// The most recently modified source of the binaries (Rust sources, manifests, protos).
-fn newest_source() -> Option<(PathBuf, std::time::SystemTime)> {
-    fn walk(dir: &Path, best: &mut Option<(PathBuf, std::time::SystemTime)>) {
-        let Ok(rd) = std::fs::read_dir(dir) else {
-            return;
-        };
-        for e in rd.flatten() {
-            let p = e.path();
-            let Ok(md) = e.metadata() else { continue };
-            if md.is_dir() {
-                // A crate's own tests, examples and fixtures are not part of its binary.
-                let skip = matches!(
-                    p.file_name().and_then(|n| n.to_str()),
-                    Some("tests" | "examples" | "benches" | "fixtures" | "target")
-                );
-                if !skip {
-                    walk(&p, best);
-                }
-                continue;
+/// A source listed in a dep-info file (`target: a.rs b.rs ...`, spaces escaped) that was
+/// modified after `built`.
+fn newer_source(dep_info: &Path, built: std::time::SystemTime) -> Option<PathBuf> {
+    let text = std::fs::read_to_string(dep_info).ok()?;
+    let first = text.lines().next()?;
+    let (_, deps) = first.split_once(": ")?;
+    let mut cur = String::new();
+    let mut files = Vec::new();
+    let mut chars = deps.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' if chars.peek() == Some(&' ') => {
+                cur.push(' ');
+                chars.next();
             }
-            let relevant = matches!(
-                p.extension().and_then(|x| x.to_str()),
-                Some("rs" | "proto" | "toml")
-            );
-            if let (true, Ok(t)) = (relevant, md.modified()) {
-                if best.as_ref().is_none_or(|(_, b)| t > *b) {
-                    *best = Some((p, t));
-                }
-            }
+            ' ' => files.push(std::mem::take(&mut cur)),
+            c => cur.push(c),
         }
     }
-    let root = repo_root();
-    let mut best = None;
-    walk(&root.join("crates"), &mut best);
-    walk(&root.join("proto"), &mut best);
-    best
+    files.push(cur);
+    files
+        .into_iter()
+        .filter(|f| !f.is_empty())
+        .map(PathBuf::from)
+        .find(|f| {
+            std::fs::metadata(f)
+                .and_then(|m| m.modified())
+                .is_ok_and(|t| t > built)
+        })
 }
 
 /// The repository root (configs, models and data paths resolve against it).

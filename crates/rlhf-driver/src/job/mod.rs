@@ -74,15 +74,6 @@ pub struct JobSummary {
     pub last_checkpoint: Option<PathBuf>,
 }
 
-fn mix(seed: u64, step: u64, rank: u64) -> u64 {
-    // splitmix64 over the three inputs: independent streams per (step, rank).
-    let mut z =
-        seed ^ step.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ rank.wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
 fn tokenizer_dir(cfg: &PpoConfig) -> Result<PathBuf> {
     if let Some(t) = cfg
         .training
@@ -307,14 +298,19 @@ impl Loop<'_> {
     ) -> Res<JobSummary> {
         let cfg = self.cfg;
         let t = self.opts.start_timeout;
-        let bundle = cfg.to_bundle();
-        for (who, info) in cluster::init_roles(self.roles, &bundle, &self.opts.job_id, t).await? {
+        for (who, info) in cluster::init_roles(self.roles, cfg, &self.opts.job_id, t).await? {
+            let device =
+                rlhf_core::DeviceSpec::from_wire(info.device.as_ref(), "InitRoleResponse.device")
+                    .map(|d| d.to_string())
+                    .unwrap_or_else(|e| e.to_string());
             tracing::info!(
-                "{who}: {} ({} parameters, {})",
+                "{who}: {} ({} parameters, {device})",
                 info.model,
                 info.num_params,
-                info.device
             );
+            if !info.note.is_empty() {
+                eprintln!("warning: {who}: {}", info.note);
+            }
         }
         let backend = self.opts.comm_backend;
         let weights = self.roles.weights_group();

@@ -5,88 +5,68 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use rlhf_algo::metric;
-use rlhf_core::batch::DataBatch;
+use rlhf_core::calls::{GenerateRequest, GenerateResponse, Mat, Sequences};
 use rlhf_core::{Error, Result};
-use serde_json::json;
 
-use crate::group::{BatchCall, CallError};
+use crate::group::CallError;
 use crate::prompts::{FixedResponse, FixedResponses};
-use crate::tensors::{f32_2d, get, wire_f32, wire_i64};
 
-use super::{mix, Failed, Loop, Res};
+use super::{Failed, Loop, Res};
 
 /// One step's rollout, kept on the driver.
 pub(super) struct Rollout {
     pub(super) rows: usize,
-    pub(super) p: usize,
     pub(super) r: usize,
-    pub(super) input_ids: Vec<i64>,
-    pub(super) attention_mask: Vec<i64>,
-    pub(super) responses: Vec<i64>,
-    pub(super) response_mask: Vec<f32>,
+    /// Prompt then response, `[rows, P+R]`.
+    pub(super) seq: Sequences,
+    pub(super) response_mask: Mat<f32>,
+    /// The sampling policy's log-probs and weights version per row (`None` with fixed
+    /// responses, which no policy sampled).
+    pub(super) behaviour: Option<(Mat<f32>, Vec<u64>)>,
     pub(super) prompt_text: Vec<String>,
     pub(super) response_text: Vec<String>,
-    pub(super) ground_truth: Option<Vec<String>>,
+    pub(super) ground_truth: Option<Vec<Option<String>>>,
     pub(super) has_eos: Vec<bool>,
     pub(super) group_ids: Vec<usize>,
     pub(super) tokens: usize,
 }
 
-impl Rollout {
-    pub(super) fn sequences(&self) -> Result<DataBatch> {
-        let t = self.p + self.r;
-        let mut b = DataBatch::new()
-            .with_tensor("input_ids", wire_i64(&self.input_ids, &[self.rows, t])?)
-            .with_tensor(
-                "attention_mask",
-                wire_i64(&self.attention_mask, &[self.rows, t])?,
-            );
-        b.meta.insert("response_length".into(), json!(self.r));
-        Ok(b)
-    }
-}
-
-/// A step's prompts: dataset index per row, the batch for the rollout ranks and its
-/// `[rows, P]` ids and mask on the host.
+/// A step's prompts: dataset index per row and the request for the rollout ranks.
 pub(super) struct PromptBatch {
     pub(super) which: Vec<usize>,
-    pub(super) batch: DataBatch,
-    pub(super) ids: Vec<i64>,
-    pub(super) mask: Vec<i64>,
+    pub(super) req: GenerateRequest,
 }
 
 impl Loop<'_> {
-    fn prompt_batch(&mut self) -> Result<PromptBatch> {
+    fn prompt_batch(&mut self, step: u64) -> Result<PromptBatch> {
         let cfg = self.cfg;
         let n = cfg.actor_rollout.num_samples_per_step.max(1) as usize;
         let p = cfg.actor_rollout.max_prompt_length as usize;
         let pad = i64::from(self.pad_id());
         let idx = self.sampler.next_batch();
         let rows = idx.len() * n;
-        let mut ids = vec![pad; rows * p];
-        let mut mask = vec![0i64; rows * p];
+        let mut ids = Mat::filled(rows, p, pad);
+        let mut mask = Mat::filled(rows, p, 0i64);
         let mut which = Vec::with_capacity(rows);
         for (g, &i) in idx.iter().enumerate() {
             let prompt = &self.prompts[i].ids;
             for k in 0..n {
                 let row = g * n + k;
-                let off = row * p + (p - prompt.len());
+                let off = p - prompt.len();
                 for (j, &t) in prompt.iter().enumerate() {
-                    ids[off + j] = i64::from(t);
-                    mask[off + j] = 1;
+                    ids.row_mut(row)[off + j] = i64::from(t);
+                    mask.row_mut(row)[off + j] = 1;
                 }
                 which.push(i);
             }
         }
-        let batch = DataBatch::new()
-            .with_tensor("prompt_ids", wire_i64(&ids, &[rows, p])?)
-            .with_tensor("prompt_mask", wire_i64(&mask, &[rows, p])?);
-        Ok(PromptBatch {
-            which,
-            batch,
-            ids,
-            mask,
-        })
+        let req = GenerateRequest {
+            prompt_ids: ids,
+            prompt_mask: mask,
+            step,
+            seed: cfg.training.seed,
+        };
+        Ok(PromptBatch { which, req })
     }
 
     pub(super) fn pad_id(&self) -> u32 {
@@ -98,35 +78,26 @@ impl Loop<'_> {
 
     async fn generate(
         &self,
-        batch: &DataBatch,
-        step: u64,
-    ) -> std::result::Result<DataBatch, CallError> {
-        let g = &self.roles.infer;
-        let n = g.len().max(1);
-        let (padded, pad) = batch.pad_to_multiple(n).map_err(|e| g.err(0, e))?;
-        let mut shards = padded.chunk(n).map_err(|e| g.err(0, e))?;
-        for (rank, s) in shards.iter_mut().enumerate() {
-            s.meta.insert(
-                "seed".into(),
-                json!(mix(self.cfg.training.seed, step, rank as u64)),
-            );
-            s.meta.insert("step".into(), json!(step));
-        }
-        let answers = g
-            .fan_out(BatchCall::Generate, &shards, self.opts.call_timeout)
-            .await?;
-        let whole = DataBatch::concat(&answers).map_err(|e| g.err(0, e))?;
-        whole.unpad(pad).map_err(|e| g.err(0, e))
+        req: &GenerateRequest,
+    ) -> std::result::Result<GenerateResponse, CallError> {
+        self.roles
+            .infer
+            .call_split(req, self.opts.call_timeout)
+            .await
     }
 
     /// Responses from the fixed-responses file instead of generation.
-    fn fixed_responses(&self, fixed: &FixedResponses, which: &[usize]) -> Result<DataBatch> {
+    fn fixed_responses(
+        &self,
+        fixed: &FixedResponses,
+        which: &[usize],
+    ) -> Result<(Mat<i64>, Mat<f32>)> {
         let r = self.cfg.actor_rollout.max_response_length as usize;
         let pad = i64::from(self.pad_id());
         let eos = self.tok.eos_token_id();
         let rows = which.len();
-        let mut ids = vec![pad; rows * r];
-        let mut mask = vec![0f32; rows * r];
+        let mut ids = Mat::filled(rows, r, pad);
+        let mut mask = Mat::filled(rows, r, 0f32);
         for (row, &i) in which.iter().enumerate() {
             let p = &self.prompts[i];
             let toks = match fixed.get(p) {
@@ -165,13 +136,11 @@ impl Loop<'_> {
                 }
             };
             for (j, &t) in toks.iter().enumerate() {
-                ids[row * r + j] = i64::from(t);
-                mask[row * r + j] = 1.0;
+                ids.row_mut(row)[j] = i64::from(t);
+                mask.row_mut(row)[j] = 1.0;
             }
         }
-        Ok(DataBatch::new()
-            .with_tensor("responses", wire_i64(&ids, &[rows, r])?)
-            .with_tensor("response_mask", wire_f32(&mask, &[rows, r])?))
+        Ok((ids, mask))
     }
 
     pub(super) async fn rollout(
@@ -180,60 +149,63 @@ impl Loop<'_> {
         timing: &mut BTreeMap<String, f64>,
     ) -> Res<Rollout> {
         let cfg = self.cfg;
-        let PromptBatch {
-            which,
-            batch: prompt_batch,
-            ids: prompt_ids,
-            mask: prompt_mask,
-        } = self.prompt_batch()?;
+        let PromptBatch { which, req } = self.prompt_batch(step)?;
         let rows = which.len();
-        let p = cfg.actor_rollout.max_prompt_length as usize;
         let r = cfg.actor_rollout.max_response_length as usize;
         let t = Instant::now();
-        let gen = match self.fixed {
-            Some(f) => self.fixed_responses(f, &which)?,
-            None => self.generate(&prompt_batch, step).await?,
+        let (responses, response_mask, behaviour) = match self.fixed {
+            Some(f) => {
+                let (ids, mask) = self.fixed_responses(f, &which)?;
+                (ids, mask, None)
+            }
+            None => {
+                let g = self.generate(&req).await?;
+                (
+                    g.responses,
+                    g.response_mask,
+                    Some((g.behaviour_log_probs, g.policy_version)),
+                )
+            }
         };
         timing.insert(metric::TIMING_S_GEN.into(), t.elapsed().as_secs_f64());
-        let from = "actor_rollout/infer Generate";
-        let responses = get(&gen, "responses", from)?.to_i64()?;
-        let response_mask = f32_2d(&gen, "response_mask", rows, r, from)?;
-        if responses.len() != rows * r {
+        if responses.shape() != [rows, r] || response_mask.shape() != [rows, r] {
             return Err(Failed::Other(Error::internal(format!(
-                "{from}: 'responses' has {} values, expected {rows} x {r}",
-                responses.len()
+                "actor_rollout/infer Generate: responses {:?} and mask {:?}, expected [{rows}, {r}]",
+                responses.shape(),
+                response_mask.shape()
             ))));
         }
         let eos = self.tok.eos_token_id().map(i64::from);
-        let mut input_ids = Vec::with_capacity(rows * (p + r));
-        let mut attention_mask = Vec::with_capacity(rows * (p + r));
+        // The response mask as 0/1 ids, for the attention mask of the whole sequence.
+        let resp_attn = Mat::new(
+            rows,
+            r,
+            response_mask
+                .data
+                .iter()
+                .map(|&m| i64::from(m > 0.5))
+                .collect(),
+        )?;
+        let seq = Sequences {
+            input_ids: Mat::hcat(&req.prompt_ids, &responses)?,
+            attention_mask: Mat::hcat(&req.prompt_mask, &resp_attn)?,
+            response_len: r,
+        };
         let mut prompt_text = Vec::with_capacity(rows);
         let mut response_text = Vec::with_capacity(rows);
         let mut has_eos = Vec::with_capacity(rows);
         let mut tokens = 0usize;
-        for row in 0..rows {
-            input_ids.extend_from_slice(&prompt_ids[row * p..(row + 1) * p]);
-            input_ids.extend_from_slice(&responses[row * r..(row + 1) * r]);
-            attention_mask.extend_from_slice(&prompt_mask[row * p..(row + 1) * p]);
-            attention_mask.extend(
-                response_mask[row * r..(row + 1) * r]
-                    .iter()
-                    .map(|&m| i64::from(m > 0.5)),
-            );
+        for (row, &src) in which.iter().enumerate() {
             let valid: Vec<u32> = (0..r)
-                .filter(|&j| response_mask[row * r + j] > 0.5)
-                .map(|j| responses[row * r + j] as u32)
+                .filter(|&j| resp_attn.row(row)[j] == 1)
+                .map(|j| responses.row(row)[j] as u32)
                 .collect();
             has_eos.push(match (valid.last(), eos) {
                 (Some(&last), Some(e)) => i64::from(last) == e,
                 _ => false,
             });
-            tokens += valid.len()
-                + prompt_mask[row * p..(row + 1) * p]
-                    .iter()
-                    .filter(|&&m| m == 1)
-                    .count();
-            prompt_text.push(self.prompts[which[row]].display.clone());
+            tokens += valid.len() + req.prompt_mask.row(row).iter().filter(|&&m| m == 1).count();
+            prompt_text.push(self.prompts[src].display.clone());
             response_text.push(
                 self.tok
                     .decode(&valid, true)
@@ -243,16 +215,19 @@ impl Loop<'_> {
         let n = cfg.actor_rollout.num_samples_per_step.max(1) as usize;
         let ground_truth = which
             .iter()
-            .map(|&i| self.prompts[i].ground_truth.clone())
-            .collect::<Option<Vec<String>>>();
+            .any(|&i| self.prompts[i].ground_truth.is_some())
+            .then(|| {
+                which
+                    .iter()
+                    .map(|&i| self.prompts[i].ground_truth.clone())
+                    .collect()
+            });
         Ok(Rollout {
             rows,
-            p,
             r,
-            input_ids,
-            attention_mask,
-            responses,
+            seq,
             response_mask,
+            behaviour,
             prompt_text,
             response_text,
             ground_truth,

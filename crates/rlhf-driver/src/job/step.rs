@@ -8,12 +8,14 @@ use rlhf_algo::{
     compute_advantage, compute_token_rewards, metric, rollout_metrics, AdvantageInputs,
     RolloutMetricsInputs,
 };
+use rlhf_core::calls::candle::{f32_tensor, mat_f32};
+use rlhf_core::calls::{
+    ActorUpdateRequest, CriticUpdateRequest, LogProbsRequest, Mat, ScoresRequest, ValuesRequest,
+};
 use rlhf_core::Error;
-use serde_json::json;
 
-use crate::group::{mean_meta_metrics, BatchCall};
+use crate::group::mean_metrics;
 use crate::output::Sample;
-use crate::tensors::{candle, f32_1d, f32_2d, host, wire_f32, wire_i64};
 
 use super::{timed, Failed, Loop, Res};
 
@@ -24,64 +26,35 @@ impl Loop<'_> {
         let mut timing = BTreeMap::new();
         let ro = self.rollout(step, &mut timing).await?;
         let (rows, r) = (ro.rows, ro.r);
-        let seq = ro.sequences()?;
-        let mut score_batch = seq.clone();
-        score_batch
-            .tensors
-            .insert("responses".into(), wire_i64(&ro.responses, &[rows, r])?);
-        score_batch.tensors.insert(
-            "response_mask".into(),
-            wire_f32(&ro.response_mask, &[rows, r])?,
-        );
-        score_batch.columns.insert(
-            "prompt_text".into(),
-            ro.prompt_text.iter().map(|s| json!(s)).collect(),
-        );
-        score_batch.columns.insert(
-            "response_text".into(),
-            ro.response_text.iter().map(|s| json!(s)).collect(),
-        );
-        if let Some(gt) = &ro.ground_truth {
-            score_batch
-                .columns
-                .insert("ground_truth".into(), gt.iter().map(|s| json!(s)).collect());
-        }
+        let shape = [rows, r];
+        let lp_req = LogProbsRequest(ro.seq.clone());
+        let val_req = ValuesRequest(ro.seq.clone());
+        let score_req = ScoresRequest {
+            seq: ro.seq.clone(),
+            prompt_text: ro.prompt_text.clone(),
+            response_text: ro.response_text.clone(),
+            ground_truth: ro.ground_truth.clone(),
+        };
         let tmo = self.opts.call_timeout;
         let roles = self.roles;
         let t = Instant::now();
         let ((old, t_old), (refl, t_ref), (vals, t_val), (scores, t_score)) = tokio::join!(
-            timed(
-                roles
-                    .train
-                    .call_split(BatchCall::ComputeLogProbs, &seq, tmo)
-            ),
+            timed(roles.train.call_split(&lp_req, tmo)),
             timed(async {
                 if roles.reference.is_empty() {
                     Ok(None)
                 } else {
-                    roles
-                        .reference
-                        .call_split(BatchCall::ComputeLogProbs, &seq, tmo)
-                        .await
-                        .map(Some)
+                    roles.reference.call_split(&lp_req, tmo).await.map(Some)
                 }
             }),
             timed(async {
                 if roles.critic.is_empty() {
                     Ok(None)
                 } else {
-                    roles
-                        .critic
-                        .call_split(BatchCall::ComputeValues, &seq, tmo)
-                        .await
-                        .map(Some)
+                    roles.critic.call_split(&val_req, tmo).await.map(Some)
                 }
             }),
-            timed(
-                roles
-                    .reward
-                    .call_split(BatchCall::ComputeScores, &score_batch, tmo)
-            ),
+            timed(roles.reward.call_split(&score_req, tmo)),
         );
         timing.insert(metric::TIMING_S_OLD_LOG_PROB.into(), t_old);
         timing.insert(metric::TIMING_S_REF.into(), t_ref);
@@ -91,22 +64,32 @@ impl Loop<'_> {
             metric::TIMING_S_EXPERIENCE.into(),
             t.elapsed().as_secs_f64(),
         );
-        let old = f32_2d(
-            &old?,
-            "log_probs",
-            rows,
-            r,
-            "actor_rollout/train ComputeLogProbs",
-        )?;
+        let check = |m: &Mat<f32>, what: &str| -> Result<(), Failed> {
+            if m.shape() != shape {
+                return Err(Failed::Other(Error::internal(format!(
+                    "{what} answered {:?}, expected {shape:?}",
+                    m.shape()
+                ))));
+            }
+            Ok(())
+        };
+        let old = old?.log_probs;
+        check(&old, "actor_rollout/train ComputeLogProbs")?;
         let refl = match refl? {
-            Some(b) => f32_2d(&b, "log_probs", rows, r, "ref ComputeLogProbs")?,
+            Some(b) => {
+                check(&b.log_probs, "ref ComputeLogProbs")?;
+                b.log_probs
+            }
             None => old.clone(),
         };
         let vals = match vals? {
-            Some(b) => Some(f32_2d(&b, "values", rows, r, "critic ComputeValues")?),
+            Some(b) => {
+                check(&b.values, "critic ComputeValues")?;
+                Some(b.values)
+            }
             None => None,
         };
-        let scores = f32_1d(&scores?, "scores", rows, "reward ComputeScores")?;
+        let scores = scores?.scores;
         if let Some(i) = scores.iter().position(|s| !s.is_finite()) {
             return Err(Failed::Other(Error::invalid(format!(
                 "reward returned a non-finite score ({}) for row {i} at step {step}",
@@ -116,13 +99,15 @@ impl Loop<'_> {
 
         // Rewards and advantages on the driver.
         let t = Instant::now();
-        let shape = [rows, r];
-        let mask_t = candle(&ro.response_mask, &shape)?;
-        let old_t = candle(&old, &shape)?;
-        let ref_t = candle(&refl, &shape)?;
-        let scores_t = candle(&scores, &[rows])?;
+        let cpu = candle_core::Device::Cpu;
+        let mask_t = f32_tensor(&ro.response_mask, "response_mask", &cpu)?;
+        let old_t = f32_tensor(&old, "old_log_probs", &cpu)?;
+        let ref_t = f32_tensor(&refl, "ref_log_probs", &cpu)?;
+        let scores_t = f32_tensor(&Mat::new(rows, 1, scores.clone())?, "scores", &cpu)?
+            .flatten_all()
+            .map_err(|e| Error::internal(format!("scores: {e}")))?;
         let vals_t = match &vals {
-            Some(v) => Some(candle(v, &shape)?),
+            Some(v) => Some(f32_tensor(v, "values", &cpu)?),
             None => None,
         };
         let rewards = compute_token_rewards(
@@ -154,69 +139,56 @@ impl Loop<'_> {
             returns: &adv.returns,
             values: vals_t.as_ref(),
         })?;
-        let advantages = host(&adv.advantages)?;
-        let returns = host(&adv.returns)?;
+        if let Some((behaviour, versions)) = &ro.behaviour {
+            metrics.extend(behaviour_metrics(
+                behaviour,
+                versions,
+                &old,
+                &ro.response_mask,
+                step,
+            ));
+        }
+        let advantages = mat_f32(&adv.advantages, "advantages")?;
+        let returns = mat_f32(&adv.returns, "returns")?;
         // The critic fits values where GAE ran: the response, plus the score's slot with
         // TRL's placement.
-        let value_mask = host(&rewards.value_mask)?;
+        let value_mask = mat_f32(&rewards.value_mask, "value_mask")?;
         timing.insert(metric::TIMING_S_ADV.into(), t.elapsed().as_secs_f64());
 
         // Updates: critic and actor at once.
-        let mut actor_batch = seq.clone();
-        actor_batch.meta.insert("step".into(), json!(step));
-        for (name, v) in [
-            ("response_mask", &ro.response_mask),
-            ("old_log_probs", &old),
-            ("advantages", &advantages),
-        ] {
-            actor_batch
-                .tensors
-                .insert(name.into(), wire_f32(v, &shape)?);
-        }
-        if cfg.actor_rollout.use_kl_loss {
-            actor_batch
-                .tensors
-                .insert("ref_log_probs".into(), wire_f32(&refl, &shape)?);
-        }
-        let critic_batch = match &vals {
-            Some(v) => {
-                let mut b = seq.clone();
-                b.meta.insert("step".into(), json!(step));
-                b.tensors
-                    .insert("response_mask".into(), wire_f32(&value_mask, &shape)?);
-                b.tensors.insert("values".into(), wire_f32(v, &shape)?);
-                b.tensors
-                    .insert("returns".into(), wire_f32(&returns, &shape)?);
-                Some(b)
-            }
-            None => None,
+        let actor_req = ActorUpdateRequest {
+            seq: ro.seq.clone(),
+            response_mask: ro.response_mask.clone(),
+            old_log_probs: old,
+            advantages,
+            ref_log_probs: cfg.actor_rollout.use_kl_loss.then_some(refl),
+            step,
         };
+        let critic_req = vals.map(|v| CriticUpdateRequest {
+            seq: ro.seq.clone(),
+            value_mask,
+            values: v,
+            returns,
+            step,
+        });
         let ((actor_out, t_actor), (critic_out, t_critic)) = tokio::join!(
-            timed(
-                roles
-                    .train
-                    .call_each(BatchCall::UpdateActor, &actor_batch, tmo)
-            ),
+            timed(roles.train.call_each(&actor_req, tmo)),
             timed(async {
-                match &critic_batch {
-                    Some(b) => roles
-                        .critic
-                        .call_each(BatchCall::UpdateCritic, b, tmo)
-                        .await
-                        .map(Some),
+                match &critic_req {
+                    Some(req) => roles.critic.call_each(req, tmo).await.map(Some),
                     None => Ok(None),
                 }
             }),
         );
         timing.insert(metric::TIMING_S_UPDATE_ACTOR.into(), t_actor);
         timing.insert(metric::TIMING_S_UPDATE_CRITIC.into(), t_critic);
-        metrics.extend(mean_meta_metrics(&actor_out?));
+        metrics.extend(mean_metrics(&actor_out?));
         // TRL logs the policy's learning rate as `lr`.
         if let Some(&lr) = metrics.get(metric::ACTOR_LR) {
             metrics.insert(metric::LR.into(), lr);
         }
         if let Some(c) = critic_out? {
-            metrics.extend(mean_meta_metrics(&c));
+            metrics.extend(mean_metrics(&c));
         }
         for (k, v) in &metrics {
             if !v.is_finite() && k.starts_with("loss/") {
@@ -253,4 +225,41 @@ impl Loop<'_> {
             .collect();
         Ok((metrics, samples))
     }
+}
+
+/// How far the sampling policy was from the trainer's: the absolute difference of the
+/// behaviour and old log-probs over valid tokens (mean and max; a weight sync gone wrong
+/// shows here first), and how many steps old the sampling weights were.
+fn behaviour_metrics(
+    behaviour: &Mat<f32>,
+    versions: &[u64],
+    old: &Mat<f32>,
+    mask: &Mat<f32>,
+    step: u64,
+) -> BTreeMap<String, f64> {
+    let mut out = BTreeMap::new();
+    if behaviour.shape() == old.shape() && behaviour.shape() == mask.shape() {
+        let (mut sum, mut max, mut n) = (0.0f64, 0.0f64, 0usize);
+        for ((&b, &o), &m) in behaviour.data.iter().zip(&old.data).zip(&mask.data) {
+            if m > 0.5 {
+                let d = f64::from((b - o).abs());
+                sum += d;
+                max = max.max(d);
+                n += 1;
+            }
+        }
+        if n > 0 {
+            out.insert(
+                metric::ROLLOUT_LOG_PROB_DIFF_MEAN.to_string(),
+                sum / n as f64,
+            );
+            out.insert(metric::ROLLOUT_LOG_PROB_DIFF_MAX.to_string(), max);
+        }
+    }
+    // Weights synced after step s carry version s; step s samples with version s - 1.
+    if let Some(&oldest) = versions.iter().min() {
+        let lag = step.saturating_sub(1).saturating_sub(oldest);
+        out.insert(metric::ROLLOUT_STALENESS.to_string(), lag as f64);
+    }
+    out
 }

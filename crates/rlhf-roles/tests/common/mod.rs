@@ -141,3 +141,141 @@ pub fn max_rel_diff(a: &[(String, Vec<f32>)], b: &[(String, Vec<f32>)]) -> (f32,
     }
     worst
 }
+
+// ---------------------------------------------------------------------------------------
+// Engines from a config the way the driver builds them (a RoleSpec per rank), and their
+// calls over wire batches: each batch goes through the typed request of its call
+// (`rlhf_core::calls`), so these tests also cover the decoding the role server does.
+
+use candle_core::Device;
+use rlhf_config::RoleSpec;
+use rlhf_core::calls::{
+    ActorUpdateRequest, CriticUpdateRequest, GenerateRequest, LogProbsRequest, RoleCall,
+    ScoresRequest, ValuesRequest, Wire,
+};
+use rlhf_core::{RoleKind, RolePart, RoleSlot};
+use rlhf_roles::{Critic, Generate, LogProbs, RefPolicy, Reward, Rollout, Score, Trainer, Values};
+
+pub fn spec(cfg: &PpoConfig, kind: RoleKind, part: RolePart, rank: u32, world: u32) -> RoleSpec {
+    let slot = RoleSlot {
+        kind,
+        part,
+        rank,
+        world_size: world,
+    };
+    RoleSpec::resolve(cfg, slot).unwrap()
+}
+
+pub fn trainer(cfg: &PpoConfig, rank: usize, world: usize) -> Trainer {
+    let s = spec(
+        cfg,
+        RoleKind::ActorRollout,
+        RolePart::Train,
+        rank as u32,
+        world as u32,
+    );
+    Trainer::new(&s, &Device::Cpu).unwrap()
+}
+
+pub fn critic(cfg: &PpoConfig, rank: usize, world: usize) -> Critic {
+    let s = spec(
+        cfg,
+        RoleKind::Critic,
+        RolePart::Whole,
+        rank as u32,
+        world as u32,
+    );
+    Critic::new(&s, &Device::Cpu).unwrap()
+}
+
+pub fn rollout(cfg: &PpoConfig) -> Rollout {
+    let s = spec(cfg, RoleKind::ActorRollout, RolePart::Infer, 0, 1);
+    Rollout::new(&s, &Device::Cpu).unwrap()
+}
+
+pub fn reference(cfg: &PpoConfig) -> RefPolicy {
+    let s = spec(cfg, RoleKind::Ref, RolePart::Whole, 0, 1);
+    RefPolicy::new(&s, &Device::Cpu).unwrap()
+}
+
+pub fn reward(cfg: &PpoConfig) -> rlhf_roles::Result<Reward> {
+    let slot = RoleSlot {
+        kind: RoleKind::Reward,
+        part: RolePart::Whole,
+        rank: 0,
+        world_size: 1,
+    };
+    Reward::new(&RoleSpec::resolve(cfg, slot)?, &Device::Cpu)
+}
+
+/// A wire batch as the typed request of `R` (the geometry meta filled in when absent; a
+/// critic batch's `response_mask` is its value mask).
+pub fn typed<R: RoleCall>(b: &DataBatch) -> rlhf_roles::Result<R> {
+    let mut b = b.clone();
+    let r = b.tensors.get("response_mask").map_or(R, |t| t.shape[1]);
+    b.meta
+        .entry("response_length".to_string())
+        .or_insert(serde_json::json!(r));
+    b.meta
+        .entry("step".to_string())
+        .or_insert(serde_json::json!(0));
+    b.meta
+        .entry("seed".to_string())
+        .or_insert(serde_json::json!(0));
+    if R::CALL == rlhf_core::calls::BatchCall::UpdateCritic {
+        if let Some(m) = b.tensors.remove("response_mask") {
+            b.tensors.insert("value_mask".into(), m);
+        }
+    }
+    Ok(R::from_batch(R::CALL, &b)?)
+}
+
+/// The calls of the engines over wire batches, answers as wire batches (update metrics in
+/// the meta).
+pub trait WireCalls {
+    fn upd(
+        &mut self,
+        comm: &mut dyn rlhf_collective::Communicator,
+        b: &DataBatch,
+    ) -> rlhf_roles::Result<DataBatch>;
+}
+
+impl WireCalls for Trainer {
+    fn upd(
+        &mut self,
+        comm: &mut dyn rlhf_collective::Communicator,
+        b: &DataBatch,
+    ) -> rlhf_roles::Result<DataBatch> {
+        Ok(self
+            .update(comm, &typed::<ActorUpdateRequest>(b)?)?
+            .to_batch()?)
+    }
+}
+
+impl WireCalls for Critic {
+    fn upd(
+        &mut self,
+        comm: &mut dyn rlhf_collective::Communicator,
+        b: &DataBatch,
+    ) -> rlhf_roles::Result<DataBatch> {
+        Ok(self
+            .update(comm, &typed::<CriticUpdateRequest>(b)?)?
+            .to_batch()?)
+    }
+}
+
+pub fn log_probs_of(e: &dyn LogProbs, b: &DataBatch) -> rlhf_roles::Result<DataBatch> {
+    Ok(e.log_probs(&typed::<LogProbsRequest>(b)?)?.to_batch()?)
+}
+
+pub fn values_of(e: &dyn Values, b: &DataBatch) -> rlhf_roles::Result<DataBatch> {
+    Ok(e.values(&typed::<ValuesRequest>(b)?)?.to_batch()?)
+}
+
+pub fn generate_with(e: &dyn Generate, b: &DataBatch) -> rlhf_roles::Result<DataBatch> {
+    Ok(e.generate(0, &typed::<GenerateRequest>(b)?)?.to_batch()?)
+}
+
+pub fn scores_of(e: &dyn Score, b: &DataBatch) -> rlhf_roles::Result<DataBatch> {
+    Ok(e.score(&typed::<ScoresRequest>(b)?)?.to_batch()?)
+}

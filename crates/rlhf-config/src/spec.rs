@@ -1,0 +1,380 @@
+//! `RoleSpec`: everything one role rank needs, resolved once by the driver from the job
+//! config and sent in `InitRole`. Role processes never parse the job config, so a value is
+//! derived in exactly one place (here): model and tokenizer directories, shapes, seeds, the
+//! rank's share of a mini-batch, the optimizer and its schedule length, losses, sampling,
+//! the reward source, the device and the communicator groups.
+
+use std::path::{Path, PathBuf};
+
+use rlhf_algo::{PolicyLossConfig, ValueLossConfig};
+use rlhf_core::{CommGroup, DeviceSpec, RoleKind, RolePart, RoleSlot};
+use rlhf_types::DType;
+use serde::{Deserialize, Serialize};
+
+use crate::config::{DeviceKind, PpoConfig, RewardKind, TrainingConfig};
+use crate::error::{ConfigError, Result};
+
+/// Sequence geometry of a job: prompts left-padded to `prompt_len`, responses
+/// right-padded to `response_len`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Shapes {
+    pub prompt_len: usize,
+    pub response_len: usize,
+}
+
+impl Shapes {
+    pub fn seq_len(&self) -> usize {
+        self.prompt_len + self.response_len
+    }
+}
+
+/// How a trainable engine updates: optimizer, schedule and the walk over its shard.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainSpec {
+    /// The role's resolved `training` section (lr, betas, eps, decay, schedule, clipping).
+    pub optimizer: TrainingConfig,
+    /// Optimizer steps per PPO step (epochs x mini-batches): the schedule spans
+    /// `train_iters * steps_per_iter` of them.
+    pub steps_per_iter: usize,
+    pub epochs: usize,
+    /// This rank's rows of a global mini-batch (global / ranks).
+    pub mini_batch_rows: usize,
+    pub shuffle: bool,
+}
+
+/// How the rollout samples.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct SamplingSpec {
+    /// 0 means greedy.
+    pub temperature: f64,
+    pub top_p: f64,
+    pub top_k: usize,
+}
+
+/// Where scores come from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "source", rename_all = "snake_case")]
+pub enum RewardSpec {
+    /// A built-in rule by name (`reward.rule`).
+    Rule { rule: String },
+    /// An HTTP endpoint.
+    Http { url: String, timeout_s: f64 },
+    /// A reward model at the spec's `model_dir`.
+    Model,
+}
+
+/// What the rank computes.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "engine", rename_all = "snake_case")]
+pub enum EngineSpec {
+    /// actor_rollout train: old log-probs and the PPO update.
+    Trainer {
+        train: TrainSpec,
+        loss: PolicyLossConfig,
+        /// Log-prob temperature: the sampling temperature, 1 when greedy.
+        temperature: f64,
+    },
+    /// actor_rollout infer: generation; receives weights.
+    Rollout {
+        sampling: SamplingSpec,
+    },
+    /// The frozen reference policy.
+    Ref {
+        temperature: f64,
+    },
+    /// The value model and its update.
+    Critic {
+        train: TrainSpec,
+        loss: ValueLossConfig,
+    },
+    Reward(RewardSpec),
+}
+
+/// One rank's resolved spec.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RoleSpec {
+    pub slot: RoleSlot,
+    pub device: DeviceSpec,
+    /// Compute dtype of the weights. F32 until mixed precision lands (`training.bf16` is
+    /// not honoured yet).
+    pub dtype: DType,
+    /// The HF directory to load (absolute); `None` for rule and HTTP rewards.
+    pub model_dir: Option<PathBuf>,
+    /// Where the tokenizer files are (copied into checkpoints; EOS / pad ids for sampling).
+    pub tokenizer_dir: Option<PathBuf>,
+    pub shapes: Shapes,
+    pub seed: u64,
+    /// Rows per forward (inference) and per accumulation step (training).
+    pub micro_batch_rows: usize,
+    /// The LoRA adapter this engine trains or serves; `None` is the full model (the only
+    /// kind the roles run today).
+    pub adapter: Option<String>,
+    /// The communicator groups this rank joins.
+    pub comms: Vec<CommGroup>,
+    pub engine: EngineSpec,
+}
+
+fn invalid(msg: String) -> ConfigError {
+    ConfigError::Spec(msg)
+}
+
+/// The HF directory of a role's model, checked.
+fn model_dir(cfg: &PpoConfig, role: RoleKind) -> Result<PathBuf> {
+    let m = cfg.role_model(role).ok_or_else(|| {
+        invalid(format!(
+            "{role} has no model in the config (set {role}.model, or actor_rollout.model)"
+        ))
+    })?;
+    let dir = m.path.unwrap_or_else(|| PathBuf::from(&m.name));
+    if !dir.join("config.json").is_file() {
+        return Err(invalid(format!(
+            "{role} model '{}' is not an HF model directory ({} has no config.json)",
+            m.name,
+            dir.display()
+        )));
+    }
+    Ok(dir)
+}
+
+/// A global mini-batch split over `world` ranks.
+fn rank_rows(global: u32, world: u32, key: &str) -> Result<usize> {
+    let world = world.max(1);
+    if global == 0 || !global.is_multiple_of(world) {
+        return Err(invalid(format!(
+            "{key} ({global}) must be a positive multiple of the number of ranks ({world})"
+        )));
+    }
+    Ok((global / world) as usize)
+}
+
+impl RoleSpec {
+    /// The spec of `slot` in a job, on a device of the pool's kind (each rank sees its
+    /// bundle's device as ordinal 0).
+    pub fn resolve(cfg: &PpoConfig, slot: RoleSlot) -> Result<Self> {
+        slot.validate()
+            .map_err(|e| invalid(format!("role slot: {e}")))?;
+        let kind = slot.kind;
+        let t = cfg.resolved(kind);
+        let a = &cfg.actor_rollout;
+        let shapes = Shapes {
+            prompt_len: a.max_prompt_length as usize,
+            response_len: a.max_response_length as usize,
+        };
+        if shapes.prompt_len == 0 || shapes.response_len == 0 {
+            return Err(invalid(format!(
+                "actor_rollout.max_prompt_length ({}) and max_response_length ({}) must be > 0",
+                shapes.prompt_len, shapes.response_len
+            )));
+        }
+        let device = match cfg.resource_pool.device {
+            DeviceKind::Cpu => DeviceSpec::Cpu,
+            DeviceKind::Gpu => DeviceSpec::Cuda { ordinal: 0 },
+            DeviceKind::Npu => DeviceSpec::Npu { ordinal: 0 },
+        };
+        let rollout = cfg.rollout_batch_size().max(1) as usize;
+        let logprob_temperature = if a.temperature > 0.0 && a.temperature.is_finite() {
+            a.temperature
+        } else {
+            1.0
+        };
+        let (engine, comms) = match (kind, slot.part) {
+            (RoleKind::ActorRollout, RolePart::Train) => {
+                let mini = a.ppo_mini_batch_size.max(1) as usize;
+                let mut comms = vec![CommGroup::ActorDp];
+                if slot.rank == 0 {
+                    comms.push(CommGroup::Weights);
+                }
+                let train = TrainSpec {
+                    optimizer: t.clone(),
+                    steps_per_iter: a.ppo_epochs as usize * (rollout / mini).max(1),
+                    epochs: a.ppo_epochs as usize,
+                    mini_batch_rows: rank_rows(
+                        a.ppo_mini_batch_size,
+                        slot.world_size,
+                        "actor_rollout.ppo_mini_batch_size",
+                    )?,
+                    shuffle: a.shuffle_minibatch,
+                };
+                let engine = EngineSpec::Trainer {
+                    train,
+                    loss: a.policy_loss(),
+                    temperature: logprob_temperature,
+                };
+                (engine, comms)
+            }
+            (RoleKind::ActorRollout, _) => {
+                let sampling = SamplingSpec {
+                    temperature: if a.do_sample { a.temperature } else { 0.0 },
+                    top_p: a.top_p,
+                    top_k: a.top_k as usize,
+                };
+                (EngineSpec::Rollout { sampling }, vec![CommGroup::Weights])
+            }
+            (RoleKind::Ref, _) => (
+                EngineSpec::Ref {
+                    temperature: logprob_temperature,
+                },
+                vec![],
+            ),
+            (RoleKind::Critic, _) => {
+                let c = &cfg.critic;
+                let mini = c.critic_mini_batch_size.max(1) as usize;
+                let train = TrainSpec {
+                    optimizer: t.clone(),
+                    steps_per_iter: c.critic_update_epochs as usize * (rollout / mini).max(1),
+                    epochs: c.critic_update_epochs as usize,
+                    mini_batch_rows: rank_rows(
+                        c.critic_mini_batch_size,
+                        slot.world_size,
+                        "critic.critic_mini_batch_size",
+                    )?,
+                    shuffle: c.shuffle_minibatch,
+                };
+                let engine = EngineSpec::Critic {
+                    train,
+                    loss: c.value_loss(),
+                };
+                (engine, vec![CommGroup::CriticDp])
+            }
+            (RoleKind::Reward, _) => {
+                let r = &cfg.reward;
+                let spec = match r.kind {
+                    RewardKind::Rule => RewardSpec::Rule {
+                        rule: r.rule.clone(),
+                    },
+                    RewardKind::Http => RewardSpec::Http {
+                        url: r.url.clone(),
+                        timeout_s: r.timeout_s,
+                    },
+                    RewardKind::Model => RewardSpec::Model,
+                };
+                (EngineSpec::Reward(spec), vec![])
+            }
+        };
+        let model_dir = match &engine {
+            EngineSpec::Reward(RewardSpec::Rule { .. } | RewardSpec::Http { .. }) => None,
+            _ => Some(model_dir(cfg, kind)?),
+        };
+        let tokenizer_dir = t
+            .tokenizer_name_or_path
+            .as_deref()
+            .filter(|p| !p.is_empty())
+            .map(PathBuf::from)
+            .or_else(|| model_dir.clone());
+        Ok(Self {
+            slot,
+            device,
+            dtype: DType::F32,
+            model_dir,
+            tokenizer_dir,
+            shapes,
+            seed: t.seed,
+            micro_batch_rows: t.micro_batch_size.max(1) as usize,
+            adapter: None,
+            comms,
+            engine,
+        })
+    }
+
+    /// The model directory, or an error naming the rank when the spec has none.
+    pub fn model_dir(&self) -> Result<&Path> {
+        self.model_dir.as_deref().ok_or_else(|| {
+            invalid(format!(
+                "{}: the spec has no model directory",
+                self.slot.label()
+            ))
+        })
+    }
+
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    pub fn from_json(s: &str) -> Result<Self> {
+        serde_json::from_str(s).map_err(|e| {
+            invalid(format!(
+                "InitRole spec is not a RoleSpec of this version ({e}); are the driver and the \
+                 worker the same release?"
+            ))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny() -> PpoConfig {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs");
+        let mut cfg = crate::load(&dir, "ppo_tiny", &[]).unwrap();
+        cfg.absolutize_paths(&dir.join(".."));
+        cfg
+    }
+
+    fn slot(kind: RoleKind, part: RolePart, rank: u32, world: u32) -> RoleSlot {
+        RoleSlot {
+            kind,
+            part,
+            rank,
+            world_size: world,
+        }
+    }
+
+    #[test]
+    fn specs_resolve_each_value_once_and_survive_json() {
+        let cfg = tiny();
+        let t =
+            RoleSpec::resolve(&cfg, slot(RoleKind::ActorRollout, RolePart::Train, 0, 2)).unwrap();
+        let EngineSpec::Trainer { train, .. } = &t.engine else {
+            panic!("{t:?}")
+        };
+        // ppo_tiny: 8 prompts x 2 samples, mini-batch 8 over 2 ranks, 2 epochs.
+        assert_eq!(train.mini_batch_rows, 4);
+        assert_eq!(train.steps_per_iter, 4);
+        assert_eq!(t.comms, vec![CommGroup::ActorDp, CommGroup::Weights]);
+        assert!(t.model_dir().unwrap().join("config.json").is_file());
+        assert_eq!(t.tokenizer_dir, t.model_dir);
+        assert_eq!(RoleSpec::from_json(&t.to_json()).unwrap(), t);
+
+        let r1 =
+            RoleSpec::resolve(&cfg, slot(RoleKind::ActorRollout, RolePart::Train, 1, 2)).unwrap();
+        assert_eq!(r1.comms, vec![CommGroup::ActorDp]);
+        let reward =
+            RoleSpec::resolve(&cfg, slot(RoleKind::Reward, RolePart::Whole, 0, 1)).unwrap();
+        assert!(matches!(
+            reward.engine,
+            EngineSpec::Reward(RewardSpec::Rule { .. })
+        ));
+        assert_eq!(reward.model_dir, None);
+        assert_eq!(RoleSpec::from_json(&reward.to_json()).unwrap(), reward);
+    }
+
+    #[test]
+    fn bad_specs_name_the_key() {
+        let cfg = tiny();
+        let err = RoleSpec::resolve(&cfg, slot(RoleKind::ActorRollout, RolePart::Train, 0, 3))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("actor_rollout.ppo_mini_batch_size (8)"),
+            "{err}"
+        );
+        let err = RoleSpec::resolve(&cfg, slot(RoleKind::Critic, RolePart::Train, 0, 1))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("cannot run part 'train'"), "{err}");
+        let mut missing = cfg.clone();
+        missing.critic.model = "/nonexistent/critic".into();
+        let err = RoleSpec::resolve(&missing, slot(RoleKind::Critic, RolePart::Whole, 0, 1))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("/nonexistent/critic") && err.contains("config.json"),
+            "{err}"
+        );
+        let err = RoleSpec::from_json("{\"slot\": 3}")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("same release"), "{err}");
+    }
+}

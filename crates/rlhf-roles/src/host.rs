@@ -1,0 +1,428 @@
+//! `RoleHost`: what one role process's compute thread owns — its device, its communicator
+//! groups and one or more engines (a trainer, a rollout, a reference policy, a critic, a
+//! reward), each with the `RoleSpec` it was built from. Calls arrive typed (decoded from
+//! the wire here, the only place a role process touches a `DataBatch`) and are routed to
+//! the engine of the addressed slot through the capability they need.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use candle_core::Device;
+use rlhf_config::{EngineSpec, RoleSpec};
+use rlhf_core::batch::DataBatch;
+use rlhf_core::calls::{
+    self, ActorUpdateRequest, CriticUpdateRequest, GenerateRequest, LogProbsRequest, RoleCall,
+    ScoresRequest, ValuesRequest, Wire,
+};
+use rlhf_core::{CommBackend, CommGroup, DeviceSpec, RoleKind, RolePart, RoleSlot};
+use rlhf_model::Model;
+use rlhf_proto::v1 as pb;
+pub use rlhf_proto::BatchCall;
+
+use crate::comm::{Groups, JoinSpec, Prepared};
+use crate::critic::Critic;
+use crate::engine::Engine;
+use crate::error::{Ctx, Error, Result};
+use crate::policy::{RefPolicy, Rollout, Trainer};
+use crate::reward::Reward;
+
+/// One engine and the spec it was built from.
+pub struct Hosted {
+    pub spec: RoleSpec,
+    pub engine: Engine,
+}
+
+/// Everything the compute thread owns.
+pub struct RoleHost {
+    /// The process kind (`--kind`): every engine's spec must be of this role.
+    pub kind: RoleKind,
+    /// IP the TCP rendezvous binds on (reachable by the other ranks).
+    pub host: String,
+    /// Opened by the first engine; every later engine shares it.
+    device: Option<(Device, DeviceSpec)>,
+    pub engines: Vec<Hosted>,
+    pub groups: Groups,
+}
+
+/// Opens the device a spec asks for. A build or machine without it computes on the CPU and
+/// says so (the note reaches the driver's log through InitRole).
+fn open_device(want: DeviceSpec) -> (Device, DeviceSpec, String) {
+    match want {
+        DeviceSpec::Cpu => (Device::Cpu, DeviceSpec::Cpu, String::new()),
+        DeviceSpec::Cuda { ordinal } => match Device::new_cuda(ordinal as usize) {
+            Ok(d) => (d, want, String::new()),
+            Err(e) => (
+                Device::Cpu,
+                DeviceSpec::Cpu,
+                format!("{want} requested but not available ({e}); computing on the CPU"),
+            ),
+        },
+        DeviceSpec::Npu { .. } => (
+            Device::Cpu,
+            DeviceSpec::Cpu,
+            format!("{want} requested but this build has no NPU backend; computing on the CPU"),
+        ),
+    }
+}
+
+impl RoleHost {
+    pub fn new(kind: RoleKind, host: &str) -> Self {
+        Self {
+            kind,
+            host: host.to_string(),
+            device: None,
+            engines: Vec::new(),
+            groups: Groups::new(),
+        }
+    }
+
+    fn label(&self) -> String {
+        if self.engines.is_empty() {
+            return format!("{} (not initialised)", self.kind);
+        }
+        let labels: Vec<String> = self.engines.iter().map(|h| h.spec.slot.label()).collect();
+        labels.join(" + ")
+    }
+
+    /// The device engines compute on (opened for `want` by the first engine).
+    pub fn device(&mut self, want: DeviceSpec) -> (Device, DeviceSpec, String) {
+        if let Some((d, actual)) = &self.device {
+            return (d.clone(), *actual, String::new());
+        }
+        let (d, actual, note) = open_device(want);
+        self.device = Some((d.clone(), actual));
+        (d, actual, note)
+    }
+
+    /// Builds the engine a spec describes on this host's device and adds it. Returns the
+    /// note of the device choice (empty when the spec's device was opened).
+    pub fn add(&mut self, spec: RoleSpec) -> Result<String> {
+        self.check_new(&spec)?;
+        if spec.adapter.is_some() {
+            return Err(Error::invalid(format!(
+                "{}: LoRA adapters are not supported yet; train the full model",
+                spec.slot.label()
+            )));
+        }
+        let (device, _, note) = self.device(spec.device);
+        let engine = match &spec.engine {
+            EngineSpec::Trainer { .. } => Engine::Trainer(Box::new(Trainer::new(&spec, &device)?)),
+            EngineSpec::Rollout { .. } => Engine::Rollout(Box::new(Rollout::new(&spec, &device)?)),
+            EngineSpec::Ref { .. } => Engine::Ref(Box::new(RefPolicy::new(&spec, &device)?)),
+            EngineSpec::Critic { .. } => Engine::Critic(Box::new(Critic::new(&spec, &device)?)),
+            EngineSpec::Reward(_) => Engine::Reward(Box::new(Reward::new(&spec, &device)?)),
+        };
+        self.engines.push(Hosted { spec, engine });
+        Ok(note)
+    }
+
+    /// Adds a rollout engine that generates with the model of the engine already serving
+    /// `of` (the hybrid engine: no second copy of the weights, no weight sync).
+    pub fn add_sharing(&mut self, spec: RoleSpec, of: RoleSlot) -> Result<()> {
+        self.check_new(&spec)?;
+        let model: Arc<Model> = self
+            .engines
+            .iter()
+            .find(|h| h.spec.slot == of)
+            .and_then(|h| h.engine.model())
+            .cloned()
+            .ok_or_else(|| {
+                Error::invalid(format!("no engine with a model serves {}", of.label()))
+            })?;
+        let engine = Engine::Rollout(Box::new(Rollout::sharing(&spec, model)?));
+        self.engines.push(Hosted { spec, engine });
+        Ok(())
+    }
+
+    fn check_new(&self, spec: &RoleSpec) -> Result<()> {
+        spec.slot.validate()?;
+        if spec.slot.kind != self.kind {
+            return Err(Error::invalid(format!(
+                "InitRole for role '{}' sent to a '{}' actor process",
+                spec.slot.kind, self.kind
+            )));
+        }
+        if self.engines.iter().any(|h| h.spec.slot == spec.slot) {
+            return Err(Error::invalid(format!(
+                "{} is already initialised; InitRole runs once per slot",
+                spec.slot.label()
+            )));
+        }
+        Ok(())
+    }
+
+    pub fn init(&mut self, req: &pb::InitRoleRequest) -> Result<pb::InitRoleResponse> {
+        let kind = RoleKind::from_wire(req.role, "InitRoleRequest.role")?;
+        if kind != self.kind {
+            return Err(Error::invalid(format!(
+                "InitRole for role '{kind}' sent to a '{}' actor process",
+                self.kind
+            )));
+        }
+        let spec = RoleSpec::from_json(&req.spec)?;
+        let slot = spec.slot;
+        let note = self.add(spec)?;
+        let hosted = self
+            .engines
+            .last()
+            .ok_or_else(|| Error::internal("the engine just added is gone"))?;
+        let (model, num_params, checksum) = match (hosted.engine.model(), &hosted.engine) {
+            (Some(m), _) => (
+                src(m),
+                m.params().num_params() as u64,
+                crate::weights::weights_checksum(m)?,
+            ),
+            (None, Engine::Reward(r)) => (r.describe(), 0, 0),
+            (None, _) => (slot.label(), 0, 0),
+        };
+        let (_, actual, _) = self.device(DeviceSpec::Cpu);
+        Ok(pb::InitRoleResponse {
+            model,
+            num_params,
+            weights_checksum: checksum,
+            device: Some(actual.to_wire()),
+            note,
+        })
+    }
+
+    pub fn prepare_comm(&mut self, req: &pb::PrepareCommRequest) -> Result<Prepared> {
+        let host = self.host.clone();
+        self.groups.prepare(
+            CommGroup::from_wire(req.group, "PrepareCommRequest.group")?,
+            CommBackend::from_wire(req.backend, "PrepareCommRequest.backend")?,
+            &host,
+        )
+    }
+
+    pub fn join_comm(&mut self, req: &pb::JoinCommRequest) -> Result<()> {
+        let group = CommGroup::from_wire(req.group, "JoinCommRequest.group")?;
+        if !self.engines.is_empty() && !self.engines.iter().any(|h| h.spec.comms.contains(&group)) {
+            return Err(Error::invalid(format!(
+                "{} does not join the {group} group (its spec lists: {:?})",
+                self.label(),
+                self.engines
+                    .iter()
+                    .flat_map(|h| h.spec.comms.iter().map(|g| g.as_str()))
+                    .collect::<Vec<_>>()
+            )));
+        }
+        self.groups.join(&JoinSpec {
+            group,
+            backend: CommBackend::from_wire(req.backend, "JoinCommRequest.backend")?,
+            rank: req.rank as usize,
+            world_size: req.world_size as usize,
+            address: req.address.clone(),
+            unique_id: req.unique_id.clone(),
+            timeout_ms: req.timeout_ms,
+        })
+    }
+
+    /// The index of the engine a call goes to: the batch's target slot when it names one,
+    /// else the only engine that can serve the call.
+    fn route(&self, call: BatchCall, target: Option<(RoleKind, RolePart)>) -> Result<usize> {
+        let serves = |e: &Engine| match call {
+            BatchCall::Generate => e.as_generate().is_some(),
+            BatchCall::ComputeLogProbs => e.as_log_probs().is_some(),
+            BatchCall::ComputeValues => e.as_values().is_some(),
+            BatchCall::ComputeScores => e.as_score().is_some(),
+            BatchCall::UpdateActor => matches!(e, Engine::Trainer(_)),
+            BatchCall::UpdateCritic => matches!(e, Engine::Critic(_)),
+        };
+        if self.engines.is_empty() {
+            return Err(Error::invalid(format!(
+                "the {} actor is not initialised; call InitRole first",
+                self.kind
+            )));
+        }
+        let found: Vec<usize> = self
+            .engines
+            .iter()
+            .enumerate()
+            .filter(|(_, h)| serves(&h.engine))
+            .filter(|(_, h)| {
+                target.is_none_or(|(k, p)| h.spec.slot.kind == k && h.spec.slot.part == p)
+            })
+            .map(|(i, _)| i)
+            .collect();
+        match found[..] {
+            [i] => Ok(i),
+            [] => Err(Error::invalid(format!(
+                "{} is not served by {}",
+                call.name(),
+                self.label()
+            ))),
+            _ => Err(Error::invalid(format!(
+                "{} is served by several engines of {}; the batch must name its target",
+                call.name(),
+                self.label()
+            ))),
+        }
+    }
+
+    /// Runs a batch call from the wire; the error names the engine and the call.
+    pub fn batch(&mut self, call: BatchCall, batch: &DataBatch) -> Result<DataBatch> {
+        let label = self.label();
+        self.batch_inner(call, batch)
+            .with_ctx(|| format!("{label} {}", call.name()))
+    }
+
+    fn batch_inner(&mut self, call: BatchCall, batch: &DataBatch) -> Result<DataBatch> {
+        let i = self.route(call, calls::target(batch)?)?;
+        fn req<R: RoleCall>(b: &DataBatch) -> Result<R> {
+            Ok(R::from_batch(R::CALL, b)?)
+        }
+        let rank = self.engines[i].spec.slot.rank;
+        let world = self.engines[i].spec.slot.world_size as usize;
+        let engine = &mut self.engines[i].engine;
+        let unserved = || Error::internal("routed to an engine without the capability");
+        let out = match call {
+            BatchCall::Generate => engine
+                .as_generate()
+                .ok_or_else(unserved)?
+                .generate(rank, &req::<GenerateRequest>(batch)?)?
+                .to_batch()?,
+            BatchCall::ComputeLogProbs => engine
+                .as_log_probs()
+                .ok_or_else(unserved)?
+                .log_probs(&req::<LogProbsRequest>(batch)?)?
+                .to_batch()?,
+            BatchCall::ComputeValues => engine
+                .as_values()
+                .ok_or_else(unserved)?
+                .values(&req::<ValuesRequest>(batch)?)?
+                .to_batch()?,
+            BatchCall::ComputeScores => engine
+                .as_score()
+                .ok_or_else(unserved)?
+                .score(&req::<ScoresRequest>(batch)?)?
+                .to_batch()?,
+            BatchCall::UpdateActor | BatchCall::UpdateCritic => {
+                let group = if call == BatchCall::UpdateActor {
+                    CommGroup::ActorDp
+                } else {
+                    CommGroup::CriticDp
+                };
+                let comm = self.groups.get(group, world)?;
+                let res = match engine {
+                    Engine::Trainer(t) => t.update(comm, &req::<ActorUpdateRequest>(batch)?),
+                    Engine::Critic(c) => c.update(comm, &req::<CriticUpdateRequest>(batch)?),
+                    _ => Err(unserved()),
+                };
+                if matches!(&res, Err(e) if is_collective(e)) {
+                    self.groups.forget(group);
+                }
+                res?.to_batch()?
+            }
+        };
+        Ok(out)
+    }
+
+    pub fn sync_weights(
+        &mut self,
+        req: &pb::SyncWeightsRequest,
+    ) -> Result<pb::SyncWeightsResponse> {
+        let label = self.label();
+        let group = CommGroup::from_wire(req.group, "SyncWeightsRequest.group")?;
+        let bucket = req.bucket_bytes as usize;
+        // The weights group has the trainer and at least one rollout rank: never a group
+        // of one made on the spot, so a missing JoinComm is reported.
+        let comm = self.groups.get(group, 2)?;
+        let mut res = Err(Error::invalid(format!(
+            "SyncWeights is served by actor_rollout ranks only, not by {label}"
+        )));
+        // A trainer sends; a rollout (without a trainer on this host) receives.
+        if let Some(t) = self.engines.iter_mut().find_map(|h| match &mut h.engine {
+            Engine::Trainer(t) => Some(t),
+            _ => None,
+        }) {
+            res = t.send_weights(comm, req.version, bucket);
+        } else if let Some(r) = self.engines.iter_mut().find_map(|h| match &mut h.engine {
+            Engine::Rollout(r) => Some(r),
+            _ => None,
+        }) {
+            res = r.recv_weights(comm, req.version, bucket);
+        }
+        if matches!(&res, Err(e) if is_collective(e)) {
+            self.groups.forget(group);
+        }
+        let (stats, checksum) = res.with_ctx(|| format!("{label} SyncWeights"))?;
+        Ok(pb::SyncWeightsResponse {
+            checksum,
+            bytes: stats.bytes,
+            buckets: stats.buckets as u32,
+            seconds: stats.elapsed.as_secs_f64(),
+            version: req.version,
+        })
+    }
+
+    /// Checksum and version of the first engine with a model (rule and HTTP rewards: 0).
+    pub fn weights_checksum(&mut self) -> Result<pb::WeightsChecksumResponse> {
+        let h = self
+            .engines
+            .first()
+            .ok_or_else(|| Error::invalid("not initialised; call InitRole first"))?;
+        let checksum = match h.engine.model() {
+            Some(m) => crate::weights::weights_checksum(m)?,
+            None => 0,
+        };
+        Ok(pb::WeightsChecksumResponse {
+            checksum,
+            version: h.engine.version(),
+        })
+    }
+
+    /// The one trainable engine's state, for checkpoints.
+    fn trainable(&mut self, what: &str) -> Result<&mut crate::train::TrainState> {
+        let label = self.label();
+        self.engines
+            .iter_mut()
+            .find_map(|h| match &mut h.engine {
+                Engine::Trainer(t) => Some(&mut t.state),
+                Engine::Critic(c) => Some(&mut c.state),
+                _ => None,
+            })
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "{what} is for trainable roles (actor_rollout train, critic), not {label}"
+                ))
+            })
+    }
+
+    pub fn save_checkpoint(&mut self, dir: &str) -> Result<Vec<String>> {
+        let label = self.label();
+        let dir = checkpoint_dir(dir)?;
+        self.trainable("SaveCheckpoint")?
+            .save_checkpoint(dir)
+            .with_ctx(|| format!("{label} SaveCheckpoint"))
+    }
+
+    pub fn load_checkpoint(&mut self, dir: &str) -> Result<u64> {
+        let label = self.label();
+        let dir = checkpoint_dir(dir)?;
+        self.trainable("LoadCheckpoint")?
+            .load_checkpoint(dir)
+            .with_ctx(|| format!("{label} LoadCheckpoint"))
+    }
+}
+
+fn checkpoint_dir(dir: &str) -> Result<&Path> {
+    if dir.is_empty() {
+        return Err(Error::invalid("checkpoint dir is empty"));
+    }
+    Ok(Path::new(dir))
+}
+
+fn src(model: &Model) -> String {
+    model
+        .source_dir()
+        .map(|p| p.display().to_string())
+        .unwrap_or_else(|| "random".into())
+}
+
+fn is_collective(e: &Error) -> bool {
+    match e {
+        Error::Collective(_) => true,
+        Error::Context { source, .. } => is_collective(source),
+        _ => false,
+    }
+}

@@ -1,0 +1,103 @@
+//! A RoleHost with two engines on one device sharing one model (the hybrid engine): the
+//! rollout generates with the trainer's weights as they are after an update, with no sync,
+//! and calls reach the engine of the slot they name.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use rlhf_collective::{CommConfig, TcpCommunicator};
+use rlhf_core::calls::{self, BatchCall, GenerateRequest, GenerateResponse, Mat, Wire};
+use rlhf_core::{RoleKind, RolePart};
+use rlhf_roles::{Engine, RoleHost};
+
+fn single() -> TcpCommunicator {
+    TcpCommunicator::single(CommConfig::default())
+}
+
+#[test]
+fn a_rollout_sharing_the_trainer_model_generates_with_updated_weights() {
+    let cfg = config();
+    let mut host = RoleHost::new(RoleKind::ActorRollout, "127.0.0.1");
+    let train = spec(&cfg, RoleKind::ActorRollout, RolePart::Train, 0, 1);
+    let infer = spec(&cfg, RoleKind::ActorRollout, RolePart::Infer, 0, 1);
+    host.add(train.clone()).unwrap();
+    host.add_sharing(infer, train.slot).unwrap();
+    let (Engine::Trainer(t), Engine::Rollout(r)) =
+        (&host.engines[0].engine, &host.engines[1].engine)
+    else {
+        panic!("engines in the wrong order")
+    };
+    assert!(
+        Arc::ptr_eq(&t.state.model, &r.model),
+        "one model, two engines"
+    );
+
+    // Prompts of the geometry the rollout expects.
+    let prompt = |v: i64| Mat::new(2, P, (0..2 * P as i64).map(|i| 1 + (i * v) % 300).collect());
+    let req = GenerateRequest {
+        prompt_ids: prompt(7).unwrap(),
+        prompt_mask: Mat::filled(2, P, 1),
+        step: 1,
+        seed: 3,
+    };
+    let mut wire = req.to_batch().unwrap();
+    calls::set_target(&mut wire, RoleKind::ActorRollout, RolePart::Infer);
+    let before = host.batch(BatchCall::Generate, &wire).unwrap();
+
+    // Update the trainer through the host; the rollout sees the new weights at once.
+    let seqs = sequences(&[3, 5, 1, 4, 2, 5, 3, 4], 11);
+    let Engine::Trainer(t) = &host.engines[0].engine else {
+        unreachable!()
+    };
+    let lp = log_probs_of(t.as_ref(), &seqs).unwrap().tensors["log_probs"]
+        .to_f32()
+        .unwrap();
+    let Engine::Trainer(t) = &mut host.engines[0].engine else {
+        unreachable!()
+    };
+    t.upd(&mut single(), &actor_batch(&seqs, &lp, 5)).unwrap();
+    let after = host.batch(BatchCall::Generate, &wire).unwrap();
+    let before = GenerateResponse::from_batch(BatchCall::Generate, &before).unwrap();
+    let after = GenerateResponse::from_batch(BatchCall::Generate, &after).unwrap();
+    assert_ne!(
+        before.behaviour_log_probs, after.behaviour_log_probs,
+        "the shared model moved with the update"
+    );
+
+    // A separate rollout given the trained weights generates exactly the same.
+    let separate = rollout(&cfg);
+    let Engine::Trainer(t) = &host.engines[0].engine else {
+        unreachable!()
+    };
+    separate
+        .model
+        .set_weights(&t.state.model.named_tensors())
+        .unwrap();
+    let want = rlhf_roles::Generate::generate(&separate, 0, &req).unwrap();
+    assert_eq!(want.responses, after.responses);
+    let worst = want
+        .behaviour_log_probs
+        .data
+        .iter()
+        .zip(&after.behaviour_log_probs.data)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(worst < 1e-4, "behaviour log-probs differ by {worst}");
+
+    // ComputeLogProbs is served by the trainer only; UpdateCritic by nobody here.
+    let mut lp_wire = typed::<calls::LogProbsRequest>(&seqs)
+        .unwrap()
+        .to_batch()
+        .unwrap();
+    assert!(host.batch(BatchCall::ComputeLogProbs, &lp_wire).is_ok());
+    calls::set_target(&mut lp_wire, RoleKind::ActorRollout, RolePart::Infer);
+    let err = host
+        .batch(BatchCall::ComputeLogProbs, &lp_wire)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("ComputeLogProbs is not served"), "{err}");
+    let err = host.add(train).unwrap_err().to_string();
+    assert!(err.contains("already initialised"), "{err}");
+}
