@@ -42,6 +42,28 @@ pub struct TrainSpec {
     pub shuffle: bool,
 }
 
+impl TrainSpec {
+    /// `epochs` over a rollout of `rollout` rows in global mini-batches of `mini.0` rows
+    /// (config key `mini.1`), each split over `world` ranks.
+    fn new(
+        optimizer: &TrainingConfig,
+        rollout: usize,
+        epochs: u32,
+        mini: (u32, &str),
+        world: u32,
+        shuffle: bool,
+    ) -> Result<Self> {
+        let (global, key) = mini;
+        Ok(Self {
+            optimizer: optimizer.clone(),
+            steps_per_iter: epochs as usize * (rollout / global.max(1) as usize).max(1),
+            epochs: epochs as usize,
+            mini_batch_rows: rank_rows(global, world, key)?,
+            shuffle,
+        })
+    }
+}
+
 /// How the rollout samples.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct SamplingSpec {
@@ -179,22 +201,18 @@ impl RoleSpec {
         };
         let (engine, comms) = match (kind, slot.part) {
             (RoleKind::ActorRollout, RolePart::Train) => {
-                let mini = a.ppo_mini_batch_size.max(1) as usize;
                 let mut comms = vec![CommGroup::ActorDp];
                 if slot.rank == 0 {
                     comms.push(CommGroup::Weights);
                 }
-                let train = TrainSpec {
-                    optimizer: t.clone(),
-                    steps_per_iter: a.ppo_epochs as usize * (rollout / mini).max(1),
-                    epochs: a.ppo_epochs as usize,
-                    mini_batch_rows: rank_rows(
-                        a.ppo_mini_batch_size,
-                        slot.world_size,
-                        "actor_rollout.ppo_mini_batch_size",
-                    )?,
-                    shuffle: a.shuffle_minibatch,
-                };
+                let train = TrainSpec::new(
+                    &t,
+                    rollout,
+                    a.ppo_epochs,
+                    (a.ppo_mini_batch_size, "actor_rollout.ppo_mini_batch_size"),
+                    slot.world_size,
+                    a.shuffle_minibatch,
+                )?;
                 let engine = EngineSpec::Trainer {
                     train,
                     loss: a.policy_loss(),
@@ -218,18 +236,14 @@ impl RoleSpec {
             ),
             (RoleKind::Critic, _) => {
                 let c = &cfg.critic;
-                let mini = c.critic_mini_batch_size.max(1) as usize;
-                let train = TrainSpec {
-                    optimizer: t.clone(),
-                    steps_per_iter: c.critic_update_epochs as usize * (rollout / mini).max(1),
-                    epochs: c.critic_update_epochs as usize,
-                    mini_batch_rows: rank_rows(
-                        c.critic_mini_batch_size,
-                        slot.world_size,
-                        "critic.critic_mini_batch_size",
-                    )?,
-                    shuffle: c.shuffle_minibatch,
-                };
+                let train = TrainSpec::new(
+                    &t,
+                    rollout,
+                    c.critic_update_epochs,
+                    (c.critic_mini_batch_size, "critic.critic_mini_batch_size"),
+                    slot.world_size,
+                    c.shuffle_minibatch,
+                )?;
                 let engine = EngineSpec::Critic {
                     train,
                     loss: c.value_loss(),

@@ -91,7 +91,7 @@ impl Engine {
     pub fn version(&self) -> u64 {
         match self {
             Engine::Trainer(t) => t.state.version,
-            Engine::Rollout(r) => r.version(),
+            Engine::Rollout(r) => r.version,
             Engine::Critic(c) => c.state.version,
             Engine::Ref(_) | Engine::Reward(_) => 0,
         }

@@ -175,7 +175,7 @@ impl RoleHost {
             (None, Engine::Reward(r)) => (r.describe(), 0, 0),
             (None, _) => (slot.label(), 0, 0),
         };
-        let (_, actual, _) = self.device(DeviceSpec::Cpu);
+        let actual = self.device.as_ref().map_or(DeviceSpec::Cpu, |(_, d)| *d);
         Ok(pb::InitRoleResponse {
             model,
             num_params,

@@ -316,10 +316,6 @@ impl Rollout {
         })
     }
 
-    pub fn version(&self) -> u64 {
-        self.version
-    }
-
     pub fn checksum(&self) -> Result<u64> {
         weights::weights_checksum(&self.model)
     }

@@ -103,8 +103,7 @@ impl Loop<'_> {
         let mask_t = f32_tensor(&ro.response_mask, "response_mask", &cpu)?;
         let old_t = f32_tensor(&old, "old_log_probs", &cpu)?;
         let ref_t = f32_tensor(&refl, "ref_log_probs", &cpu)?;
-        let scores_t = f32_tensor(&Mat::new(rows, 1, scores.clone())?, "scores", &cpu)?
-            .flatten_all()
+        let scores_t = candle_core::Tensor::from_slice(&scores, rows, &cpu)
             .map_err(|e| Error::internal(format!("scores: {e}")))?;
         let vals_t = match &vals {
             Some(v) => Some(f32_tensor(v, "values", &cpu)?),
