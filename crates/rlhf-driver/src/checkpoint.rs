@@ -26,10 +26,17 @@ const FORMAT: u32 = 1;
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct TrainerState {
     pub format: u32,
-    /// Completed PPO steps.
+    /// The algorithm that wrote it (`Algorithm::NAME`); checkpoints from before the field
+    /// existed were PPO's.
+    #[serde(default = "ppo")]
+    pub algorithm: String,
+    /// Completed steps.
     pub global_step: u64,
     pub data_cursor: DataCursor,
-    pub kl_ctl: KlController,
+    /// PPO's adaptive KL coefficient (the algorithm's own state; absent for one that keeps
+    /// none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kl_ctl: Option<KlController>,
     pub seed: u64,
     pub job_id: String,
     /// rlhf_collective::checksum of the saved policy weights.
@@ -38,19 +45,24 @@ pub struct TrainerState {
     pub saved_unix_ms: u64,
 }
 
+fn ppo() -> String {
+    "ppo".into()
+}
+
 impl TrainerState {
     pub fn new(
+        algorithm: &str,
         global_step: u64,
         data_cursor: DataCursor,
-        kl_ctl: KlController,
         seed: u64,
         job_id: &str,
     ) -> Self {
         Self {
             format: FORMAT,
+            algorithm: algorithm.into(),
             global_step,
             data_cursor,
-            kl_ctl,
+            kl_ctl: None,
             seed,
             job_id: job_id.into(),
             actor_checksum: 0,
@@ -167,13 +179,9 @@ mod tests {
     use super::*;
 
     fn state(step: u64) -> TrainerState {
-        TrainerState::new(
-            step,
-            DataCursor::default(),
-            KlController::Fixed { value: 0.1 },
-            7,
-            "job",
-        )
+        let mut s = TrainerState::new("ppo", step, DataCursor::default(), 7, "job");
+        s.kl_ctl = Some(KlController::Fixed { value: 0.1 });
+        s
     }
 
     #[test]
@@ -190,7 +198,18 @@ mod tests {
         );
         let (dir, st) = resolve(d.path(), "latest").unwrap();
         assert_eq!(st.global_step, 6);
+        assert_eq!(st.kl_ctl, Some(KlController::Fixed { value: 0.1 }));
         assert!(dir.ends_with("global_step_6"));
+        // An algorithm without a KL controller writes none, and reads back none.
+        let mut bare = state(7);
+        bare.kl_ctl = None;
+        let json = serde_json::to_string(&bare).unwrap();
+        assert!(!json.contains("kl_ctl"), "{json}");
+        assert_eq!(serde_json::from_str::<TrainerState>(&json).unwrap(), bare);
+        // A state from before the algorithm was recorded is PPO's.
+        let old = json.replace("\"algorithm\":\"ppo\",", "");
+        assert!(!old.contains("algorithm"), "{old}");
+        assert_eq!(serde_json::from_str::<TrainerState>(&old).unwrap(), bare);
         let (_, st) = resolve(d.path(), step_dir(d.path(), 4).to_str().unwrap()).unwrap();
         assert_eq!(st.global_step, 4);
         let removed = prune(d.path(), 2).unwrap();

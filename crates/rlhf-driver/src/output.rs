@@ -73,6 +73,7 @@ impl MetricsLog {
 }
 
 /// One generated sample for the table.
+#[derive(Debug, Clone, PartialEq)]
 pub struct Sample {
     pub prompt: String,
     pub response: String,

@@ -1,17 +1,19 @@
-//! One PPO job from placement to the last checkpoint: options, the run (placement, resume,
-//! the loop, summary) and the loop's state. The step's parts live beside it: `rollout`
-//! (prompts and responses), `step` (experience, advantages, updates, metrics), `sync`
-//! (weights and checkpoints).
+//! One job from placement to the last checkpoint: options, the run (placement, resume,
+//! the loop, summary) and the loop's state. What a step does is an [`Algorithm`]
+//! (`algorithm`; PPO in `ppo`); the loop's services live beside it: `rollout` (prompts and
+//! responses), `sync` (weights and checkpoints). Everything the user sees goes out as
+//! events through `crate::report`.
 
+mod algorithm;
+mod ppo;
 mod rollout;
-mod step;
 mod sync;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use rlhf_algo::{metric, AdvEstimator, KlController};
+use rlhf_algo::metric;
 use rlhf_config::data::PromptSampler;
 use rlhf_config::{PpoConfig, RoleKind};
 use rlhf_core::{CommBackend, CommGroup, Error, FailureKind, Result};
@@ -23,8 +25,11 @@ use tokio_util::sync::CancellationToken;
 use crate::checkpoint::{self};
 use crate::cluster::{self, HeadClient, LaunchOptions, Roles};
 use crate::group::CallError;
-use crate::output::{sample_table, MetricsLog, Progress, SampleLog};
 use crate::prompts::{self, FixedResponses, Prompt};
+use crate::report::{DatasetReport, Event, Reporter, Reporters};
+
+use algorithm::{Algorithm, StepOutput};
+use ppo::Ppo;
 
 /// How to run a job.
 pub struct DriverOptions {
@@ -43,6 +48,8 @@ pub struct DriverOptions {
     pub start_timeout: Duration,
     /// Stop (after checkpointing) once this many steps ran in this invocation.
     pub stop_after: Option<u64>,
+    /// Reporters besides the console and the JSONL files (a tracker, a test's recorder).
+    pub reporters: Vec<Box<dyn Reporter>>,
 }
 
 impl DriverOptions {
@@ -56,6 +63,7 @@ impl DriverOptions {
             call_timeout: Duration::from_secs(3600),
             start_timeout: Duration::from_secs(600),
             stop_after: None,
+            reporters: Vec::new(),
         }
     }
 }
@@ -121,15 +129,12 @@ impl RunError {
 /// Runs the job to its end (or to `stop_after`), then frees the actors and devices.
 pub async fn run(
     mut head: HeadClient,
-    opts: DriverOptions,
+    mut opts: DriverOptions,
     shutdown: CancellationToken,
 ) -> std::result::Result<JobSummary, RunError> {
+    let extra = std::mem::take(&mut opts.reporters);
     let cfg = &opts.config;
-    if cfg.algorithm.adv_estimator == AdvEstimator::Remax {
-        return Err(RunError::from(Error::invalid(
-            "algorithm.adv_estimator=remax needs a greedy baseline rollout per prompt, which the driver does not run yet; use gae, grpo, rloo, reinforce_plus_plus or reinforce_plus_plus_baseline",
-        )));
-    }
+    let mut algo = Ppo::new(cfg)?;
     let tok_dir = tokenizer_dir(cfg)?;
     let tok = Tokenizer::from_dir(&tok_dir).map_err(|e| {
         Error::invalid(format!(
@@ -137,40 +142,6 @@ pub async fn run(
             tok_dir.display()
         ))
     })?;
-    let data = prompts::load(cfg, &tok)?;
-    eprintln!(
-        "dataset {}: {} rows, {} prompts ({} kept, {} truncated, {} skipped by actor_rollout.max_prompt_length={})",
-        cfg.data.path,
-        data.rows,
-        data.prompts.len(),
-        data.length.kept,
-        data.length.truncated,
-        data.length.skipped,
-        cfg.actor_rollout.max_prompt_length
-    );
-    if !data.bad_rows.is_empty() {
-        eprintln!(
-            "{} bad row(s) skipped (data.bad_rows: skip):",
-            data.bad_rows.len()
-        );
-        for b in data.bad_rows.iter().take(20) {
-            eprintln!("  {b}");
-        }
-        if data.bad_rows.len() > 20 {
-            eprintln!("  ... and {} more", data.bad_rows.len() - 20);
-        }
-    }
-    let fixed = match &cfg.actor_rollout.fixed_responses_file {
-        Some(p) if !p.is_empty() => Some(prompts::load_fixed_responses(
-            std::path::Path::new(p),
-            tok.vocab_size(),
-        )?),
-        _ => None,
-    };
-    let mut sampler = PromptSampler::for_config(cfg, data.prompts.len())
-        .map_err(|e| Error::invalid(e.to_string()))?;
-    let mut kl_ctl = KlController::from_config(&cfg.algorithm.kl_ctrl)
-        .map_err(|e| Error::invalid(format!("algorithm.kl_ctrl: {e}")))?;
     let ckpt_root = PathBuf::from(&cfg.checkpoint.dir);
     let resume_spec = opts
         .resume
@@ -180,21 +151,48 @@ pub async fn run(
         Some(s) => Some(checkpoint::resolve(&ckpt_root, s)?),
         None => None,
     };
-    let mut start_step = 0;
+    let start_step = resumed.as_ref().map_or(0, |(_, st)| st.global_step);
+    let mut report = Reporters::console(cfg, start_step);
+    report.extend(extra);
+
+    let data = prompts::load(cfg, &tok)?;
+    report.report(&Event::Dataset(&DatasetReport {
+        path: cfg.data.path.clone(),
+        rows: data.rows,
+        prompts: data.prompts.len(),
+        kept: data.length.kept,
+        truncated: data.length.truncated,
+        skipped: data.length.skipped,
+        max_prompt_length: cfg.actor_rollout.max_prompt_length,
+        bad_rows: data.bad_rows.clone(),
+    }))?;
+    let fixed = match &cfg.actor_rollout.fixed_responses_file {
+        Some(p) if !p.is_empty() => Some(prompts::load_fixed_responses(
+            std::path::Path::new(p),
+            tok.vocab_size(),
+        )?),
+        _ => None,
+    };
+    let mut sampler = PromptSampler::for_config(cfg, data.prompts.len())
+        .map_err(|e| Error::invalid(e.to_string()))?;
     if let Some((dir, st)) = &resumed {
         sampler
             .restore(st.data_cursor)
             .map_err(|e| Error::invalid(format!("{}: {e}", dir.display())))?;
-        kl_ctl = st.kl_ctl.clone();
-        start_step = st.global_step;
-        eprintln!("resuming from {} (step {})", dir.display(), st.global_step);
+        algorithm::check_resume::<Ppo>(st, dir)?;
+        algo.resume(st)?;
+        report.report(&Event::Resumed {
+            dir,
+            step: st.global_step,
+        })?;
     }
     let total = cfg.training.train_iters;
     let metrics_file = PathBuf::from(&cfg.logging.metrics_file);
     if start_step >= total {
-        eprintln!(
-            "nothing to do: the checkpoint is at step {start_step} of training.train_iters={total}"
-        );
+        report.report(&Event::NothingToDo {
+            step: start_step,
+            total,
+        })?;
         return Ok(JobSummary {
             global_step: start_step,
             steps_run: 0,
@@ -214,11 +212,10 @@ pub async fn run(
         r = cluster::launch(&mut head, cfg, &launch) => r?,
         _ = shutdown.cancelled() => return Err(Error::new(FailureKind::Unavailable, "stopped before the roles started").into()),
     };
-    eprintln!(
-        "placed {} role processes in {:.1} s",
-        roles.all_members().count(),
-        started.elapsed().as_secs_f64()
-    );
+    report.report(&Event::Placed {
+        processes: roles.all_members().count(),
+        secs: started.elapsed().as_secs_f64(),
+    })?;
     let mut ctx = Loop {
         cfg,
         opts: &opts,
@@ -226,12 +223,12 @@ pub async fn run(
         prompts: &data.prompts,
         fixed: fixed.as_ref(),
         sampler: &mut sampler,
-        kl_ctl: &mut kl_ctl,
         roles: &roles,
         ckpt_root: &ckpt_root,
+        report: &mut report,
     };
     let result = tokio::select! {
-        r = ctx.drive(start_step, total, resumed.as_ref().map(|(d, _)| d.clone())) => r,
+        r = ctx.drive(&mut algo, start_step, total, resumed.as_ref().map(|(d, _)| d.clone())) => r,
         _ = shutdown.cancelled() => Err(Failed::Other(Error::new(FailureKind::Unavailable, "stopped by a signal; continue with --resume latest"))),
     };
     let result = match result {
@@ -278,9 +275,9 @@ struct Loop<'a> {
     prompts: &'a [Prompt],
     fixed: Option<&'a FixedResponses>,
     sampler: &'a mut PromptSampler,
-    kl_ctl: &'a mut KlController,
     roles: &'a Roles,
     ckpt_root: &'a std::path::Path,
+    report: &'a mut Reporters,
 }
 
 async fn timed<T>(f: impl std::future::Future<Output = T>) -> (T, f64) {
@@ -290,8 +287,9 @@ async fn timed<T>(f: impl std::future::Future<Output = T>) -> (T, f64) {
 }
 
 impl Loop<'_> {
-    async fn drive(
+    async fn drive<A: Algorithm>(
         &mut self,
+        algo: &mut A,
         start_step: u64,
         total: u64,
         resume_dir: Option<PathBuf>,
@@ -303,14 +301,13 @@ impl Loop<'_> {
                 rlhf_core::DeviceSpec::from_wire(info.device.as_ref(), "InitRoleResponse.device")
                     .map(|d| d.to_string())
                     .unwrap_or_else(|e| e.to_string());
-            tracing::info!(
-                "{who}: {} ({} parameters, {device})",
-                info.model,
-                info.num_params,
-            );
-            if !info.note.is_empty() {
-                eprintln!("warning: {who}: {}", info.note);
-            }
+            self.report.report(&Event::RoleReady {
+                who: &who,
+                model: &info.model,
+                params: info.num_params,
+                device: &device,
+                note: &info.note,
+            })?;
         }
         let backend = self.opts.comm_backend;
         let weights = self.roles.weights_group();
@@ -341,50 +338,41 @@ impl Loop<'_> {
         }
         self.sync_weights(start_step).await?;
 
-        let mut metrics_log = MetricsLog::open(
-            std::path::Path::new(&cfg.logging.metrics_file),
-            resume_dir.as_ref().map(|_| start_step),
-        )?;
-        let mut samples_log = if cfg.logging.samples_file.is_empty() {
-            None
-        } else {
-            Some(SampleLog::open(
-                std::path::Path::new(&cfg.logging.samples_file),
-                resume_dir.is_some(),
-            )?)
-        };
-        let progress = Progress::new(cfg.logging.progress, start_step, total);
+        self.report
+            .add_files(cfg, resume_dir.as_ref().map(|_| start_step))?;
         let mut history = Vec::new();
         let mut last_checkpoint = resume_dir.clone();
         let mut step = start_step;
         while step < total {
             step += 1;
-            let (mut metrics, samples) = self.step(step).await?;
+            let StepOutput {
+                mut metrics,
+                samples,
+            } = algo.step(self, step).await?;
             let t0 = Instant::now();
             let save_steps = cfg.checkpoint.save_steps;
             let stopping = self.opts.stop_after.is_some_and(|n| step - start_step >= n);
             if save_steps > 0 && (step.is_multiple_of(save_steps) || step == total || stopping) {
-                last_checkpoint = Some(self.save(step).await?);
+                last_checkpoint = Some(self.save(step, algo).await?);
                 metrics.insert(
                     metric::TIMING_S_CHECKPOINT.into(),
                     t0.elapsed().as_secs_f64(),
                 );
             }
-            metrics_log.write(step, &metrics)?;
-            progress.update(step, &metrics);
-            if let Some(log) = samples_log.as_mut() {
-                let every = cfg.logging.sample_every;
-                if every > 0 && (step.is_multiple_of(every) || step == start_step + 1) {
-                    log.write(step, &samples)?;
-                    progress.println(&sample_table(step, &samples));
-                }
-            }
+            let every = cfg.logging.sample_every;
+            let samples_due = !cfg.logging.samples_file.is_empty()
+                && every > 0
+                && (step.is_multiple_of(every) || step == start_step + 1);
+            self.report.report(&Event::Step {
+                step,
+                metrics: &metrics,
+                samples: samples_due.then_some(samples.as_slice()),
+            })?;
             history.push(metrics);
             if stopping {
-                eprintln!(
-                    "stopping after {} step(s) as asked (--stop-after)",
-                    step - start_step
-                );
+                self.report.report(&Event::Stopped {
+                    steps_run: step - start_step,
+                })?;
                 break;
             }
         }

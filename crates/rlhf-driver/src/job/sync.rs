@@ -9,6 +9,7 @@ use rlhf_proto::v1 as pb;
 use crate::checkpoint::{self, TrainerState};
 use crate::group::WorkerGroup;
 
+use super::algorithm::Algorithm;
 use super::{timed, Failed, Loop, Res};
 
 impl Loop<'_> {
@@ -45,7 +46,7 @@ impl Loop<'_> {
         Ok(secs)
     }
 
-    pub(super) async fn save(&self, step: u64) -> Res<PathBuf> {
+    pub(super) async fn save<A: Algorithm>(&self, step: u64, algo: &A) -> Res<PathBuf> {
         let dir = checkpoint::step_dir(self.ckpt_root, step);
         let t = self.opts.call_timeout;
         let actor_dir = dir.join("actor").to_string_lossy().into_owned();
@@ -79,12 +80,13 @@ impl Loop<'_> {
         };
         let (a, c) = tokio::try_join!(sums(train0), sums(critic0))?;
         let mut state = TrainerState::new(
+            A::NAME,
             step,
             self.sampler.cursor(),
-            self.kl_ctl.clone(),
             self.cfg.training.seed,
             &self.opts.job_id,
         );
+        algo.save(&mut state);
         state.actor_checksum = a.first().map(|x| x.checksum).unwrap_or(0);
         state.critic_checksum = c.first().map(|x| x.checksum);
         let dir = checkpoint::commit(self.ckpt_root, &state)?;

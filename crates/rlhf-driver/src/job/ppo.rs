@@ -1,30 +1,70 @@
-//! One PPO step: rollout, experience from every role at once, token rewards and
-//! advantages, critic and actor updates at once, weight sync, metrics.
+//! PPO as an [`Algorithm`]: rollout, experience from every role at once, token rewards and
+//! advantages, critic and actor updates at once, weight sync, metrics. The advantage
+//! estimator picks GAE (with the critic) or a critic-free one (GRPO, RLOO, REINFORCE++); the
+//! KL controller is the state it keeps across steps.
 
 use std::collections::BTreeMap;
 use std::time::Instant;
 
 use rlhf_algo::{
-    compute_advantage, compute_token_rewards, metric, rollout_metrics, AdvantageInputs,
-    RolloutMetricsInputs,
+    compute_advantage, compute_token_rewards, metric, rollout_metrics, AdvEstimator,
+    AdvantageInputs, KlController, RolloutMetricsInputs,
 };
+use rlhf_config::PpoConfig;
 use rlhf_core::calls::candle::{f32_tensor, mat_f32};
 use rlhf_core::calls::{
     ActorUpdateRequest, CriticUpdateRequest, LogProbsRequest, Mat, ScoresRequest, ValuesRequest,
 };
-use rlhf_core::Error;
+use rlhf_core::{Error, Result};
 
+use crate::checkpoint::TrainerState;
 use crate::group::mean_metrics;
 use crate::output::Sample;
 
+use super::algorithm::{Algorithm, StepOutput};
 use super::{timed, Failed, Loop, Res};
 
-impl Loop<'_> {
-    pub(super) async fn step(&mut self, step: u64) -> Res<(BTreeMap<String, f64>, Vec<Sample>)> {
-        let cfg = self.cfg;
+/// PPO and its critic-free relatives.
+pub(crate) struct Ppo {
+    kl_ctl: KlController,
+}
+
+impl Ppo {
+    /// Checks what the config asks for against what the driver runs.
+    pub(crate) fn new(cfg: &PpoConfig) -> Result<Self> {
+        if cfg.algorithm.adv_estimator == AdvEstimator::Remax {
+            return Err(Error::invalid(
+                "algorithm.adv_estimator=remax needs a greedy baseline rollout per prompt, which the driver does not run yet; use gae, grpo, rloo, reinforce_plus_plus or reinforce_plus_plus_baseline",
+            ));
+        }
+        let kl_ctl = KlController::from_config(&cfg.algorithm.kl_ctrl)
+            .map_err(|e| Error::invalid(format!("algorithm.kl_ctrl: {e}")))?;
+        Ok(Self { kl_ctl })
+    }
+}
+
+impl Algorithm for Ppo {
+    const NAME: &'static str = "ppo";
+
+    fn resume(&mut self, state: &TrainerState) -> Result<()> {
+        self.kl_ctl = state.kl_ctl.clone().ok_or_else(|| {
+            Error::invalid(format!(
+                "the PPO checkpoint of step {} holds no KL controller state (kl_ctl in trainer_state.json): the file is damaged; resume from an earlier checkpoint",
+                state.global_step
+            ))
+        })?;
+        Ok(())
+    }
+
+    fn save(&self, state: &mut TrainerState) {
+        state.kl_ctl = Some(self.kl_ctl.clone());
+    }
+
+    async fn step(&mut self, cx: &mut Loop<'_>, step: u64) -> Res<StepOutput> {
+        let cfg = cx.cfg;
         let step_start = Instant::now();
         let mut timing = BTreeMap::new();
-        let ro = self.rollout(step, &mut timing).await?;
+        let ro = cx.rollout(step, &mut timing).await?;
         let (rows, r) = (ro.rows, ro.r);
         let shape = [rows, r];
         let lp_req = LogProbsRequest(ro.seq.clone());
@@ -35,8 +75,8 @@ impl Loop<'_> {
             response_text: ro.response_text.clone(),
             ground_truth: ro.ground_truth.clone(),
         };
-        let tmo = self.opts.call_timeout;
-        let roles = self.roles;
+        let tmo = cx.opts.call_timeout;
+        let roles = cx.roles;
         let t = Instant::now();
         let ((old, t_old), (refl, t_ref), (vals, t_val), (scores, t_score)) = tokio::join!(
             timed(roles.train.call_split(&lp_req, tmo)),
@@ -64,7 +104,7 @@ impl Loop<'_> {
             metric::TIMING_S_EXPERIENCE.into(),
             t.elapsed().as_secs_f64(),
         );
-        let check = |m: &Mat<f32>, what: &str| -> Result<(), Failed> {
+        let check = |m: &Mat<f32>, what: &str| -> Res<()> {
             if m.shape() != shape {
                 return Err(Failed::Other(Error::internal(format!(
                     "{what} answered {:?}, expected {shape:?}",
@@ -197,7 +237,7 @@ impl Loop<'_> {
             }
         }
 
-        let t_sync = self.sync_weights(step).await?;
+        let t_sync = cx.sync_weights(step).await?;
         timing.insert(metric::TIMING_S_SYNC_WEIGHTS.into(), t_sync);
 
         let kl = metrics.get(metric::OBJECTIVE_KL).copied().unwrap_or(0.0);
@@ -212,7 +252,7 @@ impl Loop<'_> {
         );
         metrics.insert(metric::PERF_TOTAL_NUM_TOKENS.into(), ro.tokens as f64);
         metrics.insert(metric::EPISODE.into(), (step * rows as u64) as f64);
-        metrics.insert(metric::EPOCH.into(), self.sampler.cursor().epoch as f64);
+        metrics.insert(metric::EPOCH.into(), cx.sampler.cursor().epoch as f64);
 
         let k = (cfg.logging.sample_rows as usize).min(rows);
         let samples = (0..k)
@@ -222,7 +262,7 @@ impl Loop<'_> {
                 score: f64::from(scores[i]),
             })
             .collect();
-        Ok((metrics, samples))
+        Ok(StepOutput { metrics, samples })
     }
 }
 
@@ -261,4 +301,42 @@ fn behaviour_metrics(
         out.insert(metric::ROLLOUT_STALENESS.to_string(), lag as f64);
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::job::algorithm::check_resume;
+    use rlhf_config::data::DataCursor;
+
+    #[test]
+    fn config_checks_and_checkpoint_state() {
+        let mut cfg = PpoConfig::default();
+        cfg.algorithm.adv_estimator = AdvEstimator::Remax;
+        let e = Ppo::new(&cfg).err().expect("remax refused").to_string();
+        assert!(e.contains("algorithm.adv_estimator=remax"), "{e}");
+
+        let cfg = PpoConfig::default();
+        let mut ppo = Ppo::new(&cfg).unwrap();
+        ppo.kl_ctl = KlController::Fixed { value: 0.125 };
+        let mut st = TrainerState::new(Ppo::NAME, 4, DataCursor::default(), 1, "j");
+        ppo.save(&mut st);
+        let mut back = Ppo::new(&cfg).unwrap();
+        check_resume::<Ppo>(&st, std::path::Path::new("ckpt/global_step_4")).unwrap();
+        back.resume(&st).unwrap();
+        assert_eq!(back.kl_ctl, ppo.kl_ctl);
+
+        st.kl_ctl = None;
+        let e = back.resume(&st).unwrap_err().to_string();
+        assert!(e.contains("kl_ctl") && e.contains("step 4"), "{e}");
+
+        st.algorithm = "dpo".into();
+        let e = check_resume::<Ppo>(&st, std::path::Path::new("ckpt/global_step_4"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("global_step_4") && e.contains("\"dpo\"") && e.contains("\"ppo\""),
+            "{e}"
+        );
+    }
 }

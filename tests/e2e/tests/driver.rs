@@ -1,0 +1,179 @@
+//! The driver as a library: `rlhf_driver::run` in this process against a head and a worker
+//! running as processes, with a recorder among its reporters. What a user sees on the console
+//! and in the JSONL files is the same stream of events, checked here as data: the order of
+//! milestones, one report per role rank, a step report per step with samples when due, the
+//! early stop, and a resume that restores the algorithm's state from the checkpoint.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use rlhf_driver::report::{Recorded, Recorder};
+use rlhf_driver::{metric, DriverOptions};
+use rlhf_e2e::Cluster;
+use rlhf_proto::v1::head_service_client::HeadServiceClient;
+use rlhf_runtime::net::{self, ClientOptions};
+use tokio_util::sync::CancellationToken;
+
+fn config(out: &std::path::Path, extra: &[&str]) -> Result<rlhf_config::PpoConfig> {
+    let root = rlhf_e2e::repo_root();
+    let mut overrides = vec![
+        format!("checkpoint.dir={}", out.join("ckpt").display()),
+        format!(
+            "logging.metrics_file={}",
+            out.join("metrics.jsonl").display()
+        ),
+        format!(
+            "logging.samples_file={}",
+            out.join("samples.jsonl").display()
+        ),
+        "logging.sample_every=2".to_string(),
+        "logging.progress=false".to_string(),
+        "checkpoint.save_steps=10".to_string(),
+    ];
+    overrides.extend(extra.iter().map(|s| s.to_string()));
+    let mut cfg = rlhf_config::load(&root.join("configs"), "ppo_tiny", &overrides)?;
+    cfg.absolutize_paths(&root);
+    Ok(cfg)
+}
+
+async fn drive(c: &Cluster, opts: DriverOptions) -> Result<rlhf_driver::JobSummary> {
+    let ch = net::connect(&c.address(), &opts.client).await?;
+    let head = HeadServiceClient::new(ch).max_decoding_message_size(rlhf_proto::MAX_MESSAGE_BYTES);
+    rlhf_driver::run(head, opts, CancellationToken::new())
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_driver_reports_its_run_as_events_and_resumes_the_algorithm_state() -> Result<()> {
+    let mut c = Cluster::start(&[])?;
+    c.add_worker(r#"{"CPU": 4}"#)?;
+    c.wait_alive_nodes(1, Duration::from_secs(30))?;
+    let client = ClientOptions::new(c.token()?);
+    let out = c.dir.path().join("job");
+
+    // Three steps asked, two run: the stop writes a checkpoint.
+    let rec = Recorder::default();
+    let mut opts = DriverOptions::new(
+        config(
+            &out,
+            &["training.train_iters=3", "algorithm.kl_ctrl.type=adaptive"],
+        )?,
+        "driver-events",
+        client.clone(),
+    );
+    opts.stop_after = Some(2);
+    opts.call_timeout = Duration::from_secs(300);
+    opts.reporters.push(Box::new(rec.clone()));
+    let summary = drive(&c, opts).await?;
+    assert_eq!((summary.global_step, summary.steps_run), (2, 2));
+
+    let ev = rec.events();
+    let Recorded::Dataset(d) = &ev[0] else {
+        panic!("the dataset comes first: {ev:?}")
+    };
+    assert!(d.prompts > 0 && d.kept == d.prompts, "{d:?}");
+    // Trainer, rollout, reference, critic and the rule reward: a process each.
+    assert_eq!(ev[1], Recorded::Placed { processes: 5 }, "{ev:?}");
+    let ready: Vec<&str> = ev
+        .iter()
+        .filter_map(|e| match e {
+            Recorded::RoleReady { who, device, .. } => {
+                assert!(device.starts_with("cpu"), "{e:?}");
+                Some(who.as_str())
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(ready.len(), 5, "one report per role rank: {ev:?}");
+    assert!(ready.contains(&"critic rank 0"), "{ready:?}");
+    let steps: Vec<(u64, usize, &std::collections::BTreeMap<String, f64>)> = ev
+        .iter()
+        .filter_map(|e| match e {
+            Recorded::Step {
+                step,
+                samples,
+                metrics,
+            } => Some((*step, *samples, metrics)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(steps.len(), 2, "{ev:?}");
+    // Samples are due on the first step of a run and every logging.sample_every=2 steps.
+    assert_eq!((steps[0].0, steps[1].0), (1, 2));
+    assert!(steps[0].1 > 0 && steps[1].1 > 0, "{ev:?}");
+    for (step, _, m) in &steps {
+        for k in [
+            metric::OBJECTIVE_SCORES,
+            metric::OBJECTIVE_KL_COEF,
+            metric::LOSS_POLICY_AVG,
+            metric::TIMING_S_STEP,
+        ] {
+            assert!(m.get(k).is_some_and(|v| v.is_finite()), "step {step}: {k}");
+        }
+    }
+    assert!(
+        steps[1].2.contains_key(metric::TIMING_S_CHECKPOINT),
+        "the stop step is checkpointed"
+    );
+    assert_eq!(ev.last(), Some(&Recorded::Stopped { steps_run: 2 }));
+    // The files got the same steps the recorder did.
+    let lines = std::fs::read_to_string(out.join("metrics.jsonl"))?;
+    assert_eq!(lines.lines().count(), 2, "{lines}");
+
+    // The adaptive KL coefficient moved, and the checkpoint holds where it went.
+    let state: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(
+        summary
+            .last_checkpoint
+            .context("a checkpoint")?
+            .join(rlhf_driver::checkpoint::STATE_FILE),
+    )?)?;
+    assert!(state["kl_ctl"].is_object(), "{state}");
+
+    let saved_coef = state["kl_ctl"]["value"].as_f64().context("kl_ctl.value")?;
+    assert!((saved_coef - 0.05).abs() > 1e-9, "adaptive: {state}");
+
+    // Resume: step 3 starts from the saved coefficient, not the configured one.
+    let resume = |rec: &Recorder| -> Result<DriverOptions> {
+        let mut opts = DriverOptions::new(
+            config(
+                &out,
+                &["training.train_iters=3", "algorithm.kl_ctrl.type=adaptive"],
+            )?,
+            "driver-events",
+            client.clone(),
+        );
+        opts.resume = Some("latest".into());
+        opts.call_timeout = Duration::from_secs(300);
+        opts.reporters.push(Box::new(rec.clone()));
+        Ok(opts)
+    };
+    let rec = Recorder::default();
+    let summary = drive(&c, resume(&rec)?).await?;
+    assert_eq!((summary.global_step, summary.steps_run), (3, 1));
+    let ev = rec.events();
+    assert!(
+        matches!(&ev[1], Recorded::Resumed { step: 2, dir } if dir.ends_with("global_step_2")),
+        "{ev:?}"
+    );
+    let Some(Recorded::Step {
+        step: 3, metrics, ..
+    }) = ev.last()
+    else {
+        panic!("step 3 last: {ev:?}")
+    };
+    let coef = metrics[metric::OBJECTIVE_KL_COEF];
+    assert!(
+        (coef - saved_coef).abs() < 1e-12,
+        "step 3 used kl_coef {coef}, the checkpoint holds {saved_coef}"
+    );
+
+    // A run that is already complete places nothing.
+    let rec = Recorder::default();
+    let summary = drive(&c, resume(&rec)?).await?;
+    assert_eq!((summary.global_step, summary.steps_run), (3, 0));
+    let ev = rec.events();
+    assert_eq!(ev[2], Recorded::NothingToDo { step: 3, total: 3 }, "{ev:?}");
+    assert_eq!(ev.len(), 3, "{ev:?}");
+    Ok(())
+}
