@@ -141,7 +141,19 @@ fn invalid(msg: String) -> ConfigError {
 }
 
 /// The HF directory of a role's model, checked.
-fn model_dir(cfg: &PpoConfig, role: RoleKind) -> Result<PathBuf> {
+/// Where the tokenizer is: `training.tokenizer_name_or_path`, else `model_dir` (the role's
+/// model; the driver passes the actor's). One rule for the driver and every role.
+pub fn tokenizer_dir(cfg: &PpoConfig, model_dir: Option<&std::path::Path>) -> Option<PathBuf> {
+    cfg.training
+        .tokenizer_name_or_path
+        .as_deref()
+        .filter(|p| !p.is_empty())
+        .map(PathBuf::from)
+        .or_else(|| model_dir.map(PathBuf::from))
+}
+
+/// The role's HF model directory, checked to hold a `config.json`.
+pub fn model_dir(cfg: &PpoConfig, role: RoleKind) -> Result<PathBuf> {
     let m = cfg.role_model(role).ok_or_else(|| {
         invalid(format!(
             "{role} has no model in the config (set {role}.model, or actor_rollout.model)"
@@ -269,12 +281,7 @@ impl RoleSpec {
             EngineSpec::Reward(RewardSpec::Rule { .. } | RewardSpec::Http { .. }) => None,
             _ => Some(model_dir(cfg, kind)?),
         };
-        let tokenizer_dir = t
-            .tokenizer_name_or_path
-            .as_deref()
-            .filter(|p| !p.is_empty())
-            .map(PathBuf::from)
-            .or_else(|| model_dir.clone());
+        let tokenizer_dir = tokenizer_dir(cfg, model_dir.as_deref());
         Ok(Self {
             slot,
             device,

@@ -82,22 +82,16 @@ pub struct JobSummary {
     pub last_checkpoint: Option<PathBuf>,
 }
 
+/// The actor's tokenizer (the one the rollout samples with), by the rule every role uses.
 fn tokenizer_dir(cfg: &PpoConfig) -> Result<PathBuf> {
-    if let Some(t) = cfg
-        .training
-        .tokenizer_name_or_path
-        .as_deref()
-        .filter(|t| !t.is_empty())
-    {
-        return Ok(PathBuf::from(t));
+    match rlhf_config::spec::tokenizer_dir(cfg, None) {
+        Some(dir) => Ok(dir),
+        None => rlhf_config::spec::model_dir(cfg, RoleKind::ActorRollout).map_err(|e| {
+            Error::invalid(format!(
+                "no tokenizer: set training.tokenizer_name_or_path, or make actor_rollout.model an HF directory ({e})"
+            ))
+        }),
     }
-    cfg.role_model(RoleKind::ActorRollout)
-        .and_then(|m| m.path)
-        .ok_or_else(|| {
-            Error::invalid(
-                "no tokenizer: set training.tokenizer_name_or_path or actor_rollout.model to an HF directory",
-            )
-        })
 }
 
 /// Why a run failed: the error, and the role part and rank to blame when there is one.
