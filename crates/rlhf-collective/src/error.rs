@@ -75,6 +75,8 @@ pub enum ErrorKind {
     Unavailable,
     /// The caller passed an argument that can never work (root out of range, ...).
     InvalidArgument,
+    /// A peer failed the communicator's authentication (wrong or missing secret).
+    Auth,
 }
 
 /// Formats an optional peer rank for messages.
@@ -148,6 +150,14 @@ pub enum Error {
     /// An argument that can never work.
     #[error("invalid argument to {op}: {detail}")]
     InvalidArgument { op: Op, detail: String },
+
+    /// A peer could not prove it holds the communicator's secret.
+    #[error("rendezvous authentication failed on rank {rank} with {}: {detail}", PeerName(*.peer))]
+    Auth {
+        rank: usize,
+        peer: Option<usize>,
+        detail: String,
+    },
 }
 
 impl Error {
@@ -160,15 +170,17 @@ impl Error {
             Error::Mismatch { .. } => ErrorKind::Mismatch,
             Error::Unavailable { .. } => ErrorKind::Unavailable,
             Error::InvalidArgument { .. } => ErrorKind::InvalidArgument,
+            Error::Auth { .. } => ErrorKind::Auth,
         }
     }
 
     /// The peer rank the error is about, when known.
     pub fn peer(&self) -> Option<usize> {
         match self {
-            Error::Timeout { peer, .. } | Error::Io { peer, .. } | Error::Mismatch { peer, .. } => {
-                *peer
-            }
+            Error::Timeout { peer, .. }
+            | Error::Io { peer, .. }
+            | Error::Mismatch { peer, .. }
+            | Error::Auth { peer, .. } => *peer,
             Error::PeerClosed { peer, .. } => Some(*peer),
             Error::Unavailable { .. } | Error::InvalidArgument { .. } => None,
         }
@@ -182,6 +194,7 @@ impl Error {
             | Error::Io { op, .. }
             | Error::Mismatch { op, .. }
             | Error::InvalidArgument { op, .. } => Some(*op),
+            Error::Auth { .. } => Some(Op::Rendezvous),
             Error::Unavailable { .. } => None,
         }
     }

@@ -51,7 +51,7 @@ pub use error::{Error, ErrorKind, Op, Result};
 #[cfg(feature = "nccl")]
 pub use nccl::NcclCommunicator;
 pub use rlhf_types::Checksum;
-pub use tcp::{TcpCommunicator, TcpRendezvous};
+pub use tcp::{CommSecret, TcpCommunicator, TcpRendezvous};
 
 /// Reduction applied element-wise by all-reduce.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -83,6 +83,10 @@ pub struct CommConfig {
     pub chunk_bytes: usize,
     /// `SO_SNDBUF` / `SO_RCVBUF` request; `None` keeps the kernel's autotuning.
     pub socket_buffer_bytes: Option<usize>,
+    /// TCP: the communicator's shared secret. With it, every rendezvous connection is
+    /// authenticated both ways before any data moves, and connections that fail are dropped;
+    /// without it, anyone who reaches the port can join. Every rank must have the same one.
+    pub secret: Option<CommSecret>,
 }
 
 impl Default for CommConfig {
@@ -91,6 +95,7 @@ impl Default for CommConfig {
             timeout: Duration::from_secs(60),
             chunk_bytes: 1 << 20,
             socket_buffer_bytes: Some(4 << 20),
+            secret: None,
         }
     }
 }

@@ -326,6 +326,8 @@ pub async fn join_comm(
     .map_err(|s| group.err(0, Error::from(s)))?
     .into_inner();
     let world = group.len() as u32;
+    // A fresh secret per communicator: only the ranks this call reaches can join it.
+    let secret: [u8; 32] = rand::random();
     group
         .unary(timeout, "JoinComm", |rank, mut c| {
             let req = pb::JoinCommRequest {
@@ -336,6 +338,7 @@ pub async fn join_comm(
                 address: prep.address.clone(),
                 unique_id: prep.unique_id.clone(),
                 timeout_ms: timeout.as_millis() as u64,
+                secret: secret.to_vec(),
             };
             async move { c.join_comm(req).await }
         })

@@ -30,6 +30,8 @@ pub struct JoinSpec {
     pub unique_id: Vec<u8>,
     /// 0 = the collective default (60 s).
     pub timeout_ms: u64,
+    /// TCP: the communicator's shared secret; required when the group has several ranks.
+    pub secret: Vec<u8>,
 }
 
 enum Pending {
@@ -100,11 +102,24 @@ impl Groups {
                 spec.group, spec.rank, spec.world_size
             )));
         }
-        let config = if spec.timeout_ms > 0 {
+        let mut config = if spec.timeout_ms > 0 {
             CommConfig::with_timeout(Duration::from_millis(spec.timeout_ms))
         } else {
             CommConfig::default()
         };
+        if spec.backend == CommBackend::Tcp && spec.world_size > 1 {
+            if spec.secret.is_empty() {
+                return Err(Error::invalid(format!(
+                    "JoinComm for group '{}' rank {}: no secret; a TCP communicator of several \
+                     ranks is joined only with the secret the driver makes for it (a driver of \
+                     another version?)",
+                    spec.group, spec.rank
+                )));
+            }
+            let secret = rlhf_collective::CommSecret::from_bytes(&spec.secret)
+                .map_err(|e| Error::invalid(format!("JoinComm for group '{}': {e}", spec.group)))?;
+            config.secret = Some(secret);
+        }
         let pending = self.pending.remove(&spec.group);
         let comm: Box<dyn Communicator> = if spec.backend == CommBackend::Nccl {
             self.join_nccl(spec, &config)?
@@ -216,6 +231,27 @@ mod tests {
     }
 
     #[test]
+    fn several_tcp_ranks_need_the_drivers_secret() {
+        let mut g = Groups::new();
+        g.prepare(CommGroup::ActorDp, CommBackend::Tcp, "127.0.0.1")
+            .expect("prepare");
+        let spec = |secret: Vec<u8>| JoinSpec {
+            group: CommGroup::ActorDp,
+            backend: CommBackend::Tcp,
+            rank: 0,
+            world_size: 2,
+            address: String::new(),
+            unique_id: vec![],
+            timeout_ms: 100,
+            secret,
+        };
+        let e = g.join(&spec(vec![])).unwrap_err().to_string();
+        assert!(e.contains("'actor_dp'") && e.contains("no secret"), "{e}");
+        let e = g.join(&spec(vec![1; 4])).unwrap_err().to_string();
+        assert!(e.contains("too short"), "{e}");
+    }
+
+    #[test]
     fn two_ranks_join_through_prepare() {
         let mut g0 = Groups::new();
         let p = g0
@@ -232,6 +268,7 @@ mod tests {
                 address: addr,
                 unique_id: vec![],
                 timeout_ms: 0,
+                secret: vec![9; 32],
             })
             .expect("join 1");
             let mut v = [2.0f32];
@@ -249,6 +286,7 @@ mod tests {
             address: String::new(),
             unique_id: vec![],
             timeout_ms: 0,
+            secret: vec![9; 32],
         })
         .expect("join 0");
         let mut v = [1.0f32];

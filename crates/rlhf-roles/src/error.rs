@@ -72,6 +72,7 @@ impl Error {
             },
             Error::Collective(e) => match e.kind() {
                 rlhf_collective::ErrorKind::Timeout => FailureKind::Timeout,
+                rlhf_collective::ErrorKind::Auth => FailureKind::Unauthenticated,
                 rlhf_collective::ErrorKind::InvalidArgument
                 | rlhf_collective::ErrorKind::Mismatch => FailureKind::InvalidArgument,
                 _ => FailureKind::Internal,

@@ -214,6 +214,7 @@ impl RoleHost {
             address: req.address.clone(),
             unique_id: req.unique_id.clone(),
             timeout_ms: req.timeout_ms,
+            secret: req.secret.clone(),
         })
     }
 

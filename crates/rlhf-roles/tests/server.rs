@@ -293,6 +293,7 @@ async fn update_and_sync_weights_over_grpc() {
         address: prepared.address.clone(),
         unique_id: vec![],
         timeout_ms: 20_000,
+        secret: vec![3; 32],
     };
     let (a, b) = tokio::join!(t.join_comm(join(0)), g.join_comm(join(1)));
     a.unwrap();

@@ -33,11 +33,18 @@
 //!
 //! | bytes | field |
 //! | --- | --- |
-//! | 8 | magic `b"RLHFCOL\x01"` (the last byte is the protocol version) |
+//! | 8 | magic `b"RLHFCOL\x02"` (the last byte is the protocol version) |
 //! | 1 | kind: 1 = JOIN (to rank 0), 2 = RING (to the previous rank's listener) |
 //! | 4 | rank (u32) |
 //! | 4 | world size (u32) |
 //! | 2 + n | listener address as UTF-8 text, u16 length prefix (empty for RING) |
+//! | 1 (+ 32) | 1 and the connecting side's nonce when it authenticates, else 0 |
+//!
+//! With a [`CommSecret`] (see `auth.rs`) the accepting side answers a hello with its own
+//! 32-byte nonce and an HMAC-SHA256 tag over the hello and both nonces, the connecting side
+//! checks it and answers with its tag; only then does the connection count. A connection
+//! that sends anything else, too little, or a wrong tag is dropped and logged, and the
+//! rendezvous goes on waiting for the real rank.
 //!
 //! JOIN answer (rank 0 → rank r): status u8 (0 = ok), then either `world` addresses
 //! (u16 length + UTF-8 each, rank 0's entry empty) or, for status 1 (the ranks
@@ -74,164 +81,29 @@
 //!   length followed by the bytes (barrier: empty blocks).
 
 use std::io::{self, Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{Shutdown, TcpStream};
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Op, Result};
-use crate::{as_bytes, as_bytes_mut, CommConfig, Communicator, Plain, ReduceOp};
 
-const HELLO_MAGIC: [u8; 8] = *b"RLHFCOL\x01";
-const KIND_JOIN: u8 = 1;
-const KIND_RING: u8 = 2;
-/// JOIN answer status codes.
-const JOIN_MISMATCH: u8 = 1;
-const JOIN_TIMEOUT: u8 = 2;
+mod auth;
+mod rendezvous;
+use crate::{as_bytes, as_bytes_mut, CommConfig, Communicator, Plain, ReduceOp};
+pub use auth::CommSecret;
+pub use rendezvous::TcpRendezvous;
+
 const HDR_MAGIC: u32 = 0x314C_4F43;
 const HDR_LEN: usize = 32;
 /// Messages up to this size are written before reading without a sender thread:
 /// they always fit in the kernel socket buffers, so two ranks writing to each
 /// other at once cannot deadlock, and small ops skip a thread spawn.
 const INLINE_SEND: usize = 32 << 10;
-/// Largest all_gather block accepted from a peer; protects against a corrupt length.
-const MAX_BLOCK: u64 = 1 << 40;
+/// Largest all_gather block accepted from a peer (64 GiB); blocks are read as they arrive,
+/// so this only turns an absurd length into an early, clear error.
+const MAX_BLOCK: u64 = 1 << 36;
 const BACKEND: &str = "tcp";
-
-/// Rank 0's listening side of the rendezvous.
-#[derive(Debug)]
-pub struct TcpRendezvous {
-    listener: TcpListener,
-    addr: SocketAddr,
-}
-
-impl TcpRendezvous {
-    /// Listens on `addr` ("host:port"; port 0 picks a free port).
-    pub fn bind(addr: &str) -> Result<Self> {
-        let listener = TcpListener::bind(addr).map_err(|e| Error::Io {
-            op: Op::Rendezvous,
-            rank: 0,
-            peer: None,
-            context: format!(
-                "rank 0 cannot listen on master address {addr} (in use? pass port 0 to pick a free one)"
-            ),
-            source: e,
-        })?;
-        let addr = listener.local_addr().map_err(|e| Error::Io {
-            op: Op::Rendezvous,
-            rank: 0,
-            peer: None,
-            context: "reading the bound master address".into(),
-            source: e,
-        })?;
-        Ok(Self { listener, addr })
-    }
-
-    /// The address rank 0 actually listens on; publish it to the other ranks.
-    /// When bound to `0.0.0.0`, publish this host's reachable IP with this port.
-    pub fn local_addr(&self) -> SocketAddr {
-        self.addr
-    }
-
-    /// Waits for ranks `1..world_size` to join and builds rank 0's communicator.
-    pub fn accept(self, world_size: usize, config: CommConfig) -> Result<TcpCommunicator> {
-        check_args(0, world_size, &config)?;
-        if world_size == 1 {
-            return Ok(TcpCommunicator::new(0, 1, config, None));
-        }
-        let deadline = Instant::now() + config.timeout;
-        let master = self.addr.to_string();
-        let n = world_size;
-
-        // JOIN phase: collect every other rank's hello.
-        let mut joined: Vec<Option<(TcpStream, String)>> = (0..n).map(|_| None).collect();
-        let mut missing = n - 1;
-        let result = (|| {
-            while missing > 0 {
-                let (stream, hello) = accept_hello(&self.listener, deadline, &config, 0, || {
-                    let left: Vec<String> = (1..n)
-                        .filter(|r| joined[*r].is_none())
-                        .map(|r| r.to_string())
-                        .collect();
-                    format!(
-                        "; ranks {} never joined at {master}: were they started, with this address?",
-                        left.join(", ")
-                    )
-                })?;
-                if hello.kind != KIND_JOIN {
-                    continue;
-                }
-                if hello.world != n {
-                    let msg = format!(
-                        "rank {} was started with world_size {} but rank 0 with {n}: \
-                         every rank must get the same world_size",
-                        hello.rank, hello.world
-                    );
-                    let _ = send_join_error(&stream, JOIN_MISMATCH, &msg);
-                    return Err(mismatch(Op::Rendezvous, 0, Some(hello.rank), msg));
-                }
-                if hello.rank == 0 || hello.rank >= n {
-                    let msg = format!(
-                        "a process joined as rank {} but ranks must be 1..{} (rank 0 is the master)",
-                        hello.rank,
-                        n - 1
-                    );
-                    let _ = send_join_error(&stream, JOIN_MISMATCH, &msg);
-                    return Err(mismatch(Op::Rendezvous, 0, Some(hello.rank), msg));
-                }
-                if joined[hello.rank].is_some() {
-                    let msg = format!(
-                        "two processes joined as rank {}: give each process its own rank",
-                        hello.rank
-                    );
-                    let _ = send_join_error(&stream, JOIN_MISMATCH, &msg);
-                    return Err(mismatch(Op::Rendezvous, 0, Some(hello.rank), msg));
-                }
-                joined[hello.rank] = Some((stream, hello.addr));
-                missing -= 1;
-            }
-            Ok(())
-        })();
-        if let Err(e) = result {
-            for (s, _) in joined.iter().flatten() {
-                let code = if e.kind() == crate::ErrorKind::Timeout {
-                    JOIN_TIMEOUT
-                } else {
-                    JOIN_MISMATCH
-                };
-                let _ = send_join_error(s, code, &format!("rank 0 aborted the rendezvous: {e}"));
-            }
-            return Err(e);
-        }
-
-        // Answer everyone with the address table.
-        let mut table = Vec::new();
-        table.push(0u8);
-        for entry in &joined {
-            let a = entry.as_ref().map(|(_, a)| a.as_str()).unwrap_or("");
-            put_str(&mut table, a);
-        }
-        for (r, entry) in joined.iter().enumerate() {
-            if let Some((s, _)) = entry {
-                (&*s).write_all(&table).map_err(|e| {
-                    io_err(Op::Rendezvous, 0, Some(r), "sending the address table", e)
-                })?;
-            }
-        }
-        // Ring phase: its own timeout, so a late joiner does not eat into it.
-        let deadline = Instant::now() + config.timeout;
-        let next_addr = joined[1]
-            .as_ref()
-            .map(|(_, a)| a.clone())
-            .unwrap_or_default();
-        let next = connect_ring(0, n, 1, &next_addr, deadline, &config)?;
-        let prev = accept_ring(&self.listener, 0, n, deadline, &config)?;
-        drop(joined);
-        let mut comm = TcpCommunicator::new(0, n, config, Some((next, prev)));
-        comm.barrier()?;
-        Ok(comm)
-    }
-}
 
 /// One end of a ring connection.
 #[derive(Debug)]
@@ -274,75 +146,6 @@ impl TcpCommunicator {
             broken: None,
             scratch,
         }
-    }
-
-    /// Joins a group: rank 0 listens on `master` and waits for the others; other
-    /// ranks connect to it. With port 0 on rank 0 use [`TcpRendezvous`] instead, so
-    /// the chosen port can be published before the others connect.
-    pub fn init(rank: usize, world_size: usize, master: &str, config: CommConfig) -> Result<Self> {
-        check_args(rank, world_size, &config)?;
-        if rank == 0 {
-            TcpRendezvous::bind(master)?.accept(world_size, config)
-        } else {
-            Self::connect(rank, world_size, master, config)
-        }
-    }
-
-    /// Rank ≥ 1: connects to rank 0 at `master`, retrying until the timeout.
-    pub fn connect(
-        rank: usize,
-        world_size: usize,
-        master: &str,
-        config: CommConfig,
-    ) -> Result<Self> {
-        check_args(rank, world_size, &config)?;
-        if rank == 0 {
-            return Err(Error::InvalidArgument {
-                op: Op::Rendezvous,
-                detail: "rank 0 listens: use TcpRendezvous::bind(..).accept(..) or TcpCommunicator::init".into(),
-            });
-        }
-        let n = world_size;
-        let deadline = Instant::now() + config.timeout;
-        let master_conn = connect_retry(rank, 0, master, deadline, &config)?;
-        let local_ip = master_conn
-            .local_addr()
-            .map_err(|e| io_err(Op::Rendezvous, rank, Some(0), "reading local address", e))?
-            .ip();
-        let listener = TcpListener::bind((local_ip, 0)).map_err(|e| {
-            io_err(
-                Op::Rendezvous,
-                rank,
-                None,
-                &format!("binding the ring listener on {local_ip}"),
-                e,
-            )
-        })?;
-        let my_addr = listener
-            .local_addr()
-            .map_err(|e| io_err(Op::Rendezvous, rank, None, "reading listener address", e))?;
-        let mut hello = Vec::new();
-        encode_hello(&mut hello, KIND_JOIN, rank, n, &my_addr.to_string());
-        set_io_timeout(&master_conn, remaining(deadline));
-        (&master_conn)
-            .write_all(&hello)
-            .map_err(|e| map_io(Op::Rendezvous, rank, 0, &config, "sending JOIN hello", e))?;
-
-        // The table arrives only when every rank has joined.
-        let table = read_join_answer(&master_conn, rank, n, &config)?;
-        let deadline = Instant::now() + config.timeout;
-        let next_rank = (rank + 1) % n;
-        let next_addr = if next_rank == 0 {
-            master.to_string()
-        } else {
-            table[next_rank].clone()
-        };
-        let next = connect_ring(rank, n, next_rank, &next_addr, deadline, &config)?;
-        let prev = accept_ring(&listener, rank, n, deadline, &config)?;
-        drop(master_conn);
-        let mut comm = TcpCommunicator::new(rank, n, config, Some((next, prev)));
-        comm.barrier()?;
-        Ok(comm)
     }
 
     /// A group of one: every op is local.
@@ -819,6 +622,8 @@ fn recv_reduce<T: Elem>(
     Ok(())
 }
 
+/// Reads one length-prefixed block. The buffer grows with the bytes that actually arrive
+/// (a chunk at a time), so a length that lies costs the reader nothing before the peer sends.
 fn recv_block(ctx: &Ctx<'_>, link: &Link) -> Result<Vec<u8>> {
     let mut len = [0u8; 8];
     read_exact(ctx, link, &mut len)?;
@@ -828,11 +633,17 @@ fn recv_block(ctx: &Ctx<'_>, link: &Link) -> Result<Vec<u8>> {
             ctx.op,
             ctx.rank,
             Some(link.peer),
-            format!("peer announced a block of {len} bytes: corrupt stream or foreign program"),
+            format!("peer announced a block of {len} bytes (at most {MAX_BLOCK}): corrupt stream or foreign program"),
         ));
     }
-    let mut v = vec![0u8; len as usize];
-    read_exact(ctx, link, &mut v)?;
+    let len = len as usize;
+    let step = ctx.config.chunk_bytes.max(1);
+    let mut v = Vec::with_capacity(len.min(step));
+    while v.len() < len {
+        let start = v.len();
+        v.resize(start + step.min(len - start), 0);
+        read_exact(ctx, link, &mut v[start..])?;
+    }
     Ok(v)
 }
 
@@ -1031,250 +842,6 @@ pub fn tune_stream(s: &TcpStream, config: &CommConfig) {
     set_io_timeout(s, config.timeout);
 }
 
-fn connect_retry(
-    rank: usize,
-    peer: usize,
-    addr: &str,
-    deadline: Instant,
-    config: &CommConfig,
-) -> Result<TcpStream> {
-    let mut backoff = Duration::from_millis(10);
-    let mut last: String;
-    loop {
-        match addr.to_socket_addrs() {
-            Ok(addrs) => {
-                last = format!("{addr} resolved to no address");
-                for a in addrs {
-                    let t =
-                        remaining(deadline).clamp(Duration::from_millis(1), Duration::from_secs(2));
-                    match TcpStream::connect_timeout(&a, t) {
-                        Ok(s) => {
-                            tune(&s, config);
-                            set_io_timeout(&s, config.timeout);
-                            return Ok(s);
-                        }
-                        Err(e) => last = format!("{a}: {e}"),
-                    }
-                }
-            }
-            Err(e) => {
-                return Err(io_err(
-                    Op::Rendezvous,
-                    rank,
-                    Some(peer),
-                    &format!("resolving address {addr:?} of rank {peer} (expected host:port)"),
-                    e,
-                ))
-            }
-        }
-        if Instant::now() + backoff >= deadline {
-            return Err(Error::Timeout {
-                op: Op::Rendezvous,
-                rank,
-                peer: Some(peer),
-                timeout: config.timeout,
-                detail: format!(
-                    "; could not connect to {addr} (last error: {last}): is rank {peer} running, \
-                     and is that address reachable from this host?"
-                ),
-            });
-        }
-        std::thread::sleep(backoff);
-        backoff = (backoff * 2).min(Duration::from_millis(500));
-    }
-}
-
-struct Hello {
-    kind: u8,
-    rank: usize,
-    world: usize,
-    addr: String,
-}
-
-fn put_str(out: &mut Vec<u8>, s: &str) {
-    out.extend_from_slice(&(s.len() as u16).to_le_bytes());
-    out.extend_from_slice(s.as_bytes());
-}
-
-fn encode_hello(out: &mut Vec<u8>, kind: u8, rank: usize, world: usize, addr: &str) {
-    out.extend_from_slice(&HELLO_MAGIC);
-    out.push(kind);
-    out.extend_from_slice(&(rank as u32).to_le_bytes());
-    out.extend_from_slice(&(world as u32).to_le_bytes());
-    put_str(out, addr);
-}
-
-fn read_str(mut s: &TcpStream) -> io::Result<String> {
-    let mut len = [0u8; 2];
-    s.read_exact(&mut len)?;
-    let mut b = vec![0u8; u16::from_le_bytes(len) as usize];
-    s.read_exact(&mut b)?;
-    String::from_utf8(b).map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "non-UTF-8 text"))
-}
-
-/// Reads a hello; `Ok(None)` for a connection that is not one of ours.
-fn read_hello(mut s: &TcpStream) -> io::Result<Option<Hello>> {
-    let mut head = [0u8; 17];
-    s.read_exact(&mut head)?;
-    if head[..8] != HELLO_MAGIC {
-        return Ok(None);
-    }
-    let rank = u32::from_le_bytes([head[9], head[10], head[11], head[12]]) as usize;
-    let world = u32::from_le_bytes([head[13], head[14], head[15], head[16]]) as usize;
-    let addr = read_str(s)?;
-    Ok(Some(Hello {
-        kind: head[8],
-        rank,
-        world,
-        addr,
-    }))
-}
-
-fn send_join_error(mut s: &TcpStream, code: u8, msg: &str) -> io::Result<()> {
-    let mut b = vec![code];
-    let msg: String = msg.chars().take(4000).collect();
-    put_str(&mut b, &msg);
-    s.write_all(&b)
-}
-
-fn read_join_answer(
-    s: &TcpStream,
-    rank: usize,
-    n: usize,
-    config: &CommConfig,
-) -> Result<Vec<String>> {
-    // Rank 0 answers only when everyone joined: allow the whole rendezvous timeout.
-    set_io_timeout(s, config.timeout);
-    let ctx_err = |e: io::Error| match e.kind() {
-        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => Error::Timeout {
-            op: Op::Rendezvous,
-            rank,
-            peer: Some(0),
-            timeout: config.timeout,
-            detail: "; rank 0 accepted this rank but not every rank joined in time \
-                     (rank 0's error names the missing ones)"
-                .into(),
-        },
-        _ => map_io(
-            Op::Rendezvous,
-            rank,
-            0,
-            config,
-            "waiting for the address table",
-            e,
-        ),
-    };
-    let mut status = [0u8; 1];
-    (&*s).read_exact(&mut status).map_err(ctx_err)?;
-    if status[0] != 0 {
-        let msg = read_str(s).map_err(ctx_err)?;
-        if status[0] == JOIN_TIMEOUT {
-            return Err(Error::Timeout {
-                op: Op::Rendezvous,
-                rank,
-                peer: Some(0),
-                timeout: config.timeout,
-                detail: format!("; {msg}"),
-            });
-        }
-        return Err(mismatch(Op::Rendezvous, rank, Some(0), msg));
-    }
-    let mut table = Vec::with_capacity(n);
-    for _ in 0..n {
-        table.push(read_str(s).map_err(ctx_err)?);
-    }
-    Ok(table)
-}
-
-/// Accepts connections until one sends a hello (strays are dropped).
-fn accept_hello(
-    listener: &TcpListener,
-    deadline: Instant,
-    config: &CommConfig,
-    rank: usize,
-    who_is_missing: impl Fn() -> String,
-) -> Result<(TcpStream, Hello)> {
-    listener
-        .set_nonblocking(true)
-        .map_err(|e| io_err(Op::Rendezvous, rank, None, "configuring the listener", e))?;
-    loop {
-        match listener.accept() {
-            Ok((s, _)) => {
-                let _ = s.set_nonblocking(false);
-                tune(&s, config);
-                // A stray connection must not hold up the rendezvous for long.
-                set_io_timeout(&s, remaining(deadline).min(Duration::from_secs(5)));
-                if let Ok(Some(h)) = read_hello(&s) {
-                    set_io_timeout(&s, config.timeout);
-                    return Ok((s, h));
-                }
-            }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                if Instant::now() >= deadline {
-                    return Err(Error::Timeout {
-                        op: Op::Rendezvous,
-                        rank,
-                        peer: None,
-                        timeout: config.timeout,
-                        detail: who_is_missing(),
-                    });
-                }
-                std::thread::sleep(Duration::from_millis(2));
-            }
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => {
-                return Err(io_err(
-                    Op::Rendezvous,
-                    rank,
-                    None,
-                    "accepting a connection",
-                    e,
-                ))
-            }
-        }
-    }
-}
-
-fn connect_ring(
-    rank: usize,
-    n: usize,
-    next: usize,
-    addr: &str,
-    deadline: Instant,
-    config: &CommConfig,
-) -> Result<Link> {
-    let s = connect_retry(rank, next, addr, deadline, config)?;
-    let mut hello = Vec::new();
-    encode_hello(&mut hello, KIND_RING, rank, n, "");
-    (&s).write_all(&hello)
-        .map_err(|e| map_io(Op::Rendezvous, rank, next, config, "sending RING hello", e))?;
-    Ok(Link {
-        stream: s,
-        peer: next,
-    })
-}
-
-fn accept_ring(
-    listener: &TcpListener,
-    rank: usize,
-    n: usize,
-    deadline: Instant,
-    config: &CommConfig,
-) -> Result<Link> {
-    let prev = (rank + n - 1) % n;
-    loop {
-        let (s, h) = accept_hello(listener, deadline, config, rank, || {
-            format!("; rank {prev} never connected its ring link")
-        })?;
-        if h.kind == KIND_RING && h.rank == prev && h.world == n {
-            return Ok(Link {
-                stream: s,
-                peer: prev,
-            });
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1321,6 +888,40 @@ mod tests {
         let (a, b) = split_pair(&mut v, 4..6, 4..4);
         assert_eq!(a.len(), 2);
         assert!(b.is_empty());
+    }
+
+    #[test]
+    fn lying_block_lengths_fail_cleanly() {
+        use std::net::TcpListener;
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let peer = std::thread::spawn(move || {
+            // 32 GiB announced, 100 bytes sent, then the peer leaves.
+            let mut a = TcpStream::connect(addr).unwrap();
+            a.write_all(&(1u64 << 35).to_le_bytes()).unwrap();
+            a.write_all(&[1; 100]).unwrap();
+            drop(a);
+            // 1 TiB announced: over the bound.
+            let mut b = TcpStream::connect(addr).unwrap();
+            b.write_all(&(1u64 << 40).to_le_bytes()).unwrap();
+            std::thread::sleep(Duration::from_millis(200));
+        });
+        let config = CommConfig::with_timeout(Duration::from_secs(5));
+        let ctx = Ctx {
+            op: Op::AllGather,
+            rank: 0,
+            config: &config,
+        };
+        let link = |s: TcpStream| {
+            set_io_timeout(&s, config.timeout);
+            Link { stream: s, peer: 1 }
+        };
+        let e = recv_block(&ctx, &link(l.accept().unwrap().0)).unwrap_err();
+        assert_eq!(e.kind(), crate::ErrorKind::PeerClosed, "{e}");
+        let e = recv_block(&ctx, &link(l.accept().unwrap().0)).unwrap_err();
+        assert_eq!(e.kind(), crate::ErrorKind::Mismatch, "{e}");
+        assert!(e.to_string().contains("at most"), "{e}");
+        peer.join().unwrap();
     }
 
     #[test]

@@ -1,0 +1,659 @@
+//! How the ranks find each other (see the module docs of `super` for the protocol): rank 0's
+//! rendezvous, the JOIN hello and its address table, the RING links, and connecting with
+//! retry. Every connection is checked before it is trusted; strays are dropped.
+
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use super::auth::{self, Side, NONCE_BYTES, TAG_BYTES};
+use super::{
+    check_args, io_err, map_io, mismatch, remaining, set_io_timeout, tune, Link, TcpCommunicator,
+};
+use crate::error::{Error, Op, Result};
+use crate::{CommConfig, Communicator};
+
+const HELLO_MAGIC: [u8; 8] = *b"RLHFCOL\x02";
+const KIND_JOIN: u8 = 1;
+const KIND_RING: u8 = 2;
+/// Connections dropped by one wait that are logged; the rest are only counted.
+const MAX_LOGGED_DROPS: u32 = 10;
+/// JOIN answer status codes.
+const JOIN_MISMATCH: u8 = 1;
+const JOIN_TIMEOUT: u8 = 2;
+
+/// Rank 0's listening side of the rendezvous.
+#[derive(Debug)]
+pub struct TcpRendezvous {
+    listener: TcpListener,
+    addr: SocketAddr,
+}
+
+impl TcpRendezvous {
+    /// Listens on `addr` ("host:port"; port 0 picks a free port).
+    pub fn bind(addr: &str) -> Result<Self> {
+        let listener = TcpListener::bind(addr).map_err(|e| Error::Io {
+            op: Op::Rendezvous,
+            rank: 0,
+            peer: None,
+            context: format!(
+                "rank 0 cannot listen on master address {addr} (in use? pass port 0 to pick a free one)"
+            ),
+            source: e,
+        })?;
+        let addr = listener.local_addr().map_err(|e| Error::Io {
+            op: Op::Rendezvous,
+            rank: 0,
+            peer: None,
+            context: "reading the bound master address".into(),
+            source: e,
+        })?;
+        Ok(Self { listener, addr })
+    }
+
+    /// The address rank 0 actually listens on; publish it to the other ranks.
+    /// When bound to `0.0.0.0`, publish this host's reachable IP with this port.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Waits for ranks `1..world_size` to join and builds rank 0's communicator.
+    pub fn accept(self, world_size: usize, config: CommConfig) -> Result<TcpCommunicator> {
+        check_args(0, world_size, &config)?;
+        if world_size == 1 {
+            return Ok(TcpCommunicator::new(0, 1, config, None));
+        }
+        let deadline = Instant::now() + config.timeout;
+        let master = self.addr.to_string();
+        let n = world_size;
+
+        // JOIN phase: collect every other rank's hello.
+        let mut joined: Vec<Option<(TcpStream, String)>> = (0..n).map(|_| None).collect();
+        let mut missing = n - 1;
+        let result = (|| {
+            while missing > 0 {
+                let never = AtomicBool::new(false);
+                let (stream, hello) = accept_hello(
+                    &self.listener,
+                    deadline,
+                    &never,
+                    &config,
+                    0,
+                    || {
+                        let left: Vec<String> = (1..n)
+                            .filter(|r| joined[*r].is_none())
+                            .map(|r| r.to_string())
+                            .collect();
+                        format!(
+                        "; ranks {} never joined at {master}: were they started, with this address?",
+                        left.join(", ")
+                    )
+                    },
+                )?;
+                if hello.kind != KIND_JOIN {
+                    continue;
+                }
+                if hello.world != n {
+                    let msg = format!(
+                        "rank {} was started with world_size {} but rank 0 with {n}: \
+                         every rank must get the same world_size",
+                        hello.rank, hello.world
+                    );
+                    let _ = send_join_error(&stream, JOIN_MISMATCH, &msg);
+                    return Err(mismatch(Op::Rendezvous, 0, Some(hello.rank), msg));
+                }
+                if hello.rank == 0 || hello.rank >= n {
+                    let msg = format!(
+                        "a process joined as rank {} but ranks must be 1..{} (rank 0 is the master)",
+                        hello.rank,
+                        n - 1
+                    );
+                    let _ = send_join_error(&stream, JOIN_MISMATCH, &msg);
+                    return Err(mismatch(Op::Rendezvous, 0, Some(hello.rank), msg));
+                }
+                if joined[hello.rank].is_some() {
+                    let msg = format!(
+                        "two processes joined as rank {}: give each process its own rank",
+                        hello.rank
+                    );
+                    let _ = send_join_error(&stream, JOIN_MISMATCH, &msg);
+                    return Err(mismatch(Op::Rendezvous, 0, Some(hello.rank), msg));
+                }
+                joined[hello.rank] = Some((stream, hello.addr));
+                missing -= 1;
+            }
+            Ok(())
+        })();
+        if let Err(e) = result {
+            for (s, _) in joined.iter().flatten() {
+                let code = if e.kind() == crate::ErrorKind::Timeout {
+                    JOIN_TIMEOUT
+                } else {
+                    JOIN_MISMATCH
+                };
+                let _ = send_join_error(s, code, &format!("rank 0 aborted the rendezvous: {e}"));
+            }
+            return Err(e);
+        }
+
+        // Answer everyone with the address table.
+        let mut table = Vec::new();
+        table.push(0u8);
+        for entry in &joined {
+            let a = entry.as_ref().map(|(_, a)| a.as_str()).unwrap_or("");
+            put_str(&mut table, a);
+        }
+        for (r, entry) in joined.iter().enumerate() {
+            if let Some((s, _)) = entry {
+                (&*s).write_all(&table).map_err(|e| {
+                    io_err(Op::Rendezvous, 0, Some(r), "sending the address table", e)
+                })?;
+            }
+        }
+        // Ring phase: its own timeout, so a late joiner does not eat into it.
+        let deadline = Instant::now() + config.timeout;
+        let next_addr = joined[1]
+            .as_ref()
+            .map(|(_, a)| a.clone())
+            .unwrap_or_default();
+        let (next, prev) = ring_links(&self.listener, 0, n, &next_addr, deadline, &config)?;
+        drop(joined);
+        let mut comm = TcpCommunicator::new(0, n, config, Some((next, prev)));
+        comm.barrier()?;
+        Ok(comm)
+    }
+}
+
+impl TcpCommunicator {
+    /// Joins a group: rank 0 listens on `master` and waits for the others; other
+    /// ranks connect to it. With port 0 on rank 0 use [`TcpRendezvous`] instead, so
+    /// the chosen port can be published before the others connect.
+    pub fn init(rank: usize, world_size: usize, master: &str, config: CommConfig) -> Result<Self> {
+        check_args(rank, world_size, &config)?;
+        if rank == 0 {
+            TcpRendezvous::bind(master)?.accept(world_size, config)
+        } else {
+            Self::connect(rank, world_size, master, config)
+        }
+    }
+
+    /// Rank ≥ 1: connects to rank 0 at `master`, retrying until the timeout.
+    pub fn connect(
+        rank: usize,
+        world_size: usize,
+        master: &str,
+        config: CommConfig,
+    ) -> Result<Self> {
+        check_args(rank, world_size, &config)?;
+        if rank == 0 {
+            return Err(Error::InvalidArgument {
+                op: Op::Rendezvous,
+                detail: "rank 0 listens: use TcpRendezvous::bind(..).accept(..) or TcpCommunicator::init".into(),
+            });
+        }
+        let n = world_size;
+        let deadline = Instant::now() + config.timeout;
+        let master_conn = connect_retry(rank, 0, master, deadline, &config)?;
+        let local_ip = master_conn
+            .local_addr()
+            .map_err(|e| io_err(Op::Rendezvous, rank, Some(0), "reading local address", e))?
+            .ip();
+        let listener = TcpListener::bind((local_ip, 0)).map_err(|e| {
+            io_err(
+                Op::Rendezvous,
+                rank,
+                None,
+                &format!("binding the ring listener on {local_ip}"),
+                e,
+            )
+        })?;
+        let my_addr = listener
+            .local_addr()
+            .map_err(|e| io_err(Op::Rendezvous, rank, None, "reading listener address", e))?;
+        set_io_timeout(&master_conn, remaining(deadline));
+        send_hello(
+            &master_conn,
+            KIND_JOIN,
+            (rank, 0),
+            n,
+            &my_addr.to_string(),
+            &config,
+        )?;
+
+        // The table arrives only when every rank has joined.
+        let table = read_join_answer(&master_conn, rank, n, &config)?;
+        let deadline = Instant::now() + config.timeout;
+        let next_rank = (rank + 1) % n;
+        let next_addr = if next_rank == 0 {
+            master.to_string()
+        } else {
+            table[next_rank].clone()
+        };
+        let (next, prev) = ring_links(&listener, rank, n, &next_addr, deadline, &config)?;
+        drop(master_conn);
+        let mut comm = TcpCommunicator::new(rank, n, config, Some((next, prev)));
+        comm.barrier()?;
+        Ok(comm)
+    }
+}
+
+fn connect_retry(
+    rank: usize,
+    peer: usize,
+    addr: &str,
+    deadline: Instant,
+    config: &CommConfig,
+) -> Result<TcpStream> {
+    let mut backoff = Duration::from_millis(10);
+    let mut last: String;
+    loop {
+        match addr.to_socket_addrs() {
+            Ok(addrs) => {
+                last = format!("{addr} resolved to no address");
+                for a in addrs {
+                    let t =
+                        remaining(deadline).clamp(Duration::from_millis(1), Duration::from_secs(2));
+                    match TcpStream::connect_timeout(&a, t) {
+                        Ok(s) => {
+                            tune(&s, config);
+                            set_io_timeout(&s, config.timeout);
+                            return Ok(s);
+                        }
+                        Err(e) => last = format!("{a}: {e}"),
+                    }
+                }
+            }
+            Err(e) => {
+                return Err(io_err(
+                    Op::Rendezvous,
+                    rank,
+                    Some(peer),
+                    &format!("resolving address {addr:?} of rank {peer} (expected host:port)"),
+                    e,
+                ))
+            }
+        }
+        if Instant::now() + backoff >= deadline {
+            return Err(Error::Timeout {
+                op: Op::Rendezvous,
+                rank,
+                peer: Some(peer),
+                timeout: config.timeout,
+                detail: format!(
+                    "; could not connect to {addr} (last error: {last}): is rank {peer} running, \
+                     and is that address reachable from this host?"
+                ),
+            });
+        }
+        std::thread::sleep(backoff);
+        backoff = (backoff * 2).min(Duration::from_millis(500));
+    }
+}
+
+struct Hello {
+    kind: u8,
+    rank: usize,
+    world: usize,
+    addr: String,
+    /// The connecting side's nonce, when it authenticates.
+    nonce: Option<[u8; NONCE_BYTES]>,
+    /// The hello as it crossed the wire (the start of the handshake transcript).
+    raw: Vec<u8>,
+}
+
+fn put_str(out: &mut Vec<u8>, s: &str) {
+    out.extend_from_slice(&(s.len() as u16).to_le_bytes());
+    out.extend_from_slice(s.as_bytes());
+}
+
+/// Magic, kind, rank, world size, listener address, then 0 (no authentication) or 1 and
+/// the connecting side's nonce.
+fn encode_hello(
+    out: &mut Vec<u8>,
+    kind: u8,
+    rank: usize,
+    world: usize,
+    addr: &str,
+    nonce: Option<&[u8; NONCE_BYTES]>,
+) {
+    out.extend_from_slice(&HELLO_MAGIC);
+    out.push(kind);
+    out.extend_from_slice(&(rank as u32).to_le_bytes());
+    out.extend_from_slice(&(world as u32).to_le_bytes());
+    put_str(out, addr);
+    match nonce {
+        Some(n) => {
+            out.push(1);
+            out.extend_from_slice(n);
+        }
+        None => out.push(0),
+    }
+}
+
+/// Connecting side: sends the hello and, with a secret, completes the handshake (checks the
+/// accepting side's tag, sends its own). `ranks`: (this rank, the rank it connects to).
+fn send_hello(
+    s: &TcpStream,
+    kind: u8,
+    ranks: (usize, usize),
+    world: usize,
+    addr: &str,
+    config: &CommConfig,
+) -> Result<()> {
+    let (rank, peer) = ranks;
+    let what = if kind == KIND_JOIN { "JOIN" } else { "RING" };
+    let io = |e, step: &str| map_io(Op::Rendezvous, rank, peer, config, step, e);
+    let nonce_c = config.secret.as_ref().map(|_| auth::nonce());
+    let mut hello = Vec::new();
+    encode_hello(&mut hello, kind, rank, world, addr, nonce_c.as_ref());
+    let mut w = s;
+    w.write_all(&hello)
+        .map_err(|e| io(e, &format!("sending the {what} hello")))?;
+    let Some(secret) = &config.secret else {
+        return Ok(());
+    };
+    let mut answer = [0u8; NONCE_BYTES + TAG_BYTES];
+    (&*s).read_exact(&mut answer).map_err(|e| {
+        io(
+            e,
+            &format!(
+                "authenticating to rank {peer} (it dropped the connection: does it have this \
+                 communicator's secret, from the same JoinComm?)"
+            ),
+        )
+    })?;
+    let (nonce_a, tag_a) = answer.split_at(NONCE_BYTES);
+    let mut transcript = hello;
+    transcript.extend_from_slice(nonce_a);
+    if !secret.verify(Side::Accepting, &transcript, tag_a) {
+        return Err(Error::Auth {
+            rank,
+            peer: Some(peer),
+            detail: "the peer answered with a wrong tag: it does not hold this communicator's \
+                     secret (another job's listener, or a stale address)"
+                .into(),
+        });
+    }
+    w.write_all(&secret.tag(Side::Connecting, &transcript))
+        .map_err(|e| io(e, "sending the authentication tag"))
+}
+
+fn read_str(mut s: &TcpStream) -> io::Result<String> {
+    let mut len = [0u8; 2];
+    s.read_exact(&mut len)?;
+    let mut b = vec![0u8; u16::from_le_bytes(len) as usize];
+    s.read_exact(&mut b)?;
+    String::from_utf8(b).map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "non-UTF-8 text"))
+}
+
+/// Reads a hello; `Ok(None)` for a connection that is not one of ours.
+fn read_hello(mut s: &TcpStream) -> io::Result<Option<Hello>> {
+    let mut head = [0u8; 17];
+    s.read_exact(&mut head)?;
+    if head[..8] != HELLO_MAGIC {
+        return Ok(None);
+    }
+    let rank = u32::from_le_bytes([head[9], head[10], head[11], head[12]]) as usize;
+    let world = u32::from_le_bytes([head[13], head[14], head[15], head[16]]) as usize;
+    let addr = read_str(s)?;
+    let mut flag = [0u8; 1];
+    s.read_exact(&mut flag)?;
+    let nonce = match flag[0] {
+        0 => None,
+        1 => {
+            let mut n = [0u8; NONCE_BYTES];
+            s.read_exact(&mut n)?;
+            Some(n)
+        }
+        _ => return Ok(None),
+    };
+    let mut raw = Vec::new();
+    encode_hello(&mut raw, head[8], rank, world, &addr, nonce.as_ref());
+    Ok(Some(Hello {
+        kind: head[8],
+        rank,
+        world,
+        addr,
+        nonce,
+        raw,
+    }))
+}
+
+/// Accepting side: with a secret, answers the hello's nonce with its own and its tag, then
+/// checks the connecting side's tag. `Err` names why the connection is not trusted.
+fn authenticate(
+    s: &TcpStream,
+    hello: &Hello,
+    config: &CommConfig,
+) -> std::result::Result<(), String> {
+    let Some(secret) = &config.secret else {
+        return match hello.nonce {
+            None => Ok(()),
+            Some(_) => {
+                Err("it authenticates, but this rank has no secret for the communicator".into())
+            }
+        };
+    };
+    if hello.nonce.is_none() {
+        return Err("it sent no authentication".into());
+    }
+    let nonce_a = auth::nonce();
+    let mut transcript = hello.raw.clone();
+    transcript.extend_from_slice(&nonce_a);
+    let mut answer = nonce_a.to_vec();
+    answer.extend_from_slice(&secret.tag(Side::Accepting, &transcript));
+    let mut w = s;
+    w.write_all(&answer)
+        .map_err(|e| format!("sending the challenge: {e}"))?;
+    let mut tag = [0u8; TAG_BYTES];
+    (&*s)
+        .read_exact(&mut tag)
+        .map_err(|e| format!("no authentication tag: {e}"))?;
+    if !secret.verify(Side::Connecting, &transcript, &tag) {
+        return Err("wrong authentication tag (not a member of this communicator)".into());
+    }
+    Ok(())
+}
+
+fn send_join_error(mut s: &TcpStream, code: u8, msg: &str) -> io::Result<()> {
+    let mut b = vec![code];
+    let msg: String = msg.chars().take(4000).collect();
+    put_str(&mut b, &msg);
+    s.write_all(&b)
+}
+
+fn read_join_answer(
+    s: &TcpStream,
+    rank: usize,
+    n: usize,
+    config: &CommConfig,
+) -> Result<Vec<String>> {
+    // Rank 0 answers only when everyone joined: allow the whole rendezvous timeout.
+    set_io_timeout(s, config.timeout);
+    let ctx_err = |e: io::Error| match e.kind() {
+        io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => Error::Timeout {
+            op: Op::Rendezvous,
+            rank,
+            peer: Some(0),
+            timeout: config.timeout,
+            detail: "; rank 0 accepted this rank but not every rank joined in time \
+                     (rank 0's error names the missing ones)"
+                .into(),
+        },
+        _ => map_io(
+            Op::Rendezvous,
+            rank,
+            0,
+            config,
+            "waiting for the address table",
+            e,
+        ),
+    };
+    let mut status = [0u8; 1];
+    (&*s).read_exact(&mut status).map_err(ctx_err)?;
+    if status[0] != 0 {
+        let msg = read_str(s).map_err(ctx_err)?;
+        if status[0] == JOIN_TIMEOUT {
+            return Err(Error::Timeout {
+                op: Op::Rendezvous,
+                rank,
+                peer: Some(0),
+                timeout: config.timeout,
+                detail: format!("; {msg}"),
+            });
+        }
+        return Err(mismatch(Op::Rendezvous, rank, Some(0), msg));
+    }
+    let mut table = Vec::with_capacity(n);
+    for _ in 0..n {
+        table.push(read_str(s).map_err(ctx_err)?);
+    }
+    Ok(table)
+}
+
+/// Accepts connections until one sends a hello and, with a secret, authenticates; the others
+/// are dropped and logged, and the wait goes on.
+fn accept_hello(
+    listener: &TcpListener,
+    deadline: Instant,
+    stop: &AtomicBool,
+    config: &CommConfig,
+    rank: usize,
+    who_is_missing: impl Fn() -> String,
+) -> Result<(TcpStream, Hello)> {
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| io_err(Op::Rendezvous, rank, None, "configuring the listener", e))?;
+    let mut dropped = 0u32;
+    loop {
+        match listener.accept() {
+            Ok((s, _)) => {
+                let _ = s.set_nonblocking(false);
+                tune(&s, config);
+                // A stray connection must not hold up the rendezvous for long.
+                set_io_timeout(&s, remaining(deadline).min(Duration::from_secs(5)));
+                let peer = s
+                    .peer_addr()
+                    .map_or_else(|_| "an unknown address".to_string(), |a| a.to_string());
+                let why = match read_hello(&s) {
+                    Ok(Some(h)) => match authenticate(&s, &h, config) {
+                        Ok(()) => {
+                            set_io_timeout(&s, config.timeout);
+                            return Ok((s, h));
+                        }
+                        Err(why) => why,
+                    },
+                    Ok(None) => "not a collective hello".to_string(),
+                    Err(e) => format!("reading its hello: {e}"),
+                };
+                dropped += 1;
+                if dropped <= MAX_LOGGED_DROPS {
+                    tracing::warn!(
+                        "collective rendezvous, rank {rank}: dropped a connection from {peer}: {why}{}",
+                        if dropped == MAX_LOGGED_DROPS { " (further drops in this wait are not logged)" } else { "" }
+                    );
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                if stop.load(Ordering::Relaxed) {
+                    return Err(Error::Unavailable {
+                        backend: "tcp",
+                        reason: format!("rank {rank}: the rendezvous was abandoned"),
+                    });
+                }
+                if Instant::now() >= deadline {
+                    return Err(Error::Timeout {
+                        op: Op::Rendezvous,
+                        rank,
+                        peer: None,
+                        timeout: config.timeout,
+                        detail: who_is_missing(),
+                    });
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => {
+                return Err(io_err(
+                    Op::Rendezvous,
+                    rank,
+                    None,
+                    "accepting a connection",
+                    e,
+                ))
+            }
+        }
+    }
+}
+
+/// Connects the link to the next rank while accepting the one from the previous rank: with
+/// authentication each connection waits for its acceptor's answer, so doing one after the
+/// other would leave every rank waiting on the next around the ring.
+fn ring_links(
+    listener: &TcpListener,
+    rank: usize,
+    n: usize,
+    next_addr: &str,
+    deadline: Instant,
+    config: &CommConfig,
+) -> Result<(Link, Link)> {
+    let next_rank = (rank + 1) % n;
+    let stop = AtomicBool::new(false);
+    let (next, prev) = std::thread::scope(|s| {
+        let prev = s.spawn(|| accept_ring(listener, rank, n, deadline, &stop, config));
+        let next = connect_ring(rank, n, next_rank, next_addr, deadline, config);
+        if next.is_err() {
+            // The ring cannot form: stop waiting for the previous rank.
+            stop.store(true, Ordering::Relaxed);
+        }
+        let prev = prev.join().unwrap_or_else(|_| {
+            Err(Error::Unavailable {
+                backend: "tcp",
+                reason: format!("rank {rank}: the thread accepting the ring link panicked"),
+            })
+        });
+        (next, prev)
+    });
+    Ok((next?, prev?))
+}
+
+fn connect_ring(
+    rank: usize,
+    n: usize,
+    next: usize,
+    addr: &str,
+    deadline: Instant,
+    config: &CommConfig,
+) -> Result<Link> {
+    let s = connect_retry(rank, next, addr, deadline, config)?;
+    set_io_timeout(&s, remaining(deadline));
+    send_hello(&s, KIND_RING, (rank, next), n, "", config)?;
+    set_io_timeout(&s, config.timeout);
+    Ok(Link {
+        stream: s,
+        peer: next,
+    })
+}
+
+fn accept_ring(
+    listener: &TcpListener,
+    rank: usize,
+    n: usize,
+    deadline: Instant,
+    stop: &AtomicBool,
+    config: &CommConfig,
+) -> Result<Link> {
+    let prev = (rank + n - 1) % n;
+    loop {
+        let (s, h) = accept_hello(listener, deadline, stop, config, rank, || {
+            format!("; rank {prev} never connected its ring link")
+        })?;
+        if h.kind == KIND_RING && h.rank == prev && h.world == n {
+            return Ok(Link {
+                stream: s,
+                peer: prev,
+            });
+        }
+    }
+}
