@@ -8,9 +8,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use super::auth::{self, Side, NONCE_BYTES, TAG_BYTES};
-use super::{
-    check_args, io_err, map_io, mismatch, remaining, set_io_timeout, tune, Link, TcpCommunicator,
-};
+use super::frame::{check_args, io_err, map_io, mismatch, remaining, set_io_timeout, tune};
+use super::{Link, TcpCommunicator};
 use crate::error::{Error, Op, Result};
 use crate::{CommConfig, Communicator};
 
