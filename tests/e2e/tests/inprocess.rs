@@ -148,3 +148,91 @@ async fn injected_clock_drives_node_death_without_waiting() {
     sd.cancel();
     h.wait().await;
 }
+
+/// What nodes and clients send is validated before it reaches the state: a NaN or negative
+/// resource, a host name with markup, an address that is no address and a wait with no
+/// real deadline are each refused naming the field, nothing is stored, and a database that
+/// holds a record which does not decode still starts.
+#[tokio::test]
+async fn bad_node_reports_are_refused_and_a_bad_stored_record_is_skipped() {
+    let dir = tempfile::tempdir().unwrap();
+    let start = |dir: std::path::PathBuf| async move {
+        let mut o = HeadOptions::new(dir, "tok".into());
+        o.host = "127.0.0.1".into();
+        o.port = 0;
+        o.dashboard = None;
+        let sd = CancellationToken::new();
+        let h = head::start(o, Arc::new(SystemClock), sd.clone())
+            .await
+            .expect("the head starts");
+        let mut co = ClientOptions::new("tok");
+        co.connect_timeout = Duration::from_secs(5);
+        let c = HeadServiceClient::new(net::connect(&h.addr.to_string(), &co).await.unwrap());
+        (h, sd, c)
+    };
+    let (h, sd, mut c) = start(dir.path().to_path_buf()).await;
+    let node = |hostname: &str, address: &str, res: &[(&str, f64)]| pb::RegisterNodeRequest {
+        protocol_version: rlhf_proto::PROTOCOL_VERSION,
+        hostname: hostname.into(),
+        address: address.into(),
+        resources: Some(pb::Resources {
+            amounts: res.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+        }),
+        ..Default::default()
+    };
+    for (req, want) in [
+        (node("n", "127.0.0.1:9", &[("CPU", f64::NAN)]), "NaN"),
+        (node("n", "127.0.0.1:9", &[("GPU", -8.0)]), "\"GPU\" is -8"),
+        (node("<b>x</b>", "127.0.0.1:9", &[]), "hostname"),
+        (node("n", "127.0.0.1", &[]), "not host:port"),
+    ] {
+        let e = c.register_node(req).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{want}: {e:?}");
+        assert!(e.message().contains(want), "{want}: {}", e.message());
+    }
+    let e = c
+        .kv_wait(pb::KvWaitRequest {
+            key: "k".into(),
+            timeout_ms: u64::MAX,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    assert!(
+        e.message().contains("KvWaitRequest.timeout_ms"),
+        "{}",
+        e.message()
+    );
+    let s = c
+        .cluster_status(pb::ClusterStatusRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(s.nodes.is_empty(), "nothing was stored: {:?}", s.nodes);
+    c.register_node(node("good", "127.0.0.1:9", &[("CPU", 2.0)]))
+        .await
+        .expect("a valid node registers");
+    sd.cancel();
+    h.wait().await;
+
+    // A record that does not decode (what a NaN amount became in JSON) next to a good one.
+    {
+        let st = rlhf_runtime::head::store::Store::open(dir.path()).unwrap();
+        st.put(
+            rlhf_runtime::head::store::NODES,
+            "node-bad",
+            &serde_json::json!({"resources": {"CPU": null}}),
+        )
+        .unwrap();
+    }
+    let (h, sd, mut c) = start(dir.path().to_path_buf()).await;
+    let s = c
+        .cluster_status(pb::ClusterStatusRequest {})
+        .await
+        .unwrap()
+        .into_inner();
+    let hosts: Vec<&str> = s.nodes.iter().map(|n| n.hostname.as_str()).collect();
+    assert_eq!(hosts, vec!["good"], "{:?}", s.nodes);
+    sd.cancel();
+    h.wait().await;
+}

@@ -5,6 +5,7 @@
 pub mod jobs;
 pub mod state;
 pub mod store;
+pub mod validate;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -26,6 +27,9 @@ use crate::convert;
 use crate::net::{self, AuthChannel, ClientOptions, ServerTls};
 use state::{ActorExit, HeadState, LiveActor};
 use store::Store;
+
+/// How long KillActor waits for the worker to stop the process.
+const KILL_TIMEOUT: Duration = Duration::from_secs(30);
 
 #[derive(Clone, Debug)]
 pub struct HeadOptions {
@@ -233,6 +237,18 @@ impl HeadService for Head {
         let peer = req.remote_addr();
         let r = req.into_inner();
         check_version(r.protocol_version)?;
+        validate::name(&r.node_id, "RegisterNodeRequest.node_id", true)?;
+        validate::hostname(&r.hostname, "RegisterNodeRequest.hostname")?;
+        validate::address(&r.address, "RegisterNodeRequest.address", false)?;
+        let resources = validate::resources(r.resources.as_ref(), "RegisterNodeRequest.resources")?;
+        for a in &r.live_actors {
+            validate::name(
+                &a.actor_id,
+                "RegisterNodeRequest.live_actors.actor_id",
+                false,
+            )?;
+            validate::address(&a.address, "RegisterNodeRequest.live_actors.address", true)?;
+        }
         let live = r
             .live_actors
             .iter()
@@ -245,7 +261,6 @@ impl HeadService for Head {
             })
             .collect();
         let now = self.0.clock.now_ms();
-        let resources = Resources::from(r.resources.as_ref());
         let id = self.lock().register(
             Some(r.node_id.clone()),
             r.hostname.clone(),
@@ -301,12 +316,20 @@ impl HeadService for Head {
     ) -> std::result::Result<Response<pb::CreatePlacementGroupResponse>, Status> {
         let r = req.into_inner();
         let strategy = convert::strategy_from_proto(r.strategy);
+        validate::name(&r.name, "CreatePlacementGroupRequest.name", true)?;
         let bundles: Vec<Resources> = r
             .bundles
             .iter()
-            .map(|b| Resources::from(b.resources.as_ref()))
-            .collect();
-        let deadline = tokio::time::Instant::now() + Duration::from_millis(r.timeout_ms);
+            .map(|b| {
+                validate::resources(b.resources.as_ref(), "CreatePlacementGroupRequest.bundles")
+            })
+            .collect::<Result<_>>()?;
+        let wait = validate::wait_ms(
+            r.timeout_ms,
+            "CreatePlacementGroupRequest.timeout_ms",
+            Duration::ZERO,
+        )?;
+        let deadline = tokio::time::Instant::now() + wait;
         loop {
             let res = self.lock().create_pg(&r.name, strategy, bundles.clone());
             match res {
@@ -347,16 +370,21 @@ impl HeadService for Head {
         req: Request<pb::CreateActorRequest>,
     ) -> std::result::Result<Response<pb::CreateActorResponse>, Status> {
         let r = req.into_inner();
-        let spec = r
+        let wire = r
             .spec
             .as_ref()
-            .map(convert::spec_from_proto)
             .ok_or_else(|| Error::invalid("CreateActor needs a spec"))?;
-        let timeout = Duration::from_millis(if r.timeout_ms == 0 {
-            30_000
-        } else {
-            r.timeout_ms
-        });
+        validate::name(&wire.name, "ActorSpec.name", true)?;
+        validate::name(&wire.role, "ActorSpec.role", true)?;
+        validate::name(&wire.kind, "ActorSpec.kind", true)?;
+        validate::name(&wire.pg_id, "ActorSpec.pg_id", true)?;
+        validate::resources(wire.resources.as_ref(), "ActorSpec.resources")?;
+        let spec = convert::spec_from_proto(wire);
+        let timeout = validate::wait_ms(
+            r.timeout_ms,
+            "CreateActorRequest.timeout_ms",
+            Duration::from_secs(30),
+        )?;
         let actor = Head::create_actor(self, spec, timeout).await?;
         Ok(Response::new(pb::CreateActorResponse {
             actor: Some(actor),
@@ -380,7 +408,22 @@ impl HeadService for Head {
                 .unwrap_or_default()
         };
         let mut c = self.worker_client(&address)?;
-        c.stop_actor(pb::StopActorRequest { actor_id: id }).await?;
+        tokio::time::timeout(
+            KILL_TIMEOUT,
+            c.stop_actor(pb::StopActorRequest {
+                actor_id: id.clone(),
+            }),
+        )
+        .await
+        .map_err(|_| {
+            Error::new(
+                FailureKind::Timeout,
+                format!(
+                    "the worker at {address} did not stop actor {id} within {} s",
+                    KILL_TIMEOUT.as_secs()
+                ),
+            )
+        })??;
         Ok(Response::new(pb::KillActorResponse {}))
     }
 
@@ -411,7 +454,8 @@ impl HeadService for Head {
         req: Request<pb::KvWaitRequest>,
     ) -> std::result::Result<Response<pb::KvGetResponse>, Status> {
         let r = req.into_inner();
-        let deadline = tokio::time::Instant::now() + Duration::from_millis(r.timeout_ms);
+        let wait = validate::wait_ms(r.timeout_ms, "KvWaitRequest.timeout_ms", Duration::ZERO)?;
+        let deadline = tokio::time::Instant::now() + wait;
         loop {
             // Register interest before checking, so a put between check and wait is not missed.
             let notified = self.0.kv_changed.notified();

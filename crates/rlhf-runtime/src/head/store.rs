@@ -88,13 +88,23 @@ impl Store {
         Ok(out)
     }
 
+    /// Every record of `table` that decodes. One that does not (written by a buggy or older
+    /// head, or damaged) is skipped with a warning naming it, so one bad record never keeps
+    /// the head from starting.
     pub fn load<T: DeserializeOwned>(&self, table: &str) -> Result<Vec<T>> {
-        self.load_raw(table)?
+        Ok(self
+            .load_raw(table)?
             .into_iter()
-            .map(|(k, v)| {
-                serde_json::from_slice(&v).map_err(|e| db_err(&format!("decoding {table}/{k}"), e))
+            .filter_map(|(k, v)| match serde_json::from_slice(&v) {
+                Ok(t) => Some(t),
+                Err(e) => {
+                    tracing::warn!(
+                        "state database: record {table}/{k} skipped, it does not decode: {e}"
+                    );
+                    None
+                }
             })
-            .collect()
+            .collect())
     }
 }
 
@@ -116,5 +126,17 @@ mod tests {
         let s = Store::open(dir.path()).unwrap();
         let v: Vec<Vec<i32>> = s.load(NODES).unwrap();
         assert_eq!(v, vec![vec![1, 2, 3]]);
+    }
+
+    #[test]
+    fn a_record_that_does_not_decode_is_skipped() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Store::open(dir.path()).unwrap();
+        s.put(NODES, "good", &vec![1.5f64]).unwrap();
+        // What a NaN resource amount becomes in JSON, and a damaged record.
+        s.put(NODES, "nan", &serde_json::json!([null])).unwrap();
+        s.put(NODES, "text", &"not a list").unwrap();
+        let v: Vec<Vec<f64>> = s.load(NODES).unwrap();
+        assert_eq!(v, vec![vec![1.5]]);
     }
 }
