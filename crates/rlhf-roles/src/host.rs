@@ -268,6 +268,12 @@ impl RoleHost {
     }
 
     fn batch_inner(&mut self, call: BatchCall, batch: &DataBatch) -> Result<DataBatch> {
+        if batch.len()? == 0 {
+            return Err(Error::invalid(format!(
+                "the {} batch has no rows; send at least one (the driver pads shards to the rank count)",
+                call.name()
+            )));
+        }
         let i = self.route(call, calls::target(batch)?)?;
         fn req<R: RoleCall>(b: &DataBatch) -> Result<R> {
             Ok(R::from_batch(R::CALL, b)?)

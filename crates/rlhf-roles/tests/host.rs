@@ -101,3 +101,35 @@ fn a_rollout_sharing_the_trainer_model_generates_with_updated_weights() {
     let err = host.add(train).unwrap_err().to_string();
     assert!(err.contains("already initialised"), "{err}");
 }
+
+#[test]
+fn an_empty_batch_is_an_error_for_every_call() {
+    let cfg = config();
+    let mut host = RoleHost::new(RoleKind::ActorRollout, "127.0.0.1");
+    let train = spec(&cfg, RoleKind::ActorRollout, RolePart::Train, 0, 1);
+    host.add(train.clone()).unwrap();
+    host.add_sharing(
+        spec(&cfg, RoleKind::ActorRollout, RolePart::Infer, 0, 1),
+        train.slot,
+    )
+    .unwrap();
+    let empty = GenerateRequest {
+        prompt_ids: Mat::filled(0, P, 1),
+        prompt_mask: Mat::filled(0, P, 1),
+        step: 1,
+        seed: 3,
+    };
+    let seqs = typed::<calls::LogProbsRequest>(&sequences(&[3, 5], 11)).unwrap();
+    let no_rows = calls::LogProbsRequest(calls::Sequences {
+        input_ids: Mat::filled(0, seqs.0.input_ids.cols, 1),
+        attention_mask: Mat::filled(0, seqs.0.attention_mask.cols, 1),
+        response_len: seqs.0.response_len,
+    });
+    for (call, wire) in [
+        (BatchCall::ComputeLogProbs, no_rows.to_batch().unwrap()),
+        (BatchCall::Generate, empty.to_batch().unwrap()),
+    ] {
+        let e = host.batch(call, &wire).unwrap_err().to_string();
+        assert!(e.contains("has no rows"), "{call:?}: {e}");
+    }
+}
