@@ -102,11 +102,40 @@ fn parts(cfg: &PpoConfig) -> Vec<PartSpec> {
     v
 }
 
-/// Creates the placement groups and actors, connects to them and loads their models.
-pub async fn launch(head: &mut HeadClient, cfg: &PpoConfig, opts: &LaunchOptions) -> Result<Roles> {
+/// What a launch has made on the head so far. The caller releases it with [`release`] when
+/// the launch fails or is cancelled, so a failed start leaves no actors or placement groups
+/// (and none of their devices) behind.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Launched {
+    pub placement_groups: Vec<String>,
+    pub actors: Vec<String>,
+}
+
+/// Stops the actors, then removes the placement groups (each call bounded, errors ignored:
+/// this runs on the way out of a failure).
+pub async fn release(head: &mut HeadClient, made: &Launched) {
+    for id in &made.actors {
+        let _ = tokio::time::timeout(
+            Duration::from_secs(10),
+            head.kill_actor(pb::KillActorRequest {
+                actor_id: id.clone(),
+            }),
+        )
+        .await;
+    }
+    remove_placement_groups(head, &made.placement_groups).await;
+}
+
+/// Creates the placement groups and actors and connects to them, recording in `made` what
+/// it created; on an error the caller releases `made`.
+pub async fn launch(
+    head: &mut HeadClient,
+    cfg: &PpoConfig,
+    opts: &LaunchOptions,
+    made: &mut Launched,
+) -> Result<Roles> {
     let resource = cfg.resource_pool.device.resource().to_string();
     let mut pgs: BTreeMap<&'static str, String> = BTreeMap::new();
-    let mut placement_groups = Vec::new();
     for role in RoleKind::ALL {
         let n = if cfg.role_enabled(role) {
             cfg.devices(role)
@@ -142,7 +171,7 @@ pub async fn launch(head: &mut HeadClient, cfg: &PpoConfig, opts: &LaunchOptions
             })?
             .into_inner();
         let pg = r.placement_group.unwrap_or_default().pg_id;
-        placement_groups.push(pg.clone());
+        made.placement_groups.push(pg.clone());
         pgs.insert(role.as_str(), pg);
     }
 
@@ -186,13 +215,24 @@ pub async fn launch(head: &mut HeadClient, cfg: &PpoConfig, opts: &LaunchOptions
             });
         }
     }
-    let infos = match try_join_all(creations).await {
-        Ok(v) => v,
-        Err(e) => {
-            remove_placement_groups(head, &placement_groups).await;
-            return Err(e);
+    // Every creation runs to its end, so the actors that did start are known and released
+    // when another one fails.
+    let mut infos = Vec::new();
+    let mut first_err = None;
+    for r in futures::future::join_all(creations).await {
+        match r {
+            Ok(info) => {
+                made.actors.push(info.actor_id.clone());
+                infos.push(info);
+            }
+            Err(e) => {
+                first_err.get_or_insert(e);
+            }
         }
-    };
+    }
+    if let Some(e) = first_err {
+        return Err(e);
+    }
 
     let mut it = infos.into_iter();
     let mut groups: Vec<WorkerGroup> = Vec::new();
@@ -235,7 +275,7 @@ pub async fn launch(head: &mut HeadClient, cfg: &PpoConfig, opts: &LaunchOptions
         reference: take(RoleKind::Ref, RolePart::Whole),
         critic: take(RoleKind::Critic, RolePart::Whole),
         reward: take(RoleKind::Reward, RolePart::Whole),
-        placement_groups,
+        placement_groups: made.placement_groups.clone(),
     };
     Ok(roles)
 }
@@ -421,18 +461,14 @@ pub async fn diagnose(
 
 /// Kills the job's actors and frees its devices; best effort.
 pub async fn shutdown(head: &mut HeadClient, roles: &Roles) {
-    let ids: Vec<String> = roles
-        .all_members()
-        .map(|(_, _, m)| m.actor_id.clone())
-        .collect();
-    for id in ids {
-        let _ = tokio::time::timeout(
-            Duration::from_secs(10),
-            head.kill_actor(pb::KillActorRequest { actor_id: id }),
-        )
-        .await;
-    }
-    remove_placement_groups(head, &roles.placement_groups).await;
+    let made = Launched {
+        placement_groups: roles.placement_groups.clone(),
+        actors: roles
+            .all_members()
+            .map(|(_, _, m)| m.actor_id.clone())
+            .collect(),
+    };
+    release(head, &made).await;
 }
 
 async fn remove_placement_groups(head: &mut HeadClient, pgs: &[String]) {

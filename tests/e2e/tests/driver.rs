@@ -177,3 +177,40 @@ async fn the_driver_reports_its_run_as_events_and_resumes_the_algorithm_state() 
     assert_eq!(ev.len(), 3, "{ev:?}");
     Ok(())
 }
+
+/// A launch that cannot finish releases what it made: on a node with 3 CPU slots the
+/// actor_rollout (2) and ref (1) groups are placed, the critic's never can, and after the
+/// failure no placement group holds a slot and no actor runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_launch_leaves_no_placement_groups_or_actors() -> Result<()> {
+    let mut c = Cluster::start(&[])?;
+    c.add_worker(r#"{"CPU": 3}"#)?;
+    c.wait_alive_nodes(1, Duration::from_secs(30))?;
+    let out = c.dir.path().join("job");
+    let mut opts = DriverOptions::new(
+        config(&out, &["training.train_iters=1"])?,
+        "driver-leak",
+        ClientOptions::new(c.token()?),
+    );
+    opts.start_timeout = Duration::from_secs(2);
+    let e = drive(&c, opts).await.unwrap_err().to_string();
+    assert!(e.contains("placing role critic"), "{e}");
+    let status = c.status()?;
+    let pgs = status["placement_groups"].as_array().context("pgs")?;
+    assert!(
+        pgs.len() >= 2,
+        "the first groups were placed before the failure: {pgs:?}"
+    );
+    assert!(
+        pgs.iter().all(|p| p["state"] == "REMOVED"),
+        "a failed launch left placement groups: {pgs:?}"
+    );
+    let actors = status["actors"].as_array().context("actors")?;
+    assert!(
+        actors
+            .iter()
+            .all(|a| a["state"] != "ALIVE" && a["state"] != "PENDING"),
+        "{actors:?}"
+    );
+    Ok(())
+}

@@ -202,9 +202,18 @@ pub async fn run(
         start_timeout: opts.start_timeout,
     };
     let started = Instant::now();
-    let roles = tokio::select! {
-        r = cluster::launch(&mut head, cfg, &launch) => r?,
-        _ = shutdown.cancelled() => return Err(Error::new(FailureKind::Unavailable, "stopped before the roles started").into()),
+    let mut made = cluster::Launched::default();
+    let launched = tokio::select! {
+        r = cluster::launch(&mut head, cfg, &launch, &mut made) => r,
+        _ = shutdown.cancelled() => Err(Error::new(FailureKind::Unavailable, "stopped before the roles started")),
+    };
+    let roles = match launched {
+        Ok(roles) => roles,
+        Err(e) => {
+            // Nothing a failed or stopped launch made stays on the cluster.
+            cluster::release(&mut head, &made).await;
+            return Err(e.into());
+        }
     };
     report.report(&Event::Placed {
         processes: roles.all_members().count(),
