@@ -6,6 +6,7 @@
 
 pub mod batch;
 pub mod calls;
+pub mod durable;
 pub mod error;
 pub mod outcome;
 pub mod placement;

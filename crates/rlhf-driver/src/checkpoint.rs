@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 
 use rlhf_algo::KlController;
 use rlhf_config::data::DataCursor;
-use rlhf_core::{Error, Result};
+use rlhf_core::{durable, Error, Result};
 use serde::{Deserialize, Serialize};
 
 pub const STATE_FILE: &str = "trainer_state.json";
@@ -79,25 +79,20 @@ pub fn step_dir(root: &Path, step: u64) -> PathBuf {
     root.join(format!("global_step_{step}"))
 }
 
-/// Writes the state file (atomically) and then moves `latest` to this step.
+/// Writes the state file (atomically, fsynced) and then moves `latest` to this step; the
+/// role directories were published whole before.
 pub fn commit(root: &Path, state: &TrainerState) -> Result<PathBuf> {
     let dir = step_dir(root, state.global_step);
     std::fs::create_dir_all(&dir)
         .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
     let text = serde_json::to_string_pretty(state)
         .map_err(|e| Error::internal(format!("serializing trainer state: {e}")))?;
-    write_atomic(&dir.join(STATE_FILE), text.as_bytes())?;
-    write_atomic(
+    durable::write_atomic(&dir.join(STATE_FILE), text.as_bytes())?;
+    durable::write_atomic(
         &root.join(LATEST_FILE),
         format!("{}\n", state.global_step).as_bytes(),
     )?;
     Ok(dir)
-}
-
-fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
-    let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, bytes).map_err(|e| Error::io(format!("writing {}", tmp.display()), e))?;
-    std::fs::rename(&tmp, path).map_err(|e| Error::io(format!("writing {}", path.display()), e))
 }
 
 /// Complete checkpoints under `root`, oldest first.

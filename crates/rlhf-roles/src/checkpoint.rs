@@ -1,8 +1,12 @@
-//! A trainable engine's checkpoint: an HF model directory plus `optimizer.safetensors` and
-//! `role_state.json` (scheduler position, weights version).
+//! A trainable engine's checkpoint: an HF model directory plus `optimizer.safetensors`,
+//! `role_state.json` (scheduler position, weights version) and `manifest.json` (every file's
+//! size and content hash). It is written beside the target and moved into place in one
+//! rename once every file is on disk (`rlhf_core::durable`), and verified against its
+//! manifest before anything is loaded.
 
 use std::path::Path;
 
+use rlhf_core::durable;
 use rlhf_model::Model;
 use serde::{Deserialize, Serialize};
 
@@ -30,24 +34,27 @@ pub fn save(
     tokenizer_dir: Option<&Path>,
 ) -> Result<Vec<String>> {
     let tok = tokenizer_dir.filter(|d| d.join("tokenizer.json").is_file());
+    let staging = durable::staging_dir(dir);
+    if staging.exists() {
+        // What an interrupted save left behind.
+        std::fs::remove_dir_all(&staging)
+            .map_err(|e| Error::internal(format!("removing {}: {e}", staging.display())))?;
+    }
     model
-        .save(dir, tok)
-        .with_ctx(|| format!("saving the model to {}", dir.display()))?;
+        .save(&staging, tok)
+        .with_ctx(|| format!("saving the model to {}", staging.display()))?;
     optim
         .opt
-        .save(&dir.join(OPTIMIZER_FILE))
-        .with_ctx(|| format!("saving the optimizer state to {}", dir.display()))?;
+        .save(&staging.join(OPTIMIZER_FILE))
+        .with_ctx(|| format!("saving the optimizer state to {}", staging.display()))?;
     let text = serde_json::to_string_pretty(state)
         .map_err(|e| Error::internal(format!("encoding role_state.json: {e}")))?;
-    let path = dir.join(ROLE_STATE_FILE);
+    let path = staging.join(ROLE_STATE_FILE);
     std::fs::write(&path, text + "\n")
         .map_err(|e| Error::internal(format!("writing {}: {e}", path.display())))?;
-    let mut files: Vec<String> = std::fs::read_dir(dir)
-        .map_err(|e| Error::internal(format!("listing {}: {e}", dir.display())))?
-        .filter_map(|e| e.ok())
-        .filter(|e| e.path().is_file())
-        .filter_map(|e| e.file_name().into_string().ok())
-        .collect();
+    let manifest = durable::publish_dir(dir)?;
+    let mut files: Vec<String> = manifest.files.into_keys().collect();
+    files.push(durable::MANIFEST_FILE.to_string());
     files.sort();
     Ok(files)
 }
@@ -60,6 +67,7 @@ pub fn load(
     dir: &Path,
     opts: &rlhf_model::LoadOptions,
 ) -> Result<RoleState> {
+    durable::Manifest::verify(dir)?;
     let path = dir.join(ROLE_STATE_FILE);
     let text = std::fs::read_to_string(&path).map_err(|e| {
         Error::invalid(format!(

@@ -206,6 +206,7 @@ fn checkpoint_round_trip_resumes_bit_identically() {
         "model.safetensors",
         "optimizer.safetensors",
         "role_state.json",
+        "manifest.json",
     ] {
         assert!(files.iter().any(|x| x == f), "{f} missing from {files:?}");
     }
@@ -243,7 +244,25 @@ fn checkpoint_round_trip_resumes_bit_identically() {
         .load_checkpoint(&dir.path().join("nope"))
         .unwrap_err()
         .to_string();
-    assert!(err.contains("role_state.json"), "{err}");
+    assert!(
+        err.contains("nope") && err.contains("manifest.json"),
+        "{err}"
+    );
+
+    // A weight file changed after the save (zeroed, as a bad copy leaves it) is refused by
+    // name, and the model keeps its weights.
+    let model_file = dir.path().join("model.safetensors");
+    let mut bytes = std::fs::read(&model_file).unwrap();
+    let n = bytes.len();
+    bytes[n - 64..].fill(0);
+    std::fs::write(&model_file, &bytes).unwrap();
+    let before = b.state.checksum().unwrap();
+    let err = b.state.load_checkpoint(dir.path()).unwrap_err().to_string();
+    assert!(
+        err.contains("model.safetensors") && err.contains("changed"),
+        "{err}"
+    );
+    assert_eq!(b.state.checksum().unwrap(), before);
 }
 
 #[test]

@@ -175,6 +175,41 @@ async fn the_driver_reports_its_run_as_events_and_resumes_the_algorithm_state() 
     let ev = rec.events();
     assert_eq!(ev[2], Recorded::NothingToDo { step: 3, total: 3 }, "{ev:?}");
     assert_eq!(ev.len(), 3, "{ev:?}");
+
+    // A damaged checkpoint is refused before a step runs. First the trainer state records
+    // other weights than the files hold, then a weight file is changed after the save.
+    let resume4 = || -> Result<DriverOptions> {
+        let mut opts = DriverOptions::new(
+            config(&out, &["training.train_iters=4"])?,
+            "driver-events",
+            client.clone(),
+        );
+        opts.resume = Some("latest".into());
+        opts.call_timeout = Duration::from_secs(300);
+        Ok(opts)
+    };
+    let ckpt = out.join("ckpt/global_step_3");
+    let state_file = ckpt.join(rlhf_driver::checkpoint::STATE_FILE);
+    let original = std::fs::read_to_string(&state_file)?;
+    let mut state: serde_json::Value = serde_json::from_str(&original)?;
+    state["actor_checksum"] = serde_json::json!(12345u64);
+    std::fs::write(&state_file, state.to_string())?;
+    let e = drive(&c, resume4()?).await.unwrap_err().to_string();
+    assert!(
+        e.contains("loaded weights have checksum") && e.contains("actor"),
+        "{e}"
+    );
+    std::fs::write(&state_file, original)?;
+    let weights = ckpt.join("actor/model.safetensors");
+    let mut bytes = std::fs::read(&weights)?;
+    let n = bytes.len();
+    bytes[n - 256..].fill(0);
+    std::fs::write(&weights, bytes)?;
+    let e = drive(&c, resume4()?).await.unwrap_err().to_string();
+    assert!(
+        e.contains("model.safetensors") && e.contains("changed after it was saved"),
+        "{e}"
+    );
     Ok(())
 }
 

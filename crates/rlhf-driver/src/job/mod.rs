@@ -231,7 +231,7 @@ pub async fn run(
         report: &mut report,
     };
     let result = tokio::select! {
-        r = ctx.drive(&mut algo, start_step, total, resumed.as_ref().map(|(d, _)| d.clone())) => r,
+        r = ctx.drive(&mut algo, start_step, total, resumed.clone()) => r,
         _ = shutdown.cancelled() => Err(Failed::Other(Error::new(FailureKind::Unavailable, "stopped by a signal; continue with --resume latest"))),
     };
     let result = match result {
@@ -295,7 +295,7 @@ impl Loop<'_> {
         algo: &mut A,
         start_step: u64,
         total: u64,
-        resume_dir: Option<PathBuf>,
+        resumed: Option<(PathBuf, checkpoint::TrainerState)>,
     ) -> Res<JobSummary> {
         let cfg = self.cfg;
         let t = self.opts.start_timeout;
@@ -319,10 +319,11 @@ impl Loop<'_> {
             cluster::join_comm(&self.roles.critic, CommGroup::CriticDp, backend, t),
             cluster::join_comm(&weights, CommGroup::Weights, backend, t),
         )?;
-        if let Some(dir) = &resume_dir {
+        let resume_dir = resumed.as_ref().map(|(d, _)| d.clone());
+        if let Some((dir, st)) = &resumed {
             let actor_dir = dir.join("actor").to_string_lossy().into_owned();
             let critic_dir = dir.join("critic").to_string_lossy().into_owned();
-            tokio::try_join!(
+            let (actor, critic) = tokio::try_join!(
                 self.roles.train.unary(t, "LoadCheckpoint", |_, mut c| {
                     let d = actor_dir.clone();
                     async move {
@@ -338,6 +339,22 @@ impl Loop<'_> {
                     }
                 }),
             )?;
+            // The weights every rank loaded are the ones the checkpoint recorded.
+            let expect = [
+                ("actor", Some(st.actor_checksum).filter(|&c| c != 0), &actor),
+                ("critic", st.critic_checksum, &critic),
+            ];
+            for (part, want, answers) in expect {
+                let Some(want) = want else { continue };
+                if let Some(got) = answers.iter().find(|a| a.weights_checksum != want) {
+                    return Err(Failed::Other(Error::invalid(format!(
+                        "{}: the loaded weights have checksum {:016x}, but {} recorded {want:016x} at the save; the checkpoint is damaged, resume from another one",
+                        dir.join(part).display(),
+                        got.weights_checksum,
+                        checkpoint::STATE_FILE
+                    ))));
+                }
+            }
         }
         self.sync_weights(start_step).await?;
 

@@ -1,0 +1,261 @@
+//! Files that survive a crash and prove they are intact: atomic writes (temporary name,
+//! fsync, rename, fsync of the directory), directories published by one rename once every
+//! file in them is on disk, and a manifest of every file's size and content hash that is
+//! checked before anything is loaded from it. Checkpoints are written and read through here:
+//! a crash mid-save leaves the previous checkpoint as it was, and a file changed after the
+//! save (a zeroed weight file, a truncated copy) is refused by name instead of loaded.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use rlhf_types::Checksum;
+use serde::{Deserialize, Serialize};
+
+use crate::{Error, Result};
+
+/// The manifest's file name inside a published directory.
+pub const MANIFEST_FILE: &str = "manifest.json";
+
+/// Flushes a file or directory to stable storage.
+pub fn sync_path(path: &Path) -> Result<()> {
+    File::open(path)
+        .and_then(|f| f.sync_all())
+        .map_err(|e| Error::io(format!("syncing {} to disk", path.display()), e))
+}
+
+/// Writes `bytes` to `path` so that a crash leaves either the old file or the new one:
+/// a temporary name in the same directory, fsync, rename, fsync of the directory.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let dir = parent(path);
+    let tmp = dir.join(format!(
+        ".{}.tmp-{}",
+        path.file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        std::process::id()
+    ));
+    let write = || -> std::io::Result<()> {
+        use std::io::Write;
+        let mut f = File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()
+    };
+    write().map_err(|e| Error::io(format!("writing {}", tmp.display()), e))?;
+    std::fs::rename(&tmp, path).map_err(|e| {
+        let _ = std::fs::remove_file(&tmp);
+        Error::io(
+            format!("renaming {} to {}", tmp.display(), path.display()),
+            e,
+        )
+    })?;
+    sync_path(dir)
+}
+
+fn parent(path: &Path) -> &Path {
+    path.parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."))
+}
+
+/// The staging directory [`publish_dir`] moves into place: `<dir>.partial`.
+pub fn staging_dir(dir: &Path) -> PathBuf {
+    let mut name = dir.file_name().unwrap_or_default().to_os_string();
+    name.push(".partial");
+    parent(dir).join(name)
+}
+
+/// One file of a manifest.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FileEntry {
+    pub bytes: u64,
+    /// `rlhf_types::Checksum` of the content, as 16 hex digits.
+    pub checksum: String,
+}
+
+/// Every regular file of a directory (not recursing), with its size and content hash.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub files: BTreeMap<String, FileEntry>,
+}
+
+fn hash_file(path: &Path) -> std::io::Result<(u64, u64)> {
+    let mut f = File::open(path)?;
+    let mut sum = Checksum::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut n = 0u64;
+    loop {
+        let k = f.read(&mut buf)?;
+        if k == 0 {
+            break;
+        }
+        sum.update(&buf[..k]);
+        n += k as u64;
+    }
+    Ok((n, sum.finish()))
+}
+
+impl Manifest {
+    /// Hashes every regular file of `dir` except the manifest itself.
+    pub fn of_dir(dir: &Path) -> Result<Self> {
+        let mut files = BTreeMap::new();
+        let rd = std::fs::read_dir(dir)
+            .map_err(|e| Error::io(format!("listing {}", dir.display()), e))?;
+        for entry in rd {
+            let entry = entry.map_err(|e| Error::io(format!("listing {}", dir.display()), e))?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let path = entry.path();
+            if name == MANIFEST_FILE || !path.is_file() {
+                continue;
+            }
+            let (bytes, sum) = hash_file(&path)
+                .map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
+            files.insert(
+                name,
+                FileEntry {
+                    bytes,
+                    checksum: format!("{sum:016x}"),
+                },
+            );
+        }
+        Ok(Self { files })
+    }
+
+    /// Checks that every file the manifest of `dir` lists is there with its size and
+    /// content. The error names the first file that differs.
+    pub fn verify(dir: &Path) -> Result<Self> {
+        let path = dir.join(MANIFEST_FILE);
+        let text = std::fs::read_to_string(&path).map_err(|e| {
+            Error::invalid(format!(
+                "{} is not a complete checkpoint: cannot read {MANIFEST_FILE} ({e}); it was \
+                 interrupted while saving, or written by an older version: resume from \
+                 another checkpoint",
+                dir.display()
+            ))
+        })?;
+        let m: Manifest = serde_json::from_str(&text)
+            .map_err(|e| Error::invalid(format!("{} is damaged: {e}", path.display())))?;
+        for (name, want) in &m.files {
+            let file = dir.join(name);
+            let (bytes, sum) = hash_file(&file).map_err(|e| {
+                Error::invalid(format!(
+                    "checkpoint file {} is missing or unreadable ({e}); the checkpoint is damaged",
+                    file.display()
+                ))
+            })?;
+            let got = format!("{sum:016x}");
+            if bytes != want.bytes || got != want.checksum {
+                return Err(Error::invalid(format!(
+                    "checkpoint file {} changed after it was saved ({bytes} bytes, checksum \
+                     {got}; the manifest says {} bytes, {}); resume from another checkpoint",
+                    file.display(),
+                    want.bytes,
+                    want.checksum
+                )));
+            }
+        }
+        Ok(m)
+    }
+}
+
+/// Publishes a directory written under [`staging_dir`]`(dir)`: fsyncs every file, writes the
+/// manifest, fsyncs the staging directory, replaces `dir` by it in one rename and fsyncs the
+/// parent. Until the rename, `dir` is untouched (a previous save stays whole).
+pub fn publish_dir(dir: &Path) -> Result<Manifest> {
+    let staging = staging_dir(dir);
+    let rd = std::fs::read_dir(&staging)
+        .map_err(|e| Error::io(format!("listing {}", staging.display()), e))?;
+    for entry in rd {
+        let path = entry
+            .map_err(|e| Error::io(format!("listing {}", staging.display()), e))?
+            .path();
+        if path.is_file() {
+            sync_path(&path)?;
+        }
+    }
+    let manifest = Manifest::of_dir(&staging)?;
+    let text = serde_json::to_string_pretty(&manifest)
+        .map_err(|e| Error::internal(format!("encoding {MANIFEST_FILE}: {e}")))?;
+    write_atomic(&staging.join(MANIFEST_FILE), text.as_bytes())?;
+    if dir.exists() {
+        std::fs::remove_dir_all(dir)
+            .map_err(|e| Error::io(format!("replacing {}", dir.display()), e))?;
+    }
+    std::fs::rename(&staging, dir).map_err(|e| {
+        Error::io(
+            format!("renaming {} to {}", staging.display(), dir.display()),
+            e,
+        )
+    })?;
+    sync_path(parent(dir))?;
+    Ok(manifest)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn published_dirs_verify_and_name_the_file_that_changed() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("actor");
+        let staging = staging_dir(&dir);
+        assert!(staging.ends_with("actor.partial"));
+        std::fs::create_dir_all(&staging).unwrap();
+        std::fs::write(staging.join("model.safetensors"), vec![7u8; 3000]).unwrap();
+        std::fs::write(staging.join("config.json"), b"{}").unwrap();
+        let m = publish_dir(&dir).unwrap();
+        assert_eq!(m.files.len(), 2);
+        assert!(!staging.exists() && dir.join(MANIFEST_FILE).is_file());
+        assert_eq!(Manifest::verify(&dir).unwrap(), m);
+
+        // Same size, one byte different: refused by name.
+        let mut bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+        bytes[1500] = 0;
+        std::fs::write(dir.join("model.safetensors"), &bytes).unwrap();
+        let e = Manifest::verify(&dir).unwrap_err().to_string();
+        assert!(
+            e.contains("model.safetensors") && e.contains("changed"),
+            "{e}"
+        );
+        // Gone: refused by name.
+        std::fs::remove_file(dir.join("config.json")).unwrap();
+        std::fs::write(dir.join("model.safetensors"), vec![7u8; 3000]).unwrap();
+        let e = Manifest::verify(&dir).unwrap_err().to_string();
+        assert!(e.contains("config.json") && e.contains("missing"), "{e}");
+        // No manifest: not a complete checkpoint.
+        std::fs::remove_file(dir.join(MANIFEST_FILE)).unwrap();
+        let e = Manifest::verify(&dir).unwrap_err().to_string();
+        assert!(e.contains("not a complete checkpoint"), "{e}");
+    }
+
+    #[test]
+    fn a_new_publish_replaces_the_old_dir_whole_and_atomic_writes_leave_no_temp() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("critic");
+        for round in 0..2u8 {
+            let staging = staging_dir(&dir);
+            std::fs::create_dir_all(&staging).unwrap();
+            std::fs::write(staging.join(format!("f{round}")), [round]).unwrap();
+            publish_dir(&dir).unwrap();
+        }
+        let names: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert!(
+            names.contains(&"f1".to_string()) && !names.contains(&"f0".to_string()),
+            "{names:?}"
+        );
+        write_atomic(&root.path().join("state.json"), b"1").unwrap();
+        write_atomic(&root.path().join("state.json"), b"2").unwrap();
+        assert_eq!(std::fs::read(root.path().join("state.json")).unwrap(), b"2");
+        let left: Vec<_> = std::fs::read_dir(root.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .filter(|n| n.to_string_lossy().contains(".tmp-"))
+            .collect();
+        assert!(left.is_empty(), "{left:?}");
+    }
+}
