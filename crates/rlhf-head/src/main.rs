@@ -197,19 +197,23 @@ async fn run(cli: Cli) -> Result<()> {
             dead_after_ms,
         } => {
             let state_dir = state_dir.unwrap_or_else(rlhf_runtime::default_state_dir);
+            rlhf_runtime::prepare_state_dir(&state_dir)?;
             let _guard =
                 rlhf_runtime::logging::init(Some(&state_dir.join("logs").join("head.log")));
             let default_token = auth::default_token_path(&state_dir);
             let (token, token_where) = match (&token_file, std::env::var(auth::TOKEN_ENV)) {
-                (Some(p), _) => (auth::read_token_file(p)?, p.display().to_string()),
+                (Some(p), _) => (
+                    auth::read_token_file(p, auth::TokenFile::Given)?,
+                    p.display().to_string(),
+                ),
                 (None, Ok(t)) if !t.trim().is_empty() => {
                     // Still written to the default file so local tools find it.
                     auth::write_token_file(&default_token, t.trim())?;
                     (t.trim().to_string(), default_token.display().to_string())
                 }
                 // A restarted head keeps its token, so its workers can reconnect.
-                _ if default_token.exists() => (
-                    auth::read_token_file(&default_token)?,
+                _ if default_token.symlink_metadata().is_ok() => (
+                    auth::read_token_file(&default_token, auth::TokenFile::Found)?,
                     default_token.display().to_string(),
                 ),
                 _ => {

@@ -36,7 +36,76 @@ pub fn write_token_file(path: &Path, token: &str) -> Result<()> {
     Ok(())
 }
 
-pub fn read_token_file(path: &Path) -> Result<String> {
+/// How far a token file is trusted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TokenFile {
+    /// Named by the user (`--token-file`): it may be a link and readable by others
+    /// (Kubernetes and Docker mount secrets that way, for a container user that is not the
+    /// file's owner); a file every user can read is warned about.
+    Given,
+    /// Found in the state directory: it must be a regular file of this user that nobody
+    /// else can read or write, or it may have been planted there.
+    Found,
+}
+
+/// Refuses a token file that others could have read or written; the error says the fix.
+pub fn check_token_file(path: &Path, trust: TokenFile) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let shown = path.display();
+    let meta = std::fs::symlink_metadata(path)
+        .map_err(|e| Error::io(format!("reading token file {shown}"), e))?;
+    let meta = if meta.file_type().is_symlink() {
+        if trust == TokenFile::Found {
+            return Err(Error::new(
+                FailureKind::Unauthenticated,
+                format!(
+                    "token file {shown} is a symbolic link, and a token in the state directory must be a regular file: remove it (a new head writes a fresh one) or pass --token-file"
+                ),
+            ));
+        }
+        std::fs::metadata(path).map_err(|e| Error::io(format!("reading token file {shown}"), e))?
+    } else {
+        meta
+    };
+    if !meta.is_file() {
+        return Err(Error::invalid(format!(
+            "token file {shown} is not a regular file"
+        )));
+    }
+    let mode = meta.mode() & 0o777;
+    if trust == TokenFile::Given {
+        if mode & 0o006 != 0 {
+            tracing::warn!(
+                "token file {shown} has mode {mode:03o}: every user of this host can read it; `chmod 600 {shown}` unless a container mount needs it so"
+            );
+        }
+        return Ok(());
+    }
+    if mode & 0o077 != 0 {
+        return Err(Error::new(
+            FailureKind::Unauthenticated,
+            format!(
+                "token file {shown} has mode {mode:03o}: other users can read or change it, so it may have been planted; run `chmod 600 {shown}` if you made it, or remove it and restart the head for a new token"
+            ),
+        ));
+    }
+    // SAFETY: getuid has no preconditions and cannot fail.
+    let me = unsafe { libc::getuid() };
+    if meta.uid() != me {
+        return Err(Error::new(
+            FailureKind::Unauthenticated,
+            format!(
+                "token file {shown} belongs to user {} and this process runs as {me}: it may have been planted; remove it, or pass --token-file",
+                meta.uid()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Reads a token file after [`check_token_file`].
+pub fn read_token_file(path: &Path, trust: TokenFile) -> Result<String> {
+    check_token_file(path, trust)?;
     let t = std::fs::read_to_string(path).map_err(|e| {
         Error::io(
             format!(
@@ -59,16 +128,19 @@ pub fn read_token_file(path: &Path) -> Result<String> {
 /// Where a token comes from, in order: `--token-file`, `RLHF_TOKEN`, the default file.
 pub fn resolve_token(token_file: Option<&Path>, default_file: &Path) -> Result<(String, String)> {
     if let Some(p) = token_file {
-        return Ok((read_token_file(p)?, p.display().to_string()));
+        return Ok((
+            read_token_file(p, TokenFile::Given)?,
+            p.display().to_string(),
+        ));
     }
     if let Ok(t) = std::env::var(TOKEN_ENV) {
         if !t.trim().is_empty() {
             return Ok((t.trim().to_string(), format!("${TOKEN_ENV}")));
         }
     }
-    if default_file.exists() {
+    if default_file.symlink_metadata().is_ok() {
         return Ok((
-            read_token_file(default_file)?,
+            read_token_file(default_file, TokenFile::Found)?,
             default_file.display().to_string(),
         ));
     }
@@ -167,8 +239,37 @@ mod tests {
         write_token_file(&p, &t).unwrap();
         let mode = std::fs::metadata(&p).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o600);
-        assert_eq!(read_token_file(&p).unwrap(), t);
+        assert_eq!(read_token_file(&p, TokenFile::Found).unwrap(), t);
         assert_ne!(generate_token(), t);
+    }
+
+    #[test]
+    fn planted_or_loose_token_files_are_refused_with_the_fix() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("token");
+        std::fs::write(&p, "planted").unwrap();
+        let chmod = |m| std::fs::set_permissions(&p, std::fs::Permissions::from_mode(m)).unwrap();
+        chmod(0o666);
+        let e = read_token_file(&p, TokenFile::Found)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("mode 666") && e.contains("chmod 600"), "{e}");
+        // A file the user names may be a container's secret mount, readable by others.
+        assert_eq!(read_token_file(&p, TokenFile::Given).unwrap(), "planted");
+        chmod(0o640);
+        assert!(read_token_file(&p, TokenFile::Found).is_err());
+        chmod(0o600);
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&p, &link).unwrap();
+        let e = read_token_file(&link, TokenFile::Found)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("symbolic link"), "{e}");
+        assert_eq!(read_token_file(&link, TokenFile::Given).unwrap(), "planted");
+        // The default file goes through the strict check.
+        let e = resolve_token(None, &link).unwrap_err().to_string();
+        assert!(e.contains("symbolic link"), "{e}");
     }
 
     #[test]

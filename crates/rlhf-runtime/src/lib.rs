@@ -48,15 +48,62 @@ pub fn cancel_on_signals(token: CancellationToken) {
     });
 }
 
-/// Default per-user state directory (like Ray's /tmp/ray), overridable with `--state-dir`
-/// or `RLHF_STATE_DIR`.
+/// Default per-user state directory: `RLHF_STATE_DIR`, else `$XDG_STATE_HOME/rlhf`, else
+/// `~/.local/state/rlhf`; a per-user directory under the temp dir only without a home.
+/// `--state-dir` overrides it.
 pub fn default_state_dir() -> std::path::PathBuf {
-    if let Ok(d) = std::env::var("RLHF_STATE_DIR") {
+    let env = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty());
+    if let Some(d) = env("RLHF_STATE_DIR") {
         return d.into();
+    }
+    if let Some(d) = env("XDG_STATE_HOME") {
+        return std::path::PathBuf::from(d).join("rlhf");
+    }
+    if let Some(h) = env("HOME") {
+        return std::path::PathBuf::from(h).join(".local/state/rlhf");
     }
     // SAFETY: getuid has no preconditions and cannot fail.
     let uid = unsafe { libc::getuid() };
     std::env::temp_dir().join(format!("rlhf-{uid}"))
+}
+
+/// Makes the state directory private: created with mode 0700; an existing one must belong
+/// to this user (else it may have been planted) and is narrowed to 0700 if others could
+/// enter it.
+pub fn prepare_state_dir(dir: &std::path::Path) -> rlhf_core::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    let shown = dir.display();
+    if std::fs::symlink_metadata(dir).is_err() {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(|e| rlhf_core::Error::io(format!("creating state directory {shown}"), e))?;
+    }
+    let meta = std::fs::metadata(dir)
+        .map_err(|e| rlhf_core::Error::io(format!("reading state directory {shown}"), e))?;
+    if !meta.is_dir() {
+        return Err(rlhf_core::Error::invalid(format!(
+            "state directory {shown} is not a directory; pass --state-dir DIR"
+        )));
+    }
+    // SAFETY: getuid has no preconditions and cannot fail.
+    let me = unsafe { libc::getuid() };
+    if meta.uid() != me {
+        return Err(rlhf_core::Error::invalid(format!(
+            "state directory {shown} belongs to user {} and this process runs as {me}; pass --state-dir with a directory of your own",
+            meta.uid()
+        )));
+    }
+    if meta.mode() & 0o077 != 0 {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700)).map_err(|e| {
+            rlhf_core::Error::io(
+                format!("making state directory {shown} private (chmod 700)"),
+                e,
+            )
+        })?;
+    }
+    Ok(())
 }
 
 /// Raises the open-file soft limit to the hard limit: a head holds one connection per node,
@@ -79,4 +126,30 @@ pub fn raise_fd_limit() {
 /// stay consistent between statements, so a poisoned lock is still usable.
 pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn state_dirs_are_made_private() {
+        let root = tempfile::tempdir().unwrap();
+        let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        let fresh = root.path().join("a/b/state");
+        super::prepare_state_dir(&fresh).unwrap();
+        assert_eq!(mode(&fresh), 0o700);
+        let open = root.path().join("open");
+        std::fs::create_dir(&open).unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+        super::prepare_state_dir(&open).unwrap();
+        assert_eq!(mode(&open), 0o700);
+        let file = root.path().join("file");
+        std::fs::write(&file, "x").unwrap();
+        let e = super::prepare_state_dir(&file).unwrap_err().to_string();
+        assert!(
+            e.contains("not a directory") && e.contains("--state-dir"),
+            "{e}"
+        );
+    }
 }

@@ -111,6 +111,7 @@ async fn run(cli: Cli) -> Result<()> {
                 None => Resources::new(),
             };
             let state_dir = state_dir.unwrap_or_else(rlhf_runtime::default_state_dir);
+            rlhf_runtime::prepare_state_dir(&state_dir)?;
             let _guard = rlhf_runtime::logging::init(Some(
                 &state_dir
                     .join("logs")

@@ -342,6 +342,10 @@ fn wrong_or_missing_token_is_rejected_and_logged() -> Result<()> {
     let c = Cluster::start(&[])?;
     let bad = c.dir.path().join("bad-token");
     std::fs::write(&bad, "not-the-token")?;
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&bad, std::fs::Permissions::from_mode(0o600))?;
+    }
     let mut cmd = c.worker_cmd(r#"{"CPU": 1}"#);
     cmd.arg("--token-file")
         .arg(&bad)
@@ -575,5 +579,76 @@ fn stop_and_signals_leave_no_orphans() -> Result<()> {
     wait_for(Duration::from_secs(5), "all actor processes gone", || {
         Ok(pids.iter().all(|p| !pid_alive(*p)).then_some(()))
     })?;
+    Ok(())
+}
+
+/// A token planted in the state directory (world-writable, as a shared /tmp allows) is not
+/// adopted: the head and the worker refuse to start and say how to fix it; the state
+/// directory a head creates is private.
+#[test]
+fn a_planted_token_is_refused_and_state_dirs_are_private() -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir()?;
+    let state = dir.path().join("state");
+    std::fs::create_dir(&state)?;
+    let token = state.join("token");
+    std::fs::write(&token, "0123456789abcdef")?;
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o666))?;
+    let head = |state: &std::path::Path| {
+        std::process::Command::new(rlhf_e2e::bin("rlhf-head"))
+            .args([
+                "start",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--no-dashboard",
+            ])
+            .arg("--state-dir")
+            .arg(state)
+            .env_remove("RLHF_TOKEN")
+            .output()
+    };
+    let out = head(&state)?;
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("mode 666") && err.contains(&format!("chmod 600 {}", token.display())),
+        "{err}"
+    );
+    let out = std::process::Command::new(rlhf_e2e::bin("rlhf-worker"))
+        .args(["join", "--address", "127.0.0.1:1", "--connect-timeout", "1"])
+        .arg("--state-dir")
+        .arg(&state)
+        .env_remove("RLHF_TOKEN")
+        .output()?;
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("mode 666"), "{err}");
+
+    // A fresh state directory is created 0700, whatever the umask.
+    let fresh = dir.path().join("fresh/state");
+    let mut child = std::process::Command::new(rlhf_e2e::bin("rlhf-head"))
+        .args([
+            "start",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--no-dashboard",
+        ])
+        .arg("--state-dir")
+        .arg(&fresh)
+        .env_remove("RLHF_TOKEN")
+        .stderr(std::process::Stdio::null())
+        .spawn()?;
+    let ok = rlhf_e2e::wait_for(Duration::from_secs(20), "head.json", || {
+        Ok(fresh.join("head.json").exists().then_some(()))
+    });
+    let _ = child.kill();
+    let _ = child.wait();
+    ok?;
+    let mode = std::fs::metadata(&fresh)?.permissions().mode() & 0o777;
+    assert_eq!(mode, 0o700);
     Ok(())
 }
