@@ -118,6 +118,8 @@ impl Agent {
         spec: pb::ActorSpec,
         timeout: Duration,
     ) -> Result<pb::ActorInfo> {
+        // The head checked it too; a worker trusts no caller with its process environment.
+        crate::head::validate::actor_env(spec.env.keys(), "ActorSpec.env")?;
         let domain = convert::spec_from_proto(&spec);
         let gpus = self.take_devices(domain.resources.get("GPU").ceil() as usize, "GPU")?;
         let npus = match self.take_devices(domain.resources.get("NPU").ceil() as usize, "NPU") {
@@ -180,13 +182,14 @@ impl Agent {
             .arg("--host")
             .arg(&self.node_ip)
             .args(&spec.args)
+            // The caller's variables first, so the worker's own always win.
+            .envs(&spec.env)
             // The token travels in the environment, never on a command line.
             .env(TOKEN_ENV, &self.opts.client.token)
             .env("RLHF_ACTOR_ID", actor_id)
             .env("RLHF_HEAD_ADDRESS", &self.opts.head_address)
             .env("CUDA_VISIBLE_DEVICES", join(gpus))
             .env("ASCEND_RT_VISIBLE_DEVICES", join(npus))
-            .envs(&spec.env)
             .stdin(std::process::Stdio::null())
             .stdout(log)
             .stderr(log2);

@@ -203,6 +203,23 @@ async fn bad_node_reports_are_refused_and_a_bad_stored_record_is_skipped() {
         "{}",
         e.message()
     );
+    // CreateActor is behind the token, and still sets no variable that changes how the
+    // process loads or what the worker sets itself.
+    for var in ["LD_PRELOAD", "CUDA_VISIBLE_DEVICES"] {
+        let e = c
+            .create_actor(pb::CreateActorRequest {
+                spec: Some(pb::ActorSpec {
+                    name: "a".into(),
+                    env: [(var.to_string(), "x".to_string())].into_iter().collect(),
+                    ..Default::default()
+                }),
+                timeout_ms: 1000,
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+        assert!(e.message().contains(var), "{}", e.message());
+    }
     let s = c
         .cluster_status(pb::ClusterStatusRequest {})
         .await

@@ -379,6 +379,7 @@ impl HeadService for Head {
         validate::name(&wire.kind, "ActorSpec.kind", true)?;
         validate::name(&wire.pg_id, "ActorSpec.pg_id", true)?;
         validate::resources(wire.resources.as_ref(), "ActorSpec.resources")?;
+        validate::actor_env(wire.env.keys(), "ActorSpec.env")?;
         let spec = convert::spec_from_proto(wire);
         let timeout = validate::wait_ms(
             r.timeout_ms,

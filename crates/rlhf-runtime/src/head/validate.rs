@@ -135,6 +135,42 @@ pub fn wait_ms(ms: u64, field: &str, default: Duration) -> Result<Duration> {
     Ok(d)
 }
 
+/// Environment variables a CreateActor may set for the role process (exact names, then
+/// prefixes). CreateActor is behind the cluster token, which is the trust boundary: whoever
+/// holds it runs processes on the workers. The allow-list keeps a caller from setting what
+/// changes how a process loads (`LD_PRELOAD`, `PATH`, ...) or what the worker itself sets
+/// (the token, the actor id, the visible devices).
+pub const ACTOR_ENV: &[&str] = &[
+    "RLHF_JOB_ID",
+    "RUST_LOG",
+    "RUST_BACKTRACE",
+    "OMP_NUM_THREADS",
+    "RAYON_NUM_THREADS",
+    "TOKENIZERS_PARALLELISM",
+    "HF_HOME",
+    "HF_HUB_OFFLINE",
+];
+pub const ACTOR_ENV_PREFIXES: &[&str] = &["NCCL_"];
+
+/// Refuses an actor environment variable outside [`ACTOR_ENV`] / [`ACTOR_ENV_PREFIXES`].
+pub fn actor_env<'a>(vars: impl IntoIterator<Item = &'a String>, field: &str) -> Result<()> {
+    for k in vars {
+        let ok = ACTOR_ENV.contains(&k.as_str())
+            || ACTOR_ENV_PREFIXES
+                .iter()
+                .any(|p| k.starts_with(p) && k.len() <= MAX_NAME);
+        if !ok {
+            return Err(Error::invalid(format!(
+                "{field}: {:?} cannot be set for a role process; allowed are {} and {}*",
+                truncate(k),
+                ACTOR_ENV.join(", "),
+                ACTOR_ENV_PREFIXES.join("*, ")
+            )));
+        }
+    }
+    Ok(())
+}
+
 fn truncate(s: &str) -> String {
     s.chars().take(40).collect()
 }
@@ -201,6 +237,15 @@ mod tests {
             wait_ms(0, "timeout_ms", Duration::from_secs(3)).unwrap(),
             Duration::from_secs(3)
         );
+        let env = |k: &str| vec![k.to_string()];
+        actor_env(&env("RLHF_JOB_ID"), "ActorSpec.env").unwrap();
+        actor_env(&env("NCCL_DEBUG"), "ActorSpec.env").unwrap();
+        for bad in ["LD_PRELOAD", "PATH", "RLHF_TOKEN", "CUDA_VISIBLE_DEVICES"] {
+            let e = actor_env(&env(bad), "ActorSpec.env")
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(bad) && e.contains("RLHF_JOB_ID"), "{e}");
+        }
         let e = wait_ms(u64::MAX, "KvWaitRequest.timeout_ms", Duration::ZERO)
             .unwrap_err()
             .to_string();
