@@ -53,7 +53,7 @@ async fn version_mismatch_is_refused_naming_both_versions() {
     assert!(d.ip().is_loopback());
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let mut s = tokio::net::TcpStream::connect(d).await.unwrap();
-    s.write_all(b"GET /api/status HTTP/1.1\r\nHost: x\r\n\r\n")
+    s.write_all(b"GET /api/status HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         .await
         .unwrap();
     let mut body = String::new();
@@ -66,6 +66,27 @@ async fn version_mismatch_is_refused_naming_both_versions() {
             )),
         "{body}"
     );
+    assert!(
+        body.contains("\"counts\"") && !body.contains("\"actors\":["),
+        "public shape: {body}"
+    );
+    // With the token the whole status; a page of another site gets nothing.
+    let ask = |req: &'static str| async move {
+        let mut s = tokio::net::TcpStream::connect(d).await.unwrap();
+        s.write_all(req.as_bytes()).await.unwrap();
+        let mut body = String::new();
+        s.read_to_string(&mut body).await.unwrap();
+        body
+    };
+    let full =
+        ask("GET /api/status HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer tok\r\n\r\n")
+            .await;
+    assert!(
+        full.starts_with("HTTP/1.1 200") && full.contains("\"actors\":["),
+        "{full}"
+    );
+    let rebound = ask("GET /api/status HTTP/1.1\r\nHost: evil.example\r\n\r\n").await;
+    assert!(rebound.starts_with("HTTP/1.1 403"), "{rebound}");
     sd.cancel();
     h.wait().await;
 }

@@ -627,9 +627,18 @@ pub async fn start(
     let dashboard = match dash_listener {
         Some(l) => {
             let h = head.clone();
+            let access = crate::dashboard::Access {
+                token: h.0.opts.token.clone(),
+                bound_host: opts
+                    .dashboard
+                    .as_ref()
+                    .map(|(host, _)| host.clone())
+                    .unwrap_or_default(),
+            };
             Some(crate::dashboard::serve(
                 l,
                 Arc::new(move || h.status()),
+                access,
                 shutdown.clone(),
             )?)
         }
