@@ -24,7 +24,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 use crate::config::{PpoConfig, RewardKind, RoleKind};
-use crate::model::ModelConfig;
+use crate::model::{mul, ModelConfig};
 
 const GIB: f64 = (1u64 << 30) as f64;
 
@@ -54,7 +54,14 @@ pub struct MemoryRow {
 impl MemoryRow {
     /// Sum of all parts.
     pub fn total(&self) -> u64 {
-        self.weights + self.gradients + self.optimizer + self.kv_cache + self.activations
+        [
+            self.gradients,
+            self.optimizer,
+            self.kv_cache,
+            self.activations,
+        ]
+        .iter()
+        .fold(self.weights, |a, &x| a.saturating_add(x))
     }
 }
 
@@ -105,7 +112,7 @@ impl PpoConfig {
                 ));
                 continue;
             };
-            let optimizer = |p: u64| 8 * p + if b == 2 { 4 * p } else { 0 };
+            let optimizer = |p: u64| mul(&[if b == 2 { 12 } else { 8 }, p]);
             match role {
                 RoleKind::ActorRollout => {
                     let p = arch.lm_params();
@@ -114,30 +121,32 @@ impl PpoConfig {
                         role,
                         model: m.name.clone(),
                         params: p,
-                        weights: p * b,
-                        gradients: p * b,
+                        weights: mul(&[p, b]),
+                        gradients: mul(&[p, b]),
                         optimizer: optimizer(p),
                         kv_cache: 0,
                         activations: train_activations(&arch, mb, s, b, true),
                     });
                     let infer = u64::from(a.num_gpus_for_infer.max(1));
                     let batch = self.rollout_batch_size().div_ceil(infer);
-                    let kv = arch.num_hidden_layers
-                        * 2
-                        * arch.kv_heads()
-                        * arch.head_dim()
-                        * s
-                        * batch
-                        * b;
+                    let kv = mul(&[
+                        arch.num_hidden_layers,
+                        2,
+                        arch.kv_heads(),
+                        arch.head_dim(),
+                        s,
+                        batch,
+                        b,
+                    ]);
                     let prefill =
                         layer_activations(&arch, batch, u64::from(a.max_prompt_length), b)
-                            + batch * arch.vocab_size * 4;
+                            .saturating_add(mul(&[batch, arch.vocab_size, 4]));
                     rows.push(MemoryRow {
                         label: "actor_rollout/infer".into(),
                         role,
                         model: m.name,
                         params: p,
-                        weights: p * b,
+                        weights: mul(&[p, b]),
                         gradients: 0,
                         optimizer: 0,
                         kv_cache: kv,
@@ -151,12 +160,12 @@ impl PpoConfig {
                         role,
                         model: m.name,
                         params: p,
-                        weights: p * b,
+                        weights: mul(&[p, b]),
                         gradients: 0,
                         optimizer: 0,
                         kv_cache: 0,
                         activations: layer_activations(&arch, mb, s, b)
-                            + logits_bytes(&arch, mb, s),
+                            .saturating_add(logits_bytes(&arch, mb, s)),
                     });
                 }
                 RoleKind::Critic => {
@@ -166,8 +175,8 @@ impl PpoConfig {
                         role,
                         model: m.name,
                         params: p,
-                        weights: p * b,
-                        gradients: p * b,
+                        weights: mul(&[p, b]),
+                        gradients: mul(&[p, b]),
                         optimizer: optimizer(p),
                         kv_cache: 0,
                         activations: train_activations(&arch, mb, s, b, false),
@@ -180,7 +189,7 @@ impl PpoConfig {
                         role,
                         model: m.name,
                         params: p,
-                        weights: p * b,
+                        weights: mul(&[p, b]),
                         gradients: 0,
                         optimizer: 0,
                         kv_cache: 0,
@@ -265,15 +274,36 @@ impl PpoConfig {
 fn layer_activations(m: &ModelConfig, batch: u64, s: u64, b: u64) -> u64 {
     let h = m.hidden_size;
     // (34·s·b·h + 5·a·s²·b) bytes at 16 bit; scale by b/2 for other dtypes.
-    (batch * s * (34 * h + 5 * m.num_attention_heads * s)) * b / 2
+    let per_token = mul(&[34, h]).saturating_add(mul(&[5, m.num_attention_heads, s]));
+    mul(&[batch, s, per_token, b]) / 2
 }
 
 /// f32 logits plus f32 log-probs over the vocabulary.
 fn logits_bytes(m: &ModelConfig, batch: u64, s: u64) -> u64 {
-    2 * batch * s * m.vocab_size * 4
+    mul(&[2, batch, s, m.vocab_size, 4])
 }
 
 fn train_activations(m: &ModelConfig, mb: u64, s: u64, b: u64, lm_head: bool) -> u64 {
-    m.num_hidden_layers * layer_activations(m, mb, s, b)
-        + if lm_head { logits_bytes(m, mb, s) } else { 0 }
+    mul(&[m.num_hidden_layers, layer_activations(m, mb, s, b)]).saturating_add(if lm_head {
+        logits_bytes(m, mb, s)
+    } else {
+        0
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn absurd_sizes_saturate_instead_of_wrapping() {
+        let m: ModelConfig = serde_json::from_value(serde_json::json!({
+            "hidden_size": 1u64 << 40, "intermediate_size": 1u64 << 40,
+            "num_hidden_layers": 1u64 << 40, "num_attention_heads": 1u64 << 20,
+            "vocab_size": 1u64 << 40, "max_position_embeddings": 1u64 << 40,
+        }))
+        .unwrap();
+        assert_eq!(m.lm_params(), u64::MAX);
+        assert_eq!(train_activations(&m, u64::MAX, u64::MAX, 4, true), u64::MAX);
+    }
 }

@@ -72,6 +72,17 @@ struct HfConfigJson {
     rms_norm_eps: Option<f64>,
 }
 
+/// Product that saturates: sizes from a config file are not trusted to be sane, and an
+/// estimate of "more than any device" beats one that wrapped round (or a panic).
+pub(crate) fn mul(xs: &[u64]) -> u64 {
+    xs.iter().fold(1u64, |a, &x| a.saturating_mul(x))
+}
+
+/// Sum that saturates.
+pub(crate) fn add(xs: &[u64]) -> u64 {
+    xs.iter().fold(0u64, |a, &x| a.saturating_add(x))
+}
+
 impl ModelConfig {
     /// Key/value heads (query heads when unset).
     pub fn kv_heads(&self) -> u64 {
@@ -88,27 +99,36 @@ impl ModelConfig {
     /// (no output head).
     pub fn body_params(&self) -> u64 {
         let h = self.hidden_size;
-        let q = self.num_attention_heads * self.head_dim();
-        let kv = self.kv_heads() * self.head_dim();
-        let attn = h * q + 2 * h * kv + q * h + if self.attention_bias { q + 2 * kv } else { 0 };
-        let mlp = 3 * h * self.intermediate_size;
-        let norms = 2 * h;
-        self.vocab_size * h + self.num_hidden_layers * (attn + mlp + norms) + h
+        let q = mul(&[self.num_attention_heads, self.head_dim()]);
+        let kv = mul(&[self.kv_heads(), self.head_dim()]);
+        let bias = if self.attention_bias {
+            add(&[q, mul(&[2, kv])])
+        } else {
+            0
+        };
+        let attn = add(&[mul(&[h, q]), mul(&[2, h, kv]), mul(&[q, h]), bias]);
+        let mlp = mul(&[3, h, self.intermediate_size]);
+        let norms = mul(&[2, h]);
+        add(&[
+            mul(&[self.vocab_size, h]),
+            mul(&[self.num_hidden_layers, add(&[attn, mlp, norms])]),
+            h,
+        ])
     }
 
     /// Parameters of the causal LM (body + LM head unless tied).
     pub fn lm_params(&self) -> u64 {
-        self.body_params()
-            + if self.tie_word_embeddings {
-                0
-            } else {
-                self.vocab_size * self.hidden_size
-            }
+        let head = if self.tie_word_embeddings {
+            0
+        } else {
+            mul(&[self.vocab_size, self.hidden_size])
+        };
+        add(&[self.body_params(), head])
     }
 
     /// Parameters of a value / reward model (body + a scalar head).
     pub fn value_params(&self) -> u64 {
-        self.body_params() + self.hidden_size
+        add(&[self.body_params(), self.hidden_size])
     }
 
     /// Reads the architecture from an HF model directory's `config.json`.

@@ -115,6 +115,35 @@ fn req_usize(v: &Value, key: &str) -> Result<usize> {
     get_usize(v, key)?.ok_or_else(|| Error::Config(format!("config.json lacks {key}")))
 }
 
+/// Largest value accepted for each size in config.json: far above any released model, far
+/// below what would make the loader allocate without bound before the weights are read.
+const DIM_LIMITS: &[(&str, usize)] = &[
+    ("vocab_size", 1 << 22),
+    ("hidden_size", 1 << 17),
+    ("intermediate_size", 1 << 20),
+    ("num_hidden_layers", 1 << 10),
+    ("num_attention_heads", 1 << 10),
+    ("num_key_value_heads", 1 << 10),
+    ("head_dim", 1 << 12),
+    ("max_position_embeddings", 1 << 24),
+    ("bos_token_id", u32::MAX as usize),
+    ("pad_token_id", u32::MAX as usize),
+];
+
+/// Refuses a size in config.json beyond [`DIM_LIMITS`].
+fn check_limits(v: &Value) -> Result<()> {
+    for &(key, max) in DIM_LIMITS {
+        if let Some(n) = get_usize(v, key)? {
+            if n > max {
+                return Err(Error::Config(format!(
+                    "{key} is {n}, more than any model this loader takes (at most {max}); config.json is damaged or not a causal LM config"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
 fn get_f64(v: &Value, key: &str) -> Result<Option<f64>> {
     match v.get(key) {
         None | Some(Value::Null) => Ok(None),
@@ -137,12 +166,11 @@ fn get_bool(v: &Value, key: &str) -> Result<Option<bool>> {
 
 /// Token ids that may be one integer or a list (`eos_token_id`).
 pub(crate) fn id_list(v: Option<&Value>) -> Vec<u32> {
+    // An id that does not fit a u32 is no token id: dropped, never wrapped onto another one.
+    let id = |x: &Value| x.as_u64().and_then(|x| u32::try_from(x).ok());
     match v {
-        Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-        Some(Value::Array(a)) => a
-            .iter()
-            .filter_map(|x| x.as_u64().map(|x| x as u32))
-            .collect(),
+        Some(x @ Value::Number(_)) => id(x).map(|x| vec![x]).unwrap_or_default(),
+        Some(Value::Array(a)) => a.iter().filter_map(id).collect(),
         _ => vec![],
     }
 }
@@ -191,6 +219,7 @@ fn parse_rope(v: &Value) -> Result<(f64, RopeScaling)> {
 impl Config {
     /// Parses an HF `config.json` value.
     pub fn from_json(v: &Value) -> Result<Self> {
+        check_limits(v)?;
         let archs: Vec<String> = v
             .get("architectures")
             .and_then(|a| a.as_array())
@@ -445,20 +474,32 @@ impl Config {
         batch: usize,
         seq_len: usize,
     ) -> MemoryEstimate {
+        // Saturating: a job config may ask for absurd batches; the estimate then says "more
+        // than any device" instead of wrapping round to a small number.
+        let mul = |xs: &[usize]| xs.iter().fold(1usize, |a, &x| a.saturating_mul(x));
         let bytes = dtype.size_in_bytes();
         let params = self.num_params();
-        let weights = params * bytes;
-        let tokens = batch * seq_len;
-        let kv_cache_per_token =
-            2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * bytes;
+        let weights = mul(&[params, bytes]);
+        let tokens = mul(&[batch, seq_len]);
+        let kv_cache_per_token = mul(&[
+            2,
+            self.num_hidden_layers,
+            self.num_key_value_heads,
+            self.head_dim,
+            bytes,
+        ]);
         if trainable {
-            let per_token_layer = 34 * self.hidden_size + 5 * self.num_attention_heads * seq_len;
-            let activations = tokens * self.num_hidden_layers * per_token_layer * bytes
-                + 3 * tokens * self.vocab_size * 4;
+            let per_token_layer = mul(&[34, self.hidden_size]).saturating_add(mul(&[
+                5,
+                self.num_attention_heads,
+                seq_len,
+            ]));
+            let activations = mul(&[tokens, self.num_hidden_layers, per_token_layer, bytes])
+                .saturating_add(mul(&[3, tokens, self.vocab_size, 4]));
             MemoryEstimate {
                 weights,
-                gradients: params * bytes,
-                optimizer: params * 8,
+                gradients: weights,
+                optimizer: mul(&[params, 8]),
                 activations,
                 kv_cache: 0,
                 kv_cache_per_token,
@@ -468,8 +509,8 @@ impl Config {
                 weights,
                 gradients: 0,
                 optimizer: 0,
-                activations: batch * self.vocab_size * 4,
-                kv_cache: tokens * kv_cache_per_token,
+                activations: mul(&[batch, self.vocab_size, 4]),
+                kv_cache: mul(&[tokens, kv_cache_per_token]),
                 kv_cache_per_token,
             }
         }
@@ -490,7 +531,14 @@ pub struct MemoryEstimate {
 impl MemoryEstimate {
     /// Sum of all parts.
     pub fn total(&self) -> usize {
-        self.weights + self.gradients + self.optimizer + self.activations + self.kv_cache
+        [
+            self.gradients,
+            self.optimizer,
+            self.activations,
+            self.kv_cache,
+        ]
+        .iter()
+        .fold(self.weights, |a, &x| a.saturating_add(x))
     }
 }
 
@@ -861,6 +909,17 @@ impl Transformer {
             &[cfg.vocab_size, h],
             Init::Normal(std),
         )?;
+        // A checkpoint must hold exactly the layers config.json announces.
+        let layer = |i: usize| format!("model.layers.{i}.input_layernorm.weight");
+        if pb.has_checkpoint() {
+            let n = cfg.num_hidden_layers;
+            if n == 0 || !pb.contains(&layer(n - 1)) || pb.contains(&layer(n)) {
+                let present = (0..=n).take_while(|&i| pb.contains(&layer(i))).count();
+                return Err(Error::Config(format!(
+                    "config.json says num_hidden_layers={n} but the weights hold {present} layer(s); the config does not belong to these weights"
+                )));
+            }
+        }
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{i}");

@@ -171,6 +171,11 @@ impl<'a> ParamBuilder<'a> {
         &self.device
     }
 
+    /// True when parameters come from a checkpoint (false for random models).
+    pub fn has_checkpoint(&self) -> bool {
+        self.files.is_some()
+    }
+
     /// True when the checkpoint holds `name` (always false for random models).
     pub fn contains(&self, name: &str) -> bool {
         self.files.is_some_and(|f| f.shape(name).is_some())

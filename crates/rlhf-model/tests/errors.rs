@@ -230,3 +230,40 @@ fn out_of_vocabulary_ids_in_a_batch_are_errors() {
     let err = m.logits(&b).unwrap_err();
     assert!(err.to_string().contains("5000"), "{err}");
 }
+
+/// Sizes in config.json are checked before anything is allocated: an absurd layer count used
+/// to abort the process (a 167 TB allocation), and a count that does not match the weights
+/// is named.
+#[test]
+fn config_sizes_are_bounded_by_limits_and_by_the_weights() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("m");
+    copy_dir(&fixture("tiny-llama"), &dir);
+    let layers = {
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
+                .unwrap();
+        v["num_hidden_layers"].as_u64().unwrap()
+    };
+    for (key, value, want) in [
+        ("num_hidden_layers", 1u64 << 40, "at most 1024"),
+        ("vocab_size", 1u64 << 40, "vocab_size"),
+        ("num_hidden_layers", layers + 1, "weights hold"),
+        ("num_hidden_layers", layers - 1, "weights hold"),
+    ] {
+        let d = tmp.path().join(format!("{key}-{value}"));
+        copy_dir(&dir, &d);
+        edit_config(&d, |v| v[key] = serde_json::json!(value));
+        let err = load_err(&d).to_string();
+        assert!(
+            err.contains(key) && err.contains(want),
+            "{key}={value}: {err}"
+        );
+    }
+    // An EOS id beyond u32 is no token id: dropped, not wrapped onto token 0.
+    edit_config(&dir, |v| {
+        v["eos_token_id"] = serde_json::json!([1u64 << 32, 2])
+    });
+    let m = Model::load(&dir, &LoadOptions::inference()).unwrap();
+    assert_eq!(m.config().eos_token_ids, vec![2]);
+}

@@ -351,8 +351,16 @@ impl Generate for Rollout {
         for i in 0..ids.rows {
             let row: Vec<u32> = (0..p)
                 .filter(|&j| mask.row(i)[j] != 0)
-                .map(|j| ids.row(i)[j] as u32)
-                .collect();
+                .map(|j| {
+                    let id = ids.row(i)[j];
+                    // A negative or huge id must not wrap onto a real token.
+                    u32::try_from(id).map_err(|_| {
+                        Error::invalid(format!(
+                            "Generate: prompt row {i} position {j} has token id {id}, which is no token id"
+                        ))
+                    })
+                })
+                .collect::<Result<_>>()?;
             if row.is_empty() {
                 return Err(Error::invalid(format!(
                     "Generate: prompt row {i} has no tokens (prompt_mask is all 0)"

@@ -103,7 +103,7 @@ fn a_rollout_sharing_the_trainer_model_generates_with_updated_weights() {
 }
 
 #[test]
-fn an_empty_batch_is_an_error_for_every_call() {
+fn empty_batches_and_negative_ids_are_errors() {
     let cfg = config();
     let mut host = RoleHost::new(RoleKind::ActorRollout, "127.0.0.1");
     let train = spec(&cfg, RoleKind::ActorRollout, RolePart::Train, 0, 1);
@@ -132,4 +132,18 @@ fn an_empty_batch_is_an_error_for_every_call() {
         let e = host.batch(call, &wire).unwrap_err().to_string();
         assert!(e.contains("has no rows"), "{call:?}: {e}");
     }
+    // A negative id would wrap onto token 4294967295 (or panic deeper): refused by place.
+    let mut ids = Mat::filled(1, P, 5i64);
+    ids.row_mut(0)[P - 1] = -1;
+    let bad = GenerateRequest {
+        prompt_ids: ids,
+        prompt_mask: Mat::filled(1, P, 1),
+        step: 1,
+        seed: 3,
+    };
+    let e = host
+        .batch(BatchCall::Generate, &bad.to_batch().unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("token id -1"), "{e}");
 }

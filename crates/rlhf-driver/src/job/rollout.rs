@@ -198,8 +198,15 @@ impl Loop<'_> {
         for (row, &src) in which.iter().enumerate() {
             let valid: Vec<u32> = (0..r)
                 .filter(|&j| resp_attn.row(row)[j] == 1)
-                .map(|j| responses.row(row)[j] as u32)
-                .collect();
+                .map(|j| {
+                    let id = responses.row(row)[j];
+                    u32::try_from(id).map_err(|_| {
+                        Error::internal(format!(
+                            "actor_rollout/infer Generate answered token id {id} in row {row}"
+                        ))
+                    })
+                })
+                .collect::<Result<_>>()?;
             has_eos.push(match (valid.last(), eos) {
                 (Some(&last), Some(e)) => i64::from(last) == e,
                 _ => false,
