@@ -102,6 +102,21 @@ fn parts(cfg: &PpoConfig) -> Vec<PartSpec> {
     v
 }
 
+/// How much longer than the head's own wait the driver waits for its answer.
+const HEAD_MARGIN: Duration = Duration::from_secs(30);
+
+fn head_silent(call: &str, wait: Duration) -> Error {
+    Error::new(
+        FailureKind::Timeout,
+        format!(
+            "the head did not answer {call} within {} s (its own wait, {} s, plus {} s); is it overloaded or gone? `rlhf-head status` shows it",
+            (wait + HEAD_MARGIN).as_secs(),
+            wait.as_secs(),
+            HEAD_MARGIN.as_secs()
+        ),
+    )
+}
+
 /// What a launch has made on the head so far. The caller releases it with [`release`] when
 /// the launch fails or is cancelled, so a failed start leaves no actors or placement groups
 /// (and none of their devices) behind.
@@ -150,26 +165,29 @@ pub async fn launch(
                 amounts: [(resource.clone(), 1.0)].into_iter().collect(),
             }),
         };
-        let r = head
-            .create_placement_group(pb::CreatePlacementGroupRequest {
+        let r = tokio::time::timeout(
+            opts.start_timeout + HEAD_MARGIN,
+            head.create_placement_group(pb::CreatePlacementGroupRequest {
                 name: format!("{}-{}", opts.job_id, role.as_str()),
                 strategy: pb::PlacementStrategy::Pack as i32,
                 bundles: vec![bundle; n as usize],
                 timeout_ms: opts.start_timeout.as_millis() as u64,
-            })
-            .await
-            .map_err(|s| {
-                let e = Error::from(s);
-                Error::new(
-                    e.kind(),
-                    format!(
-                        "placing role {} ({n} x {resource}, resource_pool.{}): {e}",
-                        role.as_str(),
-                        role.as_str()
-                    ),
-                )
-            })?
-            .into_inner();
+            }),
+        )
+        .await
+        .map_err(|_| head_silent("CreatePlacementGroup", opts.start_timeout))?
+        .map_err(|s| {
+            let e = Error::from(s);
+            Error::new(
+                e.kind(),
+                format!(
+                    "placing role {} ({n} x {resource}, resource_pool.{}): {e}",
+                    role.as_str(),
+                    role.as_str()
+                ),
+            )
+        })?
+        .into_inner();
         let pg = r.placement_group.unwrap_or_default().pg_id;
         made.placement_groups.push(pg.clone());
         pgs.insert(role.as_str(), pg);
@@ -202,11 +220,15 @@ pub async fn launch(
             let mut h = head.clone();
             let timeout = opts.start_timeout;
             creations.push(async move {
-                h.create_actor(pb::CreateActorRequest {
-                    spec: Some(spec),
-                    timeout_ms: timeout.as_millis() as u64,
-                })
+                tokio::time::timeout(
+                    timeout + HEAD_MARGIN,
+                    h.create_actor(pb::CreateActorRequest {
+                        spec: Some(spec),
+                        timeout_ms: timeout.as_millis() as u64,
+                    }),
+                )
                 .await
+                .map_err(|_| head_silent("CreateActor", timeout))?
                 .map(|r| r.into_inner().actor.unwrap_or_default())
                 .map_err(|s| {
                     let e = Error::from(s);
@@ -401,7 +423,11 @@ pub async fn diagnose(
     // The worker reports an exit within a heartbeat or so; give it a moment.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(6);
     loop {
-        if let Ok(s) = head.cluster_status(pb::ClusterStatusRequest {}).await {
+        let status = tokio::time::timeout(
+            Duration::from_secs(2),
+            head.cluster_status(pb::ClusterStatusRequest {}),
+        );
+        if let Ok(Ok(s)) = status.await {
             let s = s.into_inner();
             let dead: Vec<&pb::ActorInfo> = s
                 .actors

@@ -162,6 +162,7 @@ pub fn default_token_path(state_dir: &Path) -> PathBuf {
 pub struct CheckToken {
     expected: std::sync::Arc<str>,
     service: &'static str,
+    log: std::sync::Arc<std::sync::Mutex<LogLimit>>,
 }
 
 impl CheckToken {
@@ -169,6 +170,47 @@ impl CheckToken {
         Self {
             expected: token.into(),
             service,
+            log: Default::default(),
+        }
+    }
+}
+
+/// At most [`LogLimit::PER_WINDOW`] log lines per window: a client retrying with a wrong
+/// token (or a scanner) must not flood the log.
+#[derive(Debug, Default)]
+pub struct LogLimit {
+    window_start: Option<std::time::Instant>,
+    logged: u32,
+    suppressed: u64,
+}
+
+impl LogLimit {
+    pub const PER_WINDOW: u32 = 10;
+    pub const WINDOW: std::time::Duration = std::time::Duration::from_secs(60);
+
+    /// Whether to log an event at `now`; with `Some(n)` first say that `n` were not logged
+    /// in the window that ended.
+    pub fn admit(&mut self, now: std::time::Instant) -> (bool, Option<u64>) {
+        let mut report = None;
+        match self.window_start {
+            Some(t) if now.duration_since(t) < Self::WINDOW => {}
+            _ => {
+                if self.suppressed > 0 {
+                    report = Some(self.suppressed);
+                }
+                *self = LogLimit {
+                    window_start: Some(now),
+                    logged: 0,
+                    suppressed: 0,
+                };
+            }
+        }
+        if self.logged < Self::PER_WINDOW {
+            self.logged += 1;
+            (true, report)
+        } else {
+            self.suppressed += 1;
+            (false, report)
         }
     }
 }
@@ -193,7 +235,16 @@ impl tonic::service::Interceptor for CheckToken {
                     .map(|a| a.to_string())
                     .unwrap_or_else(|| "unknown peer".into());
                 let why = if other.is_none() { "missing" } else { "wrong" };
-                tracing::warn!(peer = %peer, service = self.service, "rejected RPC: {why} cluster token");
+                let (log, earlier) = match self.log.lock() {
+                    Ok(mut l) => l.admit(std::time::Instant::now()),
+                    Err(_) => (true, None),
+                };
+                if let Some(n) = earlier {
+                    tracing::warn!(service = self.service, "{n} more RPCs with a missing or wrong cluster token were rejected in the last minute (not logged one by one)");
+                }
+                if log {
+                    tracing::warn!(peer = %peer, service = self.service, "rejected RPC: {why} cluster token");
+                }
                 Err(Status::unauthenticated(format!(
                     "{why} cluster token; pass the head's token with --token-file or {TOKEN_ENV}"
                 )))
@@ -242,6 +293,19 @@ mod tests {
         assert_eq!(mode, 0o600);
         assert_eq!(read_token_file(&p, TokenFile::Found).unwrap(), t);
         assert_ne!(generate_token(), t);
+    }
+
+    #[test]
+    fn auth_failure_logs_are_rate_limited() {
+        let mut l = LogLimit::default();
+        let t0 = std::time::Instant::now();
+        let logged = (0..100).filter(|_| l.admit(t0).0).count();
+        assert_eq!(logged, LogLimit::PER_WINDOW as usize);
+        // The next window logs again, and first says how many were not logged.
+        let (log, earlier) = l.admit(t0 + LogLimit::WINDOW);
+        assert!(log);
+        assert_eq!(earlier, Some(100 - u64::from(LogLimit::PER_WINDOW)));
+        assert_eq!(l.admit(t0 + LogLimit::WINDOW).1, None);
     }
 
     #[test]

@@ -29,6 +29,11 @@ pub fn server_builder() -> tonic::transport::Server {
         .initial_stream_window_size(Some(STREAM_WINDOW))
         .initial_connection_window_size(Some(CONNECTION_WINDOW))
         .max_frame_size(Some(MAX_FRAME))
+        // A peer that vanished without closing (power loss, a cut link) is found by pings,
+        // not by waiting on a connection forever.
+        .http2_keepalive_interval(Some(Duration::from_secs(30)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+        .tcp_keepalive(Some(Duration::from_secs(60)))
 }
 
 /// How a client reaches a server of this cluster.
