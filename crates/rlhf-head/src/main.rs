@@ -73,8 +73,9 @@ enum Cmd {
         tls_cert: Option<PathBuf>,
         #[arg(long, requires = "tls_cert")]
         tls_key: Option<PathBuf>,
-        /// CA that verifies --tls-cert, for the job drivers this head starts (default: the
-        /// certificate itself, right for a self-signed one).
+        /// CA of the cluster: it verifies --tls-cert for the job drivers this head starts, and
+        /// the workers' certificates when the head calls them (default: --tls-cert itself,
+        /// right for one self-signed certificate shared by every node).
         #[arg(long, requires = "tls_cert")]
         job_tls_ca: Option<PathBuf>,
         /// Interface for the dashboard (HTTP); local only unless you say otherwise.

@@ -176,6 +176,7 @@ async fn start_embedded(cfg: &PpoConfig, exe: PathBuf) -> Result<Embedded> {
         client: ClientOptions::new(token.clone()),
         actor_exe: exe,
         hostname: "local".into(),
+        tls: Default::default(),
     };
     let worker = tokio::spawn(worker::run(wopts, shutdown.clone()));
     Ok(Embedded {

@@ -253,6 +253,8 @@ pub struct ServeOptions {
     /// IP other ranks reach this process on (the TCP rendezvous binds here).
     pub host: String,
     pub token: String,
+    /// TLS identity (the worker's); plain TCP without one.
+    pub tls: net::ServerTls,
 }
 
 /// Serves RoleService and ActorService (Ping) on `listener` until `shutdown`.
@@ -269,7 +271,8 @@ pub async fn serve(
             .max_encoding_message_size(MAX_MESSAGE_BYTES),
         CheckToken::new(&opts.token, "role"),
     );
-    net::server_builder()
+    opts.tls
+        .server()?
         .add_service(rlhf_runtime::actor::actor_service(
             &opts.actor_id,
             &opts.token,
@@ -298,6 +301,7 @@ pub async fn run(
             kind,
             host: opts.host,
             token: opts.token,
+            tls: opts.tls,
         },
         listener,
         shutdown,

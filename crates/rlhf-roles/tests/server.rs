@@ -41,6 +41,7 @@ async fn start(kind: &str, shutdown: &CancellationToken) -> String {
         kind: kind.parse().unwrap(),
         host: "127.0.0.1".into(),
         token: TOKEN.into(),
+        tls: Default::default(),
     };
     tokio::spawn(rlhf_roles::serve(opts, listener, shutdown.clone()));
     addr

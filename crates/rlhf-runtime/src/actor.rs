@@ -28,6 +28,8 @@ pub struct ActorOptions {
     pub ready_file: PathBuf,
     pub host: String,
     pub token: String,
+    /// The worker's TLS identity, served with when the cluster uses TLS.
+    pub tls: net::ServerTls,
 }
 
 struct TestActor {
@@ -140,7 +142,8 @@ pub async fn run(opts: ActorOptions, shutdown: CancellationToken) -> Result<()> 
     let (listener, addr) = bind_ready(&opts.host, &opts.ready_file).await?;
     eprintln!("actor {} ({}) serving on {addr}", opts.actor_id, opts.kind);
     let svc = actor_service(&opts.actor_id, &opts.token);
-    net::server_builder()
+    opts.tls
+        .server()?
         .add_service(svc)
         .serve_with_incoming_shutdown(
             tokio_stream::wrappers::TcpListenerStream::new(listener),

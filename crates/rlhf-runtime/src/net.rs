@@ -83,6 +83,36 @@ impl ServerTls {
     }
 }
 
+impl ServerTls {
+    /// The cluster's server builder, with TLS when configured.
+    pub fn server(&self) -> Result<tonic::transport::Server> {
+        let b = server_builder();
+        match self.config()? {
+            Some(tls) => b
+                .tls_config(tls)
+                .map_err(|e| Error::invalid(format!("--tls-cert/--tls-key: {e}"))),
+            None => Ok(b),
+        }
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.cert.is_some()
+    }
+
+    /// The flags that hand this identity to a child process.
+    pub fn args(&self) -> Vec<std::ffi::OsString> {
+        match (&self.cert, &self.key) {
+            (Some(c), Some(k)) => vec![
+                "--tls-cert".into(),
+                c.clone().into_os_string(),
+                "--tls-key".into(),
+                k.clone().into_os_string(),
+            ],
+            _ => vec![],
+        }
+    }
+}
+
 fn read(p: &PathBuf, flag: &str) -> Result<Vec<u8>> {
     std::fs::read(p).map_err(|e| Error::io(format!("{flag} {}", p.display()), e))
 }

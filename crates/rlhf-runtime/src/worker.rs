@@ -35,6 +35,8 @@ pub struct WorkerOptions {
     /// Program started for actors, as `<exe> actor ...`.
     pub actor_exe: PathBuf,
     pub hostname: String,
+    /// This node's TLS identity: its own service and every actor it starts serve with it.
+    pub tls: net::ServerTls,
 }
 
 struct ActorProc {
@@ -181,6 +183,8 @@ impl Agent {
             .arg(&ready_file)
             .arg("--host")
             .arg(&self.node_ip)
+            // Before the caller's arguments, which the actor takes as a trailing list.
+            .args(self.opts.tls.args())
             .args(&spec.args)
             // The caller's variables first, so the worker's own always win.
             .envs(&spec.env)
@@ -454,8 +458,9 @@ pub async fn run(opts: WorkerOptions, shutdown: CancellationToken) -> Result<()>
     );
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
     let sd = shutdown.clone();
+    let mut builder = opts.tls.server()?;
     let server = tokio::spawn(async move {
-        if let Err(e) = net::server_builder()
+        if let Err(e) = builder
             .add_service(svc)
             .serve_with_incoming_shutdown(incoming, sd.cancelled_owned())
             .await

@@ -43,6 +43,13 @@ enum Cmd {
         /// Name expected in the head's certificate (default: the host of --address).
         #[arg(long)]
         tls_domain: Option<String>,
+        /// This node's certificate (PEM): with TLS, the agent and every role process it
+        /// starts serve with it. It must name the node's IP (see --node-ip).
+        #[arg(long, requires = "tls_key")]
+        tls_cert: Option<PathBuf>,
+        /// Key of --tls-cert.
+        #[arg(long, requires = "tls_cert")]
+        tls_key: Option<PathBuf>,
         /// IP this node is reached on (default: the interface that routes to the head).
         #[arg(long)]
         node_ip: Option<String>,
@@ -67,6 +74,10 @@ enum Cmd {
         ready_file: PathBuf,
         #[arg(long, default_value = "127.0.0.1")]
         host: String,
+        #[arg(long, requires = "tls_key")]
+        tls_cert: Option<PathBuf>,
+        #[arg(long, requires = "tls_cert")]
+        tls_key: Option<PathBuf>,
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         rest: Vec<String>,
     },
@@ -101,11 +112,22 @@ async fn run(cli: Cli) -> Result<()> {
             token_file,
             tls_ca,
             tls_domain,
+            tls_cert,
+            tls_key,
             node_ip,
             port,
             connect_timeout,
             state_dir,
         } => {
+            // A cluster speaks TLS everywhere or nowhere: the head would refuse to reach a
+            // plain agent, and drivers could not reach plain role processes.
+            if tls_ca.is_some() != tls_cert.is_some() {
+                return Err(rlhf_core::Error::invalid(if tls_ca.is_some() {
+                    "the head speaks TLS (--tls-ca): give this worker --tls-cert and --tls-key too (a certificate for this node's IP, signed by the cluster CA), so its role processes serve TLS as well"
+                } else {
+                    "--tls-cert without --tls-ca: a TLS worker joins a TLS head; pass --tls-ca with the CA that signed the head's certificate"
+                }));
+            }
             let overrides = match resources {
                 Some(r) => Resources::parse_json("--resources", &r)?,
                 None => Resources::new(),
@@ -138,6 +160,10 @@ async fn run(cli: Cli) -> Result<()> {
                 client,
                 actor_exe,
                 hostname,
+                tls: rlhf_runtime::net::ServerTls {
+                    cert: tls_cert,
+                    key: tls_key,
+                },
             };
             worker::run(opts, shutdown).await
         }
@@ -146,6 +172,8 @@ async fn run(cli: Cli) -> Result<()> {
             kind,
             ready_file,
             host,
+            tls_cert,
+            tls_key,
             rest: _,
         } => {
             let _guard = rlhf_runtime::logging::init(None);
@@ -161,6 +189,10 @@ async fn run(cli: Cli) -> Result<()> {
                 ready_file,
                 host,
                 token,
+                tls: rlhf_runtime::net::ServerTls {
+                    cert: tls_cert,
+                    key: tls_key,
+                },
             };
             if opts.kind.parse::<rlhf_core::RoleKind>().is_ok() {
                 rlhf_roles::run(opts, shutdown).await

@@ -79,6 +79,7 @@ fn serve_actor(ready_file: &str, token: &str) -> Result<()> {
             ready_file: ready_file.into(),
             host: "127.0.0.1".into(),
             token: token.into(),
+            tls: Default::default(),
         },
         tokio_util::sync::CancellationToken::new(),
     ))?;

@@ -1,5 +1,8 @@
-//! TLS on the head endpoint: a worker that verifies the head with --tls-ca joins; clients
-//! that do not verify (plain connection) or trust another CA are refused.
+//! TLS on every gRPC channel: a worker that verifies the head with --tls-ca and serves with
+//! its own certificate joins; clients that do not verify (plain connection) or trust
+//! another CA are refused; a worker that would serve plain TCP to a TLS head is refused at
+//! start; ppo_tiny runs to the end with the driver talking TLS to the head and to every
+//! role process.
 
 use std::process::Command;
 use std::time::Duration;
@@ -61,7 +64,11 @@ fn tls_head_is_verified_by_joining_nodes() -> Result<()> {
     cmd.arg("--token-file")
         .arg(c.token_file())
         .arg("--tls-ca")
-        .arg(&ca_p);
+        .arg(&ca_p)
+        .arg("--tls-cert")
+        .arg(&cert_p)
+        .arg("--tls-key")
+        .arg(&key_p);
     c.workers
         .push(Proc::spawn("tls-worker", c.dir.path(), &mut cmd)?);
 
@@ -81,14 +88,88 @@ fn tls_head_is_verified_by_joining_nodes() -> Result<()> {
     assert!(!status_with(&c, None)?.status.success());
     let out = status_with(&c, Some(&other_p))?;
     assert!(!out.status.success());
+    // A worker that would serve its role processes in plain TCP is refused before joining.
+    let mut cmd = c.worker_cmd(r#"{"GPU": 1}"#);
+    cmd.arg("--token-file")
+        .arg(c.token_file())
+        .arg("--tls-ca")
+        .arg(&ca_p);
+    let out = cmd.output()?;
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--tls-cert and --tls-key"), "{err}");
+
     let mut cmd = c.worker_cmd(r#"{"GPU": 1}"#);
     cmd.arg("--token-file")
         .arg(c.token_file())
         .arg("--tls-ca")
         .arg(&other_p)
+        .arg("--tls-cert")
+        .arg(&cert_p)
+        .arg("--tls-key")
+        .arg(&key_p)
         .args(["--connect-timeout", "2"]);
     let mut bad = Proc::spawn("untrusting-worker", c.dir.path(), &mut cmd)?;
     assert!(!bad.wait_exit(Duration::from_secs(20))?.success());
     assert!(bad.output().contains("cannot reach"), "{}", bad.output());
+    Ok(())
+}
+
+/// The whole PPO job over TLS: head and worker with certificates from one CA, the driver
+/// (`rlhf-head run --address --tls-ca`) reaching the head and every role process over TLS.
+#[test]
+fn ppo_tiny_runs_to_the_end_on_a_tls_cluster() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let (ca_pem, issuer) = make_ca()?;
+    let key = KeyPair::generate()?;
+    let params = CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()])?;
+    let cert = params.signed_by(&key, &issuer)?;
+    let (cert_p, key_p, ca_p) = (
+        dir.path().join("node.crt"),
+        dir.path().join("node.key"),
+        dir.path().join("ca.crt"),
+    );
+    std::fs::write(&cert_p, cert.pem())?;
+    std::fs::write(&key_p, key.serialize_pem())?;
+    std::fs::write(&ca_p, &ca_pem)?;
+    let (cert_s, key_s, ca_s) = (
+        cert_p.display().to_string(),
+        key_p.display().to_string(),
+        ca_p.display().to_string(),
+    );
+    let mut c = Cluster::start(&[
+        "--tls-cert",
+        &cert_s,
+        "--tls-key",
+        &key_s,
+        "--job-tls-ca",
+        &ca_s,
+    ])?;
+    let mut cmd = c.worker_cmd(r#"{"CPU": 4}"#);
+    cmd.arg("--token-file").arg(c.token_file()).args([
+        "--tls-ca",
+        &ca_s,
+        "--tls-cert",
+        &cert_s,
+        "--tls-key",
+        &key_s,
+    ]);
+    c.workers
+        .push(Proc::spawn("tls-worker", c.dir.path(), &mut cmd)?);
+    wait_for(Duration::from_secs(20), "TLS worker alive", || {
+        let out = status_with(&c, Some(&ca_p))?;
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+        Ok((rlhf_e2e::count_alive(&v) > 0).then_some(()))
+    })?;
+    let out_dir = c.dir.path().join("job");
+    let mut run = rlhf_e2e::ppo_run_cmd(&out_dir, &["training.train_iters=2"]);
+    run.args(["--address", &c.address(), "--tls-ca", &ca_s])
+        .arg("--token-file")
+        .arg(c.token_file());
+    let mut p = Proc::spawn("tls-run", c.dir.path(), &mut run)?;
+    let st = p.wait_exit(Duration::from_secs(600))?;
+    assert!(st.success(), "{}", p.output());
+    let metrics = std::fs::read_to_string(out_dir.join("metrics.jsonl"))?;
+    assert_eq!(metrics.lines().count(), 2, "{metrics}");
     Ok(())
 }

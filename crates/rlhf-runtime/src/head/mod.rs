@@ -119,7 +119,16 @@ impl Head {
         if let Some(c) = w.get(address) {
             return Ok(c.clone());
         }
-        let ch = net::connect_lazy(address, &ClientOptions::new(self.0.opts.token.clone()))?;
+        // A TLS head reaches TLS workers, verified by the CA it gives its job drivers.
+        let mut client = ClientOptions::new(self.0.opts.token.clone());
+        client.tls_ca = self.0.opts.tls.cert.as_ref().map(|cert| {
+            self.0
+                .opts
+                .job_tls_ca
+                .clone()
+                .unwrap_or_else(|| cert.clone())
+        });
+        let ch = net::connect_lazy(address, &client)?;
         let c = WorkerServiceClient::new(ch).max_decoding_message_size(MAX_MESSAGE_BYTES);
         w.insert(address.to_string(), c.clone());
         Ok(c)
