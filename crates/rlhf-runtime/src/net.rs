@@ -70,8 +70,8 @@ impl ServerTls {
         match (&self.cert, &self.key) {
             (None, None) => Ok(None),
             (Some(c), Some(k)) => {
-                let cert = read(c, "--tls-cert")?;
-                let key = read(k, "--tls-key")?;
+                let cert = read_pem(c, "--tls-cert", "CERTIFICATE")?;
+                let key = read_pem(k, "--tls-key", "PRIVATE KEY")?;
                 Ok(Some(
                     ServerTlsConfig::new().identity(Identity::from_pem(cert, key)),
                 ))
@@ -117,6 +117,23 @@ fn read(p: &PathBuf, flag: &str) -> Result<Vec<u8>> {
     std::fs::read(p).map_err(|e| Error::io(format!("{flag} {}", p.display()), e))
 }
 
+/// Reads a PEM file and checks it holds a block of `kind` (the TLS stack only says
+/// "transport error" about a file that is not one).
+fn read_pem(p: &PathBuf, flag: &str, kind: &str) -> Result<Vec<u8>> {
+    let bytes = read(p, flag)?;
+    let text = String::from_utf8_lossy(&bytes);
+    let found = text
+        .lines()
+        .any(|l| l.starts_with("-----BEGIN ") && l.contains(kind));
+    if !found {
+        return Err(Error::invalid(format!(
+            "{flag} {}: no PEM block with a {kind} in it (a file starting with `-----BEGIN ...{kind}-----`)",
+            p.display()
+        )));
+    }
+    Ok(bytes)
+}
+
 fn endpoint(addr: &str, opts: &ClientOptions) -> Result<Endpoint> {
     let scheme = if opts.tls_ca.is_some() {
         "https"
@@ -134,7 +151,7 @@ fn endpoint(addr: &str, opts: &ClientOptions) -> Result<Endpoint> {
         .http2_keep_alive_interval(Duration::from_secs(10))
         .keep_alive_timeout(Duration::from_secs(20));
     if let Some(ca) = &opts.tls_ca {
-        let pem = read(ca, "--tls-ca")?;
+        let pem = read_pem(ca, "--tls-ca", "CERTIFICATE")?;
         let domain = opts.tls_domain.clone().unwrap_or_else(|| {
             addr.rsplit_once(':')
                 .map(|(h, _)| h)
