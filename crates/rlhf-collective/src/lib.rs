@@ -51,7 +51,7 @@ pub use error::{Error, ErrorKind, Op, Result};
 #[cfg(feature = "nccl")]
 pub use nccl::NcclCommunicator;
 pub use rlhf_types::Checksum;
-pub use tcp::{CommSecret, TcpCommunicator, TcpRendezvous};
+pub use tcp::{CommSecret, CommTls, TcpCommunicator, TcpRendezvous};
 
 /// Reduction applied element-wise by all-reduce.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -87,6 +87,9 @@ pub struct CommConfig {
     /// authenticated both ways before any data moves, and connections that fail are dropped;
     /// without it, anyone who reaches the port can join. Every rank must have the same one.
     pub secret: Option<CommSecret>,
+    /// TCP: TLS for every connection (this node's certificate and the cluster CA); every
+    /// rank must have one or none.
+    pub tls: Option<CommTls>,
 }
 
 impl Default for CommConfig {
@@ -96,6 +99,7 @@ impl Default for CommConfig {
             chunk_bytes: 1 << 20,
             socket_buffer_bytes: Some(4 << 20),
             secret: None,
+            tls: None,
         }
     }
 }

@@ -229,6 +229,7 @@ async fn run(cli: Cli) -> Result<()> {
             opts.tls = ServerTls {
                 cert: tls_cert,
                 key: tls_key,
+                ca: None,
             };
             opts.job_tls_ca = job_tls_ca;
             opts.heartbeat_interval = Duration::from_millis(heartbeat_ms.max(10));

@@ -47,6 +47,8 @@ pub struct Groups {
     joined: HashMap<CommGroup, Box<dyn Communicator>>,
     /// CUDA device ordinal for NCCL groups.
     pub cuda_device: usize,
+    /// TLS for TCP communicators (the worker's certificate and the cluster CA).
+    pub tls: Option<rlhf_collective::CommTls>,
 }
 
 fn check_backend(backend: CommBackend) -> Result<()> {
@@ -119,6 +121,7 @@ impl Groups {
             let secret = rlhf_collective::CommSecret::from_bytes(&spec.secret)
                 .map_err(|e| Error::invalid(format!("JoinComm for group '{}': {e}", spec.group)))?;
             config.secret = Some(secret);
+            config.tls = self.tls.clone();
         }
         let pending = self.pending.remove(&spec.group);
         let comm: Box<dyn Communicator> = if spec.backend == CommBackend::Nccl {

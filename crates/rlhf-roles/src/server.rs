@@ -264,7 +264,15 @@ pub async fn serve(
     shutdown: CancellationToken,
 ) -> rlhf_core::Result<()> {
     let host = advertised_host(&opts.host);
-    let compute = Compute::spawn(RoleHost::new(opts.kind, &host))?;
+    let mut role_host = RoleHost::new(opts.kind, &host);
+    // The collectives between role processes use TLS whenever the cluster does.
+    if let (Some(cert), Some(key), Some(ca)) = (&opts.tls.cert, &opts.tls.key, &opts.tls.ca) {
+        role_host.groups.tls = Some(
+            rlhf_collective::CommTls::from_pem_files(cert, key, ca)
+                .map_err(rlhf_core::Error::invalid)?,
+        );
+    }
+    let compute = Compute::spawn(role_host)?;
     let role = tonic::service::interceptor::InterceptedService::new(
         RoleServiceServer::new(RoleServer::new(compute))
             .max_decoding_message_size(MAX_MESSAGE_BYTES)

@@ -63,6 +63,9 @@ impl ClientOptions {
 pub struct ServerTls {
     pub cert: Option<PathBuf>,
     pub key: Option<PathBuf>,
+    /// The cluster CA, for peers this process connects to directly (role processes'
+    /// collectives); None where only gRPC clients verify.
+    pub ca: Option<PathBuf>,
 }
 
 impl ServerTls {
@@ -101,15 +104,20 @@ impl ServerTls {
 
     /// The flags that hand this identity to a child process.
     pub fn args(&self) -> Vec<std::ffi::OsString> {
-        match (&self.cert, &self.key) {
+        let mut v: Vec<std::ffi::OsString> = match (&self.cert, &self.key) {
             (Some(c), Some(k)) => vec![
                 "--tls-cert".into(),
                 c.clone().into_os_string(),
                 "--tls-key".into(),
                 k.clone().into_os_string(),
             ],
-            _ => vec![],
+            _ => return vec![],
+        };
+        if let Some(ca) = &self.ca {
+            v.push("--tls-ca".into());
+            v.push(ca.clone().into_os_string());
         }
+        v
     }
 }
 

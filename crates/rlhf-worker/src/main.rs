@@ -78,6 +78,8 @@ enum Cmd {
         tls_cert: Option<PathBuf>,
         #[arg(long, requires = "tls_cert")]
         tls_key: Option<PathBuf>,
+        #[arg(long, requires = "tls_cert")]
+        tls_ca: Option<PathBuf>,
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         rest: Vec<String>,
     },
@@ -142,7 +144,7 @@ async fn run(cli: Cli) -> Result<()> {
             let (token, _) =
                 auth::resolve_token(token_file.as_deref(), &auth::default_token_path(&state_dir))?;
             let mut client = ClientOptions::new(token);
-            client.tls_ca = tls_ca;
+            client.tls_ca = tls_ca.clone();
             client.tls_domain = tls_domain;
             client.connect_timeout = Duration::from_secs_f64(connect_timeout.max(0.0));
             let hostname = nix::unistd::gethostname()
@@ -163,6 +165,7 @@ async fn run(cli: Cli) -> Result<()> {
                 tls: rlhf_runtime::net::ServerTls {
                     cert: tls_cert,
                     key: tls_key,
+                    ca: tls_ca,
                 },
             };
             worker::run(opts, shutdown).await
@@ -174,6 +177,7 @@ async fn run(cli: Cli) -> Result<()> {
             host,
             tls_cert,
             tls_key,
+            tls_ca,
             rest: _,
         } => {
             let _guard = rlhf_runtime::logging::init(None);
@@ -192,6 +196,7 @@ async fn run(cli: Cli) -> Result<()> {
                 tls: rlhf_runtime::net::ServerTls {
                     cert: tls_cert,
                     key: tls_key,
+                    ca: tls_ca,
                 },
             };
             if opts.kind.parse::<rlhf_core::RoleKind>().is_ok() {

@@ -81,17 +81,20 @@
 //!   length followed by the bytes (barrier: empty blocks).
 
 use std::io;
-use std::net::{Shutdown, TcpStream};
+use std::net::Shutdown;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::error::{Error, Op, Result};
 
 mod auth;
+mod conn;
 mod frame;
 mod rendezvous;
 use crate::{as_bytes, as_bytes_mut, CommConfig, Communicator, Plain, ReduceOp};
 pub use auth::CommSecret;
+pub use conn::CommTls;
+use conn::Conn;
 pub use frame::tune_stream;
 use frame::{mismatch, read_exact, write_all, Ctx, Header};
 pub use rendezvous::TcpRendezvous;
@@ -110,13 +113,13 @@ const BACKEND: &str = "tcp";
 /// One end of a ring connection.
 #[derive(Debug)]
 struct Link {
-    stream: TcpStream,
+    stream: Conn,
     peer: usize,
 }
 
 impl Link {
     fn shutdown(&self) {
-        let _ = self.stream.shutdown(Shutdown::Both);
+        let _ = self.stream.tcp.shutdown(Shutdown::Both);
     }
 }
 
@@ -624,6 +627,7 @@ mod tests {
     use super::frame::set_io_timeout;
     use super::*;
     use std::io::Write;
+    use std::net::TcpStream;
     use std::time::Duration;
 
     #[test]
@@ -694,7 +698,10 @@ mod tests {
         };
         let link = |s: TcpStream| {
             set_io_timeout(&s, config.timeout);
-            Link { stream: s, peer: 1 }
+            Link {
+                stream: Conn::plain(s),
+                peer: 1,
+            }
         };
         let e = recv_block(&ctx, &link(l.accept().unwrap().0)).unwrap_err();
         assert_eq!(e.kind(), crate::ErrorKind::PeerClosed, "{e}");

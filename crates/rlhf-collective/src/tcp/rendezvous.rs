@@ -8,6 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use super::auth::{self, Side, NONCE_BYTES, TAG_BYTES};
+use super::conn::Conn;
 use super::frame::{check_args, io_err, map_io, mismatch, remaining, set_io_timeout, tune};
 use super::{Link, TcpCommunicator};
 use crate::error::{Error, Op, Result};
@@ -68,7 +69,7 @@ impl TcpRendezvous {
         let n = world_size;
 
         // JOIN phase: collect every other rank's hello.
-        let mut joined: Vec<Option<(TcpStream, String)>> = (0..n).map(|_| None).collect();
+        let mut joined: Vec<Option<(Conn, String)>> = (0..n).map(|_| None).collect();
         let mut missing = n - 1;
         let result = (|| {
             while missing > 0 {
@@ -193,8 +194,9 @@ impl TcpCommunicator {
         }
         let n = world_size;
         let deadline = Instant::now() + config.timeout;
-        let master_conn = connect_retry(rank, 0, master, deadline, &config)?;
+        let master_conn = connect_conn(rank, 0, master, deadline, &config)?;
         let local_ip = master_conn
+            .tcp
             .local_addr()
             .map_err(|e| io_err(Op::Rendezvous, rank, Some(0), "reading local address", e))?
             .ip();
@@ -210,7 +212,7 @@ impl TcpCommunicator {
         let my_addr = listener
             .local_addr()
             .map_err(|e| io_err(Op::Rendezvous, rank, None, "reading listener address", e))?;
-        set_io_timeout(&master_conn, remaining(deadline));
+        set_io_timeout(&master_conn.tcp, remaining(deadline));
         send_hello(
             &master_conn,
             KIND_JOIN,
@@ -235,6 +237,27 @@ impl TcpCommunicator {
         comm.barrier()?;
         Ok(comm)
     }
+}
+
+/// Connects (with retry) and, with TLS configured, runs the handshake that verifies the
+/// peer's certificate; a failed handshake is an authentication error naming the peer.
+fn connect_conn(
+    rank: usize,
+    peer: usize,
+    addr: &str,
+    deadline: Instant,
+    config: &CommConfig,
+) -> Result<Conn> {
+    let tcp = connect_retry(rank, peer, addr, deadline, config)?;
+    set_io_timeout(&tcp, remaining(deadline));
+    let host = addr.rsplit_once(':').map_or(addr, |(h, _)| h);
+    Conn::connect(tcp, config.tls.as_ref(), host).map_err(|e| Error::Auth {
+        rank,
+        peer: Some(peer),
+        detail: format!(
+            "TLS handshake with {addr} failed ({e}): its certificate must be signed by the cluster CA and name that address"
+        ),
+    })
 }
 
 fn connect_retry(
@@ -333,7 +356,7 @@ fn encode_hello(
 /// Connecting side: sends the hello and, with a secret, completes the handshake (checks the
 /// accepting side's tag, sends its own). `ranks`: (this rank, the rank it connects to).
 fn send_hello(
-    s: &TcpStream,
+    s: &Conn,
     kind: u8,
     ranks: (usize, usize),
     world: usize,
@@ -378,7 +401,7 @@ fn send_hello(
         .map_err(|e| io(e, "sending the authentication tag"))
 }
 
-fn read_str(mut s: &TcpStream) -> io::Result<String> {
+fn read_str(mut s: &Conn) -> io::Result<String> {
     let mut len = [0u8; 2];
     s.read_exact(&mut len)?;
     let mut b = vec![0u8; u16::from_le_bytes(len) as usize];
@@ -387,7 +410,7 @@ fn read_str(mut s: &TcpStream) -> io::Result<String> {
 }
 
 /// Reads a hello; `Ok(None)` for a connection that is not one of ours.
-fn read_hello(mut s: &TcpStream) -> io::Result<Option<Hello>> {
+fn read_hello(mut s: &Conn) -> io::Result<Option<Hello>> {
     let mut head = [0u8; 17];
     s.read_exact(&mut head)?;
     if head[..8] != HELLO_MAGIC {
@@ -421,11 +444,7 @@ fn read_hello(mut s: &TcpStream) -> io::Result<Option<Hello>> {
 
 /// Accepting side: with a secret, answers the hello's nonce with its own and its tag, then
 /// checks the connecting side's tag. `Err` names why the connection is not trusted.
-fn authenticate(
-    s: &TcpStream,
-    hello: &Hello,
-    config: &CommConfig,
-) -> std::result::Result<(), String> {
+fn authenticate(s: &Conn, hello: &Hello, config: &CommConfig) -> std::result::Result<(), String> {
     let Some(secret) = &config.secret else {
         return match hello.nonce {
             None => Ok(()),
@@ -455,21 +474,16 @@ fn authenticate(
     Ok(())
 }
 
-fn send_join_error(mut s: &TcpStream, code: u8, msg: &str) -> io::Result<()> {
+fn send_join_error(mut s: &Conn, code: u8, msg: &str) -> io::Result<()> {
     let mut b = vec![code];
     let msg: String = msg.chars().take(4000).collect();
     put_str(&mut b, &msg);
     s.write_all(&b)
 }
 
-fn read_join_answer(
-    s: &TcpStream,
-    rank: usize,
-    n: usize,
-    config: &CommConfig,
-) -> Result<Vec<String>> {
+fn read_join_answer(s: &Conn, rank: usize, n: usize, config: &CommConfig) -> Result<Vec<String>> {
     // Rank 0 answers only when everyone joined: allow the whole rendezvous timeout.
-    set_io_timeout(s, config.timeout);
+    set_io_timeout(&s.tcp, config.timeout);
     let ctx_err = |e: io::Error| match e.kind() {
         io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => Error::Timeout {
             op: Op::Rendezvous,
@@ -520,7 +534,7 @@ fn accept_hello(
     config: &CommConfig,
     rank: usize,
     who_is_missing: impl Fn() -> String,
-) -> Result<(TcpStream, Hello)> {
+) -> Result<(Conn, Hello)> {
     listener
         .set_nonblocking(true)
         .map_err(|e| io_err(Op::Rendezvous, rank, None, "configuring the listener", e))?;
@@ -535,16 +549,19 @@ fn accept_hello(
                 let peer = s
                     .peer_addr()
                     .map_or_else(|_| "an unknown address".to_string(), |a| a.to_string());
-                let why = match read_hello(&s) {
-                    Ok(Some(h)) => match authenticate(&s, &h, config) {
-                        Ok(()) => {
-                            set_io_timeout(&s, config.timeout);
-                            return Ok((s, h));
-                        }
-                        Err(why) => why,
+                let why = match Conn::accept(s, config.tls.as_ref()) {
+                    Err(e) => format!("TLS handshake: {e}"),
+                    Ok(s) => match read_hello(&s) {
+                        Ok(Some(h)) => match authenticate(&s, &h, config) {
+                            Ok(()) => {
+                                set_io_timeout(&s.tcp, config.timeout);
+                                return Ok((s, h));
+                            }
+                            Err(why) => why,
+                        },
+                        Ok(None) => "not a collective hello".to_string(),
+                        Err(e) => format!("reading its hello: {e}"),
                     },
-                    Ok(None) => "not a collective hello".to_string(),
-                    Err(e) => format!("reading its hello: {e}"),
                 };
                 dropped += 1;
                 if dropped <= MAX_LOGGED_DROPS {
@@ -625,10 +642,9 @@ fn connect_ring(
     deadline: Instant,
     config: &CommConfig,
 ) -> Result<Link> {
-    let s = connect_retry(rank, next, addr, deadline, config)?;
-    set_io_timeout(&s, remaining(deadline));
+    let s = connect_conn(rank, next, addr, deadline, config)?;
     send_hello(&s, KIND_RING, (rank, next), n, "", config)?;
-    set_io_timeout(&s, config.timeout);
+    set_io_timeout(&s.tcp, config.timeout);
     Ok(Link {
         stream: s,
         peer: next,
