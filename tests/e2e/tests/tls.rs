@@ -19,6 +19,26 @@ fn make_ca() -> Result<(String, Issuer<'static, KeyPair>)> {
     Ok((cert.pem(), Issuer::new(params, key)))
 }
 
+/// A CA, and a certificate for localhost and 127.0.0.1 signed by it, as PEM files:
+/// (certificate, key, CA).
+fn node_cert(
+    dir: &std::path::Path,
+) -> Result<(std::path::PathBuf, std::path::PathBuf, std::path::PathBuf)> {
+    let (ca_pem, issuer) = make_ca()?;
+    let key = KeyPair::generate()?;
+    let params = CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()])?;
+    let cert = params.signed_by(&key, &issuer)?;
+    let (cert_p, key_p, ca_p) = (
+        dir.join("node.crt"),
+        dir.join("node.key"),
+        dir.join("ca.crt"),
+    );
+    std::fs::write(&cert_p, cert.pem())?;
+    std::fs::write(&key_p, key.serialize_pem())?;
+    std::fs::write(&ca_p, &ca_pem)?;
+    Ok((cert_p, key_p, ca_p))
+}
+
 fn status_with(c: &Cluster, ca: Option<&std::path::Path>) -> Result<std::process::Output> {
     let mut cmd = Command::new(bin("rlhf-head"));
     cmd.args([
@@ -41,18 +61,7 @@ fn status_with(c: &Cluster, ca: Option<&std::path::Path>) -> Result<std::process
 #[test]
 fn tls_head_is_verified_by_joining_nodes() -> Result<()> {
     let dir = tempfile::tempdir()?;
-    let (ca_pem, issuer) = make_ca()?;
-    let key = KeyPair::generate()?;
-    let params = CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()])?;
-    let cert = params.signed_by(&key, &issuer)?;
-    let (cert_p, key_p, ca_p) = (
-        dir.path().join("head.crt"),
-        dir.path().join("head.key"),
-        dir.path().join("ca.crt"),
-    );
-    std::fs::write(&cert_p, cert.pem())?;
-    std::fs::write(&key_p, key.serialize_pem())?;
-    std::fs::write(&ca_p, &ca_pem)?;
+    let (cert_p, key_p, ca_p) = node_cert(dir.path())?;
     let (other_ca, _) = make_ca()?;
     let other_p = dir.path().join("other-ca.crt");
     std::fs::write(&other_p, other_ca)?;
@@ -120,18 +129,7 @@ fn tls_head_is_verified_by_joining_nodes() -> Result<()> {
 #[test]
 fn ppo_tiny_runs_to_the_end_on_a_tls_cluster() -> Result<()> {
     let dir = tempfile::tempdir()?;
-    let (ca_pem, issuer) = make_ca()?;
-    let key = KeyPair::generate()?;
-    let params = CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()])?;
-    let cert = params.signed_by(&key, &issuer)?;
-    let (cert_p, key_p, ca_p) = (
-        dir.path().join("node.crt"),
-        dir.path().join("node.key"),
-        dir.path().join("ca.crt"),
-    );
-    std::fs::write(&cert_p, cert.pem())?;
-    std::fs::write(&key_p, key.serialize_pem())?;
-    std::fs::write(&ca_p, &ca_pem)?;
+    let (cert_p, key_p, ca_p) = node_cert(dir.path())?;
     let (cert_s, key_s, ca_s) = (
         cert_p.display().to_string(),
         key_p.display().to_string(),
