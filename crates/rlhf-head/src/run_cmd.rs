@@ -385,5 +385,52 @@ pub(crate) async fn check(args: CheckArgs) -> Result<()> {
         }
     };
     print!("{}", cfg.check_report(&nodes));
+    let missing = missing_files(&cfg);
+    println!("\n# files the run reads");
+    if missing.is_empty() {
+        println!("all present (data, models, tokenizer)");
+    }
+    for m in &missing {
+        println!("missing: {m}");
+    }
     Ok(())
+}
+
+/// What `run` would fail to read from this machine: the dataset, each role's model
+/// directory, the tokenizer, the fixed responses. `check` lists them instead of failing (a
+/// plan for a cluster whose nodes hold the models is still worth seeing).
+fn missing_files(cfg: &PpoConfig) -> Vec<String> {
+    let mut out = Vec::new();
+    if !Path::new(&cfg.data.path).is_file() {
+        out.push(format!("data.path {} is not a file", cfg.data.path));
+    }
+    for role in RoleKind::ALL {
+        if cfg.role_enabled(role) && cfg.role_model(role).is_some() {
+            if let Err(e) = rlhf_config::spec::model_dir(cfg, role) {
+                out.push(e.to_string());
+            }
+        }
+    }
+    let actor = rlhf_config::spec::model_dir(cfg, RoleKind::ActorRollout).ok();
+    if let Some(t) = rlhf_config::spec::tokenizer_dir(cfg, actor.as_deref()) {
+        if !t.join("tokenizer.json").is_file() {
+            out.push(format!(
+                "tokenizer: {} has no tokenizer.json (training.tokenizer_name_or_path)",
+                t.display()
+            ));
+        }
+    }
+    if let Some(f) = cfg
+        .actor_rollout
+        .fixed_responses_file
+        .as_deref()
+        .filter(|f| !f.is_empty())
+    {
+        if !Path::new(f).is_file() {
+            out.push(format!(
+                "actor_rollout.fixed_responses_file {f} is not a file"
+            ));
+        }
+    }
+    out
 }

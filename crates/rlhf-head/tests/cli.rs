@@ -97,4 +97,30 @@ fn check_prints_config_plan_and_memory() {
         );
     }
     assert!(text.contains("actor_rollout/train"), "{text}");
+    assert!(
+        text.contains("# files the run reads\nall present"),
+        "{text}"
+    );
+
+    // What the run would fail to read is listed, by key.
+    let out = head(
+        &[
+            "check",
+            "--config-name",
+            "ppo_tiny",
+            "data.path=/nonexistent/prompts.jsonl",
+            "critic.model=/nonexistent/critic",
+        ],
+        dir.path(),
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("missing: data.path /nonexistent/prompts.jsonl is not a file"),
+        "{text}"
+    );
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("missing: ") && l.contains("/nonexistent/critic")),
+        "{text}"
+    );
 }
