@@ -56,12 +56,12 @@ impl JobFailure {
 }
 
 impl JobOutcome {
-    /// Writes `dir/outcome.json` (temporary file, then rename: a reader never sees half).
-    pub fn write(&self, dir: &Path) -> std::io::Result<()> {
-        let text = serde_json::to_string_pretty(self).map_err(std::io::Error::other)?;
-        let tmp = dir.join(format!("{OUTCOME_FILE}.tmp"));
-        std::fs::write(&tmp, text + "\n")?;
-        std::fs::rename(&tmp, dir.join(OUTCOME_FILE))
+    /// Writes `dir/outcome.json` atomically ([`crate::durable::write_atomic`]: a reader
+    /// never sees half).
+    pub fn write(&self, dir: &Path) -> crate::Result<()> {
+        let text = serde_json::to_string_pretty(self)
+            .map_err(|e| crate::Error::internal(format!("encoding {OUTCOME_FILE}: {e}")))?;
+        crate::durable::write_atomic(&dir.join(OUTCOME_FILE), (text + "\n").as_bytes())
     }
 
     /// Reads `dir/outcome.json`; `None` when it is absent or unreadable (the driver died

@@ -98,10 +98,6 @@ impl ServerTls {
         }
     }
 
-    pub fn enabled(&self) -> bool {
-        self.cert.is_some()
-    }
-
     /// The flags that hand this identity to a child process.
     pub fn args(&self) -> Vec<std::ffi::OsString> {
         let mut v: Vec<std::ffi::OsString> = match (&self.cert, &self.key) {

@@ -54,6 +54,15 @@ pub struct HeadOptions {
 }
 
 impl HeadOptions {
+    /// The cluster CA clients of this head's making verify with (job drivers, calls to
+    /// workers): `job_tls_ca`, else the certificate itself; None without TLS.
+    pub fn cluster_ca(&self) -> Option<PathBuf> {
+        self.tls
+            .cert
+            .as_ref()
+            .map(|cert| self.job_tls_ca.clone().unwrap_or_else(|| cert.clone()))
+    }
+
     pub fn new(state_dir: PathBuf, token: String) -> Self {
         Self {
             host: "0.0.0.0".into(),
@@ -121,13 +130,7 @@ impl Head {
         }
         // A TLS head reaches TLS workers, verified by the CA it gives its job drivers.
         let mut client = ClientOptions::new(self.0.opts.token.clone());
-        client.tls_ca = self.0.opts.tls.cert.as_ref().map(|cert| {
-            self.0
-                .opts
-                .job_tls_ca
-                .clone()
-                .unwrap_or_else(|| cert.clone())
-        });
+        client.tls_ca = self.0.opts.cluster_ca();
         let ch = net::connect_lazy(address, &client)?;
         let c = WorkerServiceClient::new(ch).max_decoding_message_size(MAX_MESSAGE_BYTES);
         w.insert(address.to_string(), c.clone());
@@ -570,7 +573,8 @@ pub async fn start(
     clock: Arc<dyn Clock>,
     shutdown: CancellationToken,
 ) -> Result<HeadHandle> {
-    let tls = opts.tls.config()?;
+    // TLS files are checked before anything binds.
+    let mut builder = opts.tls.server()?;
     let listener = net::bind(&opts.host, opts.port, "--port").await?;
     let addr = listener
         .local_addr()
@@ -590,11 +594,7 @@ pub async fn start(
             state_dir: opts.state_dir.clone(),
             exe: job_exe,
             head_address: local_head_address(&opts.host, addr),
-            tls_ca: opts
-                .tls
-                .cert
-                .as_ref()
-                .map(|cert| opts.job_tls_ca.clone().unwrap_or_else(|| cert.clone())),
+            tls_ca: opts.cluster_ca(),
             token: opts.token.clone(),
             stop_grace: opts.job_stop_grace,
         },
@@ -660,12 +660,6 @@ pub async fn start(
             .max_encoding_message_size(MAX_MESSAGE_BYTES),
         CheckToken::new(&opts.token, "head"),
     );
-    let mut builder = net::server_builder();
-    if let Some(tls) = tls {
-        builder = builder
-            .tls_config(tls)
-            .map_err(|e| Error::invalid(format!("--tls-cert/--tls-key: {e}")))?;
-    }
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
     let sd = shutdown.clone();
     let router = builder.add_service(svc);
