@@ -4,8 +4,8 @@
 
 use serde_json::{json, Map, Value};
 
+use crate::config::{id_list, Config};
 use crate::error::{Error, Result};
-use crate::transformer::{id_list, Config};
 
 /// Decoding options. `temperature == 0` means greedy.
 #[derive(Debug, Clone, PartialEq)]

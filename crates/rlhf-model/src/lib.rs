@@ -42,25 +42,27 @@
 //! # }
 //! ```
 
+mod checkpoint;
+pub mod config;
 pub mod error;
 mod gen_config;
 pub mod generation;
+mod head;
 mod kernels;
 pub mod model;
 pub mod ops;
+mod replay;
 pub mod tokenizer;
 pub mod train;
 pub mod transformer;
 pub mod weights;
 
 pub use candle_core::{DType, Device, Tensor, Var};
+pub use config::{Config, Family, MemoryEstimate, RopeScaling, SUPPORTED_ARCHITECTURES};
 pub use error::{Error, Result};
 pub use generation::{generate, FinishReason, GeneratedSequence, Generation, GenerationConfig};
 pub use model::{Batch, LoadOptions, Model, ModelKind, ValueHeadInit};
 pub use ops::{entropy_from_logits, log_probs_from_logits, masked_mean};
 pub use tokenizer::{ChatMessage, Tokenizer};
 pub use train::{AdamW, AdamWConfig, GradAccumulator, Gradients, LrSchedule, LrScheduler};
-pub use transformer::{
-    position_ids_from_mask, Config, Family, Kernels, KvCache, MemoryEstimate, RopeScaling,
-    SUPPORTED_ARCHITECTURES,
-};
+pub use transformer::{position_ids_from_mask, Kernels, KvCache};

@@ -5,10 +5,11 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Tensor, Var, D};
 use serde_json::{json, Value};
 
+use crate::config::Config;
 use crate::error::{read_json, Error, Result};
 use crate::gen_config::GenerationConfig;
 use crate::ops;
-use crate::transformer::{position_ids_from_mask, Config, Kernels, KvCache, Linear, Transformer};
+use crate::transformer::{position_ids_from_mask, Kernels, KvCache, Linear, Transformer};
 use crate::weights::{save_safetensors, Init, ParamBuilder, ParamStore, WeightFiles};
 
 /// Which head sits on the decoder.
@@ -51,6 +52,16 @@ pub struct LoadOptions {
     pub value_head_init: ValueHeadInit,
     /// Seed for any freshly initialised parameter.
     pub seed: u64,
+    /// The dtype activations are computed in when it differs from `dtype`, the dtype the
+    /// parameters are kept in: mixed precision keeps f32 master weights (and f32 AdamW state)
+    /// and computes in bf16. `None`: `dtype`.
+    pub compute_dtype: Option<DType>,
+    /// Tokens per chunk of the LM head when computing log-probs and entropies, so that the
+    /// `[B, T, V]` logits never exist at once. `None`: the whole batch at once.
+    pub logits_chunk: Option<usize>,
+    /// Activation checkpointing per decoder layer: only each layer's input is kept for
+    /// backward, which recomputes the layer. Trainable models only.
+    pub gradient_checkpointing: bool,
 }
 
 impl Default for LoadOptions {
@@ -64,6 +75,9 @@ impl Default for LoadOptions {
             composite_ops: false,
             value_head_init: ValueHeadInit::Auto,
             seed: 0,
+            compute_dtype: None,
+            logits_chunk: None,
+            gradient_checkpointing: false,
         }
     }
 }
@@ -101,6 +115,31 @@ impl LoadOptions {
     pub fn with_fast(mut self, fast: bool) -> Self {
         self.fast = Some(fast);
         self
+    }
+
+    /// bf16 the way the roles use it: a trainable model keeps f32 master weights and computes
+    /// in bf16 (mixed precision); a frozen one holds its weights in bf16. `false`: f32.
+    pub fn with_bf16(mut self, bf16: bool) -> Self {
+        match (bf16, self.trainable) {
+            (false, _) => {
+                self.dtype = DType::F32;
+                self.compute_dtype = None;
+            }
+            (true, true) => {
+                self.dtype = DType::F32;
+                self.compute_dtype = Some(DType::BF16);
+            }
+            (true, false) => {
+                self.dtype = DType::BF16;
+                self.compute_dtype = None;
+            }
+        }
+        self
+    }
+
+    /// The dtype activations are computed in.
+    pub fn compute(&self) -> DType {
+        self.compute_dtype.unwrap_or(self.dtype)
     }
 }
 
@@ -166,6 +205,7 @@ pub struct Model {
     head: Head,
     params: ParamStore,
     trainable: bool,
+    logits_chunk: Option<usize>,
     generation: GenerationConfig,
     source_dir: Option<PathBuf>,
     generation_raw: Option<Value>,
@@ -240,18 +280,34 @@ impl Model {
                     .to_string(),
             ));
         }
-        let kernels = if fast {
-            Kernels::Inference
-        } else if !opts.composite_ops
-            && opts.device.is_cpu()
-            && matches!(opts.dtype, DType::F32 | DType::F64)
-        {
-            Kernels::FusedTraining
-        } else {
-            Kernels::Composite
-        };
+        let compute = opts.compute();
+        if !compute.is_float() || !opts.dtype.is_float() {
+            return Err(Error::InvalidArgument(format!(
+                "models compute in a floating-point dtype (f32, bf16, f16, f64), not {:?}",
+                compute
+            )));
+        }
+        if opts.gradient_checkpointing && !opts.trainable {
+            return Err(Error::InvalidArgument(
+                "gradient checkpointing is for trainable models; a frozen model keeps no \
+                 activations for backward"
+                    .to_string(),
+            ));
+        }
+        if opts.logits_chunk == Some(0) {
+            return Err(Error::InvalidArgument(
+                "logits_chunk must be at least 1 token (or unset for no chunking)".to_string(),
+            ));
+        }
+        let kernels = Kernels::choose(&opts.device, compute, fast, opts.composite_ops);
         let mut pb = ParamBuilder::new(files, &opts.device, opts.dtype, opts.trainable, opts.seed);
-        let body = Transformer::load(config, &mut pb, kernels)?;
+        let body = Transformer::load(
+            config,
+            &mut pb,
+            kernels,
+            compute,
+            opts.gradient_checkpointing,
+        )?;
         let h = config.hidden_size;
         let head = match opts.kind {
             ModelKind::CausalLm => {
@@ -286,6 +342,7 @@ impl Model {
             head,
             params: pb.finish(),
             trainable: opts.trainable,
+            logits_chunk: opts.logits_chunk,
             generation: GenerationConfig::default(),
             source_dir: None,
             generation_raw: None,
@@ -369,8 +426,14 @@ impl Model {
         self.body.embed_tokens().device()
     }
 
+    /// The dtype the parameters are kept (and saved) in.
     pub fn dtype(&self) -> DType {
         self.body.embed_tokens().dtype()
+    }
+
+    /// The dtype activations are computed in (bf16 under mixed precision over f32 weights).
+    pub fn compute_dtype(&self) -> DType {
+        self.body.compute_dtype()
     }
 
     /// Generation defaults from generation_config.json and config.json.
@@ -467,7 +530,7 @@ impl Model {
         let h = self.hidden(input_ids, attention_mask, position_ids, Some(cache))?;
         let t = h.dim(1)?;
         let last = h.narrow(1, t - 1, 1)?.squeeze(1)?;
-        Ok(last.matmul(&w.t()?)?)
+        Ok(last.matmul(&w.to_dtype(last.dtype())?.t()?)?)
     }
 
     /// An empty KV cache sized for this model.
@@ -505,14 +568,29 @@ impl Model {
             &batch.position_ids,
             None,
         )?;
+        let targets = batch.input_ids.narrow(1, 1, t - 1)?;
+        let fused = self.body.kernels() != Kernels::Composite;
+        if let Some(chunk) = self.logits_chunk {
+            let (b, _, hd) = h.dims3()?;
+            let n = b * (t - 1);
+            let hs = h.narrow(1, 0, t - 1)?.reshape((n, hd))?;
+            let opts = crate::head::HeadOpts {
+                temperature,
+                with_entropy,
+                chunk,
+                fused,
+            };
+            let (lp, ent) = crate::head::log_probs_entropy(&hs, w, &targets.flatten_all()?, opts)?;
+            let lp = lp.reshape((b, t - 1))?;
+            let ent = ent.map(|e| e.reshape((b, t - 1))).transpose()?;
+            return Ok((lp, ent));
+        }
         // The last position predicts nothing that is scored: skip its LM-head product.
         let logits = Linear {
             w: w.clone(),
             b: None,
         }
         .forward(&h.narrow(1, 0, t - 1)?)?;
-        let targets = batch.input_ids.narrow(1, 1, t - 1)?;
-        let fused = self.body.kernels() != Kernels::Composite;
         let lp = ops::log_probs_impl(&logits, &targets, temperature, fused)?;
         let ent = if with_entropy {
             Some(ops::entropy_impl(&logits, temperature, fused)?)

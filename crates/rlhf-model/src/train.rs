@@ -24,10 +24,23 @@ impl Gradients {
         Self { grads }
     }
 
-    /// Runs backward on `loss` and collects the gradients of `vars`.
+    /// Runs backward on `loss` and collects the gradients of `vars`, with those that
+    /// checkpointed layers computed on the side (see [`crate::checkpoint`]). Models built with
+    /// `gradient_checkpointing` must be differentiated through here (or [`GradAccumulator`]),
+    /// not with a bare `loss.backward()`.
     pub fn backward(loss: &Tensor, vars: &[(String, Var)]) -> Result<Self> {
         let store = loss.backward()?;
-        Ok(Self::from_store(&store, vars))
+        let mut out = Self::from_store(&store, vars);
+        for (name, var) in vars {
+            if let Some(g) = crate::checkpoint::take(var.as_tensor())? {
+                let sum = match out.grads.remove(name) {
+                    Some(prev) => (prev + g)?,
+                    None => g,
+                };
+                out.grads.insert(name.clone(), sum);
+            }
+        }
+        Ok(out)
     }
 
     pub fn get(&self, name: &str) -> Option<&Tensor> {

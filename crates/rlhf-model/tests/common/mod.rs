@@ -3,7 +3,19 @@
 
 use std::path::PathBuf;
 
+pub mod grad;
+
 use rlhf_model::{Batch, Config, Device, Family};
+
+/// The devices the model tests run on: the CPU, and the first GPU when this build has the
+/// `cuda` feature and the machine a driver and a GPU.
+pub fn devices() -> Vec<Device> {
+    let mut out = vec![Device::Cpu];
+    if let Ok(d) = Device::new_cuda(0) {
+        out.push(d);
+    }
+    out
+}
 
 /// `tests/fixtures/NAME`.
 pub fn fixture(name: &str) -> PathBuf {
