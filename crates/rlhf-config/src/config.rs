@@ -91,8 +91,16 @@ training_keys! {
     adam_eps: f64 = 1e-8,
     /// Gradient-norm clip (0 disables clipping).
     clip_grad: f64 = 1.0,
-    /// Keep weights and activations in bfloat16 (f32 otherwise).
+    /// bfloat16 mixed precision: trained roles keep f32 master weights and f32 AdamW state
+    /// and compute activations in bf16; frozen roles hold bf16 weights. Log-softmax,
+    /// log-probs, entropies, values, losses and advantages stay in f32.
     bf16: bool = false,
+    /// Activation checkpointing per decoder layer in trained roles: keep each layer's input
+    /// only and recompute the layer in backward (about one more forward of compute).
+    gradient_checkpointing: bool = false,
+    /// Tokens per chunk of the LM head when computing log-probs and entropies, so the
+    /// `[batch, seq, vocab]` logits never exist at once (0: the whole micro-batch at once).
+    logits_chunk_size: u32 = 1024,
     /// Seed of every RNG the job uses (sampling, shuffling, init).
     seed: u64 = 1234,
     /// Tokenizer directory (HF `tokenizer.json`); unset = the role's model directory.

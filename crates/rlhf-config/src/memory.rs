@@ -1,22 +1,27 @@
 //! Per-device memory estimate of each role, and the `check` report.
 //!
 //! Formulas (bytes, per device; `P` parameters, `b` bytes per element of the
-//! role's dtype: 2 with `bf16`, else 4; `s` = max_prompt_length +
+//! role's activations: 2 with `bf16`, else 4; `s` = max_prompt_length +
 //! max_response_length; `mb` the role's micro batch; `h`, `L`, `a`, `V` the
-//! model's hidden size, layers, heads and vocabulary):
+//! model's hidden size, layers, heads and vocabulary; `c` the LM-head chunk,
+//! `training.logits_chunk_size`, 0 meaning `mb·s`):
 //!
-//! * weights: `P·b`;
-//! * gradients (trained roles): `P·b`;
-//! * optimizer (AdamW): `2·4·P` for the two f32 moments, plus `4·P` for an
-//!   f32 master copy when the weights are bf16;
+//! * weights: frozen roles `P·b`; trained roles `4·P` (f32 weights, the master
+//!   copy under bf16) plus, with `bf16`, `2·P` for the bf16 copy the forward
+//!   computes with and backward keeps;
+//! * gradients (trained roles): `4·P` (f32, like the weights they update);
+//! * optimizer (AdamW): `2·4·P` for the two f32 moments;
 //! * KV cache (rollout ranks): `L · 2 · kv_heads · head_dim · s · B · b` with
 //!   `B` = rollout batch / `num_gpus_for_infer`;
 //! * activations, training: `L · mb·s·h · (34 + 5·a·s/h) · b/2` (Korthikanti
-//!   et al. 2022, no recomputation, no flash attention) plus `2 · mb·s·V · 4`
-//!   for f32 logits and log-probs (none for a value model);
+//!   et al. 2022, no flash attention); with `gradient_checkpointing` only each
+//!   layer's input is kept, `L · mb·s·h·b`, plus one layer's full term for the
+//!   recompute; plus `3 · min(c, mb·s) · V · 4` for one chunk's f32 logits, its
+//!   log-softmax and its gradient (none for a value model);
 //! * activations, forward only: one layer's worth of the training term plus
-//!   the logits term (none for a value model); rollout ranks: the prefill of
-//!   `B` prompts through one layer plus `B·V·4` for the last-token logits.
+//!   `2 · min(c, mb·s) · V · 4` (none for a value model); rollout ranks: the
+//!   prefill of `B` prompts through one layer plus `B·V·4` for the last-token
+//!   logits.
 //!
 //! These are rough upper-ish bounds for planning, not allocator-exact numbers.
 
@@ -84,6 +89,26 @@ impl PpoConfig {
             let t = self.resolved(role);
             let b: u64 = if t.bf16 { 2 } else { 4 };
             let mb = u64::from(t.micro_batch_size);
+            let chunk = match u64::from(t.logits_chunk_size) {
+                0 => mul(&[mb, s]),
+                c => c.min(mul(&[mb, s])),
+            };
+            let trained =
+                |p: u64| mul(&[p, 4]).saturating_add(if t.bf16 { mul(&[p, 2]) } else { 0 });
+            let train_act = |arch: &ModelConfig, lm_head: bool| {
+                let layers = if t.gradient_checkpointing {
+                    mul(&[arch.num_hidden_layers, mb, s, arch.hidden_size, b])
+                        .saturating_add(layer_activations(arch, mb, s, b))
+                } else {
+                    mul(&[arch.num_hidden_layers, layer_activations(arch, mb, s, b)])
+                };
+                let head = if lm_head {
+                    mul(&[3, chunk, arch.vocab_size, 4])
+                } else {
+                    0
+                };
+                layers.saturating_add(head)
+            };
             let model = self.role_model(role);
             let empty = |label: &str, why: String| MemoryRow {
                 label: label.to_string(),
@@ -112,7 +137,7 @@ impl PpoConfig {
                 ));
                 continue;
             };
-            let optimizer = |p: u64| mul(&[if b == 2 { 12 } else { 8 }, p]);
+            let optimizer = |p: u64| mul(&[8, p]);
             match role {
                 RoleKind::ActorRollout => {
                     let p = arch.lm_params();
@@ -121,11 +146,11 @@ impl PpoConfig {
                         role,
                         model: m.name.clone(),
                         params: p,
-                        weights: mul(&[p, b]),
-                        gradients: mul(&[p, b]),
+                        weights: trained(p),
+                        gradients: mul(&[p, 4]),
                         optimizer: optimizer(p),
                         kv_cache: 0,
-                        activations: train_activations(&arch, mb, s, b, true),
+                        activations: train_act(&arch, true),
                     });
                     let infer = u64::from(a.num_gpus_for_infer.max(1));
                     let batch = self.rollout_batch_size().div_ceil(infer);
@@ -164,8 +189,12 @@ impl PpoConfig {
                         gradients: 0,
                         optimizer: 0,
                         kv_cache: 0,
-                        activations: layer_activations(&arch, mb, s, b)
-                            .saturating_add(logits_bytes(&arch, mb, s)),
+                        activations: layer_activations(&arch, mb, s, b).saturating_add(mul(&[
+                            2,
+                            chunk,
+                            arch.vocab_size,
+                            4,
+                        ])),
                     });
                 }
                 RoleKind::Critic => {
@@ -175,11 +204,11 @@ impl PpoConfig {
                         role,
                         model: m.name,
                         params: p,
-                        weights: mul(&[p, b]),
-                        gradients: mul(&[p, b]),
+                        weights: trained(p),
+                        gradients: mul(&[p, 4]),
                         optimizer: optimizer(p),
                         kv_cache: 0,
-                        activations: train_activations(&arch, mb, s, b, false),
+                        activations: train_act(&arch, false),
                     });
                 }
                 RoleKind::Reward => {
@@ -278,19 +307,6 @@ fn layer_activations(m: &ModelConfig, batch: u64, s: u64, b: u64) -> u64 {
     mul(&[batch, s, per_token, b]) / 2
 }
 
-/// f32 logits plus f32 log-probs over the vocabulary.
-fn logits_bytes(m: &ModelConfig, batch: u64, s: u64) -> u64 {
-    mul(&[2, batch, s, m.vocab_size, 4])
-}
-
-fn train_activations(m: &ModelConfig, mb: u64, s: u64, b: u64, lm_head: bool) -> u64 {
-    mul(&[m.num_hidden_layers, layer_activations(m, mb, s, b)]).saturating_add(if lm_head {
-        logits_bytes(m, mb, s)
-    } else {
-        0
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -304,6 +320,6 @@ mod tests {
         }))
         .unwrap();
         assert_eq!(m.lm_params(), u64::MAX);
-        assert_eq!(train_activations(&m, u64::MAX, u64::MAX, 4, true), u64::MAX);
+        assert_eq!(layer_activations(&m, u64::MAX, u64::MAX, 4), u64::MAX / 2);
     }
 }

@@ -117,9 +117,15 @@ pub enum EngineSpec {
 pub struct RoleSpec {
     pub slot: RoleSlot,
     pub device: DeviceSpec,
-    /// Compute dtype of the weights. F32 until mixed precision lands (`training.bf16` is
-    /// not honoured yet).
+    /// Compute dtype (`training.bf16`): BF16 means mixed precision for a trained engine (f32
+    /// master weights and optimizer state) and bf16 weights for a frozen one.
     pub dtype: DType,
+    /// Activation checkpointing per decoder layer (`training.gradient_checkpointing`).
+    #[serde(default)]
+    pub gradient_checkpointing: bool,
+    /// Tokens per LM-head chunk for log-probs (`training.logits_chunk_size`; `None`: whole).
+    #[serde(default)]
+    pub logits_chunk: Option<usize>,
     /// The HF directory to load (absolute); `None` for rule and HTTP rewards.
     pub model_dir: Option<PathBuf>,
     /// Where the tokenizer files are (copied into checkpoints; EOS / pad ids for sampling).
@@ -285,7 +291,12 @@ impl RoleSpec {
         Ok(Self {
             slot,
             device,
-            dtype: DType::F32,
+            dtype: if t.bf16 { DType::BF16 } else { DType::F32 },
+            gradient_checkpointing: t.gradient_checkpointing,
+            logits_chunk: match t.logits_chunk_size {
+                0 => None,
+                n => Some(n as usize),
+            },
             model_dir,
             tokenizer_dir,
             shapes,

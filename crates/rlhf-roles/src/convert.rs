@@ -100,3 +100,22 @@ pub fn chunked(
         })
         .collect()
 }
+
+/// How an engine loads its model from its spec: device, seed, precision (`training.bf16`:
+/// mixed precision when trained, bf16 weights when frozen), the LM head's chunking and,
+/// for trained engines, activation checkpointing. One rule for every engine.
+pub fn load_options(
+    spec: &rlhf_config::RoleSpec,
+    device: &candle_core::Device,
+    base: rlhf_model::LoadOptions,
+) -> rlhf_model::LoadOptions {
+    let trainable = base.trainable;
+    rlhf_model::LoadOptions {
+        seed: spec.seed,
+        device: device.clone(),
+        logits_chunk: spec.logits_chunk,
+        gradient_checkpointing: trainable && spec.gradient_checkpointing,
+        ..base
+    }
+    .with_bf16(spec.dtype == rlhf_types::DType::BF16)
+}

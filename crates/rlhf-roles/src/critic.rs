@@ -43,11 +43,8 @@ impl Critic {
         let EngineSpec::Critic { train, loss } = &spec.engine else {
             return Err(wrong_engine(spec, "a critic"));
         };
-        let load_opts = LoadOptions {
-            seed: spec.seed,
-            device: device.clone(),
-            ..LoadOptions::training(ModelKind::Value)
-        };
+        let load_opts =
+            convert::load_options(spec, device, LoadOptions::training(ModelKind::Value));
         Ok(Self {
             state: TrainState::load(
                 &spec.slot,

@@ -100,11 +100,8 @@ impl Trainer {
         else {
             return Err(wrong_engine(spec, "a trainer"));
         };
-        let load_opts = LoadOptions {
-            seed: spec.seed,
-            device: device.clone(),
-            ..LoadOptions::training(ModelKind::CausalLm)
-        };
+        let load_opts =
+            convert::load_options(spec, device, LoadOptions::training(ModelKind::CausalLm));
         Ok(Self {
             state: TrainState::load(
                 &spec.slot,
@@ -272,7 +269,7 @@ impl Rollout {
     /// Loads its own copy of the policy for inference.
     pub fn new(spec: &RoleSpec, device: &Device) -> Result<Self> {
         let dir = spec.model_dir()?;
-        let opts = LoadOptions::inference().with_device(device.clone());
+        let opts = convert::load_options(spec, device, LoadOptions::inference());
         let model = Model::load(dir, &opts)
             .with_ctx(|| format!("loading the rollout policy from {}", dir.display()))?;
         Self::sharing(spec, Arc::new(model))
@@ -395,7 +392,7 @@ impl RefPolicy {
             return Err(wrong_engine(spec, "a reference policy"));
         };
         let dir = spec.model_dir()?;
-        let opts = LoadOptions::inference().with_device(device.clone());
+        let opts = convert::load_options(spec, device, LoadOptions::inference());
         let model = Model::load(dir, &opts)
             .with_ctx(|| format!("loading the reference policy from {}", dir.display()))?;
         Ok(Self {

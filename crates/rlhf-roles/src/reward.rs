@@ -190,9 +190,11 @@ impl Reward {
             }
             RewardSpec::Model => {
                 let dir = spec.model_dir()?;
-                let opts = LoadOptions::inference()
-                    .with_kind(ModelKind::Reward)
-                    .with_device(device.clone());
+                let opts = crate::convert::load_options(
+                    spec,
+                    device,
+                    LoadOptions::inference().with_kind(ModelKind::Reward),
+                );
                 let model = Model::load(dir, &opts)
                     .with_ctx(|| format!("loading the reward model from {}", dir.display()))?;
                 Ok(Reward::Model {

@@ -1,0 +1,102 @@
+//! The per-device memory estimate of `rlhf-head check`: dtype, mixed precision, LM-head
+//! chunking and activation checkpointing each move the numbers they should.
+
+use std::path::{Path, PathBuf};
+
+use rlhf_config::{load, MemoryRow, PpoConfig, RoleKind};
+
+fn configs() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs")
+}
+
+fn qwen7b(overrides: &[&str]) -> PpoConfig {
+    let o: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+    load(&configs(), "ppo_qwen25_7b", &o).unwrap()
+}
+
+fn row(cfg: &PpoConfig, label: &str) -> MemoryRow {
+    cfg.memory_estimate()
+        .into_iter()
+        .find(|r| r.label == label)
+        .unwrap_or_else(|| panic!("no row {label}"))
+}
+
+#[test]
+fn memory_estimate_is_sane() {
+    let q = qwen7b(&[]);
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let train = row(&q, "actor_rollout/train");
+    // 7.6 B parameters under bf16 mixed precision: f32 master weights (28.4 GiB) plus the
+    // bf16 copy the forward computes with (14.2 GiB).
+    assert!(
+        (42.0..44.0).contains(&gib(train.weights)),
+        "{}",
+        gib(train.weights)
+    );
+    assert_eq!(train.weights, 6 * train.params);
+    // f32 gradients and the two f32 AdamW moments.
+    assert_eq!(train.gradients, 4 * train.params);
+    assert_eq!(train.optimizer, 8 * train.params);
+    let infer = row(&q, "actor_rollout/infer");
+    // Frozen: bf16 weights. KV: 28 layers x 2 x 4 kv heads x 128 x 2048 tokens x 64 seqs x 2 B.
+    assert_eq!(infer.weights, 2 * infer.params);
+    assert_eq!(infer.kv_cache, 28 * 2 * 4 * 128 * 2048 * 64 * 2);
+    assert_eq!(infer.optimizer, 0);
+    let critic = row(&q, "critic");
+    assert!(critic.params < train.params, "the critic has no LM head");
+    // f32 everywhere: the frozen weights double, the trained ones lose the bf16 copy.
+    let f = qwen7b(&["training.bf16=false"]);
+    assert_eq!(row(&f, "actor_rollout/infer").weights, 2 * infer.weights);
+    assert_eq!(row(&f, "actor_rollout/train").weights, 4 * train.params);
+    // Activations grow with the micro batch.
+    let big = qwen7b(&["actor_rollout.micro_batch_size=4"]);
+    assert!(row(&big, "actor_rollout/train").activations > 3 * train.activations);
+
+    // 7B plain data parallel does not fit an 80 GiB card: warned, not refused.
+    let small = qwen7b(&["resource_pool.device_memory_gb=80"]);
+    let warnings = small.memory_warnings();
+    assert!(
+        warnings.iter().any(|w| w.contains("actor_rollout/train")),
+        "{warnings:?}"
+    );
+    let l = load(&configs(), "ppo_llama32_1b", &[]).unwrap();
+    assert!(l.memory_warnings().is_empty(), "{:?}", l.memory_warnings());
+}
+
+#[test]
+fn chunking_and_checkpointing_lower_the_activation_estimate() {
+    let seq = ["actor_rollout.micro_batch_size=4"];
+    let whole = qwen7b(&[seq[0], "training.logits_chunk_size=0"]);
+    let chunked = qwen7b(&[seq[0], "training.logits_chunk_size=512"]);
+    let both = qwen7b(&[
+        seq[0],
+        "training.logits_chunk_size=512",
+        "training.gradient_checkpointing=true",
+    ]);
+    let v = 152_064u64; // Qwen2.5-7B's vocabulary
+    let tokens = 4 * 2048u64;
+    let (w, c, b) = (
+        row(&whole, "actor_rollout/train").activations,
+        row(&chunked, "actor_rollout/train").activations,
+        row(&both, "actor_rollout/train").activations,
+    );
+    // The LM-head term: 3 f32 copies of the logits of the whole micro-batch, or of one chunk.
+    assert_eq!(w - c, 3 * (tokens - 512) * v * 4);
+    // Checkpointing keeps one [mb, s, h] input per layer instead of ~(34 + 5 a s / h) / 2.
+    assert!(b * 10 < c, "checkpointed {b} vs plain {c}");
+    // The critic has no LM head: chunking does not change it, checkpointing does.
+    assert_eq!(
+        row(&whole, "critic").activations,
+        row(&chunked, "critic").activations
+    );
+    assert!(row(&both, "critic").activations < row(&chunked, "critic").activations);
+    // The reference's forward holds two f32 copies of a chunk's logits.
+    let r = |cfg: &PpoConfig| {
+        cfg.memory_estimate()
+            .into_iter()
+            .find(|r| r.role == RoleKind::Ref)
+            .unwrap()
+            .activations
+    };
+    assert!(r(&chunked) < r(&whole));
+}
