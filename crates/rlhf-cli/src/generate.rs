@@ -99,6 +99,62 @@ pub struct GenerateArgs {
     /// Prompts generated together in one batch.
     #[arg(long, default_value_t = 16, value_name = "N")]
     pub batch_size: usize,
+
+    /// Where to compute: `cpu`, or `cuda:N` (a build with the `cuda` feature).
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    pub device: DeviceArg,
+
+    /// Weights and activations dtype.
+    #[arg(long, value_enum, default_value_t = DtypeArg::F32)]
+    pub dtype: DtypeArg,
+}
+
+/// `--device`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceArg {
+    Cpu,
+    Cuda(usize),
+}
+
+/// `--dtype`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DtypeArg {
+    F32,
+    Bf16,
+    F16,
+}
+
+fn parse_device(s: &str) -> Result<DeviceArg, String> {
+    match s {
+        "cpu" => Ok(DeviceArg::Cpu),
+        "cuda" => Ok(DeviceArg::Cuda(0)),
+        _ => s
+            .strip_prefix("cuda:")
+            .and_then(|n| n.parse().ok())
+            .map(DeviceArg::Cuda)
+            .ok_or_else(|| format!("'{s}' is not a device; use cpu or cuda:N (e.g. cuda:0)")),
+    }
+}
+
+impl DeviceArg {
+    /// Opens the device; a GPU in a build without CUDA is an error naming the rebuild.
+    pub fn open(self) -> anyhow::Result<rlhf_model::Device> {
+        match self {
+            DeviceArg::Cpu => Ok(rlhf_model::Device::Cpu),
+            DeviceArg::Cuda(i) if !cfg!(feature = "cuda") => bail!(
+                "--device cuda:{i}: this rlhf binary was built without the `cuda` feature; \
+                 rebuild it with `cargo build --release -p rlhf-cli --features cuda`"
+            ),
+            DeviceArg::Cuda(i) => rlhf_model::Device::new_cuda(i).map_err(|e| {
+                let e = e.to_string();
+                anyhow!(
+                    "--device cuda:{i}: cannot open the GPU: {}; check the NVIDIA driver with \
+                     nvidia-smi and that GPU {i} exists",
+                    e.lines().next().unwrap_or_default()
+                )
+            }),
+        }
+    }
 }
 
 /// A prompt as read from the command line or a JSONL file.
@@ -340,7 +396,15 @@ pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     }
     let prepared = prepare(&prompts, &tokenizer, args)?;
     check_causal_lm(&args.model)?;
-    let model = Model::load(&args.model, &LoadOptions::inference())?;
+    let dtype = match args.dtype {
+        DtypeArg::F32 => rlhf_model::DType::F32,
+        DtypeArg::Bf16 => rlhf_model::DType::BF16,
+        DtypeArg::F16 => rlhf_model::DType::F16,
+    };
+    let opts = LoadOptions::inference()
+        .with_device(args.device.open()?)
+        .with_dtype(dtype);
+    let model = Model::load(&args.model, &opts)?;
     let cfg = generation_config(&model, &tokenizer, args)?;
 
     let mut first = true;

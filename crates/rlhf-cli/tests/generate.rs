@@ -478,3 +478,39 @@ fn bad_input_fails_with_one_clear_line() {
     let err = failure(&["generate", "--model", dir, "--prompt", "x"]);
     assert!(err.contains("model.safetensors"), "{err}");
 }
+
+/// `--dtype bf16` generates (frozen bf16 weights); `--device cuda:0` in a build without the
+/// `cuda` feature is one clear line naming the rebuild, never a silent CPU run.
+#[test]
+fn dtype_and_device_flags() {
+    let model = model_dir("tiny-llama");
+    let base = [
+        "generate",
+        "--model",
+        model.as_str(),
+        "--prompt",
+        "hello",
+        "--max-new-tokens",
+        "3",
+        "--format",
+        "json",
+    ];
+    let mut args = base.to_vec();
+    args.extend(["--dtype", "bf16"]);
+    let lines = json_lines(&rlhf(&args));
+    assert_eq!(lines.len(), 1);
+    assert_eq!(ids(&lines[0]["completion_token_ids"]).len(), 3, "{}", lines[0]);
+    if !cfg!(feature = "cuda") {
+        let mut args = base.to_vec();
+        args.extend(["--device", "cuda:0"]);
+        let err = failure(&args);
+        assert!(err.contains("without the `cuda` feature"), "{err}");
+        assert!(err.contains("--features cuda"), "{err}");
+    }
+    let mut args = base.to_vec();
+    args.extend(["--device", "tpu:0"]);
+    let out = rlhf(&args);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("use cpu or cuda:N"), "{err}");
+}

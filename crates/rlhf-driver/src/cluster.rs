@@ -172,6 +172,7 @@ pub async fn launch(
                 strategy: pb::PlacementStrategy::Pack as i32,
                 bundles: vec![bundle; n as usize],
                 timeout_ms: opts.start_timeout.as_millis() as u64,
+                cuda_roles: resource == "GPU",
             }),
         )
         .await

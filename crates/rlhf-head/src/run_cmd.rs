@@ -167,6 +167,7 @@ async fn start_embedded(cfg: &PpoConfig, exe: PathBuf) -> Result<Embedded> {
     if resource == "CPU" {
         resources = resources.with("CPU", detected.get("CPU").max(devices_needed(cfg)));
     }
+    let cuda_roles = worker::probe_cuda_roles(&exe).await;
     let wopts = WorkerOptions {
         head_address: head.addr.to_string(),
         resources,
@@ -177,6 +178,7 @@ async fn start_embedded(cfg: &PpoConfig, exe: PathBuf) -> Result<Embedded> {
         actor_exe: exe,
         hostname: "local".into(),
         tls: Default::default(),
+        cuda_roles,
     };
     let worker = tokio::spawn(worker::run(wopts, shutdown.clone()));
     Ok(Embedded {

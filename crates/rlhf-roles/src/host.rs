@@ -44,25 +44,42 @@ pub struct RoleHost {
     pub groups: Groups,
 }
 
-/// Opens the device a spec asks for. A build or machine without it computes on the CPU and
-/// says so (the note reaches the driver's log through InitRole).
-fn open_device(want: DeviceSpec) -> (Device, DeviceSpec, String) {
+/// Opens the device a spec asks for, or refuses: a role placed on a GPU never computes on
+/// the CPU in silence. `label` names the role and rank in the error. The note says which
+/// physical GPU a `cuda:N` is when the worker bound the process to some.
+fn open_device(want: DeviceSpec, label: &str) -> Result<(Device, String)> {
     match want {
-        DeviceSpec::Cpu => (Device::Cpu, DeviceSpec::Cpu, String::new()),
-        DeviceSpec::Cuda { ordinal } => match Device::new_cuda(ordinal as usize) {
-            Ok(d) => (d, want, String::new()),
-            Err(e) => (
-                Device::Cpu,
-                DeviceSpec::Cpu,
-                format!("{want} requested but not available ({e}); computing on the CPU"),
-            ),
-        },
-        DeviceSpec::Npu { .. } => (
-            Device::Cpu,
-            DeviceSpec::Cpu,
-            format!("{want} requested but this build has no NPU backend; computing on the CPU"),
-        ),
+        DeviceSpec::Cpu => Ok((Device::Cpu, String::new())),
+        DeviceSpec::Cuda { ordinal } => open_cuda(ordinal, label),
+        DeviceSpec::Npu { .. } => Err(Error::invalid(format!(
+            "{label}: placed on {want}, but this build has no NPU backend; place the job on GPUs or CPUs (resource_pool.device)"
+        ))),
     }
+}
+
+#[cfg(feature = "cuda")]
+fn open_cuda(ordinal: u32, label: &str) -> Result<(Device, String)> {
+    let visible = std::env::var("CUDA_VISIBLE_DEVICES").unwrap_or_else(|_| "unset".into());
+    match Device::new_cuda(ordinal as usize) {
+        Ok(d) => Ok((
+            d,
+            format!("computing on cuda:{ordinal} (CUDA_VISIBLE_DEVICES={visible})"),
+        )),
+        Err(e) => {
+            let e = e.to_string();
+            let e = e.lines().next().unwrap_or_default();
+            Err(Error::invalid(format!(
+                "{label}: cannot open cuda:{ordinal} (CUDA_VISIBLE_DEVICES={visible}): {e}; check the NVIDIA driver with nvidia-smi on this node and that the GPU index exists"
+            )))
+        }
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+fn open_cuda(ordinal: u32, label: &str) -> Result<(Device, String)> {
+    Err(Error::invalid(format!(
+        "{label}: placed on cuda:{ordinal}, but this rlhf-worker was built without the `cuda` feature and would compute on the CPU; rebuild it with `cargo build --release -p rlhf-worker --features cuda`, or run the job on CPUs with resource_pool.device=CPU"
+    )))
 }
 
 impl RoleHost {
@@ -84,18 +101,25 @@ impl RoleHost {
         labels.join(" + ")
     }
 
-    /// The device engines compute on (opened for `want` by the first engine).
-    pub fn device(&mut self, want: DeviceSpec) -> (Device, DeviceSpec, String) {
+    /// The device engines compute on (opened for `want` by the first engine), with the note
+    /// of opening it; `label` names the engine in errors.
+    pub fn device(&mut self, want: DeviceSpec, label: &str) -> Result<(Device, String)> {
         if let Some((d, actual)) = &self.device {
-            return (d.clone(), *actual, String::new());
+            if *actual != want {
+                return Err(Error::invalid(format!(
+                    "{label} asks for {want}, but this process computes on {actual}"
+                )));
+            }
+            return Ok((d.clone(), String::new()));
         }
-        let (d, actual, note) = open_device(want);
-        self.device = Some((d.clone(), actual));
-        (d, actual, note)
+        let (d, note) = open_device(want, label)?;
+        self.device = Some((d.clone(), want));
+        Ok((d, note))
     }
 
     /// Builds the engine a spec describes on this host's device and adds it. Returns the
-    /// note of the device choice (empty when the spec's device was opened).
+    /// note of opening the device (which GPU; empty on the CPU or when already open). A
+    /// device this build or machine cannot open is an error, never a silent CPU fallback.
     pub fn add(&mut self, spec: RoleSpec) -> Result<String> {
         self.check_new(&spec)?;
         if spec.adapter.is_some() {
@@ -104,7 +128,7 @@ impl RoleHost {
                 spec.slot.label()
             )));
         }
-        let (device, _, note) = self.device(spec.device);
+        let (device, note) = self.device(spec.device, &spec.slot.label())?;
         let engine = match &spec.engine {
             EngineSpec::Trainer { .. } => Engine::Trainer(Box::new(Trainer::new(&spec, &device)?)),
             EngineSpec::Rollout { .. } => Engine::Rollout(Box::new(Rollout::new(&spec, &device)?)),

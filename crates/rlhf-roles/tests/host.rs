@@ -147,3 +147,31 @@ fn empty_batches_and_negative_ids_are_errors() {
         .to_string();
     assert!(e.contains("token id -1"), "{e}");
 }
+
+/// A role placed on a GPU in a build without the `cuda` feature refuses to start, naming the
+/// role, rank, device and the rebuild command, instead of computing on the CPU.
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn a_gpu_placed_role_refuses_to_start_without_the_cuda_feature() {
+    let cfg = config();
+    for (kind, part) in [
+        (RoleKind::ActorRollout, RolePart::Train),
+        (RoleKind::Ref, RolePart::Whole),
+        (RoleKind::Critic, RolePart::Whole),
+    ] {
+        let mut host = RoleHost::new(kind, "127.0.0.1");
+        let mut s = spec(&cfg, kind, part, 1, 2);
+        s.device = rlhf_core::DeviceSpec::Cuda { ordinal: 0 };
+        let err = host.add(s.clone()).unwrap_err().to_string();
+        assert!(err.contains(&s.slot.label()), "{err}");
+        assert!(err.contains("cuda:0"), "{err}");
+        assert!(err.contains("without the `cuda` feature"), "{err}");
+        assert!(err.contains("--features cuda"), "{err}");
+        assert!(!err.contains('\n'), "one line: {err}");
+        assert!(host.engines.is_empty(), "nothing was built");
+    }
+    // The CPU still works in the same process kind.
+    let mut host = RoleHost::new(RoleKind::Ref, "127.0.0.1");
+    host.add(spec(&cfg, RoleKind::Ref, RolePart::Whole, 0, 1))
+        .unwrap();
+}

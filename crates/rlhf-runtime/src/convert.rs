@@ -85,6 +85,7 @@ pub fn node_to_proto(n: &NodeRecord, available: &Resources) -> pb::NodeInfo {
         registered_ms: n.registered_ms,
         death_reason: n.death_reason.clone(),
         death_ms: n.death_ms,
+        cuda_roles: n.cuda_roles,
     }
 }
 

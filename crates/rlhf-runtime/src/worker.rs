@@ -37,6 +37,9 @@ pub struct WorkerOptions {
     pub hostname: String,
     /// This node's TLS identity: its own service and every actor it starts serve with it.
     pub tls: net::ServerTls,
+    /// `actor_exe` can run roles on CUDA GPUs (built with the `cuda` feature); told to the
+    /// head at join, which places no GPU bundle here otherwise.
+    pub cuda_roles: bool,
 }
 
 struct ActorProc {
@@ -356,6 +359,7 @@ impl Agent {
             address: address.to_string(),
             resources: Some(resources.into()),
             live_actors: self.live_actors(),
+            cuda_roles: self.opts.cuda_roles,
         };
         let mut head = self.head.clone();
         let r = tokio::time::timeout(Duration::from_secs(5), head.register_node(req))
@@ -559,5 +563,28 @@ mod tests {
         assert!(exit_reason(None, Some(9), false).contains("OOM"));
         assert_eq!(exit_reason(None, Some(15), false), "killed by SIGTERM");
         assert_eq!(exit_reason(None, Some(15), true), "stopped on request");
+    }
+}
+
+/// Asks an rlhf-worker executable whether its role actors can run on CUDA GPUs (its hidden
+/// `capabilities` subcommand), within 30 s. Any failure answers false, with a warning: the
+/// head then places no GPU role on the node, which is the safe side.
+pub async fn probe_cuda_roles(exe: &std::path::Path) -> bool {
+    let run = tokio::process::Command::new(exe)
+        .arg("capabilities")
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .output();
+    match tokio::time::timeout(Duration::from_secs(30), run).await {
+        Ok(Ok(out)) if out.status.success() => {
+            serde_json::from_slice::<serde_json::Value>(&out.stdout)
+                .ok()
+                .and_then(|v| v["cuda_roles"].as_bool())
+                .unwrap_or(false)
+        }
+        other => {
+            tracing::warn!(exe = %exe.display(), result = ?other.map(|r| r.map(|o| o.status)), "could not ask the worker executable for its capabilities; assuming it cannot run CUDA roles");
+            false
+        }
     }
 }

@@ -83,7 +83,14 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         rest: Vec<String>,
     },
+    /// Internal: print what this build's role actors can run, as JSON (asked by
+    /// `rlhf-head run`, whose embedded worker starts this executable's actors).
+    #[command(hide = true)]
+    Capabilities,
 }
+
+/// Whether this build's actors can compute on CUDA GPUs.
+const CUDA_ROLES: bool = cfg!(feature = "cuda");
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -167,8 +174,21 @@ async fn run(cli: Cli) -> Result<()> {
                     key: tls_key,
                     ca: tls_ca,
                 },
+                cuda_roles: CUDA_ROLES,
             };
+            if CUDA_ROLES {
+                eprintln!("this worker runs CUDA roles (built with the `cuda` feature)");
+            } else {
+                eprintln!(
+                    "this worker runs roles on the CPU only (built without the `cuda` feature); \
+                     GPU roles are placed elsewhere"
+                );
+            }
             worker::run(opts, shutdown).await
+        }
+        Cmd::Capabilities => {
+            println!("{}", serde_json::json!({ "cuda_roles": CUDA_ROLES }));
+            Ok(())
         }
         Cmd::Actor {
             actor_id,

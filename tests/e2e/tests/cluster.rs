@@ -51,6 +51,7 @@ fn pg_req(
         strategy: strategy as i32,
         bundles: gpu_bundles(n, gpus),
         timeout_ms,
+        cuda_roles: false,
     }
 }
 

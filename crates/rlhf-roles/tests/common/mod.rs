@@ -20,6 +20,7 @@ pub const R: usize = 5;
 /// sign(g) * lr for a small eps, which would hide how the gradients were combined.
 pub fn config() -> PpoConfig {
     let mut cfg = PpoConfig::default();
+    cfg.resource_pool.device = rlhf_config::DeviceKind::Cpu;
     let model = fixture("tiny-llama").display().to_string();
     cfg.actor_rollout.model = model.clone();
     cfg.ref_.model = model.clone();

@@ -278,10 +278,11 @@ impl HeadService for Head {
             r.hostname.clone(),
             r.address.clone(),
             resources.clone(),
+            r.cuda_roles,
             live,
             now,
         )?;
-        tracing::info!(node = %id, host = %r.hostname, address = %r.address, peer = ?peer, resources = %resources.display(), "node registered");
+        tracing::info!(node = %id, host = %r.hostname, address = %r.address, peer = ?peer, resources = %resources.display(), cuda_roles = r.cuda_roles, "node registered");
         Ok(Response::new(pb::RegisterNodeResponse {
             node_id: id,
             heartbeat_interval_ms: self.0.opts.heartbeat_interval.as_millis() as u64,
@@ -343,7 +344,9 @@ impl HeadService for Head {
         )?;
         let deadline = tokio::time::Instant::now() + wait;
         loop {
-            let res = self.lock().create_pg(&r.name, strategy, bundles.clone());
+            let res = self
+                .lock()
+                .create_pg_for(&r.name, strategy, bundles.clone(), r.cuda_roles);
             match res {
                 Ok(pg) => {
                     tracing::info!(pg = %pg.pg_id, name = %pg.name, nodes = ?pg.bundle_nodes, "placement group created");

@@ -10,6 +10,9 @@ use serde::{Deserialize, Serialize};
 use super::store::{self, Store};
 use crate::placement::{self, NodeCapacity, Strategy};
 
+/// The resource CUDA roles are placed on.
+const GPU: &str = "GPU";
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum NodeState {
     Alive,
@@ -28,6 +31,9 @@ pub struct NodeRecord {
     pub registered_ms: i64,
     pub death_reason: String,
     pub death_ms: i64,
+    /// The node's worker can run roles on CUDA GPUs (`RegisterNodeRequest.cuda_roles`).
+    #[serde(default)]
+    pub cuda_roles: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -184,14 +190,27 @@ impl HeadState {
         avail
     }
 
-    fn capacities(&self) -> Vec<NodeCapacity> {
+    /// What placement may use on each alive node. For CUDA roles, the GPUs of a node whose
+    /// worker cannot run them are left out, and its label says why (placement errors show it).
+    fn capacities(&self, cuda_roles: bool) -> Vec<NodeCapacity> {
         self.nodes
             .values()
             .filter(|n| n.state == NodeState::Alive)
-            .map(|n| NodeCapacity {
-                node_id: n.node_id.clone(),
-                label: format!("{} {}", n.hostname, n.address),
-                available: self.available(&n.node_id),
+            .map(|n| {
+                let mut available = self.available(&n.node_id);
+                let mut label = format!("{} {}", n.hostname, n.address);
+                let gpus = available.get(GPU);
+                if cuda_roles && !n.cuda_roles && gpus > 0.0 {
+                    available.0.remove(GPU);
+                    label.push_str(&format!(
+                        "; its {gpus} GPU(s) are not placeable: its rlhf-worker cannot run CUDA roles (built without the `cuda` feature: rebuild with `cargo build --release -p rlhf-worker --features cuda` and join again)"
+                    ));
+                }
+                NodeCapacity {
+                    node_id: n.node_id.clone(),
+                    label,
+                    available,
+                }
             })
             .collect()
     }
@@ -204,6 +223,7 @@ impl HeadState {
         hostname: String,
         address: String,
         total: Resources,
+        cuda_roles: bool,
         live: Vec<LiveActor>,
         now_ms: i64,
     ) -> Result<String> {
@@ -220,6 +240,7 @@ impl HeadState {
             registered_ms: now_ms,
             death_reason: String::new(),
             death_ms: 0,
+            cuda_roles,
         };
         self.nodes.insert(id.clone(), rec);
         self.save_node(&id)?;
@@ -327,7 +348,18 @@ impl HeadState {
         strategy: Strategy,
         bundles: Vec<Resources>,
     ) -> Result<PgRecord> {
-        let caps = self.capacities();
+        self.create_pg_for(name, strategy, bundles, false)
+    }
+
+    /// As [`HeadState::create_pg`]; with `cuda_roles`, GPUs only on nodes that run CUDA roles.
+    pub fn create_pg_for(
+        &mut self,
+        name: &str,
+        strategy: Strategy,
+        bundles: Vec<Resources>,
+        cuda_roles: bool,
+    ) -> Result<PgRecord> {
+        let caps = self.capacities(cuda_roles);
         let chosen = placement::place(&caps, &bundles, strategy)?;
         let rec = PgRecord {
             pg_id: short_id("pg-"),
@@ -355,7 +387,7 @@ impl HeadState {
     /// An actor in a bundle without resources of its own takes the whole bundle.
     pub fn reserve_actor(&mut self, mut spec: ActorSpec) -> Result<ActorRecord> {
         let node_id = if spec.pg_id.is_empty() {
-            let caps = self.capacities();
+            let caps = self.capacities(false);
             let i =
                 placement::place(&caps, std::slice::from_ref(&spec.resources), Strategy::Pack)?[0];
             caps[i].node_id.clone()
@@ -470,6 +502,7 @@ mod tests {
             "h".into(),
             "127.0.0.1:1".into(),
             Resources::new().with("GPU", gpus).with("CPU", 4.0),
+            true,
             vec![],
             now,
         )
@@ -515,6 +548,7 @@ mod tests {
                 "h".into(),
                 "127.0.0.1:1".into(),
                 Resources::new().with("GPU", 2.0),
+                true,
                 vec![],
                 9_300,
             )
@@ -627,6 +661,7 @@ mod tests {
             "h".into(),
             "x".into(),
             Resources::new().with("GPU", 2.0),
+            true,
             live,
             51_000,
         )
@@ -635,5 +670,45 @@ mod tests {
         assert_eq!(s.actors[&kept].address, "a:9");
         assert_eq!(s.actors[&lost].state, ActorState::Dead);
         assert!(s.actors[&lost].reason.contains("not running"));
+    }
+
+    #[test]
+    fn gpus_of_a_worker_without_cuda_roles_are_not_placed_and_the_error_says_why() {
+        let mut s = HeadState::in_memory();
+        let cpu_only = s
+            .register(
+                None,
+                "laptop".into(),
+                "127.0.0.1:2".into(),
+                Resources::new().with("GPU", 4.0).with("CPU", 4.0),
+                false,
+                vec![],
+                1,
+            )
+            .unwrap();
+        let gpu = Resources::new().with("GPU", 1.0);
+        let err = s
+            .create_pg_for("job", Strategy::Pack, vec![gpu.clone()], true)
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains(cpu_only.as_str()), "{err}");
+        assert!(err.contains("cannot run CUDA roles"), "{err}");
+        assert!(err.contains("--features cuda"), "{err}");
+        // CPU bundles still land there.
+        s.create_pg(
+            "cpu",
+            Strategy::Pack,
+            vec![Resources::new().with("CPU", 1.0)],
+        )
+        .unwrap();
+        // A worker that can run CUDA roles takes the GPU bundle.
+        let cuda = gpu_node(&mut s, 1.0, 2);
+        let pg = s
+            .create_pg_for("job2", Strategy::Pack, vec![gpu.clone()], true)
+            .unwrap();
+        assert_eq!(pg.bundle_nodes, vec![cuda]);
+        // A plain group (not CUDA roles) may use any node's GPUs.
+        let pg = s.create_pg("plain", Strategy::Pack, vec![gpu]).unwrap();
+        assert_eq!(pg.bundle_nodes, vec![cpu_only]);
     }
 }
