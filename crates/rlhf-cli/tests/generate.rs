@@ -499,7 +499,12 @@ fn dtype_and_device_flags() {
     args.extend(["--dtype", "bf16"]);
     let lines = json_lines(&rlhf(&args));
     assert_eq!(lines.len(), 1);
-    assert_eq!(ids(&lines[0]["completion_token_ids"]).len(), 3, "{}", lines[0]);
+    assert_eq!(
+        ids(&lines[0]["completion_token_ids"]).len(),
+        3,
+        "{}",
+        lines[0]
+    );
     if !cfg!(feature = "cuda") {
         let mut args = base.to_vec();
         args.extend(["--device", "cuda:0"]);

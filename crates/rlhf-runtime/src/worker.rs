@@ -553,19 +553,6 @@ async fn heartbeat_loop(
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn exit_reasons_are_specific() {
-        assert_eq!(exit_reason(Some(3), None, false), "exited with code 3");
-        assert!(exit_reason(None, Some(9), false).contains("OOM"));
-        assert_eq!(exit_reason(None, Some(15), false), "killed by SIGTERM");
-        assert_eq!(exit_reason(None, Some(15), true), "stopped on request");
-    }
-}
-
 /// Asks an rlhf-worker executable whether its role actors can run on CUDA GPUs (its hidden
 /// `capabilities` subcommand), within 30 s. Any failure answers false, with a warning: the
 /// head then places no GPU role on the node, which is the safe side.
@@ -586,5 +573,18 @@ pub async fn probe_cuda_roles(exe: &std::path::Path) -> bool {
             tracing::warn!(exe = %exe.display(), result = ?other.map(|r| r.map(|o| o.status)), "could not ask the worker executable for its capabilities; assuming it cannot run CUDA roles");
             false
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exit_reasons_are_specific() {
+        assert_eq!(exit_reason(Some(3), None, false), "exited with code 3");
+        assert!(exit_reason(None, Some(9), false).contains("OOM"));
+        assert_eq!(exit_reason(None, Some(15), false), "killed by SIGTERM");
+        assert_eq!(exit_reason(None, Some(15), true), "stopped on request");
     }
 }

@@ -25,7 +25,7 @@ use crate::auth::CheckToken;
 use crate::clock::Clock;
 use crate::convert;
 use crate::net::{self, AuthChannel, ClientOptions, ServerTls};
-use state::{ActorExit, HeadState, LiveActor};
+use state::{ActorExit, HeadState, LiveActor, NewNode};
 use store::Store;
 
 /// How long KillActor waits for the worker to stop the process.
@@ -273,15 +273,15 @@ impl HeadService for Head {
             })
             .collect();
         let now = self.0.clock.now_ms();
-        let id = self.lock().register(
-            Some(r.node_id.clone()),
-            r.hostname.clone(),
-            r.address.clone(),
-            resources.clone(),
-            r.cuda_roles,
-            live,
-            now,
-        )?;
+        let node = NewNode {
+            hostname: r.hostname.clone(),
+            address: r.address.clone(),
+            total: resources.clone(),
+            cuda_roles: r.cuda_roles,
+        };
+        let id = self
+            .lock()
+            .register(Some(r.node_id.clone()), node, live, now)?;
         tracing::info!(node = %id, host = %r.hostname, address = %r.address, peer = ?peer, resources = %resources.display(), cuda_roles = r.cuda_roles, "node registered");
         Ok(Response::new(pb::RegisterNodeResponse {
             node_id: id,

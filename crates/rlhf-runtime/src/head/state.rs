@@ -10,6 +10,16 @@ use serde::{Deserialize, Serialize};
 use super::store::{self, Store};
 use crate::placement::{self, NodeCapacity, Strategy};
 
+/// What a node says of itself when it registers.
+#[derive(Debug, Clone)]
+pub struct NewNode {
+    pub hostname: String,
+    pub address: String,
+    pub total: Resources,
+    /// Its worker runs CUDA roles (`RegisterNodeRequest.cuda_roles`).
+    pub cuda_roles: bool,
+}
+
 /// The resource CUDA roles are placed on.
 const GPU: &str = "GPU";
 
@@ -220,13 +230,16 @@ impl HeadState {
     pub fn register(
         &mut self,
         node_id: Option<String>,
-        hostname: String,
-        address: String,
-        total: Resources,
-        cuda_roles: bool,
+        node: NewNode,
         live: Vec<LiveActor>,
         now_ms: i64,
     ) -> Result<String> {
+        let NewNode {
+            hostname,
+            address,
+            total,
+            cuda_roles,
+        } = node;
         let id = node_id
             .filter(|s| !s.is_empty())
             .unwrap_or_else(|| short_id("node-"));
@@ -499,10 +512,12 @@ mod tests {
     fn gpu_node(s: &mut HeadState, gpus: f64, now: i64) -> String {
         s.register(
             None,
-            "h".into(),
-            "127.0.0.1:1".into(),
-            Resources::new().with("GPU", gpus).with("CPU", 4.0),
-            true,
+            NewNode {
+                hostname: "h".into(),
+                address: "127.0.0.1:1".into(),
+                total: Resources::new().with("GPU", gpus).with("CPU", 4.0),
+                cuda_roles: true,
+            },
             vec![],
             now,
         )
@@ -545,10 +560,12 @@ mod tests {
         let again = s
             .register(
                 Some(a.clone()),
-                "h".into(),
-                "127.0.0.1:1".into(),
-                Resources::new().with("GPU", 2.0),
-                true,
+                NewNode {
+                    hostname: "h".into(),
+                    address: "127.0.0.1:1".into(),
+                    total: Resources::new().with("GPU", 2.0),
+                    cuda_roles: true,
+                },
                 vec![],
                 9_300,
             )
@@ -658,10 +675,12 @@ mod tests {
         }];
         s.register(
             Some(node.clone()),
-            "h".into(),
-            "x".into(),
-            Resources::new().with("GPU", 2.0),
-            true,
+            NewNode {
+                hostname: "h".into(),
+                address: "x".into(),
+                total: Resources::new().with("GPU", 2.0),
+                cuda_roles: true,
+            },
             live,
             51_000,
         )
@@ -678,10 +697,12 @@ mod tests {
         let cpu_only = s
             .register(
                 None,
-                "laptop".into(),
-                "127.0.0.1:2".into(),
-                Resources::new().with("GPU", 4.0).with("CPU", 4.0),
-                false,
+                NewNode {
+                    hostname: "laptop".into(),
+                    address: "127.0.0.1:2".into(),
+                    total: Resources::new().with("GPU", 4.0).with("CPU", 4.0),
+                    cuda_roles: false,
+                },
                 vec![],
                 1,
             )
