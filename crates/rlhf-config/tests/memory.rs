@@ -100,3 +100,20 @@ fn chunking_and_checkpointing_lower_the_activation_estimate() {
     };
     assert!(r(&chunked) < r(&whole));
 }
+
+#[test]
+fn the_half_billion_config_fits_its_gpus_in_bf16() {
+    let q = load(&configs(), "ppo_qwen25_05b", &[]).unwrap();
+    let m = &q.models["qwen25_05b"];
+    // Qwen2.5-0.5B: 494,032,768 parameters (q/k/v bias, tied head).
+    assert_eq!(m.lm_params(), 494_032_768);
+    assert!(q.training.bf16);
+    assert_eq!(q.resource_pool.device, rlhf_config::DeviceKind::Gpu);
+    assert!(q.memory_warnings().is_empty(), "{:?}", q.memory_warnings());
+    let train = row(&q, "actor_rollout/train");
+    // 18 bytes per parameter: f32 master + bf16 copy + f32 gradient + two f32 moments.
+    assert_eq!(
+        train.weights + train.gradients + train.optimizer,
+        18 * train.params
+    );
+}

@@ -1,16 +1,30 @@
-//! CPU benchmark of rlhf-model on a random Llama: batched greedy generation (tokens/s at each
-//! batch size) and one training step (forward + backward + AdamW). Prints one JSON line per
-//! measurement; scripts/model_bench.sh runs the same work in PyTorch and prints the ratios.
+//! Benchmark of rlhf-model on a random Llama or Qwen2: batched greedy generation (tokens/s at
+//! each batch size), forward log-probs without gradients (tokens/s) and one training step
+//! (forward + backward + AdamW). Prints one JSON line per measurement;
+//! scripts/model_bench.sh runs the same work in PyTorch (scripts/model_bench.py, same flags)
+//! and prints the ratios, on the CPU by default or on a GPU (`--device cuda:0`, a build with
+//! `--features cuda`; scripts/gpu_bench.sh).
 //!
 //! `cargo run --release -p rlhf-model --example model_bench -- --hidden 512 --layers 6 ...`
+//!
+//! Flags beyond the sizes: `--device cpu|cuda:N` (default cpu), `--dtype f32|bf16` (bf16: the
+//! trained model keeps f32 master weights and computes in bf16, the generating model holds
+//! bf16 weights), `--family llama|qwen2` (qwen2: q/k/v biases, Qwen2's rms_norm_eps 1e-6),
+//! `--tie` (tied embeddings). On a GPU every timed region ends with a read of a result back
+//! to the host, which waits for the queued kernels.
 
 use std::time::Instant;
 
 use rand::{Rng, SeedableRng};
 use rlhf_model::{
-    generate, AdamW, AdamWConfig, Batch, Config, Device, GenerationConfig, Gradients, LoadOptions,
-    Model, ModelKind, Tensor,
+    generate, AdamW, AdamWConfig, Batch, Config, DType, Device, Family, GenerationConfig,
+    Gradients, LoadOptions, Model, ModelKind, Tensor,
 };
+
+const USAGE: &str = "usage: model_bench [--hidden N] [--layers N] [--heads N] [--kv-heads N] \
+[--intermediate N] [--vocab N] [--prompt-len N] [--new-tokens N] [--train-batch N] \
+[--train-seq N] [--batches N,N,..] [--repeats N] [--threads N] [--device cpu|cuda:N] \
+[--dtype f32|bf16] [--family llama|qwen2] [--tie]";
 
 struct Args {
     hidden: usize,
@@ -25,6 +39,10 @@ struct Args {
     train_seq: usize,
     batches: Vec<usize>,
     repeats: usize,
+    device: String,
+    bf16: bool,
+    family: Family,
+    tie: bool,
 }
 
 fn parse() -> Result<Args, String> {
@@ -41,20 +59,51 @@ fn parse() -> Result<Args, String> {
         train_seq: 128,
         batches: vec![1, 16],
         repeats: 3,
+        device: "cpu".to_string(),
+        bf16: false,
+        family: Family::Llama,
+        tie: false,
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
     while i < argv.len() {
-        let flag = argv[i].as_str();
-        let value = argv
-            .get(i + 1)
-            .ok_or_else(|| format!("{flag} needs a value"))?;
+        // `--flag value` or `--flag=value`, as argparse takes them on the PyTorch side.
+        let (flag, inline) = match argv[i].split_once('=') {
+            Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
+            _ => (argv[i].clone(), None),
+        };
+        i += 1;
+        match flag.as_str() {
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
+            "--tie" => {
+                if inline.is_some() {
+                    return Err("--tie takes no value".to_string());
+                }
+                a.tie = true;
+                continue;
+            }
+            _ => {}
+        }
+        let value = match inline {
+            Some(v) => v,
+            None => {
+                let v = argv
+                    .get(i)
+                    .cloned()
+                    .ok_or_else(|| format!("{flag} needs a value"))?;
+                i += 1;
+                v
+            }
+        };
         let num = || -> Result<usize, String> {
             value
                 .parse::<usize>()
                 .map_err(|_| format!("{flag} expects a non-negative integer, got {value:?}"))
         };
-        match flag {
+        match flag.as_str() {
             "--hidden" => a.hidden = num()?,
             "--layers" => a.layers = num()?,
             "--heads" => a.heads = num()?,
@@ -77,14 +126,71 @@ fn parse() -> Result<Args, String> {
                     .map(|s| s.parse().map_err(|_| format!("bad --batches entry {s:?}")))
                     .collect::<Result<_, _>>()?
             }
-            other => return Err(format!("unknown flag {other}")),
+            "--device" => a.device = value.clone(),
+            "--dtype" => {
+                a.bf16 = match value.as_str() {
+                    "f32" => false,
+                    "bf16" => true,
+                    other => return Err(format!("--dtype expects f32 or bf16, got {other:?}")),
+                }
+            }
+            "--family" => {
+                a.family = match value.as_str() {
+                    "llama" => Family::Llama,
+                    "qwen2" => Family::Qwen2,
+                    other => return Err(format!("--family expects llama or qwen2, got {other:?}")),
+                }
+            }
+            other => return Err(format!("unknown flag {other}\n{USAGE}")),
         }
-        i += 2;
+    }
+    if a.vocab < 3 {
+        return Err(format!(
+            "--vocab must be at least 3 (ids 0 and 1 are pad and eos), got {}",
+            a.vocab
+        ));
+    }
+    if a.train_seq < 2 {
+        return Err(format!(
+            "--train-seq must be at least 2 (log-probs score tokens 1..T), got {}",
+            a.train_seq
+        ));
     }
     Ok(a)
 }
 
-/// Median wall time of `repeats` runs after one warm-up run.
+/// `cpu`, `cuda` or `cuda:N`; a clear message when the GPU cannot be opened.
+fn open_device(spec: &str) -> Result<Device, String> {
+    if spec == "cpu" {
+        return Ok(Device::Cpu);
+    }
+    let bad = || format!("--device expects cpu or cuda:N, got {spec:?}");
+    let ordinal = match spec.strip_prefix("cuda") {
+        Some("") => 0,
+        Some(rest) => rest
+            .strip_prefix(':')
+            .and_then(|n| n.parse::<usize>().ok())
+            .ok_or_else(bad)?,
+        None => return Err(bad()),
+    };
+    Device::new_cuda(ordinal).map_err(|e| {
+        if cfg!(feature = "cuda") {
+            format!(
+                "cannot open {spec}: {e}; is there an NVIDIA driver and a GPU {ordinal} on this \
+                 machine (nvidia-smi)?"
+            )
+        } else {
+            format!(
+                "cannot open {spec}: {e}; this model_bench was built without CUDA: rebuild with \
+                 --features cuda (cargo build --release -p rlhf-model --features cuda --example \
+                 model_bench)"
+            )
+        }
+    })
+}
+
+/// Median wall time of `repeats` runs after one warm-up run. Each run must end by reading a
+/// result back to the host, so that on a GPU its kernels are done when the clock stops.
 fn median_secs(
     repeats: usize,
     mut f: impl FnMut() -> rlhf_model::Result<()>,
@@ -108,13 +214,37 @@ fn main() {
             std::process::exit(2);
         }
     };
-    if let Err(e) = run(&args) {
+    let dev = match open_device(&args.device) {
+        Ok(d) => d,
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(2);
+        }
+    };
+    if let Err(e) = run(&args, &dev) {
         eprintln!("error: {e}");
         std::process::exit(1);
     }
 }
 
-fn run(args: &Args) -> rlhf_model::Result<()> {
+/// A `[batch, seq]` batch of random ids from 2 up (never pad or eos), no padding.
+fn random_batch(
+    batch: usize,
+    seq: usize,
+    vocab: usize,
+    seed: u64,
+    dev: &Device,
+) -> rlhf_model::Result<Batch> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let ids: Vec<u32> = (0..batch * seq)
+        .map(|_| rng.random_range(2..vocab as u32))
+        .collect();
+    let ids = Tensor::from_vec(ids, (batch, seq), dev)?;
+    let mask = Tensor::ones((batch, seq), DType::U32, dev)?;
+    Batch::from_mask(ids, mask)
+}
+
+fn run(args: &Args, dev: &Device) -> rlhf_model::Result<()> {
     let cfg = Config::tiny_llama(
         args.vocab,
         args.hidden,
@@ -123,16 +253,38 @@ fn run(args: &Args) -> rlhf_model::Result<()> {
         args.heads,
         args.kv_heads,
         (args.prompt_len + args.new_tokens).max(args.train_seq),
-    )?
-    .with_key("rms_norm_eps", serde_json::json!(1e-5))?;
-    let dev = Device::Cpu;
+    )?;
+    // Llama keeps the 1e-5 of the original CPU bench; Qwen2 its own default, 1e-6 (which is
+    // what tiny_llama writes).
+    let cfg = match args.family {
+        Family::Llama => cfg.with_key("rms_norm_eps", serde_json::json!(1e-5))?,
+        Family::Qwen2 => cfg.with_family(Family::Qwen2)?,
+    };
+    let cfg = if args.tie {
+        cfg.with_key("tie_word_embeddings", serde_json::json!(true))?
+    } else {
+        cfg
+    };
+    let where_ = if dev.is_cpu() {
+        format!("cpu, {} threads", rayon_threads())
+    } else {
+        args.device.clone()
+    };
     eprintln!(
-        "rlhf-model (candle), {} threads, {:.1}M parameters",
-        rayon_threads(),
+        "rlhf-model (candle), {where_}, {}, {} {}, {:.1}M parameters",
+        if args.bf16 { "bf16" } else { "f32" },
+        args.family.model_type(),
+        if args.tie { "tied" } else { "untied" },
         cfg.num_params() as f64 / 1e6
     );
 
-    let model = Model::random(&cfg, &LoadOptions::inference())?;
+    // Generation and log-probs: a frozen model, bf16 weights under --dtype bf16.
+    let model = Model::random(
+        &cfg,
+        &LoadOptions::inference()
+            .with_device(dev.clone())
+            .with_bf16(args.bf16),
+    )?;
     for &b in &args.batches {
         let mut rng = rand::rngs::StdRng::seed_from_u64(b as u64);
         let prompts: Vec<Vec<u32>> = (0..b)
@@ -150,6 +302,7 @@ fn run(args: &Args) -> rlhf_model::Result<()> {
             pad_token_id: Some(0),
             ..GenerationConfig::default()
         };
+        // Every decoding step reads its logits back to the host: the run ends synchronised.
         let secs = median_secs(args.repeats, || {
             let out = generate(&model, &prompts, &gcfg)?;
             if out
@@ -166,9 +319,34 @@ fn run(args: &Args) -> rlhf_model::Result<()> {
         let tps = (b * args.new_tokens) as f64 / secs;
         println!("{{\"bench\":\"generate\",\"batch\":{b},\"tokens_per_s\":{tps}}}");
     }
+
+    // Log-probs of train-batch x train-seq tokens without gradients (reference / old-policy
+    // log-probs in PPO), full-vocabulary log-softmax at temperature 1.
+    let lp_batch = random_batch(args.train_batch, args.train_seq, args.vocab, 11, dev)?;
+    let secs = median_secs(args.repeats, || {
+        let s = model
+            .token_log_probs(&lp_batch, 1.0)?
+            .sum_all()?
+            .to_dtype(DType::F32)?
+            .to_scalar::<f32>()?;
+        if !s.is_finite() {
+            return Err(rlhf_model::Error::InvalidArgument(format!(
+                "log-probs sum to {s}"
+            )));
+        }
+        Ok(())
+    })?;
+    let tps = (args.train_batch * args.train_seq) as f64 / secs;
+    println!("{{\"bench\":\"log_probs\",\"tokens_per_s\":{tps}}}");
     drop(model);
 
-    let model = Model::random(&cfg, &LoadOptions::training(ModelKind::CausalLm))?;
+    // Training: f32 master weights, bf16 compute under --dtype bf16.
+    let model = Model::random(
+        &cfg,
+        &LoadOptions::training(ModelKind::CausalLm)
+            .with_device(dev.clone())
+            .with_bf16(args.bf16),
+    )?;
     let vars = model.vars();
     let mut opt = AdamW::new(
         vars.clone(),
@@ -179,30 +357,27 @@ fn run(args: &Args) -> rlhf_model::Result<()> {
             ..AdamWConfig::default()
         },
     )?;
-    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
-    let n = args.train_batch * args.train_seq;
-    let ids: Vec<u32> = (0..n)
-        .map(|_| rng.random_range(2..args.vocab as u32))
-        .collect();
-    let ids = Tensor::from_vec(ids, (args.train_batch, args.train_seq), &dev)?;
-    let mask = Tensor::ones(
-        (args.train_batch, args.train_seq),
-        rlhf_model::DType::U32,
-        &dev,
-    )?;
-    let batch = Batch::from_mask(ids, mask)?;
-    // MODEL_BENCH_PROFILE=1 prints the phases of each training step to stderr.
+    let batch = random_batch(args.train_batch, args.train_seq, args.vocab, 7, dev)?;
+    // MODEL_BENCH_PROFILE=1 prints the phases of each training step to stderr (on a GPU each
+    // phase is waited for, which costs a little).
     let profile = std::env::var_os("MODEL_BENCH_PROFILE").is_some();
     let secs = median_secs(args.repeats, || {
         // Mean next-token cross-entropy, as transformers' `labels=input_ids` loss.
         let t0 = Instant::now();
         let lp = model.token_log_probs(&batch, 1.0)?;
         let loss = lp.mean_all()?.neg()?;
+        if profile {
+            dev.synchronize()?;
+        }
         let t1 = Instant::now();
         let grads = Gradients::backward(&loss, &vars)?;
+        if profile {
+            dev.synchronize()?;
+        }
         let t2 = Instant::now();
         opt.step(&grads)?;
         if profile {
+            dev.synchronize()?;
             eprintln!(
                 "forward {:.3}s backward {:.3}s adamw {:.3}s",
                 (t1 - t0).as_secs_f64(),
@@ -210,13 +385,17 @@ fn run(args: &Args) -> rlhf_model::Result<()> {
                 t2.elapsed().as_secs_f64()
             );
         }
-        let l = loss.to_scalar::<f32>()?;
+        // Read back after the optimizer step was queued: on a GPU this waits for the whole
+        // step (one stream, in order); the synchronize makes that explicit.
+        let l = loss.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+        dev.synchronize()?;
         if !l.is_finite() {
             return Err(rlhf_model::Error::Gradient(format!("loss is {l}")));
         }
         Ok(())
     })?;
-    println!("{{\"bench\":\"train_step\",\"seconds\":{secs}}}");
+    let tps = (args.train_batch * args.train_seq) as f64 / secs;
+    println!("{{\"bench\":\"train_step\",\"seconds\":{secs},\"tokens_per_s\":{tps}}}");
     Ok(())
 }
 

@@ -3,13 +3,14 @@
 //!
 //! With Qwen2.5's vocabulary (151,936) a batch of 8 x 512 tokens has 2.5 GB of f32 logits, and
 //! a plain backward holds them, their log-softmax and their gradient together. Here the
-//! forward computes `chunk` rows of logits at a time and keeps only the per-token results; the
-//! backward (see [`crate::replay`]) recomputes each chunk's logits, differentiates the
-//! log-prob and entropy of that chunk with the same ops as the unchunked path, and turns the
-//! logits' gradient into the hidden states' and the head weight's gradients with two matmuls.
-//! The cost is one more matmul per chunk; the result equals the unchunked one row for row.
+//! forward computes `chunk` rows of logits at a time with the same ops as the unchunked path
+//! and keeps only the per-token results (log-prob, entropy, log-sum-exp); the backward (see
+//! [`crate::replay`]) recomputes the logits tile by tile (tokens x vocabulary), turns each tile
+//! into its gradient in closed form and sends it into the hidden states' and the head
+//! weight's gradients with two matmuls. The cost is one more `h W^T` product in all; the
+//! results equal the unchunked ones to f32 rounding.
 
-use candle_core::{DType, Tensor, Var};
+use candle_core::{DType, Tensor};
 
 use crate::error::Result;
 use crate::ops;
@@ -23,10 +24,8 @@ pub(crate) struct HeadOpts {
     pub chunk: usize,
     /// This crate's fused CPU kernels may be used for the log-softmax.
     pub fused: bool,
-}
-
-fn candle_err(e: crate::Error) -> candle_core::Error {
-    candle_core::Error::Msg(e.to_string())
+    /// Vocabulary columns per backward tile ([`VOCAB_TILE`] outside tests).
+    pub vocab_tile: usize,
 }
 
 /// Results leave in f32 (f64 for f64 activations, for precision tests).
@@ -54,10 +53,14 @@ pub(crate) fn log_probs_entropy(
 ) -> Result<(Tensor, Option<Tensor>)> {
     let n = h.dim(0)?;
     let targets = targets.to_dtype(DType::U32)?.contiguous()?;
-    let out = forward(h, w, &targets, o)?;
-    let bwd_targets = targets.clone();
+    let (out, lse) = forward(h, w, &targets, o)?;
+    let saved = Saved {
+        targets,
+        lse,
+        entropy: out.narrow(1, 1, 1)?.squeeze(1)?.contiguous()?,
+    };
     let out = crate::replay::attach2("chunked-lm-head", h, w, &out, move |h, w, g| {
-        backward(h, w, &bwd_targets, g, o)
+        backward(h, w, &saved, g, o)
     })?;
     let lp = out.narrow(1, 0, 1)?.reshape(n)?;
     let ent = if o.with_entropy {
@@ -68,12 +71,24 @@ pub(crate) fn log_probs_entropy(
     Ok((lp, ent))
 }
 
-/// `[N, 2]`: log-prob and entropy (zeros when not asked) per token, with no graph.
-fn forward(h: &Tensor, w: &Tensor, targets: &Tensor, o: HeadOpts) -> Result<Tensor> {
+/// What the backward needs besides the inputs: per token, its target, the log-sum-exp of its
+/// scaled logits and its entropy (`[N]` each, a few bytes per token).
+struct Saved {
+    targets: Tensor,
+    lse: Tensor,
+    entropy: Tensor,
+}
+
+/// `[N, 2]` (log-prob, entropy or zeros) and the log-sum-exp `[N]` per token, with no graph.
+/// The log-prob and entropy come from the same ops as the unchunked path; the log-sum-exp is
+/// recovered exactly from them as `s * z[target] - log_prob`.
+fn forward(h: &Tensor, w: &Tensor, targets: &Tensor, o: HeadOpts) -> Result<(Tensor, Tensor)> {
     let h = h.detach();
     let w = w.detach().to_dtype(h.dtype())?;
     let wt = w.t()?;
+    let scale = 1.0 / o.temperature;
     let mut rows = Vec::new();
+    let mut lses = Vec::new();
     for (s, len) in spans(h.dim(0)?, o.chunk) {
         let logits = h.narrow(0, s, len)?.matmul(&wt)?.to_dtype(out_dtype(&h))?;
         let t = targets.narrow(0, s, len)?;
@@ -83,65 +98,101 @@ fn forward(h: &Tensor, w: &Tensor, targets: &Tensor, o: HeadOpts) -> Result<Tens
         } else {
             lp.zeros_like()?
         };
+        let zt = logits.gather(&t.unsqueeze(1)?, 1)?.squeeze(1)?;
+        lses.push(((zt * scale)? - &lp)?);
         rows.push(Tensor::stack(&[&lp, &ent], 1)?);
     }
-    Ok(Tensor::cat(&rows, 0)?)
+    Ok((Tensor::cat(&rows, 0)?, Tensor::cat(&lses, 0)?))
 }
 
+/// Columns of the vocabulary per backward tile: with 512-token chunks, a 32 MiB f32 tile.
+pub(crate) const VOCAB_TILE: usize = 16_384;
+
 /// Gradients of `h` and `w` given the gradient `g` `[N, 2]` of the forward's result.
+///
+/// The logits' gradient of token `n` at vocabulary entry `v`, with `z = s * h W^T` (`s` =
+/// 1/temperature), `p = exp(z - lse)` and `H` the entropy, is
+/// `s * (g_lp * (1[v = t_n] - p) - g_ent * p * (z - lse + H))`: every tile of tokens x
+/// vocabulary can be computed on its own from the saved `lse` and `H`. So the backward walks
+/// vocabulary tiles, and in each one token chunks: a tile's logits are recomputed, turned into
+/// their gradient, and leave through two matmuls into `dh` (summed over tiles) and the tile's
+/// rows of `dW` (summed over chunks, then written in place). No `[N, V]` tensor and no
+/// second `[V, H]` buffer.
 fn backward(
     h: &Tensor,
     w: &Tensor,
-    targets: &Tensor,
+    saved: &Saved,
     g: &Tensor,
     o: HeadOpts,
 ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
     let h = h.detach();
     let g = g.detach();
+    let dev = h.device().clone();
+    let f = out_dtype(&h);
+    let scale = 1.0 / o.temperature;
     let wc = w.detach().to_dtype(h.dtype())?;
-    let wt = wc.t()?;
-    let mut dh = Vec::new();
-    // The head weight's gradient is summed over chunks in f32 (f64 for f64 weights).
-    let acc_dtype = if w.dtype() == DType::F64 {
+    let (n, v) = (h.dim(0)?, wc.dim(0)?);
+    let chunks: Vec<(usize, usize)> = spans(n, o.chunk).collect();
+    let g_lp = g.narrow(1, 0, 1)?.to_dtype(f)?;
+    let g_ent = g.narrow(1, 1, 1)?.to_dtype(f)?;
+    let lse = saved.lse.to_dtype(f)?.unsqueeze(1)?;
+    let ent = saved.entropy.to_dtype(f)?.unsqueeze(1)?;
+    let targets = saved.targets.to_dtype(DType::U32)?.unsqueeze(1)?;
+    // dW is summed in f32 (f64 for f64 weights) and cast to the weight's dtype once.
+    let acc = if w.dtype() == DType::F64 {
         DType::F64
     } else {
         DType::F32
     };
-    let mut dw: Option<Tensor> = None;
-    for (s, len) in spans(h.dim(0)?, o.chunk) {
-        let hc = h.narrow(0, s, len)?;
-        let logits = Var::from_tensor(&hc.matmul(&wt)?.to_dtype(out_dtype(&h))?)?;
-        let t = targets.narrow(0, s, len)?;
-        let gc = g.narrow(0, s, len)?;
-        let lp = ops::log_probs_impl(logits.as_tensor(), &t, o.temperature, o.fused)
-            .map_err(candle_err)?;
-        let mut surrogate = (lp * gc.narrow(1, 0, 1)?.squeeze(1)?)?.sum_all()?;
-        if o.with_entropy {
-            let ent = ops::entropy_impl(logits.as_tensor(), o.temperature, o.fused)
-                .map_err(candle_err)?;
-            surrogate = (surrogate + (ent * gc.narrow(1, 1, 1)?.squeeze(1)?)?.sum_all()?)?;
+    let mut dh: Vec<Option<Tensor>> = vec![None; chunks.len()];
+    // Written tile by tile in place: no second [V, H] buffer for a concatenation.
+    let dw = Tensor::zeros((v, wc.dim(1)?), acc, &dev)?;
+    for (v0, vs) in spans(v, o.vocab_tile) {
+        let w_tile = wc.narrow(0, v0, vs)?;
+        let cols = Tensor::arange(v0 as u32, (v0 + vs) as u32, &dev)?.unsqueeze(0)?;
+        let mut dw_tile: Option<Tensor> = None;
+        for (k, &(s0, len)) in chunks.iter().enumerate() {
+            let hc = h.narrow(0, s0, len)?;
+            let z = (hc.matmul(&w_tile.t()?)?.to_dtype(f)? * scale)?;
+            let logp = z.broadcast_sub(&lse.narrow(0, s0, len)?)?;
+            let p = logp.exp()?;
+            let gl = g_lp.narrow(0, s0, len)?;
+            let onehot = targets
+                .narrow(0, s0, len)?
+                .broadcast_eq(&cols)?
+                .to_dtype(f)?;
+            let mut dz = (onehot - &p)?.broadcast_mul(&gl)?;
+            if o.with_entropy {
+                let ge = g_ent.narrow(0, s0, len)?;
+                let e = logp.broadcast_add(&ent.narrow(0, s0, len)?)?;
+                dz = (dz - (p * e)?.broadcast_mul(&ge)?)?;
+            }
+            let dl = (dz * scale)?.to_dtype(h.dtype())?;
+            let dhc = dl.matmul(&w_tile)?;
+            dh[k] = Some(match dh[k].take() {
+                Some(a) => (a + dhc)?,
+                None => dhc,
+            });
+            let dwc = dl.t()?.matmul(&hc)?.to_dtype(acc)?;
+            dw_tile = Some(match dw_tile {
+                Some(a) => (a + dwc)?,
+                None => dwc,
+            });
         }
-        let grads = surrogate.backward()?;
-        let dl = grads
-            .get(logits.as_tensor())
-            .ok_or_else(|| candle_core::Error::Msg("chunked LM head: no logits gradient".into()))?
-            .to_dtype(h.dtype())?;
-        dh.push(dl.matmul(&wc)?);
-        let dwc = dl.t()?.matmul(&hc)?.to_dtype(acc_dtype)?;
-        dw = Some(match dw {
-            Some(a) => (a + dwc)?,
-            None => dwc,
-        });
+        if let Some(t) = dw_tile {
+            dw.slice_set(&t.contiguous()?, 0, v0)?;
+        }
     }
+    let dh: Vec<Tensor> = dh.into_iter().flatten().collect();
     let dh = Tensor::cat(&dh, 0)?;
-    let dw = dw.map(|d| d.to_dtype(w.dtype())).transpose()?;
-    Ok((Some(dh), dw))
+    let dw = dw.to_dtype(w.dtype())?;
+    Ok((Some(dh), Some(dw)))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::Device;
+    use candle_core::{Device, Var};
 
     fn rand(shape: (usize, usize), seed: u64, dtype: DType) -> Tensor {
         let mut x = seed.wrapping_mul(0x9E3779B97F4A7C15) | 1;
@@ -160,7 +211,11 @@ mod tests {
     }
 
     /// Log-probs, entropies and the gradients of a weighted sum of both, chunked and not.
-    fn run(chunk: usize, fused: bool) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
+    fn run(
+        chunk: usize,
+        vocab_tile: usize,
+        fused: bool,
+    ) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
         let (n, hd, v) = (13, 8, 37);
         let h = Var::from_tensor(&rand((n, hd), 1, DType::F32)).unwrap();
         let w = Var::from_tensor(&rand((v, hd), 2, DType::F32)).unwrap();
@@ -171,6 +226,7 @@ mod tests {
             with_entropy: true,
             chunk,
             fused,
+            vocab_tile,
         };
         let (lp, ent) = log_probs_entropy(h.as_tensor(), w.as_tensor(), &targets, o).unwrap();
         let ent = ent.unwrap();
@@ -223,9 +279,10 @@ mod tests {
     fn chunked_results_and_gradients_equal_the_unchunked_ones() {
         for fused in [true, false] {
             let want = plain(fused);
-            // 1 row, an uneven split, and one chunk holding everything.
-            for chunk in [1, 5, 13, 100] {
-                let got = run(chunk, fused);
+            // 1 row, an uneven split, and one chunk holding everything; vocabulary tiles of
+            // 1 column, an uneven split and the whole vocabulary.
+            for (chunk, tile) in [(1, 37), (5, 8), (13, 1), (100, 100), (4, 36)] {
+                let got = run(chunk, tile, fused);
                 for (what, a, b) in [
                     ("log-probs", &got.0, &want.0),
                     ("entropy", &got.1, &want.1),

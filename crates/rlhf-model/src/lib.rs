@@ -62,7 +62,7 @@ pub use config::{Config, Family, MemoryEstimate, RopeScaling, SUPPORTED_ARCHITEC
 pub use error::{Error, Result};
 pub use generation::{generate, FinishReason, GeneratedSequence, Generation, GenerationConfig};
 pub use model::{Batch, LoadOptions, Model, ModelKind, ValueHeadInit};
-pub use ops::{entropy_from_logits, log_probs_from_logits, masked_mean};
+pub use ops::{entropy_from_logits, lm_head_log_probs, log_probs_from_logits, masked_mean};
 pub use tokenizer::{ChatMessage, Tokenizer};
 pub use train::{AdamW, AdamWConfig, GradAccumulator, Gradients, LrSchedule, LrScheduler};
 pub use transformer::{position_ids_from_mask, Kernels, KvCache};

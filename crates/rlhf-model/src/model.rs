@@ -579,6 +579,7 @@ impl Model {
                 with_entropy,
                 chunk,
                 fused,
+                vocab_tile: crate::head::VOCAB_TILE,
             };
             let (lp, ent) = crate::head::log_probs_entropy(&hs, w, &targets.flatten_all()?, opts)?;
             let lp = lp.reshape((b, t - 1))?;

@@ -98,6 +98,41 @@ pub(crate) fn entropy_impl(logits: &Tensor, temperature: f64, fused: bool) -> Re
     output((p * lsm)?.sum(D::Minus1)?.neg()?, logits)
 }
 
+/// Log-probs `[N]` of `targets` `[N]` under an LM head: `log softmax(hidden W^T /
+/// temperature)[target]` for `hidden` `[N, H]` and the head weight `W` `[V, H]`. With
+/// `chunk`, the logits are computed `chunk` tokens at a time in forward and tile by tile in
+/// backward, so the `[N, V]` logits never exist at once (what [`crate::Model`] does with
+/// `LoadOptions::logits_chunk`); without, the plain differentiable path on full logits.
+pub fn lm_head_log_probs(
+    hidden: &Tensor,
+    weight: &Tensor,
+    targets: &Tensor,
+    temperature: f64,
+    chunk: Option<usize>,
+) -> Result<Tensor> {
+    let fused = hidden.device().is_cpu();
+    match chunk {
+        Some(0) => Err(Error::InvalidArgument(
+            "the LM-head chunk must be at least 1 token".to_string(),
+        )),
+        Some(chunk) => {
+            let o = crate::head::HeadOpts {
+                temperature,
+                with_entropy: false,
+                chunk,
+                fused,
+                vocab_tile: crate::head::VOCAB_TILE,
+            };
+            Ok(crate::head::log_probs_entropy(hidden, weight, targets, o)?.0)
+        }
+        None => {
+            let w = weight.to_dtype(hidden.dtype())?;
+            let logits = hidden.matmul(&w.t()?)?;
+            log_probs_impl(&logits, targets, temperature, fused)
+        }
+    }
+}
+
 /// Sum of `xs * mask` divided by the number of unmasked entries (0 when there are none).
 pub fn masked_mean(xs: &Tensor, mask: &Tensor) -> Result<Tensor> {
     let mask = mask.to_dtype(xs.dtype())?;
