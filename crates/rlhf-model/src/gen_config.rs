@@ -53,6 +53,11 @@ impl Default for GenerationConfig {
 }
 
 impl GenerationConfig {
+    /// Whether sampling is truncated to the top-k tokens or the top-p mass.
+    pub fn truncates(&self) -> bool {
+        self.top_k > 0 || self.top_p < 1.0
+    }
+
     /// Defaults from `generation_config.json` (when present) over `config.json`.
     pub fn from_hf(config: &Config, gen: Option<&Value>) -> Self {
         let mut g = Self {

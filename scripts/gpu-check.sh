@@ -1,0 +1,214 @@
+#!/usr/bin/env bash
+# Checks the CUDA build on a GPU machine: run from the repository root after the repository
+# and gpu-bin/ (or gpu-bin.tar.xz) from scripts/gpu-build.sh were copied there.
+#   scripts/gpu-check.sh [tests] [parity] [ppo] [bench]      (no step named: all of them)
+# Why: the build machine has no GPU and the GPU machines have no Rust toolchain, so whether
+# the CUDA paths work (and how fast they are) can only be learnt here, from prebuilt binaries.
+# Steps, each under `== ...`:
+#   nvidia-smi   the GPUs and the driver version (always)
+#   libraries    the NVIDIA libraries of this machine's PyTorch install (site-packages
+#                nvidia/*/lib) put on LD_LIBRARY_PATH, libnccl.so provided when only
+#                libnccl.so.2 exists, and every binary checked for unresolved libraries (always)
+#   tests        rlhf-model's integration tests (gpu-bin/tests/*), which run on cuda:0 too
+#   parity       gpu-bin/gpu_parity: fixture models on cuda:0 (f32, bf16) against the CPU
+#   ppo          a 5-step ppo_tiny job with every role on a GPU (needs 4 GPUs)
+#   bench        scripts/gpu_bench.sh, rlhf-model against PyTorch at Qwen2.5-0.5B's shape
+# Ends with `gpu-check: P passed, F failed, S skipped`; exits 1 when anything failed.
+#   PYTHON=python3          the Python with torch (+ transformers for the bench)
+#   GPU_CHECK_TIMEOUT=600   seconds any one command may take
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+PY="${PYTHON:-python3}"
+T="${GPU_CHECK_TIMEOUT:-600}"
+BIN="$ROOT/gpu-bin"
+
+ALL_STEPS="tests parity ppo bench"
+STEPS="${*:-$ALL_STEPS}"
+for s in $STEPS; do
+    case " $ALL_STEPS " in
+        *" $s "*) ;;
+        *) echo "gpu-check: unknown step $s (steps: $ALL_STEPS)" >&2; exit 2 ;;
+    esac
+done
+want() { case " $STEPS " in *" $1 "*) return 0 ;; *) return 1 ;; esac; }
+
+PASSED=0
+FAILED=0
+SKIPPED=0
+header() { printf '\n== %s\n' "$*"; }
+pass() { PASSED=$((PASSED + 1)); echo "PASS $*"; }
+fail() { FAILED=$((FAILED + 1)); echo "FAIL $*"; }
+skip() { SKIPPED=$((SKIPPED + 1)); echo "SKIPPED $*"; }
+
+TMP="$(mktemp -d)"
+trap 'rm -rf "$TMP"' EXIT
+
+if [ ! -d "$BIN" ] && [ -f gpu-bin.tar.xz ]; then
+    echo "unpacking gpu-bin.tar.xz"
+    timeout "$T" tar -xJf gpu-bin.tar.xz
+fi
+if [ ! -d "$BIN" ]; then
+    echo "gpu-check: no gpu-bin/ (nor gpu-bin.tar.xz) here; build it with scripts/gpu-build.sh" \
+         "on a build machine and copy it to the repository root" >&2
+    exit 2
+fi
+
+# --- (a) GPUs and driver ---
+header "nvidia-smi"
+NGPU=0
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+    fail "nvidia-smi: not found; this machine has no NVIDIA driver"
+elif timeout "$T" nvidia-smi; then
+    driver="$(timeout 60 nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n 1)" || true
+    NGPU="$(timeout 60 nvidia-smi -L 2>/dev/null | grep -c '^GPU ')" || NGPU=0
+    echo "driver version: ${driver:-unknown}; $NGPU GPU(s)"
+    pass "nvidia-smi (driver ${driver:-unknown}, $NGPU GPU(s))"
+else
+    fail "nvidia-smi exited with an error"
+fi
+
+# --- (b) NVIDIA libraries from the PyTorch install ---
+header "NVIDIA libraries"
+nvdirs="$(timeout "$T" "$PY" - <<'PYEOF' 2>/dev/null
+import glob, os, site
+
+roots = []
+try:
+    import nvidia  # namespace package of NVIDIA's wheels (cublas, nccl, cu13, ...)
+    roots += list(getattr(nvidia, "__path__", []))
+except ImportError:
+    pass
+sites = list(getattr(site, "getsitepackages", lambda: [])())
+sites.append(site.getusersitepackages())
+roots += [os.path.join(s, "nvidia") for s in sites]
+seen = []
+for root in roots:
+    for d in sorted(glob.glob(os.path.join(root, "*", "lib"))):
+        d = os.path.realpath(d)
+        if os.path.isdir(d) and d not in seen:
+            seen.append(d)
+print("\n".join(seen))
+PYEOF
+)" || nvdirs=""
+if [ -z "$nvdirs" ]; then
+    echo "no nvidia/*/lib directories found for $PY; relying on the system's libraries"
+else
+    while IFS= read -r d; do
+        echo "  $d"
+        LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    done <<<"$nvdirs"
+    export LD_LIBRARY_PATH
+fi
+# Loaders that ask for the development name libnccl.so find only libnccl.so.2 in the wheels.
+nccl2=""
+has_nccl_so=0
+while IFS= read -r d; do
+    [ -n "$d" ] || continue
+    [ -e "$d/libnccl.so" ] && has_nccl_so=1
+    [ -z "$nccl2" ] && [ -e "$d/libnccl.so.2" ] && nccl2="$d/libnccl.so.2"
+done <<<"$nvdirs"
+if [ "$has_nccl_so" = 0 ] && [ -n "$nccl2" ]; then
+    mkdir -p "$TMP/nccl"
+    ln -sfn "$nccl2" "$TMP/nccl/libnccl.so"
+    export LD_LIBRARY_PATH="$TMP/nccl:$LD_LIBRARY_PATH"
+    echo "  libnccl.so -> $nccl2 (in $TMP/nccl)"
+fi
+missing=""
+for exe in "$BIN"/rlhf-worker "$BIN"/rlhf-head "$BIN"/rlhf "$BIN"/model_bench "$BIN"/gpu_parity "$BIN"/tests/*; do
+    [ -f "$exe" ] || continue
+    m="$(ldd "$exe" 2>&1 | awk '/not found/ {print $1}')" || true
+    if [ -n "$m" ]; then missing+="$m"$'\n'; fi
+done
+missing="$(printf '%s' "$missing" | sort -u | tr '\n' ' ')"
+if [ -n "$missing" ]; then
+    fail "libraries: the binaries need libraries found nowhere: $missing(install the matching" \
+         "CUDA 13 wheels, e.g. nvidia-curand for libcurand, into $PY's environment, or set LD_LIBRARY_PATH)"
+else
+    pass "libraries: every library of gpu-bin resolves"
+fi
+
+# --- (c) rlhf-model tests ---
+if want tests; then
+    header "rlhf-model tests on the GPU"
+    # The tests read fixtures under the CARGO_MANIFEST_DIR baked in at build time: the build
+    # machine's checkout. Make that path lead here when it does not exist.
+    build_root="$(cat "$BIN/BUILD_ROOT" 2>/dev/null || true)"
+    fixtures_ok=1
+    if [ -z "$build_root" ]; then
+        fail "tests: gpu-bin/BUILD_ROOT is missing; rebuild with scripts/gpu-build.sh"
+        fixtures_ok=0
+    elif [ ! -e "$build_root" ]; then
+        if mkdir -p "$(dirname "$build_root")" && ln -sfn "$ROOT" "$build_root"; then
+            echo "linked $build_root -> $ROOT (the tests' baked fixture path)"
+        else
+            fail "tests: cannot create $build_root -> $ROOT (the tests' baked fixture path); create it by hand"
+            fixtures_ok=0
+        fi
+    fi
+    if [ "$fixtures_ok" = 1 ] && [ ! -d "$build_root/crates/rlhf-model/tests/fixtures" ]; then
+        fail "tests: $build_root exists but holds no crates/rlhf-model/tests/fixtures; point it at this repository"
+        fixtures_ok=0
+    fi
+    if [ "$fixtures_ok" = 1 ]; then
+        found=0
+        for exe in "$BIN"/tests/*; do
+            [ -f "$exe" ] || continue
+            found=1
+            name="$(basename "$exe")"
+            echo "-- $name"
+            if (cd crates/rlhf-model && timeout "$T" "$exe" --include-ignored --test-threads 1); then
+                pass "tests/$name"
+            else
+                fail "tests/$name (exit $?)"
+            fi
+        done
+        [ "$found" = 1 ] || fail "tests: gpu-bin/tests/ holds no test executable"
+    fi
+fi
+
+# --- (d) parity of the GPU paths with the CPU ---
+if want parity; then
+    header "gpu_parity"
+    rc=0
+    timeout "$T" "$BIN/gpu_parity" "$ROOT/crates/rlhf-model/tests/fixtures" || rc=$?
+    case "$rc" in
+        0) pass "gpu_parity" ;;
+        2) fail "gpu_parity: no GPU could be opened" ;;
+        *) fail "gpu_parity (exit $rc)" ;;
+    esac
+fi
+
+# --- (e) a PPO job on the GPUs ---
+if want ppo; then
+    header "ppo_tiny on GPUs"
+    if [ "$NGPU" -ge 4 ]; then
+        metrics="$TMP/ppo/metrics.jsonl"
+        rc=0
+        timeout "$T" "$BIN/rlhf-head" run --config-name ppo_tiny resource_pool.device=GPU \
+            training.train_iters=5 checkpoint.save_steps=0 checkpoint.dir="$TMP/ppo/checkpoints" \
+            logging.metrics_file="$metrics" logging.samples_file="$TMP/ppo/samples.jsonl" \
+            logging.progress=false || rc=$?
+        lines=0
+        [ -f "$metrics" ] && lines="$(wc -l <"$metrics")"
+        if [ "$rc" = 0 ] && [ "$lines" -eq 5 ]; then
+            pass "ppo_tiny on GPUs: 5 steps, 5 metrics lines"
+        else
+            fail "ppo_tiny on GPUs (exit $rc, $lines metrics lines, expected 5)"
+        fi
+    else
+        skip "ppo on GPUs: ppo_tiny needs 4 devices and this machine has $NGPU GPU(s); one-GPU jobs need colocated roles (issue: share devices)"
+    fi
+fi
+
+# --- (f) bench against PyTorch ---
+if want bench; then
+    header "gpu_bench (rlhf-model vs PyTorch, Qwen2.5-0.5B shape, cuda:0, bf16)"
+    rc=0
+    PYTHON="$PY" MODEL_BENCH="$BIN/model_bench" timeout "$T" scripts/gpu_bench.sh || rc=$?
+    if [ "$rc" = 0 ]; then pass "gpu_bench"; else fail "gpu_bench (exit $rc)"; fi
+fi
+
+echo
+echo "gpu-check: $PASSED passed, $FAILED failed, $SKIPPED skipped"
+[ "$FAILED" -eq 0 ]
