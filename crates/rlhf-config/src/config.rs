@@ -161,6 +161,12 @@ pub struct ResourcePool {
     pub critic: u32,
     /// Devices of the reward role (0 for rule or HTTP rewards).
     pub reward: u32,
+    /// Every role shares the same devices: one pool as large as the largest role, each
+    /// device holding a fraction of every role (fractional bundles), and each actor trainer
+    /// rank generating with its own weights (the hybrid engine: no second copy of the
+    /// policy, no weight sync). Needs `actor_rollout.num_gpus_for_infer` equal to
+    /// `num_gpus_for_train` (or 0).
+    pub colocate: bool,
 }
 
 impl Default for ResourcePool {
@@ -172,6 +178,7 @@ impl Default for ResourcePool {
             ref_: 1,
             critic: 1,
             reward: 1,
+            colocate: false,
         }
     }
 }
@@ -629,6 +636,44 @@ impl PpoConfig {
             RoleKind::Critic => self.resource_pool.critic,
             RoleKind::Reward => self.resource_pool.reward,
         }
+    }
+
+    /// Processes a role runs: its ranks, except that colocated rollout ranks live in the
+    /// trainer processes.
+    pub fn role_processes(&self, role: RoleKind) -> u32 {
+        if !self.role_enabled(role) {
+            return 0;
+        }
+        match role {
+            RoleKind::ActorRollout if self.resource_pool.colocate => {
+                self.actor_rollout.num_gpus_for_train.max(1)
+            }
+            _ => self.devices(role),
+        }
+    }
+
+    /// Devices a colocated job uses in all: the largest role's.
+    pub fn colocated_devices(&self) -> u32 {
+        RoleKind::ALL
+            .iter()
+            .map(|&r| self.role_processes(r))
+            .max()
+            .unwrap_or(0)
+            .max(1)
+    }
+
+    /// How a role is placed: the number of bundles (one per process) and the amount of
+    /// `resource_pool.device` each holds: 1, or under `colocate` the share of a device that
+    /// spreads every process of the job evenly over [`PpoConfig::colocated_devices`]
+    /// (rounded down to a thousandth, so the shares of one device never add up past 1).
+    pub fn role_bundles(&self, role: RoleKind) -> (u32, f64) {
+        let n = self.role_processes(role);
+        if !self.resource_pool.colocate {
+            return (n, 1.0);
+        }
+        let total: u32 = RoleKind::ALL.iter().map(|&r| self.role_processes(r)).sum();
+        let share = f64::from(self.colocated_devices()) / f64::from(total.max(1));
+        (n, ((share * 1000.0).floor() / 1000.0).clamp(0.001, 1.0))
     }
 
     /// Whether the job runs this role at all (no critic without GAE, no reward

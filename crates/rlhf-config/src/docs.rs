@@ -21,6 +21,7 @@ pub const KEY_DOCS: &[(&str, &str)] = &[
     ("resource_pool.ref", "Devices of the reference model."),
     ("resource_pool.critic", "Devices of the critic (its data-parallel ranks); unused without GAE."),
     ("resource_pool.reward", "Devices of the reward role (0 for rule or HTTP rewards)."),
+    ("resource_pool.colocate", "Every role shares the same devices (one pool as large as the largest role, fractional bundles), and each actor trainer rank generates with its own weights (no copy, no weight sync); needs num_gpus_for_infer = num_gpus_for_train."),
     ("algorithm.adv_estimator", "Advantage estimator: gae, grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax."),
     ("algorithm.gamma", "Discount factor."),
     ("algorithm.lam", "GAE lambda."),

@@ -20,9 +20,12 @@ pub struct Assignment {
     pub role: RoleKind,
     /// Node name as given to [`PpoConfig::placement_plan`].
     pub node: String,
-    /// Devices of the pool's resource used there (0 = runs on the node's CPU
-    /// without a device, e.g. a rule reward).
+    /// Bundles (role processes) placed there, each holding `share` of a device of the
+    /// pool's resource (0 bundles = runs on the node's CPU without a device, e.g. a rule
+    /// reward).
     pub devices: u32,
+    /// Device share per bundle: 1, or less under `resource_pool.colocate`.
+    pub share: f64,
 }
 
 /// Where every role runs.
@@ -54,7 +57,12 @@ impl fmt::Display for Plan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "{:<14} {:<20} {:>8}", "role", "node", self.resource)?;
         for a in &self.assignments {
-            writeln!(f, "{:<14} {:<20} {:>8}", a.role.as_str(), a.node, a.devices)?;
+            let amount = if a.share < 1.0 && a.devices > 0 {
+                format!("{} x {}", a.devices, a.share)
+            } else {
+                a.devices.to_string()
+            };
+            writeln!(f, "{:<14} {:<20} {:>8}", a.role.as_str(), a.node, amount)?;
         }
         Ok(())
     }
@@ -83,17 +91,31 @@ impl PpoConfig {
                 )
             })
             .collect();
-        let roles: Vec<(RoleKind, u32)> = RoleKind::ALL
+        let roles: Vec<(RoleKind, u32, f64)> = RoleKind::ALL
             .iter()
             .filter(|r| self.role_enabled(**r))
-            .map(|r| (*r, self.devices(*r)))
+            .map(|r| {
+                let (n, share) = self.role_bundles(*r);
+                (*r, n, share)
+            })
             .collect();
-        let required: u32 = roles.iter().map(|(_, n)| n).sum();
+        // Whole devices the pool asks for: the sum of its shares, rounded up.
+        let required = roles
+            .iter()
+            .map(|(_, n, share)| f64::from(*n) * share)
+            .sum::<f64>()
+            .ceil() as u32;
         let available: u32 = free.iter().map(|(_, n)| n).sum();
         let needs: Vec<String> = roles
             .iter()
-            .filter(|(_, n)| *n > 0)
-            .map(|(r, n)| format!("{r} {n}"))
+            .filter(|(_, n, _)| *n > 0)
+            .map(|(r, n, share)| {
+                if *share < 1.0 {
+                    format!("{r} {n} x {share}")
+                } else {
+                    format!("{r} {n}")
+                }
+            })
             .collect();
         if nodes.is_empty() || required > available {
             return Err(ConfigError::Placement {
@@ -122,16 +144,17 @@ impl PpoConfig {
             })
             .collect();
         let mut assignments = Vec::new();
-        for (role, need) in roles {
+        for (role, need, share) in roles {
             if need == 0 {
                 assignments.push(Assignment {
                     role,
                     node: free[0].0.clone(),
                     devices: 0,
+                    share: 1.0,
                 });
                 continue;
             }
-            let bundle = Resources::new().with(&resource, 1.0);
+            let bundle = Resources::new().with(&resource, share);
             let chosen = place(&caps, &vec![bundle.clone(); need as usize], Strategy::Pack)
                 .map_err(|e| ConfigError::Placement {
                     resource: resource.clone(),
@@ -150,6 +173,7 @@ impl PpoConfig {
                     role,
                     node: caps[i].node_id.clone(),
                     devices,
+                    share,
                 });
             }
         }

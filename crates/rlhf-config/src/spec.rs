@@ -139,6 +139,10 @@ pub struct RoleSpec {
     pub adapter: Option<String>,
     /// The communicator groups this rank joins.
     pub comms: Vec<CommGroup>,
+    /// Under `resource_pool.colocate`, the trainer slot whose process hosts this rollout
+    /// rank and whose model it generates with (the hybrid engine: no copy, no sync).
+    #[serde(default)]
+    pub shares_model_of: Option<RoleSlot>,
     pub engine: EngineSpec,
 }
 
@@ -220,7 +224,7 @@ impl RoleSpec {
         let (engine, comms) = match (kind, slot.part) {
             (RoleKind::ActorRollout, RolePart::Train) => {
                 let mut comms = vec![CommGroup::ActorDp];
-                if slot.rank == 0 {
+                if slot.rank == 0 && !cfg.resource_pool.colocate {
                     comms.push(CommGroup::Weights);
                 }
                 let train = TrainSpec::new(
@@ -244,7 +248,12 @@ impl RoleSpec {
                     top_p: a.top_p,
                     top_k: a.top_k as usize,
                 };
-                (EngineSpec::Rollout { sampling }, vec![CommGroup::Weights])
+                let comms = if cfg.resource_pool.colocate {
+                    vec![]
+                } else {
+                    vec![CommGroup::Weights]
+                };
+                (EngineSpec::Rollout { sampling }, comms)
             }
             (RoleKind::Ref, _) => (
                 EngineSpec::Ref {
@@ -304,6 +313,15 @@ impl RoleSpec {
             micro_batch_rows: t.micro_batch_size.max(1) as usize,
             adapter: None,
             comms,
+            shares_model_of: (cfg.resource_pool.colocate
+                && kind == RoleKind::ActorRollout
+                && slot.part == RolePart::Infer)
+                .then_some(RoleSlot {
+                    kind,
+                    part: RolePart::Train,
+                    rank: slot.rank,
+                    world_size: a.num_gpus_for_train.max(1),
+                }),
             engine,
         })
     }

@@ -138,6 +138,12 @@ pub fn problems(cfg: &PpoConfig) -> Vec<String> {
             a.num_gpus_for_train, a.num_gpus_for_infer, pool.actor_rollout
         ));
     }
+    if pool.colocate && a.num_gpus_for_infer != a.num_gpus_for_train {
+        e.push(format!(
+            "resource_pool.colocate: every actor trainer rank generates with its own weights, so actor_rollout.num_gpus_for_infer ({}) must equal actor_rollout.num_gpus_for_train ({})",
+            a.num_gpus_for_infer, a.num_gpus_for_train
+        ));
+    }
     if cfg.algorithm.adv_estimator.needs_groups() && a.num_samples_per_step < 2 {
         e.push(format!(
             "algorithm.adv_estimator = {} compares responses within a group: actor_rollout.num_samples_per_step ({}) must be >= 2",

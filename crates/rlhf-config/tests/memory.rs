@@ -117,3 +117,41 @@ fn the_half_billion_config_fits_its_gpus_in_bf16() {
         18 * train.params
     );
 }
+
+/// `resource_pool.colocate`: every process of ppo_tiny (the actor's trainer hosting its
+/// rollout, the reference, the critic) takes a third of the one device the plan needs.
+#[test]
+fn a_colocated_job_plans_shares_of_one_device() {
+    let o = |v: &[&str]| -> Vec<String> { v.iter().map(|s| s.to_string()).collect() };
+    let cfg = load(&configs(), "ppo_tiny", &o(&["resource_pool.colocate=true"])).unwrap();
+    assert!(rlhf_config::problems(&cfg).is_empty());
+    assert_eq!(cfg.colocated_devices(), 1);
+    assert_eq!(cfg.role_bundles(RoleKind::ActorRollout), (1, 0.333));
+    assert_eq!(cfg.role_bundles(RoleKind::Ref), (1, 0.333));
+    assert_eq!(cfg.role_bundles(RoleKind::Reward).0, 0);
+    let one = [(
+        "n1".to_string(),
+        std::collections::BTreeMap::from([("CPU".to_string(), 1.0)]),
+    )];
+    let plan = cfg.placement_plan(&one).unwrap();
+    assert!(plan.to_string().contains("1 x 0.333"), "{plan}");
+    // Without colocation the same job needs four slots.
+    let plain = load(&configs(), "ppo_tiny", &[]).unwrap();
+    let err = plain.placement_plan(&one).unwrap_err().to_string();
+    assert!(err.contains("CPU"), "{err}");
+    // Rollout ranks must match trainer ranks: each trainer hosts one.
+    let bad = load(
+        &configs(),
+        "ppo_tiny",
+        &o(&[
+            "resource_pool.colocate=true",
+            "resource_pool.actor_rollout=3",
+            "actor_rollout.num_gpus_for_infer=2",
+        ]),
+    );
+    let msg = match bad {
+        Ok(c) => rlhf_config::problems(&c).join("\n"),
+        Err(e) => e.to_string(),
+    };
+    assert!(msg.contains("num_gpus_for_infer (2) must equal"), "{msg}");
+}

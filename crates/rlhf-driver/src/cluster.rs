@@ -27,6 +27,9 @@ pub struct Roles {
     pub critic: WorkerGroup,
     pub reward: WorkerGroup,
     pub placement_groups: Vec<String>,
+    /// `resource_pool.colocate`: the rollout ranks are the trainer processes (`infer` has
+    /// the same members as `train`), and no weights travel between them.
+    pub colocated: bool,
 }
 
 impl Roles {
@@ -40,17 +43,24 @@ impl Roles {
         ]
     }
 
+    /// Every role process once, with the group it serves (a colocated rollout rank is its
+    /// trainer's process and is not listed twice).
     pub fn all_members(&self) -> impl Iterator<Item = (&WorkerGroup, usize, &Member)> {
+        let colocated = self.colocated;
         self.groups()
             .into_iter()
+            .filter(move |g| !(colocated && g.id == self.infer.id))
             .flat_map(|g| g.members.iter().enumerate().map(move |(i, m)| (g, i, m)))
     }
 
-    /// The group that broadcasts weights: train rank 0 then the rollout ranks.
+    /// The group that broadcasts weights: train rank 0 then the rollout ranks (nobody when
+    /// colocated: the rollout generates with the trainer's own weights).
     pub fn weights_group(&self) -> WorkerGroup {
         let mut members = Vec::new();
-        members.extend(self.train.members.first().cloned());
-        members.extend(self.infer.members.iter().cloned());
+        if !self.colocated {
+            members.extend(self.train.members.first().cloned());
+            members.extend(self.infer.members.iter().cloned());
+        }
         WorkerGroup {
             id: GroupId::Comm(CommGroup::Weights),
             members,
@@ -83,12 +93,15 @@ fn parts(cfg: &PpoConfig) -> Vec<PartSpec> {
         ranks: ar.num_gpus_for_train.max(1) as usize,
         offset: 0,
     });
-    v.push(PartSpec {
-        role: RoleKind::ActorRollout,
-        part: RolePart::Infer,
-        ranks: ar.num_gpus_for_infer.max(1) as usize,
-        offset: ar.num_gpus_for_train.max(1) as usize,
-    });
+    // Colocated rollout ranks live in the trainer processes: no processes of their own.
+    if !cfg.resource_pool.colocate {
+        v.push(PartSpec {
+            role: RoleKind::ActorRollout,
+            part: RolePart::Infer,
+            ranks: ar.num_gpus_for_infer.max(1) as usize,
+            offset: ar.num_gpus_for_train.max(1) as usize,
+        });
+    }
     for role in [RoleKind::Ref, RoleKind::Critic, RoleKind::Reward] {
         if cfg.role_enabled(role) {
             v.push(PartSpec {
@@ -152,17 +165,13 @@ pub async fn launch(
     let resource = cfg.resource_pool.device.resource().to_string();
     let mut pgs: BTreeMap<&'static str, String> = BTreeMap::new();
     for role in RoleKind::ALL {
-        let n = if cfg.role_enabled(role) {
-            cfg.devices(role)
-        } else {
-            0
-        };
+        let (n, amount) = cfg.role_bundles(role);
         if n == 0 {
             continue;
         }
         let bundle = pb::Bundle {
             resources: Some(pb::Resources {
-                amounts: [(resource.clone(), 1.0)].into_iter().collect(),
+                amounts: [(resource.clone(), amount)].into_iter().collect(),
             }),
         };
         let r = tokio::time::timeout(
@@ -182,7 +191,7 @@ pub async fn launch(
             Error::new(
                 e.kind(),
                 format!(
-                    "placing role {} ({n} x {resource}, resource_pool.{}): {e}",
+                    "placing role {} ({n} x {amount} {resource}, resource_pool.{}): {e}",
                     role.as_str(),
                     role.as_str()
                 ),
@@ -292,13 +301,23 @@ pub async fn launch(
             },
         }
     };
+    let train = take(RoleKind::ActorRollout, RolePart::Train);
+    let infer = if cfg.resource_pool.colocate {
+        WorkerGroup {
+            id: GroupId::Role(RoleKind::ActorRollout, RolePart::Infer),
+            members: train.members.clone(),
+        }
+    } else {
+        take(RoleKind::ActorRollout, RolePart::Infer)
+    };
     let roles = Roles {
-        train: take(RoleKind::ActorRollout, RolePart::Train),
-        infer: take(RoleKind::ActorRollout, RolePart::Infer),
+        train,
+        infer,
         reference: take(RoleKind::Ref, RolePart::Whole),
         critic: take(RoleKind::Critic, RolePart::Whole),
         reward: take(RoleKind::Reward, RolePart::Whole),
         placement_groups: made.placement_groups.clone(),
+        colocated: cfg.resource_pool.colocate,
     };
     Ok(roles)
 }
@@ -313,7 +332,26 @@ pub async fn init_roles(
     timeout: Duration,
 ) -> std::result::Result<Vec<(String, pb::InitRoleResponse)>, CallError> {
     let mut out = Vec::new();
-    let futs = roles.groups().into_iter().map(|g| async move {
+    // A colocated rollout rank joins the engine its trainer process built: the trainers
+    // first, then the rollout ranks.
+    let (first, then): (Vec<&WorkerGroup>, Vec<&WorkerGroup>) = roles
+        .groups()
+        .into_iter()
+        .partition(|g| !(roles.colocated && g.id == roles.infer.id));
+    for phase in [first, then] {
+        out.extend(init_groups(&phase, cfg, job_id, timeout).await?);
+    }
+    Ok(out)
+}
+
+async fn init_groups(
+    groups: &[&WorkerGroup],
+    cfg: &PpoConfig,
+    job_id: &str,
+    timeout: Duration,
+) -> std::result::Result<Vec<(String, pb::InitRoleResponse)>, CallError> {
+    let mut out = Vec::new();
+    let futs = groups.iter().map(|g| async move {
         let GroupId::Role(role, part) = g.id else {
             return Err(g.err(
                 0,

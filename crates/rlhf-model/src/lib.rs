@@ -49,6 +49,7 @@ mod gen_config;
 pub mod generation;
 mod head;
 mod kernels;
+mod load;
 pub mod model;
 pub mod ops;
 mod replay;

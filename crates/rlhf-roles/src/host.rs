@@ -185,7 +185,13 @@ impl RoleHost {
         }
         let spec = RoleSpec::from_json(&req.spec)?;
         let slot = spec.slot;
-        let note = self.add(spec)?;
+        let note = match spec.shares_model_of {
+            Some(of) => {
+                self.add_sharing(spec, of)?;
+                format!("generates with the weights of {} (colocated)", of.label())
+            }
+            None => self.add(spec)?,
+        };
         let hosted = self
             .engines
             .last()

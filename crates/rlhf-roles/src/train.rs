@@ -527,6 +527,19 @@ pub fn all_reduce_grads(
     comm: &mut dyn Communicator,
     failed: bool,
 ) -> Result<(Gradients, usize)> {
+    if comm.world_size() <= 1 {
+        // Nothing to sum: the gradients stay where they are (on a GPU, no round trip through
+        // host memory every step).
+        let mut store = GradStore::default();
+        for (name, var) in vars {
+            let g = match grads.get(name) {
+                Some(g) => g.to_dtype(var.dtype())?,
+                None => var.zeros_like()?,
+            };
+            store.insert(var.as_tensor(), g);
+        }
+        return Ok((Gradients::from_store(&store, vars), 0));
+    }
     let mut host: Vec<Vec<f32>> = Vec::with_capacity(vars.len());
     for (name, var) in vars {
         match grads.get(name) {

@@ -10,6 +10,90 @@ pub struct Devices {
     pub npus: Vec<u32>,
 }
 
+/// Devices granted to one actor: `(index, amount)`, the amount 1 for a whole device or a
+/// share of one (a fractional bundle of a colocated job).
+pub type Grant = Vec<(u32, f64)>;
+
+/// The device indices of one kind a worker hands out, whole or in shares. A share goes to
+/// the first device already shared that has room (so colocated actors land together), else
+/// to a free device; a device returns to the free list when its last share is given back.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct DevicePool {
+    free: Vec<u32>,
+    /// Devices handed out in shares, with the amount in use.
+    shared: Vec<(u32, f64)>,
+}
+
+/// Room for rounding when shares add up to a whole device (three thirds).
+const SHARE_SLACK: f64 = 1e-9;
+
+impl DevicePool {
+    pub fn new(mut ids: Vec<u32>) -> Self {
+        ids.sort_unstable();
+        Self {
+            free: ids,
+            shared: Vec::new(),
+        }
+    }
+
+    /// Whole devices free.
+    pub fn free(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Takes `amount` of devices: `ceil(amount)` whole ones from 1 up, a share of one below
+    /// (none for 0). `None` when the pool cannot give it.
+    pub fn take(&mut self, amount: f64) -> Option<Grant> {
+        if !(amount.is_finite() && amount > 0.0) {
+            return Some(Vec::new());
+        }
+        if amount >= 1.0 {
+            let n = amount.ceil() as usize;
+            if n > self.free.len() {
+                return None;
+            }
+            return Some(self.free.drain(..n).map(|d| (d, 1.0)).collect());
+        }
+        if let Some(s) = self
+            .shared
+            .iter_mut()
+            .find(|(_, used)| *used + amount <= 1.0 + SHARE_SLACK)
+        {
+            s.1 += amount;
+            return Some(vec![(s.0, amount)]);
+        }
+        if self.free.is_empty() {
+            return None;
+        }
+        let d = self.free.remove(0);
+        self.shared.push((d, amount));
+        Some(vec![(d, amount)])
+    }
+
+    /// Returns what [`DevicePool::take`] granted.
+    pub fn give_back(&mut self, grant: &[(u32, f64)]) {
+        for &(d, amount) in grant {
+            if amount >= 1.0 {
+                self.free.push(d);
+                continue;
+            }
+            if let Some(i) = self.shared.iter().position(|(s, _)| *s == d) {
+                self.shared[i].1 -= amount;
+                if self.shared[i].1 <= SHARE_SLACK {
+                    self.shared.remove(i);
+                    self.free.push(d);
+                }
+            }
+        }
+        self.free.sort_unstable();
+    }
+}
+
+/// The device indices of a grant, for `CUDA_VISIBLE_DEVICES`.
+pub fn grant_ids(grant: &[(u32, f64)]) -> Vec<u32> {
+    grant.iter().map(|&(d, _)| d).collect()
+}
+
 /// Parses a `CUDA_VISIBLE_DEVICES`-style list. Empty or "-1"-style values mean no device.
 pub fn parse_visible(v: &str) -> Vec<u32> {
     v.split(',')
@@ -125,5 +209,38 @@ mod tests {
         assert_eq!(r.get("my_accel"), 2.0);
         assert_eq!(d.gpus.len(), 3);
         assert!(r.get("memory") > 0.0);
+    }
+
+    #[test]
+    fn shares_of_a_device_land_together_and_whole_devices_stay_whole() {
+        let mut p = DevicePool::new(vec![3, 1]);
+        // Three thirds (as a colocated job asks: 0.333 each) share device 1.
+        let a = p.take(0.333).unwrap();
+        let b = p.take(0.333).unwrap();
+        let c = p.take(0.333).unwrap();
+        assert_eq!(grant_ids(&a), vec![1]);
+        assert_eq!(grant_ids(&b), vec![1]);
+        assert_eq!(grant_ids(&c), vec![1]);
+        assert_eq!(p.free(), 1);
+        // A fourth share does not fit device 1: it opens device 3.
+        let d = p.take(0.5).unwrap();
+        assert_eq!(grant_ids(&d), vec![3]);
+        // No whole device is left, and none comes back until every share of it is returned.
+        assert!(p.take(1.0).is_none());
+        p.give_back(&a);
+        p.give_back(&b);
+        assert!(p.take(1.0).is_none());
+        p.give_back(&c);
+        assert_eq!(grant_ids(&p.take(1.0).unwrap()), vec![1]);
+        p.give_back(&d);
+        assert_eq!(p.free(), 1);
+        // Zero asks for nothing; two asks for two whole devices.
+        assert_eq!(p.take(0.0).unwrap(), vec![]);
+        assert!(p.take(2.0).is_none());
+        // Four quarters fill one device exactly.
+        let mut q = DevicePool::new(vec![0]);
+        let grants: Vec<Grant> = (0..4).map(|_| q.take(0.25).unwrap()).collect();
+        assert!(grants.iter().all(|g| grant_ids(g) == vec![0]));
+        assert!(q.take(0.25).is_none());
     }
 }

@@ -241,6 +241,22 @@ pub fn to_text(s: &pb::ClusterStatusResponse) -> String {
             a.address,
             a.pid
         );
+        if !a.devices.is_empty() {
+            let d: Vec<String> = a.devices.iter().map(u32::to_string).collect();
+            let _ = write!(o, " devices={}", d.join(","));
+        }
+        // A fractional bundle: the actor shares its device(s) with the job's other roles.
+        let bundle = s
+            .placement_groups
+            .iter()
+            .find(|p| p.pg_id == spec.pg_id)
+            .and_then(|p| p.bundles.get(usize::try_from(spec.bundle_index).ok()?));
+        if let Some(b) = bundle {
+            let r = res(&b.resources);
+            if r.0.values().any(|v| *v > 0.0 && *v < 1.0) {
+                let _ = write!(o, " shares {{{}}}", r.display());
+            }
+        }
         if !a.reason.is_empty() {
             let _ = write!(o, " reason: {}", a.reason);
         }
@@ -351,5 +367,59 @@ mod tests {
         assert_eq!(j["resources"]["used"]["GPU"], 2.0);
         assert_eq!(j["nodes"].as_array().unwrap().len(), 3);
         assert_eq!(j["nodes"][2]["state"], "DEAD");
+    }
+
+    #[test]
+    fn actors_in_fractional_bundles_show_their_shared_device() {
+        let bundle = |gpu: f64| pb::Bundle {
+            resources: Some((&Resources::new().with("GPU", gpu)).into()),
+        };
+        let actor = |id: &str, role: &str, pg: &str| pb::ActorInfo {
+            actor_id: id.into(),
+            state: pb::ActorState::Alive as i32,
+            node_id: "n1".into(),
+            devices: vec![0],
+            spec: Some(pb::ActorSpec {
+                role: role.into(),
+                pg_id: pg.into(),
+                bundle_index: 0,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let s = pb::ClusterStatusResponse {
+            placement_groups: vec![
+                pb::PlacementGroupInfo {
+                    pg_id: "pg-a".into(),
+                    bundles: vec![bundle(0.333)],
+                    bundle_nodes: vec!["n1".into()],
+                    ..Default::default()
+                },
+                pb::PlacementGroupInfo {
+                    pg_id: "pg-w".into(),
+                    bundles: vec![bundle(1.0)],
+                    bundle_nodes: vec!["n1".into()],
+                    ..Default::default()
+                },
+            ],
+            actors: vec![
+                actor("a1", "actor_rollout", "pg-a"),
+                actor("w1", "ref", "pg-w"),
+            ],
+            ..Default::default()
+        };
+        let t = to_text(&s);
+        let line = |id: &str| {
+            t.lines()
+                .find(|l| l.contains(id))
+                .unwrap_or_default()
+                .to_string()
+        };
+        assert!(line(" a1 ").contains("devices=0 shares {GPU: 0.33}"), "{t}");
+        assert!(line(" w1 ").contains("devices=0"), "{t}");
+        assert!(
+            !line(" w1 ").contains("shares"),
+            "a whole device is not shared: {t}"
+        );
     }
 }

@@ -19,7 +19,7 @@ use tonic::{Request, Response, Status};
 use crate::auth::{CheckToken, TOKEN_ENV};
 use crate::convert;
 use crate::net::{self, AuthChannel, ClientOptions};
-use crate::resources::{node_resources, Devices};
+use crate::resources::{grant_ids, node_resources, DevicePool, Grant};
 
 #[derive(Clone, Debug)]
 pub struct WorkerOptions {
@@ -52,7 +52,8 @@ struct Agent {
     node_ip: String,
     node_id: Mutex<String>,
     actors: Mutex<HashMap<String, ActorProc>>,
-    free: Mutex<Devices>,
+    /// GPUs and NPUs.
+    free: Mutex<(DevicePool, DevicePool)>,
     head: HeadServiceClient<AuthChannel>,
     shutdown: CancellationToken,
 }
@@ -90,31 +91,28 @@ pub fn exit_reason(code: Option<i32>, signal: Option<i32>, stop_requested: bool)
 }
 
 impl Agent {
-    fn take_devices(&self, want: usize, key: &str) -> Result<Vec<u32>> {
-        let mut free = crate::lock(&self.free);
-        let list = if key == "GPU" {
-            &mut free.gpus
+    fn take_devices(&self, amount: f64, key: &str) -> Result<Grant> {
+        let mut pools = crate::lock(&self.free);
+        let pool = if key == "GPU" {
+            &mut pools.0
         } else {
-            &mut free.npus
+            &mut pools.1
         };
-        if want > list.len() {
-            return Err(Error::new(
+        pool.take(amount).ok_or_else(|| {
+            Error::new(
                 FailureKind::InsufficientResources,
                 format!(
-                    "node has {} free {key} device(s), the actor needs {want}",
-                    list.len()
+                    "node has {} free whole {key} device(s) and no share with room, the actor needs {amount}",
+                    pool.free()
                 ),
-            ));
-        }
-        Ok(list.drain(..want).collect())
+            )
+        })
     }
 
-    fn give_back(&self, gpus: &[u32], npus: &[u32]) {
-        let mut free = crate::lock(&self.free);
-        free.gpus.extend_from_slice(gpus);
-        free.gpus.sort_unstable();
-        free.npus.extend_from_slice(npus);
-        free.npus.sort_unstable();
+    fn give_back(&self, gpus: &[(u32, f64)], npus: &[(u32, f64)]) {
+        let mut pools = crate::lock(&self.free);
+        pools.0.give_back(gpus);
+        pools.1.give_back(npus);
     }
 
     async fn start_actor(
@@ -126,8 +124,8 @@ impl Agent {
         // The head checked it too; a worker trusts no caller with its process environment.
         crate::head::validate::actor_env(spec.env.keys(), "ActorSpec.env")?;
         let domain = convert::spec_from_proto(&spec);
-        let gpus = self.take_devices(domain.resources.get("GPU").ceil() as usize, "GPU")?;
-        let npus = match self.take_devices(domain.resources.get("NPU").ceil() as usize, "NPU") {
+        let gpus = self.take_devices(domain.resources.get("GPU"), "GPU")?;
+        let npus = match self.take_devices(domain.resources.get("NPU"), "NPU") {
             Ok(n) => n,
             Err(e) => {
                 self.give_back(&gpus, &[]);
@@ -150,10 +148,11 @@ impl Agent {
         self: &Arc<Self>,
         actor_id: &str,
         spec: &pb::ActorSpec,
-        gpus: &[u32],
-        npus: &[u32],
+        gpus: &[(u32, f64)],
+        npus: &[(u32, f64)],
         timeout: Duration,
     ) -> Result<pb::ActorInfo> {
+        let (gpu_ids, npu_ids) = (grant_ids(gpus), grant_ids(npus));
         let log_dir = self.opts.state_dir.join("logs");
         let run_dir = self.opts.state_dir.join("run");
         for d in [&log_dir, &run_dir] {
@@ -195,8 +194,8 @@ impl Agent {
             .env(TOKEN_ENV, &self.opts.client.token)
             .env("RLHF_ACTOR_ID", actor_id)
             .env("RLHF_HEAD_ADDRESS", &self.opts.head_address)
-            .env("CUDA_VISIBLE_DEVICES", join(gpus))
-            .env("ASCEND_RT_VISIBLE_DEVICES", join(npus))
+            .env("CUDA_VISIBLE_DEVICES", join(&gpu_ids))
+            .env("ASCEND_RT_VISIBLE_DEVICES", join(&npu_ids))
             .stdin(std::process::Stdio::null())
             .stdout(log)
             .stderr(log2);
@@ -252,7 +251,7 @@ impl Agent {
             address,
             state: pb::ActorState::Alive as i32,
             pid,
-            devices: gpus.iter().chain(npus).copied().collect(),
+            devices: gpu_ids.iter().chain(&npu_ids).copied().collect(),
             log_file: log_file.display().to_string(),
             ..Default::default()
         };
@@ -449,7 +448,7 @@ pub async fn run(opts: WorkerOptions, shutdown: CancellationToken) -> Result<()>
         node_ip,
         node_id: Mutex::new(String::new()),
         actors: Mutex::new(HashMap::new()),
-        free: Mutex::new(devices),
+        free: Mutex::new((DevicePool::new(devices.gpus), DevicePool::new(devices.npus))),
         head,
         shutdown: shutdown.clone(),
     });

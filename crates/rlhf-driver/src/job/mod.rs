@@ -317,7 +317,13 @@ impl Loop<'_> {
         tokio::try_join!(
             cluster::join_comm(&self.roles.train, CommGroup::ActorDp, backend, t),
             cluster::join_comm(&self.roles.critic, CommGroup::CriticDp, backend, t),
-            cluster::join_comm(&weights, CommGroup::Weights, backend, t),
+            async {
+                if weights.members.is_empty() {
+                    Ok(())
+                } else {
+                    cluster::join_comm(&weights, CommGroup::Weights, backend, t).await
+                }
+            },
         )?;
         let resume_dir = resumed.as_ref().map(|(d, _)| d.clone());
         if let Some((dir, st)) = &resumed {

@@ -16,6 +16,10 @@ impl Loop<'_> {
     /// Broadcasts the trainer's weights to the rollout ranks and checks that every rank
     /// ends with the trainer's checksum.
     pub(super) async fn sync_weights(&self, version: u64) -> Res<f64> {
+        if self.roles.colocated {
+            // The rollout ranks generate with the trainers' own weights: nothing to move.
+            return Ok(0.0);
+        }
         let g = self.roles.weights_group();
         let (answers, secs) = timed(g.unary(
             self.opts.call_timeout,

@@ -1,0 +1,227 @@
+//! Tests of the head state: node life cycle, placement groups, actors, restart.
+
+use super::*;
+
+fn gpu_node(s: &mut HeadState, gpus: f64, now: i64) -> String {
+    s.register(
+        None,
+        NewNode {
+            hostname: "h".into(),
+            address: "127.0.0.1:1".into(),
+            total: Resources::new().with("GPU", gpus).with("CPU", 4.0),
+            cuda_roles: true,
+        },
+        vec![],
+        now,
+    )
+    .unwrap()
+}
+
+#[test]
+fn silent_node_dies_with_its_actors_and_comes_back() {
+    let mut s = HeadState::in_memory();
+    let a = gpu_node(&mut s, 2.0, 0);
+    let b = gpu_node(&mut s, 2.0, 0);
+    let actor = s
+        .reserve_actor(ActorSpec {
+            resources: Resources::new().with("GPU", 1.0),
+            ..Default::default()
+        })
+        .unwrap();
+    s.actor_started(&actor.actor_id, "x:1".into(), 7, vec![0], String::new())
+        .unwrap();
+    assert!(s.heartbeat(&a, 4_000));
+    assert!(s.heartbeat(&b, 4_000));
+    assert!(s.check_health(8_000, 5_000).unwrap().is_empty());
+    assert!(s.heartbeat(&b, 8_000));
+    // a last beat at 4s; at 9.1s it has been silent 5.1s.
+    let dead = s.check_health(9_100, 5_000).unwrap();
+    assert_eq!(dead, vec![a.clone()]);
+    assert!(
+        s.nodes[&a].death_reason.contains("no heartbeat for 5.1s"),
+        "{}",
+        s.nodes[&a].death_reason
+    );
+    assert_eq!(s.nodes[&b].state, NodeState::Alive);
+    let act = &s.actors[&actor.actor_id];
+    if act.node_id == a {
+        assert_eq!(act.state, ActorState::Dead);
+        assert!(act.reason.contains("died"));
+    }
+    // A dead node's heartbeat is refused, so it registers anew.
+    assert!(!s.heartbeat(&a, 9_200));
+    let again = s
+        .register(
+            Some(a.clone()),
+            NewNode {
+                hostname: "h".into(),
+                address: "127.0.0.1:1".into(),
+                total: Resources::new().with("GPU", 2.0),
+                cuda_roles: true,
+            },
+            vec![],
+            9_300,
+        )
+        .unwrap();
+    assert_eq!(again, a);
+    assert!(s.heartbeat(&a, 9_400));
+}
+
+#[test]
+fn placement_groups_reserve_and_release() {
+    let mut s = HeadState::in_memory();
+    let ids: Vec<String> = (0..3).map(|_| gpu_node(&mut s, 2.0, 0)).collect();
+    let pg = s
+        .create_pg(
+            "g",
+            Strategy::Spread,
+            vec![Resources::new().with("GPU", 2.0); 3],
+        )
+        .unwrap();
+    let mut on = pg.bundle_nodes.clone();
+    on.sort();
+    let mut want = ids.clone();
+    want.sort();
+    assert_eq!(on, want);
+    for id in &ids {
+        assert_eq!(s.available(id).get("GPU"), 0.0);
+    }
+    let e = s
+        .create_pg("h", Strategy::Pack, vec![Resources::new().with("GPU", 1.0)])
+        .unwrap_err();
+    assert_eq!(e.kind(), FailureKind::InsufficientResources);
+    s.remove_pg(&pg.pg_id).unwrap();
+    assert_eq!(s.available(&ids[0]).get("GPU"), 2.0);
+}
+
+#[test]
+fn actors_in_bundles_land_on_the_bundle_node() {
+    let mut s = HeadState::in_memory();
+    gpu_node(&mut s, 1.0, 0);
+    gpu_node(&mut s, 1.0, 0);
+    let pg = s
+        .create_pg(
+            "g",
+            Strategy::StrictSpread,
+            vec![Resources::new().with("GPU", 1.0); 2],
+        )
+        .unwrap();
+    let a = s
+        .reserve_actor(ActorSpec {
+            pg_id: pg.pg_id.clone(),
+            bundle_index: 1,
+            ..Default::default()
+        })
+        .unwrap();
+    assert_eq!(a.node_id, pg.bundle_nodes[1]);
+    assert_eq!(a.spec.resources.get("GPU"), 1.0, "takes the whole bundle");
+    let too_big = ActorSpec {
+        pg_id: pg.pg_id.clone(),
+        resources: Resources::new().with("GPU", 2.0),
+        ..Default::default()
+    };
+    assert!(s
+        .reserve_actor(too_big)
+        .unwrap_err()
+        .to_string()
+        .contains("holds {GPU: 1}"));
+    let e = s
+        .reserve_actor(ActorSpec {
+            pg_id: pg.pg_id.clone(),
+            bundle_index: 5,
+            ..Default::default()
+        })
+        .unwrap_err();
+    assert!(e.to_string().contains("out of range"), "{e}");
+}
+
+#[test]
+fn state_survives_restart_and_reregistration_reconciles_actors() {
+    let dir = tempfile::tempdir().unwrap();
+    let (node, kept, lost) = {
+        let mut s = HeadState::open(Store::open(dir.path()).unwrap(), 0).unwrap();
+        let node = gpu_node(&mut s, 2.0, 0);
+        s.create_pg("g", Strategy::Pack, vec![Resources::new().with("GPU", 1.0)])
+            .unwrap();
+        let kept = s.reserve_actor(ActorSpec::default()).unwrap().actor_id;
+        let lost = s.reserve_actor(ActorSpec::default()).unwrap().actor_id;
+        s.actor_started(&kept, "a:1".into(), 1, vec![], String::new())
+            .unwrap();
+        s.actor_started(&lost, "a:2".into(), 2, vec![], String::new())
+            .unwrap();
+        s.kv_put("nccl/id", b"abc".to_vec(), true).unwrap();
+        assert!(!s.kv_put("nccl/id", b"zzz".to_vec(), false).unwrap());
+        (node, kept, lost)
+    };
+    let mut s = HeadState::open(Store::open(dir.path()).unwrap(), 50_000).unwrap();
+    assert_eq!(s.nodes.len(), 1);
+    assert_eq!(s.pgs.len(), 1);
+    assert_eq!(s.kv["nccl/id"], b"abc");
+    // Grace period: not dead right after the restart.
+    assert!(s.check_health(51_000, 5_000).unwrap().is_empty());
+    let live = vec![LiveActor {
+        actor_id: kept.clone(),
+        address: "a:9".into(),
+        pid: 11,
+        devices: vec![],
+        log_file: String::new(),
+    }];
+    s.register(
+        Some(node.clone()),
+        NewNode {
+            hostname: "h".into(),
+            address: "x".into(),
+            total: Resources::new().with("GPU", 2.0),
+            cuda_roles: true,
+        },
+        live,
+        51_000,
+    )
+    .unwrap();
+    assert_eq!(s.actors[&kept].state, ActorState::Alive);
+    assert_eq!(s.actors[&kept].address, "a:9");
+    assert_eq!(s.actors[&lost].state, ActorState::Dead);
+    assert!(s.actors[&lost].reason.contains("not running"));
+}
+
+#[test]
+fn gpus_of_a_worker_without_cuda_roles_are_not_placed_and_the_error_says_why() {
+    let mut s = HeadState::in_memory();
+    let cpu_only = s
+        .register(
+            None,
+            NewNode {
+                hostname: "laptop".into(),
+                address: "127.0.0.1:2".into(),
+                total: Resources::new().with("GPU", 4.0).with("CPU", 4.0),
+                cuda_roles: false,
+            },
+            vec![],
+            1,
+        )
+        .unwrap();
+    let gpu = Resources::new().with("GPU", 1.0);
+    let err = s
+        .create_pg_for("job", Strategy::Pack, vec![gpu.clone()], true)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains(cpu_only.as_str()), "{err}");
+    assert!(err.contains("cannot run CUDA roles"), "{err}");
+    assert!(err.contains("--features cuda"), "{err}");
+    // CPU bundles still land there.
+    s.create_pg(
+        "cpu",
+        Strategy::Pack,
+        vec![Resources::new().with("CPU", 1.0)],
+    )
+    .unwrap();
+    // A worker that can run CUDA roles takes the GPU bundle.
+    let cuda = gpu_node(&mut s, 1.0, 2);
+    let pg = s
+        .create_pg_for("job2", Strategy::Pack, vec![gpu.clone()], true)
+        .unwrap();
+    assert_eq!(pg.bundle_nodes, vec![cuda]);
+    // A plain group (not CUDA roles) may use any node's GPUs.
+    let pg = s.create_pg("plain", Strategy::Pack, vec![gpu]).unwrap();
+    assert_eq!(pg.bundle_nodes, vec![cpu_only]);
+}
