@@ -230,11 +230,16 @@ impl PpoConfig {
         rows
     }
 
-    /// Rows whose estimate exceeds `resource_pool.device_memory_gb`.
+    /// Rows whose estimate exceeds `resource_pool.device_memory_gb`: the roles' rows, or
+    /// under `resource_pool.colocate` the phases of one shared device.
     pub fn memory_warnings(&self) -> Vec<String> {
         let cap = self.resource_pool.device_memory_gb;
-        self.memory_estimate()
-            .iter()
+        let rows = if self.resource_pool.colocate {
+            self.colocated_phases()
+        } else {
+            self.memory_estimate()
+        };
+        rows.iter()
             .filter(|r| gib(r.total()) > cap)
             .map(|r| {
                 format!(
@@ -272,7 +277,11 @@ impl PpoConfig {
             "{:<20} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8}  model",
             "role", "weights", "grads", "optim", "kv", "activ", "total"
         );
-        for r in self.memory_estimate() {
+        for r in self
+            .memory_estimate()
+            .into_iter()
+            .chain(self.colocated_phases())
+        {
             let _ = writeln!(
                 out,
                 "{:<20} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2}  {}",

@@ -155,3 +155,64 @@ fn a_colocated_job_plans_shares_of_one_device() {
     };
     assert!(msg.contains("num_gpus_for_infer (2) must equal"), "{msg}");
 }
+
+/// `check` on a colocated job reports what one device holds in each phase: every role's
+/// resident state (the rollout's weights are the trainer's, counted once) plus the phase's
+/// transient part, and warns on the phases, not on roles that no longer have devices of
+/// their own.
+#[test]
+fn a_colocated_job_is_estimated_per_phase() {
+    let plain = load(&configs(), "ppo_qwen25_05b", &[]).unwrap();
+    assert!(plain.colocated_phases().is_empty());
+    let o = |v: &[&str]| -> Vec<String> { v.iter().map(|s| s.to_string()).collect() };
+    let q = load(
+        &configs(),
+        "ppo_qwen25_05b",
+        &o(&["resource_pool.colocate=true"]),
+    )
+    .unwrap();
+    let phases = q.colocated_phases();
+    let labels: Vec<&str> = phases.iter().map(|r| r.label.as_str()).collect();
+    assert_eq!(
+        labels,
+        ["colocated/generate", "colocated/forward", "colocated/train"]
+    );
+    let roles = q.memory_estimate();
+    let by = |l: &str| roles.iter().find(|r| r.label == l).unwrap().clone();
+    let (train, infer, critic) = (
+        by("actor_rollout/train"),
+        by("actor_rollout/infer"),
+        by("critic"),
+    );
+    let resident: u64 = roles
+        .iter()
+        .filter(|r| r.label != "actor_rollout/infer")
+        .map(|r| r.weights + r.gradients + r.optimizer)
+        .sum();
+    let gen = &phases[0];
+    assert_eq!(gen.weights + gen.gradients + gen.optimizer, resident);
+    assert_eq!(gen.kv_cache, infer.kv_cache);
+    assert_eq!(
+        phases[2].activations,
+        train.activations + critic.activations
+    );
+    assert!(phases.iter().all(|p| p.total() > train.total()));
+    // On a 24 GiB card the phases do not fit; the warning names the phase.
+    let small = load(
+        &configs(),
+        "ppo_qwen25_05b",
+        &o(&[
+            "resource_pool.colocate=true",
+            "resource_pool.device_memory_gb=24",
+        ]),
+    )
+    .unwrap();
+    let w = small.memory_warnings();
+    assert!(w.iter().any(|w| w.contains("colocated/")), "{w:?}");
+    assert!(
+        !w.iter().any(|w| w.contains("actor_rollout/infer")),
+        "{w:?}"
+    );
+    let report = q.check_report(&[]);
+    assert!(report.contains("colocated/train"), "{report}");
+}

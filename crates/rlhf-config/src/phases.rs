@@ -1,0 +1,99 @@
+//! Per-phase memory peaks of a colocated job (`resource_pool.colocate`), for `check`.
+//!
+//! When every role shares the same devices, the per-role rows of the memory estimate no
+//! longer answer "does it fit": one device holds a rank of every role at once. The role
+//! processes stay loaded for the whole run, so their weights, gradients and optimizer state
+//! are resident in every phase (the colocated rollout generates with its trainer's weights:
+//! they are counted once); what changes between phases is the transient part:
+//!
+//! * generate: the rollout's KV cache and prefill activations;
+//! * forward: the forward activations of the old log-probs (the actor's model, as large as
+//!   the reference's), the reference log-probs and the reward model's scores, which run
+//!   together;
+//! * train: the actor's and the critic's training activations, which run together.
+//!
+//! One device is assumed to host one rank of every role (exact when every role has as many
+//! ranks as the pool has devices, an overestimate otherwise).
+
+use crate::config::PpoConfig;
+use crate::memory::MemoryRow;
+use crate::RoleKind;
+
+/// The phases of a PPO step whose peaks differ.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    Generate,
+    Forward,
+    Train,
+}
+
+impl Phase {
+    pub const ALL: [Phase; 3] = [Phase::Generate, Phase::Forward, Phase::Train];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::Generate => "generate",
+            Phase::Forward => "forward",
+            Phase::Train => "train",
+        }
+    }
+}
+
+impl PpoConfig {
+    /// Under `resource_pool.colocate`, what one device holds at the peak of each phase
+    /// (labelled `colocated/<phase>`); empty otherwise.
+    pub fn colocated_phases(&self) -> Vec<MemoryRow> {
+        if !self.resource_pool.colocate {
+            return Vec::new();
+        }
+        let rows = self.memory_estimate();
+        let row = |label: &str| rows.iter().find(|r| r.label == label);
+        let act = |label: &str| row(label).map_or(0, |r| r.activations);
+        let sum = |f: fn(&MemoryRow) -> u64| {
+            rows.iter()
+                .filter(|r| r.label != "actor_rollout/infer")
+                .fold(0u64, |a, r| a.saturating_add(f(r)))
+        };
+        let (weights, gradients, optimizer) = (
+            sum(|r| r.weights),
+            sum(|r| r.gradients),
+            sum(|r| r.optimizer),
+        );
+        let reference = RoleKind::Ref.to_string();
+        let reward = RoleKind::Reward.to_string();
+        let critic = RoleKind::Critic.to_string();
+        Phase::ALL
+            .iter()
+            .map(|&phase| {
+                let (kv_cache, activations) = match phase {
+                    Phase::Generate => (
+                        row("actor_rollout/infer").map_or(0, |r| r.kv_cache),
+                        act("actor_rollout/infer"),
+                    ),
+                    Phase::Forward => (
+                        0,
+                        act(&reference)
+                            .saturating_mul(2)
+                            .saturating_add(act(&reward)),
+                    ),
+                    Phase::Train => (0, act("actor_rollout/train").saturating_add(act(&critic))),
+                };
+                MemoryRow {
+                    label: format!("colocated/{}", phase.as_str()),
+                    role: RoleKind::ActorRollout,
+                    model: "every role on one device".into(),
+                    params: rows
+                        .iter()
+                        .filter(|r| r.label != "actor_rollout/infer")
+                        .map(|r| r.params)
+                        .sum(),
+                    weights,
+                    gradients,
+                    optimizer,
+                    kv_cache,
+                    activations,
+                }
+            })
+            .collect()
+    }
+}
