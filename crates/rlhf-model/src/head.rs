@@ -210,26 +210,17 @@ mod tests {
             .unwrap()
     }
 
-    /// Log-probs, entropies and the gradients of a weighted sum of both, chunked and not.
-    fn run(
-        chunk: usize,
-        vocab_tile: usize,
-        fused: bool,
-    ) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
+    type Outputs = (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>);
+
+    /// Log-probs, entropies and the gradients (of `h` and `w`) of a weighted sum of both,
+    /// from `head(h, w, targets) -> (log-probs, entropies)`.
+    fn outputs(head: impl Fn(&Tensor, &Tensor, &Tensor) -> (Tensor, Tensor)) -> Outputs {
         let (n, hd, v) = (13, 8, 37);
         let h = Var::from_tensor(&rand((n, hd), 1, DType::F32)).unwrap();
         let w = Var::from_tensor(&rand((v, hd), 2, DType::F32)).unwrap();
         let targets: Vec<u32> = (0..n as u32).map(|i| (i * 7) % v as u32).collect();
         let targets = Tensor::new(targets.as_slice(), &Device::Cpu).unwrap();
-        let o = HeadOpts {
-            temperature: 0.7,
-            with_entropy: true,
-            chunk,
-            fused,
-            vocab_tile,
-        };
-        let (lp, ent) = log_probs_entropy(h.as_tensor(), w.as_tensor(), &targets, o).unwrap();
-        let ent = ent.unwrap();
+        let (lp, ent) = head(h.as_tensor(), w.as_tensor(), &targets);
         let weights = rand((1, n), 3, DType::F32).squeeze(0).unwrap();
         let loss = ((&lp * &weights).unwrap().sum_all().unwrap()
             + (&ent * 0.3).unwrap().sum_all().unwrap())
@@ -242,6 +233,32 @@ mod tests {
             flat(grads.get(h.as_tensor()).unwrap()),
             flat(grads.get(w.as_tensor()).unwrap()),
         )
+    }
+
+    /// Chunked over tokens (`chunk`) and, in backward, over the vocabulary (`vocab_tile`).
+    fn run(chunk: usize, vocab_tile: usize, fused: bool) -> Outputs {
+        outputs(|h, w, targets| {
+            let o = HeadOpts {
+                temperature: 0.7,
+                with_entropy: true,
+                chunk,
+                fused,
+                vocab_tile,
+            };
+            let (lp, ent) = log_probs_entropy(h, w, targets, o).unwrap();
+            (lp, ent.unwrap())
+        })
+    }
+
+    /// The unchunked reference: the plain differentiable path on full logits.
+    fn plain(fused: bool) -> Outputs {
+        outputs(|h, w, targets| {
+            let logits = h.matmul(&w.t().unwrap()).unwrap();
+            (
+                ops::log_probs_impl(&logits, targets, 0.7, fused).unwrap(),
+                ops::entropy_impl(&logits, 0.7, fused).unwrap(),
+            )
+        })
     }
 
     fn max_diff(a: &[f32], b: &[f32]) -> f32 {
@@ -249,30 +266,6 @@ mod tests {
             .zip(b)
             .map(|(x, y)| (x - y).abs())
             .fold(0.0, f32::max)
-    }
-
-    /// The unchunked reference: the plain differentiable path on full logits.
-    fn plain(fused: bool) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
-        let (n, hd, v) = (13, 8, 37);
-        let h = Var::from_tensor(&rand((n, hd), 1, DType::F32)).unwrap();
-        let w = Var::from_tensor(&rand((v, hd), 2, DType::F32)).unwrap();
-        let targets: Vec<u32> = (0..n as u32).map(|i| (i * 7) % v as u32).collect();
-        let targets = Tensor::new(targets.as_slice(), &Device::Cpu).unwrap();
-        let logits = h.as_tensor().matmul(&w.as_tensor().t().unwrap()).unwrap();
-        let lp = ops::log_probs_impl(&logits, &targets, 0.7, fused).unwrap();
-        let ent = ops::entropy_impl(&logits, 0.7, fused).unwrap();
-        let weights = rand((1, n), 3, DType::F32).squeeze(0).unwrap();
-        let loss = ((&lp * &weights).unwrap().sum_all().unwrap()
-            + (&ent * 0.3).unwrap().sum_all().unwrap())
-        .unwrap();
-        let grads = loss.backward().unwrap();
-        let flat = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        (
-            flat(&lp),
-            flat(&ent),
-            flat(grads.get(h.as_tensor()).unwrap()),
-            flat(grads.get(w.as_tensor()).unwrap()),
-        )
     }
 
     #[test]

@@ -250,6 +250,34 @@ impl Cluster {
         format!("127.0.0.1:{}", self.port)
     }
 
+    /// `rlhf-head run --address <this cluster> --config-name ppo_tiny` from the repository,
+    /// with its token file, checkpoints, metrics and samples under `out`, then `extra`.
+    pub fn ppo_run_cmd(&self, out: &Path, extra: &[&str]) -> Command {
+        let mut cmd = Command::new(bin("rlhf-head"));
+        cmd.current_dir(repo_root())
+            .args([
+                "run",
+                "--address",
+                &self.address(),
+                "--config-name",
+                "ppo_tiny",
+            ])
+            .arg(format!("checkpoint.dir={}", out.join("ckpt").display()))
+            .arg(format!(
+                "logging.metrics_file={}",
+                out.join("metrics.jsonl").display()
+            ))
+            .arg(format!(
+                "logging.samples_file={}",
+                out.join("samples.jsonl").display()
+            ))
+            .args(extra)
+            .arg("--token-file")
+            .arg(self.token_file())
+            .env_remove("RLHF_TOKEN");
+        cmd
+    }
+
     /// Starts a head on a free port with the given extra flags and waits until it serves.
     pub fn start(head_args: &[&str]) -> Result<Cluster> {
         let dir = tempfile::tempdir()?;

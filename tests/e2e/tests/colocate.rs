@@ -7,7 +7,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use rlhf_e2e::{bin, repo_root, Cluster, Proc};
+use rlhf_e2e::{bin, Cluster, Proc};
 use serde_json::Value;
 
 #[test]
@@ -16,28 +16,10 @@ fn a_colocated_ppo_job_runs_on_one_device_and_climbs() -> Result<()> {
     c.add_worker(r#"{"CPU": 1}"#)?;
     c.wait_alive_nodes(1, Duration::from_secs(30))?;
     let job = c.dir.path().join("job");
-    let mut cmd = Command::new(bin("rlhf-head"));
-    cmd.current_dir(repo_root())
-        .args([
-            "run",
-            "--address",
-            &c.address(),
-            "--config-name",
-            "ppo_tiny",
-        ])
-        .args(["resource_pool.colocate=true", "checkpoint.save_steps=0"])
-        .arg(format!("checkpoint.dir={}", job.join("ckpt").display()))
-        .arg(format!(
-            "logging.metrics_file={}",
-            job.join("metrics.jsonl").display()
-        ))
-        .arg(format!(
-            "logging.samples_file={}",
-            job.join("samples.jsonl").display()
-        ))
-        .arg("--token-file")
-        .arg(c.token_file())
-        .env_remove("RLHF_TOKEN");
+    let mut cmd = c.ppo_run_cmd(
+        &job,
+        &["resource_pool.colocate=true", "checkpoint.save_steps=0"],
+    );
     let mut p = Proc::spawn("colocated", c.dir.path(), &mut cmd)?;
     let st = p.wait_exit(Duration::from_secs(900))?;
     let out = p.output();

@@ -6,7 +6,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use rlhf_e2e::{bin, repo_root, Cluster, Proc};
+use rlhf_e2e::{bin, Cluster, Proc};
 
 /// What the worker executable says of itself (its hidden `capabilities` subcommand).
 fn worker_runs_cuda_roles() -> Result<bool> {
@@ -36,30 +36,16 @@ fn gpu_roles_are_not_placed_on_a_worker_without_cuda_and_the_error_says_why() ->
     let status = c.wait_alive_nodes(1, Duration::from_secs(30))?;
     assert_eq!(status["resources"]["total"]["GPU"], 4.0, "{status}");
     let job = c.dir.path().join("job");
-    let mut cmd = Command::new(bin("rlhf-head"));
-    cmd.current_dir(repo_root())
-        .args([
-            "run",
-            "--address",
-            &c.address(),
-            "--config-name",
-            "ppo_tiny",
-        ])
-        .args([
+    let mut cmd = c.ppo_run_cmd(
+        &job,
+        &[
             "resource_pool.device=GPU",
             "training.train_iters=1",
             "checkpoint.save_steps=0",
             "--start-timeout",
             "3",
-        ])
-        .arg(format!("checkpoint.dir={}", job.join("ckpt").display()))
-        .arg(format!(
-            "logging.metrics_file={}",
-            job.join("metrics.jsonl").display()
-        ))
-        .arg("--token-file")
-        .arg(c.token_file())
-        .env_remove("RLHF_TOKEN");
+        ],
+    );
     let mut p = Proc::spawn("gpu-run", c.dir.path(), &mut cmd)?;
     let st = p.wait_exit(Duration::from_secs(120))?;
     let out = p.output();
