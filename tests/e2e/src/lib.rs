@@ -253,28 +253,10 @@ impl Cluster {
     /// `rlhf-head run --address <this cluster> --config-name ppo_tiny` from the repository,
     /// with its token file, checkpoints, metrics and samples under `out`, then `extra`.
     pub fn ppo_run_cmd(&self, out: &Path, extra: &[&str]) -> Command {
-        let mut cmd = Command::new(bin("rlhf-head"));
-        cmd.current_dir(repo_root())
-            .args([
-                "run",
-                "--address",
-                &self.address(),
-                "--config-name",
-                "ppo_tiny",
-            ])
-            .arg(format!("checkpoint.dir={}", out.join("ckpt").display()))
-            .arg(format!(
-                "logging.metrics_file={}",
-                out.join("metrics.jsonl").display()
-            ))
-            .arg(format!(
-                "logging.samples_file={}",
-                out.join("samples.jsonl").display()
-            ))
-            .args(extra)
+        let mut cmd = ppo_run_cmd(out, extra);
+        cmd.args(["--address", &self.address()])
             .arg("--token-file")
-            .arg(self.token_file())
-            .env_remove("RLHF_TOKEN");
+            .arg(self.token_file());
         cmd
     }
 
