@@ -11,7 +11,8 @@
 #                libnccl.so.2 exists, and every binary checked for unresolved libraries (always)
 #   tests        rlhf-model's integration tests (gpu-bin/tests/*), which run on cuda:0 too
 #   parity       gpu-bin/gpu_parity: fixture models on cuda:0 (f32, bf16) against the CPU
-#   ppo          a 5-step ppo_tiny job with every role on a GPU (needs 4 GPUs)
+#   ppo          a 5-step ppo_tiny job with every role on a GPU (needs 4 GPUs), and the same
+#                colocated on one GPU (resource_pool.colocate)
 #   bench        scripts/gpu_bench.sh, rlhf-model against PyTorch at Qwen2.5-0.5B's shape
 # Ends with `gpu-check: P passed, F failed, S skipped`; exits 1 when anything failed.
 #   PYTHON=python3          the Python with torch (+ transformers for the bench)
@@ -180,24 +181,33 @@ if want parity; then
 fi
 
 # --- (e) a PPO job on the GPUs ---
+# With 4 GPUs or more each role gets its own; with fewer, every role shares them
+# (resource_pool.colocate: fractional bundles, the rollout inside the trainer process).
+ppo_on_gpus() { # name, extra overrides...
+    local name="$1" metrics="$TMP/$1/metrics.jsonl" rc=0 lines=0
+    shift
+    timeout "$T" "$BIN/rlhf-head" run --config-name ppo_tiny resource_pool.device=GPU \
+        training.train_iters=5 checkpoint.save_steps=0 checkpoint.dir="$TMP/$name/checkpoints" \
+        logging.metrics_file="$metrics" logging.samples_file="$TMP/$name/samples.jsonl" \
+        logging.progress=false "$@" || rc=$?
+    [ -f "$metrics" ] && lines="$(wc -l <"$metrics")"
+    if [ "$rc" = 0 ] && [ "$lines" -eq 5 ]; then
+        pass "ppo_tiny $name: 5 steps, 5 metrics lines"
+    else
+        fail "ppo_tiny $name (exit $rc, $lines metrics lines, expected 5)"
+    fi
+}
 if want ppo; then
     header "ppo_tiny on GPUs"
     if [ "$NGPU" -ge 4 ]; then
-        metrics="$TMP/ppo/metrics.jsonl"
-        rc=0
-        timeout "$T" "$BIN/rlhf-head" run --config-name ppo_tiny resource_pool.device=GPU \
-            training.train_iters=5 checkpoint.save_steps=0 checkpoint.dir="$TMP/ppo/checkpoints" \
-            logging.metrics_file="$metrics" logging.samples_file="$TMP/ppo/samples.jsonl" \
-            logging.progress=false || rc=$?
-        lines=0
-        [ -f "$metrics" ] && lines="$(wc -l <"$metrics")"
-        if [ "$rc" = 0 ] && [ "$lines" -eq 5 ]; then
-            pass "ppo_tiny on GPUs: 5 steps, 5 metrics lines"
-        else
-            fail "ppo_tiny on GPUs (exit $rc, $lines metrics lines, expected 5)"
-        fi
+        ppo_on_gpus "on-4-gpus"
     else
-        skip "ppo on GPUs: ppo_tiny needs 4 devices and this machine has $NGPU GPU(s); one-GPU jobs need colocated roles (issue: share devices)"
+        skip "ppo_tiny with a GPU per role: needs 4 GPUs, this machine has $NGPU"
+    fi
+    if [ "$NGPU" -ge 1 ]; then
+        ppo_on_gpus "colocated-on-one-gpu" resource_pool.colocate=true
+    else
+        skip "ppo_tiny colocated: no GPU"
     fi
 fi
 
