@@ -29,6 +29,10 @@ impl Gradients {
     /// `gradient_checkpointing` must be differentiated through here (or [`GradAccumulator`]),
     /// not with a bare `loss.backward()`.
     pub fn backward(loss: &Tensor, vars: &[(String, Var)]) -> Result<Self> {
+        // Anything a failed earlier backward left parked belongs to no loss: drop it.
+        for (_, var) in vars {
+            crate::checkpoint::take(var.as_tensor())?;
+        }
         let store = loss.backward()?;
         let mut out = Self::from_store(&store, vars);
         for (name, var) in vars {
