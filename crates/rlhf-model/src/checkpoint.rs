@@ -30,10 +30,7 @@ pub(crate) fn stash(params: &[Tensor], grads: &GradStore) -> candle_core::Result
     let mut map = lock()?;
     for p in params {
         if let Some(g) = grads.get(p) {
-            let sum = match map.remove(&p.id()) {
-                Some(prev) => (prev + g)?,
-                None => g.clone(),
-            };
+            let sum = crate::train::add_to(map.remove(&p.id()), g.clone())?;
             map.insert(p.id(), sum);
         }
     }

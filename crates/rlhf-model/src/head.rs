@@ -14,6 +14,7 @@ use candle_core::{DType, Tensor};
 
 use crate::error::Result;
 use crate::ops;
+use crate::train::add_to;
 
 /// What one call computes.
 #[derive(Debug, Clone, Copy)]
@@ -26,15 +27,6 @@ pub(crate) struct HeadOpts {
     pub fused: bool,
     /// Vocabulary columns per backward tile ([`VOCAB_TILE`] outside tests).
     pub vocab_tile: usize,
-}
-
-/// Results leave in f32 (f64 for f64 activations, for precision tests).
-fn out_dtype(h: &Tensor) -> DType {
-    if h.dtype() == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    }
 }
 
 fn spans(n: usize, chunk: usize) -> impl Iterator<Item = (usize, usize)> {
@@ -87,10 +79,11 @@ fn forward(h: &Tensor, w: &Tensor, targets: &Tensor, o: HeadOpts) -> Result<(Ten
     let w = w.detach().to_dtype(h.dtype())?;
     let wt = w.t()?;
     let scale = 1.0 / o.temperature;
+    let f = ops::wide_dtype(h.dtype());
     let mut rows = Vec::new();
     let mut lses = Vec::new();
     for (s, len) in spans(h.dim(0)?, o.chunk) {
-        let logits = h.narrow(0, s, len)?.matmul(&wt)?.to_dtype(out_dtype(&h))?;
+        let logits = h.narrow(0, s, len)?.matmul(&wt)?.to_dtype(f)?;
         let t = targets.narrow(0, s, len)?;
         let lp = ops::log_probs_impl(&logits, &t, o.temperature, o.fused)?;
         let ent = if o.with_entropy {
@@ -128,7 +121,7 @@ fn backward(
     let h = h.detach();
     let g = g.detach();
     let dev = h.device().clone();
-    let f = out_dtype(&h);
+    let f = ops::wide_dtype(h.dtype());
     let scale = 1.0 / o.temperature;
     let wc = w.detach().to_dtype(h.dtype())?;
     let (n, v) = (h.dim(0)?, wc.dim(0)?);
@@ -139,11 +132,7 @@ fn backward(
     let ent = saved.entropy.to_dtype(f)?.unsqueeze(1)?;
     let targets = saved.targets.to_dtype(DType::U32)?.unsqueeze(1)?;
     // dW is summed in f32 (f64 for f64 weights) and cast to the weight's dtype once.
-    let acc = if w.dtype() == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    };
+    let acc = ops::wide_dtype(w.dtype());
     let mut dh: Vec<Option<Tensor>> = vec![None; chunks.len()];
     // Written tile by tile in place: no second [V, H] buffer for a concatenation.
     let dw = Tensor::zeros((v, wc.dim(1)?), acc, &dev)?;
@@ -169,15 +158,9 @@ fn backward(
             }
             let dl = (dz * scale)?.to_dtype(h.dtype())?;
             let dhc = dl.matmul(&w_tile)?;
-            dh[k] = Some(match dh[k].take() {
-                Some(a) => (a + dhc)?,
-                None => dhc,
-            });
+            dh[k] = Some(add_to(dh[k].take(), dhc)?);
             let dwc = dl.t()?.matmul(&hc)?.to_dtype(acc)?;
-            dw_tile = Some(match dw_tile {
-                Some(a) => (a + dwc)?,
-                None => dwc,
-            });
+            dw_tile = Some(add_to(dw_tile.take(), dwc)?);
         }
         if let Some(t) = dw_tile {
             dw.slice_set(&t.contiguous()?, 0, v0)?;

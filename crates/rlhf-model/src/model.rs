@@ -441,7 +441,7 @@ impl Model {
         Ok(head
             .forward(&h)?
             .squeeze(D::Minus1)?
-            .to_dtype(output_dtype(h.dtype()))?)
+            .to_dtype(ops::wide_dtype(h.dtype()))?)
     }
 
     /// Score-head outputs at every position `[B, T, num_labels]`.
@@ -486,7 +486,7 @@ impl Model {
             .reshape((b * t, 1))?
             .index_select(&idx, 0)?
             .squeeze(1)?
-            .to_dtype(output_dtype(logits.dtype()))?)
+            .to_dtype(ops::wide_dtype(logits.dtype()))?)
     }
 
     /// HF architecture written on save.
@@ -558,15 +558,6 @@ impl Model {
             crate::tokenizer::copy_tokenizer_files(src, dir)?;
         }
         Ok(())
-    }
-}
-
-/// Head outputs leave the model in f32 (f64 kept for precision tests).
-fn output_dtype(dtype: DType) -> DType {
-    if dtype == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
     }
 }
 

@@ -16,14 +16,20 @@ fn internal_dtype(logits: &Tensor) -> DType {
     }
 }
 
-/// f32 results (f64 for f64 logits) whatever the internal dtype.
-fn output(t: Tensor, logits: &Tensor) -> Result<Tensor> {
-    let want = if logits.dtype() == DType::F64 {
+/// The dtype precision-sensitive work is done and returned in for activations of `dtype`:
+/// f32 (bf16 and f16 are widened), f64 kept for precision tests. One rule for log-probs,
+/// entropies, values, scores, norms and softmaxes.
+pub(crate) fn wide_dtype(dtype: DType) -> DType {
+    if dtype == DType::F64 {
         DType::F64
     } else {
         DType::F32
-    };
-    Ok(t.to_dtype(want)?)
+    }
+}
+
+/// f32 results (f64 for f64 logits) whatever the internal dtype.
+fn output(t: Tensor, logits: &Tensor) -> Result<Tensor> {
+    Ok(t.to_dtype(wide_dtype(logits.dtype()))?)
 }
 
 fn scaled_log_softmax(logits: &Tensor, temperature: f64) -> Result<Tensor> {

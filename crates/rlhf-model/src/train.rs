@@ -8,6 +8,14 @@ use candle_core::{DType, Tensor, Var};
 
 use crate::error::{Error, Result};
 
+/// `acc + t`, or `t` when nothing was summed yet: how gradients pile up.
+pub(crate) fn add_to(acc: Option<Tensor>, t: Tensor) -> candle_core::Result<Tensor> {
+    match acc {
+        Some(a) => a + t,
+        None => Ok(t),
+    }
+}
+
 /// Gradients keyed by parameter name.
 #[derive(Debug, Clone, Default)]
 pub struct Gradients {
@@ -37,10 +45,7 @@ impl Gradients {
         let mut out = Self::from_store(&store, vars);
         for (name, var) in vars {
             if let Some(g) = crate::checkpoint::take(var.as_tensor())? {
-                let sum = match out.grads.remove(name) {
-                    Some(prev) => (prev + g)?,
-                    None => g,
-                };
+                let sum = add_to(out.grads.remove(name), g)?;
                 out.grads.insert(name.clone(), sum);
             }
         }
@@ -124,10 +129,7 @@ impl Gradients {
     pub fn add_scaled(&mut self, other: &Gradients, scale: f64) -> Result<()> {
         for (n, g) in &other.grads {
             let g = (g * scale)?;
-            let sum = match self.grads.remove(n) {
-                Some(acc) => (acc + g)?,
-                None => g,
-            };
+            let sum = add_to(self.grads.remove(n), g)?;
             self.grads.insert(n.clone(), sum);
         }
         Ok(())

@@ -146,12 +146,7 @@ fn rms_norm(xs: &Tensor, w: &Tensor, eps: f64, kernels: Kernels) -> Result<Tenso
     }
     // Computed in f32 like transformers, then cast back before the weight multiply.
     let dtype = xs.dtype();
-    let internal = if dtype == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    };
-    let x = xs.to_dtype(internal)?;
+    let x = xs.to_dtype(crate::ops::wide_dtype(dtype))?;
     let var = x.sqr()?.mean_keepdim(D::Minus1)?;
     let x = x.broadcast_mul(&(var + eps)?.sqrt()?.recip()?)?;
     Ok(x.to_dtype(dtype)?.broadcast_mul(w)?)
@@ -159,12 +154,7 @@ fn rms_norm(xs: &Tensor, w: &Tensor, eps: f64, kernels: Kernels) -> Result<Tenso
 
 fn softmax_last(xs: &Tensor, fast: bool) -> Result<Tensor> {
     let dtype = xs.dtype();
-    let internal = if dtype == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    };
-    let x = xs.to_dtype(internal)?;
+    let x = xs.to_dtype(crate::ops::wide_dtype(dtype))?;
     let p = if fast {
         candle_nn::ops::softmax_last_dim(&x)?
     } else {
