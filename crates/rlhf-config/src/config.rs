@@ -165,7 +165,7 @@ pub struct ResourcePool {
     /// device holding a fraction of every role (fractional bundles), and each actor trainer
     /// rank generating with its own weights (the hybrid engine: no second copy of the
     /// policy, no weight sync). Needs `actor_rollout.num_gpus_for_infer` equal to
-    /// `num_gpus_for_train` (or 0).
+    /// `num_gpus_for_train`.
     pub colocate: bool,
 }
 
@@ -638,8 +638,9 @@ impl PpoConfig {
         }
     }
 
-    /// Processes a role runs: its ranks, except that colocated rollout ranks live in the
-    /// trainer processes.
+    /// A role's processes that hold devices (one bundle each): its ranks, except that
+    /// colocated rollout ranks live in the trainer processes; 0 for a role without devices
+    /// (a rule or HTTP reward, whose one process runs on the node's CPU).
     pub fn role_processes(&self, role: RoleKind) -> u32 {
         if !self.role_enabled(role) {
             return 0;

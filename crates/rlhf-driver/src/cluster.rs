@@ -43,13 +43,18 @@ impl Roles {
         ]
     }
 
+    /// Whether `g`'s ranks live in other groups' processes: the colocated rollout ranks,
+    /// which are the trainers'.
+    fn hosted_elsewhere(&self, g: &WorkerGroup) -> bool {
+        self.colocated && g.id == self.infer.id
+    }
+
     /// Every role process once, with the group it serves (a colocated rollout rank is its
     /// trainer's process and is not listed twice).
     pub fn all_members(&self) -> impl Iterator<Item = (&WorkerGroup, usize, &Member)> {
-        let colocated = self.colocated;
         self.groups()
             .into_iter()
-            .filter(move |g| !(colocated && g.id == self.infer.id))
+            .filter(move |g| !self.hosted_elsewhere(g))
             .flat_map(|g| g.members.iter().enumerate().map(move |(i, m)| (g, i, m)))
     }
 
@@ -337,7 +342,7 @@ pub async fn init_roles(
     let (first, then): (Vec<&WorkerGroup>, Vec<&WorkerGroup>) = roles
         .groups()
         .into_iter()
-        .partition(|g| !(roles.colocated && g.id == roles.infer.id));
+        .partition(|g| !roles.hosted_elsewhere(g));
     for phase in [first, then] {
         out.extend(init_groups(&phase, cfg, job_id, timeout).await?);
     }

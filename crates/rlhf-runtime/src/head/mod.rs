@@ -346,7 +346,7 @@ impl HeadService for Head {
         loop {
             let res = self
                 .lock()
-                .create_pg_for(&r.name, strategy, bundles.clone(), r.cuda_roles);
+                .create_pg(&r.name, strategy, bundles.clone(), r.cuda_roles);
             match res {
                 Ok(pg) => {
                     tracing::info!(pg = %pg.pg_id, name = %pg.name, nodes = ?pg.bundle_nodes, "placement group created");

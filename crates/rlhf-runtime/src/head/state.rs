@@ -354,18 +354,9 @@ impl HeadState {
         Ok(())
     }
 
-    /// Tries to reserve a placement group now: all bundles or none.
+    /// Tries to reserve a placement group now: all bundles or none. With `cuda_roles` the
+    /// bundles host CUDA roles, and GPUs count only on nodes whose worker can run them.
     pub fn create_pg(
-        &mut self,
-        name: &str,
-        strategy: Strategy,
-        bundles: Vec<Resources>,
-    ) -> Result<PgRecord> {
-        self.create_pg_for(name, strategy, bundles, false)
-    }
-
-    /// As [`HeadState::create_pg`]; with `cuda_roles`, GPUs only on nodes that run CUDA roles.
-    pub fn create_pg_for(
         &mut self,
         name: &str,
         strategy: Strategy,

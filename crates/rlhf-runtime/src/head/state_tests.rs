@@ -76,6 +76,7 @@ fn placement_groups_reserve_and_release() {
             "g",
             Strategy::Spread,
             vec![Resources::new().with("GPU", 2.0); 3],
+            false,
         )
         .unwrap();
     let mut on = pg.bundle_nodes.clone();
@@ -87,7 +88,12 @@ fn placement_groups_reserve_and_release() {
         assert_eq!(s.available(id).get("GPU"), 0.0);
     }
     let e = s
-        .create_pg("h", Strategy::Pack, vec![Resources::new().with("GPU", 1.0)])
+        .create_pg(
+            "h",
+            Strategy::Pack,
+            vec![Resources::new().with("GPU", 1.0)],
+            false,
+        )
         .unwrap_err();
     assert_eq!(e.kind(), FailureKind::InsufficientResources);
     s.remove_pg(&pg.pg_id).unwrap();
@@ -104,6 +110,7 @@ fn actors_in_bundles_land_on_the_bundle_node() {
             "g",
             Strategy::StrictSpread,
             vec![Resources::new().with("GPU", 1.0); 2],
+            false,
         )
         .unwrap();
     let a = s
@@ -141,8 +148,13 @@ fn state_survives_restart_and_reregistration_reconciles_actors() {
     let (node, kept, lost) = {
         let mut s = HeadState::open(Store::open(dir.path()).unwrap(), 0).unwrap();
         let node = gpu_node(&mut s, 2.0, 0);
-        s.create_pg("g", Strategy::Pack, vec![Resources::new().with("GPU", 1.0)])
-            .unwrap();
+        s.create_pg(
+            "g",
+            Strategy::Pack,
+            vec![Resources::new().with("GPU", 1.0)],
+            false,
+        )
+        .unwrap();
         let kept = s.reserve_actor(ActorSpec::default()).unwrap().actor_id;
         let lost = s.reserve_actor(ActorSpec::default()).unwrap().actor_id;
         s.actor_started(&kept, "a:1".into(), 1, vec![], String::new())
@@ -202,7 +214,7 @@ fn gpus_of_a_worker_without_cuda_roles_are_not_placed_and_the_error_says_why() {
         .unwrap();
     let gpu = Resources::new().with("GPU", 1.0);
     let err = s
-        .create_pg_for("job", Strategy::Pack, vec![gpu.clone()], true)
+        .create_pg("job", Strategy::Pack, vec![gpu.clone()], true)
         .unwrap_err()
         .to_string();
     assert!(err.contains(cpu_only.as_str()), "{err}");
@@ -213,15 +225,18 @@ fn gpus_of_a_worker_without_cuda_roles_are_not_placed_and_the_error_says_why() {
         "cpu",
         Strategy::Pack,
         vec![Resources::new().with("CPU", 1.0)],
+        false,
     )
     .unwrap();
     // A worker that can run CUDA roles takes the GPU bundle.
     let cuda = gpu_node(&mut s, 1.0, 2);
     let pg = s
-        .create_pg_for("job2", Strategy::Pack, vec![gpu.clone()], true)
+        .create_pg("job2", Strategy::Pack, vec![gpu.clone()], true)
         .unwrap();
     assert_eq!(pg.bundle_nodes, vec![cuda]);
     // A plain group (not CUDA roles) may use any node's GPUs.
-    let pg = s.create_pg("plain", Strategy::Pack, vec![gpu]).unwrap();
+    let pg = s
+        .create_pg("plain", Strategy::Pack, vec![gpu], false)
+        .unwrap();
     assert_eq!(pg.bundle_nodes, vec![cpu_only]);
 }
