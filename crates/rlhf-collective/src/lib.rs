@@ -7,6 +7,8 @@
 //!   rendezvous and the wire format.
 //! - [`BucketedSync`] and [`checksum`]: named-parameter weight sync in fixed-size
 //!   buckets, and a content hash proving both sides hold the same weights.
+//! - [`ShmCommunicator`] (Linux): the same trait through a shared-memory segment, for ranks
+//!   on one host (trainer → rollout weight sync without the TCP stack), see [`shm`].
 //! - `NcclCommunicator` (feature `nccl`): the same trait over NCCL through cudarc.
 //!
 //! Every wait on a peer is bounded by [`CommConfig::timeout`]; a dead or stuck peer
@@ -40,6 +42,8 @@ mod bucket;
 mod error;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+#[cfg(target_os = "linux")]
+pub mod shm;
 pub mod tcp;
 
 use std::time::Duration;
@@ -51,6 +55,8 @@ pub use error::{Error, ErrorKind, Op, Result};
 #[cfg(feature = "nccl")]
 pub use nccl::NcclCommunicator;
 pub use rlhf_types::Checksum;
+#[cfg(target_os = "linux")]
+pub use shm::{ShmCommunicator, ShmRendezvous};
 pub use tcp::{CommSecret, CommTls, TcpCommunicator, TcpRendezvous};
 
 /// Reduction applied element-wise by all-reduce.

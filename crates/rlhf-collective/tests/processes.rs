@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use common::{config, pattern};
 use rlhf_collective::{
-    checksum, BucketedSync, CommConfig, Communicator, Param, ParamMut, ReduceOp, TcpCommunicator,
-    TcpRendezvous,
+    checksum, BucketedSync, CommConfig, CommSecret, Communicator, Param, ParamMut, ReduceOp,
+    ShmCommunicator, ShmRendezvous, TcpCommunicator, TcpRendezvous,
 };
 
 const ROLE: &str = "RLHF_COLLECTIVE_TEST_ROLE";
@@ -44,7 +44,7 @@ fn trainer_weights() -> Vec<Vec<f32>> {
 }
 
 /// The work every rank does; returns (sum after all_reduce, checksum after sync).
-fn work(c: &mut TcpCommunicator) -> rlhf_collective::Result<(f32, u64)> {
+fn work(c: &mut dyn Communicator) -> rlhf_collective::Result<(f32, u64)> {
     let rank = c.rank();
     let mut v = vec![rank as f32 + 1.0; 100_003];
     c.all_reduce_f32(&mut v, ReduceOp::Sum)?;
@@ -82,13 +82,20 @@ fn run_child_if_asked() {
     let get = |k: &str| std::env::var(k).unwrap_or_else(|_| panic!("child needs {k}"));
     let rank: usize = get(RANK).parse().unwrap();
     let world: usize = get(WORLD).parse().unwrap();
-    let mut c =
-        TcpCommunicator::connect(rank, world, &get(ADDR), config(10_000)).unwrap_or_else(|e| {
-            println!("RESULT connect-failed {e}");
-            std::process::exit(2)
-        });
+    let addr = get(ADDR);
+    let joined: rlhf_collective::Result<Box<dyn Communicator>> = if addr.starts_with("memfd:") {
+        ShmCommunicator::connect(rank, world, &addr, shm_config())
+            .map(|c| Box::new(c) as Box<dyn Communicator>)
+    } else {
+        TcpCommunicator::connect(rank, world, &addr, config(10_000))
+            .map(|c| Box::new(c) as Box<dyn Communicator>)
+    };
+    let mut c = joined.unwrap_or_else(|e| {
+        println!("RESULT connect-failed {e}");
+        std::process::exit(2)
+    });
     match role.as_str() {
-        "work" => match work(&mut c) {
+        "work" => match work(c.as_mut()) {
             Ok((s, sum)) => {
                 println!("RESULT ok {s} {sum:016x}");
                 std::process::exit(0)
@@ -116,6 +123,14 @@ fn run_child_if_asked() {
         }
         other => panic!("unknown role {other}"),
     }
+}
+
+/// Shared-memory groups in these tests: a secret every rank derives the same way, small
+/// slots so a sync crosses the ring many times.
+fn shm_config() -> CommConfig {
+    let mut c = config(10_000);
+    c.secret = Some(CommSecret::from_bytes(&[7; 32]).expect("secret"));
+    c
 }
 
 /// Kills the child when dropped, so a failing test leaves no stray process.
@@ -181,6 +196,28 @@ fn child_processes_all_reduce_and_sync_weights() {
         .expect("rendezvous with child processes");
     let (sum, trainer) = work(&mut c).expect("rank 0 work");
     assert_eq!(sum, 6.0);
+    check_children(children, trainer);
+}
+
+#[test]
+fn child_processes_share_memory_for_all_reduce_and_weight_sync() {
+    const TEST: &str = "child_processes_share_memory_for_all_reduce_and_weight_sync";
+    run_child_if_asked();
+    let world = 3;
+    let rv = ShmRendezvous::create(64 << 10).unwrap();
+    let addr = rv.address().to_string();
+    let children: Vec<_> = (1..world)
+        .map(|r| spawn(TEST, "work", r, world, &addr))
+        .collect();
+    let mut c = rv
+        .accept(world, shm_config())
+        .expect("shared-memory rendezvous with child processes");
+    let (sum, trainer) = work(&mut c).expect("rank 0 work");
+    assert_eq!(sum, 6.0);
+    check_children(children, trainer);
+}
+
+fn check_children(children: Vec<KillOnDrop>, trainer: u64) {
     for (i, child) in children.into_iter().enumerate() {
         let (code, line) = result_line(child, HANG);
         assert_eq!(code, Some(0), "rank {}: {line}", i + 1);
@@ -197,15 +234,44 @@ fn child_processes_all_reduce_and_sync_weights() {
 fn a_killed_process_fails_the_others_within_the_timeout() {
     const TEST: &str = "a_killed_process_fails_the_others_within_the_timeout";
     run_child_if_asked();
+    killed_process_case(TEST, false);
+}
+
+#[test]
+fn a_killed_process_fails_a_shared_memory_group_within_the_timeout() {
+    const TEST: &str = "a_killed_process_fails_a_shared_memory_group_within_the_timeout";
+    run_child_if_asked();
+    killed_process_case(TEST, true);
+}
+
+fn killed_process_case(test: &str, shm: bool) {
     let world = 3;
     let timeout = Duration::from_secs(5);
-    let rv = TcpRendezvous::bind("127.0.0.1:0").unwrap();
-    let addr = rv.local_addr().to_string();
-    let survivor = spawn(TEST, "loop", 1, world, &addr);
-    let mut victim = spawn(TEST, "loop", 2, world, &addr);
-    let mut c = rv
-        .accept(world, CommConfig::with_timeout(timeout))
-        .expect("rendezvous");
+    let mut cfg = if shm {
+        shm_config()
+    } else {
+        CommConfig::default()
+    };
+    cfg.timeout = timeout;
+    enum Rv {
+        Tcp(TcpRendezvous),
+        Shm(ShmRendezvous),
+    }
+    let (rv, addr) = if shm {
+        let rv = ShmRendezvous::create(256 << 10).unwrap();
+        let a = rv.address().to_string();
+        (Rv::Shm(rv), a)
+    } else {
+        let rv = TcpRendezvous::bind("127.0.0.1:0").unwrap();
+        let a = rv.local_addr().to_string();
+        (Rv::Tcp(rv), a)
+    };
+    let survivor = spawn(test, "loop", 1, world, &addr);
+    let mut victim = spawn(test, "loop", 2, world, &addr);
+    let mut c: Box<dyn Communicator> = match rv {
+        Rv::Tcp(rv) => Box::new(rv.accept(world, cfg).expect("rendezvous")),
+        Rv::Shm(rv) => Box::new(rv.accept(world, cfg).expect("rendezvous")),
+    };
     let mut v = vec![1.0f32; 1 << 20];
     // A few healthy rounds, then SIGKILL rank 2 while the ring is busy.
     for _ in 0..3 {

@@ -180,16 +180,20 @@ pub enum CommBackend {
     /// NCCL through cudarc (GPU tensors; the `nccl` feature).
     #[serde(rename = "nccl")]
     Nccl,
+    /// A shared-memory segment (every rank on one host; Linux).
+    #[serde(rename = "shm")]
+    Shm,
 }
 
 impl CommBackend {
     /// Every backend.
-    pub const ALL: [CommBackend; 2] = [CommBackend::Tcp, CommBackend::Nccl];
+    pub const ALL: [CommBackend; 3] = [CommBackend::Tcp, CommBackend::Nccl, CommBackend::Shm];
 }
 
 names!(CommBackend, "communicator backend" {
     Tcp = "tcp",
     Nccl = "nccl",
+    Shm = "shm",
 });
 
 /// The device a role rank computes on. The driver resolves it from the placement: a rank on
@@ -333,6 +337,7 @@ impl From<CommBackend> for pb::CommBackend {
         match b {
             CommBackend::Tcp => pb::CommBackend::Tcp,
             CommBackend::Nccl => pb::CommBackend::Nccl,
+            CommBackend::Shm => pb::CommBackend::Shm,
         }
     }
 }
@@ -343,6 +348,7 @@ impl CommBackend {
         match pb::CommBackend::try_from(v) {
             Ok(pb::CommBackend::Tcp) => Ok(CommBackend::Tcp),
             Ok(pb::CommBackend::Nccl) => Ok(CommBackend::Nccl),
+            Ok(pb::CommBackend::Shm) => Ok(CommBackend::Shm),
             Ok(pb::CommBackend::Unspecified) => Err(unspecified("communicator backend", field)),
             Err(_) => Err(Error::invalid(format!(
                 "{field}: unknown communicator backend {v}"

@@ -14,16 +14,20 @@ use ring::hmac;
 use ring::rand::{SecureRandom, SystemRandom};
 
 /// Length of the nonces and tags.
-pub(super) const NONCE_BYTES: usize = 32;
-pub(super) const TAG_BYTES: usize = 32;
+pub(crate) const NONCE_BYTES: usize = 32;
+pub(crate) const TAG_BYTES: usize = 32;
 /// Shortest secret accepted.
 const MIN_SECRET_BYTES: usize = 16;
 
 /// Which side a tag is from, so one side's tag is never valid as the other's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Side {
+pub(crate) enum Side {
     Accepting,
     Connecting,
+    /// The creator of a shared-memory segment (rank 0).
+    ShmRoot,
+    /// A rank that opened someone else's shared-memory segment.
+    ShmRank,
 }
 
 impl Side {
@@ -31,6 +35,8 @@ impl Side {
         match self {
             Side::Accepting => b"rlhf-collective accepting side v1",
             Side::Connecting => b"rlhf-collective connecting side v1",
+            Side::ShmRoot => b"rlhf-collective shm root v1",
+            Side::ShmRank => b"rlhf-collective shm rank v1",
         }
     }
 }
@@ -71,7 +77,7 @@ impl CommSecret {
     }
 
     /// This side's tag over the handshake transcript.
-    pub(super) fn tag(&self, side: Side, transcript: &[u8]) -> [u8; TAG_BYTES] {
+    pub(crate) fn tag(&self, side: Side, transcript: &[u8]) -> [u8; TAG_BYTES] {
         let mut ctx = hmac::Context::with_key(&self.key());
         ctx.update(side.label());
         ctx.update(transcript);
@@ -81,7 +87,7 @@ impl CommSecret {
     }
 
     /// Checks the other side's tag (constant time).
-    pub(super) fn verify(&self, side: Side, transcript: &[u8], tag: &[u8]) -> bool {
+    pub(crate) fn verify(&self, side: Side, transcript: &[u8], tag: &[u8]) -> bool {
         let mut msg = side.label().to_vec();
         msg.extend_from_slice(transcript);
         hmac::verify(&self.key(), &msg, tag).is_ok()
@@ -95,7 +101,7 @@ impl fmt::Debug for CommSecret {
 }
 
 /// A fresh nonce.
-pub(super) fn nonce() -> [u8; NONCE_BYTES] {
+pub(crate) fn nonce() -> [u8; NONCE_BYTES] {
     let mut n = [0u8; NONCE_BYTES];
     SystemRandom::new()
         .fill(&mut n)

@@ -87,7 +87,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::error::{Error, Op, Result};
 
-mod auth;
+pub(crate) mod auth;
 mod conn;
 mod frame;
 mod rendezvous;
@@ -452,7 +452,7 @@ impl Payload<'_, '_> {
 }
 
 /// Numbers all-reduce can combine.
-trait Elem: Plain + PartialOrd {
+pub(crate) trait Elem: Plain + PartialOrd {
     const DTYPE_ID: u8;
     fn reduce(dst: &mut [Self], src: &[Self], op: ReduceOp);
     fn divide(dst: &mut [Self], n: usize);
