@@ -63,6 +63,10 @@ pub const TIMING_S_VALUES: &str = "timing_s/values";
 
 pub const PERF_THROUGHPUT: &str = "perf/throughput";
 pub const PERF_TOTAL_NUM_TOKENS: &str = "perf/total_num_tokens";
+/// Wall time of the step's trainer → rollout weight sync (0 when colocated).
+pub const PERF_WEIGHT_SYNC_S: &str = "perf/weight_sync_s";
+/// Bytes the weight sync delivered to rollout ranks (payload times receivers).
+pub const PERF_WEIGHT_SYNC_BYTES: &str = "perf/weight_sync_bytes";
 
 /// Prefix of the wall-clock timings (left out when runs are compared).
 pub const TIMING_PREFIX: &str = "timing_s/";

@@ -48,6 +48,8 @@ pub enum Event<'a> {
         device: &'a str,
         note: &'a str,
     },
+    /// How trainer → rollout weights travel in this job, chosen once (`path`), and why.
+    WeightSync { path: &'a str, why: &'a str },
     /// A step ended. `samples` is set on the steps whose samples are due
     /// (`logging.sample_every`).
     Step {
@@ -144,6 +146,9 @@ fn trace(event: &Event<'_>) {
             tracing::debug!(target: T, step, metrics = metrics.len(), "step")
         }
         Event::Stopped { steps_run } => tracing::debug!(target: T, steps_run, "stopped"),
+        Event::WeightSync { path, why } => {
+            tracing::info!(target: T, "weight sync: {path} ({why})")
+        }
     }
 }
 
@@ -197,6 +202,7 @@ impl Console {
             Event::Stopped { steps_run } => {
                 format!("stopping after {steps_run} step(s) as asked (--stop-after)")
             }
+            Event::WeightSync { path, why } => format!("weight sync: {path} ({why})"),
             Event::RoleReady { .. } | Event::Step { .. } => return None,
         })
     }
@@ -281,6 +287,9 @@ pub enum Recorded {
     Stopped {
         steps_run: u64,
     },
+    WeightSync {
+        path: String,
+    },
 }
 
 /// Keeps every event, for callers that inspect a run as data (tests, embedding programs).
@@ -320,6 +329,7 @@ impl Reporter for Recorder {
                 samples: samples.map_or(0, |s| s.len()),
             },
             Event::Stopped { steps_run } => Recorded::Stopped { steps_run },
+            Event::WeightSync { path, .. } => Recorded::WeightSync { path: path.into() },
         };
         if let Ok(mut v) = self.0.lock() {
             v.push(r);

@@ -59,6 +59,10 @@ pub(crate) struct RunArgs {
     /// Collective backend between role processes (nccl needs GPUs and a build with it).
     #[arg(long, default_value = "tcp")]
     pub(crate) comm_backend: rlhf_core::CommBackend,
+    /// Backend of the trainer → rollout weight sync (tcp, shm, nccl); chosen by default:
+    /// none when colocated, shm when every rank is on one node, else --comm-backend.
+    #[arg(long)]
+    pub(crate) weight_sync_backend: Option<rlhf_core::CommBackend>,
     /// Embedded mode only: `rlhf-worker` binary for the local worker (default: next to
     /// this one).
     #[arg(long)]
@@ -298,6 +302,7 @@ pub(crate) async fn run(args: RunArgs) -> Result<()> {
     opts.call_timeout = Duration::from_secs_f64(args.call_timeout.max(1.0));
     opts.start_timeout = Duration::from_secs_f64(args.start_timeout.max(1.0));
     opts.comm_backend = args.comm_backend;
+    opts.weight_sync_backend = args.weight_sync_backend;
     let ckpt_dir = PathBuf::from(&opts.config.checkpoint.dir);
     let result = rlhf_driver::run(head_client, opts, shutdown.clone()).await;
     // A job the head started runs from a bundle in its job directory: say how it ended

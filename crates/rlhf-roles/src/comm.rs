@@ -1,10 +1,11 @@
 //! Communicator groups of one role process (`actor_dp`, `critic_dp`, `weights`), made in
-//! two calls: PrepareComm on rank 0 (listen, or make an NCCL unique id), then JoinComm on
-//! every rank at once.
+//! two calls: PrepareComm on rank 0 (listen, make a shared-memory segment, or make an NCCL
+//! unique id), then JoinComm on every rank at once.
 
 use std::collections::HashMap;
 use std::time::Duration;
 
+use rlhf_collective::shm::{ShmCommunicator, ShmRendezvous, DEFAULT_SLOT_BYTES};
 use rlhf_collective::{CommConfig, Communicator, TcpCommunicator, TcpRendezvous};
 use rlhf_core::{CommBackend, CommGroup};
 
@@ -13,7 +14,7 @@ use crate::error::{Error, Result};
 /// What PrepareComm hands back to the driver.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Prepared {
-    /// TCP: "ip:port" of rank 0's rendezvous.
+    /// TCP: "ip:port" of rank 0's rendezvous; shared memory: "memfd:PID/FD" of its segment.
     pub address: String,
     /// NCCL: the unique id.
     pub unique_id: Vec<u8>,
@@ -36,6 +37,7 @@ pub struct JoinSpec {
 
 enum Pending {
     Tcp(TcpRendezvous),
+    Shm(ShmRendezvous),
     #[cfg(feature = "nccl")]
     Nccl,
 }
@@ -53,7 +55,7 @@ pub struct Groups {
 
 fn check_backend(backend: CommBackend) -> Result<()> {
     match backend {
-        CommBackend::Tcp => Ok(()),
+        CommBackend::Tcp | CommBackend::Shm => Ok(()),
         CommBackend::Nccl if cfg!(feature = "nccl") => Ok(()),
         CommBackend::Nccl => Err(Error::invalid(
             "communicator backend 'nccl' requested but this rlhf-worker was built without the \
@@ -86,6 +88,15 @@ impl Groups {
                 });
             }
         }
+        if backend == CommBackend::Shm {
+            let rv = ShmRendezvous::create(DEFAULT_SLOT_BYTES)?;
+            let address = rv.address().to_string();
+            self.pending.insert(group, Pending::Shm(rv));
+            return Ok(Prepared {
+                address,
+                unique_id: Vec::new(),
+            });
+        }
         let rv = TcpRendezvous::bind(&format!("{host}:0"))?;
         let address = rv.local_addr().to_string();
         self.pending.insert(group, Pending::Tcp(rv));
@@ -109,11 +120,11 @@ impl Groups {
         } else {
             CommConfig::default()
         };
-        if spec.backend == CommBackend::Tcp && spec.world_size > 1 {
+        if spec.backend != CommBackend::Nccl && spec.world_size > 1 {
             if spec.secret.is_empty() {
                 return Err(Error::invalid(format!(
-                    "JoinComm for group '{}' rank {}: no secret; a TCP communicator of several \
-                     ranks is joined only with the secret the driver makes for it (a driver of \
+                    "JoinComm for group '{}' rank {}: no secret; a TCP or shared-memory \
+                     communicator of several ranks is joined only with the secret the driver makes for it (a driver of \
                      another version?)",
                     spec.group, spec.rank
                 )));
@@ -130,12 +141,17 @@ impl Groups {
             Box::new(TcpCommunicator::single(config))
         } else if spec.rank == 0 {
             match pending {
-                Some(Pending::Tcp(rv)) => Box::new(rv.accept(spec.world_size, config)?),
+                Some(Pending::Tcp(rv)) if spec.backend == CommBackend::Tcp => {
+                    Box::new(rv.accept(spec.world_size, config)?)
+                }
+                Some(Pending::Shm(rv)) if spec.backend == CommBackend::Shm => {
+                    Box::new(rv.accept(spec.world_size, config)?)
+                }
                 _ => {
                     return Err(Error::invalid(format!(
-                        "JoinComm for group '{}' on rank 0 without a PrepareComm on this \
-                         process; call PrepareComm here first",
-                        spec.group
+                        "JoinComm for group '{}' ({}) on rank 0 without a PrepareComm of that \
+                         backend on this process; call PrepareComm here first",
+                        spec.group, spec.backend
                     )))
                 }
             }
@@ -146,12 +162,20 @@ impl Groups {
                     spec.group, spec.rank
                 )));
             }
-            Box::new(TcpCommunicator::connect(
-                spec.rank,
-                spec.world_size,
-                &spec.address,
-                config,
-            )?)
+            match spec.backend {
+                CommBackend::Shm => Box::new(ShmCommunicator::connect(
+                    spec.rank,
+                    spec.world_size,
+                    &spec.address,
+                    config,
+                )?),
+                _ => Box::new(TcpCommunicator::connect(
+                    spec.rank,
+                    spec.world_size,
+                    &spec.address,
+                    config,
+                )?),
+            }
         };
         self.joined.insert(spec.group, comm);
         Ok(())
@@ -256,16 +280,22 @@ mod tests {
 
     #[test]
     fn two_ranks_join_through_prepare() {
+        for backend in [CommBackend::Tcp, CommBackend::Shm] {
+            two_ranks_join(backend);
+        }
+    }
+
+    fn two_ranks_join(backend: CommBackend) {
         let mut g0 = Groups::new();
         let p = g0
-            .prepare(CommGroup::Weights, CommBackend::Tcp, "127.0.0.1")
+            .prepare(CommGroup::Weights, backend, "127.0.0.1")
             .expect("prepare");
         let addr = p.address.clone();
         let t = std::thread::spawn(move || {
             let mut g1 = Groups::new();
             g1.join(&JoinSpec {
                 group: CommGroup::Weights,
-                backend: CommBackend::Tcp,
+                backend,
                 rank: 1,
                 world_size: 2,
                 address: addr,
@@ -283,7 +313,7 @@ mod tests {
         });
         g0.join(&JoinSpec {
             group: CommGroup::Weights,
-            backend: CommBackend::Tcp,
+            backend,
             rank: 0,
             world_size: 2,
             address: String::new(),
@@ -297,7 +327,9 @@ mod tests {
             .expect("comm")
             .all_reduce_f32(&mut v, rlhf_collective::ReduceOp::Sum)
             .expect("reduce");
-        assert_eq!(v[0], 3.0);
-        assert_eq!(t.join().expect("thread"), 3.0);
+        assert_eq!(v[0], 3.0, "{backend}");
+        assert_eq!(t.join().expect("thread"), 3.0, "{backend}");
+        let comm = g0.get(CommGroup::Weights, 2).expect("comm");
+        assert_eq!(comm.backend(), backend.as_str());
     }
 }

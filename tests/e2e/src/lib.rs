@@ -185,6 +185,48 @@ pub fn pid_alive(pid: i32) -> bool {
     }
 }
 
+/// The children of `parent` with their command lines (role processes are children of the
+/// embedded worker, i.e. of the `run` process itself).
+pub fn children_of(parent: i32) -> Vec<(i32, String)> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for e in dir.flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+            .and_then(|s| s.parse::<i32>().ok());
+        if ppid == Some(parent) {
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            out.push((pid, String::from_utf8_lossy(&cmdline).replace('\0', " ")));
+        }
+    }
+    out
+}
+
+/// The first child of `parent` whose command line contains `needle`.
+pub fn child_with(parent: i32, needle: &str) -> Option<i32> {
+    children_of(parent)
+        .into_iter()
+        .find(|(_, c)| c.contains(needle))
+        .map(|(pid, _)| pid)
+}
+
+/// Whether process `pid` has a file open whose link target contains `needle` (a memfd shows
+/// as `/memfd:NAME (deleted)`).
+pub fn holds_file(pid: i32, needle: &str) -> bool {
+    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return false;
+    };
+    dir.flatten()
+        .any(|e| std::fs::read_link(e.path()).is_ok_and(|t| t.to_string_lossy().contains(needle)))
+}
+
 /// Polls `f` until it returns Some, or fails after `timeout` with `what` and the last value.
 pub fn wait_for<T>(
     timeout: Duration,

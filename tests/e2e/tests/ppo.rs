@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use nix::sys::signal::Signal;
-use rlhf_e2e::{wait_for, Cluster, Proc};
+use rlhf_e2e::{child_with, wait_for, Cluster, Proc};
 use serde_json::Value;
 
 fn repo() -> PathBuf {
@@ -121,7 +121,11 @@ fn comparable(m: &Value) -> Vec<(String, f64)> {
     m.as_object()
         .into_iter()
         .flatten()
-        .filter(|(k, _)| !k.starts_with("timing_s/") && !k.starts_with("perf/throughput"))
+        .filter(|(k, _)| {
+            !k.starts_with("timing_s/")
+                && !k.starts_with("perf/throughput")
+                && !k.starts_with("perf/weight_sync_s")
+        })
         .filter_map(|(k, v)| v.as_f64().map(|x| (k.clone(), x)))
         .collect()
 }
@@ -190,26 +194,6 @@ fn too_few_devices_names_the_device_and_the_pool() -> Result<()> {
         "{err}"
     );
     Ok(())
-}
-
-/// Role processes are children of the embedded worker, i.e. of the `run` process itself.
-fn child_with(parent: i32, needle: &str) -> Option<i32> {
-    for e in std::fs::read_dir("/proc").ok()?.flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
-            continue;
-        };
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-        let ppid = stat
-            .rsplit_once(')')
-            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
-            .and_then(|s| s.parse::<i32>().ok());
-        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        let cmdline = String::from_utf8_lossy(&cmdline).replace('\0', " ");
-        if ppid == Some(parent) && cmdline.contains(needle) {
-            return Some(pid);
-        }
-    }
-    None
 }
 
 #[test]

@@ -42,6 +42,8 @@ pub struct DriverOptions {
     pub client: ClientOptions,
     /// Collective backend between role processes: `tcp` (CPU) or `nccl`.
     pub comm_backend: CommBackend,
+    /// The trainer → rollout weights backend; `None` chooses (see `SyncPath::choose`).
+    pub weight_sync_backend: Option<CommBackend>,
     /// Bound on every role call (a generation, an update, ...).
     pub call_timeout: Duration,
     /// Bound on placement and actor start-up (model loading included).
@@ -60,6 +62,7 @@ impl DriverOptions {
             resume: None,
             client,
             comm_backend: CommBackend::Tcp,
+            weight_sync_backend: None,
             call_timeout: Duration::from_secs(3600),
             start_timeout: Duration::from_secs(600),
             stop_after: None,
@@ -219,6 +222,12 @@ pub async fn run(
         processes: roles.all_members().count(),
         secs: started.elapsed().as_secs_f64(),
     })?;
+    let (sync_path, why) =
+        sync::SyncPath::choose(&roles, opts.comm_backend, opts.weight_sync_backend);
+    report.report(&Event::WeightSync {
+        path: &sync_path.describe(),
+        why: &why,
+    })?;
     let mut ctx = Loop {
         cfg,
         opts: &opts,
@@ -227,6 +236,7 @@ pub async fn run(
         fixed: fixed.as_ref(),
         sampler: &mut sampler,
         roles: &roles,
+        sync_path,
         ckpt_root: &ckpt_root,
         report: &mut report,
     };
@@ -279,6 +289,7 @@ struct Loop<'a> {
     fixed: Option<&'a FixedResponses>,
     sampler: &'a mut PromptSampler,
     roles: &'a Roles,
+    sync_path: sync::SyncPath,
     ckpt_root: &'a std::path::Path,
     report: &'a mut Reporters,
 }
@@ -314,6 +325,10 @@ impl Loop<'_> {
         }
         let backend = self.opts.comm_backend;
         let weights = self.roles.weights_group();
+        let weights_backend = match self.sync_path {
+            sync::SyncPath::Comm(b) => b,
+            sync::SyncPath::None => backend,
+        };
         tokio::try_join!(
             cluster::join_comm(&self.roles.train, CommGroup::ActorDp, backend, t),
             cluster::join_comm(&self.roles.critic, CommGroup::CriticDp, backend, t),
@@ -321,7 +336,7 @@ impl Loop<'_> {
                 if weights.members.is_empty() {
                     Ok(())
                 } else {
-                    cluster::join_comm(&weights, CommGroup::Weights, backend, t).await
+                    cluster::join_comm(&weights, CommGroup::Weights, weights_backend, t).await
                 }
             },
         )?;

@@ -237,8 +237,10 @@ impl Algorithm for Ppo {
             }
         }
 
-        let t_sync = cx.sync_weights(step).await?;
-        timing.insert(metric::TIMING_S_SYNC_WEIGHTS.into(), t_sync);
+        let synced = cx.sync_weights(step).await?;
+        timing.insert(metric::TIMING_S_SYNC_WEIGHTS.into(), synced.secs);
+        metrics.insert(metric::PERF_WEIGHT_SYNC_S.into(), synced.secs);
+        metrics.insert(metric::PERF_WEIGHT_SYNC_BYTES.into(), synced.bytes as f64);
 
         let kl = metrics.get(metric::OBJECTIVE_KL).copied().unwrap_or(0.0);
         metrics.insert(metric::OBJECTIVE_KL_COEF.into(), self.kl_ctl.value());

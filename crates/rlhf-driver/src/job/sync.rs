@@ -1,24 +1,106 @@
-//! Weight sync trainer -> rollout and checkpoints, for the loop.
+//! Weight sync trainer -> rollout and checkpoints, for the loop. The sync path is chosen
+//! once per job from where the ranks run: the same process moves nothing, one node goes
+//! through shared memory, several nodes through the job's communicator backend.
 
+use std::collections::BTreeSet;
 use std::path::PathBuf;
 
-use rlhf_core::CommGroup;
 use rlhf_core::Error;
+use rlhf_core::{CommBackend, CommGroup};
 use rlhf_proto::v1 as pb;
 
 use crate::checkpoint::{self, TrainerState};
+use crate::cluster::Roles;
 use crate::group::WorkerGroup;
 
 use super::algorithm::Algorithm;
 use super::{timed, Failed, Loop, Res};
 
+/// How trainer → rollout weights travel in one job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SyncPath {
+    /// Colocated: the rollout generates with the trainer's own weights in one process.
+    None,
+    /// A `weights` communicator of this backend.
+    Comm(CommBackend),
+}
+
+impl SyncPath {
+    /// Picks the path for `roles`: same process → none; `forced` (`--weight-sync-backend`)
+    /// when given; NCCL when the job's backend is NCCL (device to device); shared memory when
+    /// every rank of the weights group is on one node; else the job's backend. Returns the
+    /// path and the reason, for the one log line.
+    pub fn choose(
+        roles: &Roles,
+        backend: CommBackend,
+        forced: Option<CommBackend>,
+    ) -> (SyncPath, String) {
+        if roles.colocated {
+            return (
+                SyncPath::None,
+                "colocated: the rollout generates with the trainer's weights in the same process, nothing moves".into(),
+            );
+        }
+        let g = roles.weights_group();
+        let nodes: BTreeSet<&str> = g.members.iter().map(|m| m.node_id.as_str()).collect();
+        let on = |n: usize| {
+            if n == 1 {
+                format!("every rank on node {}", nodes.iter().next().unwrap_or(&"?"))
+            } else {
+                format!("ranks on {n} nodes")
+            }
+        };
+        if let Some(b) = forced {
+            return (
+                SyncPath::Comm(b),
+                format!("asked for with --weight-sync-backend; {}", on(nodes.len())),
+            );
+        }
+        match backend {
+            CommBackend::Nccl => (
+                SyncPath::Comm(backend),
+                format!(
+                    "the job's NCCL backend, device to device; {}",
+                    on(nodes.len())
+                ),
+            ),
+            _ if nodes.len() <= 1 && cfg!(target_os = "linux") => (
+                SyncPath::Comm(CommBackend::Shm),
+                format!("{}: one shared-memory segment, no sockets", on(1)),
+            ),
+            _ => (
+                SyncPath::Comm(backend),
+                format!("the job's {backend} backend; {}", on(nodes.len())),
+            ),
+        }
+    }
+
+    /// How the path reads in the log.
+    pub fn describe(self) -> String {
+        match self {
+            SyncPath::None => "none".into(),
+            SyncPath::Comm(CommBackend::Shm) => "shared memory".into(),
+            SyncPath::Comm(b) => b.to_string(),
+        }
+    }
+}
+
+/// What one sync did, for the step's metrics.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct Synced {
+    /// Wall time of the whole sync as the driver saw it.
+    pub secs: f64,
+    /// Bytes delivered to rollout ranks (the payload times the receivers; 0 when colocated).
+    pub bytes: u64,
+}
+
 impl Loop<'_> {
     /// Broadcasts the trainer's weights to the rollout ranks and checks that every rank
     /// ends with the trainer's checksum.
-    pub(super) async fn sync_weights(&self, version: u64) -> Res<f64> {
-        if self.roles.colocated {
+    pub(super) async fn sync_weights(&self, version: u64) -> Res<Synced> {
+        if self.sync_path == SyncPath::None {
             // The rollout ranks generate with the trainers' own weights: nothing to move.
-            return Ok(0.0);
+            return Ok(Synced::default());
         }
         let g = self.roles.weights_group();
         let (answers, secs) = timed(g.unary(
@@ -47,7 +129,11 @@ impl Loop<'_> {
                 }
             }
         }
-        Ok(secs)
+        let receivers = answers.len().saturating_sub(1) as u64;
+        Ok(Synced {
+            secs,
+            bytes: answers.first().map_or(0, |a| a.bytes) * receivers,
+        })
     }
 
     pub(super) async fn save<A: Algorithm>(&self, step: u64, algo: &A) -> Res<PathBuf> {
