@@ -233,6 +233,8 @@ pub struct ActorRolloutConfig {
     pub kl_loss_type: KlPenalty,
     /// Precision-alignment mode: a JSONL file of fixed responses replaces generation.
     pub fixed_responses_file: Option<String>,
+    /// Colocated trainer: optimizer state in host memory while the device generates.
+    pub offload: bool,
     /// Overrides of `training` keys for this role.
     #[serde(flatten)]
     pub overrides: TrainingOverrides,
@@ -265,6 +267,7 @@ impl Default for ActorRolloutConfig {
             kl_loss_coef: p.kl_loss_coef,
             kl_loss_type: p.kl_loss_type,
             fixed_responses_file: None,
+            offload: false,
             overrides: TrainingOverrides::default(),
         }
     }

@@ -61,6 +61,7 @@ pub const KEY_DOCS: &[(&str, &str)] = &[
     ("actor_rollout.kl_loss_coef", "Weight of that KL loss."),
     ("actor_rollout.kl_loss_type", "KL estimator of that KL loss."),
     ("actor_rollout.fixed_responses_file", "Precision alignment: JSONL of fixed responses replacing generation, lines {\"prompt\", \"response\"} (text) or {\"prompt_ids\", \"response_ids\"} (exact token ids) (null = generate)."),
+    ("actor_rollout.offload", "Colocated trainer (resource_pool.colocate): AdamW's moments move to host memory before each generation and back at the next update, freeing 8 bytes per parameter of device memory while generating; needs resource_pool.colocate."),
     ("ref.model", "Model name or path (empty = the actor's model)."),
     ("critic.model", "Model name or path (empty = the actor's model with a fresh value head)."),
     ("critic.cliprange_value", "Value clip range around the rollout values."),

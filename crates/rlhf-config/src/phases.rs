@@ -12,6 +12,9 @@
 //!   together;
 //! * train: the actor's and the critic's training activations, which run together.
 //!
+//! With `actor_rollout.offload` the actor's optimizer state (and its gradients, which live
+//! only inside an update) are off the device while it generates.
+//!
 //! One device is assumed to host one rank of every role (exact when every role has as many
 //! ranks as the pool has devices, an overestimate otherwise).
 
@@ -59,6 +62,14 @@ impl PpoConfig {
             sum(|r| r.gradients),
             sum(|r| r.optimizer),
         );
+        let actor_train = row("actor_rollout/train");
+        let offloaded = |f: fn(&MemoryRow) -> u64| {
+            if self.actor_rollout.offload {
+                actor_train.map_or(0, f)
+            } else {
+                0
+            }
+        };
         let reference = RoleKind::Ref.to_string();
         let reward = RoleKind::Reward.to_string();
         let critic = RoleKind::Critic.to_string();
@@ -88,8 +99,16 @@ impl PpoConfig {
                         .map(|r| r.params)
                         .sum(),
                     weights,
-                    gradients,
-                    optimizer,
+                    gradients: if phase == Phase::Generate {
+                        gradients.saturating_sub(offloaded(|r| r.gradients))
+                    } else {
+                        gradients
+                    },
+                    optimizer: if phase == Phase::Generate {
+                        optimizer.saturating_sub(offloaded(|r| r.optimizer))
+                    } else {
+                        optimizer
+                    },
                     kv_cache,
                     activations,
                 }

@@ -126,6 +126,10 @@ pub struct RoleSpec {
     /// Tokens per LM-head chunk for log-probs (`training.logits_chunk_size`; `None`: whole).
     #[serde(default)]
     pub logits_chunk: Option<usize>,
+    /// A colocated actor trainer moves its optimizer state to host memory before each
+    /// generation (`actor_rollout.offload`).
+    #[serde(default)]
+    pub offload: bool,
     /// The HF directory to load (absolute); `None` for rule and HTTP rewards.
     pub model_dir: Option<PathBuf>,
     /// Where the tokenizer files are (copied into checkpoints; EOS / pad ids for sampling).
@@ -306,6 +310,9 @@ impl RoleSpec {
                 0 => None,
                 n => Some(n as usize),
             },
+            offload: cfg.actor_rollout.offload
+                && kind == RoleKind::ActorRollout
+                && slot.part == RolePart::Train,
             model_dir,
             tokenizer_dir,
             shapes,

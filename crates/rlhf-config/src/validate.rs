@@ -138,6 +138,11 @@ pub fn problems(cfg: &PpoConfig) -> Vec<String> {
             a.num_gpus_for_train, a.num_gpus_for_infer, pool.actor_rollout
         ));
     }
+    if a.offload && !pool.colocate {
+        e.push(
+            "actor_rollout.offload: true moves the trainer's optimizer state off the device while that device generates, which happens only with resource_pool.colocate: true; set resource_pool.colocate=true or actor_rollout.offload=false".to_string(),
+        );
+    }
     if pool.colocate && a.num_gpus_for_infer != a.num_gpus_for_train {
         e.push(format!(
             "resource_pool.colocate: every actor trainer rank generates with its own weights, so actor_rollout.num_gpus_for_infer ({}) must equal actor_rollout.num_gpus_for_train ({})",

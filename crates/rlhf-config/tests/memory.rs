@@ -215,4 +215,35 @@ fn a_colocated_job_is_estimated_per_phase() {
     );
     let report = q.check_report(&[]);
     assert!(report.contains("colocated/train"), "{report}");
+
+    // actor_rollout.offload: the actor's optimizer state and gradients are off the device
+    // while it generates, and only then.
+    let off = load(
+        &configs(),
+        "ppo_qwen25_05b",
+        &o(&["resource_pool.colocate=true", "actor_rollout.offload=true"]),
+    )
+    .unwrap();
+    assert!(rlhf_config::problems(&off).is_empty());
+    let offp = off.colocated_phases();
+    assert_eq!(
+        gen.total() - offp[0].total(),
+        train.optimizer + train.gradients
+    );
+    assert!(train.optimizer > 0);
+    assert_eq!(offp[2].total(), phases[2].total());
+    // Without colocation there is no generation on the trainer's device to make room for.
+    let lone = load(
+        &configs(),
+        "ppo_qwen25_05b",
+        &o(&["actor_rollout.offload=true"]),
+    );
+    let msg = match lone {
+        Ok(c) => rlhf_config::problems(&c).join("\n"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        msg.contains("actor_rollout.offload") && msg.contains("resource_pool.colocate=true"),
+        "{msg}"
+    );
 }

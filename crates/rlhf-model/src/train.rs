@@ -8,6 +8,8 @@ use candle_core::{DType, Tensor, Var};
 
 use crate::error::{Error, Result};
 
+mod offload;
+
 /// `acc + t`, or `t` when nothing was summed yet: how gradients pile up.
 pub(crate) fn add_to(acc: Option<Tensor>, t: Tensor) -> candle_core::Result<Tensor> {
     match acc {
@@ -294,6 +296,8 @@ impl AdamW {
 
     /// One update; parameters without a gradient are left alone (their moments do not move).
     pub fn step(&mut self, grads: &Gradients) -> Result<()> {
+        // Moments offloaded while the device generated come back first.
+        self.reload()?;
         self.step += 1;
         let t = self.step as i32;
         let c = self.cfg.clone();

@@ -290,6 +290,23 @@ impl RoleHost {
         }
     }
 
+    /// `actor_rollout.offload`: a colocated trainer's optimizer state leaves the device while
+    /// the device generates; its next update brings it back.
+    fn offload_before_generate(&mut self) -> Result<()> {
+        for h in &mut self.engines {
+            if let (true, Engine::Trainer(t)) = (h.spec.offload, &mut h.engine) {
+                let bytes = t.state.optim.opt.offload()?;
+                if bytes > 0 {
+                    tracing::debug!(
+                        "{}: optimizer state to host memory for generation ({bytes} bytes)",
+                        h.spec.slot.label()
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Runs a batch call from the wire; the error names the engine and the call.
     pub fn batch(&mut self, call: BatchCall, batch: &DataBatch) -> Result<DataBatch> {
         let label = self.label();
@@ -305,6 +322,9 @@ impl RoleHost {
             )));
         }
         let i = self.route(call, calls::target(batch)?)?;
+        if call == BatchCall::Generate {
+            self.offload_before_generate()?;
+        }
         fn req<R: RoleCall>(b: &DataBatch) -> Result<R> {
             Ok(R::from_batch(R::CALL, b)?)
         }

@@ -18,7 +18,13 @@ fn a_colocated_ppo_job_runs_on_one_device_and_climbs() -> Result<()> {
     let job = c.dir.path().join("job");
     let mut cmd = c.ppo_run_cmd(
         &job,
-        &["resource_pool.colocate=true", "checkpoint.save_steps=0"],
+        // Offload is part of the path (config → role spec → the trainer before each
+        // generation); on a CPU device the moments already are in host memory.
+        &[
+            "resource_pool.colocate=true",
+            "actor_rollout.offload=true",
+            "checkpoint.save_steps=0",
+        ],
     );
     let mut p = Proc::spawn("colocated", c.dir.path(), &mut cmd)?;
     let st = p.wait_exit(Duration::from_secs(900))?;
