@@ -200,6 +200,13 @@ pub async fn connect(addr: &str, opts: &ClientOptions) -> Result<AuthChannel> {
     }
 }
 
+/// Whether a failed call never reached the server: the channel could not connect (refused,
+/// or the connect timed out). Such a call is safe to send again; any other failure may have
+/// been acted on.
+pub fn never_sent(s: &tonic::Status) -> bool {
+    s.code() == tonic::Code::Unavailable && error_chain(s).contains("tcp connect error")
+}
+
 /// A channel that connects on first use and reconnects by itself (for long-lived peers).
 pub fn connect_lazy(addr: &str, opts: &ClientOptions) -> Result<AuthChannel> {
     let ch = endpoint(addr, opts)?.connect_lazy();
@@ -331,6 +338,27 @@ mod tests {
         assert_eq!(e.kind(), FailureKind::Unavailable);
         assert!(e.to_string().contains(&format!("127.0.0.1:{port}")), "{e}");
         assert!(e.to_string().contains("--connect-timeout"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn a_call_that_could_not_connect_is_known_as_never_sent() {
+        use rlhf_proto::v1::worker_service_client::WorkerServiceClient;
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let ch = connect_lazy(&format!("127.0.0.1:{port}"), &ClientOptions::new("t")).unwrap();
+        let s = WorkerServiceClient::new(ch)
+            .shutdown_worker(rlhf_proto::v1::ShutdownWorkerRequest {})
+            .await
+            .unwrap_err();
+        assert!(never_sent(&s), "{s:?}");
+        // A server's own answer, even Unavailable, may have been acted on.
+        assert!(!never_sent(&tonic::Status::unavailable(
+            "worker is shutting down"
+        )));
+        assert!(!never_sent(&tonic::Status::internal("tcp connect error")));
     }
 
     #[test]

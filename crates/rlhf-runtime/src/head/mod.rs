@@ -182,8 +182,28 @@ impl Head {
             spec: Some(convert::spec_to_proto(&rec.spec)),
             timeout_ms: timeout.as_millis() as u64,
         };
-        let res =
-            tokio::time::timeout(timeout + Duration::from_secs(5), client.start_actor(req)).await;
+        let res = tokio::time::timeout(timeout + Duration::from_secs(5), async {
+            // A request that never left (the connection to the worker could not be made, as
+            // under heavy load) is safe to send again until the deadline; anything else is
+            // the worker's answer.
+            let mut delay = Duration::from_millis(100);
+            loop {
+                match client.start_actor(req.clone()).await {
+                    Err(s) if net::never_sent(&s) => {
+                        tracing::warn!(
+                            node = %rec.node_id,
+                            "StartActor {}: {}; trying again in {delay:?}",
+                            rec.actor_id,
+                            s.message()
+                        );
+                        tokio::time::sleep(delay).await;
+                        delay = (delay * 2).min(Duration::from_secs(2));
+                    }
+                    r => return r,
+                }
+            }
+        })
+        .await;
         let info = match res {
             Ok(Ok(r)) => r.into_inner().actor.unwrap_or_default(),
             Ok(Err(status)) => {
