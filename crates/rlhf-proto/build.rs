@@ -2,7 +2,9 @@
 use std::path::PathBuf;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../proto");
+    // Read at run time: a build-script binary compiled for one checkout is reused for another
+    // that shares the target directory, so a compile-time path would compile the wrong protos.
+    let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR")?).join("../../proto");
     let files = [
         "common.proto",
         "head.proto",
