@@ -13,7 +13,7 @@
 //! back to back; the ratio is the median over rounds of `baseline time / path time`
 //! (the first round is a warm-up).
 //!
-//! `cargo run --release -p rlhf-collective --example weight_sync_bench [-- --sizes-mib 64,512 --iters 5 --params 100]`
+//! `cargo run --release -p rlhf-collective --example weight_sync_bench [-- --sizes-mib 64,512 --iters 5 --params 100 --slot-kib 8192]`
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -34,6 +34,7 @@ struct Opts {
     sizes_mib: Vec<usize>,
     iters: usize,
     params: usize,
+    slot_bytes: usize,
 }
 
 fn parse(args: &[String]) -> Result<Opts, BoxError> {
@@ -41,6 +42,7 @@ fn parse(args: &[String]) -> Result<Opts, BoxError> {
         sizes_mib: vec![64, 512],
         iters: 5,
         params: 100,
+        slot_bytes: rlhf_collective::shm::DEFAULT_SLOT_BYTES,
     };
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -54,6 +56,7 @@ fn parse(args: &[String]) -> Result<Opts, BoxError> {
             }
             "--iters" => o.iters = val()?.parse()?,
             "--params" => o.params = val()?.parse()?,
+            "--slot-kib" => o.slot_bytes = val()?.parse::<usize>()? << 10,
             other => return Err(format!("unknown option {other}; see the file header").into()),
         }
     }
@@ -239,7 +242,7 @@ fn main() -> Result<(), BoxError> {
         return rounds(&o, &mut Links { shm, tcp, raw }, 1);
     }
     let cfg = config()?;
-    let shm_rv = ShmRendezvous::create(rlhf_collective::shm::DEFAULT_SLOT_BYTES)?;
+    let shm_rv = ShmRendezvous::create(o.slot_bytes)?;
     let tcp_rv = TcpRendezvous::bind("127.0.0.1:0")?;
     let raw_l = TcpListener::bind("127.0.0.1:0")?;
     let addrs = format!(
