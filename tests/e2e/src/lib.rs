@@ -248,6 +248,25 @@ pub fn wait_for<T>(
     }
 }
 
+/// Waits until the run `p` has logged `n` steps to `metrics_file` (one JSON line each); fails
+/// at once, with its output, if the run ends first, and after `timeout` otherwise.
+pub fn wait_steps(p: &mut Proc, metrics_file: &Path, n: usize, timeout: Duration) -> Result<()> {
+    let start = Instant::now();
+    loop {
+        if let Some(st) = p.child.try_wait()? {
+            bail!("run ended before {n} steps ({st}): {}", p.output());
+        }
+        let done = std::fs::read_to_string(metrics_file).map_or(0, |t| t.lines().count());
+        if done >= n {
+            return Ok(());
+        }
+        if start.elapsed() > timeout {
+            bail!("{done} of {n} steps after {timeout:?}: {}", p.output());
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+}
+
 /// Reports a test that cannot run on this machine: prints `SKIPPED <test>: <reason>` and
 /// leaves the reason in `<tmp_dir>/skipped/<test>`, where CI lists run-time skips (a passing
 /// test's output is captured). `tmp_dir` is the calling test's `env!("CARGO_TARGET_TMPDIR")`.

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use nix::sys::signal::Signal;
-use rlhf_e2e::{child_with, wait_for, Cluster, Proc};
+use rlhf_e2e::{child_with, wait_steps, Cluster, Proc};
 use serde_json::Value;
 
 fn repo() -> PathBuf {
@@ -205,15 +205,7 @@ fn a_killed_role_stops_the_job_clearly_and_resume_finishes_it() -> Result<()> {
     let common = ["training.train_iters=100000", "checkpoint.save_steps=1"];
     let mut p = Proc::spawn("run", dir.path(), &mut run_cmd(&out, &common))?;
     let metrics_file = out.join("metrics.jsonl");
-    wait_for(Duration::from_secs(600), "two steps", || {
-        if let Some(st) = p.child.try_wait()? {
-            bail!("run ended early ({st}): {}", p.output());
-        }
-        Ok(metrics(&metrics_file)
-            .map(|m| m.len() >= 2)
-            .unwrap_or(false)
-            .then_some(()))
-    })?;
+    wait_steps(&mut p, &metrics_file, 2, Duration::from_secs(600))?;
     let critic = child_with(p.pid(), "--kind critic").context("critic process")?;
     nix::sys::signal::kill(nix::unistd::Pid::from_raw(critic), Signal::SIGKILL)?;
     let st = p.wait_exit(Duration::from_secs(120))?;

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use nix::sys::signal::Signal;
-use rlhf_e2e::{holds_file, pid_alive, wait_for, Cluster, Proc};
+use rlhf_e2e::{holds_file, pid_alive, wait_for, wait_steps, Cluster, Proc};
 use serde_json::Value;
 
 /// The memfd's name as /proc shows it.
@@ -109,15 +109,7 @@ fn the_segment_goes_with_the_processes_even_when_the_trainer_is_killed() -> Resu
         ),
     )?;
     let metrics_file = out.join("metrics.jsonl");
-    wait_for(Duration::from_secs(600), "two steps", || {
-        if let Some(st) = p.child.try_wait()? {
-            bail!("run ended early ({st}): {}", p.output());
-        }
-        Ok(metrics(&metrics_file)
-            .map(|m| m.len() >= 2)
-            .unwrap_or(false)
-            .then_some(()))
-    })?;
+    wait_steps(&mut p, &metrics_file, 2, Duration::from_secs(600))?;
     // The trainer (rank 0, it made the segment) and the rollout hold it, no other role.
     let status = c.status()?;
     let actors: Vec<(i32, String)> = status["actors"]
