@@ -4,39 +4,40 @@
 //! generating. They go to host memory before generation and come back at the next update.
 //! Gradients need no such move: they live only inside an update and are freed at its end.
 
-use candle_core::Device;
+use candle_core::{Device, Tensor, Var};
 
 use super::{AdamW, Moments};
 use crate::error::Result;
+
+/// Bytes of a parameter's two moments.
+fn moment_bytes(m: &Tensor, v: &Tensor) -> u64 {
+    ((m.elem_count() + v.elem_count()) * m.dtype().size_in_bytes()) as u64
+}
 
 impl AdamW {
     /// Moves the moments kept on an accelerator to host memory; returns the bytes moved
     /// (0 when they already are there, as on a CPU device). [`AdamW::step`] brings them back
     /// by itself.
     pub fn offload(&mut self) -> Result<u64> {
-        let mut bytes = 0u64;
-        for s in self.slots.iter_mut() {
-            if let Moments::Device { m, v } = &mut s.moments {
-                if !m.device().is_cpu() {
-                    bytes += ((m.elem_count() + v.elem_count()) * m.dtype().size_in_bytes()) as u64;
-                    *m = m.to_device(&Device::Cpu)?;
-                    *v = v.to_device(&Device::Cpu)?;
-                }
-            }
-        }
-        Ok(bytes)
+        self.move_moments(|_| Device::Cpu)
     }
 
     /// Brings offloaded moments back to their parameters' device; returns the bytes moved.
     pub fn reload(&mut self) -> Result<u64> {
+        self.move_moments(|var| var.device().clone())
+    }
+
+    /// Moves every parameter's device-kept moments to `to(parameter)` where they are not
+    /// there yet; returns the bytes moved.
+    fn move_moments(&mut self, to: impl Fn(&Var) -> Device) -> Result<u64> {
         let mut bytes = 0u64;
         for s in self.slots.iter_mut() {
-            let device = s.var.device();
+            let to = to(&s.var);
             if let Moments::Device { m, v } = &mut s.moments {
-                if !m.device().same_device(device) {
-                    bytes += ((m.elem_count() + v.elem_count()) * m.dtype().size_in_bytes()) as u64;
-                    *m = m.to_device(device)?;
-                    *v = v.to_device(device)?;
+                if !m.device().same_device(&to) {
+                    bytes += moment_bytes(m, v);
+                    *m = m.to_device(&to)?;
+                    *v = v.to_device(&to)?;
                 }
             }
         }
@@ -49,7 +50,7 @@ impl AdamW {
             .iter()
             .map(|s| match &s.moments {
                 Moments::Device { m, v } if !m.device().same_device(s.var.device()) => {
-                    ((m.elem_count() + v.elem_count()) * m.dtype().size_in_bytes()) as u64
+                    moment_bytes(m, v)
                 }
                 _ => 0,
             })
@@ -59,7 +60,7 @@ impl AdamW {
 
 #[cfg(test)]
 mod tests {
-    use candle_core::{DType, Tensor, Var};
+    use candle_core::DType;
 
     use super::super::{AdamWConfig, Gradients};
     use super::*;
