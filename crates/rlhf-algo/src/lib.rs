@@ -86,6 +86,7 @@ mod masked;
 pub mod metric;
 mod metrics;
 mod names;
+mod off_policy;
 mod rewards;
 mod validate;
 
@@ -106,4 +107,5 @@ pub use metrics::{
     compute_metrics, rollout_metrics, RolloutMetricsInputs, TrainStats, METRIC_NAMES,
 };
 pub use names::{AdvEstimator, KlCtrlType, KlPenalty, LossAggMode, ScorePlacement};
+pub use off_policy::{importance_weights, log_prob_gap, ImportanceWeights};
 pub use rewards::{compute_token_rewards, TokenRewards};

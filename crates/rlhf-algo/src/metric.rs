@@ -41,12 +41,20 @@ pub const ACTOR_PG_CLIPFRAC_LOWER: &str = "actor/pg_clipfrac_lower";
 
 pub const RESPONSE_LENGTH_MEAN: &str = "response_length/mean";
 
-/// |behaviour log-prob - old log-prob| over valid response tokens: the sampling policy
-/// (inference kernels, synced weights) against the trainer's recomputation.
-pub const ROLLOUT_LOG_PROB_DIFF_MEAN: &str = "rollout/log_prob_diff_mean";
-pub const ROLLOUT_LOG_PROB_DIFF_MAX: &str = "rollout/log_prob_diff_max";
-/// Steps between the weights that sampled the oldest row and the trainer's current ones.
-pub const ROLLOUT_STALENESS: &str = "rollout/staleness";
+/// |rollout engine log-prob - trainer log-prob| over valid response tokens, on the same
+/// weights and tokens: the inference path (kernels, dtype, synced weights) against the
+/// trainer's recomputation. Sync mode compares the sampling log-probs; async modes a
+/// teacher-forced pass of the rollout ranks once they hold the trainer's weights.
+pub const TRAINING_ROLLOUT_LOGPROB_GAP_MEAN: &str = "training/rollout_logprob_gap_mean";
+pub const TRAINING_ROLLOUT_LOGPROB_GAP_MAX: &str = "training/rollout_logprob_gap_max";
+/// Policy versions between the weights that sampled a row and the trainer's (admitted rows).
+pub const ROLLOUT_STALENESS_MEAN: &str = "rollout/staleness_mean";
+pub const ROLLOUT_STALENESS_MAX: &str = "rollout/staleness_max";
+/// Rows dropped because they were sampled more than `max_staleness` versions ago.
+pub const ROLLOUT_DROPPED: &str = "rollout/dropped";
+/// The importance weight pi_old / pi_behaviour over valid tokens, before truncation.
+pub const ROLLOUT_IS_WEIGHT_MEAN: &str = "rollout/is_weight_mean";
+pub const ROLLOUT_IS_WEIGHT_MAX: &str = "rollout/is_weight_max";
 
 pub const TIMING_S_ADV: &str = "timing_s/adv";
 pub const TIMING_S_CHECKPOINT: &str = "timing_s/checkpoint";
@@ -60,6 +68,8 @@ pub const TIMING_S_SYNC_WEIGHTS: &str = "timing_s/sync_weights";
 pub const TIMING_S_UPDATE_ACTOR: &str = "timing_s/update_actor";
 pub const TIMING_S_UPDATE_CRITIC: &str = "timing_s/update_critic";
 pub const TIMING_S_VALUES: &str = "timing_s/values";
+/// Time the trainers waited for the step's batch (0 when the rollout ran ahead).
+pub const TIMING_S_WAIT_ROLLOUT: &str = "timing_s/wait_rollout";
 
 pub const PERF_THROUGHPUT: &str = "perf/throughput";
 pub const PERF_TOTAL_NUM_TOKENS: &str = "perf/total_num_tokens";

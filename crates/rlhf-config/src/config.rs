@@ -13,6 +13,7 @@ use rlhf_algo::{AlgorithmConfig, KlPenalty, LossAggMode, PolicyLossConfig, Value
 pub use rlhf_core::RoleKind;
 use serde::{Deserialize, Serialize};
 
+use crate::asynchrony::AsyncConfig;
 use crate::model::ModelConfig;
 
 /// Defines [`TrainingConfig`] (every key with its default) and
@@ -235,6 +236,9 @@ pub struct ActorRolloutConfig {
     pub fixed_responses_file: Option<String>,
     /// Colocated trainer: optimizer state in host memory while the device generates.
     pub offload: bool,
+    /// Rollout overlapped with training (`actor_rollout.async.*`).
+    #[serde(rename = "async")]
+    pub async_: AsyncConfig,
     /// Overrides of `training` keys for this role.
     #[serde(flatten)]
     pub overrides: TrainingOverrides,
@@ -268,6 +272,7 @@ impl Default for ActorRolloutConfig {
             kl_loss_type: p.kl_loss_type,
             fixed_responses_file: None,
             offload: false,
+            async_: AsyncConfig::default(),
             overrides: TrainingOverrides::default(),
         }
     }

@@ -24,6 +24,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod asynchrony;
 mod config;
 pub mod data;
 pub mod docs;
@@ -36,6 +37,7 @@ mod plan;
 pub mod spec;
 mod validate;
 
+pub use asynchrony::{AsyncConfig, AsyncMode};
 pub use config::{
     ActorRolloutConfig, BadRows, CheckpointConfig, CriticConfig, DataConfig, DataFormat,
     DefaultsEntry, DeviceKind, LoggingConfig, LrDecayStyle, OneOrMany, PpoConfig, PromptOverflow,

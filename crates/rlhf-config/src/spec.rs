@@ -99,6 +99,9 @@ pub enum EngineSpec {
     /// actor_rollout infer: generation; receives weights.
     Rollout {
         sampling: SamplingSpec,
+        /// Temperature of its teacher-forced log-probs: the trainer's (the sampling
+        /// temperature, 1 when greedy).
+        temperature: f64,
     },
     /// The frozen reference policy.
     Ref {
@@ -257,7 +260,13 @@ impl RoleSpec {
                 } else {
                     vec![CommGroup::Weights]
                 };
-                (EngineSpec::Rollout { sampling }, comms)
+                (
+                    EngineSpec::Rollout {
+                        sampling,
+                        temperature: logprob_temperature,
+                    },
+                    comms,
+                )
             }
             (RoleKind::Ref, _) => (
                 EngineSpec::Ref {

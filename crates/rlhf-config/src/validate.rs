@@ -143,6 +143,23 @@ pub fn problems(cfg: &PpoConfig) -> Vec<String> {
             "actor_rollout.offload: true moves the trainer's optimizer state off the device while that device generates, which happens only with resource_pool.colocate: true; set resource_pool.colocate=true or actor_rollout.offload=false".to_string(),
         );
     }
+    e.extend(a.async_.problems());
+    if a.async_.is_async() && pool.colocate {
+        e.push(format!(
+            "actor_rollout.async.mode={} overlaps generation with training on separate ranks, but resource_pool.colocate: true runs both on the same device with the same weights, one after the other; set resource_pool.colocate=false or actor_rollout.async.mode=sync",
+            a.async_.mode
+        ));
+    }
+    if a.async_.is_async()
+        && a.fixed_responses_file
+            .as_deref()
+            .is_some_and(|f| !f.is_empty())
+    {
+        e.push(format!(
+            "actor_rollout.async.mode={} overlaps generation with training, but actor_rollout.fixed_responses_file replaces generation; set actor_rollout.async.mode=sync",
+            a.async_.mode
+        ));
+    }
     if pool.colocate && a.num_gpus_for_infer != a.num_gpus_for_train {
         e.push(format!(
             "resource_pool.colocate: every actor trainer rank generates with its own weights, so actor_rollout.num_gpus_for_infer ({}) must equal actor_rollout.num_gpus_for_train ({})",

@@ -57,6 +57,7 @@ impl Engine {
     pub fn as_log_probs(&self) -> Option<&dyn LogProbs> {
         match self {
             Engine::Trainer(t) => Some(t.as_ref()),
+            Engine::Rollout(r) => Some(r.as_ref()),
             Engine::Ref(r) => Some(r.as_ref()),
             _ => None,
         }

@@ -263,6 +263,10 @@ pub struct Rollout {
     pub shapes: Shapes,
     pub gen: GenerationConfig,
     pub version: u64,
+    /// Rows per forward of the teacher-forced log-prob pass.
+    micro: usize,
+    /// Its temperature (the trainer's).
+    logprob_temperature: f64,
 }
 
 impl Rollout {
@@ -278,7 +282,11 @@ impl Rollout {
     /// Generates with `model`, which may be another engine's (the hybrid engine: a rollout
     /// over the trainer's weights needs no sync).
     pub fn sharing(spec: &RoleSpec, model: Arc<Model>) -> Result<Self> {
-        let EngineSpec::Rollout { sampling } = &spec.engine else {
+        let EngineSpec::Rollout {
+            sampling,
+            temperature,
+        } = &spec.engine
+        else {
             return Err(wrong_engine(spec, "a rollout"));
         };
         let mut gen = model.generation_config().clone();
@@ -310,6 +318,8 @@ impl Rollout {
             shapes: spec.shapes,
             gen,
             version: 0,
+            micro: spec.micro_batch_rows,
+            logprob_temperature: *temperature,
         })
     }
 
@@ -375,6 +385,21 @@ impl Generate for Rollout {
             behaviour_log_probs: mat_f32(&lps, "behaviour_log_probs")?,
             policy_version: vec![self.version; ids.rows],
         })
+    }
+}
+
+/// The rollout engine's own log-probs of given responses (teacher-forced, its weights, its
+/// dtype, the sampling temperature): async runs compare them with the trainer's on the same
+/// weights (`training/rollout_logprob_gap_*`).
+impl LogProbs for Rollout {
+    fn log_probs(&self, req: &LogProbsRequest) -> Result<LogProbsResponse> {
+        log_probs(
+            &self.model,
+            req,
+            self.shapes,
+            self.logprob_temperature,
+            self.micro.max(1),
+        )
     }
 }
 

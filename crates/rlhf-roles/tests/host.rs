@@ -86,18 +86,25 @@ fn a_rollout_sharing_the_trainer_model_generates_with_updated_weights() {
         .fold(0f32, f32::max);
     assert!(worst < 1e-4, "behaviour log-probs differ by {worst}");
 
-    // ComputeLogProbs is served by the trainer only; UpdateCritic by nobody here.
+    // ComputeLogProbs is served by the trainer and by the rollout (its teacher-forced pass,
+    // for the rollout-vs-trainer gap): a batch must name which; on the shared weights both
+    // answer the same.
     let mut lp_wire = typed::<calls::LogProbsRequest>(&seqs)
         .unwrap()
         .to_batch()
         .unwrap();
-    assert!(host.batch(BatchCall::ComputeLogProbs, &lp_wire).is_ok());
-    calls::set_target(&mut lp_wire, RoleKind::ActorRollout, RolePart::Infer);
     let err = host
         .batch(BatchCall::ComputeLogProbs, &lp_wire)
         .unwrap_err()
         .to_string();
-    assert!(err.contains("ComputeLogProbs is not served"), "{err}");
+    assert!(err.contains("served by several engines"), "{err}");
+    let mut answer = |part| {
+        calls::set_target(&mut lp_wire, RoleKind::ActorRollout, part);
+        let b = host.batch(BatchCall::ComputeLogProbs, &lp_wire).unwrap();
+        calls::LogProbsResponse::from_batch(BatchCall::ComputeLogProbs, &b).unwrap()
+    };
+    let (by_trainer, by_rollout) = (answer(RolePart::Train), answer(RolePart::Infer));
+    assert_eq!(by_trainer.log_probs, by_rollout.log_probs);
     let err = host.add(train).unwrap_err().to_string();
     assert!(err.contains("already initialised"), "{err}");
 }

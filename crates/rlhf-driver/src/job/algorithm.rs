@@ -2,7 +2,8 @@
 //! prompt sampler, the rollout source, weight sync, checkpoints and reporting; an
 //! [`Algorithm`] owns the math of one step and the state it keeps across steps. PPO and the
 //! critic-free estimators (GRPO, RLOO, REINFORCE++) are one implementation, `super::ppo`;
-//! a new one (DPO, a one-step-off PPO) is a new type here, not a new loop.
+//! a new one (DPO, say) is a new type here, not a new loop. Async rollout is the loop's
+//! (`super::pipeline`): an algorithm gets each step's batch and never sees when it was made.
 
 use std::collections::BTreeMap;
 
@@ -11,6 +12,7 @@ use rlhf_core::{Error, Result};
 use crate::checkpoint::TrainerState;
 use crate::output::Sample;
 
+use super::rollout::Rollout;
 use super::{Loop, Res};
 
 /// What one step gives the loop.
@@ -33,9 +35,9 @@ pub(crate) trait Algorithm {
     /// Puts that state into the checkpoint being written.
     fn save(&self, state: &mut TrainerState);
 
-    /// One step, from the step's prompts to updated weights synced to the rollout ranks.
-    /// `step` counts from 1.
-    async fn step(&mut self, cx: &mut Loop<'_>, step: u64) -> Res<StepOutput>;
+    /// One step, from the step's batch (admitted by the loop) to updated trainer weights;
+    /// the loop syncs them to the rollout ranks on its schedule. `step` counts from 1.
+    async fn step(&mut self, cx: &mut Loop<'_>, step: u64, ro: Rollout) -> Res<StepOutput>;
 }
 
 /// Refuses a checkpoint another algorithm wrote (its state would be read as this one's).

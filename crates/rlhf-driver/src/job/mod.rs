@@ -1,10 +1,12 @@
 //! One job from placement to the last checkpoint: options, the run (placement, resume,
 //! the loop, summary) and the loop's state. What a step does is an [`Algorithm`]
 //! (`algorithm`; PPO in `ppo`); the loop's services live beside it: `rollout` (prompts and
-//! responses), `sync` (weights and checkpoints). Everything the user sees goes out as
-//! events through `crate::report`.
+//! responses), `pipeline` (the rollout lane that makes them ahead of the trainers in async
+//! modes), `sync` (weights and checkpoints). Everything the user sees goes out as events
+//! through `crate::report`.
 
 mod algorithm;
+mod pipeline;
 mod ppo;
 mod rollout;
 mod sync;
@@ -25,7 +27,7 @@ use tokio_util::sync::CancellationToken;
 use crate::checkpoint::{self};
 use crate::cluster::{self, HeadClient, LaunchOptions, Roles};
 use crate::group::CallError;
-use crate::prompts::{self, FixedResponses, Prompt};
+use crate::prompts::{self};
 use crate::report::{DatasetReport, Event, Reporter, Reporters};
 
 use algorithm::{Algorithm, StepOutput};
@@ -231,17 +233,22 @@ pub async fn run(
     let mut ctx = Loop {
         cfg,
         opts: &opts,
-        tok: &tok,
-        prompts: &data.prompts,
-        fixed: fixed.as_ref(),
-        sampler: &mut sampler,
         roles: &roles,
         sync_path,
         ckpt_root: &ckpt_root,
         report: &mut report,
     };
+    let mut src = rollout::RolloutSource {
+        cfg,
+        opts: &opts,
+        tok: &tok,
+        prompts: &data.prompts,
+        fixed: fixed.as_ref(),
+        sampler: &mut sampler,
+        roles: &roles,
+    };
     let result = tokio::select! {
-        r = ctx.drive(&mut algo, start_step, total, resumed.clone()) => r,
+        r = ctx.drive(&mut algo, &mut src, start_step, total, resumed.clone()) => r,
         _ = shutdown.cancelled() => Err(Failed::Other(Error::new(FailureKind::Unavailable, "stopped by a signal; continue with --resume latest"))),
     };
     let result = match result {
@@ -256,6 +263,7 @@ pub async fn run(
     result
 }
 
+#[derive(Debug)]
 enum Failed {
     Call(CallError),
     Other(Error),
@@ -284,10 +292,6 @@ type Res<T> = std::result::Result<T, Failed>;
 struct Loop<'a> {
     cfg: &'a PpoConfig,
     opts: &'a DriverOptions,
-    tok: &'a Tokenizer,
-    prompts: &'a [Prompt],
-    fixed: Option<&'a FixedResponses>,
-    sampler: &'a mut PromptSampler,
     roles: &'a Roles,
     sync_path: sync::SyncPath,
     ckpt_root: &'a std::path::Path,
@@ -304,6 +308,7 @@ impl Loop<'_> {
     async fn drive<A: Algorithm>(
         &mut self,
         algo: &mut A,
+        src: &mut rollout::RolloutSource<'_>,
         start_step: u64,
         total: u64,
         resumed: Option<(PathBuf, checkpoint::TrainerState)>,
@@ -381,20 +386,74 @@ impl Loop<'_> {
 
         self.report
             .add_files(cfg, resume_dir.as_ref().map(|_| start_step))?;
+        let schedule = pipeline::Schedule::new(&cfg.actor_rollout.async_);
+        let (mut lanes, lane_end) = pipeline::channels();
+        let lane = pipeline::rollout_lane(src, schedule, start_step, total, lane_end);
+        let trainer = self.train_lane(algo, &mut lanes, schedule, start_step, total, resume_dir);
+        tokio::select! {
+            r = trainer => r,
+            () = lane => Err(Failed::Other(Error::internal("the rollout lane returned"))),
+        }
+    }
+
+    /// The trainers' side of the loop: each step's batch from the rollout lane, admission,
+    /// the algorithm's step, the weight sync on the schedule, checkpoints and reports.
+    async fn train_lane<A: Algorithm>(
+        &mut self,
+        algo: &mut A,
+        lanes: &mut pipeline::LoopEnd,
+        schedule: pipeline::Schedule,
+        start_step: u64,
+        total: u64,
+        resume_dir: Option<PathBuf>,
+    ) -> Res<JobSummary> {
+        let cfg = self.cfg;
+        let max_staleness = u64::from(cfg.actor_rollout.async_.max_staleness);
         let mut history = Vec::new();
-        let mut last_checkpoint = resume_dir.clone();
+        let mut last_checkpoint = resume_dir;
         let mut step = start_step;
+        let mut last_end = Instant::now();
         while step < total {
             step += 1;
+            let (ro, waited) = timed(lanes.next_batch()).await;
+            let mut ro = ro?;
+            let admitted = pipeline::admit(&mut ro, step, max_staleness)?;
+            let (gen_s, tokens, cursor) = (ro.gen_s, ro.tokens, ro.cursor);
             let StepOutput {
                 mut metrics,
                 samples,
-            } = algo.step(self, step).await?;
+            } = algo.step(self, step, ro).await?;
+            metrics.insert(metric::TIMING_S_GEN.into(), gen_s);
+            metrics.insert(metric::TIMING_S_WAIT_ROLLOUT.into(), waited);
+            metrics.insert(
+                metric::ROLLOUT_STALENESS_MEAN.into(),
+                admitted.staleness_mean,
+            );
+            metrics.insert(metric::ROLLOUT_STALENESS_MAX.into(), admitted.staleness_max);
+            metrics.insert(metric::ROLLOUT_DROPPED.into(), admitted.dropped as f64);
+            metrics.insert(metric::EPOCH.into(), cursor.epoch as f64);
+            let stopping = self.opts.stop_after.is_some_and(|n| step - start_step >= n);
+            let mut synced = sync::Synced::default();
+            if schedule.is_sync_point(step) && step < total {
+                lanes.await_want(step).await?;
+                synced = self.sync_weights(step).await?;
+                // The lane is gone only when it failed; its error comes with the next batch.
+                let _ = lanes.synced.send(step);
+            }
+            metrics.insert(metric::TIMING_S_SYNC_WEIGHTS.into(), synced.secs);
+            metrics.insert(metric::PERF_WEIGHT_SYNC_S.into(), synced.secs);
+            metrics.insert(metric::PERF_WEIGHT_SYNC_BYTES.into(), synced.bytes as f64);
+            // Wall time from the previous step's end: in async modes generation overlaps.
+            let elapsed = last_end.elapsed().as_secs_f64();
+            metrics.insert(metric::TIMING_S_STEP.into(), elapsed);
+            metrics.insert(
+                metric::PERF_THROUGHPUT.into(),
+                tokens as f64 / elapsed.max(1e-9),
+            );
             let t0 = Instant::now();
             let save_steps = cfg.checkpoint.save_steps;
-            let stopping = self.opts.stop_after.is_some_and(|n| step - start_step >= n);
             if save_steps > 0 && (step.is_multiple_of(save_steps) || step == total || stopping) {
-                last_checkpoint = Some(self.save(step, algo).await?);
+                last_checkpoint = Some(self.save(step, algo, cursor).await?);
                 metrics.insert(
                     metric::TIMING_S_CHECKPOINT.into(),
                     t0.elapsed().as_secs_f64(),
@@ -410,6 +469,7 @@ impl Loop<'_> {
                 samples: samples_due.then_some(samples.as_slice()),
             })?;
             history.push(metrics);
+            last_end = Instant::now();
             if stopping {
                 self.report.report(&Event::Stopped {
                     steps_run: step - start_step,

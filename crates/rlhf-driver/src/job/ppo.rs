@@ -1,5 +1,6 @@
-//! PPO as an [`Algorithm`]: rollout, experience from every role at once, token rewards and
-//! advantages, critic and actor updates at once, weight sync, metrics. The advantage
+//! PPO as an [`Algorithm`]: from the step's batch, experience from every role at once, token
+//! rewards and advantages, the off-policy correction of async batches (`rlhf_algo`'s
+//! `off_policy`), critic and actor updates at once, metrics. The advantage
 //! estimator picks GAE (with the critic) or a critic-free one (GRPO, RLOO, REINFORCE++); the
 //! KL controller is the state it keeps across steps.
 
@@ -7,8 +8,8 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use rlhf_algo::{
-    compute_advantage, compute_token_rewards, metric, rollout_metrics, AdvEstimator,
-    AdvantageInputs, KlController, RolloutMetricsInputs,
+    compute_advantage, compute_token_rewards, importance_weights, log_prob_gap, metric,
+    rollout_metrics, AdvEstimator, AdvantageInputs, KlController, RolloutMetricsInputs,
 };
 use rlhf_config::PpoConfig;
 use rlhf_core::calls::candle::{f32_tensor, mat_f32};
@@ -22,11 +23,14 @@ use crate::group::mean_metrics;
 use crate::output::Sample;
 
 use super::algorithm::{Algorithm, StepOutput};
+use super::rollout::{Probe, Rollout};
 use super::{timed, Failed, Loop, Res};
 
 /// PPO and its critic-free relatives.
 pub(crate) struct Ppo {
     kl_ctl: KlController,
+    /// The last rollout-vs-trainer gap measured (bounded mode measures it once per sync).
+    last_gap: Option<(f64, f64)>,
 }
 
 impl Ppo {
@@ -39,7 +43,10 @@ impl Ppo {
         }
         let kl_ctl = KlController::from_config(&cfg.algorithm.kl_ctrl)
             .map_err(|e| Error::invalid(format!("algorithm.kl_ctrl: {e}")))?;
-        Ok(Self { kl_ctl })
+        Ok(Self {
+            kl_ctl,
+            last_gap: None,
+        })
     }
 }
 
@@ -60,11 +67,9 @@ impl Algorithm for Ppo {
         state.kl_ctl = Some(self.kl_ctl.clone());
     }
 
-    async fn step(&mut self, cx: &mut Loop<'_>, step: u64) -> Res<StepOutput> {
+    async fn step(&mut self, cx: &mut Loop<'_>, step: u64, ro: Rollout) -> Res<StepOutput> {
         let cfg = cx.cfg;
-        let step_start = Instant::now();
         let mut timing = BTreeMap::new();
-        let ro = cx.rollout(step, &mut timing).await?;
         let (rows, r) = (ro.rows, ro.r);
         let shape = [rows, r];
         let lp_req = LogProbsRequest(ro.seq.clone());
@@ -178,16 +183,43 @@ impl Algorithm for Ppo {
             returns: &adv.returns,
             values: vals_t.as_ref(),
         })?;
-        if let Some((behaviour, versions)) = &ro.behaviour {
-            metrics.extend(behaviour_metrics(
-                behaviour,
-                versions,
-                &old,
-                &ro.response_mask,
-                step,
-            ));
+        let mut advantages = mat_f32(&adv.advantages, "advantages")?;
+        if let Some((behaviour, _)) = &ro.behaviour {
+            let a = &cfg.actor_rollout.async_;
+            let w =
+                importance_weights(&old.data, &behaviour.data, &ro.response_mask.data, a.is_cap)?;
+            metrics.insert(metric::ROLLOUT_IS_WEIGHT_MEAN.into(), w.mean);
+            metrics.insert(metric::ROLLOUT_IS_WEIGHT_MAX.into(), w.max);
+            // Sync mode samples with the trainers' own weights (w is 1 up to numerics): the
+            // correction is for async batches only.
+            if a.is_async() {
+                for (x, w) in advantages.data.iter_mut().zip(&w.truncated) {
+                    *x *= w;
+                }
+            }
         }
-        let advantages = mat_f32(&adv.advantages, "advantages")?;
+        let gap = match ro.probe {
+            Probe::Behaviour => match &ro.behaviour {
+                Some((b, _)) => log_prob_gap(&b.data, &old.data, &ro.response_mask.data)?,
+                None => None,
+            },
+            Probe::Pending(rx) => match rx.await {
+                Ok(lp) => {
+                    let lp = lp?;
+                    check(&lp, "actor_rollout/infer ComputeLogProbs")?;
+                    log_prob_gap(&lp.data, &old.data, &ro.response_mask.data)?
+                }
+                Err(_) => None,
+            },
+            Probe::None => None,
+        };
+        if gap.is_some() {
+            self.last_gap = gap;
+        }
+        if let Some((mean, max)) = self.last_gap {
+            metrics.insert(metric::TRAINING_ROLLOUT_LOGPROB_GAP_MEAN.into(), mean);
+            metrics.insert(metric::TRAINING_ROLLOUT_LOGPROB_GAP_MAX.into(), max);
+        }
         let returns = mat_f32(&adv.returns, "returns")?;
         // The critic fits values where GAE ran: the response, plus the score's slot with
         // TRL's placement.
@@ -237,24 +269,12 @@ impl Algorithm for Ppo {
             }
         }
 
-        let synced = cx.sync_weights(step).await?;
-        timing.insert(metric::TIMING_S_SYNC_WEIGHTS.into(), synced.secs);
-        metrics.insert(metric::PERF_WEIGHT_SYNC_S.into(), synced.secs);
-        metrics.insert(metric::PERF_WEIGHT_SYNC_BYTES.into(), synced.bytes as f64);
-
         let kl = metrics.get(metric::OBJECTIVE_KL).copied().unwrap_or(0.0);
         metrics.insert(metric::OBJECTIVE_KL_COEF.into(), self.kl_ctl.value());
         self.kl_ctl.update(kl, rows)?;
-        let elapsed = step_start.elapsed().as_secs_f64();
-        timing.insert(metric::TIMING_S_STEP.into(), elapsed);
         metrics.extend(timing);
-        metrics.insert(
-            metric::PERF_THROUGHPUT.into(),
-            ro.tokens as f64 / elapsed.max(1e-9),
-        );
         metrics.insert(metric::PERF_TOTAL_NUM_TOKENS.into(), ro.tokens as f64);
         metrics.insert(metric::EPISODE.into(), (step * rows as u64) as f64);
-        metrics.insert(metric::EPOCH.into(), cx.sampler.cursor().epoch as f64);
 
         let k = (cfg.logging.sample_rows as usize).min(rows);
         let samples = (0..k)
@@ -266,43 +286,6 @@ impl Algorithm for Ppo {
             .collect();
         Ok(StepOutput { metrics, samples })
     }
-}
-
-/// How far the sampling policy was from the trainer's: the absolute difference of the
-/// behaviour and old log-probs over valid tokens (mean and max; a weight sync gone wrong
-/// shows here first), and how many steps old the sampling weights were.
-fn behaviour_metrics(
-    behaviour: &Mat<f32>,
-    versions: &[u64],
-    old: &Mat<f32>,
-    mask: &Mat<f32>,
-    step: u64,
-) -> BTreeMap<String, f64> {
-    let mut out = BTreeMap::new();
-    if behaviour.shape() == old.shape() && behaviour.shape() == mask.shape() {
-        let (mut sum, mut max, mut n) = (0.0f64, 0.0f64, 0usize);
-        for ((&b, &o), &m) in behaviour.data.iter().zip(&old.data).zip(&mask.data) {
-            if m > 0.5 {
-                let d = f64::from((b - o).abs());
-                sum += d;
-                max = max.max(d);
-                n += 1;
-            }
-        }
-        if n > 0 {
-            out.insert(
-                metric::ROLLOUT_LOG_PROB_DIFF_MEAN.to_string(),
-                sum / n as f64,
-            );
-            out.insert(metric::ROLLOUT_LOG_PROB_DIFF_MAX.to_string(), max);
-        }
-    }
-    // Weights synced after step s carry version s; step s samples with version s - 1.
-    if let Some(&oldest) = versions.iter().min() {
-        let lag = step.saturating_sub(1).saturating_sub(oldest);
-        out.insert(metric::ROLLOUT_STALENESS.to_string(), lag as f64);
-    }
-    out
 }
 
 #[cfg(test)]

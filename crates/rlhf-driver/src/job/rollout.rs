@@ -1,17 +1,45 @@
 //! A step's rollout: prompts from the sampler, responses from the rollout ranks or the
-//! fixed-responses file, the sequences every role scores.
+//! fixed-responses file, the sequences every role scores. [`RolloutSource`] holds what
+//! making a batch needs and nothing the trainers use, so the rollout lane of an async run
+//! (`super::pipeline`) makes the next batches while the loop trains on this one.
 
-use std::collections::BTreeMap;
 use std::time::Instant;
 
-use rlhf_algo::metric;
+use rlhf_config::data::{DataCursor, PromptSampler};
+use rlhf_config::PpoConfig;
 use rlhf_core::calls::{GenerateRequest, GenerateResponse, Mat, Sequences};
 use rlhf_core::{Error, Result};
+use rlhf_tokenizer::Tokenizer;
+use tokio::sync::oneshot;
 
+use crate::cluster::Roles;
 use crate::group::CallError;
-use crate::prompts::{FixedResponse, FixedResponses};
+use crate::prompts::{FixedResponse, FixedResponses, Prompt};
 
-use super::{Failed, Loop, Res};
+use super::{DriverOptions, Failed, Res};
+
+/// Everything that makes a step's batch: the prompts, their sampler, the rollout ranks.
+pub(super) struct RolloutSource<'a> {
+    pub(super) cfg: &'a PpoConfig,
+    pub(super) opts: &'a DriverOptions,
+    pub(super) tok: &'a Tokenizer,
+    pub(super) prompts: &'a [Prompt],
+    pub(super) fixed: Option<&'a FixedResponses>,
+    pub(super) sampler: &'a mut PromptSampler,
+    pub(super) roles: &'a Roles,
+}
+
+/// The rollout engine's log-probs of a batch on the trainer's weights, for
+/// `training/rollout_logprob_gap_*`.
+pub(super) enum Probe {
+    /// The batch was sampled with the trainer's current weights: its behaviour log-probs.
+    Behaviour,
+    /// A teacher-forced pass of the rollout ranks once they hold the trainer's weights
+    /// (async modes, the first step after each sync).
+    Pending(oneshot::Receiver<std::result::Result<Mat<f32>, CallError>>),
+    /// Not measured this step (fixed responses; bounded mode between syncs).
+    None,
+}
 
 /// One step's rollout, kept on the driver.
 pub(super) struct Rollout {
@@ -29,6 +57,12 @@ pub(super) struct Rollout {
     pub(super) has_eos: Vec<bool>,
     pub(super) group_ids: Vec<usize>,
     pub(super) tokens: usize,
+    /// The sampler's cursor right after this batch's prompts were drawn: what a
+    /// checkpoint after this step records.
+    pub(super) cursor: DataCursor,
+    /// Wall time of the generation (overlapped with training in async modes).
+    pub(super) gen_s: f64,
+    pub(super) probe: Probe,
 }
 
 /// A step's prompts: dataset index per row and the request for the rollout ranks.
@@ -37,7 +71,7 @@ pub(super) struct PromptBatch {
     pub(super) req: GenerateRequest,
 }
 
-impl Loop<'_> {
+impl RolloutSource<'_> {
     fn prompt_batch(&mut self, step: u64) -> Result<PromptBatch> {
         let cfg = self.cfg;
         let n = cfg.actor_rollout.num_samples_per_step.max(1) as usize;
@@ -76,7 +110,7 @@ impl Loop<'_> {
             .unwrap_or(0)
     }
 
-    async fn generate(
+    pub(super) async fn generate(
         &self,
         req: &GenerateRequest,
     ) -> std::result::Result<GenerateResponse, CallError> {
@@ -143,13 +177,10 @@ impl Loop<'_> {
         Ok((ids, mask))
     }
 
-    pub(super) async fn rollout(
-        &mut self,
-        step: u64,
-        timing: &mut BTreeMap<String, f64>,
-    ) -> Res<Rollout> {
+    pub(super) async fn rollout(&mut self, step: u64) -> Res<Rollout> {
         let cfg = self.cfg;
         let PromptBatch { which, req } = self.prompt_batch(step)?;
+        let cursor = self.sampler.cursor();
         let rows = which.len();
         let r = cfg.actor_rollout.max_response_length as usize;
         let t = Instant::now();
@@ -167,7 +198,7 @@ impl Loop<'_> {
                 )
             }
         };
-        timing.insert(metric::TIMING_S_GEN.into(), t.elapsed().as_secs_f64());
+        let gen_s = t.elapsed().as_secs_f64();
         if responses.shape() != [rows, r] || response_mask.shape() != [rows, r] {
             return Err(Failed::Other(Error::internal(format!(
                 "actor_rollout/infer Generate: responses {:?} and mask {:?}, expected [{rows}, {r}]",
@@ -241,6 +272,9 @@ impl Loop<'_> {
             has_eos,
             group_ids: (0..rows).map(|i| i / n).collect(),
             tokens,
+            cursor,
+            gen_s,
+            probe: Probe::None,
         })
     }
 }

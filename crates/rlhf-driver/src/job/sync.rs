@@ -5,6 +5,7 @@
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 
+use rlhf_config::data::DataCursor;
 use rlhf_core::Error;
 use rlhf_core::{CommBackend, CommGroup};
 use rlhf_proto::v1 as pb;
@@ -136,7 +137,14 @@ impl Loop<'_> {
         })
     }
 
-    pub(super) async fn save<A: Algorithm>(&self, step: u64, algo: &A) -> Res<PathBuf> {
+    /// Checkpoints the trainers after `step`; `cursor` is the sampler's right after that
+    /// step's prompts (the rollout lane may have drawn further ahead).
+    pub(super) async fn save<A: Algorithm>(
+        &self,
+        step: u64,
+        algo: &A,
+        cursor: DataCursor,
+    ) -> Res<PathBuf> {
         let dir = checkpoint::step_dir(self.ckpt_root, step);
         let t = self.opts.call_timeout;
         let actor_dir = dir.join("actor").to_string_lossy().into_owned();
@@ -172,7 +180,7 @@ impl Loop<'_> {
         let mut state = TrainerState::new(
             A::NAME,
             step,
-            self.sampler.cursor(),
+            cursor,
             self.cfg.training.seed,
             &self.opts.job_id,
         );
