@@ -581,3 +581,54 @@ fn null_for_a_required_value_names_the_key() {
     let cfg = tiny(&["critic.lr=null"]).unwrap();
     assert_eq!(cfg.resolved(RoleKind::Critic).lr, cfg.training.lr);
 }
+
+#[test]
+fn async_rollout_keys_load_and_bad_combinations_name_the_fix() {
+    let c = tiny(&[
+        "actor_rollout.async.mode=bounded",
+        "actor_rollout.async.max_staleness=3",
+        "actor_rollout.async.is_cap=5",
+    ])
+    .unwrap();
+    assert_eq!(c.actor_rollout.async_.mode, rlhf_config::AsyncMode::Bounded);
+    assert_eq!(
+        (
+            c.actor_rollout.async_.staleness(),
+            c.actor_rollout.async_.sync_every()
+        ),
+        (3, 3)
+    );
+    assert_eq!(c.actor_rollout.async_.is_cap, 5.0);
+    assert_eq!(
+        tiny(&[]).unwrap().actor_rollout.async_.mode,
+        rlhf_config::AsyncMode::Sync
+    );
+
+    let err = |o: &[&str]| match tiny(o) {
+        Ok(c) => rlhf_config::problems(&c).join("\n"),
+        Err(e) => e.to_string(),
+    };
+    let e = err(&[
+        "actor_rollout.async.mode=one_step_off",
+        "resource_pool.colocate=true",
+    ]);
+    assert!(
+        e.contains("actor_rollout.async.mode=one_step_off")
+            && e.contains("resource_pool.colocate=false"),
+        "{e}"
+    );
+    let e = err(&[
+        "actor_rollout.async.mode=bounded",
+        "actor_rollout.async.max_staleness=0",
+    ]);
+    assert!(e.contains("max_staleness >= 1"), "{e}");
+    let e = err(&["actor_rollout.async.is_cap=0.5"]);
+    assert!(e.contains("actor_rollout.async.is_cap (0.5)"), "{e}");
+    let e = err(&["actor_rollout.async.mode=two_steps_off"]);
+    assert!(
+        e.contains("two_steps_off") && e.contains("one_step_off"),
+        "{e}"
+    );
+    let e = err(&["actor_rollout.async.depth=2"]);
+    assert!(e.contains("actor_rollout.async.depth"), "{e}");
+}

@@ -46,12 +46,18 @@ fn one_step_off_climbs_with_every_batch_one_version_old() -> Result<()> {
     let m = run(
         dir.path(),
         "one_step_off",
-        &["actor_rollout.async.mode=one_step_off", "checkpoint.save_steps=0"],
+        &[
+            "actor_rollout.async.mode=one_step_off",
+            "checkpoint.save_steps=0",
+        ],
         &[],
     )?;
     assert_eq!(m.len(), 40, "ppo_tiny runs 40 steps");
     let lag = col(&m, "rollout/staleness_max")?;
-    assert_eq!(lag[0], 0.0, "the first batch is sampled with the initial weights");
+    assert_eq!(
+        lag[0], 0.0,
+        "the first batch is sampled with the initial weights"
+    );
     assert!(lag[1..].iter().all(|&l| l == 1.0), "{lag:?}");
     assert_eq!(col(&m, "rollout/staleness_mean")?[1..], lag[1..]);
     assert!(col(&m, "rollout/dropped")?.iter().all(|&d| d == 0.0));
@@ -59,7 +65,10 @@ fn one_step_off_climbs_with_every_batch_one_version_old() -> Result<()> {
     let w_max = col(&m, "rollout/is_weight_max")?;
     let w_mean = col(&m, "rollout/is_weight_mean")?;
     assert!(w_max[1..].iter().any(|&w| w > 1.0 + 1e-3), "{w_max:?}");
-    assert!(w_mean.iter().all(|&w| (0.5..2.0).contains(&w)), "{w_mean:?}");
+    assert!(
+        w_mean.iter().all(|&w| (0.5..2.0).contains(&w)),
+        "{w_mean:?}"
+    );
     // Every step: the rollout ranks' teacher-forced pass on the trainer's weights.
     let gap = col(&m, "training/rollout_logprob_gap_max")?;
     assert!(gap.iter().all(|&g| g <= 1e-5), "{gap:?}");
