@@ -307,6 +307,25 @@ impl RoleHost {
         Ok(())
     }
 
+    /// A rollout generating with a trainer's own weights (the hybrid engine) samples with
+    /// the trainer's current version: no sync ever sets it.
+    fn share_trainer_version(&mut self) {
+        let trainer = self.engines.iter().find_map(|h| match &h.engine {
+            Engine::Trainer(t) => Some((Arc::clone(&t.state.model), t.state.version)),
+            _ => None,
+        });
+        let Some((model, version)) = trainer else {
+            return;
+        };
+        for h in &mut self.engines {
+            if let Engine::Rollout(r) = &mut h.engine {
+                if Arc::ptr_eq(&r.model, &model) {
+                    r.version = version;
+                }
+            }
+        }
+    }
+
     /// Runs a batch call from the wire; the error names the engine and the call.
     pub fn batch(&mut self, call: BatchCall, batch: &DataBatch) -> Result<DataBatch> {
         let label = self.label();
@@ -324,6 +343,7 @@ impl RoleHost {
         let i = self.route(call, calls::target(batch)?)?;
         if call == BatchCall::Generate {
             self.offload_before_generate()?;
+            self.share_trainer_version();
         }
         fn req<R: RoleCall>(b: &DataBatch) -> Result<R> {
             Ok(R::from_batch(R::CALL, b)?)

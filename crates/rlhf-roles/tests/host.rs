@@ -65,6 +65,13 @@ fn a_rollout_sharing_the_trainer_model_generates_with_updated_weights() {
         before.behaviour_log_probs, after.behaviour_log_probs,
         "the shared model moved with the update"
     );
+    // The rollout samples with the trainer's version: the update's step, no sync needed.
+    assert!(before.policy_version.iter().all(|&v| v == 0));
+    assert!(
+        after.policy_version.iter().all(|&v| v == 1),
+        "{:?}",
+        after.policy_version
+    );
 
     // A separate rollout given the trained weights generates exactly the same.
     let separate = rollout(&cfg);

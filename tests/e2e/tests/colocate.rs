@@ -39,6 +39,10 @@ fn a_colocated_ppo_job_runs_on_one_device_and_climbs() -> Result<()> {
         .map(serde_json::from_str)
         .collect::<std::result::Result<_, _>>()?;
     assert!(m.len() >= 20, "{} steps", m.len());
+    // The rollout samples with the trainer's current weights: on-policy every step.
+    for l in &m {
+        assert_eq!(l["rollout/staleness_max"].as_f64(), Some(0.0), "{l}");
+    }
     let scores: Vec<f64> = m
         .iter()
         .filter_map(|l| l["objective/scores"].as_f64())

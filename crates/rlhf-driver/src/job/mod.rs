@@ -415,7 +415,10 @@ impl Loop<'_> {
         let mut last_end = Instant::now();
         while step < total {
             step += 1;
-            let (ro, waited) = timed(lanes.next_batch()).await;
+            // A batch takes at most a generation and a log-prob pass (each within the call
+            // timeout) after the lane gets the weights it waits for.
+            let lane_deadline = self.opts.call_timeout * 3;
+            let (ro, waited) = timed(lanes.next_batch(step, lane_deadline)).await;
             let mut ro = ro?;
             let admitted = pipeline::admit(&mut ro, step, max_staleness)?;
             let (gen_s, tokens, cursor) = (ro.gen_s, ro.tokens, ro.cursor);
@@ -435,7 +438,7 @@ impl Loop<'_> {
             let stopping = self.opts.stop_after.is_some_and(|n| step - start_step >= n);
             let mut synced = sync::Synced::default();
             if schedule.is_sync_point(step) && step < total {
-                lanes.await_want(step).await?;
+                lanes.await_want(step, lane_deadline).await?;
                 synced = self.sync_weights(step).await?;
                 // The lane is gone only when it failed; its error comes with the next batch.
                 let _ = lanes.synced.send(step);

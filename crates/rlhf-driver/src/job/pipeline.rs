@@ -11,10 +11,11 @@
 //! Sync mode (k = 0) is the old loop: the lane waits for every sync.
 
 use std::collections::BTreeMap;
+use std::time::Duration;
 
 use rlhf_config::AsyncConfig;
 use rlhf_core::calls::{LogProbsRequest, Mat, Sequences};
-use rlhf_core::Error;
+use rlhf_core::{Error, FailureKind};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::group::CallError;
@@ -117,19 +118,38 @@ pub(super) struct LoopEnd {
 }
 
 impl LoopEnd {
-    /// The batch of the next step; the lane's own error when it stopped.
-    pub async fn next_batch(&mut self) -> Res<Rollout> {
-        match self.batches.recv().await {
-            Some(r) => r,
-            None => Err(Failed::Other(Error::internal(
+    /// The batch of the next step; the lane's own error when it stopped. The lane's calls
+    /// have their own deadlines; `deadline` bounds the wait on top of them.
+    pub async fn next_batch(&mut self, step: u64, deadline: Duration) -> Res<Rollout> {
+        match tokio::time::timeout(deadline, self.batches.recv()).await {
+            Ok(Some(r)) => r,
+            Ok(None) => Err(Failed::Other(Error::internal(
                 "the rollout lane ended before the last step",
+            ))),
+            Err(_) => Err(Failed::Other(Error::new(
+                FailureKind::Timeout,
+                format!(
+                    "no batch for step {step} from the rollout lane within {deadline:?}; raise --call-timeout if generation is this slow"
+                ),
             ))),
         }
     }
 
-    /// Waits until the lane is between batches and asks for the weights after `step`.
-    pub async fn await_want(&mut self, step: u64) -> Res<()> {
-        match self.wants.recv().await {
+    /// Waits (at most `deadline`) until the lane is between batches and asks for the weights
+    /// after `step`.
+    pub async fn await_want(&mut self, step: u64, deadline: Duration) -> Res<()> {
+        let asked = match tokio::time::timeout(deadline, self.wants.recv()).await {
+            Ok(a) => a,
+            Err(_) => {
+                return Err(Failed::Other(Error::new(
+                    FailureKind::Timeout,
+                    format!(
+                        "the rollout ranks were not free for the weight sync after step {step} within {deadline:?}; raise --call-timeout if generation is this slow"
+                    ),
+                )))
+            }
+        };
+        match asked {
             Some(s) if s == step => Ok(()),
             Some(s) => Err(Failed::Other(Error::internal(format!(
                 "the rollout lane asked for the weights after step {s}, the loop is syncing those after step {step}"
