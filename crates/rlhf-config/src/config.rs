@@ -14,6 +14,7 @@ pub use rlhf_core::RoleKind;
 use serde::{Deserialize, Serialize};
 
 use crate::asynchrony::AsyncConfig;
+use crate::fault::FaultToleranceConfig;
 use crate::model::ModelConfig;
 
 /// Defines [`TrainingConfig`] (every key with its default) and
@@ -589,6 +590,8 @@ pub struct PpoConfig {
     pub checkpoint: CheckpointConfig,
     /// Metrics and console output.
     pub logging: LoggingConfig,
+    /// Automatic restarts when a role process dies.
+    pub fault_tolerance: FaultToleranceConfig,
     /// Model configs loaded from `defaults`, by name (filled by the loader).
     #[serde(skip)]
     pub models: BTreeMap<String, ModelConfig>,

@@ -97,6 +97,8 @@ pub const KEY_DOCS: &[(&str, &str)] = &[
     ("logging.sample_every", "Print and save a (query, response, score) table every N steps (0 = never)."),
     ("logging.sample_rows", "Rows per sample table."),
     ("logging.progress", "Show a progress bar with ETA and key metrics."),
+    ("fault_tolerance.max_restarts", "Automatic restarts when a role process or its node dies: every role is placed again and reloads the newest complete checkpoint (from the start without one), then the run goes on; 0 = fail at the first death (continue by hand with --resume latest)."),
+    ("fault_tolerance.restart_backoff_s", "Seconds to wait between a death and the restart."),
 ];
 
 /// One-line docs of the model file keys.

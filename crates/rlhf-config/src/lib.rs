@@ -29,6 +29,7 @@ mod config;
 pub mod data;
 pub mod docs;
 mod error;
+mod fault;
 mod load;
 mod memory;
 mod model;
@@ -45,6 +46,7 @@ pub use config::{
     TrainingOverrides,
 };
 pub use error::{ConfigError, Result};
+pub use fault::FaultToleranceConfig;
 pub use load::{config_schema, from_bundle, from_yaml_str, load, load_file, load_model};
 pub use memory::MemoryRow;
 pub use model::ModelConfig;

@@ -144,6 +144,7 @@ pub fn problems(cfg: &PpoConfig) -> Vec<String> {
         );
     }
     e.extend(a.async_.problems());
+    e.extend(cfg.fault_tolerance.problems());
     if a.async_.is_async() && pool.colocate {
         e.push(format!(
             "actor_rollout.async.mode={} overlaps generation with training on separate ranks, but resource_pool.colocate: true runs both on the same device with the same weights, one after the other; set resource_pool.colocate=false or actor_rollout.async.mode=sync",

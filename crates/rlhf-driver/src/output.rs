@@ -17,6 +17,28 @@ pub struct MetricsLog {
     file: File,
 }
 
+/// The JSON lines of `path` whose `step` is at most `keep_through` (none for a fresh run or
+/// a missing file): what a resumed run keeps of a metrics or samples file.
+fn lines_through(path: &Path, keep_through: Option<u64>) -> Vec<String> {
+    let Some(last) = keep_through else {
+        return vec![];
+    };
+    File::open(path)
+        .map(|f| {
+            BufReader::new(f)
+                .lines()
+                .map_while(|l| l.ok())
+                .filter(|l| {
+                    serde_json::from_str::<serde_json::Value>(l)
+                        .ok()
+                        .and_then(|v| v["step"].as_u64())
+                        .is_some_and(|s| s <= last)
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 impl MetricsLog {
     /// Opens `path`. A fresh run starts the file anew; a resumed run keeps the lines of steps
     /// up to `keep_through` and drops later ones (they belong to the abandoned run).
@@ -25,23 +47,7 @@ impl MetricsLog {
             std::fs::create_dir_all(dir)
                 .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
         }
-        let kept: Vec<String> = match keep_through {
-            Some(last) => File::open(path)
-                .map(|f| {
-                    BufReader::new(f)
-                        .lines()
-                        .map_while(|l| l.ok())
-                        .filter(|l| {
-                            serde_json::from_str::<serde_json::Value>(l)
-                                .ok()
-                                .and_then(|v| v["step"].as_u64())
-                                .is_some_and(|s| s <= last)
-                        })
-                        .collect()
-                })
-                .unwrap_or_default(),
-            None => vec![],
-        };
+        let kept = lines_through(path, keep_through);
         let mut file =
             File::create(path).map_err(|e| Error::io(format!("creating {}", path.display()), e))?;
         for l in kept {
@@ -87,18 +93,20 @@ pub struct SampleLog {
 }
 
 impl SampleLog {
-    pub fn open(path: &Path, resume: bool) -> Result<Self> {
+    /// Opens `path` as [`MetricsLog::open`] does: a resumed run keeps the rows of steps up to
+    /// `keep_through`, so steps run again after a restart are written once.
+    pub fn open(path: &Path, keep_through: Option<u64>) -> Result<Self> {
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir)
                 .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
         }
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .append(resume)
-            .write(true)
-            .truncate(!resume)
-            .open(path)
-            .map_err(|e| Error::io(format!("opening {}", path.display()), e))?;
+        let kept = lines_through(path, keep_through);
+        let mut file =
+            File::create(path).map_err(|e| Error::io(format!("creating {}", path.display()), e))?;
+        for l in kept {
+            writeln!(file, "{l}")
+                .map_err(|e| Error::io(format!("writing {}", path.display()), e))?;
+        }
         Ok(Self {
             path: path.to_path_buf(),
             file,

@@ -59,6 +59,15 @@ pub enum Event<'a> {
     },
     /// The run stopped early as asked (`--stop-after`).
     Stopped { steps_run: u64 },
+    /// A role died and the job restarts by itself (`fault_tolerance`): from checkpoint
+    /// `from`, or from the start without one.
+    Restart {
+        error: &'a str,
+        restart: u32,
+        max: u32,
+        from: Option<&'a Path>,
+        backoff_s: f64,
+    },
 }
 
 /// Receives a job's events. An error stops the job (a metrics file that cannot be written
@@ -69,7 +78,11 @@ pub trait Reporter: Send {
 
 /// Sends every event to each reporter in turn, and to `tracing`.
 #[derive(Default)]
-pub struct Reporters(Vec<Box<dyn Reporter>>);
+pub struct Reporters {
+    all: Vec<Box<dyn Reporter>>,
+    /// The JSONL files, opened anew by each (re)start of the roles.
+    files: Vec<Box<dyn Reporter>>,
+}
 
 impl Reporters {
     /// The console alone; the files come with [`Reporters::add_files`] once the roles run.
@@ -88,32 +101,34 @@ impl Reporters {
     /// file belong to an abandoned run and go).
     pub fn add_files(&mut self, cfg: &PpoConfig, keep_through: Option<u64>) -> Result<()> {
         let logging = &cfg.logging;
-        self.push(MetricsFile(MetricsLog::open(
+        // A restart reopens them: the lines of steps after the checkpoint go.
+        self.files.clear();
+        self.files.push(Box::new(MetricsFile(MetricsLog::open(
             Path::new(&logging.metrics_file),
             keep_through,
-        )?));
+        )?)));
         if !logging.samples_file.is_empty() {
-            self.push(SamplesFile(SampleLog::open(
+            self.files.push(Box::new(SamplesFile(SampleLog::open(
                 Path::new(&logging.samples_file),
-                keep_through.is_some(),
-            )?));
+                keep_through,
+            )?)));
         }
         Ok(())
     }
 
     pub fn push(&mut self, r: impl Reporter + 'static) {
-        self.0.push(Box::new(r));
+        self.all.push(Box::new(r));
     }
 
     pub fn extend(&mut self, more: Vec<Box<dyn Reporter>>) {
-        self.0.extend(more);
+        self.all.extend(more);
     }
 }
 
 impl Reporter for Reporters {
     fn report(&mut self, event: &Event<'_>) -> Result<()> {
         trace(event);
-        for r in &mut self.0 {
+        for r in self.all.iter_mut().chain(&mut self.files) {
             r.report(event)?;
         }
         Ok(())
@@ -146,6 +161,9 @@ fn trace(event: &Event<'_>) {
             tracing::debug!(target: T, step, metrics = metrics.len(), "step")
         }
         Event::Stopped { steps_run } => tracing::debug!(target: T, steps_run, "stopped"),
+        Event::Restart { restart, max, .. } => {
+            tracing::warn!(target: T, restart, max, "restarting after a role death")
+        }
         Event::WeightSync { path, why } => {
             tracing::info!(target: T, "weight sync: {path} ({why})")
         }
@@ -203,6 +221,19 @@ impl Console {
                 format!("stopping after {steps_run} step(s) as asked (--stop-after)")
             }
             Event::WeightSync { path, why } => format!("weight sync: {path} ({why})"),
+            Event::Restart {
+                error,
+                restart,
+                max,
+                from,
+                backoff_s,
+            } => format!(
+                "{error}\nrestart {restart}/{max} (fault_tolerance.max_restarts) in {backoff_s} s: every role placed again, from {}",
+                match from {
+                    Some(d) => d.display().to_string(),
+                    None => "the start (no checkpoint yet)".to_string(),
+                }
+            ),
             Event::RoleReady { .. } | Event::Step { .. } => return None,
         })
     }
@@ -290,6 +321,11 @@ pub enum Recorded {
     WeightSync {
         path: String,
     },
+    Restart {
+        error: String,
+        restart: u32,
+        from: Option<PathBuf>,
+    },
 }
 
 /// Keeps every event, for callers that inspect a run as data (tests, embedding programs).
@@ -330,6 +366,16 @@ impl Reporter for Recorder {
             },
             Event::Stopped { steps_run } => Recorded::Stopped { steps_run },
             Event::WeightSync { path, .. } => Recorded::WeightSync { path: path.into() },
+            Event::Restart {
+                error,
+                restart,
+                from,
+                ..
+            } => Recorded::Restart {
+                error: error.into(),
+                restart,
+                from: from.map(Path::to_path_buf),
+            },
         };
         if let Ok(mut v) = self.0.lock() {
             v.push(r);

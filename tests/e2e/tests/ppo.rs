@@ -202,7 +202,12 @@ fn a_killed_role_stops_the_job_clearly_and_resume_finishes_it() -> Result<()> {
     let out = dir.path().join("job");
     // A run far longer than the test: the kill lands mid-run however fast the machine is;
     // the resume then finishes a short run two steps past the kill.
-    let common = ["training.train_iters=100000", "checkpoint.save_steps=1"];
+    let common = [
+        "training.train_iters=100000",
+        "checkpoint.save_steps=1",
+        // No automatic restart: the job fails as a job does when its restarts run out.
+        "fault_tolerance.max_restarts=0",
+    ];
     let mut p = Proc::spawn("run", dir.path(), &mut run_cmd(&out, &common))?;
     let metrics_file = out.join("metrics.jsonl");
     wait_steps(&mut p, &metrics_file, 2, Duration::from_secs(600))?;

@@ -9,29 +9,27 @@ mod algorithm;
 mod pipeline;
 mod ppo;
 mod rollout;
+mod run;
 mod sync;
+
+pub use run::run;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use rlhf_algo::metric;
-use rlhf_config::data::PromptSampler;
 use rlhf_config::{PpoConfig, RoleKind};
-use rlhf_core::{CommBackend, CommGroup, Error, FailureKind, Result};
+use rlhf_core::{CommBackend, CommGroup, Error, Result};
 use rlhf_proto::v1 as pb;
 use rlhf_runtime::net::ClientOptions;
-use rlhf_tokenizer::Tokenizer;
-use tokio_util::sync::CancellationToken;
 
 use crate::checkpoint::{self};
-use crate::cluster::{self, HeadClient, LaunchOptions, Roles};
+use crate::cluster::{self, Roles};
 use crate::group::CallError;
-use crate::prompts::{self};
-use crate::report::{DatasetReport, Event, Reporter, Reporters};
+use crate::report::{Event, Reporter, Reporters};
 
 use algorithm::{Algorithm, StepOutput};
-use ppo::Ppo;
 
 /// How to run a job.
 pub struct DriverOptions {
@@ -125,144 +123,6 @@ impl RunError {
     }
 }
 
-/// Runs the job to its end (or to `stop_after`), then frees the actors and devices.
-pub async fn run(
-    mut head: HeadClient,
-    mut opts: DriverOptions,
-    shutdown: CancellationToken,
-) -> std::result::Result<JobSummary, RunError> {
-    let extra = std::mem::take(&mut opts.reporters);
-    let cfg = &opts.config;
-    let mut algo = Ppo::new(cfg)?;
-    let tok_dir = tokenizer_dir(cfg)?;
-    let tok = Tokenizer::from_dir(&tok_dir).map_err(|e| {
-        Error::invalid(format!(
-            "loading the tokenizer from {} (training.tokenizer_name_or_path): {e}",
-            tok_dir.display()
-        ))
-    })?;
-    let ckpt_root = PathBuf::from(&cfg.checkpoint.dir);
-    let resume_spec = opts
-        .resume
-        .clone()
-        .or_else(|| cfg.checkpoint.resume.clone().filter(|s| !s.is_empty()));
-    let resumed = match &resume_spec {
-        Some(s) => Some(checkpoint::resolve(&ckpt_root, s)?),
-        None => None,
-    };
-    let start_step = resumed.as_ref().map_or(0, |(_, st)| st.global_step);
-    let mut report = Reporters::console(cfg, start_step);
-    report.extend(extra);
-
-    let data = prompts::load(cfg, &tok)?;
-    report.report(&Event::Dataset(&DatasetReport {
-        path: cfg.data.path.clone(),
-        rows: data.rows,
-        prompts: data.prompts.len(),
-        kept: data.length.kept,
-        truncated: data.length.truncated,
-        skipped: data.length.skipped,
-        max_prompt_length: cfg.actor_rollout.max_prompt_length,
-        bad_rows: data.bad_rows.clone(),
-    }))?;
-    let fixed = match &cfg.actor_rollout.fixed_responses_file {
-        Some(p) if !p.is_empty() => Some(prompts::load_fixed_responses(
-            std::path::Path::new(p),
-            tok.vocab_size(),
-        )?),
-        _ => None,
-    };
-    let mut sampler = PromptSampler::for_config(cfg, data.prompts.len())
-        .map_err(|e| Error::invalid(e.to_string()))?;
-    if let Some((dir, st)) = &resumed {
-        sampler
-            .restore(st.data_cursor)
-            .map_err(|e| Error::invalid(format!("{}: {e}", dir.display())))?;
-        algorithm::check_resume::<Ppo>(st, dir)?;
-        algo.resume(st)?;
-        report.report(&Event::Resumed {
-            dir,
-            step: st.global_step,
-        })?;
-    }
-    let total = cfg.training.train_iters;
-    let metrics_file = PathBuf::from(&cfg.logging.metrics_file);
-    if start_step >= total {
-        report.report(&Event::NothingToDo {
-            step: start_step,
-            total,
-        })?;
-        return Ok(JobSummary {
-            global_step: start_step,
-            steps_run: 0,
-            metrics_file,
-            history: vec![],
-            last_checkpoint: resumed.map(|(d, _)| d),
-        });
-    }
-
-    let launch = LaunchOptions {
-        job_id: opts.job_id.clone(),
-        client: opts.client.clone(),
-        start_timeout: opts.start_timeout,
-    };
-    let started = Instant::now();
-    let mut made = cluster::Launched::default();
-    let launched = tokio::select! {
-        r = cluster::launch(&mut head, cfg, &launch, &mut made) => r,
-        _ = shutdown.cancelled() => Err(Error::new(FailureKind::Unavailable, "stopped before the roles started")),
-    };
-    let roles = match launched {
-        Ok(roles) => roles,
-        Err(e) => {
-            // Nothing a failed or stopped launch made stays on the cluster.
-            cluster::release(&mut head, &made).await;
-            return Err(e.into());
-        }
-    };
-    report.report(&Event::Placed {
-        processes: roles.all_members().count(),
-        secs: started.elapsed().as_secs_f64(),
-    })?;
-    let (sync_path, why) =
-        sync::SyncPath::choose(&roles, opts.comm_backend, opts.weight_sync_backend);
-    report.report(&Event::WeightSync {
-        path: &sync_path.describe(),
-        why: &why,
-    })?;
-    let mut ctx = Loop {
-        cfg,
-        opts: &opts,
-        roles: &roles,
-        sync_path,
-        ckpt_root: &ckpt_root,
-        report: &mut report,
-    };
-    let mut src = rollout::RolloutSource {
-        cfg,
-        opts: &opts,
-        tok: &tok,
-        prompts: &data.prompts,
-        fixed: fixed.as_ref(),
-        sampler: &mut sampler,
-        roles: &roles,
-    };
-    let result = tokio::select! {
-        r = ctx.drive(&mut algo, &mut src, start_step, total, resumed.clone()) => r,
-        _ = shutdown.cancelled() => Err(Failed::Other(Error::new(FailureKind::Unavailable, "stopped by a signal; continue with --resume latest"))),
-    };
-    let result = match result {
-        Ok(s) => Ok(s),
-        Err(Failed::Call(e)) => {
-            let (error, at) = cluster::diagnose(&mut head, &roles, e).await;
-            Err(RunError { error, at })
-        }
-        Err(Failed::Other(e)) => Err(RunError::from(e)),
-    };
-    cluster::shutdown(&mut head, &roles).await;
-    result
-}
-
 #[derive(Debug)]
 enum Failed {
     Call(CallError),
@@ -312,7 +172,8 @@ impl Loop<'_> {
         start_step: u64,
         total: u64,
         resumed: Option<(PathBuf, checkpoint::TrainerState)>,
-    ) -> Res<JobSummary> {
+        carry: &mut run::Carry,
+    ) -> Res<u64> {
         let cfg = self.cfg;
         let t = self.opts.start_timeout;
         for (who, info) in cluster::init_roles(self.roles, cfg, &self.opts.job_id, t).await? {
@@ -389,7 +250,7 @@ impl Loop<'_> {
         let schedule = pipeline::Schedule::new(&cfg.actor_rollout.async_);
         let (mut lanes, lane_end) = pipeline::channels();
         let lane = pipeline::rollout_lane(src, schedule, start_step, total, lane_end);
-        let trainer = self.train_lane(algo, &mut lanes, schedule, start_step, total, resume_dir);
+        let trainer = self.train_lane(algo, &mut lanes, schedule, start_step, total, carry);
         tokio::select! {
             r = trainer => r,
             () = lane => Err(Failed::Other(Error::internal("the rollout lane returned"))),
@@ -405,12 +266,10 @@ impl Loop<'_> {
         schedule: pipeline::Schedule,
         start_step: u64,
         total: u64,
-        resume_dir: Option<PathBuf>,
-    ) -> Res<JobSummary> {
+        carry: &mut run::Carry,
+    ) -> Res<u64> {
         let cfg = self.cfg;
         let max_staleness = u64::from(cfg.actor_rollout.async_.max_staleness);
-        let mut history = Vec::new();
-        let mut last_checkpoint = resume_dir;
         let mut step = start_step;
         let mut last_end = Instant::now();
         while step < total {
@@ -456,7 +315,7 @@ impl Loop<'_> {
             let t0 = Instant::now();
             let save_steps = cfg.checkpoint.save_steps;
             if save_steps > 0 && (step.is_multiple_of(save_steps) || step == total || stopping) {
-                last_checkpoint = Some(self.save(step, algo, cursor).await?);
+                carry.last_checkpoint = Some(self.save(step, algo, cursor).await?);
                 metrics.insert(
                     metric::TIMING_S_CHECKPOINT.into(),
                     t0.elapsed().as_secs_f64(),
@@ -471,7 +330,7 @@ impl Loop<'_> {
                 metrics: &metrics,
                 samples: samples_due.then_some(samples.as_slice()),
             })?;
-            history.push(metrics);
+            carry.history.push((step, metrics));
             last_end = Instant::now();
             if stopping {
                 self.report.report(&Event::Stopped {
@@ -480,12 +339,6 @@ impl Loop<'_> {
                 break;
             }
         }
-        Ok(JobSummary {
-            global_step: step,
-            steps_run: step - start_step,
-            metrics_file: PathBuf::from(&cfg.logging.metrics_file),
-            history,
-            last_checkpoint,
-        })
+        Ok(step)
     }
 }

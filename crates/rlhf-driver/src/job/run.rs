@@ -1,0 +1,246 @@
+//! A job from the config to its summary, restarting by itself when a role process dies
+//! (`fault_tolerance`): each attempt places every role, reloads the newest complete
+//! checkpoint of this run (or the one it resumed from, or none), rewinds the prompt cursor and
+//! goes on; the metrics and samples files drop the lines of the steps after that checkpoint,
+//! so every step ends up written once. A seeded run recovered this way gives the same metrics
+//! as an uninterrupted one (exact resume).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use rlhf_config::data::PromptSampler;
+use rlhf_core::{Error, FailureKind};
+use rlhf_tokenizer::Tokenizer;
+use tokio_util::sync::CancellationToken;
+
+use crate::checkpoint::{self, TrainerState};
+use crate::cluster::{self, HeadClient, LaunchOptions};
+use crate::prompts::{self, FixedResponses, Prompt};
+use crate::report::{DatasetReport, Event, Reporter, Reporters};
+
+use super::algorithm::{self, Algorithm};
+use super::ppo::Ppo;
+use super::{rollout, sync, tokenizer_dir, DriverOptions, Failed, JobSummary, Loop, RunError};
+
+/// What outlives one attempt: every step's metrics and the newest checkpoint written.
+#[derive(Default)]
+pub(super) struct Carry {
+    pub history: Vec<(u64, BTreeMap<String, f64>)>,
+    pub last_checkpoint: Option<PathBuf>,
+}
+
+/// The job's inputs that do not change between attempts.
+struct Inputs<'a> {
+    opts: &'a DriverOptions,
+    tok: &'a Tokenizer,
+    prompts: &'a [Prompt],
+    fixed: Option<&'a FixedResponses>,
+    ckpt_root: &'a Path,
+}
+
+/// Runs the job to its end (or to `stop_after`), restarting after role deaths as
+/// `fault_tolerance` allows, then frees the actors and devices.
+pub async fn run(
+    mut head: HeadClient,
+    mut opts: DriverOptions,
+    shutdown: CancellationToken,
+) -> std::result::Result<JobSummary, RunError> {
+    let extra = std::mem::take(&mut opts.reporters);
+    let cfg = &opts.config;
+    Ppo::new(cfg)?;
+    let tok_dir = tokenizer_dir(cfg)?;
+    let tok = Tokenizer::from_dir(&tok_dir).map_err(|e| {
+        Error::invalid(format!(
+            "loading the tokenizer from {} (training.tokenizer_name_or_path): {e}",
+            tok_dir.display()
+        ))
+    })?;
+    let ckpt_root = PathBuf::from(&cfg.checkpoint.dir);
+    let resume_spec = opts
+        .resume
+        .clone()
+        .or_else(|| cfg.checkpoint.resume.clone().filter(|s| !s.is_empty()));
+    let mut resumed = match &resume_spec {
+        Some(s) => Some(checkpoint::resolve(&ckpt_root, s)?),
+        None => None,
+    };
+    let first_step = resumed.as_ref().map_or(0, |(_, st)| st.global_step);
+    let mut report = Reporters::console(cfg, first_step);
+    report.extend(extra);
+
+    let data = prompts::load(cfg, &tok)?;
+    report.report(&Event::Dataset(&DatasetReport {
+        path: cfg.data.path.clone(),
+        rows: data.rows,
+        prompts: data.prompts.len(),
+        kept: data.length.kept,
+        truncated: data.length.truncated,
+        skipped: data.length.skipped,
+        max_prompt_length: cfg.actor_rollout.max_prompt_length,
+        bad_rows: data.bad_rows.clone(),
+    }))?;
+    let fixed = match &cfg.actor_rollout.fixed_responses_file {
+        Some(p) if !p.is_empty() => Some(prompts::load_fixed_responses(
+            Path::new(p),
+            tok.vocab_size(),
+        )?),
+        _ => None,
+    };
+    let inputs = Inputs {
+        opts: &opts,
+        tok: &tok,
+        prompts: &data.prompts,
+        fixed: fixed.as_ref(),
+        ckpt_root: &ckpt_root,
+    };
+    let ft = &cfg.fault_tolerance;
+    let mut carry = Carry {
+        last_checkpoint: resumed.as_ref().map(|(d, _)| d.clone()),
+        ..Carry::default()
+    };
+    let mut restarts = 0;
+    loop {
+        let error = match attempt(
+            &mut head,
+            &inputs,
+            resumed.take(),
+            &mut report,
+            &mut carry,
+            &shutdown,
+        )
+        .await
+        {
+            Ok(global_step) => {
+                return Ok(JobSummary {
+                    global_step,
+                    steps_run: global_step.saturating_sub(first_step),
+                    metrics_file: PathBuf::from(&cfg.logging.metrics_file),
+                    history: carry.history.into_iter().map(|(_, m)| m).collect(),
+                    last_checkpoint: carry.last_checkpoint,
+                })
+            }
+            Err(e) => e,
+        };
+        if error.error.kind() != FailureKind::ActorDied || restarts >= ft.max_restarts {
+            return Err(error);
+        }
+        restarts += 1;
+        // The newest checkpoint this run wrote or resumed from; none: from the start.
+        resumed = match &carry.last_checkpoint {
+            Some(dir) => Some(checkpoint::resolve(&ckpt_root, &dir.to_string_lossy())?),
+            None => None,
+        };
+        let from = resumed.as_ref().map_or(0, |(_, st)| st.global_step);
+        carry.history.retain(|(step, _)| *step <= from);
+        report.report(&Event::Restart {
+            error: &error.error.to_string(),
+            restart: restarts,
+            max: ft.max_restarts,
+            from: resumed.as_ref().map(|(d, _)| d.as_path()),
+            backoff_s: ft.restart_backoff_s,
+        })?;
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_secs_f64(ft.restart_backoff_s)) => {}
+            _ = shutdown.cancelled() => return Err(error),
+        }
+    }
+}
+
+/// One attempt: placement, the roles loaded (from `resumed` when given), the loop, and the
+/// actors freed however it ends. Returns the last completed step.
+async fn attempt(
+    head: &mut HeadClient,
+    inputs: &Inputs<'_>,
+    resumed: Option<(PathBuf, TrainerState)>,
+    report: &mut Reporters,
+    carry: &mut Carry,
+    shutdown: &CancellationToken,
+) -> std::result::Result<u64, RunError> {
+    let opts = inputs.opts;
+    let cfg = &opts.config;
+    let mut algo = Ppo::new(cfg)?;
+    let mut sampler = PromptSampler::for_config(cfg, inputs.prompts.len())
+        .map_err(|e| Error::invalid(e.to_string()))?;
+    if let Some((dir, st)) = &resumed {
+        sampler
+            .restore(st.data_cursor)
+            .map_err(|e| Error::invalid(format!("{}: {e}", dir.display())))?;
+        algorithm::check_resume::<Ppo>(st, dir)?;
+        algo.resume(st)?;
+        report.report(&Event::Resumed {
+            dir,
+            step: st.global_step,
+        })?;
+    }
+    let start_step = resumed.as_ref().map_or(0, |(_, st)| st.global_step);
+    let total = cfg.training.train_iters;
+    if start_step >= total {
+        report.report(&Event::NothingToDo {
+            step: start_step,
+            total,
+        })?;
+        return Ok(start_step);
+    }
+
+    let launch = LaunchOptions {
+        job_id: opts.job_id.clone(),
+        client: opts.client.clone(),
+        start_timeout: opts.start_timeout,
+    };
+    let started = Instant::now();
+    let mut made = cluster::Launched::default();
+    let launched = tokio::select! {
+        r = cluster::launch(head, cfg, &launch, &mut made) => r,
+        _ = shutdown.cancelled() => Err(Error::new(FailureKind::Unavailable, "stopped before the roles started")),
+    };
+    let roles = match launched {
+        Ok(roles) => roles,
+        Err(e) => {
+            // Nothing a failed or stopped launch made stays on the cluster.
+            cluster::release(head, &made).await;
+            return Err(e.into());
+        }
+    };
+    report.report(&Event::Placed {
+        processes: roles.all_members().count(),
+        secs: started.elapsed().as_secs_f64(),
+    })?;
+    let (sync_path, why) =
+        sync::SyncPath::choose(&roles, opts.comm_backend, opts.weight_sync_backend);
+    report.report(&Event::WeightSync {
+        path: &sync_path.describe(),
+        why: &why,
+    })?;
+    let mut ctx = Loop {
+        cfg,
+        opts,
+        roles: &roles,
+        sync_path,
+        ckpt_root: inputs.ckpt_root,
+        report,
+    };
+    let mut src = rollout::RolloutSource {
+        cfg,
+        opts,
+        tok: inputs.tok,
+        prompts: inputs.prompts,
+        fixed: inputs.fixed,
+        sampler: &mut sampler,
+        roles: &roles,
+    };
+    let result = tokio::select! {
+        r = ctx.drive(&mut algo, &mut src, start_step, total, resumed, carry) => r,
+        _ = shutdown.cancelled() => Err(Failed::Other(Error::new(FailureKind::Unavailable, "stopped by a signal; continue with --resume latest"))),
+    };
+    let result = match result {
+        Ok(step) => Ok(step),
+        Err(Failed::Call(e)) => {
+            let (error, at) = cluster::diagnose(head, &roles, e).await;
+            Err(RunError { error, at })
+        }
+        Err(Failed::Other(e)) => Err(RunError::from(e)),
+    };
+    cluster::shutdown(head, &roles).await;
+    result
+}

@@ -1,0 +1,144 @@
+//! `fault_tolerance`: a role process SIGKILLed mid-run (which one and when chosen by a seed,
+//! `RLHF_CHAOS_SEED`) and the job recovers by itself: every role placed again, the newest
+//! checkpoint reloaded, the steps after it run again and written once, and the metrics equal
+//! those of an uninterrupted run.
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use nix::sys::signal::Signal;
+use rlhf_e2e::{children_of, wait_steps, Proc};
+use serde_json::Value;
+
+fn lines(path: &Path) -> Result<Vec<Value>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    text.lines().map(|l| Ok(serde_json::from_str(l)?)).collect()
+}
+
+/// Everything but wall-clock numbers.
+fn comparable(m: &Value) -> Vec<(String, f64)> {
+    m.as_object()
+        .into_iter()
+        .flatten()
+        .filter(|(k, _)| {
+            !k.starts_with("timing_s/")
+                && !k.starts_with("perf/throughput")
+                && !k.starts_with("perf/weight_sync_s")
+        })
+        .filter_map(|(k, v)| v.as_f64().map(|x| (k.clone(), x)))
+        .collect()
+}
+
+const STEPS: u64 = 12;
+
+fn common() -> Vec<&'static str> {
+    vec![
+        "training.train_iters=12",
+        "checkpoint.save_steps=2",
+        "logging.sample_every=1",
+        "fault_tolerance.restart_backoff_s=1",
+    ]
+}
+
+#[test]
+fn a_killed_role_process_is_restarted_from_the_last_checkpoint_with_the_same_metrics() -> Result<()>
+{
+    let seed: u64 = std::env::var("RLHF_CHAOS_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(7);
+    let mut rng = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    let mut next = |n: u64| {
+        rng = rng
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (rng >> 33) % n
+    };
+    let kill_at = 3 + next(6) as usize; // after step 3..=8 of 12
+    let victim_pick = next(1000);
+    let dir = tempfile::tempdir()?;
+
+    let straight = dir.path().join("straight");
+    let mut p = Proc::spawn(
+        "straight",
+        dir.path(),
+        &mut rlhf_e2e::ppo_run_cmd(&straight, &common()),
+    )?;
+    let st = p.wait_exit(Duration::from_secs(900))?;
+    if !st.success() {
+        bail!("uninterrupted run failed ({st}):\n{}", p.output());
+    }
+
+    let out = dir.path().join("chaos");
+    let mut p = Proc::spawn(
+        "chaos",
+        dir.path(),
+        &mut rlhf_e2e::ppo_run_cmd(&out, &common()),
+    )?;
+    let metrics_file = out.join("metrics.jsonl");
+    wait_steps(&mut p, &metrics_file, kill_at, Duration::from_secs(600))?;
+    let mut roles: Vec<(i32, String)> = children_of(p.pid())
+        .into_iter()
+        .filter(|(_, c)| c.contains(" actor ") && c.contains("--kind "))
+        .collect();
+    roles.sort();
+    if roles.len() < 4 {
+        bail!("role processes: {roles:?}");
+    }
+    let (pid, cmd) = roles[(victim_pick % roles.len() as u64) as usize].clone();
+    let kind = cmd
+        .split("--kind ")
+        .nth(1)
+        .and_then(|r| r.split_whitespace().next())
+        .unwrap_or("?")
+        .to_string();
+    println!("seed {seed}: SIGKILL {kind} (pid {pid}) after step {kill_at}");
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), Signal::SIGKILL)?;
+    let st = p.wait_exit(Duration::from_secs(900))?;
+    let text = p.output();
+    if !st.success() {
+        bail!("the run should recover by itself ({st}):\n{text}");
+    }
+    assert!(text.contains(&format!("role {kind}")), "{text}");
+    assert!(text.contains("died"), "{text}");
+    assert!(text.contains("restart 1/3"), "{text}");
+    assert!(
+        text.contains("global_step_"),
+        "restarts from a checkpoint:\n{text}"
+    );
+
+    // One line per step, and the same numbers as the uninterrupted run.
+    let (a, b) = (
+        lines(&straight.join("metrics.jsonl"))?,
+        lines(&metrics_file)?,
+    );
+    let steps: Vec<u64> = b.iter().filter_map(|l| l["step"].as_u64()).collect();
+    assert_eq!(steps, (1..=STEPS).collect::<Vec<_>>());
+    for (x, y) in a.iter().zip(&b) {
+        let (cx, cy) = (comparable(x), comparable(y));
+        assert_eq!(cx.len(), cy.len(), "step {}: metric sets differ", x["step"]);
+        for ((k, u), (_, v)) in cx.iter().zip(&cy) {
+            assert!(
+                (u - v).abs() <= 1e-4 * u.abs().max(1e-6),
+                "step {}: {k} uninterrupted {u} vs recovered {v}",
+                x["step"]
+            );
+        }
+    }
+    // The sample table of every step once, as in the uninterrupted run.
+    let per_step = |path: &Path| -> Result<Vec<usize>> {
+        let s = lines(path)?;
+        Ok((1..=STEPS)
+            .map(|k| s.iter().filter(|l| l["step"].as_u64() == Some(k)).count())
+            .collect())
+    };
+    assert_eq!(
+        per_step(&out.join("samples.jsonl"))?,
+        per_step(&straight.join("samples.jsonl"))?
+    );
+    Ok(())
+}
