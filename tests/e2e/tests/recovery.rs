@@ -142,3 +142,49 @@ fn a_killed_role_process_is_restarted_from_the_last_checkpoint_with_the_same_met
     );
     Ok(())
 }
+
+/// A whole worker lost (the worker and every role process under it SIGKILLed) while the
+/// other worker has room: the head declares the node dead, and the job is placed again on
+/// the survivor and finishes, each step written once.
+#[test]
+fn a_lost_worker_moves_the_job_to_the_other_one() -> Result<()> {
+    use rlhf_e2e::Cluster;
+    let mut c = Cluster::start(&[])?;
+    c.add_worker(r#"{"CPU": 4}"#)?;
+    c.add_worker(r#"{"CPU": 4}"#)?;
+    c.wait_alive_nodes(2, Duration::from_secs(30))?;
+    let out = c.dir.path().join("job");
+    let mut p = Proc::spawn("run", c.dir.path(), &mut c.ppo_run_cmd(&out, &common()))?;
+    let metrics_file = out.join("metrics.jsonl");
+    wait_steps(&mut p, &metrics_file, 4, Duration::from_secs(600))?;
+    // The worker with the most role processes goes, with them.
+    let (w, kids) = c
+        .workers
+        .iter()
+        .enumerate()
+        .map(|(i, w)| (i, children_of(w.pid())))
+        .max_by_key(|(_, k)| k.len())
+        .context("workers")?;
+    if kids.is_empty() {
+        bail!("no role process under either worker");
+    }
+    for (pid, _) in &kids {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(*pid), Signal::SIGKILL)?;
+    }
+    c.workers[w].signal(Signal::SIGKILL);
+    let st = p.wait_exit(Duration::from_secs(900))?;
+    let text = p.output();
+    if !st.success() {
+        bail!("the run should move to the other worker ({st}):\n{text}");
+    }
+    assert!(
+        text.contains("died") && text.contains("restart 1/3"),
+        "{text}"
+    );
+    let steps: Vec<u64> = lines(&metrics_file)?
+        .iter()
+        .filter_map(|l| l["step"].as_u64())
+        .collect();
+    assert_eq!(steps, (1..=STEPS).collect::<Vec<_>>());
+    Ok(())
+}
