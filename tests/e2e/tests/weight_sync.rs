@@ -110,7 +110,11 @@ fn the_segment_goes_with_the_processes_even_when_the_trainer_is_killed() -> Resu
         c.dir.path(),
         &mut c.ppo_run_cmd(
             &out,
-            &["training.train_iters=100000", "checkpoint.save_steps=0"],
+            &[
+                "training.train_iters=100000",
+                "checkpoint.save_steps=0",
+                "fault_tolerance.max_restarts=0",
+            ],
         ),
     )?;
     let metrics_file = out.join("metrics.jsonl");
