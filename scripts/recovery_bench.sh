@@ -20,7 +20,7 @@ target/release/rlhf-head run --config-name ppo_tiny training.train_iters=20 \
 run_pid=$!
 now() { date +%s.%N; }
 deadline=$(( $(date +%s) + 600 ))
-while [ "$(wc -l <"$out/metrics.jsonl" 2>/dev/null || echo 0)" -lt "$kill_at" ]; do
+while [ "$(wc -l 2>/dev/null <"$out/metrics.jsonl" || echo 0)" -lt "$kill_at" ]; do
   [ "$(date +%s)" -lt "$deadline" ] || { echo "no step $kill_at in 600 s"; cat "$out/run.log"; exit 1; }
   kill -0 "$run_pid" 2>/dev/null || { cat "$out/run.log"; exit 1; }
   sleep 0.05
