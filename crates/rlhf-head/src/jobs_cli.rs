@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use rlhf_core::{Error, FailureKind, Result};
 use rlhf_proto::v1 as pb;
-use rlhf_runtime::head::jobs::{state_ended, state_name};
+use rlhf_runtime::head::jobs::{state_ended, state_name, state_text};
 use rlhf_runtime::status::{job_json, job_time};
 
 use crate::{Connect, Format};
@@ -91,7 +91,7 @@ pub(crate) async fn submit(args: SubmitArgs) -> Result<()> {
             job.job_id, job.error
         )));
     }
-    println!("submitted job {} ({})", job.job_id, state_name(job.state));
+    println!("submitted job {} ({})", job.job_id, state_text(&job));
     println!("  follow it:  rlhf-head job logs -f {}", job.job_id);
     println!("  status:     rlhf-head job status {}", job.job_id);
     println!("  stop it:    rlhf-head job stop {}", job.job_id);
@@ -139,7 +139,7 @@ fn status_text(j: &pb::JobInfo) -> String {
     let mut o = format!(
         "job:        {}\nstate:      {}\nconfig:     {}",
         j.job_id,
-        state_name(j.state),
+        state_text(j),
         j.config_name
     );
     if !j.overrides.is_empty() {
@@ -211,7 +211,7 @@ pub(crate) async fn job(cmd: JobCmd) -> Result<()> {
                         let mut line = format!(
                             "{}  {:<9}  {:<20}  {}  {}",
                             j.job_id,
-                            state_name(j.state),
+                            state_text(j),
                             j.config_name,
                             utc(j.submit_ms),
                             duration_text(j, now)

@@ -91,6 +91,10 @@ enum Cmd {
         /// A node silent this long (milliseconds) is marked dead.
         #[arg(long, default_value_t = 3000)]
         dead_after_ms: u64,
+        /// Submitted jobs that run at once; later ones wait QUEUED, first in first out
+        /// (0 = no limit).
+        #[arg(long, default_value_t = 1)]
+        max_running_jobs: usize,
     },
     /// Show nodes, resources, placement groups and actors (like `ray status`).
     Status {
@@ -196,6 +200,7 @@ async fn run(cli: Cli) -> Result<()> {
             no_dashboard,
             heartbeat_ms,
             dead_after_ms,
+            max_running_jobs,
         } => {
             let state_dir = state_dir.unwrap_or_else(rlhf_runtime::default_state_dir);
             rlhf_runtime::prepare_state_dir(&state_dir)?;
@@ -234,6 +239,7 @@ async fn run(cli: Cli) -> Result<()> {
             opts.job_tls_ca = job_tls_ca;
             opts.heartbeat_interval = Duration::from_millis(heartbeat_ms.max(10));
             opts.dead_threshold = Duration::from_millis(dead_after_ms.max(50));
+            opts.max_running_jobs = max_running_jobs;
             opts.dashboard = (!no_dashboard).then_some((dashboard_host, dashboard_port));
             let shutdown = CancellationToken::new();
             rlhf_runtime::cancel_on_signals(shutdown.clone());

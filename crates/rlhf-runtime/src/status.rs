@@ -97,6 +97,7 @@ pub fn job_json(j: &pb::JobInfo) -> serde_json::Value {
         "end_ms": j.end_ms, "exit_code": j.has_exit_code.then_some(j.exit_code),
         "signal": j.signal, "error": j.error, "pid": j.pid, "job_dir": j.job_dir,
         "log_file": j.log_file, "last_metrics": j.last_metrics,
+        "queue_position": (j.queue_position > 0).then_some(j.queue_position),
         "failure": (!j.failure_kind.is_empty()).then(|| json!({
             "kind": j.failure_kind,
             "role": (!j.failure_role.is_empty()).then_some(&j.failure_role),

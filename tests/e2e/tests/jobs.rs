@@ -402,41 +402,51 @@ fn submit_ppo_tiny_then_stop_it() -> Result<()> {
 
 /// What every submitted job runs (`rlhf-head run --bundle --job-id` started by the head) run
 /// to success: ppo_tiny submitted to a head with a real worker ends SUCCEEDED, with its
-/// metrics (one line per step) and a complete checkpoint written.
+/// metrics (one line per step) and a complete checkpoint written. A second job submitted
+/// meanwhile waits QUEUED (the head runs one job at a time by default), then runs and
+/// succeeds once the first has ended.
 #[test]
 fn a_submitted_ppo_tiny_job_runs_to_success() -> Result<()> {
     let mut c = Cluster::start(&[])?;
     c.add_worker(r#"{"CPU": 4}"#)?;
     c.wait_alive_nodes(1, Duration::from_secs(30))?;
     let repo = std::fs::canonicalize(Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."))?;
+    let submit = |out_dir: &Path| -> Result<String> {
+        let out = Command::new(bin("rlhf-head"))
+            .args(["submit", "--config-name", "ppo_tiny"])
+            .args([
+                "training.train_iters=2".to_string(),
+                "checkpoint.save_steps=2".to_string(),
+                format!("checkpoint.dir={}", out_dir.join("ckpt").display()),
+                format!(
+                    "logging.metrics_file={}",
+                    out_dir.join("metrics.jsonl").display()
+                ),
+                format!(
+                    "logging.samples_file={}",
+                    out_dir.join("samples.jsonl").display()
+                ),
+            ])
+            .args(["--address", &c.address(), "--connect-timeout", "5"])
+            .arg("--token-file")
+            .arg(c.token_file())
+            .current_dir(&repo)
+            .env_remove("RLHF_TOKEN")
+            .output()?;
+        let text = ok_stdout(&out, "submit")?;
+        Ok(text
+            .split_whitespace()
+            .find(|w| w.starts_with("job-"))
+            .with_context(|| format!("no job id in: {text}"))?
+            .to_string())
+    };
     let out_dir = c.dir.path().join("job");
-    let out = Command::new(bin("rlhf-head"))
-        .args(["submit", "--config-name", "ppo_tiny"])
-        .args([
-            "training.train_iters=2".to_string(),
-            "checkpoint.save_steps=2".to_string(),
-            format!("checkpoint.dir={}", out_dir.join("ckpt").display()),
-            format!(
-                "logging.metrics_file={}",
-                out_dir.join("metrics.jsonl").display()
-            ),
-            format!(
-                "logging.samples_file={}",
-                out_dir.join("samples.jsonl").display()
-            ),
-        ])
-        .args(["--address", &c.address(), "--connect-timeout", "5"])
-        .arg("--token-file")
-        .arg(c.token_file())
-        .current_dir(&repo)
-        .env_remove("RLHF_TOKEN")
-        .output()?;
-    let text = ok_stdout(&out, "submit")?;
-    let id = text
-        .split_whitespace()
-        .find(|w| w.starts_with("job-"))
-        .with_context(|| format!("no job id in: {text}"))?
-        .to_string();
+    let id = submit(&out_dir)?;
+    let second_dir = c.dir.path().join("second");
+    let second = submit(&second_dir)?;
+    let q = job_json(&c, &second)?;
+    assert_eq!(q["state"], "QUEUED", "{q}");
+    assert_eq!(q["queue_position"].as_u64(), Some(1), "{q}");
     let end = wait_for(Duration::from_secs(900), "the job to end", || {
         let j = job_json(&c, &id)?;
         let done = matches!(
@@ -476,5 +486,22 @@ fn a_submitted_ppo_tiny_job_runs_to_success() -> Result<()> {
     }
     let latest = std::fs::read_to_string(out_dir.join("ckpt/latest_checkpointed_iteration.txt"))?;
     assert_eq!(latest.trim(), "2");
+
+    let end2 = wait_for(Duration::from_secs(900), "the queued job to end", || {
+        let j = job_json(&c, &second)?;
+        let done = matches!(
+            j["state"].as_str(),
+            Some("SUCCEEDED" | "FAILED" | "STOPPED")
+        );
+        Ok(done.then_some(j))
+    })?;
+    assert_eq!(end2["state"], "SUCCEEDED", "{end2}");
+    assert!(
+        end2["start_ms"].as_i64() >= end["end_ms"].as_i64(),
+        "the queued job started before the first ended: {end} {end2}"
+    );
+    assert!(second_dir
+        .join("ckpt/global_step_2/trainer_state.json")
+        .is_file());
     Ok(())
 }

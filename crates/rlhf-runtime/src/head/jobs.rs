@@ -35,6 +35,8 @@ const RECENT_IDS: usize = 5;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum JobState {
+    /// Waiting for a running job to end (`JobsConfig::max_running`).
+    Queued,
     Pending,
     Running,
     Succeeded,
@@ -52,6 +54,7 @@ impl JobState {
 
     pub fn as_str(self) -> &'static str {
         match self {
+            JobState::Queued => "QUEUED",
             JobState::Pending => "PENDING",
             JobState::Running => "RUNNING",
             JobState::Succeeded => "SUCCEEDED",
@@ -62,6 +65,7 @@ impl JobState {
 
     pub fn to_proto(self) -> pb::JobState {
         match self {
+            JobState::Queued => pb::JobState::Queued,
             JobState::Pending => pb::JobState::Pending,
             JobState::Running => pb::JobState::Running,
             JobState::Succeeded => pb::JobState::Succeeded,
@@ -74,12 +78,21 @@ impl JobState {
 /// The name of a protocol job state, as `rlhf-head` prints it.
 pub fn state_name(v: i32) -> &'static str {
     match pb::JobState::try_from(v) {
+        Ok(pb::JobState::Queued) => "QUEUED",
         Ok(pb::JobState::Pending) => "PENDING",
         Ok(pb::JobState::Running) => "RUNNING",
         Ok(pb::JobState::Succeeded) => "SUCCEEDED",
         Ok(pb::JobState::Failed) => "FAILED",
         Ok(pb::JobState::Stopped) => "STOPPED",
         _ => "UNKNOWN",
+    }
+}
+
+/// A job's state as `rlhf-head` shows it: `QUEUED (position 2)` for a queued job.
+pub fn state_text(j: &pb::JobInfo) -> String {
+    match j.queue_position {
+        0 => state_name(j.state).to_string(),
+        p => format!("{} (position {p})", state_name(j.state)),
     }
 }
 
@@ -110,6 +123,9 @@ pub struct JobRecord {
     /// How a failed job failed, as its driver recorded it (`outcome.json`).
     #[serde(default)]
     pub failure: Option<JobFailure>,
+    /// Submission order (the queue's), increasing across head restarts.
+    #[serde(default)]
+    pub seq: u64,
 }
 
 /// How the head runs drivers.
@@ -125,6 +141,9 @@ pub struct JobsConfig {
     pub token: String,
     /// Between SIGTERM and SIGKILL when a job is stopped.
     pub stop_grace: Duration,
+    /// Jobs whose drivers run at once; later submits wait QUEUED, first in first out
+    /// (0 = no limit).
+    pub max_running: usize,
 }
 
 struct Inner {
@@ -245,7 +264,7 @@ impl Jobs {
         let unfinished: Vec<JobRecord> = me
             .snapshot()
             .into_iter()
-            .filter(|j| !j.state.ended())
+            .filter(|j| !j.state.ended() && j.state != JobState::Queued)
             .collect();
         for j in unfinished {
             if driver_alive(j.pid, &j.job_id) {
@@ -260,6 +279,7 @@ impl Jobs {
                 })?;
             }
         }
+        me.start_queued();
         Ok(me)
     }
 
@@ -328,7 +348,17 @@ impl Jobs {
 
     pub fn to_proto(&self, r: &JobRecord) -> pb::JobInfo {
         let dir = self.job_dir(&r.job_id);
+        let queue_position = if r.state == JobState::Queued {
+            let jobs = crate::lock(&self.0.jobs);
+            Self::queue(&jobs)
+                .iter()
+                .position(|j| j.job_id == r.job_id)
+                .map_or(0, |p| p as u32 + 1)
+        } else {
+            0
+        };
         pb::JobInfo {
+            queue_position,
             job_id: r.job_id.clone(),
             state: r.state.to_proto() as i32,
             config_name: r.config_name.clone(),
@@ -403,7 +433,7 @@ impl Jobs {
         let config = dir.join(CONFIG_FILE);
         std::fs::write(&config, &req.bundle)
             .map_err(|e| Error::io(format!("writing {}", config.display()), e))?;
-        let rec = JobRecord {
+        let mut rec = JobRecord {
             job_id: id.clone(),
             state: JobState::Pending,
             config_name: req.config_name,
@@ -418,10 +448,74 @@ impl Jobs {
             metrics_file: req.metrics_file,
             stop_reason: String::new(),
             failure: None,
+            seq: 0,
         };
-        crate::lock(&self.0.jobs).insert(id.clone(), rec.clone());
+        {
+            // Decided under the lock, so two submits cannot both take the last slot.
+            let mut jobs = crate::lock(&self.0.jobs);
+            rec.seq = jobs.values().map(|j| j.seq).max().unwrap_or(0) + 1;
+            if self.full(&jobs) {
+                rec.state = JobState::Queued;
+            }
+            jobs.insert(id.clone(), rec.clone());
+        }
         self.persist(&rec)?;
-        tracing::info!(job = %id, config = %rec.config_name, "job submitted");
+        tracing::info!(job = %id, config = %rec.config_name, state = rec.state.as_str(), "job submitted");
+        if rec.state == JobState::Queued {
+            self.0.changed.send_modify(|v| *v += 1);
+            return Ok(rec);
+        }
+        self.start(&id)
+    }
+
+    /// Whether `max_running` drivers run (or are being started) already.
+    fn full(&self, jobs: &BTreeMap<String, JobRecord>) -> bool {
+        let max = self.0.cfg.max_running;
+        let running = jobs
+            .values()
+            .filter(|j| matches!(j.state, JobState::Pending | JobState::Running))
+            .count();
+        max > 0 && running >= max
+    }
+
+    /// Queued jobs, first submitted first.
+    fn queue(jobs: &BTreeMap<String, JobRecord>) -> Vec<&JobRecord> {
+        let mut q: Vec<&JobRecord> = jobs
+            .values()
+            .filter(|j| j.state == JobState::Queued)
+            .collect();
+        q.sort_by(|a, b| (a.seq, a.submit_ms, &a.job_id).cmp(&(b.seq, b.submit_ms, &b.job_id)));
+        q
+    }
+
+    /// Starts queued jobs while there is room.
+    fn start_queued(&self) {
+        loop {
+            let next = {
+                let mut jobs = crate::lock(&self.0.jobs);
+                if self.full(&jobs) {
+                    return;
+                }
+                let Some(id) = Self::queue(&jobs).first().map(|j| j.job_id.clone()) else {
+                    return;
+                };
+                if let Some(r) = jobs.get_mut(&id) {
+                    r.state = JobState::Pending;
+                }
+                id
+            };
+            tracing::info!(job = %next, "starting the next queued job");
+            if let Err(e) = self.start(&next) {
+                tracing::error!(job = %next, "starting a queued job: {e}");
+            }
+        }
+    }
+
+    /// Starts the driver of a PENDING job: RUNNING, or FAILED when it cannot start.
+    fn start(&self, id: &str) -> Result<JobRecord> {
+        let id = id.to_string();
+        let dir = self.job_dir(&id);
+        let config = dir.join(CONFIG_FILE);
         match self.spawn_driver(&id, &dir, &config) {
             Ok(child) => {
                 let pid = child.id().map(|p| p as i32).unwrap_or(0);
@@ -442,11 +536,13 @@ impl Jobs {
             Err(e) => {
                 let now = self.0.clock.now_ms();
                 tracing::error!(job = %id, "driver did not start: {e}");
-                self.update(&id, |r| {
+                let rec = self.update(&id, |r| {
                     r.state = JobState::Failed;
                     r.end_ms = now;
                     r.error = e.to_string();
-                })
+                });
+                self.start_queued();
+                rec
             }
         }
     }
@@ -552,6 +648,7 @@ impl Jobs {
             }
             Err(e) => tracing::error!(job = %id, "recording the job's end: {e}"),
         }
+        self.start_queued();
     }
 
     /// Asks a job to stop: SIGTERM to its driver's process group, SIGKILL after the grace
@@ -560,6 +657,19 @@ impl Jobs {
         let rec = self.get(id)?;
         if rec.state.ended() {
             return Ok(rec);
+        }
+        if rec.state == JobState::Queued {
+            // Leaves the queue; nothing was started.
+            let now = self.0.clock.now_ms();
+            tracing::info!(job = %id, "queued job removed: {reason}");
+            return self.update(id, |r| {
+                if r.state == JobState::Queued {
+                    r.state = JobState::Stopped;
+                    r.end_ms = now;
+                    r.stop_reason = reason.to_string();
+                    r.error = reason.to_string();
+                }
+            });
         }
         let rec = self.update(id, |r| {
             if r.stop_reason.is_empty() {
@@ -650,437 +760,5 @@ impl Jobs {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::clock::SystemClock;
-    use std::os::unix::fs::PermissionsExt;
-
-    #[test]
-    fn utc_formatting_and_job_ids() {
-        assert_eq!(fmt_utc_ms(0), "1970-01-01 00:00:00");
-        assert_eq!(fmt_utc_ms(1_700_000_000_000), "2023-11-14 22:13:20");
-        // A leap day and the day after.
-        assert_eq!(fmt_utc_ms(951_782_400_000), "2000-02-29 00:00:00");
-        assert_eq!(fmt_utc_ms(951_868_800_000), "2000-03-01 00:00:00");
-        let id = new_job_id(1_700_000_000_000);
-        assert!(id.starts_with("job-20231114-221320-"), "{id}");
-        assert_eq!(id.len(), "job-20231114-221320-abcd".len());
-    }
-
-    #[test]
-    fn last_error_line_is_the_last_one() {
-        let log = "starting\nerror: first\nmore\n  error: second problem \ndone\n";
-        assert_eq!(last_error_line(log).as_deref(), Some("second problem"));
-        assert_eq!(last_error_line("all good\n"), None);
-    }
-
-    fn script(dir: &Path, name: &str, body: &str) -> PathBuf {
-        let p = dir.join(name);
-        std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
-        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
-        p
-    }
-
-    fn manager(dir: &Path, exe: PathBuf, grace: Duration) -> Jobs {
-        manager_with(dir, exe, grace, None)
-    }
-
-    fn manager_with(dir: &Path, exe: PathBuf, grace: Duration, tls_ca: Option<PathBuf>) -> Jobs {
-        let store = Store::open(&dir.join("state")).unwrap();
-        Jobs::open(
-            JobsConfig {
-                state_dir: dir.join("state"),
-                exe,
-                head_address: "127.0.0.1:1".into(),
-                tls_ca,
-                token: "sekrit-token".into(),
-                stop_grace: grace,
-            },
-            Some(store),
-            Arc::new(SystemClock),
-        )
-        .unwrap()
-    }
-
-    fn submit(j: &Jobs) -> JobRecord {
-        j.submit(pb::SubmitJobRequest {
-            bundle: "{\"config\":\"x\"}".into(),
-            config_name: "ppo_tiny".into(),
-            overrides: vec!["training.train_iters=1".into()],
-            metrics_file: String::new(),
-        })
-        .unwrap()
-    }
-
-    #[tokio::test]
-    async fn driver_runs_with_args_env_and_cwd_and_succeeds() {
-        let dir = tempfile::tempdir().unwrap();
-        let exe = script(
-            dir.path(),
-            "ok.sh",
-            "echo \"args: $*\"\necho \"token: $RLHF_TOKEN\"\necho \"cwd: $(pwd)\"\necho '{\"step\":1}' > metrics.jsonl",
-        );
-        let j = manager(dir.path(), exe, Duration::from_secs(5));
-        let r = submit(&j);
-        assert_eq!(r.state, JobState::Running);
-        assert!(r.pid > 0);
-        assert!(j.wait_ended(&r.job_id, Duration::from_secs(10)).await);
-        let r = j.get(&r.job_id).unwrap();
-        assert_eq!(r.state, JobState::Succeeded, "{r:?}");
-        assert_eq!(r.exit_code, Some(0));
-        assert!(r.end_ms >= r.start_ms && r.start_ms >= r.submit_ms);
-        let jd = j.job_dir(&r.job_id);
-        assert_eq!(
-            std::fs::read_to_string(jd.join(CONFIG_FILE)).unwrap(),
-            "{\"config\":\"x\"}"
-        );
-        let log = String::from_utf8(j.logs(&r.job_id, 0, 0).unwrap().data).unwrap();
-        let cfg = jd.join(CONFIG_FILE).display().to_string();
-        assert!(
-            log.contains(&format!(
-                "args: run --address 127.0.0.1:1 --bundle {cfg} --job-id {}",
-                r.job_id
-            )),
-            "{log}"
-        );
-        assert!(log.contains("token: sekrit-token"), "{log}");
-        assert!(!log.lines().next().unwrap().contains("sekrit"), "{log}");
-        let cwd = std::fs::canonicalize(&jd).unwrap();
-        assert!(log.contains(&format!("cwd: {}", cwd.display())), "{log}");
-        let info = j.info_with_metrics(&r.job_id).unwrap();
-        assert_eq!(info.last_metrics, "{\"step\":1}");
-        // A TLS head tells its drivers which CA verifies it.
-        let echo = script(dir.path(), "echo.sh", "echo \"$*\"");
-        let t = manager_with(
-            &dir.path().join("tls"),
-            echo,
-            Duration::from_secs(5),
-            Some(PathBuf::from("/pki/ca.crt")),
-        );
-        let tr = submit(&t);
-        assert!(t.wait_ended(&tr.job_id, Duration::from_secs(10)).await);
-        let args = String::from_utf8(t.logs(&tr.job_id, 0, 0).unwrap().data).unwrap();
-        assert!(
-            args.trim_end()
-                .ends_with(&format!("--job-id {} --tls-ca /pki/ca.crt", tr.job_id)),
-            "{args}"
-        );
-        // A metrics path that is not a JSONL file of records is not read.
-        let secret = dir.path().join("secret.txt");
-        std::fs::write(&secret, "password\n").unwrap();
-        std::fs::remove_file(jd.join(METRICS_FILE)).unwrap();
-        crate::lock(&j.0.jobs)
-            .get_mut(&r.job_id)
-            .unwrap()
-            .metrics_file = secret.display().to_string();
-        assert_eq!(j.info_with_metrics(&r.job_id).unwrap().last_metrics, "");
-        let m = dir.path().join("m.jsonl");
-        std::fs::write(&m, "{\"step\":1}\n{\"step\":2}\n\n").unwrap();
-        crate::lock(&j.0.jobs)
-            .get_mut(&r.job_id)
-            .unwrap()
-            .metrics_file = m.display().to_string();
-        assert_eq!(
-            j.info_with_metrics(&r.job_id).unwrap().last_metrics,
-            "{\"step\":2}"
-        );
-        assert_eq!(info.state, pb::JobState::Succeeded as i32);
-    }
-
-    #[tokio::test]
-    async fn failing_driver_reports_its_last_error_line_and_logs_page() {
-        let dir = tempfile::tempdir().unwrap();
-        let exe = script(
-            dir.path(),
-            "fail.sh",
-            "echo 'loading'\necho 'error: early' >&2\necho 'error: no worker has 2 CPU free' >&2\nexit 3",
-        );
-        let j = manager(dir.path(), exe, Duration::from_secs(5));
-        let r = submit(&j);
-        assert!(j.wait_ended(&r.job_id, Duration::from_secs(10)).await);
-        let r = j.get(&r.job_id).unwrap();
-        assert_eq!(r.state, JobState::Failed);
-        assert_eq!(r.exit_code, Some(3));
-        assert_eq!(r.error, "no worker has 2 CPU free");
-        assert_eq!(r.failure, None, "no outcome.json: the log decides");
-        // Paging through the log in small pieces gives the whole log back.
-        let mut off = 0;
-        let mut all = Vec::new();
-        loop {
-            let p = j.logs(&r.job_id, off, 5).unwrap();
-            assert!(p.data.len() <= 5);
-            all.extend_from_slice(&p.data);
-            off = p.next_offset;
-            if p.finished {
-                break;
-            }
-        }
-        assert_eq!(
-            String::from_utf8(all).unwrap(),
-            "loading\nerror: early\nerror: no worker has 2 CPU free\n"
-        );
-        // Beyond the end: nothing, and finished.
-        let p = j.logs(&r.job_id, 10_000, 0).unwrap();
-        assert!(p.data.is_empty() && p.finished);
-    }
-
-    /// A driver that records its outcome (as `rlhf-head run --bundle` does): the head takes
-    /// the kind, the role and rank to blame and the message from it, not from the log.
-    #[tokio::test]
-    async fn a_recorded_outcome_beats_the_log() {
-        let dir = tempfile::tempdir().unwrap();
-        let outcome = rlhf_core::JobOutcome {
-            failure: Some(JobFailure::new(
-                &Error::new(
-                    rlhf_core::FailureKind::ActorDied,
-                    "role critic rank 1 died (actor a7, pid 9, node n1): signal 9\nlast log lines:\n  x",
-                ),
-                Some(("critic".into(), 1)),
-            )),
-        };
-        let json = serde_json::to_string(&outcome).unwrap();
-        let exe = script(
-            dir.path(),
-            "fail.sh",
-            &format!(
-                "echo 'error: a misleading last line' >&2\ncat > {} <<'EOF'\n{json}\nEOF\nexit 1",
-                rlhf_core::outcome::OUTCOME_FILE
-            ),
-        );
-        let j = manager(dir.path(), exe, Duration::from_secs(5));
-        let r = submit(&j);
-        assert!(j.wait_ended(&r.job_id, Duration::from_secs(10)).await);
-        let r = j.get(&r.job_id).unwrap();
-        assert_eq!(r.state, JobState::Failed);
-        assert_eq!(
-            r.error,
-            "role critic rank 1 died (actor a7, pid 9, node n1): signal 9"
-        );
-        assert_eq!(r.failure, outcome.failure);
-        let p = j.to_proto(&r);
-        assert_eq!(
-            (
-                p.failure_kind.as_str(),
-                p.failure_role.as_str(),
-                p.failure_rank,
-                p.retryable
-            ),
-            ("actor_died", "critic", 1, true)
-        );
-    }
-
-    #[tokio::test]
-    async fn stop_terms_then_kills_a_driver_that_ignores_sigterm() {
-        let dir = tempfile::tempdir().unwrap();
-        let polite = script(dir.path(), "sleep.sh", "echo started\nsleep 600");
-        let j = manager(dir.path(), polite, Duration::from_secs(30));
-        let r = submit(&j);
-        assert_eq!(r.state, JobState::Running);
-        let t = std::time::Instant::now();
-        j.stop(&r.job_id, "stopped by user").unwrap();
-        assert!(j.wait_ended(&r.job_id, Duration::from_secs(10)).await);
-        // SIGTERM was enough: well before the 30 s grace.
-        assert!(t.elapsed() < Duration::from_secs(10));
-        let r = j.get(&r.job_id).unwrap();
-        assert_eq!(r.state, JobState::Stopped);
-        assert_eq!(r.error, "stopped by user");
-        assert_eq!(r.signal, libc::SIGTERM);
-
-        // Ignores SIGTERM (its sleep inherits the ignored disposition): SIGKILL after grace.
-        let stubborn = script(
-            dir.path(),
-            "stubborn.sh",
-            "trap '' TERM\necho started\nwhile true; do sleep 0.1; done",
-        );
-        let j2 = manager(&dir.path().join("b"), stubborn, Duration::from_millis(300));
-        let r = submit(&j2);
-        // Let the shell install its trap first.
-        for _ in 0..100 {
-            if !j2.logs(&r.job_id, 0, 0).unwrap().data.is_empty() {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        j2.stop(&r.job_id, "stopped by user").unwrap();
-        assert!(
-            !j2.wait_ended(&r.job_id, Duration::from_millis(150)).await,
-            "ended before the grace period although it ignores SIGTERM"
-        );
-        assert!(j2.wait_ended(&r.job_id, Duration::from_secs(10)).await);
-        let r = j2.get(&r.job_id).unwrap();
-        assert_eq!(r.state, JobState::Stopped);
-        assert_eq!(r.signal, libc::SIGKILL);
-        // Stopping an ended job changes nothing.
-        assert_eq!(
-            j2.stop(&r.job_id, "again").unwrap().error,
-            "stopped by user"
-        );
-    }
-
-    #[tokio::test]
-    async fn missing_exe_fails_the_job_and_unknown_ids_list_recent_ones() {
-        let dir = tempfile::tempdir().unwrap();
-        let j = manager(
-            dir.path(),
-            dir.path().join("no-such-driver"),
-            Duration::from_secs(1),
-        );
-        let e = j.get("job-x").unwrap_err().to_string();
-        assert!(e.contains("no jobs"), "{e}");
-        let r = submit(&j);
-        assert_eq!(r.state, JobState::Failed);
-        assert!(
-            r.error.contains("cannot start the job driver") && r.error.contains("no-such-driver"),
-            "{}",
-            r.error
-        );
-        let e = j.get("job-x").unwrap_err();
-        assert_eq!(e.kind(), rlhf_core::FailureKind::NotFound);
-        assert!(
-            e.to_string().contains("no job 'job-x'") && e.to_string().contains(&r.job_id),
-            "{e}"
-        );
-        let e = j
-            .submit(pb::SubmitJobRequest::default())
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("config bundle"), "{e}");
-    }
-
-    fn running_record(id: &str, pid: i32) -> JobRecord {
-        JobRecord {
-            job_id: id.into(),
-            state: JobState::Running,
-            config_name: "ppo_tiny".into(),
-            overrides: vec![],
-            submit_ms: 1,
-            start_ms: 2,
-            end_ms: 0,
-            exit_code: None,
-            signal: 0,
-            error: String::new(),
-            pid,
-            metrics_file: String::new(),
-            stop_reason: String::new(),
-            failure: None,
-        }
-    }
-
-    #[tokio::test]
-    async fn drivers_that_outlive_a_head_restart_are_watched_and_stoppable() {
-        use std::os::unix::process::CommandExt;
-        let dir = tempfile::tempdir().unwrap();
-        // Stand-ins for drivers of a previous head: the job id is on their command line,
-        // as it is on a real driver's, and each leads its own process group.
-        let orphan = |id: &str, body: &str| {
-            let jd = dir.path().join("state/jobs").join(id);
-            std::fs::create_dir_all(&jd).unwrap();
-            let log = std::fs::File::create(jd.join(LOG_FILE)).unwrap();
-            std::process::Command::new("sh")
-                .args(["-c", body, id])
-                .current_dir(&jd)
-                .stdout(log.try_clone().unwrap())
-                .stderr(log)
-                .process_group(0)
-                .spawn()
-                .unwrap()
-        };
-        let stop_id = "job-20260101-000000-stop";
-        let fail_id = "job-20260101-000000-fail";
-        let mut a = orphan(stop_id, "sleep 600; exit 0");
-        let mut b = orphan(
-            fail_id,
-            "while [ ! -e go ]; do sleep 0.05; done; echo 'error: lost the head' >&2; exit 4",
-        );
-        {
-            let st = Store::open(&dir.path().join("state")).unwrap();
-            for (id, pid) in [(stop_id, a.id() as i32), (fail_id, b.id() as i32)] {
-                st.put(store::JOBS, id, &running_record(id, pid)).unwrap();
-            }
-        }
-        let j = manager(
-            dir.path(),
-            PathBuf::from("/bin/true"),
-            Duration::from_secs(5),
-        );
-        assert_eq!(j.get(stop_id).unwrap().state, JobState::Running);
-        assert_eq!(j.get(fail_id).unwrap().state, JobState::Running);
-
-        // Reaped here (they are this test's children) so they do not linger as zombies.
-        let reap_a = std::thread::spawn(move || a.wait());
-        let reap_b = std::thread::spawn(move || b.wait());
-        j.stop(stop_id, "stopped by user").unwrap();
-        assert!(j.wait_ended(stop_id, Duration::from_secs(10)).await);
-        let r = j.get(stop_id).unwrap();
-        assert_eq!(
-            (r.state, r.error.as_str()),
-            (JobState::Stopped, "stopped by user")
-        );
-
-        std::fs::write(j.job_dir(fail_id).join("go"), "").unwrap();
-        assert!(j.wait_ended(fail_id, Duration::from_secs(10)).await);
-        let r = j.get(fail_id).unwrap();
-        // Its exit status is unknown to this head; its log says why it failed.
-        assert_eq!(
-            (r.state, r.error.as_str()),
-            (JobState::Failed, "lost the head")
-        );
-        assert_eq!(r.exit_code, None);
-        reap_a.join().unwrap().unwrap();
-        assert_eq!(reap_b.join().unwrap().unwrap().code(), Some(4));
-    }
-
-    #[tokio::test]
-    async fn restart_fails_jobs_whose_driver_is_gone() {
-        let dir = tempfile::tempdir().unwrap();
-        // A pid that surely ended: a child we reaped.
-        let mut c = std::process::Command::new("true").spawn().unwrap();
-        let dead_pid = c.id() as i32;
-        c.wait().unwrap();
-        {
-            let st = Store::open(&dir.path().join("state")).unwrap();
-            let mut rec = JobRecord {
-                job_id: "job-20260101-000000-abcd".into(),
-                state: JobState::Running,
-                config_name: "ppo_tiny".into(),
-                overrides: vec![],
-                submit_ms: 1,
-                start_ms: 2,
-                end_ms: 0,
-                exit_code: None,
-                signal: 0,
-                error: String::new(),
-                pid: dead_pid,
-                metrics_file: String::new(),
-                stop_reason: String::new(),
-                failure: None,
-            };
-            st.put(store::JOBS, &rec.job_id, &rec).unwrap();
-            rec.job_id = "job-20260101-000000-done".into();
-            rec.state = JobState::Succeeded;
-            rec.exit_code = Some(0);
-            st.put(store::JOBS, &rec.job_id, &rec).unwrap();
-        }
-        let j = manager(
-            dir.path(),
-            PathBuf::from("/bin/true"),
-            Duration::from_secs(1),
-        );
-        let r = j.get("job-20260101-000000-abcd").unwrap();
-        assert_eq!(r.state, JobState::Failed);
-        assert_eq!(r.error, "head restarted");
-        assert!(r.end_ms > 0);
-        assert_eq!(
-            j.get("job-20260101-000000-done").unwrap().state,
-            JobState::Succeeded
-        );
-        assert_eq!(j.list().len(), 2);
-        drop(j);
-        // The change was persisted.
-        let st = Store::open(&dir.path().join("state")).unwrap();
-        let recs: Vec<JobRecord> = st.load(store::JOBS).unwrap();
-        assert!(recs
-            .iter()
-            .any(|r| r.state == JobState::Failed && r.error == "head restarted"));
-    }
-}
+#[path = "jobs_tests.rs"]
+mod tests;

@@ -48,6 +48,8 @@ pub struct HeadOptions {
     pub job_exe: Option<PathBuf>,
     /// Between SIGTERM and SIGKILL when a job is stopped.
     pub job_stop_grace: Duration,
+    /// Submitted jobs that run at once (0 = no limit); later ones queue.
+    pub max_running_jobs: usize,
     /// CA that verifies this head's TLS certificate, for the job drivers it starts; None =
     /// the certificate itself (right for a self-signed one).
     pub job_tls_ca: Option<PathBuf>,
@@ -75,6 +77,7 @@ impl HeadOptions {
             dashboard: Some(("127.0.0.1".into(), 8260)),
             job_exe: None,
             job_stop_grace: Duration::from_secs(10),
+            max_running_jobs: 1,
             job_tls_ca: None,
         }
     }
@@ -620,6 +623,7 @@ pub async fn start(
             tls_ca: opts.cluster_ca(),
             token: opts.token.clone(),
             stop_grace: opts.job_stop_grace,
+            max_running: opts.max_running_jobs,
         },
         Some(store.clone()),
         clock.clone(),
