@@ -95,6 +95,13 @@ enum Cmd {
         /// (0 = no limit).
         #[arg(long, default_value_t = 1)]
         max_running_jobs: usize,
+        /// Ended jobs (record, directory, log) are removed this long after they ended:
+        /// a number with s, m, h or d (`7d`, `12h`).
+        #[arg(long, default_value = "7d", value_parser = parse_ttl)]
+        job_ttl: Duration,
+        /// ...or once this many newer jobs have ended (0 = no count limit).
+        #[arg(long, default_value_t = rlhf_runtime::head::jobs::DEFAULT_JOBS_KEPT)]
+        jobs_kept: usize,
     },
     /// Show nodes, resources, placement groups and actors (like `ray status`).
     Status {
@@ -201,6 +208,8 @@ async fn run(cli: Cli) -> Result<()> {
             heartbeat_ms,
             dead_after_ms,
             max_running_jobs,
+            job_ttl,
+            jobs_kept,
         } => {
             let state_dir = state_dir.unwrap_or_else(rlhf_runtime::default_state_dir);
             rlhf_runtime::prepare_state_dir(&state_dir)?;
@@ -240,6 +249,8 @@ async fn run(cli: Cli) -> Result<()> {
             opts.heartbeat_interval = Duration::from_millis(heartbeat_ms.max(10));
             opts.dead_threshold = Duration::from_millis(dead_after_ms.max(50));
             opts.max_running_jobs = max_running_jobs;
+            opts.job_ttl = job_ttl;
+            opts.jobs_kept = jobs_kept;
             opts.dashboard = (!no_dashboard).then_some((dashboard_host, dashboard_port));
             let shutdown = CancellationToken::new();
             rlhf_runtime::cancel_on_signals(shutdown.clone());
@@ -310,5 +321,43 @@ async fn run(cli: Cli) -> Result<()> {
         Cmd::Check(args) => run_cmd::check(args).await,
         Cmd::Submit(args) => jobs_cli::submit(args).await,
         Cmd::Job { cmd } => jobs_cli::job(cmd).await,
+    }
+}
+
+/// `--job-ttl`: a whole number with a unit, `s`, `m`, `h` or `d`.
+fn parse_ttl(s: &str) -> std::result::Result<Duration, String> {
+    let s = s.trim();
+    let (n, unit) = s.split_at(s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len()));
+    let n: u64 = n.parse().map_err(|_| {
+        format!("{s:?} is not a duration; write a number and a unit: 7d, 12h, 30m, 90s")
+    })?;
+    let secs = match unit {
+        "s" => 1,
+        "m" => 60,
+        "h" => 3600,
+        "d" => 86_400,
+        _ => {
+            return Err(format!(
+                "{s:?}: unknown unit {unit:?}; use s, m, h or d (7d, 12h, 30m, 90s)"
+            ))
+        }
+    };
+    n.checked_mul(secs)
+        .map(Duration::from_secs)
+        .ok_or_else(|| format!("{s:?} is too long"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn job_ttl_takes_a_number_and_a_unit() {
+        assert_eq!(parse_ttl("7d"), Ok(Duration::from_secs(7 * 86_400)));
+        assert_eq!(parse_ttl("12h"), Ok(Duration::from_secs(12 * 3600)));
+        assert_eq!(parse_ttl("90s"), Ok(Duration::from_secs(90)));
+        assert!(parse_ttl("7").unwrap_err().contains("unknown unit"));
+        assert!(parse_ttl("d").unwrap_err().contains("not a duration"));
+        assert!(parse_ttl("3w").unwrap_err().contains("use s, m, h or d"));
     }
 }

@@ -144,7 +144,16 @@ pub struct JobsConfig {
     /// Jobs whose drivers run at once; later submits wait QUEUED, first in first out
     /// (0 = no limit).
     pub max_running: usize,
+    /// Ended jobs are removed (record, directory and log) this long after they ended...
+    pub keep_for: Duration,
+    /// ...or once this many newer jobs have ended (0 = no count limit).
+    pub keep_last: usize,
 }
+
+/// `JobsConfig::keep_for` by default: a week.
+pub const DEFAULT_JOB_TTL: Duration = Duration::from_secs(7 * 24 * 3600);
+/// `JobsConfig::keep_last` by default.
+pub const DEFAULT_JOBS_KEPT: usize = 1000;
 
 struct Inner {
     cfg: JobsConfig,
@@ -279,8 +288,49 @@ impl Jobs {
                 })?;
             }
         }
+        me.prune();
         me.start_queued();
         Ok(me)
+    }
+
+    /// Removes ended jobs past `keep_for` or beyond the newest `keep_last`, with their
+    /// directories (config, log, outcome).
+    fn prune(&self) {
+        let now = self.0.clock.now_ms();
+        let ttl_ms = i64::try_from(self.0.cfg.keep_for.as_millis()).unwrap_or(i64::MAX);
+        let keep_last = self.0.cfg.keep_last;
+        let gone: Vec<String> = {
+            let mut jobs = crate::lock(&self.0.jobs);
+            let mut ended: Vec<&JobRecord> = jobs.values().filter(|j| j.state.ended()).collect();
+            ended.sort_by_key(|j| std::cmp::Reverse((j.end_ms, j.seq)));
+            let gone: Vec<String> = ended
+                .iter()
+                .enumerate()
+                .filter(|(i, j)| {
+                    (keep_last > 0 && *i >= keep_last)
+                        || (j.end_ms > 0 && now.saturating_sub(j.end_ms) > ttl_ms)
+                })
+                .map(|(_, j)| j.job_id.clone())
+                .collect();
+            for id in &gone {
+                jobs.remove(id);
+            }
+            gone
+        };
+        for id in &gone {
+            if let Some(st) = &self.0.store {
+                if let Err(e) = st.delete(store::JOBS, id) {
+                    tracing::warn!(job = %id, "removing an old job's record: {e}");
+                }
+            }
+            let dir = self.job_dir(id);
+            if let Err(e) = std::fs::remove_dir_all(&dir) {
+                if e.kind() != std::io::ErrorKind::NotFound {
+                    tracing::warn!(job = %id, "removing {}: {e}", dir.display());
+                }
+            }
+            tracing::info!(job = %id, "old job removed (--job-ttl / --jobs-kept)");
+        }
     }
 
     fn snapshot(&self) -> Vec<JobRecord> {
@@ -648,6 +698,7 @@ impl Jobs {
             }
             Err(e) => tracing::error!(job = %id, "recording the job's end: {e}"),
         }
+        self.prune();
         self.start_queued();
     }
 

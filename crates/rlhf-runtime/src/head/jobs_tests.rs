@@ -46,6 +46,17 @@ fn queued_manager(
     tls_ca: Option<PathBuf>,
     max_running: usize,
 ) -> Jobs {
+    kept_manager(dir, exe, grace, tls_ca, max_running, DEFAULT_JOBS_KEPT)
+}
+
+fn kept_manager(
+    dir: &Path,
+    exe: PathBuf,
+    grace: Duration,
+    tls_ca: Option<PathBuf>,
+    max_running: usize,
+    keep_last: usize,
+) -> Jobs {
     let store = Store::open(&dir.join("state")).unwrap();
     Jobs::open(
         JobsConfig {
@@ -56,6 +67,8 @@ fn queued_manager(
             token: "sekrit-token".into(),
             stop_grace: grace,
             max_running,
+            keep_for: DEFAULT_JOB_TTL,
+            keep_last,
         },
         Some(store),
         Arc::new(SystemClock),
@@ -527,4 +540,43 @@ async fn a_queued_job_survives_a_head_restart_and_starts_when_the_running_one_en
     let q = j.get(queued).unwrap();
     assert_eq!(q.state, JobState::Succeeded, "{q:?}");
     assert!(q.pid > 0 && q.start_ms > 0);
+}
+
+#[tokio::test]
+async fn ended_jobs_go_after_the_ttl_or_beyond_the_newest_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let day = 24 * 3600 * 1000;
+    let now = SystemClock.now_ms();
+    {
+        let st = Store::open(&dir.path().join("state")).unwrap();
+        for (id, ended_ago) in [("job-old", 8 * day), ("job-recent", day)] {
+            let jd = dir.path().join("state/jobs").join(id);
+            std::fs::create_dir_all(&jd).unwrap();
+            std::fs::write(jd.join(LOG_FILE), "log").unwrap();
+            let mut r = running_record(id, 0);
+            (r.state, r.end_ms) = (JobState::Succeeded, now - ended_ago);
+            st.put(store::JOBS, id, &r).unwrap();
+        }
+    }
+    let exe = script(dir.path(), "ok.sh", "echo done");
+    let j = kept_manager(dir.path(), exe, Duration::from_secs(5), None, 0, 2);
+    // A week is the default TTL: the 8-day-old job went with its directory.
+    assert!(j.get("job-old").is_err());
+    assert!(!j.job_dir("job-old").exists());
+    assert_eq!(j.get("job-recent").unwrap().state, JobState::Succeeded);
+
+    // Two kept: the third job to end pushes the oldest ended one out.
+    let a = submit(&j);
+    assert!(j.wait_ended(&a.job_id, Duration::from_secs(10)).await);
+    assert!(j.get("job-recent").is_ok(), "{:?}", j.list());
+    let b = submit(&j);
+    assert!(j.wait_ended(&b.job_id, Duration::from_secs(10)).await);
+    assert!(j.get("job-recent").is_err(), "{:?}", j.list());
+    assert!(!j.job_dir("job-recent").exists());
+    let ids: Vec<String> = j.list().into_iter().map(|r| r.job_id).collect();
+    assert_eq!(ids.len(), 2, "{ids:?}");
+    assert!(
+        ids.contains(&a.job_id) && ids.contains(&b.job_id),
+        "{ids:?}"
+    );
 }

@@ -50,6 +50,9 @@ pub struct HeadOptions {
     pub job_stop_grace: Duration,
     /// Submitted jobs that run at once (0 = no limit); later ones queue.
     pub max_running_jobs: usize,
+    /// Ended jobs are removed this long after they ended, or beyond the newest `jobs_kept`.
+    pub job_ttl: Duration,
+    pub jobs_kept: usize,
     /// CA that verifies this head's TLS certificate, for the job drivers it starts; None =
     /// the certificate itself (right for a self-signed one).
     pub job_tls_ca: Option<PathBuf>,
@@ -78,6 +81,8 @@ impl HeadOptions {
             job_exe: None,
             job_stop_grace: Duration::from_secs(10),
             max_running_jobs: 1,
+            job_ttl: jobs::DEFAULT_JOB_TTL,
+            jobs_kept: jobs::DEFAULT_JOBS_KEPT,
             job_tls_ca: None,
         }
     }
@@ -624,6 +629,8 @@ pub async fn start(
             token: opts.token.clone(),
             stop_grace: opts.job_stop_grace,
             max_running: opts.max_running_jobs,
+            keep_for: opts.job_ttl,
+            keep_last: opts.jobs_kept,
         },
         Some(store.clone()),
         clock.clone(),
