@@ -17,6 +17,21 @@ pub struct MetricsLog {
     file: File,
 }
 
+/// Creates `path` (and its directory) holding only the lines a resumed run keeps.
+fn open_keeping(path: &Path, keep_through: Option<u64>) -> Result<File> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
+    }
+    let kept = lines_through(path, keep_through);
+    let mut file =
+        File::create(path).map_err(|e| Error::io(format!("creating {}", path.display()), e))?;
+    for l in kept {
+        writeln!(file, "{l}").map_err(|e| Error::io(format!("writing {}", path.display()), e))?;
+    }
+    Ok(file)
+}
+
 /// The JSON lines of `path` whose `step` is at most `keep_through` (none for a fresh run or
 /// a missing file): what a resumed run keeps of a metrics or samples file.
 fn lines_through(path: &Path, keep_through: Option<u64>) -> Vec<String> {
@@ -43,20 +58,9 @@ impl MetricsLog {
     /// Opens `path`. A fresh run starts the file anew; a resumed run keeps the lines of steps
     /// up to `keep_through` and drops later ones (they belong to the abandoned run).
     pub fn open(path: &Path, keep_through: Option<u64>) -> Result<Self> {
-        if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir)
-                .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
-        }
-        let kept = lines_through(path, keep_through);
-        let mut file =
-            File::create(path).map_err(|e| Error::io(format!("creating {}", path.display()), e))?;
-        for l in kept {
-            writeln!(file, "{l}")
-                .map_err(|e| Error::io(format!("writing {}", path.display()), e))?;
-        }
         Ok(Self {
             path: path.to_path_buf(),
-            file,
+            file: open_keeping(path, keep_through)?,
         })
     }
 
@@ -96,20 +100,9 @@ impl SampleLog {
     /// Opens `path` as [`MetricsLog::open`] does: a resumed run keeps the rows of steps up to
     /// `keep_through`, so steps run again after a restart are written once.
     pub fn open(path: &Path, keep_through: Option<u64>) -> Result<Self> {
-        if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir)
-                .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
-        }
-        let kept = lines_through(path, keep_through);
-        let mut file =
-            File::create(path).map_err(|e| Error::io(format!("creating {}", path.display()), e))?;
-        for l in kept {
-            writeln!(file, "{l}")
-                .map_err(|e| Error::io(format!("writing {}", path.display()), e))?;
-        }
         Ok(Self {
             path: path.to_path_buf(),
-            file,
+            file: open_keeping(path, keep_through)?,
         })
     }
 

@@ -468,3 +468,33 @@ pub fn raw_tcp_copy(src: &[u8]) -> Result<f64> {
     anyhow::ensure!(got.len() == bytes, "short copy");
     Ok(s)
 }
+
+/// The JSON objects of a JSONL file (metrics, samples), one per line.
+pub fn jsonl(path: &Path) -> Result<Vec<Value>> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    text.lines().map(|l| Ok(serde_json::from_str(l)?)).collect()
+}
+
+/// A step's metrics to compare between runs: everything but wall-clock numbers.
+pub fn comparable(m: &Value) -> Vec<(String, f64)> {
+    m.as_object()
+        .into_iter()
+        .flatten()
+        .filter(|(k, _)| {
+            !k.starts_with("timing_s/")
+                && !k.starts_with("perf/throughput")
+                && !k.starts_with("perf/weight_sync_s")
+        })
+        .filter_map(|(k, v)| v.as_f64().map(|x| (k.clone(), x)))
+        .collect()
+}
+
+/// Waits for `p` to exit and fails with its output unless it succeeded.
+pub fn wait_success(p: &mut Proc, timeout: Duration) -> Result<()> {
+    let st = p.wait_exit(timeout)?;
+    if !st.success() {
+        bail!("{} failed ({st}):\n{}", p.name, p.output());
+    }
+    Ok(())
+}

@@ -7,7 +7,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use rlhf_e2e::Proc;
+use rlhf_e2e::{comparable, Proc};
 use serde_json::Value;
 
 fn run(dir: &Path, tag: &str, extra: &[&str], flags: &[&str]) -> Result<Vec<Value>> {
@@ -19,10 +19,7 @@ fn run(dir: &Path, tag: &str, extra: &[&str], flags: &[&str]) -> Result<Vec<Valu
     if !st.success() {
         bail!("{tag} failed ({st}):\n{}", p.output());
     }
-    let path = out.join("metrics.jsonl");
-    let text =
-        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-    text.lines().map(|l| Ok(serde_json::from_str(l)?)).collect()
+    rlhf_e2e::jsonl(&out.join("metrics.jsonl"))
 }
 
 fn col(m: &[Value], key: &str) -> Result<Vec<f64>> {
@@ -81,20 +78,6 @@ fn one_step_off_climbs_with_every_batch_one_version_old() -> Result<()> {
         "the score should climb: first 10 steps {first:.3}, last 10 {last:.3}"
     );
     Ok(())
-}
-
-/// Everything but wall-clock numbers.
-fn comparable(m: &Value) -> Vec<(String, f64)> {
-    m.as_object()
-        .into_iter()
-        .flatten()
-        .filter(|(k, _)| {
-            !k.starts_with("timing_s/")
-                && !k.starts_with("perf/throughput")
-                && !k.starts_with("perf/weight_sync_s")
-        })
-        .filter_map(|(k, v)| v.as_f64().map(|x| (k.clone(), x)))
-        .collect()
 }
 
 #[test]

@@ -447,14 +447,17 @@ fn a_submitted_ppo_tiny_job_runs_to_success() -> Result<()> {
     let q = job_json(&c, &second)?;
     assert_eq!(q["state"], "QUEUED", "{q}");
     assert_eq!(q["queue_position"].as_u64(), Some(1), "{q}");
-    let end = wait_for(Duration::from_secs(900), "the job to end", || {
-        let j = job_json(&c, &id)?;
-        let done = matches!(
-            j["state"].as_str(),
-            Some("SUCCEEDED" | "FAILED" | "STOPPED")
-        );
-        Ok(done.then_some(j))
-    })?;
+    let ended = |id: &str| {
+        wait_for(Duration::from_secs(900), "the job to end", || {
+            let j = job_json(&c, id)?;
+            let done = matches!(
+                j["state"].as_str(),
+                Some("SUCCEEDED" | "FAILED" | "STOPPED")
+            );
+            Ok(done.then_some(j))
+        })
+    };
+    let end = ended(&id)?;
     let log = std::fs::read_to_string(c.state_dir().join("jobs").join(&id).join("driver.log"))
         .unwrap_or_default();
     assert_eq!(end["state"], "SUCCEEDED", "{end}\ndriver log:\n{log}");
@@ -487,14 +490,7 @@ fn a_submitted_ppo_tiny_job_runs_to_success() -> Result<()> {
     let latest = std::fs::read_to_string(out_dir.join("ckpt/latest_checkpointed_iteration.txt"))?;
     assert_eq!(latest.trim(), "2");
 
-    let end2 = wait_for(Duration::from_secs(900), "the queued job to end", || {
-        let j = job_json(&c, &second)?;
-        let done = matches!(
-            j["state"].as_str(),
-            Some("SUCCEEDED" | "FAILED" | "STOPPED")
-        );
-        Ok(done.then_some(j))
-    })?;
+    let end2 = ended(&second)?;
     assert_eq!(end2["state"], "SUCCEEDED", "{end2}");
     assert!(
         end2["start_ms"].as_i64() >= end["end_ms"].as_i64(),

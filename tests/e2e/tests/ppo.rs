@@ -6,9 +6,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use nix::sys::signal::Signal;
-use rlhf_e2e::{child_with, wait_steps, Cluster, Proc};
+use rlhf_e2e::{child_with, comparable, wait_steps, wait_success, Cluster, Proc};
 use serde_json::Value;
 
 fn repo() -> PathBuf {
@@ -24,17 +24,7 @@ fn run_cmd(out: &Path, extra: &[&str]) -> Command {
 }
 
 fn metrics(path: &Path) -> Result<Vec<Value>> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    text.lines().map(|l| Ok(serde_json::from_str(l)?)).collect()
-}
-
-fn wait_success(p: &mut Proc, timeout: Duration) -> Result<()> {
-    let st = p.wait_exit(timeout)?;
-    if !st.success() {
-        bail!("{} failed ({st}):\n{}", p.name, p.output());
-    }
-    Ok(())
+    rlhf_e2e::jsonl(path)
 }
 
 #[test]
@@ -114,20 +104,6 @@ fn three_steps_on_a_head_and_two_workers() -> Result<()> {
     assert!(samples.lines().count() >= 3, "{samples}");
     assert!(p.output().contains("samples at step"), "{}", p.output());
     Ok(())
-}
-
-/// Steps to compare between runs: everything but wall-clock numbers.
-fn comparable(m: &Value) -> Vec<(String, f64)> {
-    m.as_object()
-        .into_iter()
-        .flatten()
-        .filter(|(k, _)| {
-            !k.starts_with("timing_s/")
-                && !k.starts_with("perf/throughput")
-                && !k.starts_with("perf/weight_sync_s")
-        })
-        .filter_map(|(k, v)| v.as_f64().map(|x| (k.clone(), x)))
-        .collect()
 }
 
 #[test]

@@ -8,28 +8,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use nix::sys::signal::Signal;
-use rlhf_e2e::{children_of, wait_steps, Proc};
-use serde_json::Value;
-
-fn lines(path: &Path) -> Result<Vec<Value>> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    text.lines().map(|l| Ok(serde_json::from_str(l)?)).collect()
-}
-
-/// Everything but wall-clock numbers.
-fn comparable(m: &Value) -> Vec<(String, f64)> {
-    m.as_object()
-        .into_iter()
-        .flatten()
-        .filter(|(k, _)| {
-            !k.starts_with("timing_s/")
-                && !k.starts_with("perf/throughput")
-                && !k.starts_with("perf/weight_sync_s")
-        })
-        .filter_map(|(k, v)| v.as_f64().map(|x| (k.clone(), x)))
-        .collect()
-}
+use rlhf_e2e::{children_of, comparable, jsonl, wait_steps, wait_success, Proc};
 
 const STEPS: u64 = 12;
 
@@ -68,10 +47,7 @@ fn a_killed_role_process_is_restarted_from_the_last_checkpoint_with_the_same_met
         dir.path(),
         &mut rlhf_e2e::ppo_run_cmd(&straight, &common()),
     )?;
-    let st = p.wait_exit(Duration::from_secs(900))?;
-    if !st.success() {
-        bail!("uninterrupted run failed ({st}):\n{}", p.output());
-    }
+    wait_success(&mut p, Duration::from_secs(900))?;
 
     let out = dir.path().join("chaos");
     let mut p = Proc::spawn(
@@ -113,8 +89,8 @@ fn a_killed_role_process_is_restarted_from_the_last_checkpoint_with_the_same_met
 
     // One line per step, and the same numbers as the uninterrupted run.
     let (a, b) = (
-        lines(&straight.join("metrics.jsonl"))?,
-        lines(&metrics_file)?,
+        jsonl(&straight.join("metrics.jsonl"))?,
+        jsonl(&metrics_file)?,
     );
     let steps: Vec<u64> = b.iter().filter_map(|l| l["step"].as_u64()).collect();
     assert_eq!(steps, (1..=STEPS).collect::<Vec<_>>());
@@ -131,7 +107,7 @@ fn a_killed_role_process_is_restarted_from_the_last_checkpoint_with_the_same_met
     }
     // The sample table of every step once, as in the uninterrupted run.
     let per_step = |path: &Path| -> Result<Vec<usize>> {
-        let s = lines(path)?;
+        let s = jsonl(path)?;
         Ok((1..=STEPS)
             .map(|k| s.iter().filter(|l| l["step"].as_u64() == Some(k)).count())
             .collect())
@@ -181,7 +157,7 @@ fn a_lost_worker_moves_the_job_to_the_other_one() -> Result<()> {
         text.contains("died") && text.contains("restart 1/3"),
         "{text}"
     );
-    let steps: Vec<u64> = lines(&metrics_file)?
+    let steps: Vec<u64> = jsonl(&metrics_file)?
         .iter()
         .filter_map(|l| l["step"].as_u64())
         .collect();

@@ -16,9 +16,7 @@ use serde_json::Value;
 const SEGMENT: &str = "memfd:rlhf-collective";
 
 fn metrics(path: &Path) -> Result<Vec<Value>> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-    text.lines().map(|l| Ok(serde_json::from_str(l)?)).collect()
+    rlhf_e2e::jsonl(path)
 }
 
 fn shm_entries() -> Vec<String> {
