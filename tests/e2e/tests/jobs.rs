@@ -501,3 +501,68 @@ fn a_submitted_ppo_tiny_job_runs_to_success() -> Result<()> {
         .is_file());
     Ok(())
 }
+
+/// The head dies mid-job (SIGKILL) and comes back on the same state directory: the job's
+/// driver, the worker and the role processes go on without it, `job status` shows the job
+/// RUNNING again, and it ends SUCCEEDED with every step written.
+#[test]
+fn a_job_outlives_a_head_restart_and_ends_succeeded() -> Result<()> {
+    use nix::sys::signal::Signal;
+    let mut c = Cluster::start(&[])?;
+    c.add_worker(r#"{"CPU": 4}"#)?;
+    c.wait_alive_nodes(1, Duration::from_secs(30))?;
+    let repo = std::fs::canonicalize(Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."))?;
+    let out_dir = c.dir.path().join("job");
+    let metrics = out_dir.join("metrics.jsonl");
+    let out = Command::new(bin("rlhf-head"))
+        .args(["submit", "--config-name", "ppo_tiny"])
+        .args([
+            "training.train_iters=10".to_string(),
+            "checkpoint.save_steps=0".to_string(),
+            format!("checkpoint.dir={}", out_dir.join("ckpt").display()),
+            format!("logging.metrics_file={}", metrics.display()),
+            format!(
+                "logging.samples_file={}",
+                out_dir.join("samples.jsonl").display()
+            ),
+        ])
+        .args(["--address", &c.address(), "--connect-timeout", "5"])
+        .arg("--token-file")
+        .arg(c.token_file())
+        .current_dir(&repo)
+        .env_remove("RLHF_TOKEN")
+        .output()?;
+    let text = ok_stdout(&out, "submit")?;
+    let id = text
+        .split_whitespace()
+        .find(|w| w.starts_with("job-"))
+        .with_context(|| format!("no job id in: {text}"))?
+        .to_string();
+    let steps = || {
+        std::fs::read_to_string(&metrics)
+            .map(|t| t.lines().count())
+            .unwrap_or(0)
+    };
+    wait_for(Duration::from_secs(600), "the first steps", || {
+        Ok((steps() >= 2).then_some(()))
+    })?;
+    let head = c.head.as_mut().context("head")?;
+    head.signal(Signal::SIGKILL);
+    head.wait_exit(Duration::from_secs(5))?;
+    let during = steps();
+    std::thread::sleep(Duration::from_millis(500));
+    c.start_head()?;
+    let j = job_json(&c, &id)?;
+    assert_eq!(j["state"], "RUNNING", "{j}");
+    let end = wait_for(Duration::from_secs(900), "the job to end", || {
+        let j = job_json(&c, &id)?;
+        let done = matches!(
+            j["state"].as_str(),
+            Some("SUCCEEDED" | "FAILED" | "STOPPED")
+        );
+        Ok(done.then_some(j))
+    })?;
+    assert_eq!(end["state"], "SUCCEEDED", "{end}");
+    assert_eq!(steps(), 10, "steps before the head died: {during}");
+    Ok(())
+}

@@ -667,7 +667,12 @@ impl Jobs {
         let err_line = last_error_line(&log);
         // What the driver recorded beats what its log says; the log is the fallback for a
         // driver that died before writing it.
-        let failure = JobOutcome::read(&self.job_dir(id)).and_then(|o| o.failure);
+        let outcome = JobOutcome::read(&self.job_dir(id));
+        // A driver this head did not start (it outlived a head restart) has no exit status
+        // here; the outcome it recorded says whether it succeeded.
+        let recorded_success =
+            code.is_none() && sig == 0 && outcome.as_ref().is_some_and(|o| o.failure.is_none());
+        let failure = outcome.and_then(|o| o.failure);
         let res = self.update(id, |r| {
             r.end_ms = now;
             r.exit_code = code;
@@ -675,7 +680,7 @@ impl Jobs {
             if !r.stop_reason.is_empty() {
                 r.state = JobState::Stopped;
                 r.error = r.stop_reason.clone();
-            } else if code == Some(0) {
+            } else if code == Some(0) || recorded_success {
                 r.state = JobState::Succeeded;
             } else {
                 r.state = JobState::Failed;

@@ -497,7 +497,7 @@ async fn jobs_queue_first_in_first_out_and_a_queued_job_stops_without_starting()
 }
 
 #[tokio::test]
-async fn a_queued_job_survives_a_head_restart_and_starts_when_the_running_one_ends() {
+async fn queued_and_orphaned_jobs_survive_a_head_restart() {
     use std::os::unix::process::CommandExt;
     let dir = tempfile::tempdir().unwrap();
     // A driver of the previous head, still running (its job id on its command line), and a
@@ -507,7 +507,12 @@ async fn a_queued_job_survives_a_head_restart_and_starts_when_the_running_one_en
     let jd = dir.path().join("state/jobs").join(running);
     std::fs::create_dir_all(&jd).unwrap();
     let mut driver = std::process::Command::new("sh")
-        .args(["-c", "while [ ! -e go ]; do sleep 0.05; done", running])
+        .args([
+            "-c",
+            // It records its success, as a real driver does, then exits.
+            "while [ ! -e go ]; do sleep 0.05; done; echo '{\"failure\":null}' > outcome.json",
+            running,
+        ])
         .current_dir(&jd)
         .process_group(0)
         .spawn()
@@ -540,6 +545,9 @@ async fn a_queued_job_survives_a_head_restart_and_starts_when_the_running_one_en
     let q = j.get(queued).unwrap();
     assert_eq!(q.state, JobState::Succeeded, "{q:?}");
     assert!(q.pid > 0 && q.start_ms > 0);
+    // The driver of the previous head: no exit status here, its recorded outcome decides.
+    let r = j.get(running).unwrap();
+    assert_eq!((r.state, r.exit_code), (JobState::Succeeded, None), "{r:?}");
 }
 
 #[tokio::test]
