@@ -11,8 +11,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use nix::sys::signal::{self, Signal};
-use nix::unistd::Pid;
+use nix::sys::signal::Signal;
 use rlhf_core::{Error, JobFailure, JobOutcome, Result};
 use rlhf_proto::v1 as pb;
 use serde::{Deserialize, Serialize};
@@ -33,76 +32,9 @@ const ERROR_SCAN_BYTES: u64 = 64 * 1024;
 /// Recent ids listed when a job id is unknown.
 const RECENT_IDS: usize = 5;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum JobState {
-    /// Waiting for a running job to end (`JobsConfig::max_running`).
-    Queued,
-    Pending,
-    Running,
-    Succeeded,
-    Failed,
-    Stopped,
-}
-
-impl JobState {
-    pub fn ended(self) -> bool {
-        matches!(
-            self,
-            JobState::Succeeded | JobState::Failed | JobState::Stopped
-        )
-    }
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            JobState::Queued => "QUEUED",
-            JobState::Pending => "PENDING",
-            JobState::Running => "RUNNING",
-            JobState::Succeeded => "SUCCEEDED",
-            JobState::Failed => "FAILED",
-            JobState::Stopped => "STOPPED",
-        }
-    }
-
-    pub fn to_proto(self) -> pb::JobState {
-        match self {
-            JobState::Queued => pb::JobState::Queued,
-            JobState::Pending => pb::JobState::Pending,
-            JobState::Running => pb::JobState::Running,
-            JobState::Succeeded => pb::JobState::Succeeded,
-            JobState::Failed => pb::JobState::Failed,
-            JobState::Stopped => pb::JobState::Stopped,
-        }
-    }
-}
-
-/// The name of a protocol job state, as `rlhf-head` prints it.
-pub fn state_name(v: i32) -> &'static str {
-    match pb::JobState::try_from(v) {
-        Ok(pb::JobState::Queued) => "QUEUED",
-        Ok(pb::JobState::Pending) => "PENDING",
-        Ok(pb::JobState::Running) => "RUNNING",
-        Ok(pb::JobState::Succeeded) => "SUCCEEDED",
-        Ok(pb::JobState::Failed) => "FAILED",
-        Ok(pb::JobState::Stopped) => "STOPPED",
-        _ => "UNKNOWN",
-    }
-}
-
-/// A job's state as `rlhf-head` shows it: `QUEUED (position 2)` for a queued job.
-pub fn state_text(j: &pb::JobInfo) -> String {
-    match j.queue_position {
-        0 => state_name(j.state).to_string(),
-        p => format!("{} (position {p})", state_name(j.state)),
-    }
-}
-
-/// Whether a protocol job state is final.
-pub fn state_ended(v: i32) -> bool {
-    matches!(
-        pb::JobState::try_from(v),
-        Ok(pb::JobState::Succeeded | pb::JobState::Failed | pb::JobState::Stopped)
-    )
-}
+use super::job_driver::{driver_alive, last_nonempty_line, new_job_id, read_tail, signal_group};
+pub use super::job_driver::{fmt_utc_ms, last_error_line};
+pub use super::job_state::{state_ended, state_name, state_text, JobState};
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct JobRecord {
@@ -168,90 +100,6 @@ struct Inner {
 #[derive(Clone)]
 pub struct Jobs(Arc<Inner>);
 
-/// Formats milliseconds since the epoch as `YYYY-MM-DD HH:MM:SS` (UTC).
-pub fn fmt_utc_ms(ms: i64) -> String {
-    let (y, mo, d, h, mi, s) = utc_parts(ms);
-    format!("{y:04}-{mo:02}-{d:02} {h:02}:{mi:02}:{s:02}")
-}
-
-fn utc_parts(ms: i64) -> (i64, u32, u32, u32, u32, u32) {
-    let secs = ms.div_euclid(1000);
-    let days = secs.div_euclid(86_400);
-    let sod = secs.rem_euclid(86_400) as u32;
-    // Days since 1970-01-01 to a proleptic Gregorian date, counting eras of 400 years
-    // from 0000-03-01 so the leap day falls at the end of each year.
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    (y, m, d, sod / 3600, sod / 60 % 60, sod % 60)
-}
-
-fn new_job_id(now_ms: i64) -> String {
-    let (y, mo, d, h, mi, s) = utc_parts(now_ms);
-    let u = uuid::Uuid::new_v4().simple().to_string();
-    format!("job-{y:04}{mo:02}{d:02}-{h:02}{mi:02}{s:02}-{}", &u[..4])
-}
-
-/// The text after the last line of `log` that starts with `error:`.
-pub fn last_error_line(log: &str) -> Option<String> {
-    log.lines()
-        .rev()
-        .map(str::trim)
-        .find_map(|l| l.strip_prefix("error:"))
-        .map(|e| e.trim().to_string())
-}
-
-fn read_tail(path: &Path, bytes: u64) -> String {
-    let Ok(mut f) = std::fs::File::open(path) else {
-        return String::new();
-    };
-    let len = f.metadata().map(|m| m.len()).unwrap_or(0);
-    let _ = f.seek(SeekFrom::Start(len.saturating_sub(bytes)));
-    let mut buf = Vec::new();
-    let _ = f.read_to_end(&mut buf);
-    String::from_utf8_lossy(&buf).into_owned()
-}
-
-fn last_nonempty_line(path: &Path) -> Option<String> {
-    read_tail(path, 16 * 1024)
-        .lines()
-        .rev()
-        .map(str::trim)
-        .find(|l| !l.is_empty())
-        .map(str::to_string)
-}
-
-/// Whether `pid` is still the driver of `job_id` (not a process that reused the pid).
-fn driver_alive(pid: i32, job_id: &str) -> bool {
-    if pid <= 0 {
-        return false;
-    }
-    match std::fs::read(format!("/proc/{pid}/cmdline")) {
-        Ok(c) => {
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-            let zombie = stat
-                .rsplit(')')
-                .next()
-                .is_some_and(|r| r.trim_start().starts_with('Z'));
-            !zombie && String::from_utf8_lossy(&c).contains(job_id)
-        }
-        Err(_) => false,
-    }
-}
-
-fn signal_group(pid: i32, sig: Signal) {
-    if pid > 0 {
-        // The driver leads its own group, so this reaches the processes it started too.
-        let _ = signal::killpg(Pid::from_raw(pid), sig);
-    }
-}
-
 impl Jobs {
     /// Loads recorded jobs. A job recorded PENDING or RUNNING whose driver is gone failed
     /// with the head; one whose driver still runs is watched until it ends.
@@ -291,46 +139,6 @@ impl Jobs {
         me.prune();
         me.start_queued();
         Ok(me)
-    }
-
-    /// Removes ended jobs past `keep_for` or beyond the newest `keep_last`, with their
-    /// directories (config, log, outcome).
-    fn prune(&self) {
-        let now = self.0.clock.now_ms();
-        let ttl_ms = i64::try_from(self.0.cfg.keep_for.as_millis()).unwrap_or(i64::MAX);
-        let keep_last = self.0.cfg.keep_last;
-        let gone: Vec<String> = {
-            let mut jobs = crate::lock(&self.0.jobs);
-            let mut ended: Vec<&JobRecord> = jobs.values().filter(|j| j.state.ended()).collect();
-            ended.sort_by_key(|j| std::cmp::Reverse((j.end_ms, j.seq)));
-            let gone: Vec<String> = ended
-                .iter()
-                .enumerate()
-                .filter(|(i, j)| {
-                    (keep_last > 0 && *i >= keep_last)
-                        || (j.end_ms > 0 && now.saturating_sub(j.end_ms) > ttl_ms)
-                })
-                .map(|(_, j)| j.job_id.clone())
-                .collect();
-            for id in &gone {
-                jobs.remove(id);
-            }
-            gone
-        };
-        for id in &gone {
-            if let Some(st) = &self.0.store {
-                if let Err(e) = st.delete(store::JOBS, id) {
-                    tracing::warn!(job = %id, "removing an old job's record: {e}");
-                }
-            }
-            let dir = self.job_dir(id);
-            if let Err(e) = std::fs::remove_dir_all(&dir) {
-                if e.kind() != std::io::ErrorKind::NotFound {
-                    tracing::warn!(job = %id, "removing {}: {e}", dir.display());
-                }
-            }
-            tracing::info!(job = %id, "old job removed (--job-ttl / --jobs-kept)");
-        }
     }
 
     fn snapshot(&self) -> Vec<JobRecord> {
@@ -516,49 +324,6 @@ impl Jobs {
             return Ok(rec);
         }
         self.start(&id)
-    }
-
-    /// Whether `max_running` drivers run (or are being started) already.
-    fn full(&self, jobs: &BTreeMap<String, JobRecord>) -> bool {
-        let max = self.0.cfg.max_running;
-        let running = jobs
-            .values()
-            .filter(|j| matches!(j.state, JobState::Pending | JobState::Running))
-            .count();
-        max > 0 && running >= max
-    }
-
-    /// Queued jobs, first submitted first.
-    fn queue(jobs: &BTreeMap<String, JobRecord>) -> Vec<&JobRecord> {
-        let mut q: Vec<&JobRecord> = jobs
-            .values()
-            .filter(|j| j.state == JobState::Queued)
-            .collect();
-        q.sort_by(|a, b| (a.seq, a.submit_ms, &a.job_id).cmp(&(b.seq, b.submit_ms, &b.job_id)));
-        q
-    }
-
-    /// Starts queued jobs while there is room.
-    fn start_queued(&self) {
-        loop {
-            let next = {
-                let mut jobs = crate::lock(&self.0.jobs);
-                if self.full(&jobs) {
-                    return;
-                }
-                let Some(id) = Self::queue(&jobs).first().map(|j| j.job_id.clone()) else {
-                    return;
-                };
-                if let Some(r) = jobs.get_mut(&id) {
-                    r.state = JobState::Pending;
-                }
-                id
-            };
-            tracing::info!(job = %next, "starting the next queued job");
-            if let Err(e) = self.start(&next) {
-                tracing::error!(job = %next, "starting a queued job: {e}");
-            }
-        }
     }
 
     /// Starts the driver of a PENDING job: RUNNING, or FAILED when it cannot start.
@@ -814,6 +579,9 @@ impl Jobs {
         }
     }
 }
+
+#[path = "job_queue.rs"]
+mod queue;
 
 #[cfg(test)]
 #[path = "jobs_tests.rs"]

@@ -2,6 +2,8 @@
 //! all persisted under `--state-dir`. `start` builds and binds the service so the binary,
 //! the embedded mode and tests share it.
 
+mod job_driver;
+mod job_state;
 pub mod jobs;
 pub mod state;
 pub mod store;
