@@ -400,6 +400,51 @@ fn submit_ppo_tiny_then_stop_it() -> Result<()> {
     Ok(())
 }
 
+/// `rlhf-head submit` of ppo_tiny for `iters` steps (a checkpoint every `save_steps`) from the
+/// repository, every output under `out_dir`; returns the job id.
+fn submit_tiny(c: &Cluster, out_dir: &Path, iters: u32, save_steps: u32) -> Result<String> {
+    let repo = std::fs::canonicalize(Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."))?;
+    let out = Command::new(bin("rlhf-head"))
+        .args(["submit", "--config-name", "ppo_tiny"])
+        .args([
+            format!("training.train_iters={iters}"),
+            format!("checkpoint.save_steps={save_steps}"),
+            format!("checkpoint.dir={}", out_dir.join("ckpt").display()),
+            format!(
+                "logging.metrics_file={}",
+                out_dir.join("metrics.jsonl").display()
+            ),
+            format!(
+                "logging.samples_file={}",
+                out_dir.join("samples.jsonl").display()
+            ),
+        ])
+        .args(["--address", &c.address(), "--connect-timeout", "5"])
+        .arg("--token-file")
+        .arg(c.token_file())
+        .current_dir(&repo)
+        .env_remove("RLHF_TOKEN")
+        .output()?;
+    let text = ok_stdout(&out, "submit")?;
+    Ok(text
+        .split_whitespace()
+        .find(|w| w.starts_with("job-"))
+        .with_context(|| format!("no job id in: {text}"))?
+        .to_string())
+}
+
+/// `job status --format json` of job `id` once it has ended.
+fn wait_job_end(c: &Cluster, id: &str) -> Result<Value> {
+    wait_for(Duration::from_secs(900), "the job to end", || {
+        let j = job_json(c, id)?;
+        let done = matches!(
+            j["state"].as_str(),
+            Some("SUCCEEDED" | "FAILED" | "STOPPED")
+        );
+        Ok(done.then_some(j))
+    })
+}
+
 /// What every submitted job runs (`rlhf-head run --bundle --job-id` started by the head) run
 /// to success: ppo_tiny submitted to a head with a real worker ends SUCCEEDED, with its
 /// metrics (one line per step) and a complete checkpoint written. A second job submitted
@@ -410,54 +455,14 @@ fn a_submitted_ppo_tiny_job_runs_to_success() -> Result<()> {
     let mut c = Cluster::start(&[])?;
     c.add_worker(r#"{"CPU": 4}"#)?;
     c.wait_alive_nodes(1, Duration::from_secs(30))?;
-    let repo = std::fs::canonicalize(Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."))?;
-    let submit = |out_dir: &Path| -> Result<String> {
-        let out = Command::new(bin("rlhf-head"))
-            .args(["submit", "--config-name", "ppo_tiny"])
-            .args([
-                "training.train_iters=2".to_string(),
-                "checkpoint.save_steps=2".to_string(),
-                format!("checkpoint.dir={}", out_dir.join("ckpt").display()),
-                format!(
-                    "logging.metrics_file={}",
-                    out_dir.join("metrics.jsonl").display()
-                ),
-                format!(
-                    "logging.samples_file={}",
-                    out_dir.join("samples.jsonl").display()
-                ),
-            ])
-            .args(["--address", &c.address(), "--connect-timeout", "5"])
-            .arg("--token-file")
-            .arg(c.token_file())
-            .current_dir(&repo)
-            .env_remove("RLHF_TOKEN")
-            .output()?;
-        let text = ok_stdout(&out, "submit")?;
-        Ok(text
-            .split_whitespace()
-            .find(|w| w.starts_with("job-"))
-            .with_context(|| format!("no job id in: {text}"))?
-            .to_string())
-    };
     let out_dir = c.dir.path().join("job");
-    let id = submit(&out_dir)?;
+    let id = submit_tiny(&c, &out_dir, 2, 2)?;
     let second_dir = c.dir.path().join("second");
-    let second = submit(&second_dir)?;
+    let second = submit_tiny(&c, &second_dir, 2, 2)?;
     let q = job_json(&c, &second)?;
     assert_eq!(q["state"], "QUEUED", "{q}");
     assert_eq!(q["queue_position"].as_u64(), Some(1), "{q}");
-    let ended = |id: &str| {
-        wait_for(Duration::from_secs(900), "the job to end", || {
-            let j = job_json(&c, id)?;
-            let done = matches!(
-                j["state"].as_str(),
-                Some("SUCCEEDED" | "FAILED" | "STOPPED")
-            );
-            Ok(done.then_some(j))
-        })
-    };
-    let end = ended(&id)?;
+    let end = wait_job_end(&c, &id)?;
     let log = std::fs::read_to_string(c.state_dir().join("jobs").join(&id).join("driver.log"))
         .unwrap_or_default();
     assert_eq!(end["state"], "SUCCEEDED", "{end}\ndriver log:\n{log}");
@@ -490,7 +495,7 @@ fn a_submitted_ppo_tiny_job_runs_to_success() -> Result<()> {
     let latest = std::fs::read_to_string(out_dir.join("ckpt/latest_checkpointed_iteration.txt"))?;
     assert_eq!(latest.trim(), "2");
 
-    let end2 = ended(&second)?;
+    let end2 = wait_job_end(&c, &second)?;
     assert_eq!(end2["state"], "SUCCEEDED", "{end2}");
     assert!(
         end2["start_ms"].as_i64() >= end["end_ms"].as_i64(),
@@ -511,33 +516,9 @@ fn a_job_outlives_a_head_restart_and_ends_succeeded() -> Result<()> {
     let mut c = Cluster::start(&[])?;
     c.add_worker(r#"{"CPU": 4}"#)?;
     c.wait_alive_nodes(1, Duration::from_secs(30))?;
-    let repo = std::fs::canonicalize(Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."))?;
     let out_dir = c.dir.path().join("job");
     let metrics = out_dir.join("metrics.jsonl");
-    let out = Command::new(bin("rlhf-head"))
-        .args(["submit", "--config-name", "ppo_tiny"])
-        .args([
-            "training.train_iters=10".to_string(),
-            "checkpoint.save_steps=0".to_string(),
-            format!("checkpoint.dir={}", out_dir.join("ckpt").display()),
-            format!("logging.metrics_file={}", metrics.display()),
-            format!(
-                "logging.samples_file={}",
-                out_dir.join("samples.jsonl").display()
-            ),
-        ])
-        .args(["--address", &c.address(), "--connect-timeout", "5"])
-        .arg("--token-file")
-        .arg(c.token_file())
-        .current_dir(&repo)
-        .env_remove("RLHF_TOKEN")
-        .output()?;
-    let text = ok_stdout(&out, "submit")?;
-    let id = text
-        .split_whitespace()
-        .find(|w| w.starts_with("job-"))
-        .with_context(|| format!("no job id in: {text}"))?
-        .to_string();
+    let id = submit_tiny(&c, &out_dir, 10, 0)?;
     let steps = || {
         std::fs::read_to_string(&metrics)
             .map(|t| t.lines().count())
@@ -554,14 +535,7 @@ fn a_job_outlives_a_head_restart_and_ends_succeeded() -> Result<()> {
     c.start_head()?;
     let j = job_json(&c, &id)?;
     assert_eq!(j["state"], "RUNNING", "{j}");
-    let end = wait_for(Duration::from_secs(900), "the job to end", || {
-        let j = job_json(&c, &id)?;
-        let done = matches!(
-            j["state"].as_str(),
-            Some("SUCCEEDED" | "FAILED" | "STOPPED")
-        );
-        Ok(done.then_some(j))
-    })?;
+    let end = wait_job_end(&c, &id)?;
     assert_eq!(end["state"], "SUCCEEDED", "{end}");
     assert_eq!(steps(), 10, "steps before the head died: {during}");
     Ok(())
