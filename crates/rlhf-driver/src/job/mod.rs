@@ -271,12 +271,12 @@ impl Loop<'_> {
         let cfg = self.cfg;
         let max_staleness = u64::from(cfg.actor_rollout.async_.max_staleness);
         let mut step = start_step;
+        // A batch takes at most a generation and a log-prob pass (each within the call
+        // timeout) after the lane gets the weights it waits for.
+        let lane_deadline = self.opts.call_timeout * 3;
         let mut last_end = Instant::now();
         while step < total {
             step += 1;
-            // A batch takes at most a generation and a log-prob pass (each within the call
-            // timeout) after the lane gets the weights it waits for.
-            let lane_deadline = self.opts.call_timeout * 3;
             let (ro, waited) = timed(lanes.next_batch(step, lane_deadline)).await;
             let mut ro = ro?;
             let admitted = pipeline::admit(&mut ro, step, max_staleness)?;
@@ -296,7 +296,7 @@ impl Loop<'_> {
             metrics.insert(metric::EPOCH.into(), cursor.epoch as f64);
             let stopping = self.opts.stop_after.is_some_and(|n| step - start_step >= n);
             let mut synced = sync::Synced::default();
-            if schedule.is_sync_point(step) && step < total {
+            if schedule.syncs_after(step, total) {
                 lanes.await_want(step, lane_deadline).await?;
                 synced = self.sync_weights(step).await?;
                 // The lane is gone only when it failed; its error comes with the next batch.

@@ -52,6 +52,13 @@ impl Schedule {
         s > 0 && s.is_multiple_of(self.every)
     }
 
+    /// Whether the loop syncs the weights after step `s` of a run of `total` steps: the one
+    /// rule both lanes follow (a sync the other side does not expect would never happen).
+    /// None after the last step: no batch is sampled with those weights.
+    pub fn syncs_after(self, s: u64, total: u64) -> bool {
+        self.is_sync_point(s) && s < total
+    }
+
     /// The first sync point after version `v`.
     pub fn next_sync_after(self, v: u64) -> u64 {
         (v / self.every + 1) * self.every
@@ -233,7 +240,7 @@ async fn lane(
         ro.probe = match &ro.behaviour {
             None => Probe::None,
             Some((_, v)) if v.iter().all(|&v| v + 1 == b) => Probe::Behaviour,
-            Some(_) if schedule.is_sync_point(b - 1) && b - 1 > held => {
+            Some(_) if schedule.syncs_after(b - 1, total) && b - 1 > held => {
                 let (tx, rx) = oneshot::channel();
                 probes.insert(b, (tx, ro.seq.clone()));
                 Probe::Pending(rx)
@@ -246,7 +253,9 @@ async fn lane(
     }
     loop {
         let s = schedule.next_sync_after(held);
-        if s >= total || sync_round(src, &mut end, s, &mut probes).await.is_none() {
+        if !schedule.syncs_after(s, total)
+            || sync_round(src, &mut end, s, &mut probes).await.is_none()
+        {
             return;
         }
         held = s;
@@ -294,7 +303,8 @@ mod tests {
     /// Lag of every step's batch and the steps after which weights move, for 12 steps.
     fn lags(s: Schedule) -> (Vec<u64>, Vec<u64>) {
         let lag = (1..=12).map(|b| (b - 1) - s.version_for(b)).collect();
-        let syncs = (1..12).filter(|&x| s.is_sync_point(x)).collect();
+        // Step 12 is the last: nothing syncs after it.
+        let syncs = (1..=12).filter(|&x| s.syncs_after(x, 12)).collect();
         (lag, syncs)
     }
 
