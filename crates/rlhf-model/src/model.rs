@@ -8,10 +8,11 @@ use serde_json::{json, Value};
 use crate::config::Config;
 use crate::error::{read_json, Error, Result};
 use crate::gen_config::GenerationConfig;
+pub use crate::image::ModelImage;
 pub use crate::load::{Batch, LoadOptions, ModelKind, ValueHeadInit};
 use crate::ops;
 use crate::transformer::{Kernels, KvCache, Linear, Transformer};
-use crate::weights::{save_safetensors, Init, ParamBuilder, ParamStore, WeightFiles};
+use crate::weights::{Init, ParamBuilder, ParamStore, WeightFiles};
 
 #[derive(Debug, Clone)]
 enum Head {
@@ -517,8 +518,13 @@ impl Model {
     /// Saves an HF directory: config.json, model.safetensors, generation_config.json and, when
     /// `tokenizer_dir` is given, its tokenizer files.
     pub fn save(&self, dir: impl AsRef<Path>, tokenizer_dir: Option<&Path>) -> Result<()> {
-        let dir = dir.as_ref();
-        std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+        self.image(tokenizer_dir)?.write(dir.as_ref())
+    }
+
+    /// What [`Model::save`] writes, captured now: the tensors are copied, so the image does
+    /// not follow later optimizer steps and can be written by another thread while training
+    /// goes on.
+    pub fn image(&self, tokenizer_dir: Option<&Path>) -> Result<ModelImage> {
         let dtype_name = match self.dtype() {
             DType::F16 => "float16",
             DType::BF16 => "bfloat16",
@@ -543,21 +549,20 @@ impl Model {
                 extra.push(("pad_token_id", json!(pad)));
             }
         }
-        let config = self.config.to_json(&self.architecture(), &extra);
-        write_json(&dir.join("config.json"), &config)?;
-        save_safetensors(
-            &self.named_tensors(),
-            &dir.join(crate::weights::SAFETENSORS_FILE),
-        )?;
-        let gen = match &self.generation_raw {
-            Some(v) => v.clone(),
-            None => self.generation.to_hf_json(),
-        };
-        write_json(&dir.join("generation_config.json"), &gen)?;
-        if let Some(src) = tokenizer_dir {
-            crate::tokenizer::copy_tokenizer_files(src, dir)?;
-        }
-        Ok(())
+        let tensors = self
+            .named_tensors()
+            .into_iter()
+            .map(|(n, t)| Ok((n, t.copy()?)))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(ModelImage {
+            config: self.config.to_json(&self.architecture(), &extra),
+            generation: match &self.generation_raw {
+                Some(v) => v.clone(),
+                None => self.generation.to_hf_json(),
+            },
+            tensors,
+            tokenizer_dir: tokenizer_dir.map(Path::to_path_buf),
+        })
     }
 }
 

@@ -347,7 +347,8 @@ impl AdamW {
     }
 
     /// Optimizer state as named tensors (`exp_avg.NAME`, `exp_avg_sq.NAME`) plus the step
-    /// count, for checkpoints.
+    /// count, for checkpoints. A snapshot: host moments are copied, and device moments are
+    /// replaced by every step, never written in place.
     pub fn state(&self) -> Result<(Vec<(String, Tensor)>, usize)> {
         let mut out = Vec::with_capacity(self.slots.len() * 2);
         for s in &self.slots {
@@ -367,8 +368,18 @@ impl AdamW {
     /// Writes the optimizer state (moments and step) to a safetensors file, for resuming.
     pub fn save(&self, path: &std::path::Path) -> Result<()> {
         let (tensors, step) = self.state()?;
+        Self::write_state(&tensors, step, path)
+    }
+
+    /// Writes a state taken by [`AdamW::state`] (a copy: it can be written by another thread
+    /// while this optimizer steps on), in [`AdamW::save`]'s format.
+    pub fn write_state(
+        tensors: &[(String, Tensor)],
+        step: usize,
+        path: &std::path::Path,
+    ) -> Result<()> {
         crate::weights::save_safetensors_with_metadata(
-            &tensors,
+            tensors,
             &[
                 ("step", step.to_string()),
                 ("optimizer", "adamw".to_string()),

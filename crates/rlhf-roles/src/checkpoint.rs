@@ -2,10 +2,13 @@
 //! `role_state.json` (scheduler position, weights version) and `manifest.json` (every file's
 //! size and content hash). It is written beside the target and moved into place in one
 //! rename once every file is on disk (`rlhf_core::durable`), and verified against its
-//! manifest before anything is loaded.
+//! manifest before anything is loaded. Saving is two parts: [`capture`] copies the state
+//! out on the compute thread, [`Image::write`] writes it, in the background when the driver
+//! asks for it (`crate::saves`).
 
 use std::path::Path;
 
+use candle_core::Tensor;
 use rlhf_core::durable;
 use rlhf_model::Model;
 use serde::{Deserialize, Serialize};
@@ -25,38 +28,62 @@ pub struct RoleState {
 pub const OPTIMIZER_FILE: &str = "optimizer.safetensors";
 pub const ROLE_STATE_FILE: &str = "role_state.json";
 
-/// Writes an HF model directory plus the optimizer state and `role_state.json`.
-pub fn save(
+/// A trainable engine's checkpoint captured at one instant ([`capture`]): copies, so another
+/// thread can write it ([`Image::write`]) while the engine trains on.
+pub struct Image {
+    model: rlhf_model::ModelImage,
+    optim: (Vec<(String, Tensor)>, usize),
+    state: RoleState,
+}
+
+/// Copies the weights, the optimizer state and the role state out of the engine.
+pub fn capture(
     model: &Model,
     optim: &Optim,
-    state: &RoleState,
-    dir: &Path,
+    state: RoleState,
     tokenizer_dir: Option<&Path>,
-) -> Result<Vec<String>> {
+) -> Result<Image> {
     let tok = tokenizer_dir.filter(|d| d.join("tokenizer.json").is_file());
-    let staging = durable::staging_dir(dir);
-    if staging.exists() {
-        // What an interrupted save left behind.
-        std::fs::remove_dir_all(&staging)
-            .map_err(|e| Error::internal(format!("removing {}: {e}", staging.display())))?;
+    Ok(Image {
+        model: model.image(tok).ctx("copying the weights out")?,
+        optim: optim.opt.state().ctx("copying the optimizer state out")?,
+        state,
+    })
+}
+
+impl Image {
+    /// The weights' checksum, as [`crate::weights::weights_checksum`] computes it on the
+    /// live model at the instant of the capture.
+    pub fn checksum(&self) -> Result<u64> {
+        crate::weights::tensors_checksum(&self.model.tensors)
     }
-    model
-        .save(&staging, tok)
-        .with_ctx(|| format!("saving the model to {}", staging.display()))?;
-    optim
-        .opt
-        .save(&staging.join(OPTIMIZER_FILE))
-        .with_ctx(|| format!("saving the optimizer state to {}", staging.display()))?;
-    let text = serde_json::to_string_pretty(state)
-        .map_err(|e| Error::internal(format!("encoding role_state.json: {e}")))?;
-    let path = staging.join(ROLE_STATE_FILE);
-    std::fs::write(&path, text + "\n")
-        .map_err(|e| Error::internal(format!("writing {}: {e}", path.display())))?;
-    let manifest = durable::publish_dir(dir)?;
-    let mut files: Vec<String> = manifest.files.into_keys().collect();
-    files.push(durable::MANIFEST_FILE.to_string());
-    files.sort();
-    Ok(files)
+
+    /// Writes an HF model directory plus the optimizer state and `role_state.json`, beside
+    /// `dir` first and then moved into place; returns the files written.
+    pub fn write(&self, dir: &Path) -> Result<Vec<String>> {
+        let staging = durable::staging_dir(dir);
+        if staging.exists() {
+            // What an interrupted save left behind.
+            std::fs::remove_dir_all(&staging)
+                .map_err(|e| Error::internal(format!("removing {}: {e}", staging.display())))?;
+        }
+        self.model
+            .write(&staging)
+            .with_ctx(|| format!("saving the model to {}", staging.display()))?;
+        let (tensors, step) = &self.optim;
+        rlhf_model::AdamW::write_state(tensors, *step, &staging.join(OPTIMIZER_FILE))
+            .with_ctx(|| format!("saving the optimizer state to {}", staging.display()))?;
+        let text = serde_json::to_string_pretty(&self.state)
+            .map_err(|e| Error::internal(format!("encoding role_state.json: {e}")))?;
+        let path = staging.join(ROLE_STATE_FILE);
+        std::fs::write(&path, text + "\n")
+            .map_err(|e| Error::internal(format!("writing {}: {e}", path.display())))?;
+        let manifest = durable::publish_dir(dir)?;
+        let mut files: Vec<String> = manifest.files.into_keys().collect();
+        files.push(durable::MANIFEST_FILE.to_string());
+        files.sort();
+        Ok(files)
+    }
 }
 
 /// Loads weights (into the existing parameters, so the optimizer keeps its variables),

@@ -465,11 +465,11 @@ impl RoleHost {
             })
     }
 
-    pub fn save_checkpoint(&mut self, dir: &str) -> Result<Vec<String>> {
+    /// The trainable engine's checkpoint, copied out for a writer thread.
+    pub fn capture_checkpoint(&mut self) -> Result<crate::checkpoint::Image> {
         let label = self.label();
-        let dir = checkpoint_dir(dir)?;
         self.trainable("SaveCheckpoint")?
-            .save_checkpoint(dir)
+            .capture_checkpoint()
             .with_ctx(|| format!("{label} SaveCheckpoint"))
     }
 
@@ -482,7 +482,7 @@ impl RoleHost {
     }
 }
 
-fn checkpoint_dir(dir: &str) -> Result<&Path> {
+pub(crate) fn checkpoint_dir(dir: &str) -> Result<&Path> {
     if dir.is_empty() {
         return Err(Error::invalid("checkpoint dir is empty"));
     }

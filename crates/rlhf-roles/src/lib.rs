@@ -19,6 +19,7 @@ pub mod error;
 pub mod host;
 pub mod policy;
 pub mod reward;
+pub mod saves;
 pub mod server;
 pub mod train;
 pub mod weights;

@@ -11,6 +11,7 @@
 
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
+use std::time::Duration;
 
 use rlhf_core::batch::{encode, to_chunks, Assembler, DataBatch, CHUNK_BYTES};
 use rlhf_proto::v1 as pb;
@@ -24,6 +25,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::host::{BatchCall, RoleHost};
+use crate::saves::Saves;
 
 type Job = Box<dyn FnOnce(&mut RoleHost) + Send>;
 
@@ -91,13 +93,17 @@ impl Compute {
 /// The tonic service: a thin adapter over [`RoleHost`].
 pub struct RoleServer {
     compute: Compute,
+    saves: Saves,
 }
 
 type ChunkStream = Pin<Box<dyn futures::Stream<Item = Result<pb::BatchChunk, Status>> + Send>>;
 
 impl RoleServer {
     pub fn new(compute: Compute) -> Self {
-        Self { compute }
+        Self {
+            compute,
+            saves: Saves::default(),
+        }
     }
 
     async fn batch(
@@ -228,9 +234,31 @@ impl RoleService for RoleServer {
         &self,
         req: Request<pb::SaveCheckpointRequest>,
     ) -> Result<Response<pb::SaveCheckpointResponse>, Status> {
-        let dir = req.into_inner().dir;
-        let files = self.compute.run(move |a| a.save_checkpoint(&dir)).await?;
-        Ok(Response::new(pb::SaveCheckpointResponse { files }))
+        let req = req.into_inner();
+        crate::host::checkpoint_dir(&req.dir).map_err(Status::from)?;
+        let image = self.compute.run(|a| a.capture_checkpoint()).await?;
+        if req.background {
+            self.saves.start(req.dir, image).await;
+            return Ok(Response::new(pb::SaveCheckpointResponse::default()));
+        }
+        let saved = self.saves.write_now(req.dir, image).await?;
+        Ok(Response::new(pb::SaveCheckpointResponse {
+            files: saved.files,
+            weights_checksum: saved.checksum,
+        }))
+    }
+
+    async fn wait_checkpoint(
+        &self,
+        req: Request<pb::WaitCheckpointRequest>,
+    ) -> Result<Response<pb::SaveCheckpointResponse>, Status> {
+        let req = req.into_inner();
+        let timeout = (req.timeout_ms > 0).then(|| Duration::from_millis(req.timeout_ms));
+        let saved = self.saves.wait(&req.dir, timeout).await?;
+        Ok(Response::new(pb::SaveCheckpointResponse {
+            files: saved.files,
+            weights_checksum: saved.checksum,
+        }))
     }
 
     async fn load_checkpoint(

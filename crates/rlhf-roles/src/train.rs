@@ -258,17 +258,17 @@ impl TrainState {
         crate::weights::weights_checksum(&self.model)
     }
 
-    pub fn save_checkpoint(&self, dir: &Path) -> Result<Vec<String>> {
+    /// Copies the checkpoint out; [`checkpoint::Image::write`] writes it.
+    pub fn capture_checkpoint(&self) -> Result<checkpoint::Image> {
         let state = RoleState {
             role: self.who.role,
             scheduler_step: self.optim.steps() as u64,
             weights_version: self.version,
         };
-        checkpoint::save(
+        checkpoint::capture(
             &self.model,
             &self.optim,
-            &state,
-            dir,
+            state,
             self.tokenizer_dir.as_deref(),
         )
     }

@@ -18,10 +18,14 @@ pub struct HostParam {
 
 /// The model's parameters as host f32, in parameter order.
 pub fn host_params(model: &Model) -> Result<Vec<HostParam>> {
-    model
-        .named_tensors()
-        .into_iter()
+    to_host(&model.named_tensors())
+}
+
+fn to_host(tensors: &[(String, Tensor)]) -> Result<Vec<HostParam>> {
+    tensors
+        .iter()
         .map(|(name, t)| {
+            let name = name.clone();
             let shape = t.dims().to_vec();
             let data = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
             Ok(HostParam { name, shape, data })
@@ -38,7 +42,12 @@ fn views(params: &[HostParam]) -> Result<Vec<Param<'_>>> {
 
 /// `rlhf_collective::checksum` over the model's parameters.
 pub fn weights_checksum(model: &Model) -> Result<u64> {
-    let params = host_params(model)?;
+    tensors_checksum(&model.named_tensors())
+}
+
+/// The same checksum over named tensors in parameter order (a checkpoint's copy).
+pub fn tensors_checksum(tensors: &[(String, Tensor)]) -> Result<u64> {
+    let params = to_host(tensors)?;
     Ok(checksum(&views(&params)?))
 }
 

@@ -394,33 +394,65 @@ async fn update_and_sync_weights_over_grpc() {
 
     let dir = tempfile::tempdir().unwrap();
     let ckpt = dir.path().join("step1").display().to_string();
-    let files = t
-        .save_checkpoint(pb::SaveCheckpointRequest { dir: ckpt.clone() })
+    let saved = t
+        .save_checkpoint(pb::SaveCheckpointRequest {
+            dir: ckpt.clone(),
+            background: false,
+        })
         .await
         .unwrap()
-        .into_inner()
-        .files;
+        .into_inner();
+    assert_eq!(saved.weights_checksum, a.checksum);
+    let files = saved.files;
     assert!(
         files.contains(&"optimizer.safetensors".to_string()),
         "{files:?}"
     );
     assert!(files.contains(&"tokenizer.json".to_string()), "{files:?}");
-    let t2_addr = start("actor_rollout", &shutdown).await;
-    let mut t2 = client(&t2_addr, TOKEN).await;
-    t2.init_role(init("actor_rollout", "train")).await.unwrap();
-    let loaded = t2
-        .load_checkpoint(pb::LoadCheckpointRequest { dir: ckpt })
+    // In the background: the answer comes before the files; WaitCheckpoint tells when
+    // they are on disk and what they hold.
+    let bg = dir.path().join("step1-bg").display().to_string();
+    let started = t
+        .save_checkpoint(pb::SaveCheckpointRequest {
+            dir: bg.clone(),
+            background: true,
+        })
         .await
         .unwrap()
         .into_inner();
-    assert_eq!(loaded.weights_checksum, a.checksum);
+    assert!(started.files.is_empty(), "{started:?}");
+    let wait = |dir: &str| pb::WaitCheckpointRequest {
+        dir: dir.to_string(),
+        timeout_ms: 60_000,
+    };
+    let err = t.wait_checkpoint(wait(&ckpt)).await.unwrap_err();
+    assert!(
+        err.message().contains("no checkpoint save to") && err.message().contains("step1-bg"),
+        "{err}"
+    );
+    let done = t.wait_checkpoint(wait(&bg)).await.unwrap().into_inner();
+    assert_eq!((done.weights_checksum, done.files), (a.checksum, files));
+    let t2_addr = start("actor_rollout", &shutdown).await;
+    let mut t2 = client(&t2_addr, TOKEN).await;
+    t2.init_role(init("actor_rollout", "train")).await.unwrap();
+    for d in [ckpt, bg.clone()] {
+        let loaded = t2
+            .load_checkpoint(pb::LoadCheckpointRequest { dir: d })
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(loaded.weights_checksum, a.checksum);
+    }
     let err = g
         .save_checkpoint(pb::SaveCheckpointRequest {
             dir: "/tmp/x".into(),
+            background: true,
         })
         .await
         .unwrap_err();
     assert!(err.message().contains("trainable roles"), "{err}");
+    let err = t2.wait_checkpoint(wait(&bg)).await.unwrap_err();
+    assert!(err.message().contains("call SaveCheckpoint first"), "{err}");
     shutdown.cancel();
 }
 

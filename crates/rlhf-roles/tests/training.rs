@@ -192,6 +192,51 @@ fn every_parameter_of_actor_and_critic_learns_and_nan_is_named() {
     );
 }
 
+/// A background save writes what was captured, not what the weights became while it wrote:
+/// the capture is taken, two more updates change weights and moments, and the files still
+/// hold the captured state (the one a resume must continue from).
+#[test]
+fn captured_checkpoint_is_a_snapshot() {
+    let cfg = config();
+    let seqs = sequences(&LENS, 22);
+    let mut a = trainer(&cfg, 0, 1);
+    let batch = actor_batch(&seqs, &log_probs(&a, &seqs), 2);
+    a.upd(&mut single(), &batch).unwrap();
+    let at_capture = a.state.checksum().unwrap();
+    let (opt_at_capture, _) = a.state.optim.opt.state().unwrap();
+    let opt_at_capture: Vec<Vec<f32>> = opt_at_capture
+        .iter()
+        .map(|(_, t)| t.flatten_all().unwrap().to_vec1::<f32>().unwrap())
+        .collect();
+    let image = a.state.capture_checkpoint().unwrap();
+    for step in 2..4 {
+        let mut bb = batch.clone();
+        bb.meta.insert("step".into(), serde_json::json!(step));
+        a.upd(&mut single(), &bb).unwrap();
+    }
+    assert_ne!(
+        a.state.checksum().unwrap(),
+        at_capture,
+        "the updates changed nothing"
+    );
+    assert_eq!(image.checksum().unwrap(), at_capture);
+    let dir = tempfile::tempdir().unwrap();
+    image.write(dir.path()).unwrap();
+    let mut b = trainer(&cfg, 0, 1);
+    assert_eq!(b.state.load_checkpoint(dir.path()).unwrap(), at_capture);
+    assert_eq!(b.state.optim.steps(), 1);
+    let (opt, _) = b.state.optim.opt.state().unwrap();
+    for ((name, t), want) in opt.iter().zip(&opt_at_capture) {
+        let got = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert!(
+            got.iter()
+                .zip(want)
+                .all(|(p, q)| p.to_bits() == q.to_bits()),
+            "{name}: the saved moments moved with the later updates"
+        );
+    }
+}
+
 #[test]
 fn checkpoint_round_trip_resumes_bit_identically() {
     let cfg = config();
@@ -200,7 +245,12 @@ fn checkpoint_round_trip_resumes_bit_identically() {
     let batch = actor_batch(&seqs, &log_probs(&a, &seqs), 2);
     a.upd(&mut single(), &batch).unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let files = a.state.save_checkpoint(dir.path()).unwrap();
+    let files = a
+        .state
+        .capture_checkpoint()
+        .unwrap()
+        .write(dir.path())
+        .unwrap();
     for f in [
         "config.json",
         "model.safetensors",

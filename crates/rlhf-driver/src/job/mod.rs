@@ -129,6 +129,15 @@ enum Failed {
     Other(Error),
 }
 
+impl std::fmt::Display for Failed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Failed::Call(e) => e.fmt(f),
+            Failed::Other(e) => e.fmt(f),
+        }
+    }
+}
+
 impl From<CallError> for Failed {
     fn from(e: CallError) -> Self {
         Failed::Call(e)
@@ -305,8 +314,11 @@ impl Loop<'_> {
             metrics.insert(metric::TIMING_S_SYNC_WEIGHTS.into(), synced.secs);
             metrics.insert(metric::PERF_WEIGHT_SYNC_S.into(), synced.secs);
             metrics.insert(metric::PERF_WEIGHT_SYNC_BYTES.into(), synced.bytes as f64);
-            // Wall time from the previous step's end: in async modes generation overlaps.
-            let elapsed = last_end.elapsed().as_secs_f64();
+            // Wall time from the previous step's end, its checkpoint and report included: in
+            // async modes generation overlaps.
+            let now = Instant::now();
+            let elapsed = (now - last_end).as_secs_f64();
+            last_end = now;
             metrics.insert(metric::TIMING_S_STEP.into(), elapsed);
             metrics.insert(
                 metric::PERF_THROUGHPUT.into(),
@@ -315,7 +327,10 @@ impl Loop<'_> {
             let t0 = Instant::now();
             let save_steps = cfg.checkpoint.save_steps;
             if save_steps > 0 && (step.is_multiple_of(save_steps) || step == total || stopping) {
-                carry.last_checkpoint = Some(self.save(step, algo, cursor).await?);
+                // One checkpoint in flight: the previous one is committed first.
+                carry.settle().await?;
+                carry.pending = Some(self.start_save(step, algo, cursor).await?);
+                // The time the step waited for it (the files are written during the next step).
                 metrics.insert(
                     metric::TIMING_S_CHECKPOINT.into(),
                     t0.elapsed().as_secs_f64(),
@@ -331,7 +346,6 @@ impl Loop<'_> {
                 samples: samples_due.then_some(samples.as_slice()),
             })?;
             carry.history.push((step, metrics));
-            last_end = Instant::now();
             if stopping {
                 self.report.report(&Event::Stopped {
                     steps_run: step - start_step,
@@ -339,6 +353,8 @@ impl Loop<'_> {
                 break;
             }
         }
+        // The last checkpoint is on disk before the run counts as done.
+        carry.settle().await?;
         Ok(step)
     }
 }

@@ -21,13 +21,25 @@ use crate::report::{DatasetReport, Event, Reporter, Reporters};
 
 use super::algorithm::{self, Algorithm};
 use super::ppo::Ppo;
-use super::{rollout, sync, tokenizer_dir, DriverOptions, Failed, JobSummary, Loop, RunError};
+use super::{rollout, sync, tokenizer_dir, DriverOptions, Failed, JobSummary, Loop, Res, RunError};
 
 /// What outlives one attempt: every step's metrics and the newest checkpoint written.
 #[derive(Default)]
 pub(super) struct Carry {
     pub history: Vec<(u64, BTreeMap<String, f64>)>,
     pub last_checkpoint: Option<PathBuf>,
+    /// The checkpoint being written in the background, if any.
+    pub pending: Option<sync::PendingSave>,
+}
+
+impl Carry {
+    /// Waits for the checkpoint being written and records it as the newest.
+    pub async fn settle(&mut self) -> Res<()> {
+        if let Some(p) = self.pending.take() {
+            self.last_checkpoint = Some(p.finish().await?);
+        }
+        Ok(())
+    }
 }
 
 /// The job's inputs that do not change between attempts.
@@ -233,6 +245,18 @@ async fn attempt(
         r = ctx.drive(&mut algo, &mut src, start_step, total, resumed, carry) => r,
         _ = shutdown.cancelled() => Err(Failed::Other(Error::new(FailureKind::Unavailable, "stopped by a signal; continue with --resume latest"))),
     };
+    if result.is_err() {
+        // A checkpoint still being written by live trainers is the newest to restart from:
+        // it gets the call timeout to finish before the roles are stopped; else the previous one.
+        match tokio::time::timeout(opts.call_timeout, carry.settle()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!("the checkpoint in flight is lost: {e}"),
+            Err(_) => {
+                carry.pending = None;
+                tracing::warn!("the checkpoint in flight did not finish in time; it is dropped")
+            }
+        }
+    }
     let result = match result {
         Ok(step) => Ok(step),
         Err(Failed::Call(e)) => {

@@ -4,6 +4,7 @@
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use rlhf_config::data::DataCursor;
 use rlhf_core::Error;
@@ -137,14 +138,17 @@ impl Loop<'_> {
         })
     }
 
-    /// Checkpoints the trainers after `step`; `cursor` is the sampler's right after that
-    /// step's prompts (the rollout lane may have drawn further ahead).
-    pub(super) async fn save<A: Algorithm>(
+    /// Starts the checkpoint of the trainers after `step`; `cursor` is the sampler's right
+    /// after that step's prompts (the rollout lane may have drawn further ahead). The
+    /// trainers copy their state out and answer; their files are written while the next step
+    /// runs, and the checkpoint is committed (`trainer_state.json`, the marker of a complete
+    /// checkpoint) once both are on disk.
+    pub(super) async fn start_save<A: Algorithm>(
         &self,
         step: u64,
         algo: &A,
         cursor: DataCursor,
-    ) -> Res<PathBuf> {
+    ) -> Res<PendingSave> {
         let dir = checkpoint::step_dir(self.ckpt_root, step);
         let t = self.opts.call_timeout;
         let actor_dir = dir.join("actor").to_string_lossy().into_owned();
@@ -154,29 +158,23 @@ impl Loop<'_> {
             members: g.members.iter().take(1).cloned().collect(),
         };
         let (train0, critic0) = (first(&self.roles.train), first(&self.roles.critic));
-        let (_, _) = tokio::try_join!(
-            train0.unary(t, "SaveCheckpoint", |_, mut c| {
-                let d = actor_dir.clone();
-                async move {
-                    c.save_checkpoint(pb::SaveCheckpointRequest { dir: d })
+        let save = |g: &WorkerGroup, dir: &str| {
+            let (g, dir) = (g.clone(), dir.to_string());
+            async move {
+                g.unary(t, "SaveCheckpoint", |_, mut c| {
+                    let dir = dir.clone();
+                    async move {
+                        c.save_checkpoint(pb::SaveCheckpointRequest {
+                            dir,
+                            background: true,
+                        })
                         .await
-                }
-            }),
-            critic0.unary(t, "SaveCheckpoint", |_, mut c| {
-                let d = critic_dir.clone();
-                async move {
-                    c.save_checkpoint(pb::SaveCheckpointRequest { dir: d })
-                        .await
-                }
-            }),
-        )?;
-        let sums = |g: WorkerGroup| async move {
-            g.unary(t, "WeightsChecksum", |_, mut c| async move {
-                c.weights_checksum(pb::WeightsChecksumRequest {}).await
-            })
-            .await
+                    }
+                })
+                .await
+            }
         };
-        let (a, c) = tokio::try_join!(sums(train0), sums(critic0))?;
+        tokio::try_join!(save(&train0, &actor_dir), save(&critic0, &critic_dir))?;
         let mut state = TrainerState::new(
             A::NAME,
             step,
@@ -185,10 +183,63 @@ impl Loop<'_> {
             &self.opts.job_id,
         );
         algo.save(&mut state);
-        state.actor_checksum = a.first().map(|x| x.checksum).unwrap_or(0);
-        state.critic_checksum = c.first().map(|x| x.checksum);
-        let dir = checkpoint::commit(self.ckpt_root, &state)?;
-        checkpoint::prune(self.ckpt_root, self.cfg.checkpoint.keep_last)?;
-        Ok(dir)
+        let root = self.ckpt_root.to_path_buf();
+        let keep = self.cfg.checkpoint.keep_last;
+        let task = tokio::spawn(async move {
+            let wait = |g: WorkerGroup, dir: String| async move {
+                // The role's own deadline answers first, with its reason.
+                g.unary(t + Duration::from_secs(5), "WaitCheckpoint", |_, mut c| {
+                    let dir = dir.clone();
+                    async move {
+                        c.wait_checkpoint(pb::WaitCheckpointRequest {
+                            dir,
+                            timeout_ms: t.as_millis() as u64,
+                        })
+                        .await
+                    }
+                })
+                .await
+            };
+            let (a, c) = tokio::try_join!(wait(train0, actor_dir), wait(critic0, critic_dir))?;
+            state.actor_checksum = a.first().map(|x| x.weights_checksum).unwrap_or(0);
+            state.critic_checksum = c.first().map(|x| x.weights_checksum);
+            let dir = checkpoint::commit(&root, &state)?;
+            checkpoint::prune(&root, keep)?;
+            Ok(dir)
+        });
+        Ok(PendingSave {
+            step,
+            task: Some(task),
+        })
+    }
+}
+
+/// A checkpoint whose files the trainers are writing. Dropped unfinished, it is abandoned:
+/// nothing is committed, and the previous checkpoint stays the newest.
+pub(super) struct PendingSave {
+    step: u64,
+    task: Option<tokio::task::JoinHandle<Res<PathBuf>>>,
+}
+
+impl PendingSave {
+    /// Waits for both trainers' files and the commit; returns the checkpoint directory.
+    pub(super) async fn finish(mut self) -> Res<PathBuf> {
+        let Some(task) = self.task.take() else {
+            return Err(Failed::Other(Error::internal("checkpoint finished twice")));
+        };
+        task.await.map_err(|e| {
+            Failed::Other(Error::internal(format!(
+                "the checkpoint of step {}: its writer task ended: {e}",
+                self.step
+            )))
+        })?
+    }
+}
+
+impl Drop for PendingSave {
+    fn drop(&mut self) {
+        if let Some(task) = self.task.take() {
+            task.abort();
+        }
     }
 }
