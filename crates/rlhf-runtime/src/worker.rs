@@ -503,15 +503,14 @@ async fn heartbeat_loop(
     interval: Duration,
     shutdown: &CancellationToken,
 ) -> Result<()> {
-    let mut head = agent.head.clone();
     let mut need_register = false;
     let mut backoff = interval;
     loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => return Ok(()),
-            _ = tokio::time::sleep(if need_register { backoff } else { interval }) => {}
-        }
         if need_register {
+            tokio::select! {
+                _ = shutdown.cancelled() => return Ok(()),
+                _ = tokio::time::sleep(backoff) => {}
+            }
             match agent.register(resources, address).await {
                 Ok(r) => {
                     tracing::info!(node = %r.node_id, "registered again with the head");
@@ -526,27 +525,92 @@ async fn heartbeat_loop(
             }
             continue;
         }
-        let req = pb::HeartbeatRequest {
-            protocol_version: PROTOCOL_VERSION,
-            node_id: crate::lock(&agent.node_id).clone(),
-        };
-        match tokio::time::timeout(Duration::from_secs(2), head.heartbeat(req)).await {
-            Ok(Ok(r)) if r.get_ref().known => {}
-            Ok(Ok(_)) => {
+        match beat_stream(agent, interval, shutdown).await {
+            Ok(StreamEnd::Shutdown) => return Ok(()),
+            Ok(StreamEnd::Unknown) => {
                 tracing::warn!("the head does not know this node (restarted or marked it dead); registering again");
                 need_register = true;
             }
-            Ok(Err(status)) => {
-                let e = Error::from(status);
-                if fatal(&e) {
-                    return Err(e);
-                }
-                tracing::warn!("heartbeat failed: {e}");
+            Err(e) if fatal(&e) => return Err(e),
+            Err(e) => {
+                tracing::warn!("heartbeat stream broke: {e}");
                 need_register = true;
             }
-            Err(_) => {
-                tracing::warn!("heartbeat timed out");
-                need_register = true;
+        }
+    }
+}
+
+/// How a heartbeat stream ended without an error.
+enum StreamEnd {
+    Shutdown,
+    /// The head does not hold this node alive: register again.
+    Unknown,
+}
+
+/// Deadline for the head to accept a heartbeat stream and answer its first message.
+const STREAM_OPEN: Duration = Duration::from_secs(5);
+
+/// One heartbeat stream: a beat every `interval` until the head says the node is unknown,
+/// the connection breaks (the channel's HTTP/2 keepalive finds a silent head) or shutdown.
+async fn beat_stream(
+    agent: &Arc<Agent>,
+    interval: Duration,
+    shutdown: &CancellationToken,
+) -> Result<StreamEnd> {
+    let mut head = agent.head.clone();
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    let hello = pb::HeartbeatRequest {
+        protocol_version: PROTOCOL_VERSION,
+        node_id: crate::lock(&agent.node_id).clone(),
+    };
+    let _ = tx.try_send(hello);
+    let opened = async {
+        let mut answers = head
+            .heartbeat_stream(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await?
+            .into_inner();
+        let first = answers.message().await?;
+        Ok::<_, Status>((answers, first))
+    };
+    let (mut answers, first) = match tokio::time::timeout(STREAM_OPEN, opened).await {
+        Ok(r) => r.map_err(Error::from)?,
+        Err(_) => {
+            return Err(Error::new(
+                FailureKind::Timeout,
+                format!(
+                    "the head did not answer a heartbeat stream within {} s",
+                    STREAM_OPEN.as_secs()
+                ),
+            ))
+        }
+    };
+    match first {
+        Some(a) if a.known => {}
+        Some(_) => return Ok(StreamEnd::Unknown),
+        None => {
+            return Err(Error::new(
+                FailureKind::Unavailable,
+                "the head ended the heartbeat stream",
+            ))
+        }
+    }
+    let mut tick = tokio::time::interval(interval);
+    tick.tick().await;
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return Ok(StreamEnd::Shutdown),
+            a = answers.message() => match a.map_err(Error::from)? {
+                Some(a) if !a.known => return Ok(StreamEnd::Unknown),
+                Some(_) => {}
+                None => return Err(Error::new(FailureKind::Unavailable, "the head ended the heartbeat stream")),
+            },
+            _ = tick.tick() => {
+                if tx.try_send(pb::HeartbeatRequest::default()).is_err() {
+                    return Err(Error::new(
+                        FailureKind::Unavailable,
+                        "heartbeats are not getting through to the head (4 queued)",
+                    ));
+                }
             }
         }
     }

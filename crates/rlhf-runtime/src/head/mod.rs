@@ -5,6 +5,7 @@
 mod job_driver;
 mod job_state;
 pub mod jobs;
+mod liveness;
 pub mod state;
 pub mod store;
 pub mod validate;
@@ -112,6 +113,7 @@ struct Inner {
     workers: Mutex<HashMap<String, WorkerServiceClient<AuthChannel>>>,
     shutdown: CancellationToken,
     jobs: jobs::Jobs,
+    beats: liveness::Beats,
 }
 
 #[derive(Clone)]
@@ -309,9 +311,10 @@ impl HeadService for Head {
             total: resources.clone(),
             cuda_roles: r.cuda_roles,
         };
-        let id = self
-            .lock()
-            .register(Some(r.node_id.clone()), node, live, now)?;
+        let (id, commit) =
+            self.lock()
+                .register_deferred(Some(r.node_id.clone()), node, live, now)?;
+        commit.wait().await?;
         tracing::info!(node = %id, host = %r.hostname, address = %r.address, peer = ?peer, resources = %resources.display(), cuda_roles = r.cuda_roles, "node registered");
         Ok(Response::new(pb::RegisterNodeResponse {
             node_id: id,
@@ -328,6 +331,25 @@ impl HeadService for Head {
         check_version(r.protocol_version)?;
         let known = self.lock().heartbeat(&r.node_id, self.0.clock.now_ms());
         Ok(Response::new(pb::HeartbeatResponse { known }))
+    }
+
+    type HeartbeatStreamStream = liveness::BeatStream;
+
+    async fn heartbeat_stream(
+        &self,
+        req: Request<tonic::Streaming<pb::HeartbeatRequest>>,
+    ) -> std::result::Result<Response<Self::HeartbeatStreamStream>, Status> {
+        let mut inbound = req.into_inner();
+        let first = liveness::first(&mut inbound).await?;
+        check_version(first.protocol_version)?;
+        let now = self.0.clock.now_ms();
+        let known = self.lock().heartbeat(&first.node_id, now);
+        let slot = known.then(|| self.0.beats.open(&first.node_id, now));
+        Ok(Response::new(liveness::serve(
+            inbound,
+            slot,
+            self.0.clock.clone(),
+        )))
     }
 
     async fn report_actor_exit(
@@ -646,6 +668,7 @@ pub async fn start(
         workers: Mutex::new(HashMap::new()),
         shutdown: shutdown.clone(),
         jobs: jobs.clone(),
+        beats: liveness::Beats::default(),
     }));
 
     // Health: mark silent nodes dead. Checked often relative to the threshold so detection
@@ -661,9 +684,14 @@ pub async fn start(
                 _ = sd.cancelled() => break,
                 _ = tick.tick() => {
                     let now = h.0.clock.now_ms();
-                    if let Err(e) = h.lock().check_health(now, threshold.as_millis() as i64) {
+                    let beats = h.0.beats.newest();
+                    let mut s = h.lock();
+                    s.merge_beats(&beats);
+                    if let Err(e) = s.check_health(now, threshold.as_millis() as i64) {
                         tracing::error!("health check: {e}");
                     }
+                    // Nodes marked dead (here or by any other path) are told to register again.
+                    h.0.beats.retain(|id| s.is_alive(id));
                 }
             }
         }

@@ -234,6 +234,41 @@ impl HeadState {
         live: Vec<LiveActor>,
         now_ms: i64,
     ) -> Result<String> {
+        let (id, ops) = self.register_ops(node_id, node, live, now_ms)?;
+        if let Some(st) = &self.store {
+            st.write(ops)?;
+        }
+        Ok(id)
+    }
+
+    /// [`HeadState::register`] with its writes queued for a group commit, which the caller
+    /// awaits after releasing the head's lock (registrations of many nodes share commits).
+    /// They are not fsynced first: a head that loses them to a crash does not know the node,
+    /// and the node registers again with its live actors, which rebuilds the same records.
+    pub fn register_deferred(
+        &mut self,
+        node_id: Option<String>,
+        node: NewNode,
+        live: Vec<LiveActor>,
+        now_ms: i64,
+    ) -> Result<(String, store::Commit)> {
+        let (id, ops) = self.register_ops(node_id, node, live, now_ms)?;
+        let commit = match &self.store {
+            Some(st) => st.submit_lazy(ops),
+            None => store::Commit::done(),
+        };
+        Ok((id, commit))
+    }
+
+    fn register_ops(
+        &mut self,
+        node_id: Option<String>,
+        node: NewNode,
+        live: Vec<LiveActor>,
+        now_ms: i64,
+    ) -> Result<(String, Vec<store::Op>)> {
+        let durable = self.store.is_some();
+        let mut ops = Vec::new();
         let NewNode {
             hostname,
             address,
@@ -255,8 +290,10 @@ impl HeadState {
             death_ms: 0,
             cuda_roles,
         };
+        if durable {
+            ops.push(store::Op::put(store::NODES, &id, &rec)?);
+        }
         self.nodes.insert(id.clone(), rec);
-        self.save_node(&id)?;
         let live_ids: BTreeMap<&str, &LiveActor> =
             live.iter().map(|a| (a.actor_id.as_str(), a)).collect();
         let on_node: Vec<String> = self
@@ -283,9 +320,29 @@ impl HeadState {
                 a.state = ActorState::Dead;
                 a.reason = format!("not running on node {id} when it registered again");
             }
-            self.save_actor(&aid)?;
+            if durable {
+                ops.push(store::Op::put(store::ACTORS, &aid, a)?);
+            }
         }
-        Ok(id)
+        Ok((id, ops))
+    }
+
+    /// Takes the newest beat of each node from the heartbeat streams (`beats`), never
+    /// moving a node's time back.
+    pub fn merge_beats(&mut self, beats: &[(String, i64)]) {
+        for (id, ms) in beats {
+            if let Some(n) = self.nodes.get_mut(id) {
+                if n.state == NodeState::Alive && *ms > n.last_heartbeat_ms {
+                    n.last_heartbeat_ms = *ms;
+                }
+            }
+        }
+    }
+
+    pub fn is_alive(&self, node_id: &str) -> bool {
+        self.nodes
+            .get(node_id)
+            .is_some_and(|n| n.state == NodeState::Alive)
     }
 
     /// Records a heartbeat; false when the node must register again (unknown or dead).
