@@ -91,6 +91,10 @@ enum Cmd {
         /// A node silent this long (milliseconds) is marked dead.
         #[arg(long, default_value_t = 3000)]
         dead_after_ms: u64,
+        /// No heartbeat datagrams on UDP --port: workers beat on their gRPC streams (costs
+        /// the head more CPU per node; for networks that block UDP).
+        #[arg(long)]
+        no_udp_heartbeats: bool,
         /// Submitted jobs that run at once; later ones wait QUEUED, first in first out
         /// (0 = no limit).
         #[arg(long, default_value_t = 1)]
@@ -207,6 +211,7 @@ async fn run(cli: Cli) -> Result<()> {
             no_dashboard,
             heartbeat_ms,
             dead_after_ms,
+            no_udp_heartbeats,
             max_running_jobs,
             job_ttl,
             jobs_kept,
@@ -248,6 +253,7 @@ async fn run(cli: Cli) -> Result<()> {
             opts.job_tls_ca = job_tls_ca;
             opts.heartbeat_interval = Duration::from_millis(heartbeat_ms.max(10));
             opts.dead_threshold = Duration::from_millis(dead_after_ms.max(50));
+            opts.udp_heartbeats = !no_udp_heartbeats;
             opts.max_running_jobs = max_running_jobs;
             opts.job_ttl = job_ttl;
             opts.jobs_kept = jobs_kept;

@@ -4,6 +4,7 @@
 
 pub mod actor;
 pub mod auth;
+pub mod beat;
 pub mod clock;
 pub mod convert;
 pub mod dashboard;

@@ -45,6 +45,9 @@ pub struct ClientOptions {
     /// Name expected in the server certificate; defaults to the host of the address.
     pub tls_domain: Option<String>,
     pub connect_timeout: Duration,
+    /// HTTP/2 keepalive ping period of the channel (a silent server is found within this
+    /// plus 20 s).
+    pub keepalive: Duration,
 }
 
 impl ClientOptions {
@@ -54,6 +57,7 @@ impl ClientOptions {
             tls_ca: None,
             tls_domain: None,
             connect_timeout: Duration::from_secs(30),
+            keepalive: Duration::from_secs(10),
         }
     }
 }
@@ -152,7 +156,7 @@ fn endpoint(addr: &str, opts: &ClientOptions) -> Result<Endpoint> {
         .initial_connection_window_size(Some(CONNECTION_WINDOW))
         // Same frame size as the servers, for batches that stream back (role outputs).
         .max_frame_size(Some(MAX_FRAME))
-        .http2_keep_alive_interval(Duration::from_secs(10))
+        .http2_keep_alive_interval(opts.keepalive)
         .keep_alive_timeout(Duration::from_secs(20));
     if let Some(ca) = &opts.tls_ca {
         let pem = read_pem(ca, "--tls-ca", "CERTIFICATE")?;

@@ -17,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
 
 use crate::auth::{CheckToken, TOKEN_ENV};
+use crate::beat;
 use crate::convert;
 use crate::net::{self, AuthChannel, ClientOptions};
 use crate::resources::{grant_ids, node_resources, DevicePool, Grant};
@@ -441,7 +442,14 @@ pub async fn run(opts: WorkerOptions, shutdown: CancellationToken) -> Result<()>
             .port()
     );
 
-    let channel = net::connect(&opts.head_address, &opts.client).await?;
+    // Pings on this long-lived channel are much of what 10,000 idle nodes cost the head; the
+    // head's own pings (every 30 s) find a node that vanished, and a head that vanished
+    // without closing the connection is found within 80 s (a restarted one at once).
+    let head_client = ClientOptions {
+        keepalive: Duration::from_secs(60),
+        ..opts.client.clone()
+    };
+    let channel = net::connect(&opts.head_address, &head_client).await?;
     let head = HeadServiceClient::new(channel).max_decoding_message_size(MAX_MESSAGE_BYTES);
     let agent = Arc::new(Agent {
         opts: opts.clone(),
@@ -489,7 +497,7 @@ pub async fn run(opts: WorkerOptions, shutdown: CancellationToken) -> Result<()>
     tracing::info!(node = %reg.node_id, "registered");
     let interval = Duration::from_millis(reg.heartbeat_interval_ms.clamp(50, 10_000));
 
-    let result = heartbeat_loop(&agent, &resources, &address, interval, &shutdown).await;
+    let result = heartbeat_loop(&agent, &resources, &address, interval, reg, &shutdown).await;
     agent.stop_all(Duration::from_secs(3)).await;
     shutdown.cancel();
     let _ = server.await;
@@ -501,10 +509,13 @@ async fn heartbeat_loop(
     resources: &Resources,
     address: &str,
     interval: Duration,
+    mut reg: pb::RegisterNodeResponse,
     shutdown: &CancellationToken,
 ) -> Result<()> {
     let mut need_register = false;
     let mut backoff = interval;
+    // Set for good once UDP beats were not confirmed: a firewall does not open by itself.
+    let mut udp_blocked = false;
     loop {
         if need_register {
             tokio::select! {
@@ -516,6 +527,7 @@ async fn heartbeat_loop(
                     tracing::info!(node = %r.node_id, "registered again with the head");
                     need_register = false;
                     backoff = interval;
+                    reg = r;
                 }
                 Err(e) if fatal(&e) => return Err(e),
                 Err(e) => {
@@ -525,7 +537,29 @@ async fn heartbeat_loop(
             }
             continue;
         }
-        match beat_stream(agent, interval, shutdown).await {
+        let udp = match (reg.heartbeat_udp_port, udp_blocked) {
+            (0, _) | (_, true) => None,
+            (port, false) => {
+                let port = u16::try_from(port).map_err(|_| {
+                    Error::invalid(format!("the head sent heartbeat UDP port {port}"))
+                })?;
+                match beat::Sender::connect(
+                    &agent.opts.head_address,
+                    port,
+                    &reg.node_id,
+                    &reg.heartbeat_key,
+                )
+                .await
+                {
+                    Ok(s) => Some(s),
+                    Err(e) => {
+                        tracing::warn!("no UDP heartbeats ({e}); beating on the gRPC stream");
+                        None
+                    }
+                }
+            }
+        };
+        match beat_stream(agent, interval, udp, &mut udp_blocked, shutdown).await {
             Ok(StreamEnd::Shutdown) => return Ok(()),
             Ok(StreamEnd::Unknown) => {
                 tracing::warn!("the head does not know this node (restarted or marked it dead); registering again");
@@ -550,11 +584,18 @@ enum StreamEnd {
 /// Deadline for the head to accept a heartbeat stream and answer its first message.
 const STREAM_OPEN: Duration = Duration::from_secs(5);
 
-/// One heartbeat stream: a beat every `interval` until the head says the node is unknown,
-/// the connection breaks (the channel's HTTP/2 keepalive finds a silent head) or shutdown.
+/// UDP beats sent without the head confirming one before the node beats on the stream
+/// instead (well inside the head's dead threshold: the stream's first message counts).
+const UDP_UNCONFIRMED_BEATS: u32 = 3;
+
+/// One heartbeat stream: a beat every `interval` (over `udp` while the head confirms it,
+/// else on the stream) until the head says the node is unknown, the connection breaks (the
+/// channel's HTTP/2 keepalive finds a silent head) or shutdown.
 async fn beat_stream(
     agent: &Arc<Agent>,
     interval: Duration,
+    mut udp: Option<beat::Sender>,
+    udp_blocked: &mut bool,
     shutdown: &CancellationToken,
 ) -> Result<StreamEnd> {
     let mut head = agent.head.clone();
@@ -596,15 +637,30 @@ async fn beat_stream(
     }
     let mut tick = tokio::time::interval(interval);
     tick.tick().await;
+    let (mut confirmed, mut unconfirmed) = (false, 0u32);
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return Ok(StreamEnd::Shutdown),
             a = answers.message() => match a.map_err(Error::from)? {
                 Some(a) if !a.known => return Ok(StreamEnd::Unknown),
-                Some(_) => {}
+                Some(a) => confirmed |= a.udp_confirmed,
                 None => return Err(Error::new(FailureKind::Unavailable, "the head ended the heartbeat stream")),
             },
             _ = tick.tick() => {
+                if let Some(u) = udp.as_mut() {
+                    if confirmed || unconfirmed < UDP_UNCONFIRMED_BEATS {
+                        unconfirmed += u32::from(!confirmed);
+                        u.send()?;
+                        continue;
+                    }
+                    tracing::warn!(
+                        "UDP heartbeats to {} do not reach the head (is UDP port {} open?); beating on the gRPC stream instead",
+                        u.to,
+                        u.to.port()
+                    );
+                    udp = None;
+                    *udp_blocked = true;
+                }
                 if tx.try_send(pb::HeartbeatRequest::default()).is_err() {
                     return Err(Error::new(
                         FailureKind::Unavailable,

@@ -45,6 +45,8 @@ pub struct HeadOptions {
     pub heartbeat_interval: Duration,
     /// A node silent this long is marked dead.
     pub dead_threshold: Duration,
+    /// Heartbeat datagrams on UDP `port` (else beats come on the nodes' gRPC streams).
+    pub udp_heartbeats: bool,
     /// None disables the dashboard.
     pub dashboard: Option<(String, u16)>,
     /// Executable run as a submitted job's driver (`<exe> run ...`); None = this program.
@@ -80,6 +82,7 @@ impl HeadOptions {
             tls: ServerTls::default(),
             heartbeat_interval: Duration::from_millis(500),
             dead_threshold: Duration::from_secs(3),
+            udp_heartbeats: true,
             dashboard: Some(("127.0.0.1".into(), 8260)),
             job_exe: None,
             job_stop_grace: Duration::from_secs(10),
@@ -113,7 +116,9 @@ struct Inner {
     workers: Mutex<HashMap<String, WorkerServiceClient<AuthChannel>>>,
     shutdown: CancellationToken,
     jobs: jobs::Jobs,
-    beats: liveness::Beats,
+    beats: Arc<liveness::Beats>,
+    /// The heartbeat datagram port; 0 without one.
+    udp_port: u16,
 }
 
 #[derive(Clone)]
@@ -315,11 +320,14 @@ impl HeadService for Head {
             self.lock()
                 .register_deferred(Some(r.node_id.clone()), node, live, now)?;
         commit.wait().await?;
+        let heartbeat_key = self.0.beats.register(&id, now)?;
         tracing::info!(node = %id, host = %r.hostname, address = %r.address, peer = ?peer, resources = %resources.display(), cuda_roles = r.cuda_roles, "node registered");
         Ok(Response::new(pb::RegisterNodeResponse {
             node_id: id,
             heartbeat_interval_ms: self.0.opts.heartbeat_interval.as_millis() as u64,
             session_dir: self.0.opts.state_dir.display().to_string(),
+            heartbeat_udp_port: u32::from(self.0.udp_port),
+            heartbeat_key,
         }))
     }
 
@@ -330,7 +338,10 @@ impl HeadService for Head {
         let r = req.into_inner();
         check_version(r.protocol_version)?;
         let known = self.lock().heartbeat(&r.node_id, self.0.clock.now_ms());
-        Ok(Response::new(pb::HeartbeatResponse { known }))
+        Ok(Response::new(pb::HeartbeatResponse {
+            known,
+            udp_confirmed: false,
+        }))
     }
 
     type HeartbeatStreamStream = liveness::BeatStream;
@@ -343,11 +354,15 @@ impl HeadService for Head {
         let first = liveness::first(&mut inbound).await?;
         check_version(first.protocol_version)?;
         let now = self.0.clock.now_ms();
+        // Known to the registry and registered since this head started (a restarted head
+        // has no keys: the node registers again, and its actors come back with it).
         let known = self.lock().heartbeat(&first.node_id, now);
-        let slot = known.then(|| self.0.beats.open(&first.node_id, now));
+        let attached = known
+            .then(|| self.0.beats.attach(&first.node_id, now))
+            .flatten();
         Ok(Response::new(liveness::serve(
             inbound,
-            slot,
+            attached,
             self.0.clock.clone(),
         )))
     }
@@ -660,6 +675,11 @@ pub async fn start(
         clock.clone(),
     )?;
     let state = HeadState::open(store, clock.now_ms())?;
+    let udp = match opts.udp_heartbeats {
+        true => liveness::bind_udp(&opts.host, addr.port()),
+        false => None,
+    };
+    let beats = Arc::new(liveness::Beats::default());
     let head = Head(Arc::new(Inner {
         state: Mutex::new(state),
         clock: clock.clone(),
@@ -668,13 +688,17 @@ pub async fn start(
         workers: Mutex::new(HashMap::new()),
         shutdown: shutdown.clone(),
         jobs: jobs.clone(),
-        beats: liveness::Beats::default(),
+        beats: beats.clone(),
+        udp_port: udp.as_ref().map_or(0, |_| addr.port()),
     }));
+    if let Some(socket) = udp {
+        liveness::spawn_receiver(socket, beats, clock.clone(), shutdown.clone())?;
+    }
 
     // Health: mark silent nodes dead. Checked often relative to the threshold so detection
-    // lands within threshold + a quarter of it.
+    // lands within threshold + a quarter of it, and at most half a second late.
     let threshold = opts.dead_threshold;
-    let period = (threshold / 4).max(Duration::from_millis(50));
+    let period = (threshold / 4).clamp(Duration::from_millis(50), Duration::from_millis(500));
     let h = head.clone();
     let sd = shutdown.clone();
     tokio::spawn(async move {
@@ -684,14 +708,11 @@ pub async fn start(
                 _ = sd.cancelled() => break,
                 _ = tick.tick() => {
                     let now = h.0.clock.now_ms();
-                    let beats = h.0.beats.newest();
+                    // Nodes marked dead (here or by any other path) are told to register again.
                     let mut s = h.lock();
-                    s.merge_beats(&beats);
-                    if let Err(e) = s.check_health(now, threshold.as_millis() as i64) {
+                    if let Err(e) = h.0.beats.check(&mut s, now, threshold.as_millis() as i64) {
                         tracing::error!("health check: {e}");
                     }
-                    // Nodes marked dead (here or by any other path) are told to register again.
-                    h.0.beats.retain(|id| s.is_alive(id));
                 }
             }
         }

@@ -327,24 +327,6 @@ impl HeadState {
         Ok((id, ops))
     }
 
-    /// Takes the newest beat of each node from the heartbeat streams (`beats`), never
-    /// moving a node's time back.
-    pub fn merge_beats(&mut self, beats: &[(String, i64)]) {
-        for (id, ms) in beats {
-            if let Some(n) = self.nodes.get_mut(id) {
-                if n.state == NodeState::Alive && *ms > n.last_heartbeat_ms {
-                    n.last_heartbeat_ms = *ms;
-                }
-            }
-        }
-    }
-
-    pub fn is_alive(&self, node_id: &str) -> bool {
-        self.nodes
-            .get(node_id)
-            .is_some_and(|n| n.state == NodeState::Alive)
-    }
-
     /// Records a heartbeat; false when the node must register again (unknown or dead).
     pub fn heartbeat(&mut self, node_id: &str, now_ms: i64) -> bool {
         match self.nodes.get_mut(node_id) {
