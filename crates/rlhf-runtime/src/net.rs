@@ -250,23 +250,33 @@ pub async fn bind(host: &str, port: u16, flag: &str) -> Result<tokio::net::TcpLi
 /// algorithm (up to a delayed-ACK timeout, 40 ms, behind the previous small write).
 fn nodelay_for_accepted(l: &tokio::net::TcpListener) {
     use std::os::fd::AsRawFd;
-    let on: libc::c_int = 1;
-    // SAFETY: the fd is a live socket owned by `l` for the duration of the call, and the
-    // option value points to a c_int of the size passed.
+    if let Err(e) = set_int_option(l.as_raw_fd(), libc::IPPROTO_TCP, libc::TCP_NODELAY, 1) {
+        tracing::debug!("TCP_NODELAY on the listener: {e}");
+    }
+}
+
+/// Sets an integer socket option on `fd`, which must be a live socket for the call.
+pub(crate) fn set_int_option(
+    fd: std::os::fd::RawFd,
+    level: libc::c_int,
+    name: libc::c_int,
+    value: libc::c_int,
+) -> std::io::Result<()> {
+    // SAFETY: the caller passes a live socket; the option value points to a c_int of the
+    // size passed, alive for the call.
     let rc = unsafe {
         libc::setsockopt(
-            l.as_raw_fd(),
-            libc::IPPROTO_TCP,
-            libc::TCP_NODELAY,
-            (&on as *const libc::c_int).cast(),
+            fd,
+            level,
+            name,
+            (&value as *const libc::c_int).cast(),
             std::mem::size_of::<libc::c_int>() as libc::socklen_t,
         )
     };
-    if rc != 0 {
-        tracing::debug!(
-            "TCP_NODELAY on the listener: {}",
-            std::io::Error::last_os_error()
-        );
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
     }
 }
 

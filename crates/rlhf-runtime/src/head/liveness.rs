@@ -140,17 +140,13 @@ pub fn bind_udp(host: &str, port: u16) -> Option<std::net::UdpSocket> {
     match std::net::UdpSocket::bind((host, port)) {
         Ok(s) => {
             use std::os::fd::AsRawFd;
-            // SAFETY: the fd is the live socket owned by `s`; the value points to a c_int
-            // of the size passed.
-            unsafe {
-                libc::setsockopt(
-                    s.as_raw_fd(),
-                    libc::SOL_SOCKET,
-                    libc::SO_RCVBUF,
-                    (&UDP_RCVBUF as *const libc::c_int).cast(),
-                    std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-                );
-            }
+            // The kernel may cap it; a smaller buffer only drops beats under a burst.
+            let _ = crate::net::set_int_option(
+                s.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_RCVBUF,
+                UDP_RCVBUF,
+            );
             Some(s)
         }
         Err(e) => {

@@ -150,7 +150,12 @@ impl HeadState {
         for p in store.load::<PgRecord>(store::PGS)? {
             s.pgs.insert(p.pg_id.clone(), p);
         }
-        for a in store.load::<ActorRecord>(store::ACTORS)? {
+        for mut a in store.load::<ActorRecord>(store::ACTORS)? {
+            if a.state == ActorState::Pending {
+                // Its CreateActor call died with the previous head; nothing will finish it.
+                a.state = ActorState::Dead;
+                a.reason = "the head restarted while the actor was starting".into();
+            }
             s.actors.insert(a.actor_id.clone(), a);
         }
         for (k, v) in store.load_raw(store::KV)? {
@@ -296,10 +301,12 @@ impl HeadState {
         self.nodes.insert(id.clone(), rec);
         let live_ids: BTreeMap<&str, &LiveActor> =
             live.iter().map(|a| (a.actor_id.as_str(), a)).collect();
+        // Actors still starting (Pending) are left to their CreateActor call: the node lists
+        // them only once they are up.
         let on_node: Vec<String> = self
             .actors
             .values()
-            .filter(|a| a.node_id == id && a.state != ActorState::Dead)
+            .filter(|a| a.node_id == id && a.state == ActorState::Alive)
             .map(|a| a.actor_id.clone())
             .chain(live.iter().map(|a| a.actor_id.clone()))
             .collect();

@@ -145,7 +145,7 @@ fn actors_in_bundles_land_on_the_bundle_node() {
 #[test]
 fn state_survives_restart_and_reregistration_reconciles_actors() {
     let dir = tempfile::tempdir().unwrap();
-    let (node, kept, lost) = {
+    let (node, kept, lost, starting) = {
         let mut s = HeadState::open(Store::open(dir.path()).unwrap(), 0).unwrap();
         let node = gpu_node(&mut s, 2.0, 0);
         s.create_pg(
@@ -163,7 +163,38 @@ fn state_survives_restart_and_reregistration_reconciles_actors() {
             .unwrap();
         s.kv_put("nccl/id", b"abc".to_vec(), true).unwrap();
         assert!(!s.kv_put("nccl/id", b"zzz".to_vec(), false).unwrap());
-        (node, kept, lost)
+        // Reserved, never started: a node registering again does not know it yet, so it
+        // stays Pending; only a head restart (its CreateActor is gone) ends it.
+        let starting = s.reserve_actor(ActorSpec::default()).unwrap().actor_id;
+        s.register(
+            Some(node.clone()),
+            NewNode {
+                hostname: "h".into(),
+                address: "x".into(),
+                total: Resources::new().with("GPU", 2.0),
+                cuda_roles: true,
+            },
+            vec![
+                LiveActor {
+                    actor_id: kept.clone(),
+                    address: "a:1".into(),
+                    pid: 1,
+                    devices: vec![],
+                    log_file: String::new(),
+                },
+                LiveActor {
+                    actor_id: lost.clone(),
+                    address: "a:2".into(),
+                    pid: 2,
+                    devices: vec![],
+                    log_file: String::new(),
+                },
+            ],
+            10,
+        )
+        .unwrap();
+        assert_eq!(s.actors[&starting].state, ActorState::Pending);
+        (node, kept, lost, starting)
     };
     let mut s = HeadState::open(Store::open(dir.path()).unwrap(), 50_000).unwrap();
     assert_eq!(s.nodes.len(), 1);
@@ -194,6 +225,8 @@ fn state_survives_restart_and_reregistration_reconciles_actors() {
     assert_eq!(s.actors[&kept].address, "a:9");
     assert_eq!(s.actors[&lost].state, ActorState::Dead);
     assert!(s.actors[&lost].reason.contains("not running"));
+    assert_eq!(s.actors[&starting].state, ActorState::Dead);
+    assert!(s.actors[&starting].reason.contains("head restarted"));
 }
 
 #[test]
