@@ -17,6 +17,16 @@ fn gpu_node(s: &mut HeadState, gpus: f64, now: i64) -> String {
     .unwrap()
 }
 
+fn live(actor_id: &str, address: &str, pid: i32) -> LiveActor {
+    LiveActor {
+        actor_id: actor_id.to_string(),
+        address: address.into(),
+        pid,
+        devices: vec![],
+        log_file: String::new(),
+    }
+}
+
 #[test]
 fn silent_node_dies_with_its_actors_and_comes_back() {
     let mut s = HeadState::in_memory();
@@ -174,22 +184,7 @@ fn state_survives_restart_and_reregistration_reconciles_actors() {
                 total: Resources::new().with("GPU", 2.0),
                 cuda_roles: true,
             },
-            vec![
-                LiveActor {
-                    actor_id: kept.clone(),
-                    address: "a:1".into(),
-                    pid: 1,
-                    devices: vec![],
-                    log_file: String::new(),
-                },
-                LiveActor {
-                    actor_id: lost.clone(),
-                    address: "a:2".into(),
-                    pid: 2,
-                    devices: vec![],
-                    log_file: String::new(),
-                },
-            ],
+            vec![live(&kept, "a:1", 1), live(&lost, "a:2", 2)],
             10,
         )
         .unwrap();
@@ -202,13 +197,7 @@ fn state_survives_restart_and_reregistration_reconciles_actors() {
     assert_eq!(s.kv["nccl/id"], b"abc");
     // Grace period: not dead right after the restart.
     assert!(s.check_health(51_000, 5_000).unwrap().is_empty());
-    let live = vec![LiveActor {
-        actor_id: kept.clone(),
-        address: "a:9".into(),
-        pid: 11,
-        devices: vec![],
-        log_file: String::new(),
-    }];
+    let live = vec![live(&kept, "a:9", 11)];
     s.register(
         Some(node.clone()),
         NewNode {
