@@ -83,21 +83,29 @@ pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
 }
 
+/// The overrides that put a job's checkpoints, metrics and samples under `out`
+/// (`ckpt/`, `metrics.jsonl`, `samples.jsonl`).
+pub fn output_overrides(out: &Path) -> [String; 3] {
+    [
+        format!("checkpoint.dir={}", out.join("ckpt").display()),
+        format!(
+            "logging.metrics_file={}",
+            out.join("metrics.jsonl").display()
+        ),
+        format!(
+            "logging.samples_file={}",
+            out.join("samples.jsonl").display()
+        ),
+    ]
+}
+
 /// `rlhf-head run --config-name ppo_tiny` from the repository, embedded head and worker, with
 /// the checkpoints, metrics and samples under `out`, then the `extra` overrides.
 pub fn ppo_run_cmd(out: &Path, extra: &[&str]) -> Command {
     let mut cmd = Command::new(bin("rlhf-head"));
     cmd.current_dir(repo_root())
         .args(["run", "--config-name", "ppo_tiny"])
-        .arg(format!("checkpoint.dir={}", out.join("ckpt").display()))
-        .arg(format!(
-            "logging.metrics_file={}",
-            out.join("metrics.jsonl").display()
-        ))
-        .arg(format!(
-            "logging.samples_file={}",
-            out.join("samples.jsonl").display()
-        ))
+        .args(output_overrides(out))
         .args(extra)
         .env_remove("RLHF_TOKEN")
         .env("RUST_LOG", "warn");

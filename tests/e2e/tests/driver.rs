@@ -16,20 +16,12 @@ use tokio_util::sync::CancellationToken;
 
 fn config(out: &std::path::Path, extra: &[&str]) -> Result<rlhf_config::PpoConfig> {
     let root = rlhf_e2e::repo_root();
-    let mut overrides = vec![
-        format!("checkpoint.dir={}", out.join("ckpt").display()),
-        format!(
-            "logging.metrics_file={}",
-            out.join("metrics.jsonl").display()
-        ),
-        format!(
-            "logging.samples_file={}",
-            out.join("samples.jsonl").display()
-        ),
+    let mut overrides = rlhf_e2e::output_overrides(out).to_vec();
+    overrides.extend([
         "logging.sample_every=2".to_string(),
         "logging.progress=false".to_string(),
         "checkpoint.save_steps=10".to_string(),
-    ];
+    ]);
     overrides.extend(extra.iter().map(|s| s.to_string()));
     let mut cfg = rlhf_config::load(&root.join("configs"), "ppo_tiny", &overrides)?;
     cfg.absolutize_paths(&root);

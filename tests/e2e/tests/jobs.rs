@@ -409,16 +409,8 @@ fn submit_tiny(c: &Cluster, out_dir: &Path, iters: u32, save_steps: u32) -> Resu
         .args([
             format!("training.train_iters={iters}"),
             format!("checkpoint.save_steps={save_steps}"),
-            format!("checkpoint.dir={}", out_dir.join("ckpt").display()),
-            format!(
-                "logging.metrics_file={}",
-                out_dir.join("metrics.jsonl").display()
-            ),
-            format!(
-                "logging.samples_file={}",
-                out_dir.join("samples.jsonl").display()
-            ),
         ])
+        .args(rlhf_e2e::output_overrides(out_dir))
         .args(["--address", &c.address(), "--connect-timeout", "5"])
         .arg("--token-file")
         .arg(c.token_file())

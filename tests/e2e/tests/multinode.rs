@@ -408,15 +408,7 @@ fn scenario(tag: &str, hosts: Hosts) -> Result<()> {
             .current_dir(repo_root())
             .args(["run", "--address", &head_addr, "--config-name", "ppo_tiny"])
             .args(["training.train_iters=2", "checkpoint.save_steps=0"])
-            .arg(format!("checkpoint.dir={}", job.join("ckpt").display()))
-            .arg(format!(
-                "logging.metrics_file={}",
-                job.join("metrics.jsonl").display()
-            ))
-            .arg(format!(
-                "logging.samples_file={}",
-                job.join("samples.jsonl").display()
-            ))
+            .args(rlhf_e2e::output_overrides(&job))
             .arg("--token-file")
             .arg(state.join("head/token"))
             .env_remove("RLHF_TOKEN"),
