@@ -21,6 +21,15 @@ pub struct Saved {
     pub checksum: u64,
 }
 
+impl From<Saved> for rlhf_proto::v1::SaveCheckpointResponse {
+    fn from(s: Saved) -> Self {
+        Self {
+            files: s.files,
+            weights_checksum: s.checksum,
+        }
+    }
+}
+
 type Outcome = Option<Result<Saved, String>>;
 
 struct InFlight {

@@ -242,10 +242,7 @@ impl RoleService for RoleServer {
             return Ok(Response::new(pb::SaveCheckpointResponse::default()));
         }
         let saved = self.saves.write_now(req.dir, image).await?;
-        Ok(Response::new(pb::SaveCheckpointResponse {
-            files: saved.files,
-            weights_checksum: saved.checksum,
-        }))
+        Ok(Response::new(saved.into()))
     }
 
     async fn wait_checkpoint(
@@ -255,10 +252,7 @@ impl RoleService for RoleServer {
         let req = req.into_inner();
         let timeout = (req.timeout_ms > 0).then(|| Duration::from_millis(req.timeout_ms));
         let saved = self.saves.wait(&req.dir, timeout).await?;
-        Ok(Response::new(pb::SaveCheckpointResponse {
-            files: saved.files,
-            weights_checksum: saved.checksum,
-        }))
+        Ok(Response::new(saved.into()))
     }
 
     async fn load_checkpoint(

@@ -3,8 +3,8 @@
 //! over which the head tells it when its UDP beats arrive and when to register again; a node
 //! whose datagrams do not get through beats on the stream instead. Either way a beat is an
 //! atomic store in the node's slot — no lock on the registry, no allocation. The health tick
-//! folds the slots into the registry (`HeadState::merge_beats`) before it judges silence, and
-//! ends the stream of every node the registry no longer holds alive.
+//! ([`Beats::check`]) folds the slots into the registry before it judges silence, and ends
+//! the stream of every node the registry no longer holds alive.
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -82,8 +82,8 @@ impl Beats {
 
     /// The health check: folds the newest beats into the registry, marks nodes silent past
     /// `threshold_ms` dead (returned), and ends the streams of every node the registry does
-    /// not hold alive. One pass over the nodes with hash lookups: it runs every quarter
-    /// threshold with 10,000 nodes.
+    /// not hold alive. One pass over the nodes with hash lookups: it runs up to twice a second
+    /// with 10,000 nodes.
     pub fn check(
         &self,
         state: &mut HeadState,

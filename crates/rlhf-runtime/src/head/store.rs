@@ -62,18 +62,22 @@ struct WriteRequest {
 const LAZY_FLUSH: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// A submitted batch of writes; resolves once it is committed.
-pub struct Commit(Option<tokio::sync::oneshot::Receiver<Result<()>>>);
+pub enum Commit {
+    /// Answered already: nothing to write (a head without a store), or it could not be queued.
+    Ready(Result<()>),
+    Queued(tokio::sync::oneshot::Receiver<Result<()>>),
+}
 
 impl Commit {
     /// Nothing to wait for (a head without a store).
     pub fn done() -> Self {
-        Commit(None)
+        Commit::Ready(Ok(()))
     }
 
     pub async fn wait(self) -> Result<()> {
-        match self.0 {
-            None => Ok(()),
-            Some(rx) => rx
+        match self {
+            Commit::Ready(r) => r,
+            Commit::Queued(rx) => rx
                 .await
                 .unwrap_or_else(|_| Err(db_err("writer", "the writer thread is gone"))),
         }
@@ -237,12 +241,8 @@ impl Store {
     pub fn submit_lazy(&self, ops: Vec<Op>) -> Commit {
         let (tx, rx) = tokio::sync::oneshot::channel();
         match self.send(ops, Reply::Async(tx), false) {
-            Ok(()) => Commit(Some(rx)),
-            Err(e) => {
-                let (tx, rx) = tokio::sync::oneshot::channel();
-                let _ = tx.send(Err(e));
-                Commit(Some(rx))
-            }
+            Ok(()) => Commit::Queued(rx),
+            Err(e) => Commit::Ready(Err(e)),
         }
     }
 

@@ -91,6 +91,13 @@ enum StreamEnd {
     Unknown,
 }
 
+fn ended() -> Error {
+    Error::new(
+        FailureKind::Unavailable,
+        "the head ended the heartbeat stream",
+    )
+}
+
 /// Deadline for the head to accept a heartbeat stream and answer its first message.
 const STREAM_OPEN: Duration = Duration::from_secs(5);
 
@@ -139,12 +146,7 @@ async fn beat_stream(
     match first {
         Some(a) if a.known => {}
         Some(_) => return Ok(StreamEnd::Unknown),
-        None => {
-            return Err(Error::new(
-                FailureKind::Unavailable,
-                "the head ended the heartbeat stream",
-            ))
-        }
+        None => return Err(ended()),
     }
     let mut tick = tokio::time::interval(interval);
     // After a stall (a loaded machine, a paused process) beats resume at their period, not
@@ -160,7 +162,7 @@ async fn beat_stream(
             a = answers.message() => match a.map_err(Error::from)? {
                 Some(a) if !a.known => return Ok(StreamEnd::Unknown),
                 Some(a) => confirmed |= a.udp_confirmed,
-                None => return Err(Error::new(FailureKind::Unavailable, "the head ended the heartbeat stream")),
+                None => return Err(ended()),
             },
             _ = tick.tick() => {
                 if let Some(u) = udp.as_mut() {
