@@ -731,7 +731,7 @@ impl PpoConfig {
 
     /// The resolved config as YAML (what `check` prints).
     pub fn to_yaml(&self) -> String {
-        serde_yaml::to_string(self).unwrap_or_else(|e| format!("# cannot render config: {e}\n"))
+        serde_norway::to_string(self).unwrap_or_else(|e| format!("# cannot render config: {e}\n"))
     }
 }
 

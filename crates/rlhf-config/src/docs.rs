@@ -7,7 +7,7 @@
 
 use std::collections::BTreeMap;
 
-use serde_yaml::Value;
+use serde_norway::Value;
 
 use crate::config::TrainingConfig;
 use crate::load::{config_schema, ROLE_SECTIONS};
@@ -161,7 +161,7 @@ fn inline(v: &Value) -> String {
     match v {
         Value::Null => "null".into(),
         Value::String(s) if s.is_empty() => "\"\"".into(),
-        other => serde_yaml::to_string(other)
+        other => serde_norway::to_string(other)
             .map(|s| s.trim().to_string())
             .unwrap_or_default(),
     }
@@ -234,7 +234,7 @@ pub fn config_reference_markdown() -> String {
          Hugging Face `config.json` names. Required unless a default is shown.\n\n\
          | key | default | meaning |\n| --- | --- | --- |\n",
     );
-    let model_schema = serde_yaml::to_value(ModelConfig::default()).unwrap_or(Value::Null);
+    let model_schema = serde_norway::to_value(ModelConfig::default()).unwrap_or(Value::Null);
     for (path, _) in leaves(&model_schema) {
         let default = match path.as_str() {
             "path"

@@ -9,7 +9,7 @@
 use std::path::{Path, PathBuf};
 
 use serde::de::DeserializeOwned;
-use serde_yaml::{Mapping, Value};
+use serde_norway::{Mapping, Value};
 
 use crate::config::{DefaultsEntry, PpoConfig, RoleKind, TrainingConfig};
 use crate::error::{ConfigError, Result};
@@ -174,7 +174,7 @@ pub fn load_model(config_dir: &Path, name: &str) -> Result<ModelConfig> {
     })?;
     let origin = path.display().to_string();
     let value = parse_yaml(&text, &origin)?;
-    let schema = serde_yaml::to_value(ModelConfig::default()).unwrap_or(Value::Null);
+    let schema = serde_norway::to_value(ModelConfig::default()).unwrap_or(Value::Null);
     check_keys(&value, &schema, &schema, &mut Vec::new(), &origin, &text)?;
     let model: ModelConfig = typed(value, &origin, &text, "")?;
     let problems = model.problems(&format!("model/{name}"));
@@ -190,8 +190,8 @@ pub fn load_model(config_dir: &Path, name: &str) -> Result<ModelConfig> {
 /// Every valid key of a job config, as a YAML tree of defaults. Role sections
 /// also carry the `training` keys they may override.
 pub fn config_schema() -> Value {
-    let mut v = serde_yaml::to_value(PpoConfig::default()).unwrap_or(Value::Null);
-    let training = serde_yaml::to_value(TrainingConfig::default()).unwrap_or(Value::Null);
+    let mut v = serde_norway::to_value(PpoConfig::default()).unwrap_or(Value::Null);
+    let training = serde_norway::to_value(TrainingConfig::default()).unwrap_or(Value::Null);
     if let Value::Mapping(root) = &mut v {
         root.shift_remove("defaults");
         for section in ROLE_SECTIONS {
@@ -208,7 +208,7 @@ pub fn config_schema() -> Value {
 }
 
 fn parse_yaml(text: &str, origin: &str) -> Result<Value> {
-    serde_yaml::from_str(text).map_err(|e| ConfigError::Yaml {
+    serde_norway::from_str(text).map_err(|e| ConfigError::Yaml {
         origin: origin.into(),
         line: e.location().map(|l| l.line()),
         message: e.to_string(),
@@ -274,7 +274,7 @@ pub(crate) fn kind_name(v: &Value) -> &'static str {
 fn key_str(k: &Value) -> String {
     match k {
         Value::String(s) => s.clone(),
-        other => serde_yaml::to_string(other)
+        other => serde_norway::to_string(other)
             .map(|s| s.trim().to_string())
             .unwrap_or_default(),
     }
@@ -342,7 +342,7 @@ fn kind_mismatch(v: &Value, s: &Value) -> Option<&'static str> {
 }
 
 fn short(v: &Value) -> String {
-    let s = serde_yaml::to_string(v).unwrap_or_default();
+    let s = serde_norway::to_string(v).unwrap_or_default();
     let s = s.trim().replace('\n', " ");
     if s.chars().count() > 40 {
         format!("{}...", s.chars().take(40).collect::<String>())
@@ -468,7 +468,7 @@ fn apply_override(root: &mut Value, schema: &Value, text: &str) -> Result<()> {
             reason: "the key path is empty or has an empty segment; write section.key=value".into(),
         });
     }
-    let value: Value = serde_yaml::from_str(raw).map_err(|e| ConfigError::BadOverride {
+    let value: Value = serde_norway::from_str(raw).map_err(|e| ConfigError::BadOverride {
         text: text.into(),
         reason: format!("the value is not a YAML scalar or list: {e}"),
     })?;

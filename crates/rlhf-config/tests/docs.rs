@@ -28,7 +28,7 @@ fn every_key_has_a_doc_and_every_doc_a_key() {
             "KEY_DOCS names unknown key {p}"
         );
     }
-    let model = serde_yaml::to_value(rlhf_config::ModelConfig::default()).unwrap();
+    let model = serde_norway::to_value(rlhf_config::ModelConfig::default()).unwrap();
     let model_paths: Vec<String> = leaves(&model).into_iter().map(|(p, _)| p).collect();
     assert_eq!(model_paths.len(), MODEL_KEY_DOCS.len());
     for (p, _) in MODEL_KEY_DOCS {
