@@ -79,6 +79,7 @@ pub(crate) async fn submit(args: SubmitArgs) -> Result<()> {
             config_name: args.config_name.clone(),
             overrides: args.overrides.clone(),
             metrics_file: cfg.logging.metrics_file.clone(),
+            samples_file: cfg.logging.samples_file.clone(),
         })
         .await
         .map_err(Error::from)?

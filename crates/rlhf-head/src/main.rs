@@ -289,7 +289,10 @@ async fn run(cli: Cli) -> Result<()> {
             println!("  address:    {shown}:{port}");
             println!("  token file: {token_where} (readable only by you)");
             if let Some(d) = h.dashboard {
-                println!("  dashboard:  http://{d}");
+                println!("  dashboard:  http://{d} (with the token: http://{d}/#token=<the token file's text>)");
+                println!(
+                    "  metrics:    http://{d}/metrics (Prometheus; job metrics need the token)"
+                );
             }
             println!("  logs:       {}", state_dir.join("logs").display());
             println!("join a node with:\n  rlhf-worker join --address {shown}:{port} --token-file {token_where}");

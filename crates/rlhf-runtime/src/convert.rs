@@ -126,6 +126,7 @@ pub fn actor_to_proto(a: &ActorRecord) -> pb::ActorInfo {
         exit: a.exit.as_ref().map(exit_to_proto),
         devices: a.devices.clone(),
         log_file: a.log_file.clone(),
+        rss_bytes: a.rss_bytes,
     }
 }
 

@@ -11,6 +11,7 @@ pub mod dashboard;
 pub mod head;
 pub mod logging;
 pub mod net;
+pub mod prom;
 /// Gang placement (in rlhf-core, shared with `check`).
 pub use rlhf_core::placement;
 pub mod resources;

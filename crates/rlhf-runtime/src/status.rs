@@ -10,7 +10,12 @@ fn res(r: &Option<pb::Resources>) -> Resources {
     Resources::from(r.as_ref())
 }
 
-fn node_state(v: i32) -> &'static str {
+/// Resource amounts by name, as JSON.
+pub(crate) fn resources_json(r: Option<&pb::Resources>) -> serde_json::Value {
+    json!(Resources::from(r).0)
+}
+
+pub(crate) fn node_state(v: i32) -> &'static str {
     match pb::NodeState::try_from(v) {
         Ok(pb::NodeState::Alive) => "ALIVE",
         Ok(pb::NodeState::Dead) => "DEAD",
@@ -18,7 +23,7 @@ fn node_state(v: i32) -> &'static str {
     }
 }
 
-fn actor_state(v: i32) -> &'static str {
+pub(crate) fn actor_state(v: i32) -> &'static str {
     match pb::ActorState::try_from(v) {
         Ok(pb::ActorState::Pending) => "PENDING",
         Ok(pb::ActorState::Alive) => "ALIVE",
@@ -71,7 +76,7 @@ pub fn to_json(s: &pb::ClusterStatusResponse) -> serde_json::Value {
             json!({
                 "actor_id": a.actor_id, "name": spec.name, "role": spec.role, "node_id": a.node_id,
                 "address": a.address, "state": actor_state(a.state), "pid": a.pid, "reason": a.reason,
-                "devices": a.devices, "log_file": a.log_file,
+                "devices": a.devices, "log_file": a.log_file, "rss_bytes": a.rss_bytes,
                 "exit": a.exit.as_ref().map(|e| json!({"exit_code": e.exit_code, "signal": e.signal, "log_tail": e.log_tail})),
             })
         })
@@ -110,7 +115,7 @@ pub fn job_json(j: &pb::JobInfo) -> serde_json::Value {
 /// Jobs shown by the text status (the newest).
 const STATUS_JOBS: usize = 10;
 
-fn job_state(v: i32) -> &'static str {
+pub(crate) fn job_state(v: i32) -> &'static str {
     crate::head::jobs::state_name(v)
 }
 
@@ -124,7 +129,7 @@ pub fn job_time(ms: i64) -> String {
 }
 
 /// Used and total resources over alive nodes.
-fn usage(s: &pb::ClusterStatusResponse) -> (Resources, Resources) {
+pub(crate) fn usage(s: &pb::ClusterStatusResponse) -> (Resources, Resources) {
     let mut total = Resources::new();
     let mut used = Resources::new();
     for n in s

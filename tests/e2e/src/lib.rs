@@ -329,6 +329,34 @@ impl Cluster {
         cmd
     }
 
+    /// `rlhf-head submit --config-name ppo_tiny` from the repository with every output under
+    /// `out` and then `overrides`; returns the job id.
+    pub fn submit_ppo_tiny(&self, out: &Path, overrides: &[String]) -> Result<String> {
+        let res = Command::new(bin("rlhf-head"))
+            .args(["submit", "--config-name", "ppo_tiny"])
+            .args(overrides)
+            .args(output_overrides(out))
+            .args(["--address", &self.address(), "--connect-timeout", "5"])
+            .arg("--token-file")
+            .arg(self.token_file())
+            .current_dir(std::fs::canonicalize(repo_root())?)
+            .env_remove("RLHF_TOKEN")
+            .output()?;
+        let text = String::from_utf8_lossy(&res.stdout);
+        if !res.status.success() {
+            bail!(
+                "submit failed ({}): {text}{}",
+                res.status,
+                String::from_utf8_lossy(&res.stderr)
+            );
+        }
+        Ok(text
+            .split_whitespace()
+            .find(|w| w.starts_with("job-"))
+            .with_context(|| format!("no job id in: {text}"))?
+            .to_string())
+    }
+
     /// Starts a head on a free port with the given extra flags and waits until it serves.
     pub fn start(head_args: &[&str]) -> Result<Cluster> {
         let dir = tempfile::tempdir()?;

@@ -31,6 +31,7 @@ fn submit_req(name: &str) -> pb::SubmitJobRequest {
         config_name: name.into(),
         overrides: vec![],
         metrics_file: String::new(),
+        samples_file: String::new(),
     }
 }
 
@@ -403,26 +404,13 @@ fn submit_ppo_tiny_then_stop_it() -> Result<()> {
 /// `rlhf-head submit` of ppo_tiny for `iters` steps (a checkpoint every `save_steps`) from the
 /// repository, every output under `out_dir`; returns the job id.
 fn submit_tiny(c: &Cluster, out_dir: &Path, iters: u32, save_steps: u32) -> Result<String> {
-    let repo = std::fs::canonicalize(Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."))?;
-    let out = Command::new(bin("rlhf-head"))
-        .args(["submit", "--config-name", "ppo_tiny"])
-        .args([
+    c.submit_ppo_tiny(
+        out_dir,
+        &[
             format!("training.train_iters={iters}"),
             format!("checkpoint.save_steps={save_steps}"),
-        ])
-        .args(rlhf_e2e::output_overrides(out_dir))
-        .args(["--address", &c.address(), "--connect-timeout", "5"])
-        .arg("--token-file")
-        .arg(c.token_file())
-        .current_dir(&repo)
-        .env_remove("RLHF_TOKEN")
-        .output()?;
-    let text = ok_stdout(&out, "submit")?;
-    Ok(text
-        .split_whitespace()
-        .find(|w| w.starts_with("job-"))
-        .with_context(|| format!("no job id in: {text}"))?
-        .to_string())
+        ],
+    )
 }
 
 /// `job status --format json` of job `id` once it has ended.

@@ -47,7 +47,7 @@ pub fn last_error_line(log: &str) -> Option<String> {
         .map(|e| e.trim().to_string())
 }
 
-pub(super) fn read_tail(path: &Path, bytes: u64) -> String {
+pub(crate) fn read_tail(path: &Path, bytes: u64) -> String {
     let Ok(mut f) = std::fs::File::open(path) else {
         return String::new();
     };
@@ -58,7 +58,7 @@ pub(super) fn read_tail(path: &Path, bytes: u64) -> String {
     String::from_utf8_lossy(&buf).into_owned()
 }
 
-pub(super) fn last_nonempty_line(path: &Path) -> Option<String> {
+pub(crate) fn last_nonempty_line(path: &Path) -> Option<String> {
     read_tail(path, 16 * 1024)
         .lines()
         .rev()

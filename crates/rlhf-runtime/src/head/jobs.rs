@@ -32,8 +32,9 @@ const ERROR_SCAN_BYTES: u64 = 64 * 1024;
 /// Recent ids listed when a job id is unknown.
 const RECENT_IDS: usize = 5;
 
-use super::job_driver::{driver_alive, last_nonempty_line, new_job_id, read_tail, signal_group};
+use super::job_driver::{driver_alive, new_job_id, signal_group};
 pub use super::job_driver::{fmt_utc_ms, last_error_line};
+pub(crate) use super::job_driver::{last_nonempty_line, read_tail};
 pub use super::job_state::{state_ended, state_name, state_text, JobState};
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -50,6 +51,9 @@ pub struct JobRecord {
     pub error: String,
     pub pid: i32,
     pub metrics_file: String,
+    /// The config's `logging.samples_file` (the dashboard's sample table).
+    #[serde(default)]
+    pub samples_file: String,
     /// Why a stop was asked for (empty: none); the job ends STOPPED with this reason.
     pub stop_reason: String,
     /// How a failed job failed, as its driver recorded it (`outcome.json`).
@@ -251,6 +255,26 @@ impl Jobs {
         }
     }
 
+    /// The metrics and samples files of a job, for the dashboard. As for `job status`, only
+    /// JSONL files are named (the paths come from the submitter).
+    pub fn files(&self, id: &str) -> Option<crate::dashboard::JobFiles> {
+        let r = self.get(id).ok()?;
+        let jsonl = |p: &str| {
+            let p = PathBuf::from(p);
+            p.extension().is_some_and(|e| e == "jsonl").then_some(p)
+        };
+        let in_dir = self.job_dir(id).join(METRICS_FILE);
+        let metrics = if in_dir.exists() {
+            Some(in_dir)
+        } else {
+            jsonl(&r.metrics_file)
+        };
+        Some(crate::dashboard::JobFiles {
+            metrics,
+            samples: jsonl(&r.samples_file),
+        })
+    }
+
     /// The job with the last line of its metrics: `<job dir>/metrics.jsonl` if the driver
     /// wrote one, else the config's `logging.metrics_file`.
     pub fn info_with_metrics(&self, id: &str) -> Result<pb::JobInfo> {
@@ -304,6 +328,7 @@ impl Jobs {
             error: String::new(),
             pid: 0,
             metrics_file: req.metrics_file,
+            samples_file: req.samples_file,
             stop_reason: String::new(),
             failure: None,
             seq: 0,

@@ -82,6 +82,7 @@ fn submit(j: &Jobs) -> JobRecord {
         config_name: "ppo_tiny".into(),
         overrides: vec!["training.train_iters=1".into()],
         metrics_file: String::new(),
+        samples_file: String::new(),
     })
     .unwrap()
 }
@@ -335,6 +336,7 @@ fn running_record(id: &str, pid: i32) -> JobRecord {
         error: String::new(),
         pid,
         metrics_file: String::new(),
+        samples_file: String::new(),
         stop_reason: String::new(),
         failure: None,
         seq: 0,
@@ -427,6 +429,7 @@ async fn restart_fails_jobs_whose_driver_is_gone() {
             error: String::new(),
             pid: dead_pid,
             metrics_file: String::new(),
+            samples_file: String::new(),
             stop_reason: String::new(),
             failure: None,
             seq: 0,

@@ -402,6 +402,26 @@ impl HeadService for Head {
         Ok(Response::new(pb::ReportActorExitResponse {}))
     }
 
+    async fn report_actor_usage(
+        &self,
+        req: Request<pb::ReportActorUsageRequest>,
+    ) -> std::result::Result<Response<pb::ReportActorUsageResponse>, Status> {
+        let r = req.into_inner();
+        validate::name(&r.node_id, "ReportActorUsageRequest.node_id", false)?;
+        if r.actors.len() > validate::MAX_ACTORS_PER_NODE {
+            return Err(Status::invalid_argument(format!(
+                "ReportActorUsageRequest.actors: {} entries, at most {} allowed",
+                r.actors.len(),
+                validate::MAX_ACTORS_PER_NODE
+            )));
+        }
+        self.lock().actor_usage(
+            &r.node_id,
+            r.actors.iter().map(|a| (a.actor_id.as_str(), a.rss_bytes)),
+        );
+        Ok(Response::new(pb::ReportActorUsageResponse {}))
+    }
+
     async fn cluster_status(
         &self,
         _req: Request<pb::ClusterStatusRequest>,

@@ -17,7 +17,27 @@ use super::store::Store;
 use super::{jobs, liveness, Head, HeadHandle, HeadOptions, Inner};
 use crate::auth::CheckToken;
 use crate::clock::Clock;
+use crate::dashboard::JobFiles;
 use crate::net;
+use crate::prom::{RpcMetrics, RpcTimerLayer};
+
+/// What the dashboard reads of the head.
+struct DashSource {
+    head: Head,
+    rpc: Arc<RpcMetrics>,
+}
+
+impl crate::dashboard::Source for DashSource {
+    fn status(&self) -> rlhf_proto::v1::ClusterStatusResponse {
+        self.head.status()
+    }
+    fn job_files(&self, job_id: &str) -> Option<JobFiles> {
+        self.head.0.jobs.files(job_id)
+    }
+    fn rpc(&self) -> &RpcMetrics {
+        &self.rpc
+    }
+}
 
 /// The address a job driver on this machine uses to reach the head.
 fn local_head_address(host: &str, addr: SocketAddr) -> String {
@@ -35,7 +55,7 @@ pub async fn start(
     shutdown: CancellationToken,
 ) -> Result<HeadHandle> {
     // TLS files are checked before anything binds.
-    let mut builder = opts.tls.server()?;
+    let builder = opts.tls.server()?;
     let listener = net::bind(&opts.host, opts.port, "--port").await?;
     let addr = listener
         .local_addr()
@@ -109,6 +129,7 @@ pub async fn start(
         }
     });
 
+    let rpc = Arc::new(RpcMetrics::default());
     let dashboard = match dash_listener {
         Some(l) => {
             let h = head.clone();
@@ -122,7 +143,10 @@ pub async fn start(
             };
             Some(crate::dashboard::serve(
                 l,
-                Arc::new(move || h.status()),
+                Arc::new(DashSource {
+                    head: h,
+                    rpc: rpc.clone(),
+                }),
                 access,
                 shutdown.clone(),
             )?)
@@ -138,7 +162,7 @@ pub async fn start(
     );
     let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
     let sd = shutdown.clone();
-    let router = builder.add_service(svc);
+    let router = builder.layer(RpcTimerLayer(rpc)).add_service(svc);
     let server = tokio::spawn(async move {
         if let Err(e) = router
             .serve_with_incoming_shutdown(incoming, sd.cancelled_owned())

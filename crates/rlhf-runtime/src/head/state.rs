@@ -103,6 +103,10 @@ pub struct ActorRecord {
     pub exit: Option<ActorExit>,
     pub devices: Vec<u32>,
     pub log_file: String,
+    /// Resident memory as the worker last sampled it; held in memory only (a sample every
+    /// few seconds is not worth a database write).
+    #[serde(skip)]
+    pub rss_bytes: u64,
 }
 
 /// What a worker says about an actor it is running (at registration).
@@ -490,6 +494,7 @@ impl HeadState {
             exit: None,
             devices: Vec::new(),
             log_file: String::new(),
+            rss_bytes: 0,
         };
         self.actors.insert(rec.actor_id.clone(), rec.clone());
         self.save_actor(&rec.actor_id)?;
@@ -512,6 +517,22 @@ impl HeadState {
             a.log_file = log_file;
         }
         self.save_actor(actor_id)
+    }
+
+    /// A worker's memory sample of its actors; entries for actors that are not on that node
+    /// (or are unknown) are ignored, so a node cannot write another node's numbers.
+    pub fn actor_usage<'a>(
+        &mut self,
+        node_id: &str,
+        usage: impl IntoIterator<Item = (&'a str, u64)>,
+    ) {
+        for (id, rss) in usage {
+            if let Some(a) = self.actors.get_mut(id) {
+                if a.node_id == node_id && a.state != ActorState::Dead {
+                    a.rss_bytes = rss;
+                }
+            }
+        }
     }
 
     pub fn actor_died(

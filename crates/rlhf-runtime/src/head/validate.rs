@@ -19,6 +19,8 @@ const MAX_AMOUNT: f64 = 1e15;
 pub const MAX_NAME: usize = 128;
 /// Longest host name (DNS allows 253).
 const MAX_HOST: usize = 253;
+/// Most actors one node reports at once (usage samples).
+pub const MAX_ACTORS_PER_NODE: usize = 4096;
 /// Longest wait a client may ask the head for.
 pub const MAX_WAIT: Duration = Duration::from_secs(24 * 3600);
 

@@ -4,6 +4,7 @@
 //! processes, reporting each exit (code, signal, last log lines) to the head.
 
 mod heartbeat;
+mod usage;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -498,6 +499,7 @@ pub async fn run(opts: WorkerOptions, shutdown: CancellationToken) -> Result<()>
     tracing::info!(node = %reg.node_id, "registered");
     let interval = Duration::from_millis(reg.heartbeat_interval_ms.clamp(50, 10_000));
 
+    tokio::spawn(usage::run(agent.clone(), shutdown.clone()));
     let result = heartbeat::run(&agent, &resources, &address, interval, reg, &shutdown).await;
     agent.stop_all(Duration::from_secs(3)).await;
     shutdown.cancel();
