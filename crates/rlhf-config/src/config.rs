@@ -522,6 +522,12 @@ pub struct LoggingConfig {
     /// Show a progress bar with ETA.
     pub progress: bool,
 }
+    /// Directory of TensorBoard event files (empty = off). Set, it turns the tensorboard
+    /// backend on whether or not `backends` lists it.
+    pub tensorboard_dir: String,
+    /// Where metrics go: `jsonl` (`metrics_file`, `samples_file`) and/or `tensorboard`
+    /// (`tensorboard_dir`).
+    pub backends: Vec<LogBackend>,
 
 impl Default for LoggingConfig {
     fn default() -> Self {
@@ -532,10 +538,35 @@ impl Default for LoggingConfig {
             sample_rows: 4,
             progress: true,
         }
+            tensorboard_dir: String::new(),
+            backends: vec![LogBackend::Jsonl],
     }
 }
 
 /// One `defaults` entry: `- model: NAME` or `- model: [NAME, ...]`.
+impl LoggingConfig {
+    /// The JSONL metrics and samples files are written (`backends` lists `jsonl`).
+    pub fn jsonl(&self) -> bool {
+        self.backends.contains(&LogBackend::Jsonl)
+    }
+
+    /// TensorBoard event files are written: `tensorboard_dir` is set (`backends` listing
+    /// `tensorboard` without it is refused at load).
+    pub fn tensorboard(&self) -> bool {
+        !self.tensorboard_dir.is_empty()
+    }
+}
+
+/// A destination of the per-step metrics (`logging.backends`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogBackend {
+    /// `logging.metrics_file` and `logging.samples_file`, one JSON object per line.
+    Jsonl,
+    /// TensorBoard event files under `logging.tensorboard_dir`.
+    Tensorboard,
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DefaultsEntry {
@@ -808,6 +839,7 @@ mod absolutize_tests {
             Some("/base/models/tiny")
         );
         let mut big = crate::load(&dir, "ppo_llama32_1b", &[]).unwrap();
+        abs(base, &mut self.logging.tensorboard_dir);
         let names: Vec<String> = big.models.keys().cloned().collect();
         big.absolutize_paths(std::path::Path::new("/base"));
         if names.contains(&big.actor_rollout.model) {

@@ -97,6 +97,8 @@ pub const KEY_DOCS: &[(&str, &str)] = &[
     ("logging.sample_every", "Print and save a (query, response, score) table every N steps (0 = never)."),
     ("logging.sample_rows", "Rows per sample table."),
     ("logging.progress", "Show a progress bar with ETA and key metrics."),
+    ("logging.tensorboard_dir", "Directory of TensorBoard event files, one scalar per metric and step plus the sample tables as text (empty = off); set, it turns the tensorboard backend on even if logging.backends does not list it. Each start writes a new event file that hides the points of later steps in the older files (a resumed run keeps the steps up to its checkpoint, a fresh run none), so each step shows once."),
+    ("logging.backends", "Where metrics go: jsonl (logging.metrics_file and logging.samples_file; `rlhf-head job status` and the dashboard read that metrics file) and/or tensorboard (needs logging.tensorboard_dir). A list without jsonl writes no JSONL files."),
     ("fault_tolerance.max_restarts", "Automatic restarts when a role process or its node dies: every role is placed again and reloads the newest complete checkpoint (from the start without one), then the run goes on; 0 = fail at the first death (continue by hand with --resume latest)."),
     ("fault_tolerance.restart_backoff_s", "Seconds to wait between a death and the restart."),
 ];
@@ -161,6 +163,11 @@ fn inline(v: &Value) -> String {
     match v {
         Value::Null => "null".into(),
         Value::String(s) if s.is_empty() => "\"\"".into(),
+        // Flow style, as a list is written in an override: `[a, b]`.
+        Value::Sequence(items) => format!(
+            "[{}]",
+            items.iter().map(inline).collect::<Vec<_>>().join(", ")
+        ),
         other => serde_norway::to_string(other)
             .map(|s| s.trim().to_string())
             .unwrap_or_default(),

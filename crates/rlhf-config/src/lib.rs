@@ -41,9 +41,9 @@ mod validate;
 pub use asynchrony::{AsyncConfig, AsyncMode};
 pub use config::{
     ActorRolloutConfig, BadRows, CheckpointConfig, CriticConfig, DataConfig, DataFormat,
-    DefaultsEntry, DeviceKind, LoggingConfig, LrDecayStyle, OneOrMany, PpoConfig, PromptOverflow,
-    RefConfig, ResourcePool, RewardConfig, RewardKind, RoleKind, RoleModel, TrainingConfig,
-    TrainingOverrides,
+    DefaultsEntry, DeviceKind, LogBackend, LoggingConfig, LrDecayStyle, OneOrMany, PpoConfig,
+    PromptOverflow, RefConfig, ResourcePool, RewardConfig, RewardKind, RoleKind, RoleModel,
+    TrainingConfig, TrainingOverrides,
 };
 pub use error::{ConfigError, Result};
 pub use fault::FaultToleranceConfig;

@@ -1,7 +1,7 @@
 //! Load-time validation: every rule runs, every failure is reported with the
 //! keys and numbers involved and what to change.
 
-use crate::config::{PpoConfig, RewardKind, RoleKind};
+use crate::config::{LogBackend, PpoConfig, RewardKind, RoleKind};
 use crate::error::{ConfigError, Result};
 
 /// Runs every rule; `Err(Invalid)` lists all failures at once.
@@ -304,6 +304,10 @@ pub fn problems(cfg: &PpoConfig) -> Vec<String> {
     }
     if cfg.checkpoint.dir.is_empty() {
         e.push("checkpoint.dir is empty".into());
+    }
+    let logging = &cfg.logging;
+    if logging.backends.contains(&LogBackend::Tensorboard) && logging.tensorboard_dir.is_empty() {
+        e.push("logging.backends lists tensorboard but logging.tensorboard_dir is empty; set logging.tensorboard_dir to the directory of the event files (e.g. logging.tensorboard_dir=runs/my_job) or remove tensorboard from logging.backends".into());
     }
     if !(pool.device_memory_gb > 0.0 && pool.device_memory_gb.is_finite()) {
         e.push(format!(

@@ -1,8 +1,9 @@
 //! How a job tells what it does. The loop and the algorithm never print: they emit closed
 //! [`Event`]s to a [`Reporter`]. The default reporters are the console (progress line with
 //! ETA, sample tables, one line per milestone), the JSONL metrics file and the JSONL samples
-//! file; a caller adds its own (a test records events, a tracker backend sends metrics
-//! elsewhere) through [`crate::DriverOptions::reporters`]. Every event is also a `tracing`
+//! file (`logging.backends`), and TensorBoard event files (`logging.tensorboard_dir`); a
+//! caller adds its own (a test records events, a tracker backend sends metrics elsewhere)
+//! through [`crate::DriverOptions::reporters`]. Every event is also a `tracing`
 //! record under the target `rlhf::job`, so the log file of a submitted job has them whatever
 //! the console shows.
 
@@ -14,6 +15,7 @@ use rlhf_config::PpoConfig;
 use rlhf_core::Result;
 
 use crate::output::{sample_table, MetricsLog, Progress, Sample, SampleLog};
+use crate::tensorboard::EventWriter;
 
 /// The prompt set as loaded.
 #[derive(Debug, Clone, PartialEq)]
@@ -96,22 +98,35 @@ impl Reporters {
         all
     }
 
-    /// The JSONL files the config asks for (`logging.metrics_file`, `logging.samples_file`).
-    /// `keep_through`: the last step of the run being resumed (later lines of the metrics
-    /// file belong to an abandoned run and go).
+    /// The files the config asks for: with the `jsonl` backend `logging.metrics_file` and
+    /// `logging.samples_file`, with `logging.tensorboard_dir` a new TensorBoard event file.
+    /// `keep_through`: the last step of the run being resumed (later steps belong to an
+    /// abandoned run: their JSONL lines go, and TensorBoard hides their points).
     pub fn add_files(&mut self, cfg: &PpoConfig, keep_through: Option<u64>) -> Result<()> {
         let logging = &cfg.logging;
         // A restart reopens them: the lines of steps after the checkpoint go.
         self.files.clear();
-        self.files.push(Box::new(MetricsFile(MetricsLog::open(
-            Path::new(&logging.metrics_file),
-            keep_through,
-        )?)));
-        if !logging.samples_file.is_empty() {
-            self.files.push(Box::new(SamplesFile(SampleLog::open(
-                Path::new(&logging.samples_file),
+        if logging.jsonl() {
+            self.files.push(Box::new(MetricsFile(MetricsLog::open(
+                Path::new(&logging.metrics_file),
                 keep_through,
             )?)));
+            if !logging.samples_file.is_empty() {
+                self.files.push(Box::new(SamplesFile(SampleLog::open(
+                    Path::new(&logging.samples_file),
+                    keep_through,
+                )?)));
+            }
+        }
+        if logging.tensorboard() {
+            // This attempt's first step: TensorBoard drops the points of that step and
+            // later ones from the older files of the directory.
+            let first = keep_through.unwrap_or(0).saturating_add(1);
+            self.files
+                .push(Box::new(TensorBoardFile(EventWriter::create(
+                    Path::new(&logging.tensorboard_dir),
+                    first,
+                )?)));
         }
         Ok(())
     }
@@ -290,6 +305,23 @@ impl Reporter for SamplesFile {
     }
 }
 
+/// Every step's metrics as TensorBoard scalars and the due samples as a text table
+/// (`logging.tensorboard_dir`).
+pub struct TensorBoardFile(pub EventWriter);
+
+impl Reporter for TensorBoardFile {
+    fn report(&mut self, event: &Event<'_>) -> Result<()> {
+        match event {
+            Event::Step {
+                step,
+                metrics,
+                samples,
+            } => self.0.write_step(*step, metrics, *samples),
+            _ => Ok(()),
+        }
+    }
+}
+
 /// An owned copy of an event, as a [`Recorder`] keeps it.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Recorded {
@@ -449,6 +481,60 @@ mod tests {
         let s = std::fs::read_to_string(d.path().join("s.jsonl")).unwrap();
         assert_eq!(s.lines().count(), 1, "only the step with due samples: {s}");
         assert!(s.contains("\"step\":1"), "{s}");
+    }
+
+    #[test]
+    fn backends_choose_the_files_and_a_tensorboard_dir_adds_an_event_file() {
+        let d = tempfile::tempdir().unwrap();
+        let mut cfg = PpoConfig::default();
+        cfg.logging.progress = false;
+        cfg.logging.metrics_file = d.path().join("m.jsonl").to_string_lossy().into();
+        cfg.logging.samples_file = d.path().join("s.jsonl").to_string_lossy().into();
+        let tb = d.path().join("tb");
+        let event_files = || {
+            std::fs::read_dir(&tb).map_or(0, |r| {
+                r.filter(|e| {
+                    e.as_ref()
+                        .is_ok_and(|e| e.file_name().to_string_lossy().contains("tfevents"))
+                })
+                .count()
+            })
+        };
+        let metrics: BTreeMap<String, f64> = [(metric::OBJECTIVE_SCORES.to_string(), 0.5)].into();
+        let step = |all: &mut Reporters, step| {
+            all.report(&Event::Step {
+                step,
+                metrics: &metrics,
+                samples: None,
+            })
+            .unwrap()
+        };
+        // A tensorboard_dir alone: both the JSONL files and an event file.
+        cfg.logging.tensorboard_dir = tb.to_string_lossy().into();
+        let mut all = Reporters::console(&cfg, 0);
+        all.add_files(&cfg, None).unwrap();
+        step(&mut all, 1);
+        assert!(d.path().join("m.jsonl").exists());
+        assert_eq!(event_files(), 1);
+        // Each (re)start opens a new event file.
+        all.add_files(&cfg, Some(1)).unwrap();
+        assert_eq!(event_files(), 2);
+        // Without jsonl in backends no JSONL file is opened.
+        std::fs::remove_file(d.path().join("m.jsonl")).unwrap();
+        cfg.logging.backends = vec![rlhf_config::LogBackend::Tensorboard];
+        let mut all = Reporters::console(&cfg, 0);
+        all.add_files(&cfg, None).unwrap();
+        step(&mut all, 1);
+        assert!(!d.path().join("m.jsonl").exists());
+        assert_eq!(event_files(), 3);
+        // jsonl alone, no directory: no event file.
+        cfg.logging.backends = vec![rlhf_config::LogBackend::Jsonl];
+        cfg.logging.tensorboard_dir.clear();
+        let mut all = Reporters::console(&cfg, 0);
+        all.add_files(&cfg, None).unwrap();
+        step(&mut all, 1);
+        assert!(d.path().join("m.jsonl").exists());
+        assert_eq!(event_files(), 3);
     }
 
     #[test]
