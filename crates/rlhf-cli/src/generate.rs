@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{anyhow, bail, Context};
 use clap::{Args, ValueEnum};
+use rlhf_model::hub::{Error as HubError, Hub};
 use rlhf_model::{
     generate, ChatMessage, FinishReason, GeneratedSequence, GenerationConfig, LoadOptions, Model,
     Tokenizer,
@@ -27,9 +28,12 @@ pub enum OutputFormat {
 /// Arguments of `rlhf generate`.
 #[derive(Debug, Clone, Args)]
 pub struct GenerateArgs {
-    /// HF model directory (config.json, safetensors weights, tokenizer.json).
-    #[arg(long, value_name = "DIR")]
-    pub model: PathBuf,
+    /// HF model directory (config.json, safetensors weights, tokenizer.json), or a Hugging
+    /// Face repo id (`owner/name`, `owner/name@revision`) looked up in the local HF cache
+    /// (`$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `~/.cache/huggingface/hub`) and downloaded
+    /// into it when missing, unless `HF_HUB_OFFLINE=1`.
+    #[arg(long, value_name = "DIR|OWNER/NAME")]
+    pub model: String,
 
     /// One prompt.
     #[arg(
@@ -372,30 +376,43 @@ fn finish_reason(f: FinishReason) -> &'static str {
     }
 }
 
+/// The model directory `--model` names: an existing directory as it is, else a Hub repo id
+/// through the local HF cache (downloaded when missing and online; progress on stderr).
+fn resolve_model(spec: &str) -> anyhow::Result<PathBuf> {
+    let hub = Hub::from_env().with_log(|msg| eprintln!("{msg}"));
+    match hub.resolve_model(spec) {
+        Ok(dir) => Ok(dir),
+        // A path that does not exist: say so plainly rather than why it is not a repo id.
+        Err(HubError::InvalidSpec { .. })
+            if spec.starts_with('/') || spec.starts_with('.') || spec.contains('\\') =>
+        {
+            bail!(
+                "model directory {spec} does not exist (expected an HF checkpoint directory \
+                 with config.json, or a Hugging Face repo id such as owner/name)"
+            )
+        }
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// Runs `rlhf generate`.
 pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     if args.batch_size == 0 {
         bail!("--batch-size must be at least 1");
     }
-    if !args.model.is_dir() {
-        bail!(
-            "model directory {} does not exist (expected an HF checkpoint directory with \
-             config.json)",
-            args.model.display()
-        );
-    }
     let prompts = read_prompts(args)?;
-    let tokenizer = Tokenizer::from_dir(&args.model)?;
+    let model_dir = resolve_model(&args.model)?;
+    let tokenizer = Tokenizer::from_dir(&model_dir)?;
     if args.chat && tokenizer.chat_template().is_none() {
         bail!(
             "--chat: the tokenizer in {} has no chat template (no chat_template in \
              tokenizer_config.json, no chat_template.jinja); drop --chat to use the prompt as \
              plain text",
-            args.model.display()
+            model_dir.display()
         );
     }
     let prepared = prepare(&prompts, &tokenizer, args)?;
-    check_causal_lm(&args.model)?;
+    check_causal_lm(&model_dir)?;
     let dtype = match args.dtype {
         DtypeArg::F32 => rlhf_model::DType::F32,
         DtypeArg::Bf16 => rlhf_model::DType::BF16,
@@ -404,7 +421,7 @@ pub fn run(args: &GenerateArgs, out: &mut dyn Write) -> anyhow::Result<()> {
     let opts = LoadOptions::inference()
         .with_device(args.device.open()?)
         .with_dtype(dtype);
-    let model = Model::load(&args.model, &opts)?;
+    let model = Model::load(&model_dir, &opts)?;
     let cfg = generation_config(&model, &tokenizer, args)?;
 
     let mut first = true;

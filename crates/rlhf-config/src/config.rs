@@ -105,7 +105,8 @@ training_keys! {
     logits_chunk_size: u32 = 1024,
     /// Seed of every RNG the job uses (sampling, shuffling, init).
     seed: u64 = 1234,
-    /// Tokenizer directory (HF `tokenizer.json`); unset = the role's model directory.
+    /// Tokenizer directory (HF `tokenizer.json`) or Hugging Face repo id (`owner/name`,
+    /// through the local HF cache); unset = the role's model.
     tokenizer_name_or_path: Option<String> = None,
 }
 
@@ -521,13 +522,13 @@ pub struct LoggingConfig {
     pub sample_rows: u32,
     /// Show a progress bar with ETA.
     pub progress: bool,
-}
     /// Directory of TensorBoard event files (empty = off). Set, it turns the tensorboard
     /// backend on whether or not `backends` lists it.
     pub tensorboard_dir: String,
     /// Where metrics go: `jsonl` (`metrics_file`, `samples_file`) and/or `tensorboard`
     /// (`tensorboard_dir`).
     pub backends: Vec<LogBackend>,
+}
 
 impl Default for LoggingConfig {
     fn default() -> Self {
@@ -537,13 +538,12 @@ impl Default for LoggingConfig {
             sample_every: 10,
             sample_rows: 4,
             progress: true,
-        }
             tensorboard_dir: String::new(),
             backends: vec![LogBackend::Jsonl],
+        }
     }
 }
 
-/// One `defaults` entry: `- model: NAME` or `- model: [NAME, ...]`.
 impl LoggingConfig {
     /// The JSONL metrics and samples files are written (`backends` lists `jsonl`).
     pub fn jsonl(&self) -> bool {
@@ -567,6 +567,7 @@ pub enum LogBackend {
     Tensorboard,
 }
 
+/// One `defaults` entry: `- model: NAME` or `- model: [NAME, ...]`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct DefaultsEntry {
@@ -752,7 +753,7 @@ impl PpoConfig {
             });
         }
         let path = PathBuf::from(&name);
-        let arch = ModelConfig::from_hf_dir(&path).ok();
+        let arch = ModelConfig::from_hf_dir(&cached_dir(&path)).ok();
         Some(RoleModel {
             name,
             path: Some(path),
@@ -766,21 +767,42 @@ impl PpoConfig {
     }
 }
 
+/// Where `config.json` of a model path is on this machine, without downloading: the
+/// directory itself, or the cached snapshot of a Hub repo id (the directory as given when
+/// the cache does not hold it, so that reading it fails as before).
+fn cached_dir(path: &std::path::Path) -> PathBuf {
+    let located = path
+        .to_str()
+        .map(|s| rlhf_hub::Hub::from_env().locate(s, rlhf_hub::Need::Config));
+    match located {
+        Some(Ok(rlhf_hub::Located::Cached { dir, .. })) => dir,
+        _ => path.to_path_buf(),
+    }
+}
+
 impl PpoConfig {
     /// Makes every file path of the job absolute against `base` (the directory the job was
     /// started from), so the config means the same thing in a role process, in a job the
     /// head runs, or on another node with the same shared filesystem. Model names that are
     /// keys of `models` (from `defaults`) are left alone; their `path` is resolved instead.
+    /// A model or tokenizer path that does not exist under `base` but is a Hugging Face repo
+    /// id (`owner/name[@revision]`) stays the id: each role process resolves it through its
+    /// own node's HF cache.
     pub fn absolutize_paths(&mut self, base: &std::path::Path) {
         fn abs(base: &std::path::Path, p: &mut String) {
             if !p.is_empty() && std::path::Path::new(p.as_str()).is_relative() {
                 *p = base.join(p.as_str()).to_string_lossy().into_owned();
             }
         }
+        fn abs_or_repo_id(base: &std::path::Path, p: &mut String) {
+            if !rlhf_hub::is_repo_id(p) || base.join(p.as_str()).exists() {
+                abs(base, p);
+            }
+        }
         let models: Vec<String> = self.models.keys().cloned().collect();
         let model = |p: &mut String| {
             if !models.contains(p) {
-                abs(base, p);
+                abs_or_repo_id(base, p);
             }
         };
         model(&mut self.actor_rollout.model);
@@ -789,11 +811,11 @@ impl PpoConfig {
         model(&mut self.reward.model);
         for m in self.models.values_mut() {
             if let Some(p) = m.path.as_mut() {
-                abs(base, p);
+                abs_or_repo_id(base, p);
             }
         }
         if let Some(p) = self.training.tokenizer_name_or_path.as_mut() {
-            abs(base, p);
+            abs_or_repo_id(base, p);
         }
         for o in [
             &mut self.actor_rollout.overrides,
@@ -802,7 +824,7 @@ impl PpoConfig {
             &mut self.reward.overrides,
         ] {
             if let Some(Some(p)) = o.tokenizer_name_or_path.as_mut() {
-                abs(base, p);
+                abs_or_repo_id(base, p);
             }
         }
         if let Some(p) = self.actor_rollout.fixed_responses_file.as_mut() {
@@ -817,6 +839,7 @@ impl PpoConfig {
         }
         abs(base, &mut self.logging.metrics_file);
         abs(base, &mut self.logging.samples_file);
+        abs(base, &mut self.logging.tensorboard_dir);
     }
 }
 
@@ -827,7 +850,8 @@ mod absolutize_tests {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs");
         let mut cfg = crate::load(&dir, "ppo_tiny", &[]).unwrap();
         cfg.absolutize_paths(std::path::Path::new("/base"));
-        assert_eq!(cfg.actor_rollout.model, "/base/models/tiny");
+        // No /base/models/tiny: the name stays, as a Hugging Face repo id would.
+        assert_eq!(cfg.actor_rollout.model, "models/tiny");
         assert_eq!(cfg.data.path, "/base/data/prompts_tiny.jsonl");
         assert_eq!(cfg.checkpoint.dir, "/base/checkpoints/ppo_tiny");
         assert_eq!(
@@ -836,10 +860,23 @@ mod absolutize_tests {
         );
         assert_eq!(
             cfg.training.tokenizer_name_or_path.as_deref(),
-            Some("/base/models/tiny")
+            Some("models/tiny")
+        );
+        // Under the repository root models/tiny exists, and becomes absolute.
+        let root = dir.join("..");
+        let mut cfg = crate::load(&dir, "ppo_tiny", &[]).unwrap();
+        cfg.absolutize_paths(&root);
+        assert_eq!(
+            std::path::Path::new(&cfg.actor_rollout.model),
+            root.join("models/tiny")
+        );
+        assert_eq!(
+            cfg.training
+                .tokenizer_name_or_path
+                .map(std::path::PathBuf::from),
+            Some(root.join("models/tiny"))
         );
         let mut big = crate::load(&dir, "ppo_llama32_1b", &[]).unwrap();
-        abs(base, &mut self.logging.tensorboard_dir);
         let names: Vec<String> = big.models.keys().cloned().collect();
         big.absolutize_paths(std::path::Path::new("/base"));
         if names.contains(&big.actor_rollout.model) {
@@ -847,8 +884,46 @@ mod absolutize_tests {
         }
         for m in big.models.values() {
             if let Some(p) = &m.path {
-                assert!(std::path::Path::new(p).is_absolute(), "{p}");
+                assert!(
+                    std::path::Path::new(p).is_absolute() || rlhf_hub::is_repo_id(p),
+                    "{p}"
+                );
             }
         }
+    }
+
+    #[test]
+    fn hub_repo_ids_stay_ids_and_paths_that_are_not_ids_become_absolute() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs");
+        let mut cfg = crate::load(
+            &dir,
+            "ppo_tiny",
+            &[
+                "actor_rollout.model=Qwen/Qwen2.5-0.5B-Instruct".to_string(),
+                "ref.model=Qwen/Qwen2.5-0.5B-Instruct@v1.0".to_string(),
+                "critic.model=../critic".to_string(),
+                "training.tokenizer_name_or_path=gpt2".to_string(),
+            ],
+        )
+        .unwrap();
+        cfg.absolutize_paths(std::path::Path::new("/base"));
+        assert_eq!(cfg.actor_rollout.model, "Qwen/Qwen2.5-0.5B-Instruct");
+        assert_eq!(cfg.ref_.model, "Qwen/Qwen2.5-0.5B-Instruct@v1.0");
+        assert_eq!(cfg.critic.model, "/base/../critic");
+        assert_eq!(cfg.training.tokenizer_name_or_path.as_deref(), Some("gpt2"));
+        // A relative directory that exists under the base wins over the id reading.
+        let tmp = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(tmp.path().join("Qwen/Qwen2.5-0.5B-Instruct")).unwrap();
+        let mut cfg = crate::load(
+            &dir,
+            "ppo_tiny",
+            &["actor_rollout.model=Qwen/Qwen2.5-0.5B-Instruct".to_string()],
+        )
+        .unwrap();
+        cfg.absolutize_paths(tmp.path());
+        assert_eq!(
+            std::path::Path::new(&cfg.actor_rollout.model),
+            tmp.path().join("Qwen/Qwen2.5-0.5B-Instruct")
+        );
     }
 }

@@ -38,7 +38,7 @@ pub const KEY_DOCS: &[(&str, &str)] = &[
     ("algorithm.norm_adv_by_std_in_grpo", "GRPO: divide by the group std (false = Dr. GRPO)."),
     ("algorithm.grpo_epsilon", "GRPO: added to the group std before dividing."),
     ("algorithm.score_placement", "Where the score enters the token rewards: last_token (the last response token, verl) or trl (one slot past it, values and the value loss extended by that slot, as TRL's PPOTrainer; gae only)."),
-    ("actor_rollout.model", "A model named in `defaults`, or a path to an HF model directory."),
+    ("actor_rollout.model", "A model named in `defaults`, a path to an HF model directory, or a Hugging Face repo id (`owner/name`, `owner/name@revision`) that each role process finds in its node's HF cache (`$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `~/.cache/huggingface/hub`) or downloads into it (not with `HF_HUB_OFFLINE=1`)."),
     ("actor_rollout.do_sample", "Sample during rollout; false decodes greedily (precision alignment)."),
     ("actor_rollout.temperature", "Sampling temperature."),
     ("actor_rollout.top_p", "Nucleus sampling threshold (1.0 = off)."),
@@ -65,8 +65,8 @@ pub const KEY_DOCS: &[(&str, &str)] = &[
     ("actor_rollout.async.mode", "sync (generate, train, sync weights), one_step_off (the next batch is generated while this one trains, with weights one version old) or bounded (the rollout runs up to max_staleness batches ahead; weights sync every max_staleness steps)."),
     ("actor_rollout.async.max_staleness", "Most policy versions a sample may lag the trainer (bounded mode's depth); older samples are dropped and counted in rollout/dropped."),
     ("actor_rollout.async.is_cap", "Async modes: the PPO loss of each token is multiplied by the importance weight pi_old / pi_behaviour truncated at this cap (>= 1)."),
-    ("ref.model", "Model name or path (empty = the actor's model)."),
-    ("critic.model", "Model name or path (empty = the actor's model with a fresh value head)."),
+    ("ref.model", "Model name, path or Hugging Face repo id (empty = the actor's model)."),
+    ("critic.model", "Model name, path or Hugging Face repo id (empty = the actor's model with a fresh value head)."),
     ("critic.cliprange_value", "Value clip range around the rollout values."),
     ("critic.vf_coef", "Weight of the value loss."),
     ("critic.loss_agg_mode", "Value loss reduction (as actor_rollout.loss_agg_mode)."),
@@ -74,7 +74,7 @@ pub const KEY_DOCS: &[(&str, &str)] = &[
     ("critic.critic_update_epochs", "Passes of the critic over each rollout batch."),
     ("critic.shuffle_minibatch", "Shuffle sequences between critic mini-batches."),
     ("reward.kind", "How responses are scored: model, rule or http."),
-    ("reward.model", "Reward model name or path (kind: model)."),
+    ("reward.model", "Reward model name, path or Hugging Face repo id (kind: model)."),
     ("reward.rule", "Built-in rule name (kind: rule)."),
     ("reward.url", "Scoring endpoint, http:// or https:// (kind: http)."),
     ("reward.timeout_s", "Timeout of one scoring call in seconds (kind: http)."),
@@ -107,7 +107,7 @@ pub const KEY_DOCS: &[(&str, &str)] = &[
 pub const MODEL_KEY_DOCS: &[(&str, &str)] = &[
     (
         "path",
-        "HF model directory (weights, config.json, tokenizer).",
+        "HF model directory (weights, config.json, tokenizer), or a Hugging Face repo id (`owner/name[@revision]`) resolved through the local HF cache.",
     ),
     ("model_type", "HF model_type (llama, qwen2, ...)."),
     ("hidden_size", "Width of the residual stream."),
@@ -212,8 +212,14 @@ pub fn config_reference_markdown() -> String {
          checkpoints, logs) are relative to the directory the job is started from.\n\n\
          ## defaults\n\n\
          ```yaml\ndefaults:\n  - model: llama32_1b        # loads configs/model/llama32_1b.yaml\n```\n\n\
-         A role's `model` is either a name listed in `defaults` or a path to an HF model\n\
-         directory (then its `config.json` gives the architecture when present).\n\n",
+         A role's `model` is a name listed in `defaults`, a path to an HF model directory\n\
+         (then its `config.json` gives the architecture when present), or a Hugging Face repo\n\
+         id such as `Qwen/Qwen2.5-0.5B-Instruct` (`@revision` for a branch, tag or commit).\n\
+         An id is looked up in each node's local HF cache (`$HF_HUB_CACHE`, else\n\
+         `$HF_HOME/hub`, else `~/.cache/huggingface/hub`, the layout `huggingface-cli download`\n\
+         writes) by the role process that loads it, and downloaded into that cache when missing\n\
+         (config, tokenizer files, safetensors weights) unless `HF_HUB_OFFLINE=1`. A relative\n\
+         path that does not exist under the start directory but is a valid id is taken as the id.\n\n",
     );
     let schema = config_schema();
     let mut section = String::new();

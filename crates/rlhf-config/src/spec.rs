@@ -133,9 +133,11 @@ pub struct RoleSpec {
     /// generation (`actor_rollout.offload`).
     #[serde(default)]
     pub offload: bool,
-    /// The HF directory to load (absolute); `None` for rule and HTTP rewards.
+    /// The HF directory to load (absolute), or a Hugging Face repo id the role process
+    /// resolves through its node's HF cache; `None` for rule and HTTP rewards.
     pub model_dir: Option<PathBuf>,
-    /// Where the tokenizer files are (copied into checkpoints; EOS / pad ids for sampling).
+    /// Where the tokenizer files are (copied into checkpoints; EOS / pad ids for sampling):
+    /// a directory or, like `model_dir`, a repo id.
     pub tokenizer_dir: Option<PathBuf>,
     pub shapes: Shapes,
     pub seed: u64,
@@ -169,7 +171,10 @@ pub fn tokenizer_dir(cfg: &PpoConfig, model_dir: Option<&std::path::Path>) -> Op
         .or_else(|| model_dir.map(PathBuf::from))
 }
 
-/// The role's HF model directory, checked to hold a `config.json`.
+/// The role's model: an HF model directory, checked to hold a `config.json`, or a Hugging
+/// Face repo id (`owner/name[@revision]`, when no such directory exists), passed on as it is
+/// for the role process to resolve through its own node's HF cache
+/// (`rlhf_model::hub`). Nothing is looked up or downloaded here.
 pub fn model_dir(cfg: &PpoConfig, role: RoleKind) -> Result<PathBuf> {
     let m = cfg.role_model(role).ok_or_else(|| {
         invalid(format!(
@@ -178,13 +183,22 @@ pub fn model_dir(cfg: &PpoConfig, role: RoleKind) -> Result<PathBuf> {
     })?;
     let dir = m.path.unwrap_or_else(|| PathBuf::from(&m.name));
     if !dir.join("config.json").is_file() {
+        if let Some(id) = dir.to_str().filter(|s| is_repo_id_not_dir(s)) {
+            return Ok(PathBuf::from(id));
+        }
         return Err(invalid(format!(
-            "{role} model '{}' is not an HF model directory ({} has no config.json)",
+            "{role} model '{}' is not an HF model directory ({} has no config.json) nor a \
+             Hugging Face repo id (owner/name)",
             m.name,
             dir.display()
         )));
     }
     Ok(dir)
+}
+
+/// Whether a model path is a Hub repo id rather than a local directory.
+pub fn is_repo_id_not_dir(spec: &str) -> bool {
+    rlhf_hub::is_repo_id(spec) && !Path::new(spec).exists()
 }
 
 /// A global mini-batch split over `world` ranks.
@@ -438,6 +452,22 @@ mod tests {
             err.contains("/nonexistent/critic") && err.contains("config.json"),
             "{err}"
         );
+        let mut by_id = cfg.clone();
+        by_id.critic.model = "acme/critic@v1".into();
+        by_id.actor_rollout.model = "acme/actor".into();
+        by_id.ref_.model = String::new(); // the actor's
+        let critic =
+            RoleSpec::resolve(&by_id, slot(RoleKind::Critic, RolePart::Whole, 0, 1)).unwrap();
+        assert_eq!(critic.model_dir, Some(PathBuf::from("acme/critic@v1")));
+        let reference =
+            RoleSpec::resolve(&by_id, slot(RoleKind::Ref, RolePart::Whole, 0, 1)).unwrap();
+        assert_eq!(reference.model_dir, Some(PathBuf::from("acme/actor")));
+        let mut bad = cfg.clone();
+        bad.critic.model = "a/b/c".into();
+        let err = RoleSpec::resolve(&bad, slot(RoleKind::Critic, RolePart::Whole, 0, 1))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("a/b/c") && err.contains("repo id"), "{err}");
         let err = RoleSpec::from_json("{\"slot\": 3}")
             .unwrap_err()
             .to_string();

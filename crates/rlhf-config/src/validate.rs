@@ -233,7 +233,7 @@ pub fn problems(cfg: &PpoConfig) -> Vec<String> {
 
     // Models and their context length.
     if a.model.is_empty() {
-        e.push("actor_rollout.model is empty; name a model from `defaults` or give an HF model directory".into());
+        e.push("actor_rollout.model is empty; name a model from `defaults`, give an HF model directory or a Hugging Face repo id (owner/name)".into());
     }
     let total = u64::from(a.max_prompt_length) + u64::from(a.max_response_length);
     for role in RoleKind::ALL {

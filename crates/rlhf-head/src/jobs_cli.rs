@@ -365,10 +365,17 @@ mod tests {
     #[test]
     fn absolutized_config_survives_the_bundle_the_head_receives() {
         let mut cfg = rlhf_config::load(&configs(), "ppo_tiny", &[]).unwrap();
+        // The model path must exist under the base to become absolute (a relative name that
+        // does not is kept as a Hugging Face repo id); the model is given by absolute path.
+        let model = configs()
+            .join("../models/tiny")
+            .to_string_lossy()
+            .into_owned();
+        cfg.actor_rollout.model = model.clone();
         cfg.absolutize_paths(Path::new("/home/u/proj"));
         let back = rlhf_config::from_bundle(&cfg.to_bundle()).unwrap();
         assert_eq!(back.data.path, "/home/u/proj/data/prompts_tiny.jsonl");
-        assert_eq!(back.actor_rollout.model, "/home/u/proj/models/tiny");
+        assert_eq!(back.actor_rollout.model, model);
         assert_eq!(
             back.logging.metrics_file,
             "/home/u/proj/logs/ppo_tiny/metrics.jsonl"

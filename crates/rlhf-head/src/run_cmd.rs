@@ -239,7 +239,7 @@ fn ends(s: &JobSummary, key: &str, n: usize) -> Option<(f64, f64)> {
     Some((mean(&v[..n]), mean(&v[v.len() - n..])))
 }
 
-fn print_summary(s: &JobSummary) {
+fn print_summary(s: &JobSummary, logging: &rlhf_config::LoggingConfig) {
     if !s.history.is_empty() {
         let n = (s.history.len() / 4).clamp(1, 10);
         eprintln!(
@@ -259,7 +259,12 @@ fn print_summary(s: &JobSummary) {
             }
         }
     }
-    eprintln!("metrics: {}", s.metrics_file.display());
+    if logging.jsonl() {
+        eprintln!("metrics: {}", s.metrics_file.display());
+    }
+    if logging.tensorboard() {
+        eprintln!("tensorboard: {}", logging.tensorboard_dir);
+    }
     if let Some(c) = &s.last_checkpoint {
         eprintln!("checkpoint: {}", c.display());
     }
@@ -267,6 +272,7 @@ fn print_summary(s: &JobSummary) {
 
 pub(crate) async fn run(args: RunArgs) -> Result<()> {
     let cfg = load_config(&args.config)?;
+    let logging = cfg.logging.clone();
     let shutdown = CancellationToken::new();
     rlhf_runtime::cancel_on_signals(shutdown.clone());
     let mut embedded = None;
@@ -332,7 +338,7 @@ pub(crate) async fn run(args: RunArgs) -> Result<()> {
     }
     match result {
         Ok(s) => {
-            print_summary(&s);
+            print_summary(&s, &logging);
             Ok(())
         }
         Err(RunError { error: e, .. }) => {
@@ -392,35 +398,58 @@ pub(crate) async fn check(args: CheckArgs) -> Result<()> {
         }
     };
     print!("{}", cfg.check_report(&nodes));
-    let missing = missing_files(&cfg);
+    let (missing, hub) = missing_files(&cfg);
     println!("\n# files the run reads");
-    if missing.is_empty() {
+    if missing.is_empty() && hub.is_empty() {
         println!("all present (data, models, tokenizer)");
     }
     for m in &missing {
         println!("missing: {m}");
+    }
+    for h in &hub {
+        println!("hub: {h}");
     }
     Ok(())
 }
 
 /// What `run` would fail to read from this machine: the dataset, each role's model
 /// directory, the tokenizer, the fixed responses. `check` lists them instead of failing (a
-/// plan for a cluster whose nodes hold the models is still worth seeing).
-fn missing_files(cfg: &PpoConfig) -> Vec<String> {
+/// plan for a cluster whose nodes hold the models is still worth seeing). Models named by a
+/// Hugging Face repo id are looked up in this machine's HF cache without downloading: the
+/// second list says, per id, whether it is cached or will be downloaded when the run starts
+/// (each node resolves through its own cache); offline, an uncached id is missing.
+fn missing_files(cfg: &PpoConfig) -> (Vec<String>, Vec<String>) {
     let mut out = Vec::new();
+    let hub = rlhf_hub::Hub::from_env();
+    // (spec, what is needed, the keys that name it), one entry per spec and need.
+    let mut ids: Vec<(String, rlhf_hub::Need, Vec<String>)> = Vec::new();
+    let mut by_id = |spec: &str, need: rlhf_hub::Need, key: String| match ids
+        .iter_mut()
+        .find(|(s, n, _)| s == spec && *n == need)
+    {
+        Some((_, _, keys)) => keys.push(key),
+        None => ids.push((spec.to_string(), need, vec![key])),
+    };
     if !Path::new(&cfg.data.path).is_file() {
         out.push(format!("data.path {} is not a file", cfg.data.path));
     }
     for role in RoleKind::ALL {
         if cfg.role_enabled(role) && cfg.role_model(role).is_some() {
-            if let Err(e) = rlhf_config::spec::model_dir(cfg, role) {
-                out.push(e.to_string());
+            match rlhf_config::spec::model_dir(cfg, role) {
+                Err(e) => out.push(e.to_string()),
+                Ok(dir) => {
+                    if let Some(id) = hub_id(&dir) {
+                        by_id(id, rlhf_hub::Need::Model, format!("{role}.model"));
+                    }
+                }
             }
         }
     }
     let actor = rlhf_config::spec::model_dir(cfg, RoleKind::ActorRollout).ok();
     if let Some(t) = rlhf_config::spec::tokenizer_dir(cfg, actor.as_deref()) {
-        if !t.join("tokenizer.json").is_file() {
+        if let Some(id) = hub_id(&t) {
+            by_id(id, rlhf_hub::Need::Tokenizer, "tokenizer".into());
+        } else if !t.join("tokenizer.json").is_file() {
             out.push(format!(
                 "tokenizer: {} has no tokenizer.json (training.tokenizer_name_or_path)",
                 t.display()
@@ -439,5 +468,42 @@ fn missing_files(cfg: &PpoConfig) -> Vec<String> {
             ));
         }
     }
-    out
+    let mut notes = Vec::new();
+    for (spec, need, keys) in ids {
+        let keys = keys.join(", ");
+        match hub.locate(&spec, need) {
+            Ok(rlhf_hub::Located::Cached { dir, .. }) => notes.push(format!(
+                "{keys}: {spec} is in this machine's Hugging Face cache ({})",
+                dir.display()
+            )),
+            Ok(rlhf_hub::Located::NotCached { cache, why, .. }) if hub.is_online() => {
+                notes.push(format!(
+                    "{keys}: {spec} is not in this machine's Hugging Face cache at {} ({why}); \
+                     each role process downloads it from {} into its node's cache when the \
+                     run starts",
+                    cache.display(),
+                    hub.endpoint()
+                ))
+            }
+            Ok(rlhf_hub::Located::NotCached { repo, cache, why }) => {
+                let e = rlhf_hub::Error::NotCached {
+                    repo: Box::new(repo),
+                    cache,
+                    why,
+                    download_error: None,
+                };
+                out.push(format!("{keys}: {e}"));
+            }
+            Ok(rlhf_hub::Located::Directory(_)) => {}
+            Err(e) => out.push(format!("{keys}: {e}")),
+        }
+    }
+    (out, notes)
+}
+
+/// The Hub repo id a model or tokenizer path is, when it is one (and no such directory
+/// exists here).
+fn hub_id(path: &Path) -> Option<&str> {
+    path.to_str()
+        .filter(|s| rlhf_config::spec::is_repo_id_not_dir(s))
 }

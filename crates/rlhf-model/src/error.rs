@@ -84,6 +84,11 @@ pub enum Error {
     /// An error raised by candle.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
+
+    /// A model name that is neither a directory nor a repo id the Hugging Face cache holds
+    /// (or can download).
+    #[error(transparent)]
+    Hub(#[from] rlhf_hub::Error),
 }
 
 /// Crate-wide result alias.

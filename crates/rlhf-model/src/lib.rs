@@ -5,7 +5,9 @@
 //! left-padded batches ([`Batch`]), compute token log-probs and entropies, train with
 //! [`AdamW`], clipping, schedules and gradient accumulation, generate with a KV cache
 //! ([`generate`]) and save back as an HF directory ([`Model::save`]). Tokenizers and chat
-//! templates come from `tokenizer.json` + `tokenizer_config.json` ([`Tokenizer`]).
+//! templates come from `tokenizer.json` + `tokenizer_config.json` ([`Tokenizer`]). Hub
+//! names such as `Qwen/Qwen2.5-0.5B-Instruct` resolve through the local Hugging Face cache
+//! ([`hub`], [`Model::load_spec`]).
 //!
 //! Trainable models compute with differentiable ops only: candle's fused kernels
 //! (softmax_last_dim, rms_norm, rope) silently drop gradients, so they are used for frozen
@@ -48,6 +50,7 @@ pub mod error;
 mod gen_config;
 pub mod generation;
 mod head;
+pub mod hub;
 mod image;
 mod kernels;
 mod load;

@@ -91,10 +91,29 @@ fn tokenizer_dir(cfg: &PpoConfig) -> Result<PathBuf> {
         Some(dir) => Ok(dir),
         None => rlhf_config::spec::model_dir(cfg, RoleKind::ActorRollout).map_err(|e| {
             Error::invalid(format!(
-                "no tokenizer: set training.tokenizer_name_or_path, or make actor_rollout.model an HF directory ({e})"
+                "no tokenizer: set training.tokenizer_name_or_path, or make actor_rollout.model an HF directory or a Hugging Face repo id ({e})"
             ))
         }),
     }
+}
+
+/// The actor's tokenizer directory on this machine: a Hugging Face repo id (the actor's model
+/// or `training.tokenizer_name_or_path`) resolves through this machine's HF cache, and only
+/// the tokenizer files are downloaded when it lacks them (the roles fetch the weights on
+/// their own nodes).
+async fn local_tokenizer_dir(cfg: &PpoConfig) -> Result<PathBuf> {
+    let dir = tokenizer_dir(cfg)?;
+    let Some(id) = dir
+        .to_str()
+        .filter(|s| rlhf_config::spec::is_repo_id_not_dir(s))
+        .map(str::to_string)
+    else {
+        return Ok(dir);
+    };
+    tokio::task::spawn_blocking(move || rlhf_hub::resolve_tokenizer(&id))
+        .await
+        .map_err(|e| Error::internal(format!("resolving the tokenizer: {e}")))?
+        .map_err(|e| Error::invalid(format!("the driver's tokenizer: {e}")))
 }
 
 /// Why a run failed: the error, and the role part and rank to blame when there is one.

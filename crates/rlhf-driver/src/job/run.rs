@@ -21,7 +21,9 @@ use crate::report::{DatasetReport, Event, Reporter, Reporters};
 
 use super::algorithm::{self, Algorithm};
 use super::ppo::Ppo;
-use super::{rollout, sync, tokenizer_dir, DriverOptions, Failed, JobSummary, Loop, Res, RunError};
+use super::{
+    local_tokenizer_dir, rollout, sync, DriverOptions, Failed, JobSummary, Loop, Res, RunError,
+};
 
 /// What outlives one attempt: every step's metrics and the newest checkpoint written.
 #[derive(Default)]
@@ -61,7 +63,7 @@ pub async fn run(
     let extra = std::mem::take(&mut opts.reporters);
     let cfg = &opts.config;
     Ppo::new(cfg)?;
-    let tok_dir = tokenizer_dir(cfg)?;
+    let tok_dir = local_tokenizer_dir(cfg).await?;
     let tok = Tokenizer::from_dir(&tok_dir).map_err(|e| {
         Error::invalid(format!(
             "loading the tokenizer from {} (training.tokenizer_name_or_path): {e}",
