@@ -7,6 +7,7 @@ use std::io::{BufRead, BufReader, IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use rlhf_algo::metric;
 use rlhf_core::{Error, Result};
 use serde_json::json;
@@ -157,55 +158,59 @@ pub fn sample_table(step: u64, samples: &[Sample]) -> String {
     out
 }
 
-/// Progress with ETA. On a terminal it redraws one line; elsewhere (logs, CI) it prints a
-/// line per step.
+/// Progress with ETA. On a terminal an indicatif bar (redrawn in place, with text printed
+/// above it); elsewhere (logs, CI) a plain line per step.
 pub struct Progress {
     enabled: bool,
-    tty: bool,
+    bar: Option<ProgressBar>,
     total: u64,
     first_step: u64,
     started: Instant,
 }
 
+/// The short names of the metrics on the progress line.
+const SHOWN: [(&str, &str); 5] = [
+    (metric::OBJECTIVE_SCORES, "score"),
+    (metric::OBJECTIVE_KL, "kl"),
+    (metric::LOSS_POLICY_AVG, "pg_loss"),
+    (metric::LOSS_VALUE_AVG, "vf_loss"),
+    (metric::RESPONSE_LENGTH_MEAN, "len"),
+];
+
 impl Progress {
     pub fn new(enabled: bool, first_step: u64, total: u64) -> Self {
+        let bar = (enabled && std::io::stderr().is_terminal()).then(|| {
+            let b = ProgressBar::with_draw_target(Some(total), ProgressDrawTarget::stderr());
+            // The template is a constant: a bad one is a bug caught by the test below.
+            if let Ok(style) = ProgressStyle::with_template(BAR_TEMPLATE) {
+                b.set_style(style.progress_chars("#>."));
+            }
+            b.set_position(first_step);
+            b.reset_eta();
+            b
+        });
         Self {
             enabled,
-            tty: std::io::stderr().is_terminal(),
+            bar,
             total,
             first_step,
             started: Instant::now(),
         }
     }
 
-    pub fn line(&self, step: u64, metrics: &BTreeMap<String, f64>) -> String {
+    fn per_step(&self, step: u64) -> f64 {
         let done = step.saturating_sub(self.first_step);
-        let left = self.total.saturating_sub(step);
-        let per = if done > 0 {
+        if done > 0 {
             self.started.elapsed().as_secs_f64() / done as f64
         } else {
             0.0
-        };
-        let width = 20usize;
-        let filled = if self.total > 0 {
-            (step as usize * width / self.total as usize).min(width)
-        } else {
-            width
-        };
-        let bar = format!("{}{}", "#".repeat(filled), ".".repeat(width - filled));
-        let mut s = format!(
-            "step {step}/{} [{bar}] {:.1} s/step ETA {}",
-            self.total,
-            per,
-            fmt_duration(per * left as f64)
-        );
-        for (k, short) in [
-            (metric::OBJECTIVE_SCORES, "score"),
-            (metric::OBJECTIVE_KL, "kl"),
-            (metric::LOSS_POLICY_AVG, "pg_loss"),
-            (metric::LOSS_VALUE_AVG, "vf_loss"),
-            (metric::RESPONSE_LENGTH_MEAN, "len"),
-        ] {
+        }
+    }
+
+    /// The metrics part of the line: ` | score 0.5000 | kl ...`.
+    fn shown(metrics: &BTreeMap<String, f64>) -> String {
+        let mut s = String::new();
+        for (k, short) in SHOWN {
             if let Some(v) = metrics.get(k) {
                 s.push_str(&format!(" | {short} {v:.4}"));
             }
@@ -213,32 +218,57 @@ impl Progress {
         s
     }
 
+    /// The plain line (not a terminal).
+    pub fn line(&self, step: u64, metrics: &BTreeMap<String, f64>) -> String {
+        let per = self.per_step(step);
+        let left = self.total.saturating_sub(step);
+        let width = 20usize;
+        let filled = if self.total > 0 {
+            (step as usize * width / self.total as usize).min(width)
+        } else {
+            width
+        };
+        let bar = format!("{}{}", "#".repeat(filled), ".".repeat(width - filled));
+        format!(
+            "step {step}/{} [{bar}] {:.1} s/step ETA {}{}",
+            self.total,
+            per,
+            fmt_duration(per * left as f64),
+            Self::shown(metrics)
+        )
+    }
+
     pub fn update(&self, step: u64, metrics: &BTreeMap<String, f64>) {
         if !self.enabled {
             return;
         }
-        let line = self.line(step, metrics);
-        if self.tty {
-            eprint!("\r\x1b[2K{line}");
-            if step >= self.total {
-                eprintln!();
+        match &self.bar {
+            Some(b) => {
+                b.set_message(format!(
+                    "{:.1} s/step{}",
+                    self.per_step(step),
+                    Self::shown(metrics)
+                ));
+                b.set_position(step);
+                if step >= self.total {
+                    b.finish();
+                }
             }
-        } else {
-            eprintln!("{line}");
+            None => eprintln!("{}", self.line(step, metrics)),
         }
     }
 
-    /// Prints text without tearing the progress line.
+    /// Prints text without tearing the progress bar.
     pub fn println(&self, text: &str) {
-        if self.enabled && self.tty {
-            eprint!("\r\x1b[2K");
-        }
-        eprint!("{text}");
-        if !text.ends_with('\n') {
-            eprintln!();
+        let text = text.strip_suffix('\n').unwrap_or(text);
+        match &self.bar {
+            Some(b) if !b.is_finished() => b.println(text),
+            _ => eprintln!("{text}"),
         }
     }
 }
+
+const BAR_TEMPLATE: &str = "step {pos}/{len} [{bar:20}] ETA {eta} {msg}";
 
 fn fmt_duration(secs: f64) -> String {
     let s = secs.max(0.0).round() as u64;
@@ -312,5 +342,6 @@ mod tests {
             "{row:?}"
         );
         assert_eq!(fmt_duration(3725.0), "1h02m");
+        assert!(ProgressStyle::with_template(BAR_TEMPLATE).is_ok());
     }
 }

@@ -356,9 +356,8 @@ impl Loop<'_> {
                 );
             }
             let every = cfg.logging.sample_every;
-            let samples_due = !cfg.logging.samples_file.is_empty()
-                && every > 0
-                && (step.is_multiple_of(every) || step == start_step + 1);
+            // Due for the console and every file that keeps them (JSONL, TensorBoard).
+            let samples_due = every > 0 && (step.is_multiple_of(every) || step == start_step + 1);
             self.report.report(&Event::Step {
                 step,
                 metrics: &metrics,
