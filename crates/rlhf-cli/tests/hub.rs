@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use rlhf_model::hub::test_support::add_snapshot;
+use rlhf_model::hub::test_support::add_snapshot_of_dir;
 
 const COMMIT: &str = "0123456789abcdef0123456789abcdef01234567";
 
@@ -24,18 +24,14 @@ fn rlhf(cache: &Path, args: &[&str]) -> Output {
 
 fn fake_cache() -> tempfile::TempDir {
     let cache = tempfile::tempdir().unwrap();
-    let files: Vec<(String, PathBuf)> = std::fs::read_dir(fixture())
-        .unwrap()
-        .map(|e| {
-            let e = e.unwrap();
-            (e.file_name().to_string_lossy().into_owned(), e.path())
-        })
-        .collect();
-    let refs: Vec<(&str, &Path)> = files
-        .iter()
-        .map(|(n, p)| (n.as_str(), p.as_path()))
-        .collect();
-    add_snapshot(cache.path(), "acme/tiny-llama", Some("main"), COMMIT, &refs).unwrap();
+    add_snapshot_of_dir(
+        cache.path(),
+        "acme/tiny-llama",
+        Some("main"),
+        COMMIT,
+        &fixture(),
+    )
+    .unwrap();
     cache
 }
 

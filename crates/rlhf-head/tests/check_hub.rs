@@ -3,10 +3,10 @@
 //! downloading; a cached id is present, an uncached one is downloaded at start (online) or
 //! missing with the id and the cache path (offline).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
-use rlhf_hub::test_support::add_snapshot;
+use rlhf_hub::test_support::add_snapshot_of_dir;
 
 const COMMIT: &str = "0123456789abcdef0123456789abcdef01234567";
 
@@ -41,18 +41,7 @@ fn check(cache: &Path, offline: bool, overrides: &[&str]) -> String {
 fn fake_cache() -> tempfile::TempDir {
     let cache = tempfile::tempdir().unwrap();
     let tiny = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../models/tiny");
-    let files: Vec<(String, PathBuf)> = std::fs::read_dir(&tiny)
-        .unwrap()
-        .map(|e| {
-            let e = e.unwrap();
-            (e.file_name().to_string_lossy().into_owned(), e.path())
-        })
-        .collect();
-    let refs: Vec<(&str, &Path)> = files
-        .iter()
-        .map(|(n, p)| (n.as_str(), p.as_path()))
-        .collect();
-    add_snapshot(cache.path(), "acme/tiny", Some("main"), COMMIT, &refs).unwrap();
+    add_snapshot_of_dir(cache.path(), "acme/tiny", Some("main"), COMMIT, &tiny).unwrap();
     cache
 }
 

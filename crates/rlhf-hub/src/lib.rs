@@ -389,4 +389,25 @@ pub mod test_support {
         }
         Ok(snapshot)
     }
+
+    /// [`add_snapshot`] of every file in directory `dir` (a model directory made by a test or
+    /// committed as a fixture).
+    pub fn add_snapshot_of_dir(
+        cache: &Path,
+        repo: &str,
+        revision: Option<&str>,
+        commit: &str,
+        dir: &Path,
+    ) -> std::io::Result<PathBuf> {
+        let mut files = Vec::new();
+        for e in std::fs::read_dir(dir)? {
+            let e = e?;
+            files.push((e.file_name().to_string_lossy().into_owned(), e.path()));
+        }
+        let refs: Vec<(&str, &Path)> = files
+            .iter()
+            .map(|(n, p)| (n.as_str(), p.as_path()))
+            .collect();
+        add_snapshot(cache, repo, revision, commit, &refs)
+    }
 }

@@ -37,7 +37,11 @@ fn resolve_hub_names(spec: RoleSpec) -> Result<RoleSpec> {
             .filter(|s| rlhf_config::spec::is_repo_id_not_dir(s))
             .map(str::to_string)
     };
-    if id(&spec.model_dir).is_none() && id(&spec.tokenizer_dir).is_none() {
+    // A role without a model (a rule or HTTP reward) uses no tokenizer either: nothing to
+    // fetch.
+    if spec.model_dir.is_none()
+        || (id(&spec.model_dir).is_none() && id(&spec.tokenizer_dir).is_none())
+    {
         return Ok(spec);
     }
     resolve_hub_names_in(&rlhf_model::hub::Hub::from_env(), spec)
