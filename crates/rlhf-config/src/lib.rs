@@ -35,6 +35,7 @@ mod memory;
 mod model;
 mod phases;
 mod plan;
+mod resolve;
 pub mod spec;
 mod validate;
 
@@ -42,8 +43,8 @@ pub use asynchrony::{AsyncConfig, AsyncMode};
 pub use config::{
     ActorRolloutConfig, BadRows, CheckpointConfig, CriticConfig, DataConfig, DataFormat,
     DefaultsEntry, DeviceKind, LogBackend, LoggingConfig, LrDecayStyle, OneOrMany, PpoConfig,
-    PromptOverflow, RefConfig, ResourcePool, RewardConfig, RewardKind, RoleKind, RoleModel,
-    TrainingConfig, TrainingOverrides,
+    PromptOverflow, RefConfig, ResourcePool, RewardConfig, RewardKind, RoleKind, TrainingConfig,
+    TrainingOverrides,
 };
 pub use error::{ConfigError, Result};
 pub use fault::FaultToleranceConfig;
@@ -52,6 +53,7 @@ pub use memory::MemoryRow;
 pub use model::ModelConfig;
 pub use phases::Phase;
 pub use plan::{Assignment, Plan};
+pub use resolve::RoleModel;
 pub use rlhf_algo::{AlgorithmConfig, KlCtrlConfig};
 pub use spec::{EngineSpec, RewardSpec, RoleSpec, SamplingSpec, Shapes, TrainSpec};
 pub use validate::problems;

@@ -17,6 +17,7 @@ pub mod critic;
 pub mod engine;
 pub mod error;
 pub mod host;
+mod hub;
 pub mod policy;
 pub mod reward;
 pub mod saves;
