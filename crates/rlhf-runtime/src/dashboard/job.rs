@@ -9,7 +9,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use rlhf_proto::v1 as pb;
 use serde_json::json;
@@ -59,7 +59,9 @@ impl Series {
 struct Cached {
     path: PathBuf,
     offset: u64,
-    series: Series,
+    /// Shared with the requests that read it: a poll copies nothing, an append copies only
+    /// while an earlier answer still holds the old one.
+    series: Arc<Series>,
 }
 
 /// Series per job, kept between polls.
@@ -71,12 +73,12 @@ const MAX_READ: u64 = 64 * 1024 * 1024;
 
 impl SeriesCache {
     /// The job's series with the lines appended since the last call read in.
-    pub fn read(&self, job_id: &str, path: &Path) -> Series {
+    pub fn read(&self, job_id: &str, path: &Path) -> Arc<Series> {
         let mut all = crate::lock(&self.0);
         let c = all.entry(job_id.to_string()).or_insert_with(|| Cached {
             path: path.to_path_buf(),
             offset: 0,
-            series: Series::default(),
+            series: Arc::default(),
         });
         let len = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
         if c.path != path || len < c.offset {
@@ -84,13 +86,13 @@ impl SeriesCache {
             *c = Cached {
                 path: path.to_path_buf(),
                 offset: 0,
-                series: Series::default(),
+                series: Arc::default(),
             };
         }
         if len > c.offset {
             let _ = catch_up(c, len);
         }
-        c.series.clone()
+        Arc::clone(&c.series)
     }
 
     /// Forgets jobs not in `keep` (the head removed them).
@@ -111,7 +113,7 @@ fn catch_up(c: &mut Cached, len: u64) -> std::io::Result<()> {
     };
     for line in buf[..end].split(|&b| b == b'\n') {
         if let Ok(serde_json::Value::Object(rec)) = serde_json::from_slice(line) {
-            c.series.push(&rec);
+            Arc::make_mut(&mut c.series).push(&rec);
         }
     }
     c.offset += end as u64 + 1;
