@@ -281,7 +281,25 @@ impl Hub {
                     "waiting for another process that is downloading {repo} into {}",
                     self.cache.display()
                 ));
-                lock.lock().map_err(io)?;
+                // Bounded: a process stopped while holding the lock must not hang this one.
+                let since = std::time::Instant::now();
+                loop {
+                    std::thread::sleep(std::time::Duration::from_millis(500));
+                    match lock.try_lock() {
+                        Ok(()) | Err(std::fs::TryLockError::Error(_)) => break,
+                        Err(std::fs::TryLockError::WouldBlock) if since.elapsed() > LOCK_WAIT => {
+                            return Err(not_cached(
+                                why,
+                                Some(format!(
+                                    "another process has been downloading it for {} min (lock {}); if none is, remove that file",
+                                    LOCK_WAIT.as_secs() / 60,
+                                    locks.join("rlhf-download.lock").display()
+                                )),
+                            ));
+                        }
+                        Err(std::fs::TryLockError::WouldBlock) => {}
+                    }
+                }
             }
             // A filesystem without locks: download unlocked (files still land atomically).
             Err(std::fs::TryLockError::Error(_)) => {}
@@ -329,6 +347,9 @@ pub fn resolve_model(spec: &str) -> Result<PathBuf, Error> {
 pub fn resolve_tokenizer(spec: &str) -> Result<PathBuf, Error> {
     Hub::from_env().resolve_tokenizer(spec)
 }
+
+/// Longest a process waits for another one on the same machine to finish downloading a repo.
+const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(3600);
 
 /// Builds caches in the exact `huggingface_hub` layout for tests (of this crate and of the
 /// crates that load through it), without a network.
