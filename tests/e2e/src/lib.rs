@@ -112,6 +112,24 @@ pub fn ppo_run_cmd(out: &Path, extra: &[&str]) -> Command {
     cmd
 }
 
+/// A free port P whose neighbour P + 1 is free too (a script that puts the dashboard on
+/// the next port): both are bound at once before they are let go, so neither is an
+/// ephemeral port some connection holds at that moment.
+pub fn free_port_pair() -> u16 {
+    for _ in 0..100 {
+        let Ok(a) = std::net::TcpListener::bind("127.0.0.1:0") else {
+            continue;
+        };
+        let Ok(p) = a.local_addr().map(|x| x.port()) else {
+            continue;
+        };
+        if p < u16::MAX && std::net::TcpListener::bind(("127.0.0.1", p + 1)).is_ok() {
+            return p;
+        }
+    }
+    panic!("no pair of free ports on 127.0.0.1 in 100 tries")
+}
+
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
-use rlhf_e2e::{bin, free_port, pid_alive, skip, wait_for};
+use rlhf_e2e::{bin, free_port, free_port_pair, pid_alive, skip, wait_for};
 use serde_json::Value;
 
 /// Long next to the 200 ms heartbeat, so a loaded machine does not starve a live node into a
@@ -679,7 +679,7 @@ wait
         .env("SLURM_CPUS_ON_NODE", "3")
         .env("RLHF_BIN_DIR", &bin_dir)
         .env("RLHF_JOB_DIR", &job_dir)
-        .env("RLHF_PORT", free_port().to_string())
+        .env("RLHF_PORT", free_port_pair().to_string())
         .env("RLHF_TIMEOUT", "30")
         .env_remove("RLHF_IFACE")
         .env_remove("RLHF_TOKEN")
