@@ -107,6 +107,17 @@ struct Dash {
     series: job::SeriesCache,
 }
 
+impl Dash {
+    /// The job's metric series (none while it has no metrics file).
+    fn series(&self, id: &str, files: &JobFiles) -> Arc<job::Series> {
+        files
+            .metrics
+            .as_deref()
+            .map(|p| self.series.read(id, p))
+            .unwrap_or_default()
+    }
+}
+
 /// Whose request this is: no token (public parts only), the cluster token, or a wrong one.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Caller {
@@ -234,11 +245,7 @@ async fn job_api(
     ) else {
         return no_job(&id);
     };
-    let series = files
-        .metrics
-        .as_deref()
-        .map(|p| d.series.read(&id, p))
-        .unwrap_or_default();
+    let series = d.series(&id, &files);
     let plots: Vec<_> = plot::PLOTS
         .iter()
         .enumerate()
@@ -285,11 +292,7 @@ async fn plot_api(
             &format!("no plot {index}: there are {}", plot::PLOTS.len()),
         );
     };
-    let series = files
-        .metrics
-        .as_deref()
-        .map(|p| d.series.read(&id, p))
-        .unwrap_or_default();
+    let series = d.series(&id, &files);
     let lines = plot::series_of(spec, &series.metrics);
     let svg = plot::svg(spec.title, &lines, plot::size(lines.len()));
     ([(header::CONTENT_TYPE, "image/svg+xml")], svg).into_response()

@@ -64,6 +64,14 @@ pub struct JobRecord {
     pub seq: u64,
 }
 
+/// A file path the submitter named, if it is a JSONL file: only JSONL files' JSON records
+/// are shown, so `job status` and the dashboard cannot be used to read the tail of other
+/// files on the head.
+fn submitted_jsonl(path: &str) -> Option<PathBuf> {
+    let p = PathBuf::from(path);
+    p.extension().is_some_and(|e| e == "jsonl").then_some(p)
+}
+
 /// How the head runs drivers.
 #[derive(Debug, Clone)]
 pub struct JobsConfig {
@@ -259,19 +267,15 @@ impl Jobs {
     /// JSONL files are named (the paths come from the submitter).
     pub fn files(&self, id: &str) -> Option<crate::dashboard::JobFiles> {
         let r = self.get(id).ok()?;
-        let jsonl = |p: &str| {
-            let p = PathBuf::from(p);
-            p.extension().is_some_and(|e| e == "jsonl").then_some(p)
-        };
         let in_dir = self.job_dir(id).join(METRICS_FILE);
         let metrics = if in_dir.exists() {
             Some(in_dir)
         } else {
-            jsonl(&r.metrics_file)
+            submitted_jsonl(&r.metrics_file)
         };
         Some(crate::dashboard::JobFiles {
             metrics,
-            samples: jsonl(&r.samples_file),
+            samples: submitted_jsonl(&r.samples_file),
         })
     }
 
@@ -281,12 +285,7 @@ impl Jobs {
         let r = self.get(id)?;
         let mut info = self.to_proto(&r);
         let mut candidates = vec![self.job_dir(id).join(METRICS_FILE)];
-        // The path comes from the submitter: only a JSONL file's JSON records are shown,
-        // so `job status` cannot be used to read the tail of other files on the head.
-        let from_config = PathBuf::from(&r.metrics_file);
-        if from_config.extension().is_some_and(|e| e == "jsonl") {
-            candidates.push(from_config);
-        }
+        candidates.extend(submitted_jsonl(&r.metrics_file));
         info.last_metrics = candidates
             .iter()
             .find_map(|p| last_nonempty_line(p))
