@@ -56,6 +56,10 @@ pub struct LoadOptions {
     /// Activation checkpointing per decoder layer: only each layer's input is kept for
     /// backward, which recomputes the layer. Trainable models only.
     pub gradient_checkpointing: bool,
+    /// LoRA adapters on the decoder's linear layers: the base is frozen (kept in the compute
+    /// dtype, outside the autograd graph) and only the adapters (and a value or score head)
+    /// train, sync and save. `None`: the full model.
+    pub lora: Option<crate::lora::LoraConfig>,
 }
 
 impl Default for LoadOptions {
@@ -72,6 +76,7 @@ impl Default for LoadOptions {
             compute_dtype: None,
             logits_chunk: None,
             gradient_checkpointing: false,
+            lora: None,
         }
     }
 }
@@ -103,6 +108,11 @@ impl LoadOptions {
 
     pub fn with_device(mut self, device: Device) -> Self {
         self.device = device;
+        self
+    }
+
+    pub fn with_lora(mut self, lora: Option<crate::lora::LoraConfig>) -> Self {
+        self.lora = lora;
         self
     }
 

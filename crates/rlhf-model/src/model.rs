@@ -10,8 +10,9 @@ use crate::error::{read_json, Error, Result};
 use crate::gen_config::GenerationConfig;
 pub use crate::image::ModelImage;
 pub use crate::load::{Batch, LoadOptions, ModelKind, ValueHeadInit};
+use crate::lora::AdapterSwitch;
 use crate::ops;
-use crate::transformer::{Kernels, KvCache, Linear, Transformer};
+use crate::transformer::{Kernels, KvCache, Linear, LoraSetup, Transformer};
 use crate::weights::{Init, ParamBuilder, ParamStore, WeightFiles};
 
 #[derive(Debug, Clone)]
@@ -27,8 +28,11 @@ pub struct Model {
     kind: ModelKind,
     body: Transformer,
     head: Head,
-    params: ParamStore,
+    pub(crate) params: ParamStore,
     trainable: bool,
+    /// The dtype the trained parameters are kept in (a LoRA base may be in another).
+    dtype: DType,
+    pub(crate) lora: Option<LoraSetup>,
     logits_chunk: Option<usize>,
     generation: GenerationConfig,
     source_dir: Option<PathBuf>,
@@ -125,12 +129,22 @@ impl Model {
         }
         let kernels = Kernels::choose(&opts.device, compute, fast, opts.composite_ops);
         let mut pb = ParamBuilder::new(files, &opts.device, opts.dtype, opts.trainable, opts.seed);
+        let lora: Option<LoraSetup> = match &opts.lora {
+            Some(cfg) => {
+                cfg.validate()?;
+                // The frozen base needs no f32 master copy: it is kept in the compute dtype.
+                pb.set_base(Some(compute));
+                Some((cfg.clone(), AdapterSwitch::default()))
+            }
+            None => None,
+        };
         let body = Transformer::load(
             config,
             &mut pb,
             kernels,
             compute,
             opts.gradient_checkpointing,
+            lora.as_ref(),
         )?;
         let h = config.hidden_size;
         let head = match opts.kind {
@@ -148,15 +162,20 @@ impl Model {
                     )?)
                 }
             }
-            ModelKind::Value => Head::Value(Self::value_head(&mut pb, h, opts)?),
+            ModelKind::Value => {
+                // A head trains in full even on a LoRA model (PEFT's modules_to_save).
+                pb.set_base(None);
+                Head::Value(Self::value_head(&mut pb, h, opts)?)
+            }
             ModelKind::Reward => {
+                pb.set_base(None);
                 let labels = pb
                     .shape_in_checkpoint("score.weight")
                     .and_then(|s| s.first().copied())
                     .or_else(|| num_labels(config))
                     .unwrap_or(1);
                 let w = pb.get("score.weight", &[labels, h], Init::Normal(0.02))?;
-                Head::Score(Linear { w, b: None })
+                Head::Score(Linear::plain(w, None))
             }
         };
         Ok(Self {
@@ -166,6 +185,8 @@ impl Model {
             head,
             params: pb.finish(),
             trainable: opts.trainable,
+            dtype: opts.dtype,
+            lora,
             logits_chunk: opts.logits_chunk,
             generation: GenerationConfig::default(),
             source_dir: None,
@@ -200,7 +221,7 @@ impl Model {
             };
             let w = pb.fresh("score.weight", &[1, h], Init::Normal(std))?;
             let b = pb.fresh("score.bias", &[1], Init::Zeros)?;
-            return Ok(Linear { w, b: Some(b) });
+            return Ok(Linear::plain(w, Some(b)));
         }
         let (wn, bn) = found.ok_or_else(|| Error::MissingTensor {
             name: "score.weight".to_string(),
@@ -223,7 +244,7 @@ impl Model {
         } else {
             None
         };
-        Ok(Linear { w, b })
+        Ok(Linear::plain(w, b))
     }
 
     /// Decoder config.
@@ -250,8 +271,14 @@ impl Model {
         self.body.embed_tokens().device()
     }
 
-    /// The dtype the parameters are kept (and saved) in.
+    /// The dtype the trained parameters are kept (and saved) in; a LoRA model's frozen base
+    /// is kept in the compute dtype.
     pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// The dtype of the decoder's weights (a LoRA model's frozen base: the compute dtype).
+    pub(crate) fn base_dtype(&self) -> DType {
         self.body.embed_tokens().dtype()
     }
 
@@ -270,9 +297,11 @@ impl Model {
         self.source_dir.as_deref()
     }
 
-    /// All parameters by HF name (trainable ones are the optimizer's variables).
+    /// The parameters that train, sync and save, by HF name (a trainable model's are the
+    /// optimizer's variables): every parameter of a full model; the adapters (and a value or
+    /// score head) of a LoRA model, whose frozen base is in [`Model::params`] only.
     pub fn vars(&self) -> Vec<(String, Var)> {
-        self.params.vars()
+        self.params.train_vars()
     }
 
     /// Parameter store.
@@ -335,11 +364,7 @@ impl Model {
             &batch.position_ids,
             None,
         )?;
-        Linear {
-            w: w.clone(),
-            b: None,
-        }
-        .forward(&h)
+        Linear::plain(w.clone(), None).forward(&h)
     }
 
     /// Logits `[B, V]` of the last position of new tokens, extending `cache` (generation).
@@ -411,11 +436,7 @@ impl Model {
             return Ok((lp, ent));
         }
         // The last position predicts nothing that is scored: skip its LM-head product.
-        let logits = Linear {
-            w: w.clone(),
-            b: None,
-        }
-        .forward(&h.narrow(1, 0, t - 1)?)?;
+        let logits = Linear::plain(w.clone(), None).forward(&h.narrow(1, 0, t - 1)?)?;
         let lp = ops::log_probs_impl(&logits, &targets, temperature, fused)?;
         let ent = if with_entropy {
             Some(ops::entropy_impl(&logits, temperature, fused)?)
@@ -523,9 +544,38 @@ impl Model {
 
     /// What [`Model::save`] writes, captured now: the tensors are copied, so the image does
     /// not follow later optimizer steps and can be written by another thread while training
-    /// goes on.
+    /// goes on. A LoRA model's image is its PEFT adapter (`adapter_config.json`,
+    /// `adapter_model.safetensors`); [`Model::merged_image`] is the full merged model.
     pub fn image(&self, tokenizer_dir: Option<&Path>) -> Result<ModelImage> {
-        let dtype_name = match self.dtype() {
+        let tensors = self
+            .named_tensors()
+            .into_iter()
+            .map(|(n, t)| Ok((n, t.copy()?)))
+            .collect::<Result<Vec<_>>>()?;
+        if let Some((cfg, _)) = &self.lora {
+            let base = self.source_dir.as_ref().map(|d| d.display().to_string());
+            return Ok(ModelImage {
+                config: Value::Null,
+                generation: Value::Null,
+                tensors,
+                tokenizer_dir: tokenizer_dir.map(Path::to_path_buf),
+                adapter: Some((
+                    cfg.to_peft_json(self.kind, base.as_deref()),
+                    self.base_fingerprint()?,
+                )),
+            });
+        }
+        self.full_image(tensors, self.dtype(), tokenizer_dir)
+    }
+
+    /// An HF model directory's image holding `tensors` (HF names, all in `dtype`).
+    pub(crate) fn full_image(
+        &self,
+        tensors: Vec<(String, Tensor)>,
+        dtype: DType,
+        tokenizer_dir: Option<&Path>,
+    ) -> Result<ModelImage> {
+        let dtype_name = match dtype {
             DType::F16 => "float16",
             DType::BF16 => "bfloat16",
             DType::F64 => "float64",
@@ -549,11 +599,6 @@ impl Model {
                 extra.push(("pad_token_id", json!(pad)));
             }
         }
-        let tensors = self
-            .named_tensors()
-            .into_iter()
-            .map(|(n, t)| Ok((n, t.copy()?)))
-            .collect::<Result<Vec<_>>>()?;
         Ok(ModelImage {
             config: self.config.to_json(&self.architecture(), &extra),
             generation: match &self.generation_raw {
@@ -562,6 +607,7 @@ impl Model {
             },
             tensors,
             tokenizer_dir: tokenizer_dir.map(Path::to_path_buf),
+            adapter: None,
         })
     }
 }

@@ -15,6 +15,8 @@ use candle_core::{DType, Device, Tensor, D};
 
 use crate::config::Config;
 use crate::error::{Error, Result};
+pub use crate::kv_cache::KvCache;
+pub(crate) use crate::linear::{Linear, LoraSetup};
 use crate::weights::{Init, ParamBuilder};
 
 /// Which implementation of the non-matmul ops a decoder uses.
@@ -42,96 +44,6 @@ impl Kernels {
         } else {
             Kernels::Composite
         }
-    }
-}
-
-/// Per-layer key/value cache for incremental decoding; `k`, `v` are `[B, H_kv, S, D]`.
-#[derive(Debug, Clone, Default)]
-pub struct KvCache {
-    layers: Vec<Option<(Tensor, Tensor)>>,
-}
-
-impl KvCache {
-    /// An empty cache for `num_layers` layers.
-    pub fn new(num_layers: usize) -> Self {
-        Self {
-            layers: vec![None; num_layers],
-        }
-    }
-
-    /// Number of cached positions.
-    pub fn seq_len(&self) -> usize {
-        self.layers
-            .first()
-            .and_then(|l| l.as_ref())
-            .and_then(|(k, _)| k.dim(2).ok())
-            .unwrap_or(0)
-    }
-
-    /// Reorders or repeats batch rows: row `i` of the result is row `idx[i]` of the cache.
-    pub fn select_rows(&mut self, idx: &Tensor) -> Result<()> {
-        for (k, v) in self.layers.iter_mut().flatten() {
-            *k = k.index_select(idx, 0)?;
-            *v = v.index_select(idx, 0)?;
-        }
-        Ok(())
-    }
-
-    /// Drops every cached position.
-    pub fn clear(&mut self) {
-        for l in self.layers.iter_mut() {
-            *l = None;
-        }
-    }
-}
-
-/// Dense layer `y = x W^T (+ b)` with HF weight layout `[out, in]`.
-#[derive(Debug, Clone)]
-pub(crate) struct Linear {
-    pub w: Tensor,
-    pub b: Option<Tensor>,
-}
-
-impl Linear {
-    pub fn load(
-        pb: &mut ParamBuilder,
-        prefix: &str,
-        in_dim: usize,
-        out_dim: usize,
-        bias: bool,
-        std: f64,
-    ) -> Result<Self> {
-        let w = pb.get(
-            &format!("{prefix}.weight"),
-            &[out_dim, in_dim],
-            Init::Normal(std),
-        )?;
-        let b = if bias {
-            Some(pb.get(&format!("{prefix}.bias"), &[out_dim], Init::Normal(std))?)
-        } else {
-            None
-        };
-        Ok(Self { w, b })
-    }
-
-    /// Computes in the dtype of `xs`: weights kept in another dtype (f32 master weights under
-    /// mixed precision) are cast on the way, differentiably.
-    pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
-        let dims = xs.dims().to_vec();
-        let in_dim = *dims
-            .last()
-            .ok_or_else(|| Error::InvalidArgument("empty input".into()))?;
-        let rows: usize = dims[..dims.len() - 1].iter().product();
-        let w = self.w.to_dtype(xs.dtype())?;
-        let ys = xs.reshape((rows, in_dim))?.matmul(&w.t()?)?;
-        let ys = match &self.b {
-            Some(b) => ys.broadcast_add(&b.to_dtype(xs.dtype())?)?,
-            None => ys,
-        };
-        let mut out = dims;
-        let last = out.len() - 1;
-        out[last] = self.w.dim(0)?;
-        Ok(ys.reshape(out)?)
     }
 }
 
@@ -233,7 +145,13 @@ struct Attention {
 }
 
 impl Attention {
-    fn load(cfg: &Config, pb: &mut ParamBuilder, prefix: &str, std: f64) -> Result<Self> {
+    fn load(
+        cfg: &Config,
+        pb: &mut ParamBuilder,
+        prefix: &str,
+        std: f64,
+        lora: Option<&LoraSetup>,
+    ) -> Result<Self> {
         let (h, d) = (cfg.hidden_size, cfg.head_dim);
         let (nh, nkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
         Ok(Self {
@@ -244,6 +162,7 @@ impl Attention {
                 nh * d,
                 cfg.qkv_bias,
                 std,
+                lora,
             )?,
             k_proj: Linear::load(
                 pb,
@@ -252,6 +171,7 @@ impl Attention {
                 nkv * d,
                 cfg.qkv_bias,
                 std,
+                lora,
             )?,
             v_proj: Linear::load(
                 pb,
@@ -260,8 +180,17 @@ impl Attention {
                 nkv * d,
                 cfg.qkv_bias,
                 std,
+                lora,
             )?,
-            o_proj: Linear::load(pb, &format!("{prefix}.o_proj"), nh * d, h, cfg.o_bias, std)?,
+            o_proj: Linear::load(
+                pb,
+                &format!("{prefix}.o_proj"),
+                nh * d,
+                h,
+                cfg.o_bias,
+                std,
+                lora,
+            )?,
             num_heads: nh,
             num_kv_heads: nkv,
             head_dim: d,
@@ -338,12 +267,19 @@ struct Mlp {
 }
 
 impl Mlp {
-    fn load(cfg: &Config, pb: &mut ParamBuilder, prefix: &str, std: f64) -> Result<Self> {
+    fn load(
+        cfg: &Config,
+        pb: &mut ParamBuilder,
+        prefix: &str,
+        std: f64,
+        lora: Option<&LoraSetup>,
+    ) -> Result<Self> {
         let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
+        let bias = cfg.mlp_bias;
         Ok(Self {
-            gate_proj: Linear::load(pb, &format!("{prefix}.gate_proj"), h, i, cfg.mlp_bias, std)?,
-            up_proj: Linear::load(pb, &format!("{prefix}.up_proj"), h, i, cfg.mlp_bias, std)?,
-            down_proj: Linear::load(pb, &format!("{prefix}.down_proj"), i, h, cfg.mlp_bias, std)?,
+            gate_proj: Linear::load(pb, &format!("{prefix}.gate_proj"), h, i, bias, std, lora)?,
+            up_proj: Linear::load(pb, &format!("{prefix}.up_proj"), h, i, bias, std, lora)?,
+            down_proj: Linear::load(pb, &format!("{prefix}.down_proj"), i, h, bias, std, lora)?,
         })
     }
 
@@ -404,6 +340,10 @@ impl Layer {
         ] {
             out.push(l.w.clone());
             out.extend(l.b.clone());
+            if let Some(p) = &l.lora {
+                out.push(p.a.clone());
+                out.push(p.b.clone());
+            }
         }
         out
     }
@@ -464,6 +404,7 @@ impl Transformer {
         kernels: Kernels,
         compute: DType,
         checkpoint: bool,
+        lora: Option<&LoraSetup>,
     ) -> Result<Self> {
         let std = 0.02;
         let h = cfg.hidden_size;
@@ -492,13 +433,13 @@ impl Transformer {
                     &[h],
                     Init::Ones,
                 )?,
-                self_attn: Attention::load(cfg, pb, &format!("{p}.self_attn"), std)?,
+                self_attn: Attention::load(cfg, pb, &format!("{p}.self_attn"), std, lora)?,
                 post_attention_layernorm: pb.get(
                     &format!("{p}.post_attention_layernorm.weight"),
                     &[h],
                     Init::Ones,
                 )?,
-                mlp: Mlp::load(cfg, pb, &format!("{p}.mlp"), std)?,
+                mlp: Mlp::load(cfg, pb, &format!("{p}.mlp"), std, lora)?,
             });
         }
         let norm = pb.get("model.norm.weight", &[h], Init::Ones)?;

@@ -111,12 +111,16 @@ pub enum Init {
     Ones,
     /// Normal with mean 0 and the given standard deviation.
     Normal(f64),
+    /// Uniform on `[-bound, bound]` (LoRA's A matrices, as PEFT's Kaiming-uniform init).
+    Uniform(f64),
 }
 
 /// Named parameters of a model, in a stable order.
 #[derive(Clone, Default)]
 pub struct ParamStore {
     vars: BTreeMap<String, Var>,
+    /// The frozen base of a LoRA model: never trained, synced or saved with the adapter.
+    base: std::collections::BTreeSet<String>,
 }
 
 impl ParamStore {
@@ -126,6 +130,21 @@ impl ParamStore {
             .iter()
             .map(|(k, v)| (k.clone(), v.clone()))
             .collect()
+    }
+
+    /// The parameters that train, sync and save: all of them, except a LoRA model's frozen
+    /// base (then: the adapters and any score head).
+    pub fn train_vars(&self) -> Vec<(String, Var)> {
+        self.vars
+            .iter()
+            .filter(|(k, _)| !self.base.contains(*k))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    }
+
+    /// Whether `name` belongs to a LoRA model's frozen base.
+    pub fn is_base(&self, name: &str) -> bool {
+        self.base.contains(name)
     }
 
     /// One parameter.
@@ -145,6 +164,8 @@ pub(crate) struct ParamBuilder<'a> {
     device: Device,
     dtype: DType,
     trainable: bool,
+    /// While loading a LoRA model's base: its parameters' dtype (they are frozen).
+    base: Option<DType>,
     store: ParamStore,
     rng: rand::rngs::StdRng,
 }
@@ -162,6 +183,7 @@ impl<'a> ParamBuilder<'a> {
             device: device.clone(),
             dtype,
             trainable,
+            base: None,
             store: ParamStore::default(),
             rng: rand::rngs::StdRng::seed_from_u64(seed),
         }
@@ -169,6 +191,16 @@ impl<'a> ParamBuilder<'a> {
 
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// From now on, parameters are a LoRA model's frozen base, kept in `dtype` (`Some`), or
+    /// trainable as the builder was made (`None`). Returns the previous setting.
+    pub fn set_base(&mut self, dtype: Option<DType>) -> Option<DType> {
+        std::mem::replace(&mut self.base, dtype)
+    }
+
+    fn dtype(&self) -> DType {
+        self.base.unwrap_or(self.dtype)
     }
 
     /// True when parameters come from a checkpoint (false for random models).
@@ -191,7 +223,7 @@ impl<'a> ParamBuilder<'a> {
         let t = match self.files {
             Some(files) => files
                 .load(name, shape, &self.device)?
-                .to_dtype(self.dtype)?,
+                .to_dtype(self.dtype())?,
             None => self.random(shape, init)?,
         };
         self.register(name, t)
@@ -211,17 +243,22 @@ impl<'a> ParamBuilder<'a> {
         })?;
         let t = files
             .load(src_name, shape, &self.device)?
-            .to_dtype(self.dtype)?;
+            .to_dtype(self.dtype())?;
         self.register(name, t)
     }
 
     /// The tensor the model computes with for an already registered parameter (tied weights).
     pub fn shared(&self, name: &str) -> Option<Tensor> {
-        self.store.vars.get(name).map(|v| self.view(v))
+        let var = self.store.vars.get(name)?;
+        Some(if self.store.base.contains(name) {
+            var.as_tensor().detach()
+        } else {
+            self.view(var)
+        })
     }
 
     fn view(&self, var: &Var) -> Tensor {
-        if self.trainable {
+        if self.trainable && self.base.is_none() {
             var.as_tensor().clone()
         } else {
             var.as_tensor().detach()
@@ -231,6 +268,9 @@ impl<'a> ParamBuilder<'a> {
     fn register(&mut self, name: &str, t: Tensor) -> Result<Tensor> {
         let var = Var::from_tensor(&t.contiguous()?)?;
         let view = self.view(&var);
+        if self.base.is_some() {
+            self.store.base.insert(name.to_string());
+        }
         self.store.vars.insert(name.to_string(), var);
         Ok(view)
     }
@@ -251,8 +291,11 @@ impl<'a> ParamBuilder<'a> {
                 v.truncate(n);
                 v
             }
+            Init::Uniform(bound) => (0..n)
+                .map(|_| ((self.rng.random::<f64>() * 2.0 - 1.0) * bound) as f32)
+                .collect(),
         };
-        Ok(Tensor::from_vec(data, shape, &self.device)?.to_dtype(self.dtype)?)
+        Ok(Tensor::from_vec(data, shape, &self.device)?.to_dtype(self.dtype())?)
     }
 
     pub fn finish(self) -> ParamStore {

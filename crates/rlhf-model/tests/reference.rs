@@ -3,28 +3,13 @@
 
 mod common;
 
-use common::{fixture, json_f32_2d, json_u32_2d, reference, to_vec2, to_vec3};
+use common::{batch_from, fixture, json_f32_2d, json_u32_2d, reference, to_vec2, to_vec3};
 use rlhf_model::{
     generate, Batch, ChatMessage, Device, GenerationConfig, Kernels, LoadOptions, Model, ModelKind,
-    Tensor, Tokenizer,
+    Tokenizer,
 };
 
 const CAUSAL: &[&str] = &["tiny-llama", "tiny-llama3-rope", "tiny-qwen2"];
-
-fn batch_from(r: &serde_json::Value) -> (Batch, Vec<Vec<u32>>) {
-    let ids = json_u32_2d(&r["input_ids"]);
-    let mask = json_u32_2d(&r["attention_mask"]);
-    let pos = json_u32_2d(&r["position_ids"]);
-    let (b, t) = (ids.len(), ids[0].len());
-    let dev = Device::Cpu;
-    let flat = |v: &Vec<Vec<u32>>| v.iter().flatten().copied().collect::<Vec<u32>>();
-    let batch = Batch {
-        input_ids: Tensor::from_vec(flat(&ids), (b, t), &dev).unwrap(),
-        attention_mask: Tensor::from_vec(flat(&mask), (b, t), &dev).unwrap(),
-        position_ids: Tensor::from_vec(flat(&pos), (b, t), &dev).unwrap(),
-    };
-    (batch, mask)
-}
 
 /// Max |a - b| over positions where `keep(b, t)`.
 fn max_diff_2d(a: &[Vec<f32>], b: &[Vec<f32>], keep: impl Fn(usize, usize) -> bool) -> f32 {

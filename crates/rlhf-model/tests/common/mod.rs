@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 pub mod grad;
 
-use rlhf_model::{Batch, Config, Device, Family};
+use rlhf_model::{Batch, Config, Device, Family, Tensor};
 
 /// The devices the model tests run on: the CPU, and the first GPU when this build has the
 /// `cuda` feature and the machine a driver and a GPU.
@@ -87,4 +87,20 @@ pub fn json_f32_2d(v: &serde_json::Value) -> Vec<Vec<f32>> {
                 .collect()
         })
         .collect()
+}
+
+/// A reference.json batch (input ids, attention mask, position ids) on the CPU, and its mask.
+pub fn batch_from(r: &serde_json::Value) -> (Batch, Vec<Vec<u32>>) {
+    let ids = json_u32_2d(&r["input_ids"]);
+    let mask = json_u32_2d(&r["attention_mask"]);
+    let pos = json_u32_2d(&r["position_ids"]);
+    let (b, t) = (ids.len(), ids[0].len());
+    let dev = Device::Cpu;
+    let flat = |v: &Vec<Vec<u32>>| v.iter().flatten().copied().collect::<Vec<u32>>();
+    let batch = Batch {
+        input_ids: Tensor::from_vec(flat(&ids), (b, t), &dev).unwrap(),
+        attention_mask: Tensor::from_vec(flat(&mask), (b, t), &dev).unwrap(),
+        position_ids: Tensor::from_vec(flat(&pos), (b, t), &dev).unwrap(),
+    };
+    (batch, mask)
 }
