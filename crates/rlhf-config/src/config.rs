@@ -241,6 +241,8 @@ pub struct ActorRolloutConfig {
     /// Rollout overlapped with training (`actor_rollout.async.*`).
     #[serde(rename = "async")]
     pub async_: AsyncConfig,
+    /// LoRA adapters instead of the full model (`actor_rollout.lora.*`; rank 0 = off).
+    pub lora: crate::LoraOptions,
     /// Overrides of `training` keys for this role.
     #[serde(flatten)]
     pub overrides: TrainingOverrides,
@@ -275,6 +277,7 @@ impl Default for ActorRolloutConfig {
             fixed_responses_file: None,
             offload: false,
             async_: AsyncConfig::default(),
+            lora: crate::LoraOptions::default(),
             overrides: TrainingOverrides::default(),
         }
     }
@@ -331,6 +334,8 @@ pub struct CriticConfig {
     pub critic_update_epochs: u32,
     /// Shuffle sequences between mini-batches.
     pub shuffle_minibatch: bool,
+    /// LoRA adapters on the critic's body; the value head trains in full (`critic.lora.*`).
+    pub lora: crate::LoraOptions,
     /// Overrides of `training` keys for this role.
     #[serde(flatten)]
     pub overrides: TrainingOverrides,
@@ -347,6 +352,7 @@ impl Default for CriticConfig {
             critic_mini_batch_size: 8,
             critic_update_epochs: 1,
             shuffle_minibatch: false,
+            lora: crate::LoraOptions::default(),
             overrides: TrainingOverrides::default(),
         }
     }

@@ -31,6 +31,7 @@ pub mod docs;
 mod error;
 mod fault;
 mod load;
+mod lora;
 mod memory;
 mod model;
 mod phases;
@@ -49,6 +50,7 @@ pub use config::{
 pub use error::{ConfigError, Result};
 pub use fault::FaultToleranceConfig;
 pub use load::{config_schema, from_bundle, from_yaml_str, load, load_file, load_model};
+pub use lora::LoraOptions;
 pub use memory::MemoryRow;
 pub use model::ModelConfig;
 pub use phases::Phase;

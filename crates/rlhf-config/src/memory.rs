@@ -23,6 +23,12 @@
 //!   prefill of `B` prompts through one layer plus `B·V·4` for the last-token
 //!   logits.
 //!
+//! With LoRA (`actor_rollout.lora`, `critic.lora`; `A` adapter parameters, `r·(in + out)`
+//! per adapted linear layer, plus the critic's value head) a trained role holds the frozen
+//! base at `P·b` and trains only `A`: weights `P·b` plus the trained-weight terms of `A`,
+//! gradients `4·A`, optimizer `8·A`; a reference served by the LoRA actor's trainers (its
+//! base, adapters off) holds nothing of its own.
+//!
 //! These are rough upper-ish bounds for planning, not allocator-exact numbers.
 
 use std::collections::BTreeMap;
@@ -138,20 +144,33 @@ impl PpoConfig {
                 continue;
             };
             let optimizer = |p: u64| mul(&[8, p]);
+            // Weights and the parameters that train: all of them, or LoRA's adapters (plus
+            // `head` trained parameters) over a frozen base held at `b` bytes.
+            let split = |p: u64, lora: &crate::LoraOptions, head: u64| match lora.active() {
+                Some(l) => {
+                    let trained_p = arch
+                        .lora_params(u64::from(l.rank), &l.target_modules)
+                        .saturating_add(head);
+                    (mul(&[p, b]).saturating_add(trained(trained_p)), trained_p)
+                }
+                None => (trained(p), p),
+            };
             match role {
                 RoleKind::ActorRollout => {
                     let p = arch.lm_params();
+                    let (weights, tp) = split(p, &a.lora, 0);
                     rows.push(MemoryRow {
                         label: "actor_rollout/train".into(),
                         role,
                         model: m.name.clone(),
                         params: p,
-                        weights: trained(p),
-                        gradients: mul(&[p, 4]),
-                        optimizer: optimizer(p),
+                        weights,
+                        gradients: mul(&[tp, 4]),
+                        optimizer: optimizer(tp),
                         kv_cache: 0,
                         activations: train_act(&arch, true),
                     });
+                    let adapters = if a.lora.is_on() { tp } else { 0 };
                     let infer = u64::from(a.num_gpus_for_infer.max(1));
                     let batch = self.rollout_batch_size().div_ceil(infer);
                     let kv = mul(&[
@@ -171,12 +190,19 @@ impl PpoConfig {
                         role,
                         model: m.name,
                         params: p,
-                        weights: mul(&[p, b]),
+                        // The base plus the adapters the sync sends, in the same dtype.
+                        weights: mul(&[p.saturating_add(adapters), b]),
                         gradients: 0,
                         optimizer: 0,
                         kv_cache: kv,
                         activations: prefill,
                     });
+                }
+                RoleKind::Ref if self.ref_in_trainer() => {
+                    rows.push(empty(
+                        RoleKind::Ref.as_str(),
+                        "served by actor_rollout/train: its LoRA base, adapters off".into(),
+                    ));
                 }
                 RoleKind::Ref => {
                     let p = arch.lm_params();
@@ -199,14 +225,16 @@ impl PpoConfig {
                 }
                 RoleKind::Critic => {
                     let p = arch.value_params();
+                    let head = arch.hidden_size.saturating_add(1);
+                    let (weights, tp) = split(p, &self.critic.lora, head);
                     rows.push(MemoryRow {
                         label: RoleKind::Critic.to_string(),
                         role,
                         model: m.name,
                         params: p,
-                        weights: trained(p),
-                        gradients: mul(&[p, 4]),
-                        optimizer: optimizer(p),
+                        weights,
+                        gradients: mul(&[tp, 4]),
+                        optimizer: optimizer(tp),
                         kv_cache: 0,
                         activations: train_act(&arch, false),
                     });

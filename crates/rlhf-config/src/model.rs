@@ -126,6 +126,29 @@ impl ModelConfig {
         add(&[self.body_params(), head])
     }
 
+    /// Parameters of rank-`rank` LoRA adapters on the `targets` of every layer (module names
+    /// or `all-linear`): `rank · (in + out)` per adapted linear layer.
+    pub fn lora_params(&self, rank: u64, targets: &[String]) -> u64 {
+        let h = self.hidden_size;
+        let q = mul(&[self.num_attention_heads, self.head_dim()]);
+        let kv = mul(&[self.kv_heads(), self.head_dim()]);
+        let i = self.intermediate_size;
+        let all = targets.iter().any(|t| t == rlhf_types::lora::ALL_LINEAR);
+        let per_layer: u64 = [
+            ("q_proj", add(&[h, q])),
+            ("k_proj", add(&[h, kv])),
+            ("v_proj", add(&[h, kv])),
+            ("o_proj", add(&[q, h])),
+            ("gate_proj", add(&[h, i])),
+            ("up_proj", add(&[h, i])),
+            ("down_proj", add(&[i, h])),
+        ]
+        .iter()
+        .filter(|(m, _)| all || targets.iter().any(|t| t == m))
+        .fold(0u64, |acc, (_, io)| acc.saturating_add(*io));
+        mul(&[self.num_hidden_layers, rank, per_layer])
+    }
+
     /// Parameters of a value / reward model (body + a scalar head).
     pub fn value_params(&self) -> u64 {
         add(&[self.body_params(), self.hidden_size])

@@ -68,8 +68,18 @@ impl PpoConfig {
             RoleKind::ActorRollout if self.resource_pool.colocate => {
                 self.actor_rollout.num_gpus_for_train.max(1)
             }
+            RoleKind::Ref if self.ref_in_trainer() => 0,
             _ => self.devices(role),
         }
+    }
+
+    /// With LoRA on the actor and no other reference model, the reference policy is the
+    /// actor's base with the adapters switched off: each actor trainer rank serves it from
+    /// its own weights, so the reference has no process, device or copy of its own
+    /// (`resource_pool.ref` goes unused).
+    pub fn ref_in_trainer(&self) -> bool {
+        self.actor_rollout.lora.is_on()
+            && (self.ref_.model.is_empty() || self.ref_.model == self.actor_rollout.model)
     }
 
     /// Devices a colocated job uses in all: the largest role's.

@@ -143,9 +143,10 @@ pub struct RoleSpec {
     pub seed: u64,
     /// Rows per forward (inference) and per accumulation step (training).
     pub micro_batch_rows: usize,
-    /// The LoRA adapter this engine trains or serves; `None` is the full model (the only
-    /// kind the roles run today).
-    pub adapter: Option<String>,
+    /// LoRA adapters this engine trains or serves (`actor_rollout.lora`, `critic.lora`);
+    /// `None`: the full model.
+    #[serde(default)]
+    pub lora: Option<crate::LoraOptions>,
     /// The communicator groups this rank joins.
     pub comms: Vec<CommGroup>,
     /// Under `resource_pool.colocate`, the trainer slot whose process hosts this rollout
@@ -341,17 +342,22 @@ impl RoleSpec {
             shapes,
             seed: t.seed,
             micro_batch_rows: t.micro_batch_size.max(1) as usize,
-            adapter: None,
+            lora: match kind {
+                RoleKind::ActorRollout => cfg.actor_rollout.lora.active().cloned(),
+                RoleKind::Critic => cfg.critic.lora.active().cloned(),
+                _ => None,
+            },
             comms,
-            shares_model_of: (cfg.resource_pool.colocate
+            shares_model_of: ((cfg.resource_pool.colocate
                 && kind == RoleKind::ActorRollout
                 && slot.part == RolePart::Infer)
-                .then_some(RoleSlot {
-                    kind,
-                    part: RolePart::Train,
-                    rank: slot.rank,
-                    world_size: a.num_gpus_for_train.max(1),
-                }),
+                || (kind == RoleKind::Ref && cfg.ref_in_trainer()))
+            .then_some(RoleSlot {
+                kind: RoleKind::ActorRollout,
+                part: RolePart::Train,
+                rank: slot.rank,
+                world_size: a.num_gpus_for_train.max(1),
+            }),
             engine,
         })
     }

@@ -144,6 +144,8 @@ pub fn problems(cfg: &PpoConfig) -> Vec<String> {
         );
     }
     e.extend(a.async_.problems());
+    e.extend(a.lora.problems("actor_rollout.lora"));
+    e.extend(cfg.critic.lora.problems("critic.lora"));
     e.extend(cfg.fault_tolerance.problems());
     if a.async_.is_async() && pool.colocate {
         e.push(format!(

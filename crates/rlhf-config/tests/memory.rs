@@ -247,3 +247,41 @@ fn a_colocated_job_is_estimated_per_phase() {
         "{msg}"
     );
 }
+
+/// LoRA: the base is held frozen at the compute dtype and only the adapters train; the
+/// reference of a LoRA actor is its base with the adapters off and costs nothing of its own.
+#[test]
+fn lora_trains_only_the_adapters_and_the_reference_is_free() {
+    let full = qwen7b(&[]);
+    let l = qwen7b(&[
+        "actor_rollout.lora.rank=8",
+        "actor_rollout.lora.target_modules=[q_proj,v_proj]",
+        "critic.lora.rank=16",
+    ]);
+    let (ft, lt) = (
+        row(&full, "actor_rollout/train"),
+        row(&l, "actor_rollout/train"),
+    );
+    // Qwen2.5-7B: 28 layers, hidden 3584, 28 query / 4 KV heads of 128: q_proj 3584 -> 3584,
+    // v_proj 3584 -> 512; r = 8.
+    let a: u64 = 28 * 8 * ((3584 + 3584) + (3584 + 512));
+    assert_eq!(lt.gradients, 4 * a);
+    assert_eq!(lt.optimizer, 8 * a);
+    // bf16 base (2 bytes) plus the f32 master and bf16 copy of the adapters.
+    assert_eq!(lt.weights, 2 * lt.params + 6 * a);
+    assert!(
+        lt.total() * 2 < ft.total(),
+        "{} vs {}",
+        lt.total(),
+        ft.total()
+    );
+    let critic = row(&l, "critic");
+    assert!(critic.optimizer < row(&full, "critic").optimizer / 50);
+    let r = row(&l, "ref");
+    assert_eq!(r.total(), 0);
+    assert!(r.model.contains("adapters off"), "{}", r.model);
+    assert!(l.ref_in_trainer() && !full.ref_in_trainer());
+    // A reference model of its own is still loaded as one.
+    let other = qwen7b(&["actor_rollout.lora.rank=8", "ref.model=qwen25_7b_rm"]);
+    assert!(!other.ref_in_trainer());
+}

@@ -30,6 +30,9 @@ pub struct Roles {
     /// `resource_pool.colocate`: the rollout ranks are the trainer processes (`infer` has
     /// the same members as `train`), and no weights travel between them.
     pub colocated: bool,
+    /// The reference is a LoRA actor's base with the adapters off: its ranks are the
+    /// trainer processes (`reference` has the same members as `train`).
+    pub ref_in_trainer: bool,
 }
 
 impl Roles {
@@ -43,10 +46,11 @@ impl Roles {
         ]
     }
 
-    /// Whether `g`'s ranks live in other groups' processes: the colocated rollout ranks,
-    /// which are the trainers'.
+    /// Whether `g`'s ranks live in other groups' processes: the colocated rollout ranks and
+    /// a LoRA actor's reference, which are the trainers'.
     fn hosted_elsewhere(&self, g: &WorkerGroup) -> bool {
-        self.colocated && g.id == self.infer.id
+        (self.colocated && g.id == self.infer.id)
+            || (self.ref_in_trainer && g.id == self.reference.id)
     }
 
     /// Every role process once, with the group it serves (a colocated rollout rank is its
@@ -108,7 +112,8 @@ fn parts(cfg: &PpoConfig) -> Vec<PartSpec> {
         });
     }
     for role in [RoleKind::Ref, RoleKind::Critic, RoleKind::Reward] {
-        if cfg.role_enabled(role) {
+        // A LoRA actor's reference lives in the trainer processes.
+        if cfg.role_enabled(role) && !(role == RoleKind::Ref && cfg.ref_in_trainer()) {
             v.push(PartSpec {
                 role,
                 part: RolePart::Whole,
@@ -315,14 +320,23 @@ pub async fn launch(
     } else {
         take(RoleKind::ActorRollout, RolePart::Infer)
     };
+    let reference = if cfg.ref_in_trainer() {
+        WorkerGroup {
+            id: GroupId::Role(RoleKind::Ref, RolePart::Whole),
+            members: train.members.clone(),
+        }
+    } else {
+        take(RoleKind::Ref, RolePart::Whole)
+    };
     let roles = Roles {
         train,
         infer,
-        reference: take(RoleKind::Ref, RolePart::Whole),
+        reference,
         critic: take(RoleKind::Critic, RolePart::Whole),
         reward: take(RoleKind::Reward, RolePart::Whole),
         placement_groups: made.placement_groups.clone(),
         colocated: cfg.resource_pool.colocate,
+        ref_in_trainer: cfg.ref_in_trainer(),
     };
     Ok(roles)
 }

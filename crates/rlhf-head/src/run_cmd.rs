@@ -116,6 +116,7 @@ fn devices_needed(cfg: &PpoConfig) -> f64 {
     RoleKind::ALL
         .iter()
         .filter(|r| cfg.role_enabled(**r))
+        .filter(|r| !(**r == RoleKind::Ref && cfg.ref_in_trainer()))
         .map(|r| f64::from(cfg.devices(*r)))
         .sum()
 }

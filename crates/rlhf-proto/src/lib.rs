@@ -5,7 +5,7 @@
 //! types are in `rlhf-core`.
 
 /// Bumped on any incompatible change to proto/. Checked at register and on every heartbeat.
-pub const PROTOCOL_VERSION: u32 = 7;
+pub const PROTOCOL_VERSION: u32 = 8;
 
 /// Messages larger than this are refused by servers and clients; batches above a few MiB
 /// are streamed in chunks well below it.

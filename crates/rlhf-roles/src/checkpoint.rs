@@ -1,4 +1,5 @@
-//! A trainable engine's checkpoint: an HF model directory plus `optimizer.safetensors`,
+//! A trainable engine's checkpoint: an HF model directory (a PEFT adapter directory for a
+//! LoRA engine) plus `optimizer.safetensors`,
 //! `role_state.json` (scheduler position, weights version) and `manifest.json` (every file's
 //! size and content hash). It is written beside the target and moved into place in one
 //! rename once every file is on disk (`rlhf_core::durable`), and verified against its
@@ -104,10 +105,17 @@ pub fn load(
     })?;
     let state: RoleState = serde_json::from_str(&text)
         .map_err(|e| Error::invalid(format!("{} is not a role state: {e}", path.display())))?;
-    let saved = Model::load(dir, opts).with_ctx(|| format!("loading {}", dir.display()))?;
-    model
-        .set_weights(&saved.named_tensors())
-        .with_ctx(|| format!("restoring the weights from {}", dir.display()))?;
+    if model.lora().is_some() {
+        // A LoRA engine's checkpoint is its PEFT adapter; the frozen base never changed.
+        model
+            .load_adapter(dir)
+            .with_ctx(|| format!("restoring the adapters from {}", dir.display()))?;
+    } else {
+        let saved = Model::load(dir, opts).with_ctx(|| format!("loading {}", dir.display()))?;
+        model
+            .set_weights(&saved.named_tensors())
+            .with_ctx(|| format!("restoring the weights from {}", dir.display()))?;
+    }
     optim
         .opt
         .load(&dir.join(OPTIMIZER_FILE))

@@ -115,6 +115,13 @@ pub fn load_options(
         device: device.clone(),
         logits_chunk: spec.logits_chunk,
         gradient_checkpointing: trainable && spec.gradient_checkpointing,
+        lora: spec.lora.as_ref().map(|l| rlhf_model::LoraConfig {
+            rank: l.rank as usize,
+            alpha: l.alpha,
+            dropout: l.dropout,
+            target_modules: l.target_modules.clone(),
+            rslora: false,
+        }),
         ..base
     }
     .with_bf16(spec.dtype == rlhf_types::DType::BF16)

@@ -122,12 +122,6 @@ impl RoleHost {
     /// device this build or machine cannot open is an error, never a silent CPU fallback.
     pub fn add(&mut self, spec: RoleSpec) -> Result<String> {
         self.check_new(&spec)?;
-        if spec.adapter.is_some() {
-            return Err(Error::invalid(format!(
-                "{}: LoRA adapters are not supported yet; train the full model",
-                spec.slot.label()
-            )));
-        }
         let (device, note) = self.device(spec.device, &spec.slot.label())?;
         let engine = match &spec.engine {
             EngineSpec::Trainer { .. } => Engine::Trainer(Box::new(Trainer::new(&spec, &device)?)),
@@ -140,8 +134,9 @@ impl RoleHost {
         Ok(note)
     }
 
-    /// Adds a rollout engine that generates with the model of the engine already serving
-    /// `of` (the hybrid engine: no second copy of the weights, no weight sync).
+    /// Adds an engine that computes with the model of the engine already serving `of`: a
+    /// rollout that generates with its trainer's weights (the hybrid engine: no second copy,
+    /// no weight sync), or the reference as a LoRA trainer's base with its adapters off.
     pub fn add_sharing(&mut self, spec: RoleSpec, of: RoleSlot) -> Result<()> {
         self.check_new(&spec)?;
         let model: Arc<Model> = self
@@ -153,14 +148,17 @@ impl RoleHost {
             .ok_or_else(|| {
                 Error::invalid(format!("no engine with a model serves {}", of.label()))
             })?;
-        let engine = Engine::Rollout(Box::new(Rollout::sharing(&spec, model)?));
+        let engine = match &spec.engine {
+            EngineSpec::Ref { .. } => Engine::Ref(Box::new(RefPolicy::sharing(&spec, model)?)),
+            _ => Engine::Rollout(Box::new(Rollout::sharing(&spec, model)?)),
+        };
         self.engines.push(Hosted { spec, engine });
         Ok(())
     }
 
     fn check_new(&self, spec: &RoleSpec) -> Result<()> {
         spec.slot.validate()?;
-        if spec.slot.kind != self.kind {
+        if !self.hosts(spec) {
             return Err(Error::invalid(format!(
                 "InitRole for role '{}' sent to a '{}' actor process",
                 spec.slot.kind, self.kind
@@ -175,20 +173,32 @@ impl RoleHost {
         Ok(())
     }
 
+    /// Whether this process can host the engine of `spec`: one of its own role, or one that
+    /// computes with the model of one of its engines (the reference of a LoRA actor).
+    fn hosts(&self, spec: &RoleSpec) -> bool {
+        spec.slot.kind == self.kind || spec.shares_model_of.is_some_and(|of| of.kind == self.kind)
+    }
+
     pub fn init(&mut self, req: &pb::InitRoleRequest) -> Result<pb::InitRoleResponse> {
         let kind = RoleKind::from_wire(req.role, "InitRoleRequest.role")?;
-        if kind != self.kind {
+        let spec = RoleSpec::from_json(&req.spec)?;
+        if kind != spec.slot.kind || !self.hosts(&spec) {
             return Err(Error::invalid(format!(
                 "InitRole for role '{kind}' sent to a '{}' actor process",
                 self.kind
             )));
         }
-        let spec = crate::hub::resolve_hub_names(RoleSpec::from_json(&req.spec)?)?;
+        let spec = crate::hub::resolve_hub_names(spec)?;
         let slot = spec.slot;
         let note = match spec.shares_model_of {
             Some(of) => {
                 self.add_sharing(spec, of)?;
-                format!("generates with the weights of {} (colocated)", of.label())
+                match slot.kind {
+                    RoleKind::Ref => {
+                        format!("the LoRA base of {} (adapters off, no copy)", of.label())
+                    }
+                    _ => format!("generates with the weights of {} (colocated)", of.label()),
+                }
             }
             None => self.add(spec)?,
         };

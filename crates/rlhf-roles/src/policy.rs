@@ -403,34 +403,59 @@ impl LogProbs for Rollout {
     }
 }
 
-/// The frozen reference policy.
+/// The frozen reference policy: its own copy, or a LoRA actor trainer's model with the
+/// adapters switched off (the same base weights, no second copy).
 pub struct RefPolicy {
     pub model: Arc<Model>,
     pub shapes: Shapes,
     temperature: f64,
     micro: usize,
+    /// Computes with `model`'s adapters off (the base of a LoRA actor).
+    adapter_off: bool,
 }
 
 impl RefPolicy {
     pub fn new(spec: &RoleSpec, device: &Device) -> Result<Self> {
-        let EngineSpec::Ref { temperature } = &spec.engine else {
-            return Err(wrong_engine(spec, "a reference policy"));
-        };
         let dir = spec.model_dir()?;
         let opts = convert::load_options(spec, device, LoadOptions::inference());
         let model = Model::load(dir, &opts)
             .with_ctx(|| format!("loading the reference policy from {}", dir.display()))?;
+        Self::build(spec, Arc::new(model), false)
+    }
+
+    /// The reference as the base of a LoRA trainer's `model`: its adapters are off while
+    /// this engine computes.
+    pub fn sharing(spec: &RoleSpec, model: Arc<Model>) -> Result<Self> {
+        if model.lora().is_none() {
+            return Err(Error::invalid(format!(
+                "{}: a reference that shares the actor's weights needs the actor to train LoRA                  adapters (actor_rollout.lora.rank > 0); without them it needs its own copy",
+                spec.slot.label()
+            )));
+        }
+        Self::build(spec, model, true)
+    }
+
+    fn build(spec: &RoleSpec, model: Arc<Model>, adapter_off: bool) -> Result<Self> {
+        let EngineSpec::Ref { temperature } = &spec.engine else {
+            return Err(wrong_engine(spec, "a reference policy"));
+        };
         Ok(Self {
-            model: Arc::new(model),
+            model,
             shapes: spec.shapes,
             temperature: *temperature,
             micro: spec.micro_batch_rows,
+            adapter_off,
         })
     }
 }
 
 impl LogProbs for RefPolicy {
     fn log_probs(&self, req: &LogProbsRequest) -> Result<LogProbsResponse> {
-        log_probs(&self.model, req, self.shapes, self.temperature, self.micro)
+        let run = |m: &Model| log_probs(m, req, self.shapes, self.temperature, self.micro);
+        if self.adapter_off {
+            self.model.with_adapter_disabled(run)
+        } else {
+            run(&self.model)
+        }
     }
 }
