@@ -544,6 +544,31 @@ pub fn comparable(m: &Value) -> Vec<(String, f64)> {
         .collect()
 }
 
+/// Two runs logged the same steps with the same numbers (wall-clock ones aside): what a
+/// resumed run must show against a straight one.
+pub fn assert_same_steps(straight: &[Value], resumed: &[Value]) {
+    assert_eq!(
+        straight.len(),
+        resumed.len(),
+        "both runs log every step once"
+    );
+    for (x, y) in straight.iter().zip(resumed) {
+        let (cx, cy) = (comparable(x), comparable(y));
+        assert_eq!(
+            cx.iter().map(|(k, _)| k).collect::<Vec<_>>(),
+            cy.iter().map(|(k, _)| k).collect::<Vec<_>>()
+        );
+        for ((k, u), (_, v)) in cx.iter().zip(&cy) {
+            let tol = 1e-4 * (1.0 + u.abs());
+            assert!(
+                (u - v).abs() <= tol,
+                "step {}: {k} straight {u} vs resumed {v}",
+                x["step"]
+            );
+        }
+    }
+}
+
 /// Waits for `p` to exit and fails with its output unless it succeeded.
 pub fn wait_success(p: &mut Proc, timeout: Duration) -> Result<()> {
     let st = p.wait_exit(timeout)?;
