@@ -325,6 +325,13 @@ impl RoleSpec {
             _ => Some(model_dir(cfg, kind)?),
         };
         let tokenizer_dir = tokenizer_dir(cfg, model_dir.as_deref());
+        // A role without a model (rule or HTTP reward) computes nothing on a device and is
+        // placed without one: it must not try to open the pool's device kind.
+        let device = if model_dir.is_some() {
+            device
+        } else {
+            DeviceSpec::Cpu
+        };
         Ok(Self {
             slot,
             device,
@@ -433,6 +440,45 @@ mod tests {
         ));
         assert_eq!(reward.model_dir, None);
         assert_eq!(RoleSpec::from_json(&reward.to_json()).unwrap(), reward);
+    }
+
+    /// In a GPU pool every role with a model computes on its GPU; a rule reward, placed
+    /// without a device, must not open one (it failed on a real GPU node with
+    /// CUDA_ERROR_NO_DEVICE before).
+    #[test]
+    fn gpu_pools_put_only_roles_with_a_model_on_the_gpu() {
+        let mut cfg = tiny();
+        cfg.resource_pool.device = DeviceKind::Gpu;
+        let actor =
+            RoleSpec::resolve(&cfg, slot(RoleKind::ActorRollout, RolePart::Train, 0, 1)).unwrap();
+        assert_eq!(actor.device, DeviceSpec::Cuda { ordinal: 0 });
+        let reward =
+            RoleSpec::resolve(&cfg, slot(RoleKind::Reward, RolePart::Whole, 0, 1)).unwrap();
+        assert_eq!(reward.device, DeviceSpec::Cpu);
+    }
+
+    /// With LoRA on the actor the reference shares the trainer rank's model (adapters off);
+    /// without it, or with a reference model of its own, it loads its own.
+    #[test]
+    fn a_lora_actors_reference_shares_the_trainer() {
+        let mut cfg = tiny();
+        let reference = |c: &PpoConfig| {
+            RoleSpec::resolve(c, slot(RoleKind::Ref, RolePart::Whole, 0, 1))
+                .unwrap()
+                .shares_model_of
+        };
+        assert_eq!(reference(&cfg), None);
+        cfg.actor_rollout.lora.rank = 8;
+        let of = reference(&cfg).expect("shares the trainer's model");
+        assert_eq!(
+            (of.kind, of.part, of.rank),
+            (RoleKind::ActorRollout, RolePart::Train, 0)
+        );
+        let train =
+            RoleSpec::resolve(&cfg, slot(RoleKind::ActorRollout, RolePart::Train, 0, 1)).unwrap();
+        assert_eq!(train.lora.as_ref().map(|l| l.rank), Some(8));
+        cfg.ref_.model = "acme/other-ref".into();
+        assert_eq!(reference(&cfg), None);
     }
 
     #[test]
