@@ -209,8 +209,10 @@ pub fn problems(cfg: &PpoConfig) -> Vec<String> {
         }
     }
 
-    if pool.ref_ == 0 && (cfg.algorithm.use_kl_in_reward || a.use_kl_loss) {
-        e.push("resource_pool.ref is 0 but the KL penalty needs reference log-probs (algorithm.use_kl_in_reward or actor_rollout.use_kl_loss)".into());
+    // A LoRA actor's reference needs no devices: the trainers serve it.
+    if pool.ref_ == 0 && !cfg.ref_in_trainer() && (cfg.algorithm.use_kl_in_reward || a.use_kl_loss)
+    {
+        e.push("resource_pool.ref is 0 but the KL penalty needs reference log-probs (algorithm.use_kl_in_reward or actor_rollout.use_kl_loss); give the reference devices, or train the actor with LoRA (actor_rollout.lora.rank > 0) so that its base serves as the reference".into());
     }
 
     // Sampling.

@@ -285,3 +285,19 @@ fn lora_trains_only_the_adapters_and_the_reference_is_free() {
     let other = qwen7b(&["actor_rollout.lora.rank=8", "ref.model=qwen25_7b_rm"]);
     assert!(!other.ref_in_trainer());
 }
+
+/// The shipped LoRA config fits what it says: two 40 GB GPUs, every phase of a shared
+/// device within device_memory_gb (the same 7B policy trained in full does not).
+#[test]
+fn the_7b_lora_config_fits_two_40gb_gpus() {
+    let l = load(&configs(), "ppo_qwen25_7b_lora", &[]).unwrap();
+    let warnings = l.memory_warnings();
+    assert!(warnings.is_empty(), "{warnings:?}");
+    assert_eq!(l.colocated_devices(), 2);
+    let o = [
+        "actor_rollout.lora.rank=0".into(),
+        "resource_pool.ref=2".into(),
+    ];
+    let full = load(&configs(), "ppo_qwen25_7b_lora", &o).unwrap();
+    assert!(!full.memory_warnings().is_empty());
+}
