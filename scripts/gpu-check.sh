@@ -12,7 +12,8 @@
 #   tests        rlhf-model's integration tests (gpu-bin/tests/*), which run on cuda:0 too
 #   parity       gpu-bin/gpu_parity: fixture models on cuda:0 (f32, bf16) against the CPU
 #   ppo          a 5-step ppo_tiny job with every role on a GPU (needs 4 GPUs), and the same
-#                colocated on one GPU (resource_pool.colocate)
+#                colocated on one GPU (resource_pool.colocate), in f32 and in bf16 with
+#                checkpointing, chunked log-probs and LoRA on actor and critic
 #   bench        scripts/gpu_bench.sh, rlhf-model against PyTorch at Qwen2.5-0.5B's shape
 # Ends with `gpu-check: P passed, F failed, S skipped`; exits 1 when anything failed.
 #   PYTHON=python3          the Python with torch (+ transformers for the bench)
@@ -206,6 +207,11 @@ if want ppo; then
     fi
     if [ "$NGPU" -ge 1 ]; then
         ppo_on_gpus "colocated-on-one-gpu" resource_pool.colocate=true
+        # bf16 mixed precision with the memory savers, and LoRA (the reference is the
+        # trainer's base with the adapters off), on the same one GPU.
+        ppo_on_gpus "colocated-bf16-lora" resource_pool.colocate=true training.bf16=true \
+            training.gradient_checkpointing=true training.logits_chunk_size=7 \
+            actor_rollout.lora.rank=8 actor_rollout.lora.alpha=16 critic.lora.rank=8
     else
         skip "ppo_tiny colocated: no GPU"
     fi
