@@ -47,6 +47,25 @@ def randomize_lora(model: torch.nn.Module, gen: torch.Generator) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
 
 
+def adapter(model, cfg: LoraConfig, gen, where: Path, base: str):
+    """`model` with random adapters of `cfg`, saved by peft to `where` (the base named
+    relative to the fixture, the targets sorted, peft's README left out); in eval mode."""
+    model.eval()
+    pm = get_peft_model(model, cfg)
+    randomize_lora(pm, gen)
+    pm.eval()
+    pm.save_pretrained(where)
+    acfg = json.loads((where / "adapter_config.json").read_text())
+    acfg["base_model_name_or_path"] = f"../../{base}"
+    # peft writes a set: sorted, so reruns write the same file.
+    acfg["target_modules"] = sorted(acfg["target_modules"])
+    (where / "adapter_config.json").write_text(json.dumps(acfg, indent=2, sort_keys=True) + "\n")
+    readme = where / "README.md"
+    if readme.exists():
+        readme.unlink()
+    return pm
+
+
 def batch(reference: dict, base: str):
     m = reference["models"][base]
     ids = torch.tensor(m["input_ids"], dtype=torch.long)
@@ -57,19 +76,8 @@ def batch(reference: dict, base: str):
 
 def lm_case(fixtures: Path, out: Path, reference: dict, base: str, cfg: LoraConfig, gen, tensors: dict) -> dict:
     model = AutoModelForCausalLM.from_pretrained(fixtures / base, dtype=torch.float32)
-    model.eval()
-    pm = get_peft_model(model, cfg)
-    randomize_lora(pm, gen)
-    pm.eval()
     name = f"{base}-adapter"
-    pm.save_pretrained(out / name)
-    # The adapter names the base by path; keep it relative to the fixture.
-    acfg = json.loads((out / name / "adapter_config.json").read_text())
-    acfg["base_model_name_or_path"] = f"../../{base}"
-    (out / name / "adapter_config.json").write_text(json.dumps(acfg, indent=2, sort_keys=True) + "\n")
-    readme = out / name / "README.md"
-    if readme.exists():
-        readme.unlink()
+    pm = adapter(model, cfg, gen, out / name, base)
     ids, mask, pos = batch(reference, base)
     with torch.no_grad():
         tensors[f"{base}.logits"] = pm(input_ids=ids, attention_mask=mask, position_ids=pos).logits.contiguous()
@@ -87,19 +95,9 @@ def critic_case(fixtures: Path, out: Path, reference: dict, gen, tensors: dict) 
     with torch.no_grad():
         model.score.weight.copy_(torch.randn(model.score.weight.shape, generator=gen) * 0.1)
         model.score.bias.copy_(torch.randn(model.score.bias.shape, generator=gen) * 0.1)
-    model.eval()
     cfg = LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="TOKEN_CLS")
-    pm = get_peft_model(model, cfg)
-    randomize_lora(pm, gen)
-    pm.eval()
     name = "tiny-llama-critic-adapter"
-    pm.save_pretrained(out / name)
-    acfg = json.loads((out / name / "adapter_config.json").read_text())
-    acfg["base_model_name_or_path"] = f"../../{base}"
-    (out / name / "adapter_config.json").write_text(json.dumps(acfg, indent=2, sort_keys=True) + "\n")
-    readme = out / name / "README.md"
-    if readme.exists():
-        readme.unlink()
+    pm = adapter(model, cfg, gen, out / name, base)
     ids, mask, pos = batch(reference, base)
     with torch.no_grad():
         values = pm(input_ids=ids, attention_mask=mask, position_ids=pos).logits.squeeze(-1)

@@ -9,7 +9,9 @@ use std::collections::BTreeSet;
 use std::path::PathBuf;
 
 use common::grad::{finite_difference_check, loss};
-use common::{batch_from, fixture, reference, tiny_batch, tiny_config, to_vec2, to_vec3};
+use common::{
+    batch_from, fixture, max_abs_diff, reference, tiny_batch, tiny_config, to_vec2, to_vec3,
+};
 use rlhf_model::lora::{ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE};
 use rlhf_model::{
     AdamW, AdamWConfig, Batch, DType, Device, Family, Gradients, LoadOptions, LoraConfig, Model,
@@ -173,8 +175,7 @@ fn saved_adapter_is_what_peft_saves() {
         let names = |v: &[(String, Tensor)]| v.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
         assert_eq!(names(&ours), names(&theirs), "{adapter}: tensor names");
         for ((n, a), (_, b)) in ours.iter().zip(&theirs) {
-            let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
-            assert_eq!(d.to_scalar::<f32>().unwrap(), 0.0, "{adapter}: {n} changed");
+            assert_eq!(max_abs_diff(a, b), 0.0, "{adapter}: {n} changed");
         }
         let json = |d: &std::path::Path| -> serde_json::Value {
             serde_json::from_str(&std::fs::read_to_string(d.join(ADAPTER_CONFIG_FILE)).unwrap())
@@ -222,14 +223,10 @@ fn saved_adapter_is_what_peft_saves() {
         let again = Model::load_with_adapter(&fixture(base), dir.path(), &opts).unwrap();
         let batch = tiny_batch_for(&again);
         if kind == ModelKind::CausalLm {
-            let d = (model.logits(&batch).unwrap() - again.logits(&batch).unwrap())
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
+            let d = max_abs_diff(
+                &model.logits(&batch).unwrap(),
+                &again.logits(&batch).unwrap(),
+            );
             assert_eq!(d, 0.0, "{adapter}: reloaded logits differ");
         }
     }
@@ -338,18 +335,11 @@ fn an_optimizer_step_moves_adapters_and_leaves_the_base_bit_for_bit() {
         opt.step(&grads).unwrap();
     }
     for ((n, v), b) in vars.iter().zip(&before) {
-        let d = (v.as_tensor() - b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap();
-        assert!(d.to_scalar::<f32>().unwrap() > 0.0, "{n} did not move");
+        assert!(max_abs_diff(v.as_tensor(), b) > 0.0, "{n} did not move");
     }
     for (n, b) in &base {
         let now = model.params().get(n).unwrap().as_tensor();
-        let d = (now - b).unwrap().abs().unwrap().max_all().unwrap();
-        assert_eq!(d.to_scalar::<f32>().unwrap(), 0.0, "base {n} moved");
+        assert_eq!(max_abs_diff(now, b), 0.0, "base {n} moved");
     }
 }
 
@@ -431,14 +421,7 @@ fn checkpointed_lora_gradients_equal_plain_ones() {
     let g1 = Gradients::backward(&loss(&plain, &batch), &plain.vars()).unwrap();
     let g2 = Gradients::backward(&loss(&ckpt, &batch), &ckpt.vars()).unwrap();
     for (n, _) in plain.vars() {
-        let d = (g1.get(&n).unwrap() - g2.get(&n).unwrap())
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f64>()
-            .unwrap();
+        let d = max_abs_diff(g1.get(&n).unwrap(), g2.get(&n).unwrap());
         assert!(d <= 1e-10, "{n}: checkpointed gradient differs by {d}");
     }
 }
@@ -527,16 +510,7 @@ fn bad_adapters_are_refused_with_the_reason() {
         .vars()
         .into_iter()
         .filter(|(n, _)| n.contains("lora_B"))
-        .all(|(_, v)| {
-            v.as_tensor()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap()
-                == 0.0
-        });
+        .all(|(_, v)| max_abs_diff(v.as_tensor(), &v.as_tensor().zeros_like().unwrap()) == 0.0);
     assert!(zero, "a refused adapter changed the weights");
     // Targets that match nothing, and unsupported PEFT options.
     let e = Model::random(

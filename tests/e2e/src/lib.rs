@@ -544,6 +544,21 @@ pub fn comparable(m: &Value) -> Vec<(String, f64)> {
         .collect()
 }
 
+/// The role of each actor process in a `status` answer, sorted (processes that serve no
+/// role are left out): one entry per process.
+pub fn actor_roles(status: &Value) -> Vec<String> {
+    let mut roles: Vec<String> = status["actors"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|a| a["role"].as_str())
+        .filter(|r| !r.is_empty())
+        .map(str::to_string)
+        .collect();
+    roles.sort_unstable();
+    roles
+}
+
 /// Two runs logged the same steps with the same numbers (wall-clock ones aside): what a
 /// resumed run must show against a straight one.
 pub fn assert_same_steps(straight: &[Value], resumed: &[Value]) {

@@ -7,7 +7,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use rlhf_e2e::{bin, Cluster, Proc};
+use rlhf_e2e::{actor_roles, bin, Cluster, Proc};
 use serde_json::Value;
 
 #[test]
@@ -79,17 +79,13 @@ fn a_colocated_ppo_job_runs_on_one_device_and_climbs() -> Result<()> {
         bundles.iter().all(|&b| (b - 0.333).abs() < 1e-9),
         "{bundles:?}"
     );
-    let mut roles: Vec<&str> = s["actors"]
-        .as_array()
-        .context("actors")?
-        .iter()
-        .filter_map(|a| a["role"].as_str())
-        .filter(|r| !r.is_empty())
-        .collect();
-    roles.sort_unstable();
     // One process per role (the rule reward's holds no device), the rollout inside the
     // trainer's.
-    assert_eq!(roles, ["actor_rollout", "critic", "ref", "reward"], "{s}");
+    assert_eq!(
+        actor_roles(&s),
+        ["actor_rollout", "critic", "ref", "reward"],
+        "{s}"
+    );
     Ok(())
 }
 

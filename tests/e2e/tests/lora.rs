@@ -9,7 +9,9 @@ use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use rlhf_e2e::{assert_same_steps, bin, jsonl, repo_root, wait_success, Cluster, Proc};
+use rlhf_e2e::{
+    actor_roles, assert_same_steps, bin, jsonl, repo_root, wait_success, Cluster, Proc,
+};
 use serde_json::Value;
 
 const LORA: &[&str] = &[
@@ -72,18 +74,13 @@ fn lora_ppo_learns_with_the_reference_from_the_trainer_and_merges() -> Result<()
         "the adapters moved the policy: KL {kl_last}"
     );
 
-    // No reference process: the trainer serves it.
+    // No reference process: the trainer serves it (the actor's two are trainer and rollout).
     let st = c.status()?;
-    let mut roles: Vec<&str> = st["actors"]
-        .as_array()
-        .context("actors")?
-        .iter()
-        .filter_map(|a| a["role"].as_str())
-        .filter(|r| !r.is_empty())
-        .collect();
-    roles.sort_unstable();
-    roles.dedup();
-    assert_eq!(roles, ["actor_rollout", "critic", "reward"], "{st}");
+    assert_eq!(
+        actor_roles(&st),
+        ["actor_rollout", "actor_rollout", "critic", "reward"],
+        "{st}"
+    );
 
     // The checkpoints are PEFT adapters, a fraction of the model's size.
     let step = job.join("ckpt").join("global_step_40");

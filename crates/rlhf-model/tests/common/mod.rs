@@ -89,6 +89,19 @@ pub fn json_f32_2d(v: &serde_json::Value) -> Vec<Vec<f32>> {
         .collect()
 }
 
+/// max |a - b| over all elements, in f64 (any float dtype, same shape).
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f64 {
+    let wide = |t: &Tensor| t.to_dtype(rlhf_model::DType::F64).unwrap();
+    (wide(a) - wide(b))
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f64>()
+        .unwrap()
+}
+
 /// A reference.json batch (input ids, attention mask, position ids) on the CPU, and its mask.
 pub fn batch_from(r: &serde_json::Value) -> (Batch, Vec<Vec<u32>>) {
     let ids = json_u32_2d(&r["input_ids"]);
