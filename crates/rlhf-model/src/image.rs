@@ -1,13 +1,14 @@
-//! A model's HF directory captured at one instant, so a checkpoint can be written by another
-//! thread while the next optimizer steps change the live parameters.
+//! A model's HF directory (or a LoRA model's PEFT adapter) captured at one instant, so a
+//! checkpoint can be written by another thread while the next optimizer steps change the
+//! live parameters: [`Model::image`] captures it, [`ModelImage::write`] writes it.
 
 use std::path::{Path, PathBuf};
 
-use candle_core::Tensor;
-use serde_json::Value;
+use candle_core::{DType, Tensor};
+use serde_json::{json, Value};
 
 use crate::error::{Error, Result};
-use crate::model::write_json;
+use crate::model::{write_json, Head, Model, ModelKind};
 use crate::weights::save_safetensors;
 
 /// An HF model directory's content at one instant ([`Model::image`]).
@@ -58,4 +59,87 @@ impl ModelImage {
         save_safetensors(&self.tensors, &dir.join(crate::weights::SAFETENSORS_FILE))?;
         write_json(&dir.join("generation_config.json"), &self.generation)
     }
+}
+
+impl Model {
+    /// What [`Model::save`] writes, captured now: the tensors are copied, so the image does
+    /// not follow later optimizer steps and can be written by another thread while training
+    /// goes on. A LoRA model's image is its PEFT adapter (`adapter_config.json`,
+    /// `adapter_model.safetensors`); [`Model::merged_image`] is the full merged model.
+    pub fn image(&self, tokenizer_dir: Option<&Path>) -> Result<ModelImage> {
+        let tensors = self
+            .named_tensors()
+            .into_iter()
+            .map(|(n, t)| Ok((n, t.copy()?)))
+            .collect::<Result<Vec<_>>>()?;
+        if let Some((cfg, _)) = &self.lora {
+            let base = self.source_dir.as_ref().map(|d| d.display().to_string());
+            return Ok(ModelImage {
+                config: Value::Null,
+                generation: Value::Null,
+                tensors,
+                tokenizer_dir: tokenizer_dir.map(Path::to_path_buf),
+                adapter: Some((
+                    cfg.to_peft_json(self.kind, base.as_deref()),
+                    self.base_fingerprint()?,
+                )),
+            });
+        }
+        self.full_image(tensors, self.dtype(), tokenizer_dir)
+    }
+
+    /// An HF model directory's image holding `tensors` (HF names, all in `dtype`).
+    pub(crate) fn full_image(
+        &self,
+        tensors: Vec<(String, Tensor)>,
+        dtype: DType,
+        tokenizer_dir: Option<&Path>,
+    ) -> Result<ModelImage> {
+        let dtype_name = match dtype {
+            DType::F16 => "float16",
+            DType::BF16 => "bfloat16",
+            DType::F64 => "float64",
+            _ => "float32",
+        };
+        let mut extra: Vec<(&str, Value)> = vec![("torch_dtype", json!(dtype_name))];
+        if let Head::Score(h) = &self.head {
+            let n = h.w.dim(0)?;
+            extra.push(("num_labels", json!(n)));
+            extra.push(("id2label", labels_map(n, false)));
+            extra.push(("label2id", labels_map(n, true)));
+        }
+        if self.kind == ModelKind::Value {
+            extra.push(("num_labels", json!(1)));
+            extra.push(("id2label", labels_map(1, false)));
+            extra.push(("label2id", labels_map(1, true)));
+        }
+        if let Some(pad) = self.generation.pad_token_id {
+            if self.config.pad_token_id.is_none() && self.kind != ModelKind::CausalLm {
+                // Sequence classification in transformers needs pad_token_id to find the last token.
+                extra.push(("pad_token_id", json!(pad)));
+            }
+        }
+        Ok(ModelImage {
+            config: self.config.to_json(&self.architecture(), &extra),
+            generation: match &self.generation_raw {
+                Some(v) => v.clone(),
+                None => self.generation.to_hf_json(),
+            },
+            tensors,
+            tokenizer_dir: tokenizer_dir.map(Path::to_path_buf),
+            adapter: None,
+        })
+    }
+}
+
+fn labels_map(n: usize, inverse: bool) -> Value {
+    let mut m = serde_json::Map::new();
+    for i in 0..n {
+        if inverse {
+            m.insert(format!("LABEL_{i}"), json!(i));
+        } else {
+            m.insert(i.to_string(), json!(format!("LABEL_{i}")));
+        }
+    }
+    Value::Object(m)
 }

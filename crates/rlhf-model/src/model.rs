@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor, Var, D};
-use serde_json::{json, Value};
+use serde_json::Value;
 
 use crate::config::Config;
 use crate::error::{read_json, Error, Result};
@@ -16,7 +16,7 @@ use crate::transformer::{Kernels, KvCache, Linear, LoraSetup, Transformer};
 use crate::weights::{Init, ParamBuilder, ParamStore, WeightFiles};
 
 #[derive(Debug, Clone)]
-enum Head {
+pub(crate) enum Head {
     Lm(Tensor),
     Value(Linear),
     Score(Linear),
@@ -24,19 +24,19 @@ enum Head {
 
 /// A loaded model: decoder, head and its parameters.
 pub struct Model {
-    config: Config,
-    kind: ModelKind,
+    pub(crate) config: Config,
+    pub(crate) kind: ModelKind,
     body: Transformer,
-    head: Head,
+    pub(crate) head: Head,
     pub(crate) params: ParamStore,
     trainable: bool,
     /// The dtype the trained parameters are kept in (a LoRA base may be in another).
     dtype: DType,
     pub(crate) lora: Option<LoraSetup>,
     logits_chunk: Option<usize>,
-    generation: GenerationConfig,
-    source_dir: Option<PathBuf>,
-    generation_raw: Option<Value>,
+    pub(crate) generation: GenerationConfig,
+    pub(crate) source_dir: Option<PathBuf>,
+    pub(crate) generation_raw: Option<Value>,
 }
 
 /// Names of known value-head tensors, in order of preference: (weight, bias).
@@ -543,87 +543,6 @@ impl Model {
     pub fn save(&self, dir: impl AsRef<Path>, tokenizer_dir: Option<&Path>) -> Result<()> {
         self.image(tokenizer_dir)?.write(dir.as_ref())
     }
-
-    /// What [`Model::save`] writes, captured now: the tensors are copied, so the image does
-    /// not follow later optimizer steps and can be written by another thread while training
-    /// goes on. A LoRA model's image is its PEFT adapter (`adapter_config.json`,
-    /// `adapter_model.safetensors`); [`Model::merged_image`] is the full merged model.
-    pub fn image(&self, tokenizer_dir: Option<&Path>) -> Result<ModelImage> {
-        let tensors = self
-            .named_tensors()
-            .into_iter()
-            .map(|(n, t)| Ok((n, t.copy()?)))
-            .collect::<Result<Vec<_>>>()?;
-        if let Some((cfg, _)) = &self.lora {
-            let base = self.source_dir.as_ref().map(|d| d.display().to_string());
-            return Ok(ModelImage {
-                config: Value::Null,
-                generation: Value::Null,
-                tensors,
-                tokenizer_dir: tokenizer_dir.map(Path::to_path_buf),
-                adapter: Some((
-                    cfg.to_peft_json(self.kind, base.as_deref()),
-                    self.base_fingerprint()?,
-                )),
-            });
-        }
-        self.full_image(tensors, self.dtype(), tokenizer_dir)
-    }
-
-    /// An HF model directory's image holding `tensors` (HF names, all in `dtype`).
-    pub(crate) fn full_image(
-        &self,
-        tensors: Vec<(String, Tensor)>,
-        dtype: DType,
-        tokenizer_dir: Option<&Path>,
-    ) -> Result<ModelImage> {
-        let dtype_name = match dtype {
-            DType::F16 => "float16",
-            DType::BF16 => "bfloat16",
-            DType::F64 => "float64",
-            _ => "float32",
-        };
-        let mut extra: Vec<(&str, Value)> = vec![("torch_dtype", json!(dtype_name))];
-        if let Head::Score(h) = &self.head {
-            let n = h.w.dim(0)?;
-            extra.push(("num_labels", json!(n)));
-            extra.push(("id2label", labels_map(n, false)));
-            extra.push(("label2id", labels_map(n, true)));
-        }
-        if self.kind == ModelKind::Value {
-            extra.push(("num_labels", json!(1)));
-            extra.push(("id2label", labels_map(1, false)));
-            extra.push(("label2id", labels_map(1, true)));
-        }
-        if let Some(pad) = self.generation.pad_token_id {
-            if self.config.pad_token_id.is_none() && self.kind != ModelKind::CausalLm {
-                // Sequence classification in transformers needs pad_token_id to find the last token.
-                extra.push(("pad_token_id", json!(pad)));
-            }
-        }
-        Ok(ModelImage {
-            config: self.config.to_json(&self.architecture(), &extra),
-            generation: match &self.generation_raw {
-                Some(v) => v.clone(),
-                None => self.generation.to_hf_json(),
-            },
-            tensors,
-            tokenizer_dir: tokenizer_dir.map(Path::to_path_buf),
-            adapter: None,
-        })
-    }
-}
-
-fn labels_map(n: usize, inverse: bool) -> Value {
-    let mut m = serde_json::Map::new();
-    for i in 0..n {
-        if inverse {
-            m.insert(format!("LABEL_{i}"), json!(i));
-        } else {
-            m.insert(i.to_string(), json!(format!("LABEL_{i}")));
-        }
-    }
-    Value::Object(m)
 }
 
 pub(crate) fn write_json(path: &Path, v: &Value) -> Result<()> {
