@@ -37,6 +37,7 @@ mod model;
 mod phases;
 mod plan;
 mod resolve;
+mod roles;
 pub mod spec;
 mod validate;
 
