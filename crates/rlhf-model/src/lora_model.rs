@@ -103,7 +103,9 @@ impl Model {
             let mine = self.base_fingerprint()?;
             if *theirs != mine {
                 return Err(Error::Config(format!(
-                    "the adapter in {} was trained on another base model (base fingerprint {theirs},                      this base's is {mine}); load it onto the base it was trained on                      (base_model_name_or_path in its {})",
+                    "the adapter in {} was trained on another base model (base fingerprint \
+                     {theirs}, this base's is {mine}); load it onto the base it was trained \
+                     on (base_model_name_or_path in its {})",
                     dir.display(),
                     lora::ADAPTER_CONFIG_FILE
                 )));

@@ -444,6 +444,7 @@ fn bad_adapters_are_refused_with_the_reason() {
         .unwrap()
         .to_string();
     assert!(e.contains("trained on another base model"), "{e}");
+    assert!(!e.contains("  "), "the message has a run of spaces: {e}");
     // A tensor of the wrong shape is named with its file.
     let bad = tempfile::tempdir().unwrap();
     std::fs::copy(

@@ -428,7 +428,9 @@ impl RefPolicy {
     pub fn sharing(spec: &RoleSpec, model: Arc<Model>) -> Result<Self> {
         if model.lora().is_none() {
             return Err(Error::invalid(format!(
-                "{}: a reference that shares the actor's weights needs the actor to train LoRA                  adapters (actor_rollout.lora.rank > 0); without them it needs its own copy",
+                "{}: a reference that shares the actor's weights needs the actor to train \
+                 LoRA adapters (actor_rollout.lora.rank > 0); without them it needs its own \
+                 copy",
                 spec.slot.label()
             )));
         }
