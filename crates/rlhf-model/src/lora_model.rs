@@ -111,8 +111,7 @@ impl Model {
                 )));
             }
         }
-        let vars = self.vars();
-        let want: BTreeSet<String> = vars.iter().map(|(n, _)| n.clone()).collect();
+        let want: BTreeSet<String> = self.vars().into_iter().map(|(n, _)| n).collect();
         let mut tensors = Vec::with_capacity(saved.len());
         for (name, t) in saved {
             let internal = lora::internal_name(&name).filter(|n| want.contains(*n));
@@ -123,8 +122,7 @@ impl Model {
                     file.display()
                 )));
             };
-            let var = vars.iter().find(|(n, _)| n == internal).map(|(_, v)| v);
-            if let Some(var) = var.filter(|v| v.dims() != t.dims()) {
+            if let Some(var) = self.params.get(internal).filter(|v| v.dims() != t.dims()) {
                 return Err(Error::ShapeMismatch {
                     name: format!("{name} (in {})", file.display()),
                     expected: var.dims().to_vec(),
@@ -191,9 +189,9 @@ impl Model {
         let scale = self.lora().map(LoraConfig::scale).unwrap_or(1.0);
         let vars = self.params.vars();
         let get = |n: &str| {
-            vars.iter()
-                .find(|(k, _)| k == n)
-                .map(|(_, v)| v.as_tensor().detach())
+            self.params
+                .get(n)
+                .map(|v| v.as_tensor().detach())
                 .ok_or_else(|| Error::MissingTensor {
                     name: n.to_string(),
                     location: "this model's parameters".into(),
@@ -207,7 +205,7 @@ impl Model {
             let w = var.as_tensor().detach();
             let prefix = name.strip_suffix(".weight");
             let a_name = prefix.map(|p| format!("{p}.lora_A.weight"));
-            let merged = match a_name.filter(|a| vars.iter().any(|(k, _)| k == a)) {
+            let merged = match a_name.filter(|a| self.params.get(a).is_some()) {
                 Some(a_name) => {
                     let b_name = a_name.replace(".lora_A.", ".lora_B.");
                     let pair = LoraPair {
