@@ -86,6 +86,8 @@ impl Linear {
             .ok_or_else(|| Error::InvalidArgument("empty input".into()))?;
         let rows: usize = dims[..dims.len() - 1].iter().product();
         let w = self.w.to_dtype(xs.dtype())?;
+        // The reshape also packs strided rows (a narrowed position of [B, T, H]), which
+        // CUDA's matmul refuses and the CPU's takes.
         let x2 = xs.reshape((rows, in_dim))?;
         let ys = x2.matmul(&w.t()?)?;
         let ys = match &self.b {

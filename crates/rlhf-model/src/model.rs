@@ -378,10 +378,8 @@ impl Model {
         let w = self.lm_head()?;
         let h = self.hidden(input_ids, attention_mask, position_ids, Some(cache))?;
         let t = h.dim(1)?;
-        // Row i of the last position sits t·H elements after row i - 1: CUDA's matmul takes
-        // no such stride (the CPU's does), so the rows are packed first.
-        let last = h.narrow(1, t - 1, 1)?.squeeze(1)?.contiguous()?;
-        Ok(last.matmul(&w.to_dtype(last.dtype())?.t()?)?)
+        // The LM-head product of `logits`, on the last position (its rows T·H apart).
+        Linear::plain(w.clone(), None).forward(&h.narrow(1, t - 1, 1)?.squeeze(1)?)
     }
 
     /// An empty KV cache sized for this model.
