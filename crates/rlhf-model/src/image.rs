@@ -13,14 +13,22 @@ use crate::weights::save_safetensors;
 
 /// An HF model directory's content at one instant ([`Model::image`]).
 pub struct ModelImage {
-    pub(crate) config: Value,
-    pub(crate) generation: Value,
+    pub(crate) kind: ImageKind,
     /// Copies, in parameter order.
     pub tensors: Vec<(String, Tensor)>,
     pub(crate) tokenizer_dir: Option<PathBuf>,
-    /// A LoRA model's `adapter_config.json` and its base's fingerprint: the image is a PEFT
-    /// adapter, not a model.
-    pub(crate) adapter: Option<(Value, String)>,
+}
+
+/// What an image is written as.
+pub(crate) enum ImageKind {
+    /// A model: config.json, model.safetensors and generation_config.json.
+    Model { config: Value, generation: Value },
+    /// A LoRA model's PEFT adapter: its `adapter_config.json` and the fingerprint of the base
+    /// it was trained on (header metadata of adapter_model.safetensors).
+    Adapter {
+        config: Value,
+        base_fingerprint: String,
+    },
 }
 
 impl ModelImage {
@@ -28,36 +36,33 @@ impl ModelImage {
     /// for a LoRA model, adapter_config.json and adapter_model.safetensors (PEFT's names).
     pub fn write(&self, dir: &Path) -> Result<()> {
         std::fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
-        if let Some((adapter, fingerprint)) = &self.adapter {
-            write_json(&dir.join(crate::lora::ADAPTER_CONFIG_FILE), adapter)?;
-            let named: Vec<(String, Tensor)> = self
-                .tensors
-                .iter()
-                .map(|(n, t)| (crate::lora::peft_name(n), t.clone()))
-                .collect();
-            crate::weights::save_safetensors_with_metadata(
-                &named,
-                &[(crate::lora::BASE_FINGERPRINT_KEY, fingerprint.clone())],
-                &dir.join(crate::lora::ADAPTER_WEIGHTS_FILE),
-            )?;
-        } else {
-            self.write_model(dir)?;
+        match &self.kind {
+            ImageKind::Model { config, generation } => {
+                write_json(&dir.join("config.json"), config)?;
+                save_safetensors(&self.tensors, &dir.join(crate::weights::SAFETENSORS_FILE))?;
+                write_json(&dir.join("generation_config.json"), generation)?;
+            }
+            ImageKind::Adapter {
+                config,
+                base_fingerprint,
+            } => {
+                write_json(&dir.join(crate::lora::ADAPTER_CONFIG_FILE), config)?;
+                let named: Vec<(String, Tensor)> = self
+                    .tensors
+                    .iter()
+                    .map(|(n, t)| (crate::lora::peft_name(n), t.clone()))
+                    .collect();
+                crate::weights::save_safetensors_with_metadata(
+                    &named,
+                    &[(crate::lora::BASE_FINGERPRINT_KEY, base_fingerprint.clone())],
+                    &dir.join(crate::lora::ADAPTER_WEIGHTS_FILE),
+                )?;
+            }
         }
         if let Some(src) = &self.tokenizer_dir {
             crate::tokenizer::copy_tokenizer_files(src, dir)?;
         }
         Ok(())
-    }
-
-    /// Whether this is a LoRA adapter's image.
-    pub fn is_adapter(&self) -> bool {
-        self.adapter.is_some()
-    }
-
-    fn write_model(&self, dir: &Path) -> Result<()> {
-        write_json(&dir.join("config.json"), &self.config)?;
-        save_safetensors(&self.tensors, &dir.join(crate::weights::SAFETENSORS_FILE))?;
-        write_json(&dir.join("generation_config.json"), &self.generation)
     }
 }
 
@@ -75,14 +80,12 @@ impl Model {
         if let Some((cfg, _)) = &self.lora {
             let base = self.source_dir.as_ref().map(|d| d.display().to_string());
             return Ok(ModelImage {
-                config: Value::Null,
-                generation: Value::Null,
+                kind: ImageKind::Adapter {
+                    config: cfg.to_peft_json(self.kind, base.as_deref()),
+                    base_fingerprint: self.base_fingerprint()?,
+                },
                 tensors,
                 tokenizer_dir: tokenizer_dir.map(Path::to_path_buf),
-                adapter: Some((
-                    cfg.to_peft_json(self.kind, base.as_deref()),
-                    self.base_fingerprint()?,
-                )),
             });
         }
         self.full_image(tensors, self.dtype(), tokenizer_dir)
@@ -120,14 +123,15 @@ impl Model {
             }
         }
         Ok(ModelImage {
-            config: self.config.to_json(&self.architecture(), &extra),
-            generation: match &self.generation_raw {
-                Some(v) => v.clone(),
-                None => self.generation.to_hf_json(),
+            kind: ImageKind::Model {
+                config: self.config.to_json(&self.architecture(), &extra),
+                generation: match &self.generation_raw {
+                    Some(v) => v.clone(),
+                    None => self.generation.to_hf_json(),
+                },
             },
             tensors,
             tokenizer_dir: tokenizer_dir.map(Path::to_path_buf),
-            adapter: None,
         })
     }
 }
