@@ -1,11 +1,13 @@
-//! PPO algorithm core: pure, synchronous math over candle tensors with masks.
+//! The training math: pure, synchronous functions over candle tensors with masks.
 //!
 //! Per-token rewards with a KL penalty, KL estimators and controllers, advantage
 //! estimators (GAE, GRPO, RLOO, REINFORCE++, REINFORCE++ with baseline, ReMax),
 //! masked whitening, the clipped policy and value losses, entropy and KL losses,
-//! and training metrics. Names and defaults follow TRL's `PPOTrainer` and verl's
-//! `core_algos`; `scripts/algo_reference.py` produces the reference numbers the
-//! integration tests compare against.
+//! and training metrics; the losses of the other stages (SFT, the reward model's
+//! Bradley–Terry, the DPO family: `supervised`, `preference`). Names and defaults
+//! follow TRL's trainers and verl's `core_algos`; `scripts/algo_reference.py` and
+//! `scripts/preference_reference.py` produce the reference numbers the integration
+//! tests compare against.
 //!
 //! Conventions:
 //! * token tensors are `f32` `[batch, response_len]`, responses right-padded;
@@ -87,7 +89,9 @@ pub mod metric;
 mod metrics;
 mod names;
 mod off_policy;
+mod preference;
 mod rewards;
+mod supervised;
 mod validate;
 
 pub use advantage::{
@@ -106,6 +110,11 @@ pub use masked::{masked_mean, masked_sum, masked_var, masked_whiten, WHITEN_EPS}
 pub use metrics::{
     compute_metrics, rollout_metrics, RolloutMetricsInputs, TrainStats, METRIC_NAMES,
 };
-pub use names::{AdvEstimator, KlCtrlType, KlPenalty, LossAggMode, ScorePlacement};
+pub use names::{AdvEstimator, KlCtrlType, KlPenalty, LossAggMode, PreferenceLoss, ScorePlacement};
 pub use off_policy::{importance_weights, log_prob_gap, ImportanceWeights};
+pub use preference::{
+    kto_kl_estimate, preference_loss, PairBatch, PreferenceConfig, PreferenceLossOutput,
+    PreferenceStats,
+};
 pub use rewards::{compute_token_rewards, TokenRewards};
+pub use supervised::{reward_loss, sft_loss, RewardStats};

@@ -80,3 +80,30 @@ pub const PERF_WEIGHT_SYNC_BYTES: &str = "perf/weight_sync_bytes";
 
 /// Prefix of the wall-clock timings (left out when runs are compared).
 pub const TIMING_PREFIX: &str = "timing_s/";
+
+/// The supervised and preference jobs' loss (mean over the step's tokens or pairs).
+pub const TRAIN_LOSS: &str = "train/loss";
+/// Prefix of the metrics measured on an eval split (`eval/loss`, `eval/accuracy`, ...).
+pub const EVAL_PREFIX: &str = "eval/";
+/// Completion tokens trained on per second (SFT).
+pub const TRAIN_TOKENS_PER_S: &str = "train/tokens_per_s";
+
+/// DPO family, TRL's names: the implicit rewards `beta * (logp - ref_logp)` of the chosen and
+/// rejected completions (SimPO: `beta *` the average log-prob), the share of pairs whose
+/// chosen reward is higher, their mean difference, and the policy's log-probs.
+pub const REWARDS_CHOSEN: &str = "rewards/chosen";
+pub const REWARDS_REJECTED: &str = "rewards/rejected";
+pub const REWARDS_ACCURACIES: &str = "rewards/accuracies";
+pub const REWARDS_MARGINS: &str = "rewards/margins";
+pub const LOGPS_CHOSEN: &str = "logps/chosen";
+pub const LOGPS_REJECTED: &str = "logps/rejected";
+/// KTO's KL estimate over mismatched prompt/completion pairs.
+pub const KTO_KL: &str = "kl";
+
+/// Reward-model training, TRL's `RewardTrainer` names: pairs scored chosen above rejected,
+/// the mean score difference, and the scores' mean, min and max.
+pub const RM_ACCURACY: &str = "accuracy";
+pub const RM_MARGIN: &str = "margin";
+pub const RM_MEAN_REWARD: &str = "mean_reward";
+pub const RM_MIN_REWARD: &str = "min_reward";
+pub const RM_MAX_REWARD: &str = "max_reward";

@@ -131,6 +131,32 @@ named_enum! {
     }
 }
 
+named_enum! {
+    /// The loss of a preference (DPO-family) job (`algorithm.loss_type`), as TRL computes it.
+    PreferenceLoss, "preference loss type (algorithm.loss_type)" {
+        /// DPO: `-log sigmoid(beta * delta)` of the summed log-ratios (TRL's `sigmoid`), with
+        /// conservative label smoothing (cDPO) when `label_smoothing > 0`.
+        #[default]
+        Sigmoid = "sigmoid" | "dpo",
+        /// IPO: `(delta / tokens - 1 / (2 beta))^2`, log-ratios averaged over each
+        /// completion's tokens (TRL's `ipo`).
+        Ipo = "ipo",
+        /// SimPO: no reference model; average log-probs, a target margin `gamma`
+        /// (TRL's CPO trainer with `loss_type: simpo`, `cpo_alpha: 0`).
+        Simpo = "simpo",
+        /// KTO: each completion scored alone against a batch KL estimate from mismatched
+        /// prompt/completion pairs (TRL's KTO trainer on the unpaired rows).
+        Kto = "kto",
+    }
+}
+
+impl PreferenceLoss {
+    /// Whether the loss needs reference log-probs (a reference role).
+    pub fn needs_reference(self) -> bool {
+        !matches!(self, PreferenceLoss::Simpo)
+    }
+}
+
 impl AdvEstimator {
     /// Whether the estimator needs a critic (value model).
     pub fn needs_critic(self) -> bool {
@@ -163,6 +189,9 @@ mod tests {
         }
         for v in KlCtrlType::ALL {
             assert_eq!(v.as_str().parse::<KlCtrlType>().unwrap(), *v);
+        }
+        for v in PreferenceLoss::ALL {
+            assert_eq!(v.as_str().parse::<PreferenceLoss>().unwrap(), *v);
         }
     }
 
