@@ -7,7 +7,10 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::{AlgoError, Result};
-use crate::names::{AdvEstimator, KlCtrlType, KlPenalty, LossAggMode, ScorePlacement};
+use crate::names::{
+    AdvEstimator, KlCtrlType, KlPenalty, LossAggMode, PreferenceLoss, ScorePlacement,
+};
+use crate::preference::PreferenceConfig;
 use crate::validate::{check_non_negative, check_positive, check_unit_interval};
 
 /// KL coefficient controller settings (`algorithm.kl_ctrl`).
@@ -79,6 +82,22 @@ pub struct AlgorithmConfig {
     /// Where the score goes: `last_token` (verl) or `trl` (one slot past it, as TRL's
     /// PPOTrainer does; values and the value loss then cover that slot too).
     pub score_placement: ScorePlacement,
+    /// DPO-family jobs (`trainer: dpo`): the loss, `sigmoid` (DPO), `ipo`, `simpo` or `kto`.
+    pub loss_type: PreferenceLoss,
+    /// DPO-family jobs: the implicit reward's inverse temperature (TRL's `beta`).
+    pub beta: f64,
+    /// DPO-family jobs: the assumed share of flipped preference labels (cDPO), in [0, 0.5);
+    /// `sigmoid` and `simpo` only.
+    pub label_smoothing: f64,
+    /// SimPO's target reward margin (`gamma`).
+    pub simpo_gamma: f64,
+    /// KTO's weights of the chosen (desirable) and rejected (undesirable) completions.
+    pub desirable_weight: f64,
+    pub undesirable_weight: f64,
+    /// Reward-model jobs (`trainer: reward`): adds this times the mean squared sum of the
+    /// pair's scores to the loss, keeping rewards centred at 0 (TRL's
+    /// `center_rewards_coefficient`); unset = off.
+    pub center_rewards_coefficient: Option<f64>,
 }
 
 impl Default for AlgorithmConfig {
@@ -97,11 +116,30 @@ impl Default for AlgorithmConfig {
             norm_adv_by_std_in_grpo: true,
             grpo_epsilon: 1e-6,
             score_placement: ScorePlacement::LastToken,
+            loss_type: PreferenceLoss::Sigmoid,
+            beta: 0.1,
+            label_smoothing: 0.0,
+            simpo_gamma: 0.5,
+            desirable_weight: 1.0,
+            undesirable_weight: 1.0,
+            center_rewards_coefficient: None,
         }
     }
 }
 
 impl AlgorithmConfig {
+    /// The DPO-family loss these keys describe.
+    pub fn preference(&self) -> PreferenceConfig {
+        PreferenceConfig {
+            loss_type: self.loss_type,
+            beta: self.beta,
+            label_smoothing: self.label_smoothing,
+            simpo_gamma: self.simpo_gamma,
+            desirable_weight: self.desirable_weight,
+            undesirable_weight: self.undesirable_weight,
+        }
+    }
+
     /// Checks value ranges and combinations.
     pub fn validate(&self) -> Result<()> {
         check_unit_interval("algorithm.gamma", self.gamma)?;
@@ -123,6 +161,10 @@ impl AlgorithmConfig {
             check_positive("algorithm.reward_clip", c)?;
         }
         check_non_negative("algorithm.grpo_epsilon", self.grpo_epsilon)?;
+        self.preference().validate()?;
+        if let Some(c) = self.center_rewards_coefficient {
+            check_non_negative("algorithm.center_rewards_coefficient", c)?;
+        }
         if self.score_placement == ScorePlacement::Trl && self.adv_estimator != AdvEstimator::Gae {
             return Err(AlgoError::InvalidConfig {
                 key: "algorithm.score_placement",

@@ -107,3 +107,6 @@ pub const RM_MARGIN: &str = "margin";
 pub const RM_MEAN_REWARD: &str = "mean_reward";
 pub const RM_MIN_REWARD: &str = "min_reward";
 pub const RM_MAX_REWARD: &str = "max_reward";
+/// A reward-model trainer's gradient norm and learning rate.
+pub const REWARD_MODEL_GRAD_NORM: &str = "reward_model/grad_norm";
+pub const REWARD_MODEL_LR: &str = "reward_model/lr";

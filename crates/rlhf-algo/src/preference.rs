@@ -19,7 +19,7 @@ use crate::validate::{
 };
 
 /// The loss and its constants (`algorithm.*` of a DPO-family job). Defaults are TRL's.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct PreferenceConfig {
     pub loss_type: PreferenceLoss,
     /// Inverse temperature of the implicit reward (TRL's `beta`; IPO's `tau`).

@@ -374,10 +374,45 @@ impl OneOrMany {
     }
 }
 
-/// A whole PPO job config.
+/// What a job trains (`trainer`): one stage of the pipeline, all on the same cluster, config
+/// shape, checkpoints and metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TrainerKind {
+    /// RL from a reward: PPO and the critic-free estimators (`algorithm.adv_estimator`).
+    #[default]
+    Ppo,
+    /// Supervised fine-tuning of `actor_rollout.model` on completions or chats.
+    Sft,
+    /// A reward model (`reward.model` with a fresh score head) on preference pairs.
+    Reward,
+    /// The DPO family (`algorithm.loss_type`) on preference pairs, against `ref`.
+    Dpo,
+}
+
+impl TrainerKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TrainerKind::Ppo => "ppo",
+            TrainerKind::Sft => "sft",
+            TrainerKind::Reward => "reward",
+            TrainerKind::Dpo => "dpo",
+        }
+    }
+}
+
+impl std::fmt::Display for TrainerKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A whole job config (PPO, or another stage as `trainer` says).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PpoConfig {
+    /// What the job trains: ppo, sft, reward or dpo.
+    pub trainer: TrainerKind,
     /// Model config files to load from `<config_dir>/model/`.
     pub defaults: Vec<DefaultsEntry>,
     /// Shared training defaults.

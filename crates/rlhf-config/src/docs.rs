@@ -15,6 +15,7 @@ use crate::model::ModelConfig;
 
 /// One-line docs of every non-training key, by full path.
 pub const KEY_DOCS: &[(&str, &str)] = &[
+    ("trainer", "What the job trains: ppo (RL from a reward), sft (the actor on completions or chats), reward (a reward model on preference pairs) or dpo (the actor on preference pairs, algorithm.loss_type)."),
     ("resource_pool.device", "Device kind every role runs on: GPU, NPU or CPU (the cluster resource name)."),
     ("resource_pool.device_memory_gb", "Memory of one device in GiB; `check` warns when a role's estimate exceeds it."),
     ("resource_pool.actor_rollout", "Devices of the actor; must equal num_gpus_for_train + num_gpus_for_infer."),
@@ -37,6 +38,13 @@ pub const KEY_DOCS: &[(&str, &str)] = &[
     ("algorithm.whiten_advantages", "Whiten GAE advantages over the batch."),
     ("algorithm.norm_adv_by_std_in_grpo", "GRPO: divide by the group std (false = Dr. GRPO)."),
     ("algorithm.grpo_epsilon", "GRPO: added to the group std before dividing."),
+    ("algorithm.loss_type", "trainer dpo: sigmoid (DPO), ipo, simpo (no reference) or kto (each completion against a batch KL estimate), as TRL computes them."),
+    ("algorithm.beta", "trainer dpo: inverse temperature of the implicit reward (TRL's beta; IPO's tau)."),
+    ("algorithm.label_smoothing", "trainer dpo: assumed share of flipped labels (cDPO), in [0, 0.5); sigmoid and simpo only."),
+    ("algorithm.simpo_gamma", "trainer dpo, simpo: target reward margin gamma."),
+    ("algorithm.desirable_weight", "trainer dpo, kto: weight of the chosen (desirable) completions."),
+    ("algorithm.undesirable_weight", "trainer dpo, kto: weight of the rejected (undesirable) completions."),
+    ("algorithm.center_rewards_coefficient", "trainer reward: adds this x mean((chosen + rejected)^2) to the loss to keep scores centred (null = off)."),
     ("algorithm.score_placement", "Where the score enters the token rewards: last_token (the last response token, verl) or trl (one slot past it, values and the value loss extended by that slot, as TRL's PPOTrainer; gae only)."),
     ("actor_rollout.model", "A model named in `defaults`, a path to an HF model directory, or a Hugging Face repo id (`owner/name`, `owner/name@revision`) that each role process finds in its node's HF cache (`$HF_HUB_CACHE`, else `$HF_HOME/hub`, else `~/.cache/huggingface/hub`) or downloads into it (not with `HF_HUB_OFFLINE=1`)."),
     ("actor_rollout.do_sample", "Sample during rollout; false decodes greedily (precision alignment)."),

@@ -45,8 +45,8 @@ pub use asynchrony::{AsyncConfig, AsyncMode};
 pub use config::{
     ActorRolloutConfig, BadRows, CheckpointConfig, CriticConfig, DataConfig, DataFormat,
     DefaultsEntry, DeviceKind, LogBackend, LoggingConfig, LrDecayStyle, OneOrMany, PpoConfig,
-    PromptOverflow, RefConfig, ResourcePool, RewardConfig, RewardKind, RoleKind, TrainingConfig,
-    TrainingOverrides,
+    PromptOverflow, RefConfig, ResourcePool, RewardConfig, RewardKind, RoleKind, TrainerKind,
+    TrainingConfig, TrainingOverrides,
 };
 pub use error::{ConfigError, Result};
 pub use fault::FaultToleranceConfig;

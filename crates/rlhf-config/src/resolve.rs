@@ -5,7 +5,7 @@
 
 use std::path::PathBuf;
 
-use crate::config::{PpoConfig, RewardKind, RoleKind, TrainingConfig};
+use crate::config::{PpoConfig, RewardKind, RoleKind, TrainerKind, TrainingConfig};
 use crate::model::ModelConfig;
 
 /// Where a role's model comes from.
@@ -109,9 +109,14 @@ impl PpoConfig {
     /// Whether the job runs this role at all (no critic without GAE, no reward
     /// model process needed for devices when the reward is a rule or HTTP).
     pub fn role_enabled(&self, role: RoleKind) -> bool {
-        match role {
-            RoleKind::Critic => self.algorithm.adv_estimator.needs_critic(),
-            _ => true,
+        match (self.trainer, role) {
+            (TrainerKind::Ppo, RoleKind::Critic) => self.algorithm.adv_estimator.needs_critic(),
+            (TrainerKind::Ppo, _) => true,
+            (TrainerKind::Sft, r) => r == RoleKind::ActorRollout,
+            (TrainerKind::Reward, r) => r == RoleKind::Reward,
+            (TrainerKind::Dpo, RoleKind::ActorRollout) => true,
+            (TrainerKind::Dpo, RoleKind::Ref) => self.algorithm.loss_type.needs_reference(),
+            (TrainerKind::Dpo, _) => false,
         }
     }
 

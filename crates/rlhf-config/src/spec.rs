@@ -11,7 +11,7 @@ use rlhf_core::{CommGroup, DeviceSpec, RoleKind, RolePart, RoleSlot};
 use rlhf_types::DType;
 use serde::{Deserialize, Serialize};
 
-use crate::config::{DeviceKind, PpoConfig, RewardKind, TrainingConfig};
+use crate::config::{DeviceKind, PpoConfig, RewardKind, TrainerKind, TrainingConfig};
 use crate::error::{ConfigError, Result};
 
 /// Sequence geometry of a job: prompts left-padded to `prompt_len`, responses
@@ -113,6 +113,20 @@ pub enum EngineSpec {
         loss: ValueLossConfig,
     },
     Reward(RewardSpec),
+    /// `trainer: sft`: the policy trained on completion tokens (actor_rollout train ranks).
+    Sft {
+        train: TrainSpec,
+    },
+    /// `trainer: dpo`: the policy trained on preference pairs with a DPO-family loss.
+    Preference {
+        train: TrainSpec,
+        loss: rlhf_algo::PreferenceConfig,
+    },
+    /// `trainer: reward`: a reward model (score head) trained on preference pairs.
+    RewardModel {
+        train: TrainSpec,
+        center_rewards_coefficient: Option<f64>,
+    },
 }
 
 /// One rank's resolved spec.
@@ -243,8 +257,47 @@ impl RoleSpec {
         } else {
             1.0
         };
-        let (engine, comms) = match (kind, slot.part) {
-            (RoleKind::ActorRollout, RolePart::Train) => {
+        // The other stages: one optimizer step per step over `training.global_batch_size`
+        // examples or pairs, split over the ranks.
+        let stage_train = || {
+            TrainSpec::new(
+                &t,
+                t.global_batch_size as usize,
+                1,
+                (t.global_batch_size, "training.global_batch_size"),
+                slot.world_size,
+                false,
+            )
+        };
+        let (engine, comms) = match (cfg.trainer, kind, slot.part) {
+            (TrainerKind::Sft, RoleKind::ActorRollout, RolePart::Train) => (
+                EngineSpec::Sft {
+                    train: stage_train()?,
+                },
+                vec![CommGroup::ActorDp],
+            ),
+            (TrainerKind::Dpo, RoleKind::ActorRollout, RolePart::Train) => (
+                EngineSpec::Preference {
+                    train: stage_train()?,
+                    loss: cfg.algorithm.preference(),
+                },
+                vec![CommGroup::ActorDp],
+            ),
+            (TrainerKind::Reward, RoleKind::Reward, _) => (
+                EngineSpec::RewardModel {
+                    train: stage_train()?,
+                    center_rewards_coefficient: cfg.algorithm.center_rewards_coefficient,
+                },
+                vec![CommGroup::RewardDp],
+            ),
+            (TrainerKind::Sft | TrainerKind::Dpo | TrainerKind::Reward, _, RolePart::Infer) => {
+                return Err(invalid(format!(
+                    "trainer {} has no rollout ranks; {} is not part of it",
+                    cfg.trainer,
+                    slot.label()
+                )))
+            }
+            (_, RoleKind::ActorRollout, RolePart::Train) => {
                 let mut comms = vec![CommGroup::ActorDp];
                 if slot.rank == 0 && !cfg.resource_pool.colocate {
                     comms.push(CommGroup::Weights);
@@ -264,7 +317,7 @@ impl RoleSpec {
                 };
                 (engine, comms)
             }
-            (RoleKind::ActorRollout, _) => {
+            (_, RoleKind::ActorRollout, _) => {
                 let sampling = SamplingSpec {
                     temperature: if a.do_sample { a.temperature } else { 0.0 },
                     top_p: a.top_p,
@@ -283,13 +336,13 @@ impl RoleSpec {
                     comms,
                 )
             }
-            (RoleKind::Ref, _) => (
+            (_, RoleKind::Ref, _) => (
                 EngineSpec::Ref {
                     temperature: logprob_temperature,
                 },
                 vec![],
             ),
-            (RoleKind::Critic, _) => {
+            (_, RoleKind::Critic, _) => {
                 let c = &cfg.critic;
                 let train = TrainSpec::new(
                     &t,
@@ -305,7 +358,7 @@ impl RoleSpec {
                 };
                 (engine, vec![CommGroup::CriticDp])
             }
-            (RoleKind::Reward, _) => {
+            (_, RoleKind::Reward, _) => {
                 let r = &cfg.reward;
                 let spec = match r.kind {
                     RewardKind::Rule => RewardSpec::Rule {

@@ -157,17 +157,26 @@ pub enum CommGroup {
     /// The critic's ranks: gradient all-reduce.
     #[serde(rename = "critic_dp")]
     CriticDp,
+    /// A reward model's trainer ranks (`trainer: reward`): gradient all-reduce.
+    #[serde(rename = "reward_dp")]
+    RewardDp,
 }
 
 impl CommGroup {
     /// Every group.
-    pub const ALL: [CommGroup; 3] = [CommGroup::Weights, CommGroup::ActorDp, CommGroup::CriticDp];
+    pub const ALL: [CommGroup; 4] = [
+        CommGroup::Weights,
+        CommGroup::ActorDp,
+        CommGroup::CriticDp,
+        CommGroup::RewardDp,
+    ];
 }
 
 names!(CommGroup, "communicator group" {
     Weights = "weights",
     ActorDp = "actor_dp",
     CriticDp = "critic_dp",
+    RewardDp = "reward_dp",
 });
 
 /// How a communicator moves bytes.
@@ -313,6 +322,7 @@ impl From<CommGroup> for pb::CommGroup {
             CommGroup::Weights => pb::CommGroup::Weights,
             CommGroup::ActorDp => pb::CommGroup::ActorDp,
             CommGroup::CriticDp => pb::CommGroup::CriticDp,
+            CommGroup::RewardDp => pb::CommGroup::RewardDp,
         }
     }
 }
@@ -324,6 +334,7 @@ impl CommGroup {
             Ok(pb::CommGroup::Weights) => Ok(CommGroup::Weights),
             Ok(pb::CommGroup::ActorDp) => Ok(CommGroup::ActorDp),
             Ok(pb::CommGroup::CriticDp) => Ok(CommGroup::CriticDp),
+            Ok(pb::CommGroup::RewardDp) => Ok(CommGroup::RewardDp),
             Ok(pb::CommGroup::Unspecified) => Err(unspecified("communicator group", field)),
             Err(_) => Err(Error::invalid(format!(
                 "{field}: unknown communicator group {v}"

@@ -42,6 +42,9 @@ pub async fn call_batch(
             BatchCall::ComputeScores => c.compute_scores(stream).await,
             BatchCall::UpdateActor => c.update_actor(stream).await,
             BatchCall::UpdateCritic => c.update_critic(stream).await,
+            BatchCall::UpdateSft => c.update_sft(stream).await,
+            BatchCall::UpdatePreference => c.update_preference(stream).await,
+            BatchCall::UpdateRewardModel => c.update_reward_model(stream).await,
         }
         .map_err(Error::from)?;
         let mut s = resp.into_inner();

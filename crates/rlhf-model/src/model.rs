@@ -174,7 +174,14 @@ impl Model {
                     .and_then(|s| s.first().copied())
                     .or_else(|| num_labels(config))
                     .unwrap_or(1);
-                let w = pb.get("score.weight", &[labels, h], Init::Normal(0.02))?;
+                // Training a reward model from a causal LM (TRL's `RewardTrainer` over an SFT
+                // model): the score head starts fresh, as transformers initialises it; a
+                // frozen reward model must have one.
+                let w = if opts.trainable && !pb.contains("score.weight") {
+                    pb.fresh("score.weight", &[1, h], Init::Normal(0.02))?
+                } else {
+                    pb.get("score.weight", &[labels, h], Init::Normal(0.02))?
+                };
                 Head::Score(Linear::plain(w, None))
             }
         };

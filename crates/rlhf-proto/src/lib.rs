@@ -5,7 +5,7 @@
 //! types are in `rlhf-core`.
 
 /// Bumped on any incompatible change to proto/. Checked at register and on every heartbeat.
-pub const PROTOCOL_VERSION: u32 = 8;
+pub const PROTOCOL_VERSION: u32 = 9;
 
 /// Messages larger than this are refused by servers and clients; batches above a few MiB
 /// are streamed in chunks well below it.
@@ -25,6 +25,9 @@ pub enum BatchCall {
     ComputeScores,
     UpdateActor,
     UpdateCritic,
+    UpdateSft,
+    UpdatePreference,
+    UpdateRewardModel,
 }
 
 impl BatchCall {
@@ -37,6 +40,9 @@ impl BatchCall {
             BatchCall::ComputeScores => "ComputeScores",
             BatchCall::UpdateActor => "UpdateActor",
             BatchCall::UpdateCritic => "UpdateCritic",
+            BatchCall::UpdateSft => "UpdateSft",
+            BatchCall::UpdatePreference => "UpdatePreference",
+            BatchCall::UpdateRewardModel => "UpdateRewardModel",
         }
     }
 }

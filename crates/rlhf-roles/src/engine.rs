@@ -16,6 +16,7 @@ use crate::critic::Critic;
 use crate::error::Result;
 use crate::policy::{RefPolicy, Rollout, Trainer};
 use crate::reward::Reward;
+use crate::stages::{PreferenceTrainer, RewardModelTrainer, SftTrainer};
 
 /// Samples responses to prompts.
 pub trait Generate {
@@ -44,6 +45,9 @@ pub enum Engine {
     Ref(Box<RefPolicy>),
     Critic(Box<Critic>),
     Reward(Box<Reward>),
+    Sft(Box<SftTrainer>),
+    Preference(Box<PreferenceTrainer>),
+    RewardModel(Box<RewardModelTrainer>),
 }
 
 impl Engine {
@@ -59,6 +63,8 @@ impl Engine {
             Engine::Trainer(t) => Some(t.as_ref()),
             Engine::Rollout(r) => Some(r.as_ref()),
             Engine::Ref(r) => Some(r.as_ref()),
+            Engine::Sft(t) => Some(t.as_ref()),
+            Engine::Preference(t) => Some(t.as_ref()),
             _ => None,
         }
     }
@@ -73,7 +79,20 @@ impl Engine {
     pub fn as_score(&self) -> Option<&dyn Score> {
         match self {
             Engine::Reward(r) => Some(r.as_ref()),
+            Engine::RewardModel(r) => Some(r.as_ref()),
             _ => None,
+        }
+    }
+
+    /// The state of a trainable engine (its model, optimizer and version), for checkpoints.
+    pub fn train_state_mut(&mut self) -> Option<&mut crate::train::TrainState> {
+        match self {
+            Engine::Trainer(t) => Some(&mut t.state),
+            Engine::Critic(c) => Some(&mut c.state),
+            Engine::Sft(t) => Some(&mut t.state),
+            Engine::Preference(t) => Some(&mut t.state),
+            Engine::RewardModel(t) => Some(&mut t.state),
+            Engine::Rollout(_) | Engine::Ref(_) | Engine::Reward(_) => None,
         }
     }
 
@@ -85,6 +104,9 @@ impl Engine {
             Engine::Ref(r) => Some(&r.model),
             Engine::Critic(c) => Some(&c.state.model),
             Engine::Reward(r) => r.model(),
+            Engine::Sft(t) => Some(&t.state.model),
+            Engine::Preference(t) => Some(&t.state.model),
+            Engine::RewardModel(t) => Some(&t.state.model),
         }
     }
 
@@ -94,6 +116,9 @@ impl Engine {
             Engine::Trainer(t) => t.state.version,
             Engine::Rollout(r) => r.version,
             Engine::Critic(c) => c.state.version,
+            Engine::Sft(t) => t.state.version,
+            Engine::Preference(t) => t.state.version,
+            Engine::RewardModel(t) => t.state.version,
             Engine::Ref(_) | Engine::Reward(_) => 0,
         }
     }

@@ -11,8 +11,9 @@ use candle_core::Device;
 use rlhf_config::{EngineSpec, RoleSpec};
 use rlhf_core::batch::DataBatch;
 use rlhf_core::calls::{
-    self, ActorUpdateRequest, CriticUpdateRequest, GenerateRequest, LogProbsRequest, RoleCall,
-    ScoresRequest, ValuesRequest, Wire,
+    self, ActorUpdateRequest, CriticUpdateRequest, GenerateRequest, LogProbsRequest,
+    PreferenceUpdateRequest, RewardModelUpdateRequest, RoleCall, ScoresRequest, SftUpdateRequest,
+    ValuesRequest, Wire,
 };
 use rlhf_core::{CommBackend, CommGroup, DeviceSpec, RoleKind, RolePart, RoleSlot};
 use rlhf_model::Model;
@@ -25,6 +26,7 @@ use crate::engine::Engine;
 use crate::error::{Ctx, Error, Result};
 use crate::policy::{RefPolicy, Rollout, Trainer};
 use crate::reward::Reward;
+use crate::stages::{PreferenceTrainer, RewardModelTrainer, SftTrainer};
 
 /// One engine and the spec it was built from.
 pub struct Hosted {
@@ -129,6 +131,13 @@ impl RoleHost {
             EngineSpec::Ref { .. } => Engine::Ref(Box::new(RefPolicy::new(&spec, &device)?)),
             EngineSpec::Critic { .. } => Engine::Critic(Box::new(Critic::new(&spec, &device)?)),
             EngineSpec::Reward(_) => Engine::Reward(Box::new(Reward::new(&spec, &device)?)),
+            EngineSpec::Sft { .. } => Engine::Sft(Box::new(SftTrainer::new(&spec, &device)?)),
+            EngineSpec::Preference { .. } => {
+                Engine::Preference(Box::new(PreferenceTrainer::new(&spec, &device)?))
+            }
+            EngineSpec::RewardModel { .. } => {
+                Engine::RewardModel(Box::new(RewardModelTrainer::new(&spec, &device)?))
+            }
         };
         self.engines.push(Hosted { spec, engine });
         Ok(note)
@@ -268,6 +277,9 @@ impl RoleHost {
             BatchCall::ComputeScores => e.as_score().is_some(),
             BatchCall::UpdateActor => matches!(e, Engine::Trainer(_)),
             BatchCall::UpdateCritic => matches!(e, Engine::Critic(_)),
+            BatchCall::UpdateSft => matches!(e, Engine::Sft(_)),
+            BatchCall::UpdatePreference => matches!(e, Engine::Preference(_)),
+            BatchCall::UpdateRewardModel => matches!(e, Engine::RewardModel(_)),
         };
         if self.engines.is_empty() {
             return Err(Error::invalid(format!(
@@ -383,16 +395,27 @@ impl RoleHost {
                 .ok_or_else(unserved)?
                 .score(&req::<ScoresRequest>(batch)?)?
                 .to_batch()?,
-            BatchCall::UpdateActor | BatchCall::UpdateCritic => {
-                let group = if call == BatchCall::UpdateActor {
-                    CommGroup::ActorDp
-                } else {
-                    CommGroup::CriticDp
+            BatchCall::UpdateActor
+            | BatchCall::UpdateCritic
+            | BatchCall::UpdateSft
+            | BatchCall::UpdatePreference
+            | BatchCall::UpdateRewardModel => {
+                let group = match call {
+                    BatchCall::UpdateCritic => CommGroup::CriticDp,
+                    BatchCall::UpdateRewardModel => CommGroup::RewardDp,
+                    _ => CommGroup::ActorDp,
                 };
                 let comm = self.groups.get(group, world)?;
                 let res = match engine {
                     Engine::Trainer(t) => t.update(comm, &req::<ActorUpdateRequest>(batch)?),
                     Engine::Critic(c) => c.update(comm, &req::<CriticUpdateRequest>(batch)?),
+                    Engine::Sft(t) => t.update(comm, &req::<SftUpdateRequest>(batch)?),
+                    Engine::Preference(t) => {
+                        t.update(comm, &req::<PreferenceUpdateRequest>(batch)?)
+                    }
+                    Engine::RewardModel(t) => {
+                        t.update(comm, &req::<RewardModelUpdateRequest>(batch)?)
+                    }
                     _ => Err(unserved()),
                 };
                 if matches!(&res, Err(e) if is_collective(e)) {
@@ -463,14 +486,10 @@ impl RoleHost {
         let label = self.label();
         self.engines
             .iter_mut()
-            .find_map(|h| match &mut h.engine {
-                Engine::Trainer(t) => Some(&mut t.state),
-                Engine::Critic(c) => Some(&mut c.state),
-                _ => None,
-            })
+            .find_map(|h| h.engine.train_state_mut())
             .ok_or_else(|| {
                 Error::invalid(format!(
-                    "{what} is for trainable roles (actor_rollout train, critic), not {label}"
+                    "{what} is for trainable roles (actor_rollout train, critic, a reward model in training), not {label}"
                 ))
             })
     }

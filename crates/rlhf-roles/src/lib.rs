@@ -22,6 +22,7 @@ pub mod policy;
 pub mod reward;
 pub mod saves;
 pub mod server;
+pub mod stages;
 pub mod train;
 pub mod weights;
 
@@ -33,3 +34,4 @@ pub use host::{BatchCall, RoleHost};
 pub use policy::{RefPolicy, Rollout, Trainer};
 pub use reward::{HttpReward, Reward, Rule};
 pub use server::{run, serve, ServeOptions};
+pub use stages::{PreferenceTrainer, RewardModelTrainer, SftTrainer};

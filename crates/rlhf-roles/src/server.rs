@@ -213,6 +213,30 @@ impl RoleService for RoleServer {
         self.batch(BatchCall::UpdateCritic, req).await
     }
 
+    type UpdateSftStream = ChunkStream;
+    async fn update_sft(
+        &self,
+        req: Request<Streaming<pb::BatchChunk>>,
+    ) -> Result<Response<ChunkStream>, Status> {
+        self.batch(BatchCall::UpdateSft, req).await
+    }
+
+    type UpdatePreferenceStream = ChunkStream;
+    async fn update_preference(
+        &self,
+        req: Request<Streaming<pb::BatchChunk>>,
+    ) -> Result<Response<ChunkStream>, Status> {
+        self.batch(BatchCall::UpdatePreference, req).await
+    }
+
+    type UpdateRewardModelStream = ChunkStream;
+    async fn update_reward_model(
+        &self,
+        req: Request<Streaming<pb::BatchChunk>>,
+    ) -> Result<Response<ChunkStream>, Status> {
+        self.batch(BatchCall::UpdateRewardModel, req).await
+    }
+
     async fn sync_weights(
         &self,
         req: Request<pb::SyncWeightsRequest>,

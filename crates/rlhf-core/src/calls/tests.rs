@@ -57,6 +57,59 @@ fn requests_round_trip() {
         returns: f32s(2, 2, 0.2),
         step: 1,
     });
+    round_trip(SftUpdateRequest {
+        seq: seq(2, 3, 2),
+        loss_mask: f32s(2, 2, 1.0),
+        step: 3,
+    });
+    let mut rejected = seq(2, 3, 2);
+    rejected.input_ids.data.reverse();
+    for (ref_chosen, kto_kl) in [(Some(vec![-3.0, -4.5]), Some(0.25)), (None, None)] {
+        round_trip(PreferenceUpdateRequest {
+            chosen: seq(2, 3, 2),
+            chosen_mask: f32s(2, 2, 1.0),
+            rejected: rejected.clone(),
+            rejected_mask: f32s(2, 2, 0.0),
+            ref_rejected: ref_chosen
+                .as_ref()
+                .map(|v| v.iter().map(|x| x - 1.0).collect()),
+            ref_chosen,
+            kto_kl,
+            step: 9,
+        });
+    }
+    for margin in [Some(vec![0.5, 1.0]), None] {
+        round_trip(RewardModelUpdateRequest {
+            chosen: seq(2, 3, 2),
+            rejected: rejected.clone(),
+            margin,
+            step: 2,
+        });
+    }
+}
+
+#[test]
+fn pair_calls_name_the_missing_side() {
+    let mut b = PreferenceUpdateRequest {
+        chosen: seq(2, 3, 2),
+        chosen_mask: f32s(2, 2, 1.0),
+        rejected: seq(2, 3, 2),
+        rejected_mask: f32s(2, 2, 1.0),
+        ref_chosen: None,
+        ref_rejected: None,
+        kto_kl: None,
+        step: 1,
+    }
+    .to_batch()
+    .unwrap();
+    b.tensors.remove("rejected_input_ids");
+    let e = PreferenceUpdateRequest::from_batch(BatchCall::UpdatePreference, &b)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("UpdatePreference") && e.contains("rejected_input_ids"),
+        "{e}"
+    );
 }
 
 #[test]

@@ -1,0 +1,506 @@
+//! The engines of the stages before and beside PPO, each a [`Train`] over the shared update
+//! loop (data parallelism, accumulation, clipping, checkpoints): [`SftTrainer`] (the policy
+//! on completion tokens), [`PreferenceTrainer`] (the policy on preference pairs with a
+//! DPO-family loss) and [`RewardModelTrainer`] (a score head on preference pairs,
+//! Bradley–Terry). One call is one optimizer step over the rank's rows: the global batch is
+//! the mini-batch. The math is `rlhf_algo`'s; here are only the forwards and the rows.
+
+use candle_core::{Device, Tensor};
+use rlhf_algo::{metric, preference_loss, reward_loss, sft_loss, LossAggMode, PairBatch};
+use rlhf_algo::{PreferenceConfig, PreferenceStats};
+use rlhf_collective::Communicator;
+use rlhf_config::{EngineSpec, RoleSpec, Shapes};
+use rlhf_core::calls::candle::mat_f32;
+use rlhf_core::calls::{
+    LogProbsRequest, LogProbsResponse, PreferenceUpdateRequest, RewardModelUpdateRequest,
+    ScoresRequest, ScoresResponse, Sequences, SftUpdateRequest, UpdateResponse,
+};
+use rlhf_model::{Batch, LoadOptions, Model, ModelKind};
+
+use crate::convert::{self, chunked, sequences, tokens};
+use crate::engine::{LogProbs, Score};
+use crate::error::{Error, Result};
+use crate::policy::{response_log_probs, wrong_engine};
+use crate::train::{self, MicroOut, Prepared, StepNames, Train, TrainState};
+
+fn load(spec: &RoleSpec, device: &Device, kind: ModelKind, what: &str) -> Result<TrainState> {
+    let train = match &spec.engine {
+        EngineSpec::Sft { train }
+        | EngineSpec::Preference { train, .. }
+        | EngineSpec::RewardModel { train, .. } => train,
+        _ => return Err(wrong_engine(spec, what)),
+    };
+    let load_opts = convert::load_options(spec, device, LoadOptions::training(kind));
+    TrainState::load(
+        &spec.slot,
+        spec.model_dir()?,
+        load_opts,
+        train,
+        spec.micro_batch_rows,
+        spec.seed,
+        spec.tokenizer_dir.clone(),
+    )
+}
+
+/// Response-token log-probs `[B, R]` at temperature 1 (no entropy).
+fn completion_log_probs(
+    model: &Model,
+    ids: &Tensor,
+    mask: &Tensor,
+    shapes: Shapes,
+) -> Result<Tensor> {
+    let batch = Batch::from_mask(ids.clone(), mask.clone())?;
+    let (lp, _) = model.log_probs_and_entropy(&batch, 1.0, false)?;
+    Ok(lp.narrow(1, shapes.prompt_len - 1, shapes.response_len)?)
+}
+
+/// Log-probs of a request's completions for the driver (reference passes, KTO's KL pairs,
+/// eval), `micro` rows per forward.
+fn log_probs_of(
+    model: &Model,
+    req: &LogProbsRequest,
+    shapes: Shapes,
+    micro: usize,
+) -> Result<LogProbsResponse> {
+    let (ids, mask) = sequences("ComputeLogProbs", &req.0, shapes, model.device())?;
+    let out = chunked(req.0.rows(), micro, |idx| {
+        let (lp, ent) = response_log_probs(
+            model,
+            &convert::rows(&ids, idx)?,
+            &convert::rows(&mask, idx)?,
+            shapes,
+            1.0,
+        )?;
+        Ok(vec![lp.detach(), ent.detach()])
+    })?;
+    Ok(LogProbsResponse {
+        log_probs: mat_f32(&out[0], "log_probs")?,
+        entropy: mat_f32(&out[1], "entropy")?,
+    })
+}
+
+/// A pair request's per-pair weight mask (`[pairs, 1]` of ones): the loss denominators and
+/// the metric weights count pairs.
+fn pair_mask(pairs: usize) -> Vec<f32> {
+    vec![1.0; pairs]
+}
+
+fn same_rows(call: &str, a: &Sequences, b: &Sequences) -> Result<usize> {
+    if a.rows() != b.rows() {
+        return Err(Error::invalid(format!(
+            "{call}: {} chosen rows but {} rejected rows; every pair needs both",
+            a.rows(),
+            b.rows()
+        )));
+    }
+    Ok(a.rows())
+}
+
+fn checked_vec(call: &str, name: &str, v: &[f32], rows: usize, device: &Device) -> Result<Tensor> {
+    if v.len() != rows {
+        return Err(Error::invalid(format!(
+            "{call}: '{name}' has {} values for {rows} pairs",
+            v.len()
+        )));
+    }
+    if let Some(i) = v.iter().position(|x| !x.is_finite()) {
+        return Err(Error::invalid(format!(
+            "{call}: '{name}' is not finite at pair {i}"
+        )));
+    }
+    Ok(Tensor::from_slice(v, rows, device)?)
+}
+
+/// `trainer: sft`: the policy on its completion tokens.
+pub struct SftTrainer {
+    pub state: TrainState,
+    pub shapes: Shapes,
+}
+
+/// An SFT update's tensors on the device.
+pub struct SftBatch {
+    ids: Tensor,
+    mask: Tensor,
+    loss_mask: Tensor,
+}
+
+impl SftTrainer {
+    pub fn new(spec: &RoleSpec, device: &Device) -> Result<Self> {
+        Ok(Self {
+            state: load(spec, device, ModelKind::CausalLm, "an SFT trainer")?,
+            shapes: spec.shapes,
+        })
+    }
+
+    pub fn update(
+        &mut self,
+        comm: &mut dyn Communicator,
+        req: &SftUpdateRequest,
+    ) -> Result<UpdateResponse> {
+        train::update(self, comm, req)
+    }
+}
+
+impl LogProbs for SftTrainer {
+    fn log_probs(&self, req: &LogProbsRequest) -> Result<LogProbsResponse> {
+        log_probs_of(
+            &self.state.model,
+            req,
+            self.shapes,
+            self.state.settings.micro_batch_rows,
+        )
+    }
+}
+
+impl Train for SftTrainer {
+    type Request = SftUpdateRequest;
+    type Batch = SftBatch;
+    const NAMES: StepNames = StepNames {
+        grad_norm: metric::ACTOR_GRAD_NORM,
+        lr: metric::ACTOR_LR,
+        variance: None,
+    };
+
+    fn state(&self) -> &TrainState {
+        &self.state
+    }
+
+    fn state_mut(&mut self) -> &mut TrainState {
+        &mut self.state
+    }
+
+    fn agg_mode(&self) -> LossAggMode {
+        LossAggMode::TokenMean
+    }
+
+    fn prepare(&self, req: &SftUpdateRequest) -> Result<Prepared<SftBatch>> {
+        const CALL: &str = "UpdateSft";
+        let device = self.state.model.device();
+        let (ids, mask) = sequences(CALL, &req.seq, self.shapes, device)?;
+        let b = req.seq.rows();
+        let loss_mask = tokens(CALL, "loss_mask", &req.loss_mask, b, self.shapes, device)?;
+        if req.loss_mask.data.iter().any(|&m| m != 0.0 && m != 1.0) {
+            return Err(Error::invalid(format!(
+                "{CALL}: loss_mask holds values other than 0 and 1"
+            )));
+        }
+        Ok(Prepared {
+            batch: SftBatch {
+                ids,
+                mask,
+                loss_mask,
+            },
+            mask: req.loss_mask.data.clone(),
+            width: self.shapes.response_len,
+            step: req.step,
+        })
+    }
+
+    fn micro_loss(&self, model: &Model, b: &SftBatch, idx: &[usize]) -> Result<MicroOut> {
+        let m = convert::rows(&b.loss_mask, idx)?;
+        let lp = completion_log_probs(
+            model,
+            &convert::rows(&b.ids, idx)?,
+            &convert::rows(&b.mask, idx)?,
+            self.shapes,
+        )?;
+        let (loss, _) = sft_loss(&lp, &m)?;
+        let value = loss.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
+        Ok(MicroOut {
+            loss,
+            stats: vec![(metric::TRAIN_LOSS, value)],
+        })
+    }
+}
+
+/// `trainer: dpo`: the policy on preference pairs.
+pub struct PreferenceTrainer {
+    pub state: TrainState,
+    pub shapes: Shapes,
+    pub loss: PreferenceConfig,
+}
+
+/// A preference update's tensors on the device.
+pub struct PairTensors {
+    chosen: (Tensor, Tensor),
+    rejected: (Tensor, Tensor),
+    chosen_mask: Tensor,
+    rejected_mask: Tensor,
+    ref_chosen: Option<Tensor>,
+    ref_rejected: Option<Tensor>,
+    kto_kl: Option<f64>,
+}
+
+impl PreferenceTrainer {
+    pub fn new(spec: &RoleSpec, device: &Device) -> Result<Self> {
+        let EngineSpec::Preference { loss, .. } = &spec.engine else {
+            return Err(wrong_engine(spec, "a preference trainer"));
+        };
+        Ok(Self {
+            state: load(spec, device, ModelKind::CausalLm, "a preference trainer")?,
+            shapes: spec.shapes,
+            loss: *loss,
+        })
+    }
+
+    pub fn update(
+        &mut self,
+        comm: &mut dyn Communicator,
+        req: &PreferenceUpdateRequest,
+    ) -> Result<UpdateResponse> {
+        train::update(self, comm, req)
+    }
+}
+
+impl LogProbs for PreferenceTrainer {
+    fn log_probs(&self, req: &LogProbsRequest) -> Result<LogProbsResponse> {
+        log_probs_of(
+            &self.state.model,
+            req,
+            self.shapes,
+            self.state.settings.micro_batch_rows,
+        )
+    }
+}
+
+/// The mean over the pairs of each statistic, under its metric name.
+fn preference_stats(s: &PreferenceStats) -> Vec<(&'static str, f64)> {
+    let n = s.pairs.max(1) as f64;
+    let mut v = vec![
+        (metric::TRAIN_LOSS, s.loss_sum / n),
+        (metric::REWARDS_CHOSEN, s.chosen_rewards_sum / n),
+        (metric::REWARDS_REJECTED, s.rejected_rewards_sum / n),
+        (metric::REWARDS_ACCURACIES, s.correct / n),
+        (
+            metric::REWARDS_MARGINS,
+            (s.chosen_rewards_sum - s.rejected_rewards_sum) / n,
+        ),
+        (metric::LOGPS_CHOSEN, s.logps_chosen_sum / n),
+        (metric::LOGPS_REJECTED, s.logps_rejected_sum / n),
+    ];
+    if let Some(kl) = s.kl_sum {
+        v.push((metric::KTO_KL, kl / n));
+    }
+    v
+}
+
+impl Train for PreferenceTrainer {
+    type Request = PreferenceUpdateRequest;
+    type Batch = PairTensors;
+    const NAMES: StepNames = StepNames {
+        grad_norm: metric::ACTOR_GRAD_NORM,
+        lr: metric::ACTOR_LR,
+        variance: None,
+    };
+
+    fn state(&self) -> &TrainState {
+        &self.state
+    }
+
+    fn state_mut(&mut self) -> &mut TrainState {
+        &mut self.state
+    }
+
+    fn agg_mode(&self) -> LossAggMode {
+        LossAggMode::TokenMean
+    }
+
+    fn prepare(&self, req: &PreferenceUpdateRequest) -> Result<Prepared<PairTensors>> {
+        const CALL: &str = "UpdatePreference";
+        let device = self.state.model.device();
+        let shapes = self.shapes;
+        let pairs = same_rows(CALL, &req.chosen, &req.rejected)?;
+        let reference = |name: &str, v: &Option<Vec<f32>>| -> Result<Option<Tensor>> {
+            match v {
+                Some(v) => Ok(Some(checked_vec(CALL, name, v, pairs, device)?)),
+                None if self.loss.loss_type.needs_reference() => Err(Error::invalid(format!(
+                    "{CALL}: algorithm.loss_type {} needs reference log-probs, and the request has no '{name}'",
+                    self.loss.loss_type
+                ))),
+                None => Ok(None),
+            }
+        };
+        Ok(Prepared {
+            batch: PairTensors {
+                chosen: sequences(CALL, &req.chosen, shapes, device)?,
+                rejected: sequences(CALL, &req.rejected, shapes, device)?,
+                chosen_mask: tokens(CALL, "chosen_mask", &req.chosen_mask, pairs, shapes, device)?,
+                rejected_mask: tokens(
+                    CALL,
+                    "rejected_mask",
+                    &req.rejected_mask,
+                    pairs,
+                    shapes,
+                    device,
+                )?,
+                ref_chosen: reference("ref_chosen", &req.ref_chosen)?,
+                ref_rejected: reference("ref_rejected", &req.ref_rejected)?,
+                kto_kl: req.kto_kl,
+            },
+            mask: pair_mask(pairs),
+            width: 1,
+            step: req.step,
+        })
+    }
+
+    fn micro_loss(&self, model: &Model, b: &PairTensors, idx: &[usize]) -> Result<MicroOut> {
+        let side = |(ids, mask): &(Tensor, Tensor)| {
+            completion_log_probs(
+                model,
+                &convert::rows(ids, idx)?,
+                &convert::rows(mask, idx)?,
+                self.shapes,
+            )
+        };
+        let rows = |t: &Option<Tensor>| t.as_ref().map(|t| convert::rows(t, idx)).transpose();
+        let (ref_c, ref_r) = (rows(&b.ref_chosen)?, rows(&b.ref_rejected)?);
+        let out = preference_loss(
+            &PairBatch {
+                chosen_logp: &side(&b.chosen)?,
+                chosen_mask: &convert::rows(&b.chosen_mask, idx)?,
+                rejected_logp: &side(&b.rejected)?,
+                rejected_mask: &convert::rows(&b.rejected_mask, idx)?,
+                ref_chosen: ref_c.as_ref(),
+                ref_rejected: ref_r.as_ref(),
+                kto_kl: b.kto_kl,
+            },
+            &self.loss,
+        )?;
+        Ok(MicroOut {
+            loss: out.loss,
+            stats: preference_stats(&out.stats),
+        })
+    }
+}
+
+/// `trainer: reward`: a reward model (a score read at each sequence's last token) on
+/// preference pairs.
+pub struct RewardModelTrainer {
+    pub state: TrainState,
+    pub shapes: Shapes,
+    pub center: Option<f64>,
+}
+
+/// A reward-model update's tensors on the device.
+pub struct RewardPairs {
+    chosen: (Tensor, Tensor),
+    rejected: (Tensor, Tensor),
+    margin: Option<Tensor>,
+}
+
+impl RewardModelTrainer {
+    pub fn new(spec: &RoleSpec, device: &Device) -> Result<Self> {
+        let EngineSpec::RewardModel {
+            center_rewards_coefficient,
+            ..
+        } = &spec.engine
+        else {
+            return Err(wrong_engine(spec, "a reward-model trainer"));
+        };
+        Ok(Self {
+            state: load(spec, device, ModelKind::Reward, "a reward-model trainer")?,
+            shapes: spec.shapes,
+            center: *center_rewards_coefficient,
+        })
+    }
+
+    pub fn update(
+        &mut self,
+        comm: &mut dyn Communicator,
+        req: &RewardModelUpdateRequest,
+    ) -> Result<UpdateResponse> {
+        train::update(self, comm, req)
+    }
+
+    fn scores_of(
+        &self,
+        model: &Model,
+        (ids, mask): &(Tensor, Tensor),
+        idx: &[usize],
+    ) -> Result<Tensor> {
+        let batch = Batch::from_mask(convert::rows(ids, idx)?, convert::rows(mask, idx)?)?;
+        Ok(model.scores(&batch)?.to_dtype(candle_core::DType::F32)?)
+    }
+}
+
+impl Score for RewardModelTrainer {
+    /// The current model's scores (for the eval split).
+    fn score(&self, req: &ScoresRequest) -> Result<ScoresResponse> {
+        let model = &self.state.model;
+        let seqs = sequences("ComputeScores", &req.seq, self.shapes, model.device())?;
+        let out = chunked(
+            req.seq.rows(),
+            self.state.settings.micro_batch_rows,
+            |idx| Ok(vec![self.scores_of(model, &seqs, idx)?.detach()]),
+        )?;
+        Ok(ScoresResponse {
+            scores: out[0].to_vec1::<f32>()?,
+        })
+    }
+}
+
+impl Train for RewardModelTrainer {
+    type Request = RewardModelUpdateRequest;
+    type Batch = RewardPairs;
+    const NAMES: StepNames = StepNames {
+        grad_norm: metric::REWARD_MODEL_GRAD_NORM,
+        lr: metric::REWARD_MODEL_LR,
+        variance: None,
+    };
+
+    fn state(&self) -> &TrainState {
+        &self.state
+    }
+
+    fn state_mut(&mut self) -> &mut TrainState {
+        &mut self.state
+    }
+
+    fn agg_mode(&self) -> LossAggMode {
+        LossAggMode::TokenMean
+    }
+
+    fn prepare(&self, req: &RewardModelUpdateRequest) -> Result<Prepared<RewardPairs>> {
+        const CALL: &str = "UpdateRewardModel";
+        let device = self.state.model.device();
+        let pairs = same_rows(CALL, &req.chosen, &req.rejected)?;
+        Ok(Prepared {
+            batch: RewardPairs {
+                chosen: sequences(CALL, &req.chosen, self.shapes, device)?,
+                rejected: sequences(CALL, &req.rejected, self.shapes, device)?,
+                margin: req
+                    .margin
+                    .as_ref()
+                    .map(|m| checked_vec(CALL, "margin", m, pairs, device))
+                    .transpose()?,
+            },
+            mask: pair_mask(pairs),
+            width: 1,
+            step: req.step,
+        })
+    }
+
+    fn micro_loss(&self, model: &Model, b: &RewardPairs, idx: &[usize]) -> Result<MicroOut> {
+        let margin = b
+            .margin
+            .as_ref()
+            .map(|m| convert::rows(m, idx))
+            .transpose()?;
+        let (loss, s) = reward_loss(
+            &self.scores_of(model, &b.chosen, idx)?,
+            &self.scores_of(model, &b.rejected, idx)?,
+            margin.as_ref(),
+            self.center,
+        )?;
+        let n = s.pairs.max(1) as f64;
+        Ok(MicroOut {
+            loss,
+            stats: vec![
+                (metric::TRAIN_LOSS, s.loss_sum / n),
+                (metric::RM_ACCURACY, s.correct / n),
+                (metric::RM_MARGIN, s.margin_sum / n),
+                (metric::RM_MEAN_REWARD, s.reward_sum / (2.0 * n)),
+            ],
+        })
+    }
+}
