@@ -1,7 +1,7 @@
 //! Load-time validation: every rule runs, every failure is reported with the
 //! keys and numbers involved and what to change.
 
-use crate::config::{LogBackend, PpoConfig, RewardKind, RoleKind};
+use crate::config::{LogBackend, PpoConfig, RewardKind, RoleKind, TrainerKind};
 use crate::error::{ConfigError, Result};
 
 /// Runs every rule; `Err(Invalid)` lists all failures at once.
@@ -20,6 +20,15 @@ pub fn validate(cfg: &PpoConfig, origin: &str) -> Result<()> {
 /// Every failed rule, one message each (empty when the config is valid).
 pub fn problems(cfg: &PpoConfig) -> Vec<String> {
     let mut e = Vec::new();
+    if cfg.trainer != TrainerKind::Ppo {
+        // The stage engines exist (rlhf-roles: SftTrainer, PreferenceTrainer,
+        // RewardModelTrainer); the driver's loop over their datasets does not yet.
+        e.push(format!(
+            "trainer: {} cannot run as a job yet: its trainer engines exist, but the job loop that feeds them a dataset does not; use trainer: ppo",
+            cfg.trainer
+        ));
+        return e;
+    }
     let a = &cfg.actor_rollout;
     let c = &cfg.critic;
     let pool = &cfg.resource_pool;
