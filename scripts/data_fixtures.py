@@ -6,6 +6,8 @@ row groups, nulls, a verl-style list of {role, content} messages, a reference-an
 
 Writes crates/rlhf-config/tests/fixtures/pyarrow_prompts.parquet and, beside it,
 pyarrow_prompts.json: the rows as pyarrow reads them back, for the test to compare with.
+Also pyarrow_pairs.parquet: preference pairs in TRL's conversational format (a message-list
+prompt, chosen and rejected; a margin column), for crates/rlhf-config/tests/stage_data.rs.
 Run: scripts/ref-venv.sh scripts/data_fixtures.py
 """
 
@@ -34,9 +36,44 @@ ROWS = [
 ]
 
 
+def turn(role, content):
+    return {"role": role, "content": content}
+
+
+PAIRS = [
+    {
+        "prompt": [turn("system", "Be brief."), turn("user", "2+3=")],
+        "chosen": [turn("assistant", "5")],
+        "rejected": [turn("assistant", "six")],
+        "margin": 1.5,
+    },
+    {
+        "prompt": [turn("user", "Écris un nombre 🙂")],
+        "chosen": [turn("assistant", "7")],
+        "rejected": [turn("assistant", "sept")],
+        "margin": 0.25,
+    },
+    # A bad row: chosen and rejected are identical.
+    {
+        "prompt": [turn("user", "1+1=")],
+        "chosen": [turn("assistant", "2")],
+        "rejected": [turn("assistant", "2")],
+        "margin": 0.0,
+    },
+]
+
+
+def write_pairs(msg) -> None:
+    schema = pa.schema([("prompt", msg), ("chosen", msg), ("rejected", msg), ("margin", pa.float64())])
+    path = OUT / "pyarrow_pairs.parquet"
+    pq.write_table(pa.Table.from_pylist(PAIRS, schema=schema), path, row_group_size=2, compression="snappy")
+    print(f"wrote {path}")
+
+
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     msg = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+    write_pairs(msg)
     schema = pa.schema([("prompt", pa.string()), ("messages", msg), ("answer", pa.string()), ("id", pa.int64())])
     table = pa.Table.from_pylist(ROWS, schema=schema)
     path = OUT / "pyarrow_prompts.parquet"

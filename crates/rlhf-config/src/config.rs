@@ -233,6 +233,14 @@ pub struct DataConfig {
     pub messages_key: Option<String>,
     /// Column with the reference answer, passed to the reward as `ground_truth` (rule `exact_match`).
     pub ground_truth_key: Option<String>,
+    /// trainer sft: column with the completion the loss covers (text, or messages).
+    pub completion_key: String,
+    /// trainer reward / dpo: column with the preferred answer.
+    pub chosen_key: String,
+    /// trainer reward / dpo: column with the dispreferred answer.
+    pub rejected_key: String,
+    /// trainer reward: column with a per-pair margin the chosen score must clear (unset: none).
+    pub margin_key: Option<String>,
     /// Render prompts with the model's chat template.
     pub apply_chat_template: bool,
     /// truncate or skip prompts longer than `actor_rollout.max_prompt_length`.
@@ -253,6 +261,10 @@ impl Default for DataConfig {
             prompt_key: "prompt".into(),
             messages_key: None,
             ground_truth_key: None,
+            completion_key: "completion".into(),
+            chosen_key: "chosen".into(),
+            rejected_key: "rejected".into(),
+            margin_key: None,
             apply_chat_template: false,
             max_prompt_length_policy: PromptOverflow::Truncate,
             shuffle: true,
