@@ -170,6 +170,10 @@ impl PpoConfig {
                         kv_cache: 0,
                         activations: train_act(&arch, true),
                     });
+                    if self.trainer != crate::TrainerKind::Ppo {
+                        // The other stages have no rollout ranks.
+                        continue;
+                    }
                     let adapters = if a.lora.is_on() { tp } else { 0 };
                     let infer = u64::from(a.num_gpus_for_infer.max(1));
                     let batch = self.rollout_batch_size().div_ceil(infer);
@@ -235,6 +239,21 @@ impl PpoConfig {
                         weights,
                         gradients: mul(&[tp, 4]),
                         optimizer: optimizer(tp),
+                        kv_cache: 0,
+                        activations: train_act(&arch, false),
+                    });
+                }
+                RoleKind::Reward if self.trainer == crate::TrainerKind::Reward => {
+                    // A reward model in training: trained like the critic (no LoRA here).
+                    let p = arch.value_params();
+                    rows.push(MemoryRow {
+                        label: RoleKind::Reward.to_string(),
+                        role,
+                        model: m.name,
+                        params: p,
+                        weights: trained(p),
+                        gradients: mul(&[p, 4]),
+                        optimizer: optimizer(p),
                         kv_cache: 0,
                         activations: train_act(&arch, false),
                     });

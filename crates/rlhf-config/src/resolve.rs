@@ -65,7 +65,10 @@ impl PpoConfig {
             return 0;
         }
         match role {
-            RoleKind::ActorRollout if self.resource_pool.colocate => {
+            // The other stages have trainer ranks only.
+            RoleKind::ActorRollout
+                if self.resource_pool.colocate || self.trainer != TrainerKind::Ppo =>
+            {
                 self.actor_rollout.num_gpus_for_train.max(1)
             }
             RoleKind::Ref if self.ref_in_trainer() => 0,

@@ -21,13 +21,7 @@ pub fn validate(cfg: &PpoConfig, origin: &str) -> Result<()> {
 pub fn problems(cfg: &PpoConfig) -> Vec<String> {
     let mut e = Vec::new();
     if cfg.trainer != TrainerKind::Ppo {
-        // The stage engines exist (rlhf-roles: SftTrainer, PreferenceTrainer,
-        // RewardModelTrainer); the driver's loop over their datasets does not yet.
-        e.push(format!(
-            "trainer: {} cannot run as a job yet: its trainer engines exist, but the job loop that feeds them a dataset does not; use trainer: ppo",
-            cfg.trainer
-        ));
-        return e;
+        return stage_problems(cfg);
     }
     let a = &cfg.actor_rollout;
     let c = &cfg.critic;
@@ -339,4 +333,79 @@ fn positive(x: f64) -> bool {
 /// Finite and >= 0 (false for NaN).
 fn non_negative(x: f64) -> bool {
     x.is_finite() && x >= 0.0
+}
+
+/// The rules of the other stages (`trainer: sft | reward | dpo`): sizes, ranks that divide
+/// the batch, the trained role's model and the reference a DPO loss needs.
+fn stage_problems(cfg: &PpoConfig) -> Vec<String> {
+    let mut e = Vec::new();
+    let a = &cfg.actor_rollout;
+    let pool = &cfg.resource_pool;
+    let trainer = cfg.trainer;
+    let (role, ranks, ranks_key) = match trainer {
+        TrainerKind::Reward => (RoleKind::Reward, pool.reward, "resource_pool.reward"),
+        _ => (
+            RoleKind::ActorRollout,
+            a.num_gpus_for_train,
+            "actor_rollout.num_gpus_for_train",
+        ),
+    };
+    let t = cfg.resolved(role);
+    for (key, v) in [
+        ("training.global_batch_size", u64::from(t.global_batch_size)),
+        ("training.train_iters", t.train_iters),
+        ("training.micro_batch_size", u64::from(t.micro_batch_size)),
+        (
+            "actor_rollout.max_prompt_length",
+            u64::from(a.max_prompt_length),
+        ),
+        (
+            "actor_rollout.max_response_length",
+            u64::from(a.max_response_length),
+        ),
+        (ranks_key, u64::from(ranks)),
+    ] {
+        if v == 0 {
+            e.push(format!("trainer {trainer}: {key} must be > 0"));
+        }
+    }
+    if ranks > 0 && !t.global_batch_size.is_multiple_of(ranks) {
+        e.push(format!(
+            "trainer {trainer}: training.global_batch_size ({}) is not divisible by {ranks_key} ({ranks}); every rank gets the same number of rows",
+            t.global_batch_size
+        ));
+    }
+    let total = u64::from(a.max_prompt_length) + u64::from(a.max_response_length);
+    if u64::from(t.seq_length) < total {
+        e.push(format!(
+            "{role}: seq_length ({}) < actor_rollout.max_prompt_length + max_response_length = {total}; raise seq_length to at least {total}",
+            t.seq_length
+        ));
+    }
+    match trainer {
+        TrainerKind::Reward
+            if cfg.reward.kind != RewardKind::Model || cfg.reward.model.is_empty() =>
+        {
+            e.push("trainer reward trains reward.model: set reward.kind=model and reward.model to the model to start from (an SFT model; its score head starts fresh)".to_string());
+        }
+        TrainerKind::Reward => {}
+        _ if !pool.colocate && pool.actor_rollout != a.num_gpus_for_train => {
+            e.push(format!(
+                "trainer {trainer} has no rollout ranks: resource_pool.actor_rollout ({}) must equal actor_rollout.num_gpus_for_train ({})",
+                pool.actor_rollout, a.num_gpus_for_train
+            ));
+        }
+        _ => {}
+    }
+    if trainer == TrainerKind::Dpo
+        && cfg.algorithm.loss_type.needs_reference()
+        && pool.ref_ == 0
+        && !cfg.ref_in_trainer()
+    {
+        e.push(format!(
+            "algorithm.loss_type {} needs the reference policy: set resource_pool.ref to at least 1 (or train LoRA adapters, whose base is the reference), or use loss_type simpo",
+            cfg.algorithm.loss_type
+        ));
+    }
+    e
 }

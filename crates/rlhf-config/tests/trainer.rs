@@ -1,5 +1,5 @@
-//! `trainer`: which roles each stage runs and which engine each rank gets, the DPO/RM keys'
-//! checks, and the refusal of the stages whose job loop does not exist yet.
+//! `trainer`: which roles each stage runs and which engine each rank gets, the checks of the
+//! stages' shapes and of the DPO/RM keys, and each stage's memory rows.
 
 use std::path::Path;
 
@@ -81,10 +81,74 @@ fn each_stage_runs_its_roles_with_its_engine() {
 }
 
 #[test]
-fn stage_keys_are_checked_and_stages_without_a_loop_are_refused() {
+fn memory_rows_follow_the_stage() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let tiny = root.join("models/tiny").display().to_string();
+    let load = |name: &str| {
+        let mut cfg = load(&root.join("configs"), name, &[]).unwrap();
+        // The architecture comes from config.json: the model by its absolute path.
+        for m in [
+            &mut cfg.actor_rollout.model,
+            &mut cfg.ref_.model,
+            &mut cfg.critic.model,
+            &mut cfg.reward.model,
+        ] {
+            if m.as_str() == "models/tiny" {
+                *m = tiny.clone();
+            }
+        }
+        cfg
+    };
+    let labels = |cfg: &PpoConfig| -> Vec<String> {
+        cfg.memory_estimate().into_iter().map(|r| r.label).collect()
+    };
+    // No rollout rows: the other stages have trainer ranks only.
+    assert_eq!(labels(&load("dpo_tiny")).len(), 2);
+    assert_eq!(labels(&load("sft_tiny")).len(), 1);
+    let actor_rows = |cfg: &PpoConfig| {
+        cfg.memory_estimate()
+            .into_iter()
+            .filter(|r| r.role == RoleKind::ActorRollout)
+            .count()
+    };
+    assert_eq!(actor_rows(&load("ppo_tiny")), 2);
+    assert_eq!(actor_rows(&load("dpo_tiny")), 1);
+    let rm = load("rm_tiny").memory_estimate();
+    assert_eq!(rm.len(), 1);
+    assert!(rm[0].gradients > 0 && rm[0].optimizer > 0, "{:?}", rm[0]);
+    let ppo = load("ppo_tiny").memory_estimate();
+    let reward = ppo.iter().find(|r| r.label == "reward");
+    assert!(reward.is_none_or(|r| r.gradients == 0));
+}
+
+#[test]
+fn stage_keys_and_shapes_are_checked() {
+    // ppo_tiny's actor has a rollout rank: not a shape for SFT.
     let err = tiny(&["trainer=sft"]).unwrap_err().to_string();
     assert!(
-        err.contains("trainer: sft cannot run as a job yet") && err.contains("trainer: ppo"),
+        err.contains("trainer sft has no rollout ranks: resource_pool.actor_rollout (2)"),
+        "{err}"
+    );
+    assert!(tiny(&["trainer=sft", "resource_pool.actor_rollout=1"]).is_ok());
+    let err = tiny(&["trainer=reward"]).unwrap_err().to_string();
+    assert!(err.contains("reward.kind=model"), "{err}");
+    let err = tiny(&[
+        "trainer=dpo",
+        "resource_pool.actor_rollout=1",
+        "resource_pool.ref=0",
+    ])
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("needs the reference policy"), "{err}");
+    let err = tiny(&[
+        "trainer=sft",
+        "resource_pool.actor_rollout=3",
+        "actor_rollout.num_gpus_for_train=3",
+    ])
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("not divisible by actor_rollout.num_gpus_for_train (3)"),
         "{err}"
     );
     let err = tiny(&["trainer=rm"]).unwrap_err().to_string();

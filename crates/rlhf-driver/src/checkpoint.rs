@@ -42,6 +42,9 @@ pub struct TrainerState {
     /// rlhf_collective::checksum of the saved policy weights.
     pub actor_checksum: u64,
     pub critic_checksum: Option<u64>,
+    /// A reward model's (trainer: reward).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reward_checksum: Option<u64>,
     pub saved_unix_ms: u64,
 }
 
@@ -67,10 +70,31 @@ impl TrainerState {
             job_id: job_id.into(),
             actor_checksum: 0,
             critic_checksum: None,
+            reward_checksum: None,
             saved_unix_ms: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map(|d| d.as_millis() as u64)
                 .unwrap_or(0),
+        }
+    }
+}
+
+impl TrainerState {
+    /// Records the checksum of the weights saved under the role directory `part`.
+    pub fn set_checksum(&mut self, part: &str, checksum: u64) {
+        match part {
+            "actor" => self.actor_checksum = checksum,
+            "critic" => self.critic_checksum = Some(checksum),
+            _ => self.reward_checksum = Some(checksum),
+        }
+    }
+
+    /// The checksum recorded for the role directory `part` (none when not recorded).
+    pub fn checksum(&self, part: &str) -> Option<u64> {
+        match part {
+            "actor" => Some(self.actor_checksum).filter(|&c| c != 0),
+            "critic" => self.critic_checksum,
+            _ => self.reward_checksum,
         }
     }
 }

@@ -96,14 +96,17 @@ struct PartSpec {
 fn parts(cfg: &PpoConfig) -> Vec<PartSpec> {
     let mut v = Vec::new();
     let ar = &cfg.actor_rollout;
-    v.push(PartSpec {
-        role: RoleKind::ActorRollout,
-        part: RolePart::Train,
-        ranks: ar.num_gpus_for_train.max(1) as usize,
-        offset: 0,
-    });
-    // Colocated rollout ranks live in the trainer processes: no processes of their own.
-    if !cfg.resource_pool.colocate {
+    if cfg.role_enabled(RoleKind::ActorRollout) {
+        v.push(PartSpec {
+            role: RoleKind::ActorRollout,
+            part: RolePart::Train,
+            ranks: ar.num_gpus_for_train.max(1) as usize,
+            offset: 0,
+        });
+    }
+    // Colocated rollout ranks live in the trainer processes: no processes of their own; the
+    // other stages than PPO have none.
+    if !cfg.resource_pool.colocate && cfg.trainer == rlhf_config::TrainerKind::Ppo {
         v.push(PartSpec {
             role: RoleKind::ActorRollout,
             part: RolePart::Infer,

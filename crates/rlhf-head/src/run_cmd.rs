@@ -253,6 +253,12 @@ fn print_summary(s: &JobSummary, logging: &rlhf_config::LoggingConfig) {
             metric::LOSS_POLICY_AVG,
             metric::LOSS_VALUE_AVG,
             metric::RESPONSE_LENGTH_MEAN,
+            // The other stages.
+            metric::TRAIN_LOSS,
+            metric::RM_ACCURACY,
+            metric::RM_MARGIN,
+            metric::REWARDS_ACCURACIES,
+            metric::REWARDS_MARGINS,
             metric::TIMING_S_STEP,
         ] {
             if let Some((a, b)) = ends(s, k, n) {

@@ -10,6 +10,7 @@ mod pipeline;
 mod ppo;
 mod rollout;
 mod run;
+mod stage;
 mod sync;
 
 pub use run::run;

@@ -60,6 +60,9 @@ pub async fn run(
     mut opts: DriverOptions,
     shutdown: CancellationToken,
 ) -> std::result::Result<JobSummary, RunError> {
+    if opts.config.trainer != rlhf_config::TrainerKind::Ppo {
+        return super::stage::run(head, opts, shutdown).await;
+    }
     let extra = std::mem::take(&mut opts.reporters);
     let cfg = &opts.config;
     Ppo::new(cfg)?;

@@ -149,32 +149,6 @@ impl Loop<'_> {
         algo: &A,
         cursor: DataCursor,
     ) -> Res<PendingSave> {
-        let dir = checkpoint::step_dir(self.ckpt_root, step);
-        let t = self.opts.call_timeout;
-        let actor_dir = dir.join("actor").to_string_lossy().into_owned();
-        let critic_dir = dir.join("critic").to_string_lossy().into_owned();
-        let first = |g: &WorkerGroup| WorkerGroup {
-            id: g.id,
-            members: g.members.iter().take(1).cloned().collect(),
-        };
-        let (train0, critic0) = (first(&self.roles.train), first(&self.roles.critic));
-        let save = |g: &WorkerGroup, dir: &str| {
-            let (g, dir) = (g.clone(), dir.to_string());
-            async move {
-                g.unary(t, "SaveCheckpoint", |_, mut c| {
-                    let dir = dir.clone();
-                    async move {
-                        c.save_checkpoint(pb::SaveCheckpointRequest {
-                            dir,
-                            background: true,
-                        })
-                        .await
-                    }
-                })
-                .await
-            }
-        };
-        tokio::try_join!(save(&train0, &actor_dir), save(&critic0, &critic_dir))?;
         let mut state = TrainerState::new(
             A::NAME,
             step,
@@ -183,12 +157,63 @@ impl Loop<'_> {
             &self.opts.job_id,
         );
         algo.save(&mut state);
-        let root = self.ckpt_root.to_path_buf();
-        let keep = self.cfg.checkpoint.keep_last;
-        let task = tokio::spawn(async move {
-            let wait = |g: WorkerGroup, dir: String| async move {
-                // The role's own deadline answers first, with its reason.
-                g.unary(t + Duration::from_secs(5), "WaitCheckpoint", |_, mut c| {
+        let parts = [("actor", &self.roles.train), ("critic", &self.roles.critic)];
+        save_parts(
+            &parts,
+            state,
+            self.ckpt_root,
+            self.cfg.checkpoint.keep_last,
+            self.opts.call_timeout,
+        )
+        .await
+    }
+}
+
+/// Starts a checkpoint of `state.global_step`: rank 0 of each group copies its state out and
+/// answers, then writes it under the role directory named beside it while the job goes on;
+/// the checkpoint is committed (`trainer_state.json`, the marker of a complete checkpoint,
+/// with each part's checksum) once every part is on disk. An empty group saves nothing.
+pub(super) async fn save_parts(
+    parts: &[(&str, &WorkerGroup)],
+    mut state: TrainerState,
+    root: &std::path::Path,
+    keep: u32,
+    t: Duration,
+) -> Res<PendingSave> {
+    let step = state.global_step;
+    let dir = checkpoint::step_dir(root, step);
+    let parts: Vec<(String, WorkerGroup, String)> = parts
+        .iter()
+        .map(|(name, g)| {
+            let first = WorkerGroup {
+                id: g.id,
+                members: g.members.iter().take(1).cloned().collect(),
+            };
+            let d = dir.join(name).to_string_lossy().into_owned();
+            (name.to_string(), first, d)
+        })
+        .collect();
+    let saves = parts.iter().map(|(_, g, dir)| {
+        g.unary(t, "SaveCheckpoint", move |_, mut c| {
+            let dir = dir.clone();
+            async move {
+                c.save_checkpoint(pb::SaveCheckpointRequest {
+                    dir,
+                    background: true,
+                })
+                .await
+            }
+        })
+    });
+    futures::future::try_join_all(saves).await?;
+    let root = root.to_path_buf();
+    let task = tokio::spawn(async move {
+        let waits = parts.iter().map(|(_, g, dir)| {
+            // The role's own deadline answers first, with its reason.
+            g.unary(
+                t + Duration::from_secs(5),
+                "WaitCheckpoint",
+                move |_, mut c| {
                     let dir = dir.clone();
                     async move {
                         c.wait_checkpoint(pb::WaitCheckpointRequest {
@@ -197,21 +222,23 @@ impl Loop<'_> {
                         })
                         .await
                     }
-                })
-                .await
-            };
-            let (a, c) = tokio::try_join!(wait(train0, actor_dir), wait(critic0, critic_dir))?;
-            state.actor_checksum = a.first().map(|x| x.weights_checksum).unwrap_or(0);
-            state.critic_checksum = c.first().map(|x| x.weights_checksum);
-            let dir = checkpoint::commit(&root, &state)?;
-            checkpoint::prune(&root, keep)?;
-            Ok(dir)
+                },
+            )
         });
-        Ok(PendingSave {
-            step,
-            task: Some(task),
-        })
-    }
+        let answers = futures::future::try_join_all(waits).await?;
+        for ((name, _, _), a) in parts.iter().zip(answers) {
+            if let Some(first) = a.first() {
+                state.set_checksum(name, first.weights_checksum);
+            }
+        }
+        let dir = checkpoint::commit(&root, &state)?;
+        checkpoint::prune(&root, keep)?;
+        Ok(dir)
+    });
+    Ok(PendingSave {
+        step,
+        task: Some(task),
+    })
 }
 
 /// A checkpoint whose files the trainers are writing. Dropped unfinished, it is abandoned:

@@ -1,0 +1,331 @@
+//! Stage datasets as tokens: each SFT example or preference answer becomes a prompt (left of
+//! the P prompt columns) and a completion (the R response columns) with the mask of the
+//! tokens its loss covers. Chats go through the model's chat template one turn at a time: a
+//! turn's tokens are what it adds to the rendering of the turns before it, so an assistant
+//! turn's tokens (its answer and end marker) are trained and the template's headers are not.
+
+use rlhf_config::data::stage::{Reply, SftExample};
+use rlhf_config::data::{ChatMessage as DataMessage, PromptContent};
+use rlhf_config::PpoConfig;
+use rlhf_core::calls::{Mat, Sequences};
+use rlhf_core::{Error, Result};
+use rlhf_tokenizer::{ChatMessage, Tokenizer};
+
+/// A prompt and a completion in tokens, with the completion tokens the loss covers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Encoded {
+    pub prompt: Vec<u32>,
+    pub completion: Vec<u32>,
+    pub loss: Vec<bool>,
+}
+
+/// Tokens cut to fit the job's shapes.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Cuts {
+    /// Prompts cut at the front to `max_prompt_length`.
+    pub prompts: usize,
+    /// Completions cut at the end to `max_response_length`.
+    pub completions: usize,
+}
+
+fn chat(msgs: &[DataMessage]) -> Vec<ChatMessage> {
+    msgs.iter()
+        .map(|m| ChatMessage::new(m.role.clone(), m.content.clone()))
+        .collect()
+}
+
+pub struct Encoder<'a> {
+    pub tok: &'a Tokenizer,
+    pub apply_chat_template: bool,
+    pub origin: &'a str,
+}
+
+impl Encoder<'_> {
+    fn fail(&self, row: usize, what: &str, e: impl std::fmt::Display) -> Error {
+        Error::invalid(format!("{} row {row}: {what}: {e}", self.origin))
+    }
+
+    /// The prompt of a text prompt: through the chat template as a user turn when asked.
+    fn text_prompt(&self, row: usize, text: &str) -> Result<Vec<u32>> {
+        let ids = if self.apply_chat_template {
+            self.tok
+                .encode_chat(&[ChatMessage::user(text.to_string())], true)
+        } else {
+            self.tok.encode(text, true)
+        };
+        ids.map_err(|e| self.fail(row, "cannot tokenize the prompt", e))
+    }
+
+    /// A text completion: its tokens and EOS (or, with the chat template, the assistant turn
+    /// the template renders after the user's).
+    fn text_completion(&self, row: usize, prompt: &str, text: &str) -> Result<Encoded> {
+        if self.apply_chat_template {
+            let turns = [
+                DataMessage {
+                    role: "user".into(),
+                    content: prompt.into(),
+                },
+                DataMessage {
+                    role: "assistant".into(),
+                    content: text.into(),
+                },
+            ];
+            return self.turns(row, &turns, 1, 1);
+        }
+        let mut completion = self
+            .tok
+            .encode(text, false)
+            .map_err(|e| self.fail(row, "cannot tokenize the completion", e))?;
+        completion.extend(self.tok.eos_token_id());
+        Ok(Encoded {
+            prompt: self.text_prompt(row, prompt)?,
+            loss: vec![true; completion.len()],
+            completion,
+        })
+    }
+
+    /// A chat split at turn `split` (the first turn of the completion); the loss covers the
+    /// assistant turns at or after `train_from`.
+    fn turns(
+        &self,
+        row: usize,
+        msgs: &[DataMessage],
+        split: usize,
+        train_from: usize,
+    ) -> Result<Encoded> {
+        let all = chat(msgs);
+        let render = |n: usize, gen: bool| {
+            self.tok
+                .encode_chat(&all[..n], gen)
+                .map_err(|e| self.fail(row, "cannot render the chat template", e))
+        };
+        let prompt = render(split, true)?;
+        let (mut completion, mut loss) = (Vec::new(), Vec::new());
+        let mut prev = prompt.clone();
+        for j in split..all.len() {
+            // A user turn followed by an answer renders with the generation prompt, so the
+            // assistant header belongs to it (untrained), as in the prompt.
+            let gen = all[j].role != "assistant" && j + 1 < all.len();
+            let cur = render(j + 1, gen)?;
+            if !cur.starts_with(&prev) {
+                return Err(self.fail(
+                    row,
+                    "the chat template",
+                    format!("rendering turn {j} changes the tokens of the turns before it, so its tokens cannot be told apart; train on text prompt/completion rows instead"),
+                ));
+            }
+            let trained = all[j].role == "assistant" && j >= train_from;
+            loss.extend(std::iter::repeat_n(trained, cur.len() - prev.len()));
+            completion.extend_from_slice(&cur[prev.len()..]);
+            prev = cur;
+        }
+        Ok(Encoded {
+            prompt,
+            completion,
+            loss,
+        })
+    }
+
+    pub fn sft(&self, row: usize, ex: &SftExample) -> Result<Encoded> {
+        match ex {
+            SftExample::Text { prompt, completion } => {
+                self.text_completion(row, prompt, completion)
+            }
+            SftExample::Chat {
+                messages,
+                train_from,
+            } => {
+                // The prompt ends before the first trained assistant turn.
+                let split = messages
+                    .iter()
+                    .enumerate()
+                    .position(|(i, m)| i >= *train_from && m.role == "assistant")
+                    .ok_or_else(|| {
+                        self.fail(row, "the chat", "has no assistant turn to train on")
+                    })?;
+                self.turns(row, messages, split, *train_from)
+            }
+        }
+    }
+
+    /// One answer of a pair after its prompt; the loss covers the whole answer.
+    pub fn answer(&self, row: usize, prompt: &PromptContent, reply: &Reply) -> Result<Encoded> {
+        let mut e = match (prompt, reply) {
+            (PromptContent::Text(p), Reply::Text(r)) => self.text_completion(row, p, r)?,
+            (PromptContent::Messages(p), Reply::Messages(r)) => {
+                let mut all = p.clone();
+                all.extend(r.iter().cloned());
+                self.turns(row, &all, p.len(), p.len())?
+            }
+            _ => {
+                return Err(self.fail(
+                    row,
+                    "the pair",
+                    "mixes a text prompt with message answers (or the reverse)",
+                ))
+            }
+        };
+        e.loss.iter_mut().for_each(|l| *l = true);
+        Ok(e)
+    }
+}
+
+/// Rows packed into the job's `[B, P + R]` layout: prompts left-padded (cut at the front when
+/// longer), completions right-padded (cut at the end), and each completion's loss mask.
+pub fn pack(
+    rows: &[&Encoded],
+    cfg: &PpoConfig,
+    pad: u32,
+    cuts: &mut Cuts,
+) -> Result<(Sequences, Mat<f32>)> {
+    let p = cfg.actor_rollout.max_prompt_length as usize;
+    let r = cfg.actor_rollout.max_response_length as usize;
+    let b = rows.len();
+    let mut ids = Mat::filled(b, p + r, i64::from(pad));
+    let mut attn = Mat::filled(b, p + r, 0i64);
+    let mut loss = Mat::filled(b, r, 0f32);
+    for (i, e) in rows.iter().enumerate() {
+        let prompt = &e.prompt[e.prompt.len().saturating_sub(p)..];
+        cuts.prompts += usize::from(e.prompt.len() > p);
+        cuts.completions += usize::from(e.completion.len() > r);
+        let off = p - prompt.len();
+        for (j, &t) in prompt.iter().enumerate() {
+            ids.row_mut(i)[off + j] = i64::from(t);
+            attn.row_mut(i)[off + j] = 1;
+        }
+        for (k, (&t, &l)) in e.completion.iter().zip(&e.loss).take(r).enumerate() {
+            ids.row_mut(i)[p + k] = i64::from(t);
+            attn.row_mut(i)[p + k] = 1;
+            loss.row_mut(i)[k] = f32::from(u8::from(l));
+        }
+        if prompt.is_empty() {
+            return Err(Error::invalid(format!(
+                "a row has an empty prompt after tokenization ({})",
+                cfg.data.path
+            )));
+        }
+    }
+    Ok((
+        Sequences {
+            input_ids: ids,
+            attention_mask: attn,
+            response_len: r,
+        },
+        loss,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tok() -> Tokenizer {
+        Tokenizer::from_dir(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../rlhf-tokenizer/tests/fixtures/tokenizer"),
+        )
+        .unwrap()
+    }
+
+    fn turn(role: &str, content: &str) -> DataMessage {
+        DataMessage {
+            role: role.into(),
+            content: content.into(),
+        }
+    }
+
+    fn trained_text(t: &Tokenizer, e: &Encoded) -> String {
+        let ids: Vec<u32> = e
+            .completion
+            .iter()
+            .zip(&e.loss)
+            .filter(|(_, &l)| l)
+            .map(|(&i, _)| i)
+            .collect();
+        t.decode(&ids, false).unwrap()
+    }
+
+    /// Only the assistant turns' own tokens (answer and end marker) are trained; the
+    /// template's headers and the user's turns are not.
+    #[test]
+    fn chats_train_exactly_the_assistant_turns() {
+        let t = tok();
+        let enc = Encoder {
+            tok: &t,
+            apply_chat_template: true,
+            origin: "chat.jsonl",
+        };
+        let chat = vec![
+            turn("system", "Be brief."),
+            turn("user", "2+3="),
+            turn("assistant", "5"),
+            turn("user", "and 4+4?"),
+            turn("assistant", "8"),
+        ];
+        let e = enc
+            .sft(
+                1,
+                &SftExample::Chat {
+                    messages: chat.clone(),
+                    train_from: 0,
+                },
+            )
+            .unwrap();
+        assert_eq!(trained_text(&t, &e), "5<|im_end|>\n8<|im_end|>\n");
+        let whole = t.decode(&e.completion, false).unwrap();
+        assert_eq!(
+            whole,
+            "5<|im_end|>\n<|im_start|>user\nand 4+4?<|im_end|>\n<|im_start|>assistant\n8<|im_end|>\n"
+        );
+        assert!(t
+            .decode(&e.prompt, false)
+            .unwrap()
+            .ends_with("<|im_start|>user\n2+3=<|im_end|>\n<|im_start|>assistant\n"));
+        // A conversational prompt + completion trains the completion's turn only.
+        let e = enc
+            .sft(
+                1,
+                &SftExample::Chat {
+                    messages: chat,
+                    train_from: 4,
+                },
+            )
+            .unwrap();
+        assert_eq!(trained_text(&t, &e), "8<|im_end|>\n");
+    }
+
+    #[test]
+    fn text_rows_end_with_eos_and_pack_into_the_job_shapes() {
+        let t = tok();
+        let enc = Encoder {
+            tok: &t,
+            apply_chat_template: false,
+            origin: "sft.jsonl",
+        };
+        let ex = SftExample::Text {
+            prompt: "one two three four five six".into(),
+            completion: "seven eight nine".into(),
+        };
+        let e = enc.sft(3, &ex).unwrap();
+        assert_eq!(e.completion.last().copied(), t.eos_token_id());
+        assert!(e.loss.iter().all(|&l| l));
+        let mut cfg = PpoConfig::default();
+        cfg.actor_rollout.max_prompt_length = 3;
+        cfg.actor_rollout.max_response_length = 2;
+        let mut cuts = Cuts::default();
+        let (seq, mask) = pack(&[&e], &cfg, 0, &mut cuts).unwrap();
+        assert_eq!(
+            cuts,
+            Cuts {
+                prompts: 1,
+                completions: 1
+            }
+        );
+        // The prompt keeps its last 3 tokens, the completion its first 2.
+        let row: Vec<u32> = seq.input_ids.data.iter().map(|&x| x as u32).collect();
+        assert_eq!(&row[..3], &e.prompt[e.prompt.len() - 3..]);
+        assert_eq!(&row[3..], &e.completion[..2]);
+        assert_eq!(mask.data, vec![1.0, 1.0]);
+        assert_eq!(seq.attention_mask.data, vec![1; 5]);
+    }
+}

@@ -1,0 +1,499 @@
+//! The jobs of the other stages (`trainer: sft | reward | dpo`): the dataset tokenized once,
+//! the trainer ranks placed and loaded like PPO's, then one optimizer step per step over
+//! `training.global_batch_size` examples or pairs dealt evenly to the ranks; DPO's reference
+//! log-probs come from the ref role each step (KTO's KL estimate from mismatched pairs, under
+//! the policy and the reference). Checkpoints, exact resume (the data cursor), the metrics
+//! files, TensorBoard and the progress line are PPO's (`super::sync`, `crate::report`).
+
+mod encode;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use rlhf_algo::metric;
+use rlhf_config::data::stage::{load_pairs, load_sft};
+use rlhf_config::data::PromptSampler;
+use rlhf_config::{PpoConfig, RoleKind, TrainerKind};
+use rlhf_core::calls::{
+    LogProbsRequest, Mat, PreferenceUpdateRequest, RewardModelUpdateRequest, Sequences,
+    SftUpdateRequest, UpdateResponse,
+};
+use rlhf_core::{CommGroup, Error, FailureKind};
+use rlhf_proto::v1 as pb;
+use rlhf_tokenizer::Tokenizer;
+use tokio_util::sync::CancellationToken;
+
+use crate::checkpoint::{self, TrainerState};
+use crate::cluster::{self, HeadClient, LaunchOptions, Roles};
+use crate::group::{mean_metrics, WorkerGroup};
+use crate::report::{DatasetReport, Event, Reporter, Reporters};
+
+use super::{sync, DriverOptions, Failed, JobSummary, Res, RunError};
+use encode::{pack, Cuts, Encoded, Encoder};
+
+/// The stage's examples in tokens.
+enum Data {
+    Sft(Vec<Encoded>),
+    Pairs(Vec<(Encoded, Encoded, Option<f64>)>),
+}
+
+impl Data {
+    fn len(&self) -> usize {
+        match self {
+            Data::Sft(v) => v.len(),
+            Data::Pairs(v) => v.len(),
+        }
+    }
+}
+
+/// The trained role: its group and its directory in checkpoints.
+fn trained(cfg: &PpoConfig, roles: &Roles) -> (&'static str, WorkerGroup, CommGroup) {
+    match cfg.trainer {
+        TrainerKind::Reward => ("reward", roles.reward.clone(), CommGroup::RewardDp),
+        _ => ("actor", roles.train.clone(), CommGroup::ActorDp),
+    }
+}
+
+fn tokenizer(cfg: &PpoConfig) -> Result<Tokenizer, Error> {
+    let role = match cfg.trainer {
+        TrainerKind::Reward => RoleKind::Reward,
+        _ => RoleKind::ActorRollout,
+    };
+    let model = rlhf_config::spec::model_dir(cfg, role).ok();
+    let dir = rlhf_config::spec::tokenizer_dir(cfg, model.as_deref()).ok_or_else(|| {
+        Error::invalid("no tokenizer: set training.tokenizer_name_or_path or the model")
+    })?;
+    Tokenizer::from_dir(&dir).map_err(|e| {
+        Error::invalid(format!(
+            "loading the tokenizer from {} (training.tokenizer_name_or_path): {e}",
+            dir.display()
+        ))
+    })
+}
+
+fn load_data(cfg: &PpoConfig, tok: &Tokenizer) -> Result<(Data, DatasetReport), Error> {
+    let enc = Encoder {
+        tok,
+        apply_chat_template: cfg.data.apply_chat_template,
+        origin: &cfg.data.path,
+    };
+    let bad = |b: &[rlhf_config::data::BadRow]| {
+        b.iter()
+            .map(|b| format!("{}: {}", b.location, b.reason))
+            .collect::<Vec<_>>()
+    };
+    let invalid = |e: rlhf_config::ConfigError| Error::invalid(e.to_string());
+    let (data, rows, bad_rows) = match cfg.trainer {
+        TrainerKind::Sft => {
+            let ds = load_sft(&cfg.data).map_err(invalid)?;
+            let v = ds
+                .records
+                .iter()
+                .map(|(row, ex)| enc.sft(*row, ex))
+                .collect::<Result<Vec<_>, _>>()?;
+            (Data::Sft(v), ds.report.rows, bad(&ds.report.bad))
+        }
+        _ => {
+            let ds = load_pairs(&cfg.data).map_err(invalid)?;
+            let v = ds
+                .records
+                .iter()
+                .map(|(row, p)| {
+                    Ok((
+                        enc.answer(*row, &p.prompt, &p.chosen)?,
+                        enc.answer(*row, &p.prompt, &p.rejected)?,
+                        p.margin,
+                    ))
+                })
+                .collect::<Result<Vec<_>, Error>>()?;
+            (Data::Pairs(v), ds.report.rows, bad(&ds.report.bad))
+        }
+    };
+    let report = DatasetReport {
+        path: cfg.data.path.clone(),
+        rows,
+        prompts: data.len(),
+        kept: data.len(),
+        truncated: 0,
+        skipped: 0,
+        max_prompt_length: cfg.actor_rollout.max_prompt_length,
+        bad_rows,
+    };
+    Ok((data, report))
+}
+
+/// Runs a stage job to its end (or to `stop_after`) and frees its actors.
+pub(super) async fn run(
+    mut head: HeadClient,
+    mut opts: DriverOptions,
+    shutdown: CancellationToken,
+) -> std::result::Result<JobSummary, RunError> {
+    let extra = std::mem::take(&mut opts.reporters);
+    let cfg = &opts.config;
+    let tok = tokenizer(cfg)?;
+    let ckpt_root = PathBuf::from(&cfg.checkpoint.dir);
+    let resume_spec = opts
+        .resume
+        .clone()
+        .or_else(|| cfg.checkpoint.resume.clone().filter(|s| !s.is_empty()));
+    let resumed = match &resume_spec {
+        Some(s) => Some(checkpoint::resolve(&ckpt_root, s)?),
+        None => None,
+    };
+    let start_step = resumed.as_ref().map_or(0, |(_, st)| st.global_step);
+    let mut report = Reporters::console(cfg, start_step);
+    report.extend(extra);
+    let (data, dataset) = load_data(cfg, &tok)?;
+    report.report(&Event::Dataset(&dataset))?;
+    let batch = cfg.training.global_batch_size as usize;
+    let mut sampler = PromptSampler::new(data.len(), batch, cfg.data.shuffle, cfg.data_seed())
+        .map_err(|e| Error::invalid(format!("{} ({}): {e}", cfg.data.path, cfg.trainer)))?;
+    if let Some((dir, st)) = &resumed {
+        if st.algorithm != cfg.trainer.as_str() {
+            return Err(Error::invalid(format!(
+                "{} was written by {:?}, and this job is trainer {}; resume it with the config that wrote it, or start without --resume",
+                dir.display(),
+                st.algorithm,
+                cfg.trainer
+            ))
+            .into());
+        }
+        sampler
+            .restore(st.data_cursor)
+            .map_err(|e| Error::invalid(format!("{}: {e}", dir.display())))?;
+        report.report(&Event::Resumed {
+            dir,
+            step: st.global_step,
+        })?;
+    }
+    let total = cfg.training.train_iters;
+    if start_step >= total {
+        report.report(&Event::NothingToDo {
+            step: start_step,
+            total,
+        })?;
+        return Ok(summary(cfg, start_step, start_step, Vec::new(), None));
+    }
+
+    let launch = LaunchOptions {
+        job_id: opts.job_id.clone(),
+        client: opts.client.clone(),
+        start_timeout: opts.start_timeout,
+    };
+    let started = Instant::now();
+    let mut made = cluster::Launched::default();
+    let launched = tokio::select! {
+        r = cluster::launch(&mut head, cfg, &launch, &mut made) => r,
+        _ = shutdown.cancelled() => Err(Error::new(FailureKind::Unavailable, "stopped before the roles started")),
+    };
+    let roles = match launched {
+        Ok(roles) => roles,
+        Err(e) => {
+            cluster::release(&mut head, &made).await;
+            return Err(e.into());
+        }
+    };
+    report.report(&Event::Placed {
+        processes: roles.all_members().count(),
+        secs: started.elapsed().as_secs_f64(),
+    })?;
+    let mut lp = StageLoop {
+        cfg,
+        opts: &opts,
+        roles: &roles,
+        tok: &tok,
+        data: &data,
+        ckpt_root: &ckpt_root,
+        report: &mut report,
+        history: Vec::new(),
+        last_checkpoint: resumed.as_ref().map(|(d, _)| d.clone()),
+        pending: None,
+    };
+    let result = tokio::select! {
+        r = lp.drive(&mut sampler, start_step, total, resumed) => r,
+        _ = shutdown.cancelled() => Err(Failed::Other(Error::new(FailureKind::Unavailable, "stopped by a signal; continue with --resume latest"))),
+    };
+    let (history, last) = (std::mem::take(&mut lp.history), lp.last_checkpoint.clone());
+    let result = match result {
+        Ok(step) => Ok(summary(cfg, step, step - start_step, history, last)),
+        Err(Failed::Call(e)) => {
+            let (error, at) = cluster::diagnose(&mut head, &roles, e).await;
+            Err(RunError { error, at })
+        }
+        Err(Failed::Other(e)) => Err(RunError::from(e)),
+    };
+    cluster::shutdown(&mut head, &roles).await;
+    result
+}
+
+fn summary(
+    cfg: &PpoConfig,
+    global_step: u64,
+    steps_run: u64,
+    history: Vec<BTreeMap<String, f64>>,
+    last_checkpoint: Option<PathBuf>,
+) -> JobSummary {
+    JobSummary {
+        global_step,
+        steps_run,
+        metrics_file: PathBuf::from(&cfg.logging.metrics_file),
+        history,
+        last_checkpoint,
+    }
+}
+
+struct StageLoop<'a> {
+    cfg: &'a PpoConfig,
+    opts: &'a DriverOptions,
+    roles: &'a Roles,
+    tok: &'a Tokenizer,
+    data: &'a Data,
+    ckpt_root: &'a Path,
+    report: &'a mut Reporters,
+    history: Vec<BTreeMap<String, f64>>,
+    last_checkpoint: Option<PathBuf>,
+    pending: Option<sync::PendingSave>,
+}
+
+/// Summed log-probs of each row's masked tokens.
+fn sums(log_probs: &Mat<f32>, mask: &Mat<f32>) -> Vec<f32> {
+    log_probs
+        .data
+        .chunks(mask.cols.max(1))
+        .zip(mask.data.chunks(mask.cols.max(1)))
+        .map(|(l, m)| l.iter().zip(m).map(|(a, b)| a * b).sum())
+        .collect()
+}
+
+impl StageLoop<'_> {
+    fn pad(&self) -> u32 {
+        self.tok
+            .pad_token_id()
+            .or_else(|| self.tok.eos_token_id())
+            .unwrap_or(0)
+    }
+
+    async fn settle(&mut self) -> Res<()> {
+        if let Some(p) = self.pending.take() {
+            self.last_checkpoint = Some(p.finish().await?);
+        }
+        Ok(())
+    }
+
+    async fn drive(
+        &mut self,
+        sampler: &mut PromptSampler,
+        start_step: u64,
+        total: u64,
+        resumed: Option<(PathBuf, TrainerState)>,
+    ) -> Res<u64> {
+        let (cfg, opts) = (self.cfg, self.opts);
+        let t = opts.start_timeout;
+        for (who, info) in cluster::init_roles(self.roles, cfg, &opts.job_id, t).await? {
+            let device =
+                rlhf_core::DeviceSpec::from_wire(info.device.as_ref(), "InitRoleResponse.device")
+                    .map(|d| d.to_string())
+                    .unwrap_or_else(|e| e.to_string());
+            self.report.report(&Event::RoleReady {
+                who: &who,
+                model: &info.model,
+                params: info.num_params,
+                device: &device,
+                note: &info.note,
+            })?;
+        }
+        let (part, group, comm) = trained(cfg, self.roles);
+        cluster::join_comm(&group, comm, opts.comm_backend, t).await?;
+        if let Some((dir, st)) = &resumed {
+            let d = dir.join(part).to_string_lossy().into_owned();
+            let answers = group
+                .unary(t, "LoadCheckpoint", |_, mut c| {
+                    let dir = d.clone();
+                    async move { c.load_checkpoint(pb::LoadCheckpointRequest { dir }).await }
+                })
+                .await?;
+            if let (Some(want), Some(got)) = (
+                st.checksum(part),
+                answers
+                    .iter()
+                    .find(|a| Some(a.weights_checksum) != st.checksum(part)),
+            ) {
+                return Err(Failed::Other(Error::invalid(format!(
+                    "{}: the loaded weights have checksum {:016x}, but {} recorded {want:016x} at the save; the checkpoint is damaged, resume from another one",
+                    dir.join(part).display(),
+                    got.weights_checksum,
+                    checkpoint::STATE_FILE
+                ))));
+            }
+        }
+        self.report
+            .add_files(cfg, resumed.as_ref().map(|_| start_step))?;
+        let mut step = start_step;
+        let mut last_end = Instant::now();
+        while step < total {
+            step += 1;
+            let idx = sampler.next_batch();
+            let (answers, tokens, mut metrics) = self.step(&group, &idx, step).await?;
+            metrics.extend(mean_metrics(&answers));
+            let now = Instant::now();
+            let elapsed = (now - last_end).as_secs_f64();
+            last_end = now;
+            metrics.insert(metric::TIMING_S_STEP.into(), elapsed);
+            metrics.insert(metric::PERF_THROUGHPUT.into(), tokens / elapsed.max(1e-9));
+            metrics.insert(metric::EPOCH.into(), sampler.cursor().epoch as f64);
+            let stopping = opts.stop_after.is_some_and(|n| step - start_step >= n);
+            let save_steps = cfg.checkpoint.save_steps;
+            if save_steps > 0 && (step.is_multiple_of(save_steps) || step == total || stopping) {
+                self.settle().await?;
+                let state = TrainerState::new(
+                    cfg.trainer.as_str(),
+                    step,
+                    sampler.cursor(),
+                    cfg.training.seed,
+                    &opts.job_id,
+                );
+                self.pending = Some(
+                    sync::save_parts(
+                        &[(part, &group)],
+                        state,
+                        self.ckpt_root,
+                        cfg.checkpoint.keep_last,
+                        opts.call_timeout,
+                    )
+                    .await?,
+                );
+            }
+            self.report.report(&Event::Step {
+                step,
+                metrics: &metrics,
+                samples: None,
+            })?;
+            self.history.push(metrics);
+            if stopping {
+                self.report.report(&Event::Stopped {
+                    steps_run: step - start_step,
+                })?;
+                break;
+            }
+        }
+        self.settle().await?;
+        Ok(step)
+    }
+
+    /// One step's calls: the answers of every trainer rank, the batch's tokens, and the
+    /// driver's own metrics (reference timing, KTO's KL pass).
+    async fn step(
+        &mut self,
+        group: &WorkerGroup,
+        idx: &[usize],
+        step: u64,
+    ) -> Res<(Vec<UpdateResponse>, f64, BTreeMap<String, f64>)> {
+        let (cfg, t) = (self.cfg, self.opts.call_timeout);
+        let pad = self.pad();
+        let mut cuts = Cuts::default();
+        let mut extra = BTreeMap::new();
+        let tokens = |s: &Sequences| s.attention_mask.data.iter().filter(|&&m| m != 0).count();
+        match self.data {
+            Data::Sft(v) => {
+                let rows: Vec<&Encoded> = idx.iter().map(|&i| &v[i]).collect();
+                let (seq, loss_mask) = pack(&rows, cfg, pad, &mut cuts)?;
+                let n = tokens(&seq) as f64;
+                let trained: f32 = loss_mask.data.iter().sum();
+                let started = Instant::now();
+                let req = SftUpdateRequest {
+                    seq,
+                    loss_mask,
+                    step,
+                };
+                let answers = group.call_each(&req, t).await?;
+                extra.insert(
+                    metric::TRAIN_TOKENS_PER_S.into(),
+                    f64::from(trained) / started.elapsed().as_secs_f64().max(1e-9),
+                );
+                Ok((answers, n, extra))
+            }
+            Data::Pairs(v) => {
+                let chosen: Vec<&Encoded> = idx.iter().map(|&i| &v[i].0).collect();
+                let rejected: Vec<&Encoded> = idx.iter().map(|&i| &v[i].1).collect();
+                let (cs, cm) = pack(&chosen, cfg, pad, &mut cuts)?;
+                let (rs, rm) = pack(&rejected, cfg, pad, &mut cuts)?;
+                let n = (tokens(&cs) + tokens(&rs)) as f64;
+                if cfg.trainer == TrainerKind::Reward {
+                    let margin = idx
+                        .iter()
+                        .map(|&i| v[i].2.map(|m| m as f32))
+                        .collect::<Option<Vec<f32>>>();
+                    let req = RewardModelUpdateRequest {
+                        chosen: cs,
+                        rejected: rs,
+                        margin,
+                        step,
+                    };
+                    return Ok((group.call_each(&req, t).await?, n, extra));
+                }
+                let loss = cfg.algorithm.preference();
+                let (mut ref_chosen, mut ref_rejected, mut kto_kl) = (None, None, None);
+                if loss.loss_type.needs_reference() {
+                    let started = Instant::now();
+                    let r = &self.roles.reference;
+                    let (qa, qb) = (LogProbsRequest(cs.clone()), LogProbsRequest(rs.clone()));
+                    let (a, b) = tokio::try_join!(r.call_split(&qa, t), r.call_split(&qb, t))?;
+                    ref_chosen = Some(sums(&a.log_probs, &cm));
+                    ref_rejected = Some(sums(&b.log_probs, &rm));
+                    extra.insert(metric::TIMING_S_REF.into(), started.elapsed().as_secs_f64());
+                }
+                if loss.loss_type == rlhf_algo::PreferenceLoss::Kto {
+                    kto_kl = Some(self.kto_kl(&chosen, &rejected, pad, &mut cuts).await?);
+                }
+                let req = PreferenceUpdateRequest {
+                    chosen: cs,
+                    chosen_mask: cm,
+                    rejected: rs,
+                    rejected_mask: rm,
+                    ref_chosen,
+                    ref_rejected,
+                    kto_kl,
+                    step,
+                };
+                Ok((group.call_each(&req, t).await?, n, extra))
+            }
+        }
+    }
+
+    /// KTO's KL estimate: each unpaired row's prompt with the next row's completion, under
+    /// the policy and the reference.
+    async fn kto_kl(
+        &self,
+        chosen: &[&Encoded],
+        rejected: &[&Encoded],
+        pad: u32,
+        cuts: &mut Cuts,
+    ) -> Res<f64> {
+        let rows: Vec<&Encoded> = chosen.iter().chain(rejected).copied().collect();
+        let mismatched: Vec<Encoded> = (0..rows.len())
+            .map(|k| {
+                let next = rows[(k + 1) % rows.len()];
+                Encoded {
+                    prompt: rows[k].prompt.clone(),
+                    completion: next.completion.clone(),
+                    loss: vec![true; next.completion.len()],
+                }
+            })
+            .collect();
+        let refs: Vec<&Encoded> = mismatched.iter().collect();
+        let (seq, mask) = pack(&refs, self.cfg, pad, cuts)?;
+        let t = self.opts.call_timeout;
+        let req = LogProbsRequest(seq);
+        let (policy, reference) = tokio::try_join!(
+            self.roles.train.call_split(&req, t),
+            self.roles.reference.call_split(&req, t),
+        )?;
+        let as64 = |v: Vec<f32>| v.into_iter().map(f64::from).collect::<Vec<f64>>();
+        rlhf_algo::kto_kl_estimate(
+            &as64(sums(&policy.log_probs, &mask)),
+            &as64(sums(&reference.log_probs, &mask)),
+        )
+        .map_err(|e| Failed::Other(Error::invalid(e.to_string())))
+    }
+}

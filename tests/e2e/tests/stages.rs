@@ -1,0 +1,165 @@
+//! The other stages as jobs over real processes (`rlhf-head run`, embedded head and worker):
+//! SFT's loss falls; a reward model learns the shipped pairs and then drives PPO as its
+//! `reward.kind=model`; DPO's margins rise; a DPO run stopped and resumed repeats the
+//! straight one.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::Result;
+use rlhf_e2e::{assert_same_steps, bin, jsonl, output_overrides, repo_root, Proc};
+use serde_json::Value;
+
+fn stage_cmd(config: &str, out: &Path, extra: &[&str]) -> Command {
+    let mut cmd = Command::new(bin("rlhf-head"));
+    cmd.current_dir(repo_root())
+        .args(["run", "--config-name", config])
+        .args(output_overrides(out))
+        .arg("logging.progress=false")
+        .args(extra)
+        .env_remove("RLHF_TOKEN")
+        .env("RUST_LOG", "warn");
+    cmd
+}
+
+fn run(name: &str, dir: &Path, mut cmd: Command) -> Result<String> {
+    let mut p = Proc::spawn(name, dir, &mut cmd)?;
+    rlhf_e2e::wait_success(&mut p, Duration::from_secs(900))?;
+    Ok(p.output())
+}
+
+fn series(m: &[Value], key: &str) -> Vec<f64> {
+    m.iter().filter_map(|l| l[key].as_f64()).collect()
+}
+
+fn mean(v: &[f64]) -> f64 {
+    v.iter().sum::<f64>() / v.len() as f64
+}
+
+/// Mean of the first and of the last `k` values.
+fn ends(v: &[f64], k: usize) -> (f64, f64) {
+    (mean(&v[..k]), mean(&v[v.len() - k..]))
+}
+
+#[test]
+fn sft_then_a_reward_model_that_drives_ppo() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let sft = dir.path().join("sft");
+    let out = run(
+        "sft",
+        dir.path(),
+        stage_cmd("sft_tiny", &sft, &["training.train_iters=16"]),
+    )?;
+    let loss = series(&jsonl(&sft.join("metrics.jsonl"))?, "train/loss");
+    assert_eq!(loss.len(), 16, "{out}");
+    let (first, last) = ends(&loss, 4);
+    println!("sft: train/loss {first:.3} -> {last:.3}");
+    assert!(
+        last < 0.5 * first,
+        "SFT loss should fall: {first:.3} -> {last:.3}"
+    );
+    assert!(sft
+        .join("ckpt/global_step_16/actor/model.safetensors")
+        .exists());
+
+    let rm = dir.path().join("rm");
+    run(
+        "rm",
+        dir.path(),
+        stage_cmd("rm_tiny", &rm, &["training.train_iters=16"]),
+    )?;
+    let m = jsonl(&rm.join("metrics.jsonl"))?;
+    let (acc, margin) = (series(&m, "accuracy"), series(&m, "margin"));
+    let (m0, m1) = ends(&margin, 4);
+    println!(
+        "rm: accuracy {:.3} -> {:.3}, margin {m0:.3} -> {m1:.3}",
+        acc[0], acc[15]
+    );
+    assert!(mean(&acc[12..]) >= 0.9, "accuracy {acc:?}");
+    assert!(m1 > m0 + 1.0, "margin {margin:?}");
+    let model = rm.join("ckpt/global_step_16/reward");
+    let config: Value = serde_json::from_str(&std::fs::read_to_string(model.join("config.json"))?)?;
+    assert_eq!(config["architectures"][0], "LlamaForSequenceClassification");
+
+    // The reward model as PPO's reward: the policy learns what it prefers (digits).
+    let ppo = dir.path().join("ppo");
+    let reward = format!("reward.model={}", model.display());
+    let mut cmd = Command::new(bin("rlhf-head"));
+    cmd.current_dir(repo_root())
+        .args(["run", "--config-name", "ppo_tiny"])
+        .args(output_overrides(&ppo))
+        .args([
+            "reward.kind=model",
+            &reward,
+            "resource_pool.reward=1",
+            "training.train_iters=24",
+            "checkpoint.save_steps=0",
+            "logging.progress=false",
+        ])
+        .env_remove("RLHF_TOKEN")
+        .env("RUST_LOG", "warn");
+    run("ppo", dir.path(), cmd)?;
+    let scores = series(&jsonl(&ppo.join("metrics.jsonl"))?, "objective/scores");
+    let (s0, s1) = ends(&scores, 8);
+    println!("ppo with the trained reward model: objective/scores {s0:.3} -> {s1:.3}");
+    assert!(s1 > s0 + 0.2, "scores {scores:?}");
+    Ok(())
+}
+
+#[test]
+fn dpo_learns_the_pairs_and_resumes_exactly() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let straight = dir.path().join("straight");
+    run(
+        "dpo",
+        dir.path(),
+        stage_cmd("dpo_tiny", &straight, &["training.train_iters=12"]),
+    )?;
+    let m = jsonl(&straight.join("metrics.jsonl"))?;
+    let margins = series(&m, "rewards/margins");
+    let acc = series(&m, "rewards/accuracies");
+    assert!((series(&m, "train/loss")[0] - std::f64::consts::LN_2).abs() < 1e-3);
+    let (m0, m1) = ends(&margins, 3);
+    println!(
+        "dpo: rewards/margins {m0:.3} -> {m1:.3}, accuracies -> {:.3}",
+        acc[11]
+    );
+    assert!(m1 > m0 + 0.5, "margins {margins:?}");
+    assert!(mean(&acc[9..]) >= 0.9, "accuracies {acc:?}");
+    for k in [
+        "rewards/chosen",
+        "rewards/rejected",
+        "logps/chosen",
+        "logps/rejected",
+    ] {
+        assert_eq!(series(&m, k).len(), 12, "{k} is logged every step");
+    }
+
+    // 4 steps straight against 2, then a resume for 2 more.
+    let four = dir.path().join("four");
+    let halves = dir.path().join("halves");
+    let common = ["training.train_iters=4", "checkpoint.save_steps=2"];
+    run("four", dir.path(), stage_cmd("dpo_tiny", &four, &common))?;
+    let mut a = stage_cmd("dpo_tiny", &halves, &common);
+    a.args(["--stop-after", "2"]);
+    run("first-half", dir.path(), a)?;
+    let mut b = stage_cmd("dpo_tiny", &halves, &common);
+    b.args(["--resume", "latest"]);
+    let out = run("second-half", dir.path(), b)?;
+    assert!(out.contains("global_step_2"), "{out}");
+    assert_same_steps(
+        &jsonl(&four.join("metrics.jsonl"))?,
+        &jsonl(&halves.join("metrics.jsonl"))?,
+    );
+    // A checkpoint of another stage is refused by name.
+    let mut c = stage_cmd("sft_tiny", &halves, &[]);
+    c.args(["--resume", "latest"]);
+    let res = c.output()?;
+    let err = String::from_utf8_lossy(&res.stderr);
+    assert!(
+        !res.status.success() && err.contains("\"dpo\"") && err.contains("trainer sft"),
+        "{err}"
+    );
+    Ok(())
+}
