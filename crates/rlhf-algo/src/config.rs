@@ -102,6 +102,7 @@ pub struct AlgorithmConfig {
 
 impl Default for AlgorithmConfig {
     fn default() -> Self {
+        let pref = PreferenceConfig::default();
         Self {
             adv_estimator: AdvEstimator::Gae,
             gamma: 1.0,
@@ -116,12 +117,12 @@ impl Default for AlgorithmConfig {
             norm_adv_by_std_in_grpo: true,
             grpo_epsilon: 1e-6,
             score_placement: ScorePlacement::LastToken,
-            loss_type: PreferenceLoss::Sigmoid,
-            beta: 0.1,
-            label_smoothing: 0.0,
-            simpo_gamma: 0.5,
-            desirable_weight: 1.0,
-            undesirable_weight: 1.0,
+            loss_type: pref.loss_type,
+            beta: pref.beta,
+            label_smoothing: pref.label_smoothing,
+            simpo_gamma: pref.simpo_gamma,
+            desirable_weight: pref.desirable_weight,
+            undesirable_weight: pref.undesirable_weight,
             center_rewards_coefficient: None,
         }
     }

@@ -48,7 +48,7 @@ pub(crate) fn response_log_probs(
 }
 
 /// Log-probs and entropies of a request's responses, `micro` rows per forward.
-fn log_probs(
+pub(crate) fn log_probs(
     model: &Model,
     req: &LogProbsRequest,
     shapes: Shapes,

@@ -10,7 +10,6 @@ use rlhf_algo::{metric, preference_loss, reward_loss, sft_loss, LossAggMode, Pai
 use rlhf_algo::{PreferenceConfig, PreferenceStats};
 use rlhf_collective::Communicator;
 use rlhf_config::{EngineSpec, RoleSpec, Shapes};
-use rlhf_core::calls::candle::mat_f32;
 use rlhf_core::calls::{
     LogProbsRequest, LogProbsResponse, PreferenceUpdateRequest, RewardModelUpdateRequest,
     ScoresRequest, ScoresResponse, Sequences, SftUpdateRequest, UpdateResponse,
@@ -20,7 +19,7 @@ use rlhf_model::{Batch, LoadOptions, Model, ModelKind};
 use crate::convert::{self, chunked, sequences, tokens};
 use crate::engine::{LogProbs, Score};
 use crate::error::{Error, Result};
-use crate::policy::{response_log_probs, wrong_engine};
+use crate::policy::wrong_engine;
 use crate::train::{self, MicroOut, Prepared, StepNames, Train, TrainState};
 
 fn load(spec: &RoleSpec, device: &Device, kind: ModelKind, what: &str) -> Result<TrainState> {
@@ -55,28 +54,14 @@ fn completion_log_probs(
 }
 
 /// Log-probs of a request's completions for the driver (reference passes, KTO's KL pairs,
-/// eval), `micro` rows per forward.
+/// eval) at temperature 1, `micro` rows per forward.
 fn log_probs_of(
     model: &Model,
     req: &LogProbsRequest,
     shapes: Shapes,
     micro: usize,
 ) -> Result<LogProbsResponse> {
-    let (ids, mask) = sequences("ComputeLogProbs", &req.0, shapes, model.device())?;
-    let out = chunked(req.0.rows(), micro, |idx| {
-        let (lp, ent) = response_log_probs(
-            model,
-            &convert::rows(&ids, idx)?,
-            &convert::rows(&mask, idx)?,
-            shapes,
-            1.0,
-        )?;
-        Ok(vec![lp.detach(), ent.detach()])
-    })?;
-    Ok(LogProbsResponse {
-        log_probs: mat_f32(&out[0], "log_probs")?,
-        entropy: mat_f32(&out[1], "entropy")?,
-    })
+    crate::policy::log_probs(model, req, shapes, 1.0, micro)
 }
 
 /// A pair request's per-pair weight mask (`[pairs, 1]` of ones): the loss denominators and

@@ -187,6 +187,64 @@ struct Loop<'a> {
     report: &'a mut Reporters,
 }
 
+/// Places every role of the job on the cluster and reports it; a failed or stopped launch
+/// leaves nothing it made behind.
+async fn place(
+    head: &mut cluster::HeadClient,
+    opts: &DriverOptions,
+    shutdown: &tokio_util::sync::CancellationToken,
+    report: &mut Reporters,
+) -> std::result::Result<Roles, RunError> {
+    let launch = cluster::LaunchOptions {
+        job_id: opts.job_id.clone(),
+        client: opts.client.clone(),
+        start_timeout: opts.start_timeout,
+    };
+    let started = Instant::now();
+    let mut made = cluster::Launched::default();
+    let launched = tokio::select! {
+        r = cluster::launch(head, &opts.config, &launch, &mut made) => r,
+        _ = shutdown.cancelled() => Err(Error::new(rlhf_core::FailureKind::Unavailable, "stopped before the roles started")),
+    };
+    let roles = match launched {
+        Ok(roles) => roles,
+        Err(e) => {
+            // Nothing a failed or stopped launch made stays on the cluster.
+            cluster::release(head, &made).await;
+            return Err(e.into());
+        }
+    };
+    report.report(&Event::Placed {
+        processes: roles.all_members().count(),
+        secs: started.elapsed().as_secs_f64(),
+    })?;
+    Ok(roles)
+}
+
+/// Loads every role's model (`InitRole`) and reports each rank as ready, with its device.
+async fn init_and_report(
+    roles: &Roles,
+    cfg: &PpoConfig,
+    job_id: &str,
+    timeout: Duration,
+    report: &mut Reporters,
+) -> Res<()> {
+    for (who, info) in cluster::init_roles(roles, cfg, job_id, timeout).await? {
+        let device =
+            rlhf_core::DeviceSpec::from_wire(info.device.as_ref(), "InitRoleResponse.device")
+                .map(|d| d.to_string())
+                .unwrap_or_else(|e| e.to_string());
+        report.report(&Event::RoleReady {
+            who: &who,
+            model: &info.model,
+            params: info.num_params,
+            device: &device,
+            note: &info.note,
+        })?;
+    }
+    Ok(())
+}
+
 async fn timed<T>(f: impl std::future::Future<Output = T>) -> (T, f64) {
     let t = Instant::now();
     let v = f.await;
@@ -205,19 +263,7 @@ impl Loop<'_> {
     ) -> Res<u64> {
         let cfg = self.cfg;
         let t = self.opts.start_timeout;
-        for (who, info) in cluster::init_roles(self.roles, cfg, &self.opts.job_id, t).await? {
-            let device =
-                rlhf_core::DeviceSpec::from_wire(info.device.as_ref(), "InitRoleResponse.device")
-                    .map(|d| d.to_string())
-                    .unwrap_or_else(|e| e.to_string());
-            self.report.report(&Event::RoleReady {
-                who: &who,
-                model: &info.model,
-                params: info.num_params,
-                device: &device,
-                note: &info.note,
-            })?;
-        }
+        init_and_report(self.roles, cfg, &self.opts.job_id, t, self.report).await?;
         let backend = self.opts.comm_backend;
         let weights = self.roles.weights_group();
         let weights_backend = match self.sync_path {

@@ -7,7 +7,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rlhf_config::data::PromptSampler;
 use rlhf_core::{Error, FailureKind};
@@ -15,7 +15,7 @@ use rlhf_tokenizer::Tokenizer;
 use tokio_util::sync::CancellationToken;
 
 use crate::checkpoint::{self, TrainerState};
-use crate::cluster::{self, HeadClient, LaunchOptions};
+use crate::cluster::{self, HeadClient};
 use crate::prompts::{self, FixedResponses, Prompt};
 use crate::report::{DatasetReport, Event, Reporter, Reporters};
 
@@ -200,29 +200,7 @@ async fn attempt(
         return Ok(start_step);
     }
 
-    let launch = LaunchOptions {
-        job_id: opts.job_id.clone(),
-        client: opts.client.clone(),
-        start_timeout: opts.start_timeout,
-    };
-    let started = Instant::now();
-    let mut made = cluster::Launched::default();
-    let launched = tokio::select! {
-        r = cluster::launch(head, cfg, &launch, &mut made) => r,
-        _ = shutdown.cancelled() => Err(Error::new(FailureKind::Unavailable, "stopped before the roles started")),
-    };
-    let roles = match launched {
-        Ok(roles) => roles,
-        Err(e) => {
-            // Nothing a failed or stopped launch made stays on the cluster.
-            cluster::release(head, &made).await;
-            return Err(e.into());
-        }
-    };
-    report.report(&Event::Placed {
-        processes: roles.all_members().count(),
-        secs: started.elapsed().as_secs_f64(),
-    })?;
+    let roles = super::place(head, opts, shutdown, report).await?;
     let (sync_path, why) =
         sync::SyncPath::choose(&roles, opts.comm_backend, opts.weight_sync_backend);
     report.report(&Event::WeightSync {

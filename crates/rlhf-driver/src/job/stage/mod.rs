@@ -25,7 +25,7 @@ use rlhf_tokenizer::Tokenizer;
 use tokio_util::sync::CancellationToken;
 
 use crate::checkpoint::{self, TrainerState};
-use crate::cluster::{self, HeadClient, LaunchOptions, Roles};
+use crate::cluster::{self, HeadClient, Roles};
 use crate::group::{mean_metrics, WorkerGroup};
 use crate::report::{DatasetReport, Event, Reporter, Reporters};
 
@@ -176,28 +176,7 @@ pub(super) async fn run(
         return Ok(summary(cfg, start_step, start_step, Vec::new(), None));
     }
 
-    let launch = LaunchOptions {
-        job_id: opts.job_id.clone(),
-        client: opts.client.clone(),
-        start_timeout: opts.start_timeout,
-    };
-    let started = Instant::now();
-    let mut made = cluster::Launched::default();
-    let launched = tokio::select! {
-        r = cluster::launch(&mut head, cfg, &launch, &mut made) => r,
-        _ = shutdown.cancelled() => Err(Error::new(FailureKind::Unavailable, "stopped before the roles started")),
-    };
-    let roles = match launched {
-        Ok(roles) => roles,
-        Err(e) => {
-            cluster::release(&mut head, &made).await;
-            return Err(e.into());
-        }
-    };
-    report.report(&Event::Placed {
-        processes: roles.all_members().count(),
-        secs: started.elapsed().as_secs_f64(),
-    })?;
+    let roles = super::place(&mut head, &opts, &shutdown, &mut report).await?;
     let mut lp = StageLoop {
         cfg,
         opts: &opts,
@@ -290,19 +269,7 @@ impl StageLoop<'_> {
     ) -> Res<u64> {
         let (cfg, opts) = (self.cfg, self.opts);
         let t = opts.start_timeout;
-        for (who, info) in cluster::init_roles(self.roles, cfg, &opts.job_id, t).await? {
-            let device =
-                rlhf_core::DeviceSpec::from_wire(info.device.as_ref(), "InitRoleResponse.device")
-                    .map(|d| d.to_string())
-                    .unwrap_or_else(|e| e.to_string());
-            self.report.report(&Event::RoleReady {
-                who: &who,
-                model: &info.model,
-                params: info.num_params,
-                device: &device,
-                note: &info.note,
-            })?;
-        }
+        super::init_and_report(self.roles, cfg, &opts.job_id, t, self.report).await?;
         let (part, group, comm) = trained(cfg, self.roles);
         cluster::join_comm(&group, comm, opts.comm_backend, t).await?;
         if let Some((dir, st)) = &resumed {
