@@ -8,7 +8,7 @@ mod common;
 
 use common::*;
 use rlhf_algo::PreferenceLoss;
-use rlhf_collective::{CommConfig, TcpCommunicator, TcpRendezvous};
+use rlhf_collective::{CommConfig, TcpCommunicator};
 use rlhf_config::{PpoConfig, RewardKind, TrainerKind};
 use rlhf_core::batch::DataBatch;
 use rlhf_core::calls::{
@@ -245,23 +245,6 @@ fn every_preference_loss_lowers_its_loss() {
             "{loss}: {last:?}"
         );
     }
-}
-
-/// A group of `n` TCP communicators on localhost.
-fn group(n: usize) -> Vec<TcpCommunicator> {
-    let rv = TcpRendezvous::bind("127.0.0.1:0").unwrap();
-    let addr = rv.local_addr().to_string();
-    let peers: Vec<_> = (1..n)
-        .map(|r| {
-            let a = addr.clone();
-            std::thread::spawn(move || {
-                TcpCommunicator::connect(r, n, &a, CommConfig::default()).unwrap()
-            })
-        })
-        .collect();
-    let mut out = vec![rv.accept(n, CommConfig::default()).unwrap()];
-    out.extend(peers.into_iter().map(|p| p.join().unwrap()));
-    out
 }
 
 fn half(req: &PreferenceUpdateRequest, rows: std::ops::Range<usize>) -> PreferenceUpdateRequest {

@@ -7,29 +7,12 @@ use std::thread;
 
 use common::*;
 use rlhf_algo::LossAggMode;
-use rlhf_collective::{CommConfig, Communicator, TcpCommunicator, TcpRendezvous};
+use rlhf_collective::{CommConfig, Communicator, TcpCommunicator};
 use rlhf_core::batch::{DataBatch, TensorData};
 use rlhf_roles::Trainer;
 
 fn single() -> TcpCommunicator {
     TcpCommunicator::single(CommConfig::default())
-}
-
-/// A group of `n` TCP communicators on localhost, one per rank.
-fn group(n: usize) -> Vec<TcpCommunicator> {
-    let rv = TcpRendezvous::bind("127.0.0.1:0").unwrap();
-    let addr = rv.local_addr().to_string();
-    let peers: Vec<_> = (1..n)
-        .map(|r| {
-            let a = addr.clone();
-            thread::spawn(move || {
-                TcpCommunicator::connect(r, n, &a, CommConfig::default()).unwrap()
-            })
-        })
-        .collect();
-    let mut out = vec![rv.accept(n, CommConfig::default()).unwrap()];
-    out.extend(peers.into_iter().map(|p| p.join().unwrap()));
-    out
 }
 
 fn log_probs(t: &Trainer, seqs: &DataBatch) -> Vec<f32> {
