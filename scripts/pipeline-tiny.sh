@@ -5,7 +5,7 @@
 #   -> a reward model from the SFT model, on preference pairs (digits over words)
 #   -> PPO from the SFT model with that reward model as its reward
 #   and, from the same SFT model, DPO on the same pairs.
-# Prints each stage's first and last numbers. Outputs go under $OUT (default runs/pipeline).
+# Prints each stage's first and last numbers (eval/*: the held-out pairs, data.eval_path). Outputs go under $OUT (default runs/pipeline).
 # Extra arguments go to every stage, e.g. `training.seed=7`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -45,7 +45,7 @@ ends sft train/loss
 stage rm rm_tiny "training.train_iters=$STEPS" "reward.model=$sft_model" "$@"
 rm_model="$OUT/rm/ckpt/global_step_$STEPS/reward"
 echo "reward model ($rm_model)"
-ends rm train/loss accuracy margin
+ends rm train/loss accuracy margin eval/accuracy eval/margin
 
 stage ppo ppo_tiny "training.train_iters=$PPO_STEPS" "actor_rollout.model=$sft_model" \
   "ref.model=$sft_model" "critic.model=$sft_model" reward.kind=model "reward.model=$rm_model" \
@@ -56,4 +56,4 @@ ends ppo objective/scores objective/kl
 stage dpo dpo_tiny "training.train_iters=$STEPS" "actor_rollout.model=$sft_model" \
   "ref.model=$sft_model" "$@"
 echo "dpo from the sft model"
-ends dpo train/loss rewards/margins rewards/accuracies
+ends dpo train/loss rewards/margins rewards/accuracies eval/rewards/margins

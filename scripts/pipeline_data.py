@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Write the shipped tiny data of the pipeline (data/pipeline/): SFT examples and preference
-pairs over the demo prompts (data/prompts_tiny.jsonl), with a synthetic preference the tiny
+pairs (with a held-out quarter, pairs_eval.jsonl) over the demo prompts (data/prompts_tiny.jsonl), with a synthetic preference the tiny
 model can learn: answers in digits are preferred over the same answers spelled out (what the
 PPO demo's contains_digit rule rewards, so a reward model trained on the pairs can stand in
 for the rule).
@@ -85,13 +85,14 @@ def answer(prompt: str) -> str:
 def main() -> None:
     prompts = [json.loads(line)["prompt"] for line in (ROOT / "data/prompts_tiny.jsonl").read_text().splitlines() if line.strip()]
     OUT.mkdir(parents=True, exist_ok=True)
-    sft, pairs = [], []
-    for p in prompts:
+    sft, pairs, held_out = [], [], []
+    for i, p in enumerate(prompts):
         a = answer(p)
         spelled = " ".join(words(int(x)) for x in a.split())
         sft.append({"prompt": p, "completion": a})
-        pairs.append({"prompt": p, "chosen": a, "rejected": spelled})
-    for name, rows in [("sft.jsonl", sft), ("pairs.jsonl", pairs)]:
+        # Every fourth prompt is held out of the pairs: the eval split.
+        (held_out if i % 4 == 3 else pairs).append({"prompt": p, "chosen": a, "rejected": spelled})
+    for name, rows in [("sft.jsonl", sft), ("pairs.jsonl", pairs), ("pairs_eval.jsonl", held_out)]:
         (OUT / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
         print(f"wrote {OUT / name} ({len(rows)} rows)")
 

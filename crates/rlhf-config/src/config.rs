@@ -251,6 +251,11 @@ pub struct DataConfig {
     pub seed: Option<u64>,
     /// skip or fail on rows that do not parse.
     pub bad_rows: BadRows,
+    /// trainer reward / dpo: held-out pairs in the format of `path`, scored every
+    /// `eval_every` steps and at the last step (unset: no eval).
+    pub eval_path: Option<String>,
+    /// Steps between evals on `eval_path`.
+    pub eval_every: u64,
 }
 
 impl Default for DataConfig {
@@ -270,6 +275,8 @@ impl Default for DataConfig {
             shuffle: true,
             seed: None,
             bad_rows: BadRows::Fail,
+            eval_path: None,
+            eval_every: 10,
         }
     }
 }

@@ -108,6 +108,8 @@ pub const KEY_DOCS: &[(&str, &str)] = &[
     ("data.shuffle", "Reshuffle the prompts every epoch."),
     ("data.seed", "Shuffle seed (null = training.seed)."),
     ("data.bad_rows", "Rows that fail to parse: skip (count, report, drop) or fail."),
+    ("data.eval_path", "trainer reward / dpo: held-out pairs (same format as path) scored every eval_every steps and at the last step, logged as eval/* (null = no eval)."),
+    ("data.eval_every", "Steps between evals on data.eval_path."),
     ("checkpoint.dir", "Directory of step_N/ checkpoints."),
     ("checkpoint.save_steps", "Save every N steps (0 = only at the end)."),
     ("checkpoint.keep_last", "Keep the newest N checkpoints (0 = all)."),

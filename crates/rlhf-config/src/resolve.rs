@@ -225,6 +225,9 @@ impl PpoConfig {
             abs(base, p);
         }
         abs(base, &mut self.data.path);
+        if let Some(p) = self.data.eval_path.as_mut() {
+            abs(base, p);
+        }
         abs(base, &mut self.checkpoint.dir);
         if let Some(p) = self.checkpoint.resume.as_mut() {
             if p != "latest" {

@@ -440,6 +440,11 @@ fn missing_files(cfg: &PpoConfig) -> (Vec<String>, Vec<String>) {
     if !Path::new(&cfg.data.path).is_file() {
         out.push(format!("data.path {} is not a file", cfg.data.path));
     }
+    if let Some(p) = cfg.data.eval_path.as_deref().filter(|p| !p.is_empty()) {
+        if !Path::new(p).is_file() {
+            out.push(format!("data.eval_path {p} is not a file"));
+        }
+    }
     for role in RoleKind::ALL {
         if cfg.role_enabled(role) && cfg.role_model(role).is_some() {
             match rlhf_config::spec::model_dir(cfg, role) {

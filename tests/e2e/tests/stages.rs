@@ -1,7 +1,7 @@
 //! The other stages as jobs over real processes (`rlhf-head run`, embedded head and worker):
 //! SFT's loss falls; a reward model learns the shipped pairs and then drives PPO as its
-//! `reward.kind=model`; DPO's margins rise; a DPO run stopped and resumed repeats the
-//! straight one.
+//! `reward.kind=model`; DPO's margins rise; both are scored on held-out pairs; a DPO run
+//! stopped and resumed repeats the straight one.
 
 use std::path::Path;
 use std::process::Command;
@@ -78,6 +78,11 @@ fn sft_then_a_reward_model_that_drives_ppo() -> Result<()> {
     );
     assert!(mean(&acc[12..]) >= 0.9, "accuracy {acc:?}");
     assert!(m1 > m0 + 1.0, "margin {margin:?}");
+    // Held-out pairs (data.eval_path): scored at steps 10 and 16.
+    let held_out = series(&m, "eval/accuracy");
+    println!("rm: held-out accuracy {held_out:?}");
+    assert_eq!(held_out.len(), 2, "evals at steps 10 and 16");
+    assert!(held_out[1] >= 0.9, "held-out accuracy {held_out:?}");
     let model = rm.join("ckpt/global_step_16/reward");
     let config: Value = serde_json::from_str(&std::fs::read_to_string(model.join("config.json"))?)?;
     assert_eq!(config["architectures"][0], "LlamaForSequenceClassification");

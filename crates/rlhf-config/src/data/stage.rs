@@ -69,6 +69,18 @@ pub fn load_pairs(cfg: &DataConfig) -> Result<PairDataset> {
     load(cfg, "pairs", |v| pair_row(v, cfg))
 }
 
+/// The held-out pairs of `data.eval_path`, read like `data.path`.
+pub fn load_eval_pairs(cfg: &DataConfig) -> Result<Option<PairDataset>> {
+    let Some(path) = cfg.eval_path.as_ref().filter(|p| !p.is_empty()) else {
+        return Ok(None);
+    };
+    let eval = DataConfig {
+        path: path.clone(),
+        ..cfg.clone()
+    };
+    load_pairs(&eval).map(Some)
+}
+
 /// SFT examples from JSONL text (`origin` names it in errors).
 pub fn sft_from_jsonl(text: &str, origin: &str, cfg: &DataConfig) -> Result<SftDataset> {
     from_rows(origin, rows::jsonl(text), cfg, "examples", |v| {

@@ -12,12 +12,12 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use rlhf_algo::metric;
-use rlhf_config::data::stage::{load_pairs, load_sft};
+use rlhf_config::data::stage::{load_eval_pairs, load_pairs, load_sft};
 use rlhf_config::data::PromptSampler;
 use rlhf_config::{PpoConfig, RoleKind, TrainerKind};
 use rlhf_core::calls::{
-    LogProbsRequest, Mat, PreferenceUpdateRequest, RewardModelUpdateRequest, Sequences,
-    SftUpdateRequest, UpdateResponse,
+    LogProbsRequest, Mat, PreferenceUpdateRequest, RewardModelUpdateRequest, ScoresRequest,
+    Sequences, SftUpdateRequest, UpdateResponse,
 };
 use rlhf_core::{CommGroup, Error, FailureKind};
 use rlhf_proto::v1 as pb;
@@ -35,7 +35,7 @@ use encode::{pack, Cuts, Encoded, Encoder};
 /// The stage's examples in tokens.
 enum Data {
     Sft(Vec<Encoded>),
-    Pairs(Vec<(Encoded, Encoded, Option<f64>)>),
+    Pairs(Pairs),
 }
 
 impl Data {
@@ -72,6 +72,40 @@ fn tokenizer(cfg: &PpoConfig) -> Result<Tokenizer, Error> {
     })
 }
 
+type Pairs = Vec<(Encoded, Encoded, Option<f64>)>;
+
+fn encode_pairs(
+    enc: &Encoder<'_>,
+    ds: &rlhf_config::data::stage::PairDataset,
+) -> Result<Pairs, Error> {
+    ds.records
+        .iter()
+        .map(|(row, p)| {
+            Ok((
+                enc.answer(*row, &p.prompt, &p.chosen)?,
+                enc.answer(*row, &p.prompt, &p.rejected)?,
+                p.margin,
+            ))
+        })
+        .collect()
+}
+
+/// `data.eval_path`'s pairs in tokens (reward and DPO jobs).
+fn load_eval(cfg: &PpoConfig, tok: &Tokenizer) -> Result<Option<Pairs>, Error> {
+    if !matches!(cfg.trainer, TrainerKind::Reward | TrainerKind::Dpo) {
+        return Ok(None);
+    }
+    let Some(ds) = load_eval_pairs(&cfg.data).map_err(|e| Error::invalid(e.to_string()))? else {
+        return Ok(None);
+    };
+    let enc = Encoder {
+        tok,
+        apply_chat_template: cfg.data.apply_chat_template,
+        origin: &ds.path,
+    };
+    encode_pairs(&enc, &ds).map(Some)
+}
+
 fn load_data(cfg: &PpoConfig, tok: &Tokenizer) -> Result<(Data, DatasetReport), Error> {
     let enc = Encoder {
         tok,
@@ -96,17 +130,7 @@ fn load_data(cfg: &PpoConfig, tok: &Tokenizer) -> Result<(Data, DatasetReport), 
         }
         _ => {
             let ds = load_pairs(&cfg.data).map_err(invalid)?;
-            let v = ds
-                .records
-                .iter()
-                .map(|(row, p)| {
-                    Ok((
-                        enc.answer(*row, &p.prompt, &p.chosen)?,
-                        enc.answer(*row, &p.prompt, &p.rejected)?,
-                        p.margin,
-                    ))
-                })
-                .collect::<Result<Vec<_>, Error>>()?;
+            let v = encode_pairs(&enc, &ds)?;
             (Data::Pairs(v), ds.report.rows, bad(&ds.report.bad))
         }
     };
@@ -145,6 +169,7 @@ pub(super) async fn run(
     let mut report = Reporters::console(cfg, start_step);
     report.extend(extra);
     let (data, dataset) = load_data(cfg, &tok)?;
+    let eval = load_eval(cfg, &tok)?;
     report.report(&Event::Dataset(&dataset))?;
     let batch = cfg.training.global_batch_size as usize;
     let mut sampler = PromptSampler::new(data.len(), batch, cfg.data.shuffle, cfg.data_seed())
@@ -183,6 +208,7 @@ pub(super) async fn run(
         roles: &roles,
         tok: &tok,
         data: &data,
+        eval: eval.as_ref(),
         ckpt_root: &ckpt_root,
         report: &mut report,
         history: Vec::new(),
@@ -228,6 +254,7 @@ struct StageLoop<'a> {
     roles: &'a Roles,
     tok: &'a Tokenizer,
     data: &'a Data,
+    eval: Option<&'a Pairs>,
     ckpt_root: &'a Path,
     report: &'a mut Reporters,
     history: Vec<BTreeMap<String, f64>>,
@@ -309,6 +336,10 @@ impl StageLoop<'_> {
             metrics.insert(metric::TIMING_S_STEP.into(), elapsed);
             metrics.insert(metric::PERF_THROUGHPUT.into(), tokens / elapsed.max(1e-9));
             metrics.insert(metric::EPOCH.into(), sampler.cursor().epoch as f64);
+            let every = cfg.data.eval_every;
+            if self.eval.is_some() && ((every > 0 && step.is_multiple_of(every)) || step == total) {
+                metrics.extend(self.evaluate(&group).await?);
+            }
             let stopping = opts.stop_after.is_some_and(|n| step - start_step >= n);
             let save_steps = cfg.checkpoint.save_steps;
             if save_steps > 0 && (step.is_multiple_of(save_steps) || step == total || stopping) {
@@ -426,6 +457,94 @@ impl StageLoop<'_> {
                 Ok((group.call_each(&req, t).await?, n, extra))
             }
         }
+    }
+
+    /// The held-out pairs under the current weights, `eval/*` metrics: the reward model's
+    /// loss, accuracy and margin, or the DPO family's loss and rewards (no update).
+    async fn evaluate(&self, group: &WorkerGroup) -> Res<BTreeMap<String, f64>> {
+        let Some(pairs) = self.eval else {
+            return Ok(BTreeMap::new());
+        };
+        let (cfg, t, pad) = (self.cfg, self.opts.call_timeout, self.pad());
+        let chunk = (cfg.training.global_batch_size as usize).max(1);
+        let dev = candle_core::Device::Cpu;
+        let algo = |e: rlhf_algo::AlgoError| Failed::Other(Error::invalid(e.to_string()));
+        let cand = |e: candle_core::Error| Failed::Other(Error::internal(e.to_string()));
+        let vec1 = |v: &[f32]| candle_core::Tensor::new(v, &dev).map_err(cand);
+        let mat = |m: &Mat<f32>| {
+            candle_core::Tensor::from_vec(m.data.clone(), (m.rows, m.cols), &dev).map_err(cand)
+        };
+        let mut rm = rlhf_algo::RewardStats::default();
+        let mut pref = rlhf_algo::PreferenceStats::default();
+        for rows in pairs.chunks(chunk) {
+            let mut cuts = Cuts::default();
+            let chosen: Vec<&Encoded> = rows.iter().map(|r| &r.0).collect();
+            let rejected: Vec<&Encoded> = rows.iter().map(|r| &r.1).collect();
+            let (cs, cm) = pack(&chosen, cfg, pad, &mut cuts)?;
+            let (rs, rm_mask) = pack(&rejected, cfg, pad, &mut cuts)?;
+            if cfg.trainer == TrainerKind::Reward {
+                let ask = |seq: Sequences| ScoresRequest {
+                    prompt_text: vec![String::new(); seq.rows()],
+                    response_text: vec![String::new(); seq.rows()],
+                    ground_truth: None,
+                    seq,
+                };
+                let (qc, qr) = (ask(cs), ask(rs));
+                let (c, r) = tokio::try_join!(group.call_split(&qc, t), group.call_split(&qr, t))?;
+                let margin = rows
+                    .iter()
+                    .map(|r| r.2.map(|m| m as f32))
+                    .collect::<Option<Vec<f32>>>();
+                let margin = margin.as_deref().map(vec1).transpose()?;
+                let (_, s) = rlhf_algo::reward_loss(
+                    &vec1(&c.scores)?,
+                    &vec1(&r.scores)?,
+                    margin.as_ref(),
+                    cfg.algorithm.center_rewards_coefficient,
+                )
+                .map_err(algo)?;
+                rm.merge(&s);
+                continue;
+            }
+            let loss = cfg.algorithm.preference();
+            let (qc, qr) = (LogProbsRequest(cs), LogProbsRequest(rs));
+            let (pc, pr) = tokio::try_join!(group.call_split(&qc, t), group.call_split(&qr, t))?;
+            let (mut ref_c, mut ref_r, mut kl) = (None, None, None);
+            if loss.loss_type.needs_reference() {
+                let r = &self.roles.reference;
+                let (a, b) = tokio::try_join!(r.call_split(&qc, t), r.call_split(&qr, t))?;
+                ref_c = Some(vec1(&sums(&a.log_probs, &cm))?);
+                ref_r = Some(vec1(&sums(&b.log_probs, &rm_mask))?);
+            }
+            if loss.loss_type == rlhf_algo::PreferenceLoss::Kto {
+                kl = Some(self.kto_kl(&chosen, &rejected, pad, &mut cuts).await?);
+            }
+            let out = rlhf_algo::preference_loss(
+                &rlhf_algo::PairBatch {
+                    chosen_logp: &mat(&pc.log_probs)?,
+                    chosen_mask: &mat(&cm)?,
+                    rejected_logp: &mat(&pr.log_probs)?,
+                    rejected_mask: &mat(&rm_mask)?,
+                    ref_chosen: ref_c.as_ref(),
+                    ref_rejected: ref_r.as_ref(),
+                    kto_kl: kl,
+                },
+                &loss,
+            )
+            .map_err(algo)?;
+            pref.merge(&out.stats);
+        }
+        Ok(if cfg.trainer == TrainerKind::Reward {
+            rm.metrics(metric::EVAL_PREFIX)
+        } else {
+            pref.metrics()
+                .into_iter()
+                .map(|(k, v)| {
+                    let k = k.strip_prefix("train/").unwrap_or(&k).to_string();
+                    (format!("{}{k}", metric::EVAL_PREFIX), v)
+                })
+                .collect()
+        })
     }
 
     /// KTO's KL estimate: each unpaired row's prompt with the next row's completion, under
