@@ -26,14 +26,14 @@ stage() { # name config overrides...
     >"$OUT/$name.log" 2>&1 || { tail -20 "$OUT/$name.log"; exit 1; }
 }
 
-ends() { # name metric...: each metric's mean over the first and the last 5 steps
+ends() { # name metric...: each metric's mean over the first and the last 5 steps that log it
   python3 - "$OUT/$1/metrics.jsonl" "${@:2}" <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 for key in sys.argv[2:]:
     v = [r[key] for r in rows if key in r]
     k = min(5, len(v))
-    print(f"  {key:<20} first {k} steps: {sum(v[:k]) / k:9.4f}   last {k} steps: {sum(v[-k:]) / k:9.4f}")
+    print(f"  {key:<22} first {k}: {sum(v[:k]) / k:9.4f}   last {k}: {sum(v[-k:]) / k:9.4f}")
 PY
 }
 
