@@ -86,13 +86,19 @@ pub struct JobSummary {
     pub last_checkpoint: Option<PathBuf>,
 }
 
-/// The actor's tokenizer (the one the rollout samples with), by the rule every role uses.
+/// The job's tokenizer, by the rule every role uses: `training.tokenizer_name_or_path`, else
+/// the trained model's (the actor's, the one the rollout samples with; the reward model's in
+/// `trainer: reward`).
 fn tokenizer_dir(cfg: &PpoConfig) -> Result<PathBuf> {
+    let (role, key) = match cfg.trainer {
+        rlhf_config::TrainerKind::Reward => (RoleKind::Reward, "reward.model"),
+        _ => (RoleKind::ActorRollout, "actor_rollout.model"),
+    };
     match rlhf_config::spec::tokenizer_dir(cfg, None) {
         Some(dir) => Ok(dir),
-        None => rlhf_config::spec::model_dir(cfg, RoleKind::ActorRollout).map_err(|e| {
+        None => rlhf_config::spec::model_dir(cfg, role).map_err(|e| {
             Error::invalid(format!(
-                "no tokenizer: set training.tokenizer_name_or_path, or make actor_rollout.model an HF directory or a Hugging Face repo id ({e})"
+                "no tokenizer: set training.tokenizer_name_or_path, or make {key} an HF directory or a Hugging Face repo id ({e})"
             ))
         }),
     }

@@ -14,7 +14,7 @@ use std::time::Instant;
 use rlhf_algo::metric;
 use rlhf_config::data::stage::{load_eval_pairs, load_pairs, load_sft};
 use rlhf_config::data::PromptSampler;
-use rlhf_config::{PpoConfig, RoleKind, TrainerKind};
+use rlhf_config::{PpoConfig, TrainerKind};
 use rlhf_core::calls::{
     LogProbsRequest, Mat, PreferenceUpdateRequest, RewardModelUpdateRequest, ScoresRequest,
     Sequences, SftUpdateRequest, UpdateResponse,
@@ -55,15 +55,9 @@ fn trained(cfg: &PpoConfig, roles: &Roles) -> (&'static str, WorkerGroup, CommGr
     }
 }
 
-fn tokenizer(cfg: &PpoConfig) -> Result<Tokenizer, Error> {
-    let role = match cfg.trainer {
-        TrainerKind::Reward => RoleKind::Reward,
-        _ => RoleKind::ActorRollout,
-    };
-    let model = rlhf_config::spec::model_dir(cfg, role).ok();
-    let dir = rlhf_config::spec::tokenizer_dir(cfg, model.as_deref()).ok_or_else(|| {
-        Error::invalid("no tokenizer: set training.tokenizer_name_or_path or the model")
-    })?;
+/// The job's tokenizer (a Hugging Face repo id resolves through this machine's HF cache).
+async fn tokenizer(cfg: &PpoConfig) -> Result<Tokenizer, Error> {
+    let dir = super::local_tokenizer_dir(cfg).await?;
     Tokenizer::from_dir(&dir).map_err(|e| {
         Error::invalid(format!(
             "loading the tokenizer from {} (training.tokenizer_name_or_path): {e}",
@@ -155,7 +149,7 @@ pub(super) async fn run(
 ) -> std::result::Result<JobSummary, RunError> {
     let extra = std::mem::take(&mut opts.reporters);
     let cfg = &opts.config;
-    let tok = tokenizer(cfg)?;
+    let tok = tokenizer(cfg).await?;
     let ckpt_root = PathBuf::from(&cfg.checkpoint.dir);
     let resume_spec = opts
         .resume
