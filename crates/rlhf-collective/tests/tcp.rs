@@ -425,8 +425,10 @@ fn bucketed_all_reduce_of_many_gradient_tensors() {
 fn a_missing_rank_times_out_the_rendezvous_on_every_joined_rank() {
     let rv = TcpRendezvous::bind("127.0.0.1:0").unwrap();
     let addr = rv.local_addr().to_string();
-    // World of 3, but rank 2 never starts.
-    let h = std::thread::spawn(move || TcpCommunicator::connect(1, 3, &addr, config(500)));
+    // World of 3, but rank 2 never starts. Rank 1 waits longer than rank 0, so what it sees
+    // is rank 0 giving up (on a loaded machine equal deadlines raced: rank 1's own could fire
+    // before rank 0's word arrived).
+    let h = std::thread::spawn(move || TcpCommunicator::connect(1, 3, &addr, config(5000)));
     let e0 = rv.accept(3, config(500)).unwrap_err();
     assert_eq!(e0.kind(), ErrorKind::Timeout);
     assert!(e0.to_string().contains("ranks 2 never joined"), "{e0}");
