@@ -193,6 +193,20 @@ struct Loop<'a> {
     report: &'a mut Reporters,
 }
 
+/// The checkpoint a run continues from: `--resume` (`latest` or a directory), else
+/// `checkpoint.resume`; `None` starts fresh.
+fn resume_point(
+    opts: &DriverOptions,
+    ckpt_root: &std::path::Path,
+) -> Result<Option<(PathBuf, checkpoint::TrainerState)>> {
+    let cfg = &opts.config;
+    let spec = opts
+        .resume
+        .clone()
+        .or_else(|| cfg.checkpoint.resume.clone().filter(|s| !s.is_empty()));
+    spec.map(|s| checkpoint::resolve(ckpt_root, &s)).transpose()
+}
+
 /// Places every role of the job on the cluster and reports it; a failed or stopped launch
 /// leaves nothing it made behind.
 async fn place(

@@ -74,14 +74,7 @@ pub async fn run(
         ))
     })?;
     let ckpt_root = PathBuf::from(&cfg.checkpoint.dir);
-    let resume_spec = opts
-        .resume
-        .clone()
-        .or_else(|| cfg.checkpoint.resume.clone().filter(|s| !s.is_empty()));
-    let mut resumed = match &resume_spec {
-        Some(s) => Some(checkpoint::resolve(&ckpt_root, s)?),
-        None => None,
-    };
+    let mut resumed = super::resume_point(&opts, &ckpt_root)?;
     let first_step = resumed.as_ref().map_or(0, |(_, st)| st.global_step);
     let mut report = Reporters::console(cfg, first_step);
     report.extend(extra);

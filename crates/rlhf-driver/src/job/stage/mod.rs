@@ -151,14 +151,7 @@ pub(super) async fn run(
     let cfg = &opts.config;
     let tok = tokenizer(cfg).await?;
     let ckpt_root = PathBuf::from(&cfg.checkpoint.dir);
-    let resume_spec = opts
-        .resume
-        .clone()
-        .or_else(|| cfg.checkpoint.resume.clone().filter(|s| !s.is_empty()));
-    let resumed = match &resume_spec {
-        Some(s) => Some(checkpoint::resolve(&ckpt_root, s)?),
-        None => None,
-    };
+    let resumed = super::resume_point(&opts, &ckpt_root)?;
     let start_step = resumed.as_ref().map_or(0, |(_, st)| st.global_step);
     let mut report = Reporters::console(cfg, start_step);
     report.extend(extra);
