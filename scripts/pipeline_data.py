@@ -3,7 +3,11 @@
 pairs (with a held-out quarter, pairs_eval.jsonl) over the demo prompts (data/prompts_tiny.jsonl), with a synthetic preference the tiny
 model can learn: answers in digits are preferred over the same answers spelled out (what the
 PPO demo's contains_digit rule rewards, so a reward model trained on the pairs can stand in
-for the rule).
+for the rule). Each prompt gives two pairs: the bare answers, and the answers in a sentence of
+the kind the tiny policy writes ("It is 12." against "It is twelve."). A reward model reads a
+sequence at its last token before the EOS (transformers' rule when the pad token is the EOS,
+as in models/tiny), which in the policy's answers is mostly punctuation: the sentence pairs
+teach it to judge the answer from there.
 
 Run: python3 scripts/pipeline_data.py (standard library only; the output is committed).
 """
@@ -57,6 +61,9 @@ ANSWERS = {
     "How many letters are in 'cat'?": "3",
 }
 
+# Sentences around an answer, in the style of the tiny policy's own answers.
+SENTENCES = [" It is {}.", " {}!", " The answer is {}.", " That makes {}.", " It is {}!"]
+
 ONES = "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen seventeen eighteen nineteen".split()
 TENS = "_ _ twenty thirty forty fifty sixty seventy eighty ninety".split()
 
@@ -91,7 +98,10 @@ def main() -> None:
         spelled = " ".join(words(int(x)) for x in a.split())
         sft.append({"prompt": p, "completion": a})
         # Every fourth prompt is held out of the pairs: the eval split.
-        (held_out if i % 4 == 3 else pairs).append({"prompt": p, "chosen": a, "rejected": spelled})
+        split = held_out if i % 4 == 3 else pairs
+        split.append({"prompt": p, "chosen": a, "rejected": spelled})
+        frame = SENTENCES[i % len(SENTENCES)]
+        split.append({"prompt": p, "chosen": frame.format(a), "rejected": frame.format(spelled)})
     for name, rows in [("sft.jsonl", sft), ("pairs.jsonl", pairs), ("pairs_eval.jsonl", held_out)]:
         (OUT / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
         print(f"wrote {OUT / name} ({len(rows)} rows)")

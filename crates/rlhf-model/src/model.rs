@@ -490,7 +490,12 @@ impl Model {
         head.forward(&h)
     }
 
-    /// Reward per sequence `[B]` (f32, f64 for f64 models), read at the last non-pad token of each row.
+    /// Reward per sequence `[B]` (f32, f64 for f64 models), read where transformers'
+    /// `*ForSequenceClassification` reads it: at the last attended token whose id is not the
+    /// config's `pad_token_id`. When the pad token is also the EOS (models/tiny, Qwen2.5 base),
+    /// a sequence ending in EOS is read at the token before it, as transformers and TRL's
+    /// `get_reward` do, so a reward model scores the same here and there. A row made only of
+    /// pad tokens is read at its last attended token.
     pub fn scores(&self, batch: &Batch) -> Result<Tensor> {
         let logits = self.score_logits(batch)?;
         let (b, t, labels) = logits.dims3()?;
@@ -499,17 +504,11 @@ impl Model {
                 "the score head has {labels} labels; a reward model needs exactly 1"
             )));
         }
-        let mask = batch
-            .attention_mask
-            .to_dtype(DType::F32)?
-            .to_vec2::<f32>()?;
-        let mut idx = Vec::with_capacity(b);
-        for (i, row) in mask.iter().enumerate() {
-            let last = row.iter().rposition(|&m| m > 0.5).ok_or_else(|| {
-                Error::InvalidArgument(format!("row {i} of the batch has no tokens"))
-            })?;
-            idx.push((i * t + last) as u32);
-        }
+        let idx = score_positions(batch, self.config.pad_token_id)?
+            .into_iter()
+            .enumerate()
+            .map(|(i, last)| (i * t + last) as u32)
+            .collect::<Vec<_>>();
         let idx = Tensor::from_vec(idx, b, logits.device())?;
         Ok(logits
             .reshape((b * t, 1))?
@@ -556,4 +555,31 @@ pub(crate) fn write_json(path: &Path, v: &Value) -> Result<()> {
         message: e.to_string(),
     })?;
     std::fs::write(path, text + "\n").map_err(|e| Error::io(path, e))
+}
+
+/// Per row, the position a sequence classifier reads: the last attended token that is not
+/// `pad` (the last attended token when every attended token is `pad`).
+fn score_positions(batch: &Batch, pad: Option<u32>) -> Result<Vec<usize>> {
+    let mask = batch
+        .attention_mask
+        .to_dtype(DType::F32)?
+        .to_vec2::<f32>()?;
+    let ids = batch.input_ids.to_dtype(DType::U32)?.to_vec2::<u32>()?;
+    let mut out = Vec::with_capacity(mask.len());
+    for (i, (m, row)) in mask.iter().zip(&ids).enumerate() {
+        let attended = |j: &usize| m[*j] > 0.5;
+        let last = (0..m.len())
+            .rev()
+            .find(attended)
+            .ok_or_else(|| Error::InvalidArgument(format!("row {i} of the batch has no tokens")))?;
+        let read = match pad {
+            Some(p) => (0..=last)
+                .rev()
+                .find(|j| attended(j) && row[*j] != p)
+                .unwrap_or(last),
+            None => last,
+        };
+        out.push(read);
+    }
+    Ok(out)
 }

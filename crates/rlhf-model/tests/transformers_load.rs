@@ -21,7 +21,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use common::{fixture, tiny_batch, to_vec2, to_vec3};
+use common::{fixture, to_vec2, to_vec3};
 use rlhf_model::{Batch, Device, LoadOptions, Model, ModelKind, Tensor, ValueHeadInit};
 use serde_json::{json, Value};
 
@@ -58,6 +58,19 @@ json.dump(out, open(sys.argv[2], "w"))
 
 fn reference_path() -> PathBuf {
     fixture("transformers_load.json")
+}
+
+/// The inputs every model is run on, left-padded with 0. The last row ends with token 0,
+/// which is both the EOS and the pad token of the tiny fixtures (as in models/tiny and
+/// Qwen2.5 base): a sequence classifier reads it at the token before (transformers' rule).
+fn batch() -> Batch {
+    let seqs = vec![
+        vec![5, 9, 12, 3, 40],
+        vec![7, 8, 1, 33, 20, 11, 2, 60],
+        vec![14, 15, 16],
+        vec![21, 22, 23, 0],
+    ];
+    Batch::left_padded(&seqs, 0, &Device::Cpu).unwrap()
 }
 
 /// FNV-1a, 64-bit: enough to tell that the saved bytes changed.
@@ -234,7 +247,7 @@ fn transformers_output_matches_the_committed_reference() {
     let reference: Value =
         serde_json::from_str(&std::fs::read_to_string(reference_path()).unwrap()).unwrap();
     let tmp = tempfile::tempdir().unwrap();
-    let b = tiny_batch(&Device::Cpu);
+    let b = batch();
     let mask = b.attention_mask.to_vec2::<u32>().unwrap();
     let saved = save_dirs(tmp.path());
     assert_eq!(saved.len(), reference["models"].as_object().unwrap().len());
@@ -286,7 +299,7 @@ fn transformers_output_matches_the_committed_reference() {
 fn regenerate_with_transformers() {
     let python = std::env::var("RLHF_REF_PYTHON").expect("set RLHF_REF_PYTHON");
     let tmp = tempfile::tempdir().unwrap();
-    let b = tiny_batch(&Device::Cpu);
+    let b = batch();
     let saved = save_dirs(tmp.path());
     let dirs: BTreeMap<&str, String> = saved
         .iter()
@@ -322,4 +335,40 @@ fn regenerate_with_transformers() {
         serde_json::to_string_pretty(&out).unwrap() + "\n",
     )
     .unwrap();
+}
+
+/// With the pad token as EOS, a trailing EOS is not where the reward is read: the score of
+/// `x + [EOS]` is the score of `x` (the model is causal, so the hidden state at `x`'s last
+/// token is the same), and a row made only of pads is still scored.
+#[test]
+fn a_trailing_eos_that_is_the_pad_token_is_not_read() {
+    let m = Model::load(
+        fixture("tiny-llama-reward"),
+        &LoadOptions::inference().with_kind(ModelKind::Reward),
+    )
+    .unwrap();
+    assert_eq!(m.config().pad_token_id, Some(0));
+    let score = |seqs: Vec<Vec<u32>>| {
+        m.scores(&Batch::left_padded(&seqs, 0, &Device::Cpu).unwrap())
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap()
+    };
+    let plain = score(vec![vec![21, 22, 23], vec![5, 9, 12, 3, 40]]);
+    let with_eos = score(vec![vec![21, 22, 23, 0], vec![5, 9, 12, 3, 40, 0]]);
+    for (a, b) in plain.iter().zip(&with_eos) {
+        assert!((a - b).abs() < 1e-6, "{plain:?} vs {with_eos:?}");
+    }
+    // Reading at the EOS itself would differ: the hidden state there has seen one more token.
+    let at_eos = m
+        .score_logits(&Batch::left_padded(&[vec![21, 22, 23, 0]], 0, &Device::Cpu).unwrap())
+        .unwrap()
+        .to_dtype(rlhf_model::DType::F32)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    assert!((at_eos[3] - plain[0]).abs() > 1e-4, "{at_eos:?} {plain:?}");
+    assert_eq!(score(vec![vec![0, 0]]).len(), 1);
 }
