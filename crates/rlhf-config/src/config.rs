@@ -256,6 +256,10 @@ pub struct DataConfig {
     pub eval_path: Option<String>,
     /// Steps between evals on `eval_path`.
     pub eval_every: u64,
+    /// trainer sft: pack several examples into each row of `max_prompt_length +
+    /// max_response_length` tokens (best-fit decreasing), each attending only to its own
+    /// tokens; `training.global_batch_size` then counts packed rows.
+    pub packing: bool,
 }
 
 impl Default for DataConfig {
@@ -277,6 +281,7 @@ impl Default for DataConfig {
             bad_rows: BadRows::Fail,
             eval_path: None,
             eval_every: 10,
+            packing: false,
         }
     }
 }

@@ -110,6 +110,7 @@ pub const KEY_DOCS: &[(&str, &str)] = &[
     ("data.bad_rows", "Rows that fail to parse: skip (count, report, drop) or fail."),
     ("data.eval_path", "trainer reward / dpo: held-out pairs (same format as path) scored every eval_every steps and at the last step, logged as eval/* (null = no eval)."),
     ("data.eval_every", "Steps between evals on data.eval_path."),
+    ("data.packing", "trainer sft: pack examples into rows of max_prompt_length + max_response_length tokens (best-fit decreasing), each attending only to itself; global_batch_size then counts packed rows."),
     ("checkpoint.dir", "Directory of step_N/ checkpoints."),
     ("checkpoint.save_steps", "Save every N steps (0 = only at the end)."),
     ("checkpoint.keep_last", "Keep the newest N checkpoints (0 = all)."),

@@ -20,8 +20,15 @@ pub fn validate(cfg: &PpoConfig, origin: &str) -> Result<()> {
 /// Every failed rule, one message each (empty when the config is valid).
 pub fn problems(cfg: &PpoConfig) -> Vec<String> {
     let mut e = Vec::new();
+    if cfg.data.packing && cfg.trainer != TrainerKind::Sft {
+        e.push(format!(
+            "data.packing packs SFT examples into rows, and this job is trainer {}; remove data.packing (or set trainer: sft)",
+            cfg.trainer
+        ));
+    }
     if cfg.trainer != TrainerKind::Ppo {
-        return stage_problems(cfg);
+        e.extend(stage_problems(cfg));
+        return e;
     }
     let a = &cfg.actor_rollout;
     let c = &cfg.critic;

@@ -140,6 +140,22 @@ fn stage_keys_and_shapes_are_checked() {
     .unwrap_err()
     .to_string();
     assert!(err.contains("needs the reference policy"), "{err}");
+    // Packing is SFT's: refused by key for PPO and the pair trainers.
+    for t in ["trainer=ppo", "trainer=dpo"] {
+        let err = tiny(&[t, "data.packing=true", "resource_pool.actor_rollout=1"])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("data.packing packs SFT examples"),
+            "{t}: {err}"
+        );
+    }
+    assert!(tiny(&[
+        "trainer=sft",
+        "resource_pool.actor_rollout=1",
+        "data.packing=true"
+    ])
+    .is_ok());
     let err = tiny(&[
         "trainer=sft",
         "resource_pool.actor_rollout=3",

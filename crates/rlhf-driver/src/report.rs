@@ -29,6 +29,8 @@ pub struct DatasetReport {
     pub max_prompt_length: u32,
     /// One line per malformed row skipped (`data.bad_rows: skip`).
     pub bad_rows: Vec<String>,
+    /// `data.packing`: the rows the examples were packed into.
+    pub packed_rows: Option<usize>,
 }
 
 /// Something worth telling about a job, in the order it happens.
@@ -206,6 +208,9 @@ impl Console {
                     "dataset {}: {} rows, {} prompts ({} kept, {} truncated, {} skipped by actor_rollout.max_prompt_length={})",
                     d.path, d.rows, d.prompts, d.kept, d.truncated, d.skipped, d.max_prompt_length
                 );
+                if let Some(n) = d.packed_rows {
+                    s.push_str(&format!(", packed into {n} rows (data.packing)"));
+                }
                 if !d.bad_rows.is_empty() {
                     s.push_str(&format!(
                         "\n{} bad row(s) skipped (data.bad_rows: skip):",
@@ -441,6 +446,7 @@ mod tests {
             skipped: 0,
             max_prompt_length: 8,
             bad_rows: vec!["line 3: not JSON".into()],
+            packed_rows: None,
         };
         all.report(&Event::Dataset(&data)).unwrap();
         let metrics: BTreeMap<String, f64> = [(metric::OBJECTIVE_SCORES.to_string(), 0.25)].into();
@@ -548,6 +554,7 @@ mod tests {
             skipped: 0,
             max_prompt_length: 8,
             bad_rows: (0..25).map(|i| format!("line {i}: bad")).collect(),
+            packed_rows: None,
         };
         let t = Console::text(&Event::Dataset(&data)).unwrap();
         assert!(t.contains("actor_rollout.max_prompt_length=8"), "{t}");

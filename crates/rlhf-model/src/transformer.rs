@@ -537,7 +537,10 @@ impl Transformer {
 }
 
 /// Additive mask `[B, 1, 1, T, S]`: a query at absolute position `past + i` sees key `j` when
-/// `j <= past + i` and key `j` is not padding.
+/// `j <= past + i` and key `j` is not padding (mask 0). A mask value above 1 is a segment id
+/// (packed rows: several sequences back to back in one row): a query then sees only the keys
+/// of its own segment, so each packed sequence is computed as if it were alone. Binary masks
+/// (every value 0 or 1) are the ordinary case.
 fn build_mask(
     attention_mask: &Tensor,
     t: usize,
@@ -545,7 +548,7 @@ fn build_mask(
     dtype: DType,
     device: &Device,
 ) -> Result<Tensor> {
-    let am = attention_mask.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+    let am = attention_mask.to_dtype(DType::U32)?.to_vec2::<u32>()?;
     let b = am.len();
     let s = past + t;
     let neg = mask_value(dtype);
@@ -553,8 +556,10 @@ fn build_mask(
     for (bi, row) in am.iter().enumerate() {
         for i in 0..t {
             let base = (bi * t + i) * s;
+            // A padding query (segment 0) sees every token before it, as before packing.
+            let seg = row[past + i];
             for (j, &m) in row.iter().enumerate() {
-                if j > past + i || m < 0.5 {
+                if j > past + i || m == 0 || (seg != 0 && m != seg) {
                     data[base + j] = neg;
                 }
             }
@@ -564,14 +569,20 @@ fn build_mask(
 }
 
 /// Position ids `cumsum(mask) - 1`, clamped at 0, for a left-padded batch (`[B, T]`, u32).
+/// With segment ids in the mask (packed rows, see `build_mask`), positions restart at 0 where
+/// a new segment begins; a binary mask is one segment.
 pub fn position_ids_from_mask(attention_mask: &Tensor) -> Result<Tensor> {
-    let am = attention_mask.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+    let am = attention_mask.to_dtype(DType::U32)?.to_vec2::<u32>()?;
     let (b, t) = attention_mask.dims2()?;
     let mut out = Vec::with_capacity(b * t);
     for row in am {
-        let mut c: i64 = -1;
+        let (mut c, mut seg): (i64, u32) = (-1, 0);
         for m in row {
-            if m > 0.5 {
+            if m != 0 {
+                if seg != 0 && m != seg {
+                    c = -1;
+                }
+                seg = m;
                 c += 1;
             }
             out.push(c.max(0) as u32);

@@ -307,3 +307,53 @@ fn generation_config_defaults_are_read() {
     assert_eq!(g.eos_token_ids, vec![0, 2]);
     assert_eq!(g.pad_token_id, Some(0));
 }
+
+/// Packed rows (segment ids in the attention mask, `data.packing`): every sequence of the row
+/// gets the logits it gets alone, on every kernel path, and its positions restart at 0.
+#[test]
+fn packed_rows_give_each_sequence_its_own_logits() {
+    let seqs: [&[u32]; 3] = [&[5, 9, 12, 3, 40], &[7, 8, 1, 33], &[14, 15]];
+    let mut ids: Vec<u32> = seqs.concat();
+    let mut mask: Vec<u32> = seqs
+        .iter()
+        .enumerate()
+        .flat_map(|(k, s)| std::iter::repeat_n(k as u32 + 1, s.len()))
+        .collect();
+    ids.extend([0, 0]);
+    mask.extend([0, 0]);
+    let n = ids.len();
+    let dev = Device::Cpu;
+    let row = Batch::from_mask(
+        rlhf_model::Tensor::from_vec(ids, (1, n), &dev).unwrap(),
+        rlhf_model::Tensor::from_vec(mask, (1, n), &dev).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        row.position_ids.to_vec2::<u32>().unwrap()[0],
+        vec![0, 1, 2, 3, 4, 0, 1, 2, 3, 0, 1, 1, 1]
+    );
+    for kernels in [
+        Kernels::Inference,
+        Kernels::FusedTraining,
+        Kernels::Composite,
+    ] {
+        let opts = match kernels {
+            Kernels::Inference => LoadOptions::inference(),
+            Kernels::FusedTraining => LoadOptions::training(ModelKind::CausalLm),
+            Kernels::Composite => LoadOptions {
+                composite_ops: true,
+                ..LoadOptions::training(ModelKind::CausalLm)
+            },
+        };
+        let model = Model::load(fixture("tiny-qwen2"), &opts).unwrap();
+        let packed = to_vec3(&model.logits(&row).unwrap()).remove(0);
+        let mut off = 0;
+        for s in seqs {
+            let alone = Batch::left_padded(&[s.to_vec()], 0, &dev).unwrap();
+            let alone = to_vec3(&model.logits(&alone).unwrap()).remove(0);
+            let d = max_diff_2d(&alone, &packed[off..off + s.len()], |_, _| true);
+            assert!(d < 1e-4, "{kernels:?}: sequence at {off} differs by {d}");
+            off += s.len();
+        }
+    }
+}

@@ -41,16 +41,18 @@ fn load(spec: &RoleSpec, device: &Device, kind: ModelKind, what: &str) -> Result
     )
 }
 
-/// Response-token log-probs `[B, R]` at temperature 1 (no entropy).
+/// Log-probs `[B, width]` of the last `width` tokens of each row at temperature 1 (no
+/// entropy): the response columns, or every token after the first in a packed row.
 fn completion_log_probs(
     model: &Model,
     ids: &Tensor,
     mask: &Tensor,
-    shapes: Shapes,
+    width: usize,
 ) -> Result<Tensor> {
     let batch = Batch::from_mask(ids.clone(), mask.clone())?;
     let (lp, _) = model.log_probs_and_entropy(&batch, 1.0, false)?;
-    Ok(lp.narrow(1, shapes.prompt_len - 1, shapes.response_len)?)
+    let cols = lp.dim(1)?;
+    Ok(lp.narrow(1, cols - width, width)?)
 }
 
 /// Log-probs of a request's completions for the driver (reference passes, KTO's KL pairs,
@@ -107,6 +109,8 @@ pub struct SftBatch {
     ids: Tensor,
     mask: Tensor,
     loss_mask: Tensor,
+    /// The loss mask's columns: R, or P + R - 1 for packed rows.
+    width: usize,
 }
 
 impl SftTrainer {
@@ -158,15 +162,43 @@ impl Train for SftTrainer {
         LossAggMode::TokenMean
     }
 
+    /// Two geometries: prompt + completion rows (`response_len` R, the job's shapes), and
+    /// packed rows (`data.packing`: several examples back to back, their segment ids in the
+    /// attention mask, `response_len` P + R - 1 so that every token after the first can be
+    /// trained).
     fn prepare(&self, req: &SftUpdateRequest) -> Result<Prepared<SftBatch>> {
         const CALL: &str = "UpdateSft";
         let device = self.state.model.device();
-        let (ids, mask) = sequences(CALL, &req.seq, self.shapes, device)?;
+        let packed = req.seq.response_len + 1 == self.shapes.seq_len();
+        let shapes = if packed {
+            Shapes {
+                prompt_len: 1,
+                response_len: self.shapes.seq_len() - 1,
+            }
+        } else {
+            self.shapes
+        };
+        let (ids, mask) = sequences(CALL, &req.seq, shapes, device)?;
         let b = req.seq.rows();
-        let loss_mask = tokens(CALL, "loss_mask", &req.loss_mask, b, self.shapes, device)?;
+        let loss_mask = tokens(CALL, "loss_mask", &req.loss_mask, b, shapes, device)?;
         if req.loss_mask.data.iter().any(|&m| m != 0.0 && m != 1.0) {
             return Err(Error::invalid(format!(
                 "{CALL}: loss_mask holds values other than 0 and 1"
+            )));
+        }
+        if !packed
+            && req
+                .seq
+                .attention_mask
+                .data
+                .iter()
+                .any(|&m| m != 0 && m != 1)
+        {
+            return Err(Error::invalid(format!(
+                "{CALL}: attention_mask holds segment ids, but the rows are not packed \
+                 (response_length {} is not max_prompt_length + max_response_length - 1 = {})",
+                req.seq.response_len,
+                self.shapes.seq_len() - 1
             )));
         }
         Ok(Prepared {
@@ -174,9 +206,10 @@ impl Train for SftTrainer {
                 ids,
                 mask,
                 loss_mask,
+                width: shapes.response_len,
             },
             mask: req.loss_mask.data.clone(),
-            width: self.shapes.response_len,
+            width: shapes.response_len,
             step: req.step,
         })
     }
@@ -187,7 +220,7 @@ impl Train for SftTrainer {
             model,
             &convert::rows(&b.ids, idx)?,
             &convert::rows(&b.mask, idx)?,
-            self.shapes,
+            b.width,
         )?;
         let (loss, _) = sft_loss(&lp, &m)?;
         let value = loss.to_dtype(candle_core::DType::F64)?.to_scalar::<f64>()?;
@@ -334,7 +367,7 @@ impl Train for PreferenceTrainer {
                 model,
                 &convert::rows(ids, idx)?,
                 &convert::rows(mask, idx)?,
-                self.shapes,
+                self.shapes.response_len,
             )
         };
         let rows = |t: &Option<Tensor>| t.as_ref().map(|t| convert::rows(t, idx)).transpose();

@@ -1,5 +1,5 @@
 //! The other stages as jobs over real processes (`rlhf-head run`, embedded head and worker):
-//! SFT's loss falls; a reward model learns the shipped pairs and then drives PPO as its
+//! SFT's loss falls, packed or not; a reward model learns the shipped pairs and then drives PPO as its
 //! `reward.kind=model`; DPO's margins rise; both are scored on held-out pairs; a DPO run
 //! stopped and resumed repeats the straight one.
 
@@ -62,6 +62,41 @@ fn sft_then_a_reward_model_that_drives_ppo() -> Result<()> {
     assert!(sft
         .join("ckpt/global_step_16/actor/model.safetensors")
         .exists());
+
+    // Packed: about four examples share each row of 48 tokens, each attending only to itself;
+    // a step of 2 rows covers as many examples as the 8 rows above.
+    let packed = dir.path().join("sft-packed");
+    let out = run(
+        "sft-packed",
+        dir.path(),
+        stage_cmd(
+            "sft_tiny",
+            &packed,
+            &[
+                "data.packing=true",
+                "training.global_batch_size=2",
+                "training.micro_batch_size=2",
+                "training.train_iters=16",
+            ],
+        ),
+    )?;
+    let rows: usize = out
+        .split("packed into ")
+        .nth(1)
+        .and_then(|s| s.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no 'packed into N rows' line in:\n{out}"));
+    assert!(
+        (10..=24).contains(&rows),
+        "64 examples packed into {rows} rows"
+    );
+    let loss = series(&jsonl(&packed.join("metrics.jsonl"))?, "train/loss");
+    let (first, last) = ends(&loss, 4);
+    println!("sft packed ({rows} rows): train/loss {first:.3} -> {last:.3}");
+    assert!(
+        last < 0.5 * first,
+        "packed SFT loss should fall: {first:.3} -> {last:.3}"
+    );
 
     let rm = dir.path().join("rm");
     run(

@@ -89,6 +89,7 @@ pub async fn run(
         skipped: data.length.skipped,
         max_prompt_length: cfg.actor_rollout.max_prompt_length,
         bad_rows: data.bad_rows.clone(),
+        packed_rows: None,
     }))?;
     let fixed = match &cfg.actor_rollout.fixed_responses_file {
         Some(p) if !p.is_empty() => Some(prompts::load_fixed_responses(

@@ -4,6 +4,8 @@
 //! turn's tokens are what it adds to the rendering of the turns before it, so an assistant
 //! turn's tokens (its answer and end marker) are trained and the template's headers are not.
 
+use std::collections::{BTreeMap, BTreeSet};
+
 use rlhf_config::data::stage::{Reply, SftExample};
 use rlhf_config::data::{ChatMessage as DataMessage, PromptContent};
 use rlhf_config::PpoConfig;
@@ -185,15 +187,13 @@ pub fn pack(
     let mut attn = Mat::filled(b, p + r, 0i64);
     let mut loss = Mat::filled(b, r, 0f32);
     for (i, e) in rows.iter().enumerate() {
-        let prompt = &e.prompt[e.prompt.len().saturating_sub(p)..];
-        cuts.prompts += usize::from(e.prompt.len() > p);
-        cuts.completions += usize::from(e.completion.len() > r);
+        let (prompt, completion, flags) = fitted(e, p, r, cuts);
         let off = p - prompt.len();
         for (j, &t) in prompt.iter().enumerate() {
             ids.row_mut(i)[off + j] = i64::from(t);
             attn.row_mut(i)[off + j] = 1;
         }
-        for (k, (&t, &l)) in e.completion.iter().zip(&e.loss).take(r).enumerate() {
+        for (k, (&t, &l)) in completion.iter().zip(flags).enumerate() {
             ids.row_mut(i)[p + k] = i64::from(t);
             attn.row_mut(i)[p + k] = 1;
             loss.row_mut(i)[k] = f32::from(u8::from(l));
@@ -210,6 +210,121 @@ pub fn pack(
             input_ids: ids,
             attention_mask: attn,
             response_len: r,
+        },
+        loss,
+    ))
+}
+
+/// `data.packing`: the examples (by token count) placed into rows of `len` tokens, best-fit
+/// decreasing (longest first, each into the fullest row it still fits, TRL's `bfd`). Rows are
+/// in the order they were opened, each row's examples in the order they were placed; the
+/// plan depends only on the lengths, so a resumed job packs the same rows.
+pub fn plan_packing(lens: &[usize], len: usize) -> Vec<Vec<usize>> {
+    let mut order: Vec<usize> = (0..lens.len()).collect();
+    order.sort_by(|&a, &b| lens[b].cmp(&lens[a]).then(a.cmp(&b)));
+    let mut rows: Vec<Vec<usize>> = Vec::new();
+    // Free space -> the rows with exactly that much left (the lowest index first).
+    let mut free: BTreeMap<usize, BTreeSet<usize>> = BTreeMap::new();
+    for i in order {
+        let need = lens[i].min(len);
+        let fit = free
+            .range(need..)
+            .next()
+            .map(|(&room, set)| (room, set.first().copied()));
+        let (row, room) = match fit {
+            Some((room, Some(row))) => {
+                let set = free.get_mut(&room).expect("listed");
+                set.remove(&row);
+                if set.is_empty() {
+                    free.remove(&room);
+                }
+                (row, room)
+            }
+            _ => {
+                rows.push(Vec::new());
+                (rows.len() - 1, len)
+            }
+        };
+        rows[row].push(i);
+        free.entry(room - need).or_default().insert(row);
+    }
+    rows
+}
+
+/// An example cut to the job's shapes: its prompt's last `p` tokens, its completion's first
+/// `r` tokens with their loss flags (the cuts `pack` makes).
+fn fitted<'a>(
+    e: &'a Encoded,
+    p: usize,
+    r: usize,
+    cuts: &mut Cuts,
+) -> (&'a [u32], &'a [u32], &'a [bool]) {
+    cuts.prompts += usize::from(e.prompt.len() > p);
+    cuts.completions += usize::from(e.completion.len() > r);
+    let n = e.completion.len().min(r);
+    (
+        &e.prompt[e.prompt.len().saturating_sub(p)..],
+        &e.completion[..n],
+        &e.loss[..n],
+    )
+}
+
+/// The token count of an example once cut to the job's shapes (what packing places).
+pub fn fitted_len(e: &Encoded, cfg: &PpoConfig) -> usize {
+    let p = cfg.actor_rollout.max_prompt_length as usize;
+    let r = cfg.actor_rollout.max_response_length as usize;
+    e.prompt.len().min(p) + e.completion.len().min(r)
+}
+
+/// Packed rows in the `[B, P + R]` layout the SFT trainer takes for them: each row's examples
+/// back to back (each cut as in [`pack`]), example k of a row marked with segment id k + 1 in
+/// the attention mask (so it attends only to itself and its positions restart), pad after
+/// the last one; `response_len` is `P + R - 1`, every token after the first, and the loss
+/// mask covers the completion tokens.
+pub fn pack_rows(
+    rows: &[&[usize]],
+    examples: &[Encoded],
+    cfg: &PpoConfig,
+    pad: u32,
+    cuts: &mut Cuts,
+) -> Result<(Sequences, Mat<f32>)> {
+    let p = cfg.actor_rollout.max_prompt_length as usize;
+    let r = cfg.actor_rollout.max_response_length as usize;
+    let (b, len) = (rows.len(), p + r);
+    let mut ids = Mat::filled(b, len, i64::from(pad));
+    let mut attn = Mat::filled(b, len, 0i64);
+    let mut loss = Mat::filled(b, len - 1, 0f32);
+    for (i, row) in rows.iter().enumerate() {
+        let mut off = 0;
+        for (k, &ex) in row.iter().enumerate() {
+            let (prompt, completion, flags) = fitted(&examples[ex], p, r, cuts);
+            if prompt.is_empty() {
+                return Err(Error::invalid(format!(
+                    "a row has an empty prompt after tokenization ({})",
+                    cfg.data.path
+                )));
+            }
+            if off + prompt.len() + completion.len() > len {
+                return Err(Error::internal(format!(
+                    "packed row {i} overflows its {len} tokens"
+                )));
+            }
+            for (j, &t) in prompt.iter().chain(completion).enumerate() {
+                ids.row_mut(i)[off + j] = i64::from(t);
+                attn.row_mut(i)[off + j] = k as i64 + 1;
+            }
+            // Token `c` is predicted at column `c - 1`; a completion token never starts a row.
+            for (j, &l) in flags.iter().enumerate() {
+                loss.row_mut(i)[off + prompt.len() + j - 1] = f32::from(u8::from(l));
+            }
+            off += prompt.len() + completion.len();
+        }
+    }
+    Ok((
+        Sequences {
+            input_ids: ids,
+            attention_mask: attn,
+            response_len: len - 1,
         },
         loss,
     ))
@@ -327,5 +442,64 @@ mod tests {
         assert_eq!(&row[3..], &e.completion[..2]);
         assert_eq!(mask.data, vec![1.0, 1.0]);
         assert_eq!(seq.attention_mask.data, vec![1; 5]);
+    }
+
+    /// Best-fit decreasing: every example in exactly one row, no row over its length, the
+    /// longest first into the fullest row it fits, and the same plan every time.
+    #[test]
+    fn packing_plans_place_every_example_once_best_fit_decreasing() {
+        let lens = [7, 3, 5, 2, 9, 4, 1, 6, 10, 12];
+        let rows = plan_packing(&lens, 10);
+        let mut seen: Vec<usize> = rows.iter().flatten().copied().collect();
+        seen.sort_unstable();
+        assert_eq!(seen, (0..lens.len()).collect::<Vec<_>>());
+        for r in &rows {
+            assert!(
+                r.iter().map(|&i| lens[i].min(10)).sum::<usize>() <= 10,
+                "{rows:?}"
+            );
+        }
+        // 12 and 10 fill rows alone (12 is cut to 10); 9+1; 7+3; 6+4; 5+2 -> 6 rows.
+        assert_eq!(rows.len(), 6, "{rows:?}");
+        assert_eq!(rows[0], vec![9]);
+        assert_eq!(rows[2], vec![4, 6]);
+        assert_eq!(plan_packing(&lens, 10), rows);
+        assert!(plan_packing(&[], 10).is_empty());
+    }
+
+    /// A packed row: examples back to back under segment ids 1, 2, ..., pad after; the loss
+    /// column of a completion token is the one before it, and cuts are the unpacked ones.
+    #[test]
+    fn packed_rows_mark_segments_and_shift_the_loss_by_one() {
+        let ex = |p: &[u32], c: &[u32], l: &[bool]| Encoded {
+            prompt: p.to_vec(),
+            completion: c.to_vec(),
+            loss: l.to_vec(),
+        };
+        let examples = vec![
+            ex(&[1, 2], &[3, 4], &[true, false]),
+            ex(&[5], &[6, 7, 8], &[true, true, true]),
+        ];
+        let mut cfg = PpoConfig::default();
+        cfg.actor_rollout.max_prompt_length = 4;
+        cfg.actor_rollout.max_response_length = 6;
+        let mut cuts = Cuts::default();
+        let rows = [&[0usize, 1][..]];
+        let (seq, loss) = pack_rows(&rows, &examples, &cfg, 0, &mut cuts).unwrap();
+        assert_eq!(seq.response_len, 9);
+        assert_eq!(seq.input_ids.data, vec![1, 2, 3, 4, 5, 6, 7, 8, 0, 0]);
+        assert_eq!(seq.attention_mask.data, vec![1, 1, 1, 1, 2, 2, 2, 2, 0, 0]);
+        // Tokens 3 (trained), 4 (not), 6, 7, 8 (trained) at columns 2, 3, 5, 6, 7, less one.
+        assert_eq!(loss.data, vec![0., 1., 0., 0., 1., 1., 1., 0., 0.]);
+        assert_eq!(cuts, Cuts::default());
+        // Completions cut to max_response_length = 2, as unpacked; a plan that overflows a
+        // row is refused.
+        cfg.actor_rollout.max_response_length = 2;
+        let (seq, _) = pack_rows(&[&[1][..]], &examples, &cfg, 0, &mut cuts).unwrap();
+        assert_eq!(seq.input_ids.data, vec![5, 6, 7, 0, 0, 0]);
+        assert_eq!(cuts.completions, 1);
+        let e = pack_rows(&rows, &examples, &cfg, 0, &mut cuts).unwrap_err();
+        assert!(e.to_string().contains("overflows"), "{e}");
+        assert_eq!(fitted_len(&examples[1], &cfg), 3);
     }
 }

@@ -35,14 +35,29 @@ use encode::{pack, Cuts, Encoded, Encoder};
 /// The stage's examples in tokens.
 enum Data {
     Sft(Vec<Encoded>),
+    /// `data.packing`: the examples and the packed rows the sampler draws (example indices).
+    Packed {
+        examples: Vec<Encoded>,
+        rows: Vec<Vec<usize>>,
+    },
     Pairs(Pairs),
 }
 
 impl Data {
+    /// What the sampler draws from: examples, packed rows or pairs.
     fn len(&self) -> usize {
         match self {
             Data::Sft(v) => v.len(),
+            Data::Packed { rows, .. } => rows.len(),
             Data::Pairs(v) => v.len(),
+        }
+    }
+
+    /// Examples or pairs in the dataset.
+    fn examples(&self) -> usize {
+        match self {
+            Data::Packed { examples, .. } => examples.len(),
+            _ => self.len(),
         }
     }
 }
@@ -120,7 +135,16 @@ fn load_data(cfg: &PpoConfig, tok: &Tokenizer) -> Result<(Data, DatasetReport), 
                 .iter()
                 .map(|(row, ex)| enc.sft(*row, ex))
                 .collect::<Result<Vec<_>, _>>()?;
-            (Data::Sft(v), ds.report.rows, bad(&ds.report.bad))
+            let data = if cfg.data.packing {
+                let lens: Vec<usize> = v.iter().map(|e| encode::fitted_len(e, cfg)).collect();
+                let len = (cfg.actor_rollout.max_prompt_length
+                    + cfg.actor_rollout.max_response_length) as usize;
+                let rows = encode::plan_packing(&lens, len);
+                Data::Packed { examples: v, rows }
+            } else {
+                Data::Sft(v)
+            };
+            (data, ds.report.rows, bad(&ds.report.bad))
         }
         _ => {
             let ds = load_pairs(&cfg.data).map_err(invalid)?;
@@ -131,12 +155,16 @@ fn load_data(cfg: &PpoConfig, tok: &Tokenizer) -> Result<(Data, DatasetReport), 
     let report = DatasetReport {
         path: cfg.data.path.clone(),
         rows,
-        prompts: data.len(),
-        kept: data.len(),
+        prompts: data.examples(),
+        kept: data.examples(),
         truncated: 0,
         skipped: 0,
         max_prompt_length: cfg.actor_rollout.max_prompt_length,
         bad_rows,
+        packed_rows: match &data {
+            Data::Packed { rows, .. } => Some(rows.len()),
+            _ => None,
+        },
     };
     Ok((data, report))
 }
@@ -380,9 +408,18 @@ impl StageLoop<'_> {
         let mut extra = BTreeMap::new();
         let tokens = |s: &Sequences| s.attention_mask.data.iter().filter(|&&m| m != 0).count();
         match self.data {
-            Data::Sft(v) => {
-                let rows: Vec<&Encoded> = idx.iter().map(|&i| &v[i]).collect();
-                let (seq, loss_mask) = pack(&rows, cfg, pad, &mut cuts)?;
+            Data::Sft(_) | Data::Packed { .. } => {
+                let (seq, loss_mask) = match self.data {
+                    Data::Packed { examples, rows } => {
+                        let rows: Vec<&[usize]> = idx.iter().map(|&i| &rows[i][..]).collect();
+                        encode::pack_rows(&rows, examples, cfg, pad, &mut cuts)?
+                    }
+                    Data::Sft(v) => {
+                        let rows: Vec<&Encoded> = idx.iter().map(|&i| &v[i]).collect();
+                        pack(&rows, cfg, pad, &mut cuts)?
+                    }
+                    Data::Pairs(_) => unreachable!("matched above"),
+                };
                 let n = tokens(&seq) as f64;
                 let trained: f32 = loss_mask.data.iter().sum();
                 let started = Instant::now();
