@@ -1,7 +1,7 @@
 //! `fault_tolerance`: a role process SIGKILLed mid-run (which one and when chosen by a seed,
 //! `RLHF_CHAOS_SEED`) and the job recovers by itself: every role placed again, the newest
 //! checkpoint reloaded, the steps after it run again and written once, and the metrics equal
-//! those of an uninterrupted run.
+//! those of an uninterrupted run; the other stages (a DPO job) recover the same way.
 
 use std::path::Path;
 use std::time::Duration;
@@ -162,5 +162,68 @@ fn a_lost_worker_moves_the_job_to_the_other_one() -> Result<()> {
         .filter_map(|l| l["step"].as_u64())
         .collect();
     assert_eq!(steps, (1..=STEPS).collect::<Vec<_>>());
+    Ok(())
+}
+
+/// The other stages recover the same way (`trainer: dpo`, whose trainer and reference are
+/// separate role processes): the trainer SIGKILLed after step 3 of 8, the job places both
+/// again from the newest checkpoint and ends with each step written once and the metrics of
+/// an uninterrupted run.
+#[test]
+fn a_killed_dpo_trainer_is_restarted_with_the_same_metrics() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let args = [
+        "training.train_iters=8",
+        "checkpoint.save_steps=2",
+        "fault_tolerance.restart_backoff_s=1",
+        "logging.progress=false",
+    ];
+    let cmd = |out: &Path| {
+        let mut cmd = std::process::Command::new(rlhf_e2e::bin("rlhf-head"));
+        cmd.current_dir(rlhf_e2e::repo_root())
+            .args(["run", "--config-name", "dpo_tiny"])
+            .args(rlhf_e2e::output_overrides(out))
+            .args(args)
+            .env_remove("RLHF_TOKEN")
+            .env("RUST_LOG", "warn");
+        cmd
+    };
+    let straight = dir.path().join("straight");
+    let mut p = Proc::spawn("straight", dir.path(), &mut cmd(&straight))?;
+    wait_success(&mut p, Duration::from_secs(900))?;
+
+    let out = dir.path().join("chaos");
+    let mut p = Proc::spawn("chaos", dir.path(), &mut cmd(&out))?;
+    let metrics_file = out.join("metrics.jsonl");
+    wait_steps(&mut p, &metrics_file, 3, Duration::from_secs(600))?;
+    let trainer = children_of(p.pid())
+        .into_iter()
+        .find(|(_, c)| c.contains("--kind actor"))
+        .with_context(|| format!("no trainer process: {:?}", children_of(p.pid())))?;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(trainer.0), Signal::SIGKILL)?;
+    let st = p.wait_exit(Duration::from_secs(900))?;
+    let text = p.output();
+    if !st.success() {
+        bail!("the DPO run should recover by itself ({st}):\n{text}");
+    }
+    assert!(
+        text.contains("died") && text.contains("restart 1/3"),
+        "{text}"
+    );
+    let (a, b) = (
+        jsonl(&straight.join("metrics.jsonl"))?,
+        jsonl(&metrics_file)?,
+    );
+    let steps: Vec<u64> = b.iter().filter_map(|l| l["step"].as_u64()).collect();
+    assert_eq!(steps, (1..=8).collect::<Vec<_>>());
+    for (x, y) in a.iter().zip(&b) {
+        for ((k, u), (_, v)) in comparable(x).iter().zip(&comparable(y)) {
+            assert!(
+                (u - v).abs() <= 1e-4 * u.abs().max(1e-6),
+                "step {}: {k} uninterrupted {u} vs recovered {v}",
+                x["step"]
+            );
+        }
+    }
     Ok(())
 }

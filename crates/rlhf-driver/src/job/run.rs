@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use rlhf_config::data::PromptSampler;
+use rlhf_config::PpoConfig;
 use rlhf_core::{Error, FailureKind};
 use rlhf_tokenizer::Tokenizer;
 use tokio_util::sync::CancellationToken;
@@ -41,6 +42,84 @@ impl Carry {
             self.last_checkpoint = Some(p.finish().await?);
         }
         Ok(())
+    }
+
+    /// After a failed attempt, before its roles are stopped: a checkpoint still being
+    /// written by live trainers is the newest to restart from, so it gets `limit` to finish;
+    /// else it is dropped and the previous one stays the newest.
+    pub async fn settle_after_failure(&mut self, limit: Duration) {
+        match tokio::time::timeout(limit, self.settle()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => tracing::warn!("the checkpoint in flight is lost: {e}"),
+            Err(_) => {
+                self.pending = None;
+                tracing::warn!("the checkpoint in flight did not finish in time; it is dropped")
+            }
+        }
+    }
+
+    /// The job's summary once an attempt reached `global_step`.
+    fn summary(self, cfg: &PpoConfig, first_step: u64, global_step: u64) -> JobSummary {
+        JobSummary {
+            global_step,
+            steps_run: global_step.saturating_sub(first_step),
+            metrics_file: PathBuf::from(&cfg.logging.metrics_file),
+            history: self.history.into_iter().map(|(_, m)| m).collect(),
+            last_checkpoint: self.last_checkpoint,
+        }
+    }
+}
+
+/// A resume point: the checkpoint directory and its state.
+pub(super) type ResumePoint = Option<(PathBuf, TrainerState)>;
+
+/// Runs attempts of a job (PPO's or another stage's) until one ends, restarting after a role
+/// process or node dies as `fault_tolerance` allows: each new attempt starts from the newest
+/// checkpoint of this run (or the one it resumed from, or the beginning), after
+/// `restart_backoff_s`; the steps after that checkpoint leave the history (the attempt's
+/// reporters drop them from the files). `attempt` places the roles, runs, and frees them.
+pub(super) async fn with_restarts(
+    cfg: &PpoConfig,
+    ckpt_root: &Path,
+    mut resumed: ResumePoint,
+    report: &mut Reporters,
+    shutdown: &CancellationToken,
+    mut attempt: impl AsyncFnMut(ResumePoint, &mut Reporters, &mut Carry) -> Result<u64, RunError>,
+) -> std::result::Result<JobSummary, RunError> {
+    let first_step = resumed.as_ref().map_or(0, |(_, st)| st.global_step);
+    let ft = &cfg.fault_tolerance;
+    let mut carry = Carry {
+        last_checkpoint: resumed.as_ref().map(|(d, _)| d.clone()),
+        ..Carry::default()
+    };
+    let mut restarts = 0;
+    loop {
+        let error = match attempt(resumed.take(), report, &mut carry).await {
+            Ok(global_step) => return Ok(carry.summary(cfg, first_step, global_step)),
+            Err(e) => e,
+        };
+        if error.error.kind() != FailureKind::ActorDied || restarts >= ft.max_restarts {
+            return Err(error);
+        }
+        restarts += 1;
+        // The newest checkpoint this run wrote or resumed from; none: from the start.
+        resumed = match &carry.last_checkpoint {
+            Some(dir) => Some(checkpoint::resolve(ckpt_root, &dir.to_string_lossy())?),
+            None => None,
+        };
+        let from = resumed.as_ref().map_or(0, |(_, st)| st.global_step);
+        carry.history.retain(|(step, _)| *step <= from);
+        report.report(&Event::Restart {
+            error: &error.error.to_string(),
+            restart: restarts,
+            max: ft.max_restarts,
+            from: resumed.as_ref().map(|(d, _)| d.as_path()),
+            backoff_s: ft.restart_backoff_s,
+        })?;
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_secs_f64(ft.restart_backoff_s)) => {}
+            _ = shutdown.cancelled() => return Err(error),
+        }
     }
 }
 
@@ -74,7 +153,7 @@ pub async fn run(
         ))
     })?;
     let ckpt_root = PathBuf::from(&cfg.checkpoint.dir);
-    let mut resumed = super::resume_point(&opts, &ckpt_root)?;
+    let resumed = super::resume_point(&opts, &ckpt_root)?;
     let first_step = resumed.as_ref().map_or(0, |(_, st)| st.global_step);
     let mut report = Reporters::console(cfg, first_step);
     report.extend(extra);
@@ -105,57 +184,17 @@ pub async fn run(
         fixed: fixed.as_ref(),
         ckpt_root: &ckpt_root,
     };
-    let ft = &cfg.fault_tolerance;
-    let mut carry = Carry {
-        last_checkpoint: resumed.as_ref().map(|(d, _)| d.clone()),
-        ..Carry::default()
-    };
-    let mut restarts = 0;
-    loop {
-        let error = match attempt(
-            &mut head,
-            &inputs,
-            resumed.take(),
-            &mut report,
-            &mut carry,
-            &shutdown,
-        )
-        .await
-        {
-            Ok(global_step) => {
-                return Ok(JobSummary {
-                    global_step,
-                    steps_run: global_step.saturating_sub(first_step),
-                    metrics_file: PathBuf::from(&cfg.logging.metrics_file),
-                    history: carry.history.into_iter().map(|(_, m)| m).collect(),
-                    last_checkpoint: carry.last_checkpoint,
-                })
-            }
-            Err(e) => e,
-        };
-        if error.error.kind() != FailureKind::ActorDied || restarts >= ft.max_restarts {
-            return Err(error);
-        }
-        restarts += 1;
-        // The newest checkpoint this run wrote or resumed from; none: from the start.
-        resumed = match &carry.last_checkpoint {
-            Some(dir) => Some(checkpoint::resolve(&ckpt_root, &dir.to_string_lossy())?),
-            None => None,
-        };
-        let from = resumed.as_ref().map_or(0, |(_, st)| st.global_step);
-        carry.history.retain(|(step, _)| *step <= from);
-        report.report(&Event::Restart {
-            error: &error.error.to_string(),
-            restart: restarts,
-            max: ft.max_restarts,
-            from: resumed.as_ref().map(|(d, _)| d.as_path()),
-            backoff_s: ft.restart_backoff_s,
-        })?;
-        tokio::select! {
-            _ = tokio::time::sleep(Duration::from_secs_f64(ft.restart_backoff_s)) => {}
-            _ = shutdown.cancelled() => return Err(error),
-        }
-    }
+    with_restarts(
+        cfg,
+        &ckpt_root,
+        resumed,
+        &mut report,
+        &shutdown,
+        async |resumed, report, carry| {
+            attempt(&mut head, &inputs, resumed, report, carry, &shutdown).await
+        },
+    )
+    .await
 }
 
 /// One attempt: placement, the roles loaded (from `resumed` when given), the loop, and the
@@ -223,16 +262,7 @@ async fn attempt(
         _ = shutdown.cancelled() => Err(Failed::Other(Error::new(FailureKind::Unavailable, "stopped by a signal; continue with --resume latest"))),
     };
     if result.is_err() {
-        // A checkpoint still being written by live trainers is the newest to restart from:
-        // it gets the call timeout to finish before the roles are stopped; else the previous one.
-        match tokio::time::timeout(opts.call_timeout, carry.settle()).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => tracing::warn!("the checkpoint in flight is lost: {e}"),
-            Err(_) => {
-                carry.pending = None;
-                tracing::warn!("the checkpoint in flight did not finish in time; it is dropped")
-            }
-        }
+        carry.settle_after_failure(opts.call_timeout).await;
     }
     let result = match result {
         Ok(step) => Ok(step),

@@ -3,7 +3,8 @@
 //! `training.global_batch_size` examples or pairs dealt evenly to the ranks; DPO's reference
 //! log-probs come from the ref role each step (KTO's KL estimate from mismatched pairs, under
 //! the policy and the reference). Checkpoints, exact resume (the data cursor), the metrics
-//! files, TensorBoard and the progress line are PPO's (`super::sync`, `crate::report`).
+//! files, TensorBoard, the progress line and the automatic restarts (`fault_tolerance`) are
+//! PPO's (`super::sync`, `super::run::with_restarts`, `crate::report`).
 
 mod encode;
 
@@ -29,6 +30,7 @@ use crate::cluster::{self, HeadClient, Roles};
 use crate::group::{mean_metrics, WorkerGroup};
 use crate::report::{DatasetReport, Event, Reporter, Reporters};
 
+use super::run::{self, Carry, ResumePoint};
 use super::{sync, DriverOptions, Failed, JobSummary, Res, RunError};
 use encode::{pack, Cuts, Encoded, Encoder};
 
@@ -169,7 +171,17 @@ fn load_data(cfg: &PpoConfig, tok: &Tokenizer) -> Result<(Data, DatasetReport), 
     Ok((data, report))
 }
 
-/// Runs a stage job to its end (or to `stop_after`) and frees its actors.
+/// The job's inputs that do not change between attempts.
+struct Inputs<'a> {
+    opts: &'a DriverOptions,
+    tok: &'a Tokenizer,
+    data: &'a Data,
+    eval: Option<&'a Pairs>,
+    ckpt_root: &'a Path,
+}
+
+/// Runs a stage job to its end (or to `stop_after`), restarting after role deaths as
+/// `fault_tolerance` allows (PPO's loop: [`run::with_restarts`]), and frees its actors.
 pub(super) async fn run(
     mut head: HeadClient,
     mut opts: DriverOptions,
@@ -186,6 +198,39 @@ pub(super) async fn run(
     let (data, dataset) = load_data(cfg, &tok)?;
     let eval = load_eval(cfg, &tok)?;
     report.report(&Event::Dataset(&dataset))?;
+    let inputs = Inputs {
+        opts: &opts,
+        tok: &tok,
+        data: &data,
+        eval: eval.as_ref(),
+        ckpt_root: &ckpt_root,
+    };
+    run::with_restarts(
+        cfg,
+        &ckpt_root,
+        resumed,
+        &mut report,
+        &shutdown,
+        async |resumed, report, carry| {
+            attempt(&mut head, &inputs, resumed, report, carry, &shutdown).await
+        },
+    )
+    .await
+}
+
+/// One attempt: the data cursor restored, the roles placed and loaded (from `resumed` when
+/// given), the loop, and the actors freed however it ends. Returns the last completed step.
+async fn attempt(
+    head: &mut HeadClient,
+    inputs: &Inputs<'_>,
+    resumed: ResumePoint,
+    report: &mut Reporters,
+    carry: &mut Carry,
+    shutdown: &CancellationToken,
+) -> std::result::Result<u64, RunError> {
+    let opts = inputs.opts;
+    let cfg = &opts.config;
+    let data = inputs.data;
     let batch = cfg.training.global_batch_size as usize;
     let mut sampler = PromptSampler::new(data.len(), batch, cfg.data.shuffle, cfg.data_seed())
         .map_err(|e| Error::invalid(format!("{} ({}): {e}", cfg.data.path, cfg.trainer)))?;
@@ -207,60 +252,45 @@ pub(super) async fn run(
             step: st.global_step,
         })?;
     }
+    let start_step = resumed.as_ref().map_or(0, |(_, st)| st.global_step);
     let total = cfg.training.train_iters;
     if start_step >= total {
         report.report(&Event::NothingToDo {
             step: start_step,
             total,
         })?;
-        return Ok(summary(cfg, start_step, start_step, Vec::new(), None));
+        return Ok(start_step);
     }
 
-    let roles = super::place(&mut head, &opts, &shutdown, &mut report).await?;
+    let roles = super::place(head, opts, shutdown, report).await?;
     let mut lp = StageLoop {
         cfg,
-        opts: &opts,
+        opts,
         roles: &roles,
-        tok: &tok,
-        data: &data,
-        eval: eval.as_ref(),
-        ckpt_root: &ckpt_root,
-        report: &mut report,
-        history: Vec::new(),
-        last_checkpoint: resumed.as_ref().map(|(d, _)| d.clone()),
-        pending: None,
+        tok: inputs.tok,
+        data,
+        eval: inputs.eval,
+        ckpt_root: inputs.ckpt_root,
+        report,
+        carry,
     };
     let result = tokio::select! {
         r = lp.drive(&mut sampler, start_step, total, resumed) => r,
         _ = shutdown.cancelled() => Err(Failed::Other(Error::new(FailureKind::Unavailable, "stopped by a signal; continue with --resume latest"))),
     };
-    let (history, last) = (std::mem::take(&mut lp.history), lp.last_checkpoint.clone());
+    if result.is_err() {
+        lp.carry.settle_after_failure(opts.call_timeout).await;
+    }
     let result = match result {
-        Ok(step) => Ok(summary(cfg, step, step - start_step, history, last)),
+        Ok(step) => Ok(step),
         Err(Failed::Call(e)) => {
-            let (error, at) = cluster::diagnose(&mut head, &roles, e).await;
+            let (error, at) = cluster::diagnose(head, &roles, e).await;
             Err(RunError { error, at })
         }
         Err(Failed::Other(e)) => Err(RunError::from(e)),
     };
-    cluster::shutdown(&mut head, &roles).await;
+    cluster::shutdown(head, &roles).await;
     result
-}
-
-fn summary(
-    cfg: &PpoConfig,
-    global_step: u64,
-    steps_run: u64,
-    history: Vec<BTreeMap<String, f64>>,
-    last_checkpoint: Option<PathBuf>,
-) -> JobSummary {
-    JobSummary {
-        global_step,
-        steps_run,
-        metrics_file: PathBuf::from(&cfg.logging.metrics_file),
-        history,
-        last_checkpoint,
-    }
 }
 
 struct StageLoop<'a> {
@@ -272,9 +302,7 @@ struct StageLoop<'a> {
     eval: Option<&'a Pairs>,
     ckpt_root: &'a Path,
     report: &'a mut Reporters,
-    history: Vec<BTreeMap<String, f64>>,
-    last_checkpoint: Option<PathBuf>,
-    pending: Option<sync::PendingSave>,
+    carry: &'a mut Carry,
 }
 
 /// Summed log-probs of each row's masked tokens.
@@ -295,19 +323,12 @@ impl StageLoop<'_> {
             .unwrap_or(0)
     }
 
-    async fn settle(&mut self) -> Res<()> {
-        if let Some(p) = self.pending.take() {
-            self.last_checkpoint = Some(p.finish().await?);
-        }
-        Ok(())
-    }
-
     async fn drive(
         &mut self,
         sampler: &mut PromptSampler,
         start_step: u64,
         total: u64,
-        resumed: Option<(PathBuf, TrainerState)>,
+        resumed: ResumePoint,
     ) -> Res<u64> {
         let (cfg, opts) = (self.cfg, self.opts);
         let t = opts.start_timeout;
@@ -358,7 +379,7 @@ impl StageLoop<'_> {
             let stopping = opts.stop_after.is_some_and(|n| step - start_step >= n);
             let save_steps = cfg.checkpoint.save_steps;
             if save_steps > 0 && (step.is_multiple_of(save_steps) || step == total || stopping) {
-                self.settle().await?;
+                self.carry.settle().await?;
                 let state = TrainerState::new(
                     cfg.trainer.as_str(),
                     step,
@@ -366,7 +387,7 @@ impl StageLoop<'_> {
                     cfg.training.seed,
                     &opts.job_id,
                 );
-                self.pending = Some(
+                self.carry.pending = Some(
                     sync::save_parts(
                         &[(part, &group)],
                         state,
@@ -382,7 +403,7 @@ impl StageLoop<'_> {
                 metrics: &metrics,
                 samples: None,
             })?;
-            self.history.push(metrics);
+            self.carry.history.push((step, metrics));
             if stopping {
                 self.report.report(&Event::Stopped {
                     steps_run: step - start_step,
@@ -390,7 +411,7 @@ impl StageLoop<'_> {
                 break;
             }
         }
-        self.settle().await?;
+        self.carry.settle().await?;
         Ok(step)
     }
 
