@@ -11,6 +11,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-runs/pipeline}"
 STEPS="${STEPS:-30}"
+# A short SFT leaves PPO something to learn: the reward model prefers answers in digits, and a
+# policy after 30 SFT steps already answers in digits (its PPO starts at the top score).
+SFT_STEPS="${SFT_STEPS:-8}"
 PPO_STEPS="${PPO_STEPS:-40}"
 cargo build --release -p rlhf-head -p rlhf-worker
 head_bin=target/release/rlhf-head
@@ -37,8 +40,8 @@ for key in sys.argv[2:]:
 PY
 }
 
-stage sft sft_tiny "training.train_iters=$STEPS" "$@"
-sft_model="$OUT/sft/ckpt/global_step_$STEPS/actor"
+stage sft sft_tiny "training.train_iters=$SFT_STEPS" "$@"
+sft_model="$OUT/sft/ckpt/global_step_$SFT_STEPS/actor"
 echo "sft ($sft_model)"
 ends sft train/loss
 
