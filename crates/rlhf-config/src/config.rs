@@ -103,6 +103,11 @@ training_keys! {
     /// Tokens per chunk of the LM head when computing log-probs and entropies, so the
     /// `[batch, seq, vocab]` logits never exist at once (0: the whole micro-batch at once).
     logits_chunk_size: u32 = 1024,
+    /// ZeRO stage of a trained role's data-parallel ranks: 0, every rank holds the whole
+    /// AdamW state; 1, each of the N ranks holds the moments of 1/N of the parameters (8 of
+    /// the 16 bytes per trained parameter), steps them, and the ranks exchange the result
+    /// (the same weights as 0). Stages 2 and 3 are not built yet.
+    zero_stage: u32 = 0,
     /// Seed of every RNG the job uses (sampling, shuffling, init).
     seed: u64 = 1234,
     /// Tokenizer directory (HF `tokenizer.json`) or Hugging Face repo id (`owner/name`,

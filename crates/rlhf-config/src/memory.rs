@@ -143,7 +143,20 @@ impl PpoConfig {
                 ));
                 continue;
             };
-            let optimizer = |p: u64| mul(&[8, p]);
+            // AdamW's two f32 moments; with `zero_stage` 1 each data-parallel rank holds its
+            // share of them.
+            let dp = match role {
+                RoleKind::ActorRollout => a.num_gpus_for_train,
+                RoleKind::Critic => self.resource_pool.critic,
+                RoleKind::Reward => self.resource_pool.reward,
+                RoleKind::Ref => 1,
+            };
+            let shards = if t.zero_stage >= 1 {
+                u64::from(dp.max(1))
+            } else {
+                1
+            };
+            let optimizer = |p: u64| mul(&[8, p]).div_ceil(shards);
             // Weights and the parameters that train: all of them, or LoRA's adapters (plus
             // `head` trained parameters) over a frozen base held at `b` bytes.
             let split = |p: u64, lora: &crate::LoraOptions, head: u64| match lora.active() {

@@ -20,6 +20,14 @@ pub fn validate(cfg: &PpoConfig, origin: &str) -> Result<()> {
 /// Every failed rule, one message each (empty when the config is valid).
 pub fn problems(cfg: &PpoConfig) -> Vec<String> {
     let mut e = Vec::new();
+    for role in [RoleKind::ActorRollout, RoleKind::Critic, RoleKind::Reward] {
+        let z = cfg.resolved(role).zero_stage;
+        if z > 1 {
+            e.push(format!(
+                "{role}: training.zero_stage {z} is not built yet: use 1 (AdamW state sharded across the role's data-parallel ranks) or 0"
+            ));
+        }
+    }
     if cfg.data.packing && cfg.trainer != TrainerKind::Sft {
         e.push(format!(
             "data.packing packs SFT examples into rows, and this job is trainer {}; remove data.packing (or set trainer: sft)",

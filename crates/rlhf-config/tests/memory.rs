@@ -37,6 +37,17 @@ fn memory_estimate_is_sane() {
     // f32 gradients and the two f32 AdamW moments.
     assert_eq!(train.gradients, 4 * train.params);
     assert_eq!(train.optimizer, 8 * train.params);
+    // ZeRO stage 1 shares the moments among the trainer ranks; a role override applies to
+    // that role only.
+    let z = qwen7b(&["training.zero_stage=1"]);
+    let ranks = u64::from(z.actor_rollout.num_gpus_for_train);
+    assert!(ranks > 1);
+    let zt = row(&z, "actor_rollout/train");
+    assert_eq!(zt.optimizer, (8 * train.params).div_ceil(ranks));
+    assert_eq!((zt.weights, zt.gradients), (train.weights, train.gradients));
+    let zc = qwen7b(&["critic.zero_stage=1"]);
+    assert_eq!(row(&zc, "actor_rollout/train").optimizer, train.optimizer);
+    assert!(row(&zc, "critic").optimizer < row(&q, "critic").optimizer);
     let infer = row(&q, "actor_rollout/infer");
     // Frozen: bf16 weights. KV: 28 layers x 2 x 4 kv heads x 128 x 2048 tokens x 64 seqs x 2 B.
     assert_eq!(infer.weights, 2 * infer.params);

@@ -74,5 +74,7 @@ pub use lora::LoraConfig;
 pub use model::{Batch, LoadOptions, Model, ModelImage, ModelKind, ValueHeadInit};
 pub use ops::{entropy_from_logits, lm_head_log_probs, log_probs_from_logits, masked_mean};
 pub use tokenizer::{ChatMessage, Tokenizer};
-pub use train::{AdamW, AdamWConfig, GradAccumulator, Gradients, LrSchedule, LrScheduler};
+pub use train::{
+    partition, AdamW, AdamWConfig, GradAccumulator, Gradients, LrSchedule, LrScheduler,
+};
 pub use transformer::{position_ids_from_mask, Kernels, KvCache};

@@ -9,6 +9,9 @@ use candle_core::{DType, Tensor, Var};
 use crate::error::{Error, Result};
 
 mod offload;
+mod zero;
+
+pub use zero::partition;
 
 /// `acc + t`, or `t` when nothing was summed yet: how gradients pile up.
 pub(crate) fn add_to(acc: Option<Tensor>, t: Tensor) -> candle_core::Result<Tensor> {
@@ -211,6 +214,10 @@ struct Slot {
     var: Var,
     moments: Moments,
     decay: bool,
+    /// The elements of the flattened parameter this optimizer steps (all of them, unless the
+    /// state is sharded across data-parallel ranks: `zero_stage`); the moments cover only
+    /// these.
+    owned: std::ops::Range<usize>,
 }
 
 /// Scalars of one AdamW step.
@@ -243,23 +250,47 @@ pub struct AdamW {
     slots: Vec<Slot>,
     cfg: AdamWConfig,
     step: usize,
+    /// `(rank, world)` when the state is sharded ([`AdamW::new_sharded`]).
+    shard: Option<(usize, usize)>,
 }
 
 impl AdamW {
     pub fn new(vars: Vec<(String, Var)>, cfg: AdamWConfig) -> Result<Self> {
+        Self::new_sharded(vars, cfg, 0, 1)
+    }
+
+    /// AdamW whose state covers only this rank's share of the parameters (ZeRO stage 1):
+    /// the flattened parameters, end to end, cut into `world` contiguous ranges of equal
+    /// size ([`partition`]); rank `rank` keeps the moments of its range and steps only those
+    /// elements. The group then exchanges the stepped ranges (`crate`'s caller does, with its
+    /// communicator). `world` 1 is the ordinary optimizer.
+    pub fn new_sharded(
+        vars: Vec<(String, Var)>,
+        cfg: AdamWConfig,
+        rank: usize,
+        world: usize,
+    ) -> Result<Self> {
+        let vars: Vec<(String, Var)> = vars
+            .into_iter()
+            .filter(|(_, v)| v.dtype().is_float())
+            .collect();
+        if world == 0 || rank >= world {
+            return Err(Error::InvalidArgument(format!(
+                "cannot shard an optimizer as rank {rank} of {world}"
+            )));
+        }
+        let sizes: Vec<usize> = vars.iter().map(|(_, v)| v.elem_count()).collect();
+        let ranges = partition(&sizes, rank, world);
         let mut slots = Vec::with_capacity(vars.len());
-        for (name, var) in vars {
-            if !var.dtype().is_float() {
-                continue;
-            }
+        for ((name, var), owned) in vars.into_iter().zip(ranges) {
+            let n = owned.len();
             let moments = if var.device().is_cpu() && var.dtype() == DType::F32 {
-                let n = var.elem_count();
                 Moments::Host {
                     m: vec![0.0; n],
                     v: vec![0.0; n],
                 }
             } else {
-                let m = Tensor::zeros(var.shape(), DType::F32, var.device())?;
+                let m = Tensor::zeros(n, DType::F32, var.device())?;
                 Moments::Device { v: m.clone(), m }
             };
             let decay = cfg.decay_1d || var.rank() > 1;
@@ -268,13 +299,20 @@ impl AdamW {
                 var,
                 moments,
                 decay,
+                owned,
             });
         }
         Ok(Self {
             slots,
             cfg,
             step: 0,
+            shard: (world > 1).then_some((rank, world)),
         })
+    }
+
+    /// `(rank, world)` of a sharded optimizer, `None` for one holding every parameter's state.
+    pub fn shard(&self) -> Option<(usize, usize)> {
+        self.shard
     }
 
     pub fn learning_rate(&self) -> f64 {
@@ -307,7 +345,11 @@ impl AdamW {
             let Some(g) = grads.get(&s.name) else {
                 continue;
             };
+            if s.owned.is_empty() {
+                continue;
+            }
             let decay = if s.decay { c.weight_decay } else { 0.0 };
+            let (a, b) = (s.owned.start, s.owned.end);
             match &mut s.moments {
                 Moments::Host { m, v } => {
                     let mut p = s.var.as_tensor().flatten_all()?.to_vec1::<f32>()?;
@@ -323,15 +365,17 @@ impl AdamW {
                         inv_bc1: (1.0 / bc1) as f32,
                         inv_sqrt_bc2: (1.0 / bc2.sqrt()) as f32,
                     };
-                    host_update(&mut p, &g, m, v, k);
+                    host_update(&mut p[a..b], &g[a..b], m, v, k);
                     let shape = s.var.shape().clone();
                     s.var.set(&Tensor::from_vec(p, shape, s.var.device())?)?;
                 }
                 Moments::Device { m, v } => {
-                    let g = g.to_dtype(DType::F32)?;
+                    let n = s.var.elem_count();
+                    let g = g.to_dtype(DType::F32)?.flatten_all()?.narrow(0, a, b - a)?;
                     *m = ((&*m * c.beta1)? + (&g * (1.0 - c.beta1))?)?;
                     *v = ((&*v * c.beta2)? + (g.sqr()? * (1.0 - c.beta2))?)?;
-                    let p = s.var.as_tensor().detach().to_dtype(DType::F32)?;
+                    let all = s.var.as_tensor().detach().flatten_all()?;
+                    let p = all.narrow(0, a, b - a)?.to_dtype(DType::F32)?;
                     let p = if decay != 0.0 {
                         (p * (1.0 - c.lr * decay))?
                     } else {
@@ -339,7 +383,16 @@ impl AdamW {
                     };
                     let denom = ((v.sqrt()? / bc2.sqrt())? + c.eps)?;
                     let update = ((&*m / denom)? * (c.lr / bc1))?;
-                    s.var.set(&(p - update)?.to_dtype(s.var.dtype())?)?;
+                    let mine = (p - update)?.to_dtype(s.var.dtype())?;
+                    let flat = if b - a == n {
+                        mine
+                    } else {
+                        Tensor::cat(
+                            &[&all.narrow(0, 0, a)?, &mine, &all.narrow(0, b, n - b)?],
+                            0,
+                        )?
+                    };
+                    s.var.set(&flat.reshape(s.var.shape())?)?;
                 }
             }
         }
@@ -350,6 +403,11 @@ impl AdamW {
     /// count, for checkpoints. A snapshot: host moments are copied, and device moments are
     /// replaced by every step, never written in place.
     pub fn state(&self) -> Result<(Vec<(String, Tensor)>, usize)> {
+        if let Some((rank, world)) = self.shard {
+            return Err(Error::InvalidArgument(format!(
+                "this optimizer holds rank {rank}'s share of {world}; its group gathers the whole state (AdamW::owned_moments, AdamW::state_from_flat)"
+            )));
+        }
         let mut out = Vec::with_capacity(self.slots.len() * 2);
         for s in &self.slots {
             let (m, v) = match &s.moments {
@@ -357,7 +415,7 @@ impl AdamW {
                     Tensor::from_vec(m.clone(), s.var.shape(), s.var.device())?,
                     Tensor::from_vec(v.clone(), s.var.shape(), s.var.device())?,
                 ),
-                Moments::Device { m, v } => (m.clone(), v.clone()),
+                Moments::Device { m, v } => (m.reshape(s.var.shape())?, v.reshape(s.var.shape())?),
             };
             out.push((format!("exp_avg.{}", s.name), m));
             out.push((format!("exp_avg_sq.{}", s.name), v));
@@ -425,7 +483,11 @@ impl AdamW {
                         found: t.dims().to_vec(),
                     });
                 }
-                Ok(t.to_dtype(DType::F32)?.to_device(s.var.device())?)
+                let (a, n) = (s.owned.start, s.owned.len());
+                Ok(t.to_dtype(DType::F32)?
+                    .flatten_all()?
+                    .narrow(0, a, n)?
+                    .to_device(s.var.device())?)
             };
             let (m, v) = (get("exp_avg")?, get("exp_avg_sq")?);
             s.moments = match s.moments {

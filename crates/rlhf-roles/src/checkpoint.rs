@@ -37,17 +37,18 @@ pub struct Image {
     state: RoleState,
 }
 
-/// Copies the weights, the optimizer state and the role state out of the engine.
+/// Copies the weights and the role state out of the engine, with the optimizer state
+/// (already a copy: [`rlhf_model::AdamW::state`], or a sharded group's gathered state).
 pub fn capture(
     model: &Model,
-    optim: &Optim,
+    optim: (Vec<(String, Tensor)>, usize),
     state: RoleState,
     tokenizer_dir: Option<&Path>,
 ) -> Result<Image> {
     let tok = tokenizer_dir.filter(|d| d.join("tokenizer.json").is_file());
     Ok(Image {
         model: model.image(tok).ctx("copying the weights out")?,
-        optim: optim.opt.state().ctx("copying the optimizer state out")?,
+        optim,
         state,
     })
 }

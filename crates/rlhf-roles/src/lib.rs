@@ -25,6 +25,7 @@ pub mod server;
 pub mod stages;
 pub mod train;
 pub mod weights;
+pub mod zero;
 
 pub use comm::Groups;
 pub use critic::Critic;

@@ -108,12 +108,21 @@ impl Optim {
     /// AdamW and the schedule from the role's training config; `steps_per_iter` optimizer
     /// steps happen per PPO step (epochs x mini-batches), so the schedule spans
     /// `train_iters * steps_per_iter` optimizer steps and the warm-up counts optimizer steps.
+    /// With `training.zero_stage` 1 the AdamW state is this rank's share of the group's
+    /// (`rank` of `world`, [`crate::zero`]).
     pub fn new(
         vars: Vec<(String, Var)>,
         t: &TrainingConfig,
         steps_per_iter: usize,
+        rank: usize,
+        world: usize,
     ) -> Result<Self> {
-        let opt = AdamW::new(
+        let (rank, world) = if t.zero_stage >= 1 {
+            (rank, world)
+        } else {
+            (0, 1)
+        };
+        let opt = AdamW::new_sharded(
             vars,
             AdamWConfig {
                 lr: t.lr,
@@ -123,6 +132,8 @@ impl Optim {
                 weight_decay: t.weight_decay,
                 decay_1d: false,
             },
+            rank,
+            world,
         )?;
         let schedule = match t.lr_decay_style {
             LrDecayStyle::Constant => LrSchedule::Constant,
@@ -239,7 +250,21 @@ impl TrainState {
     ) -> Result<Self> {
         let model = Model::load(dir, &load_opts)
             .with_ctx(|| format!("{}: loading {}", slot.label(), dir.display()))?;
-        let optim = Optim::new(model.vars(), &t.optimizer, t.steps_per_iter)?;
+        let optim = Optim::new(
+            model.vars(),
+            &t.optimizer,
+            t.steps_per_iter,
+            slot.rank as usize,
+            slot.world_size as usize,
+        )?;
+        if let Some((rank, world)) = optim.opt.shard() {
+            tracing::info!(
+                "{}: AdamW state sharded (training.zero_stage 1), rank {rank} of {world}: {} of {} parameter elements",
+                slot.label(),
+                optim.opt.owned_len(),
+                optim.opt.total_len()
+            );
+        }
         Ok(Self {
             model: Arc::new(model),
             optim,
@@ -259,18 +284,31 @@ impl TrainState {
     }
 
     /// Copies the checkpoint out; [`checkpoint::Image::write`] writes it.
-    pub fn capture_checkpoint(&self) -> Result<checkpoint::Image> {
+    /// The checkpoint image, copied out for a writer thread. A sharded optimizer
+    /// (`zero_stage` 1) gathers its group's state through `comm` first, a collective every
+    /// rank of the group makes; only rank 0 gets an image (`None` on the others).
+    pub fn capture_checkpoint(
+        &self,
+        comm: Option<&mut dyn Communicator>,
+    ) -> Result<Option<checkpoint::Image>> {
         let state = RoleState {
             role: self.who.role,
             scheduler_step: self.optim.steps() as u64,
             weights_version: self.version,
         };
-        checkpoint::capture(
-            &self.model,
-            &self.optim,
-            state,
-            self.tokenizer_dir.as_deref(),
-        )
+        let optim = match (self.optim.opt.shard(), comm) {
+            (None, _) => self.optim.opt.state().ctx("copying the optimizer state out")?,
+            (Some(_), Some(comm)) => match crate::zero::gather_state(comm, &self.optim.opt)? {
+                Some(s) => s,
+                None => return Ok(None),
+            },
+            (Some((rank, world)), None) => {
+                return Err(Error::internal(format!(
+                    "rank {rank} of {world} holds a share of the optimizer state and needs its group to save it"
+                )))
+            }
+        };
+        checkpoint::capture(&self.model, optim, state, self.tokenizer_dir.as_deref()).map(Some)
     }
 
     pub fn load_checkpoint(&mut self, dir: &Path) -> Result<u64> {
@@ -451,6 +489,9 @@ pub fn run_update<T: Train>(
             let lr = optim.sched.lr_at(optim.opt.steps());
             optim.opt.set_learning_rate(lr);
             optim.opt.step(&grads)?;
+            if optim.opt.shard().is_some() {
+                crate::zero::exchange_params(comm, &mut optim.opt)?;
+            }
             // Every rank reports the mini-batch's token-weighted metrics over the whole group,
             // so the numbers do not depend on how the batch was split across ranks.
             let mb_stats = if comm.world_size() > 1 {

@@ -454,7 +454,8 @@ fn a_reward_model_learns_the_pairs_and_loads_as_the_reward_role() {
     // Saved as an HF sequence classifier, the reward role scores the same.
     let dir = tempfile::tempdir().unwrap();
     t.state
-        .capture_checkpoint()
+        .capture_checkpoint(None)
+        .unwrap()
         .unwrap()
         .write(dir.path())
         .unwrap();
@@ -473,4 +474,137 @@ fn a_reward_model_learns_the_pairs_and_loads_as_the_reward_role() {
     for (a, b) in again.iter().zip(&c) {
         assert!((a - b).abs() < 1e-5, "{again:?} vs {c:?}");
     }
+}
+
+/// `training.zero_stage: 1`: two SFT ranks that each keep half of the AdamW state end every
+/// step with exactly the weights of two ranks that keep all of it (AdamW is elementwise), and
+/// their checkpoint, gathered to rank 0, holds exactly the unsharded optimizer state and
+/// loads into one unsharded rank.
+#[test]
+fn zero_stage_1_steps_and_saves_exactly_like_plain_data_parallel() {
+    let (seq, mask) = seqs(&LENS, 5);
+    let half = |rows: std::ops::Range<usize>, step| {
+        let pick_i = |m: &Mat<i64>| {
+            Mat::new(
+                rows.len(),
+                m.cols,
+                rows.clone().flat_map(|i| m.row(i).to_vec()).collect(),
+            )
+            .unwrap()
+        };
+        let pick_f = |m: &Mat<f32>| {
+            Mat::new(
+                rows.len(),
+                m.cols,
+                rows.clone().flat_map(|i| m.row(i).to_vec()).collect(),
+            )
+            .unwrap()
+        };
+        SftUpdateRequest {
+            seq: Sequences {
+                input_ids: pick_i(&seq.input_ids),
+                attention_mask: pick_i(&seq.attention_mask),
+                response_len: R,
+            },
+            loss_mask: pick_f(&mask),
+            step,
+        }
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |zero: u32| {
+        let comms = group(2);
+        let dir = tmp.path().join(format!("zero{zero}"));
+        let handles: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(rank, mut c)| {
+                let rows = if rank == 0 { 0..4 } else { 4..8 };
+                let dir = dir.clone();
+                let req = half(rows, 0);
+                std::thread::spawn(move || {
+                    let mut cfg = stage_config(TrainerKind::Sft);
+                    cfg.training.zero_stage = zero;
+                    cfg.training.weight_decay = 0.01;
+                    let s = spec(
+                        &cfg,
+                        RoleKind::ActorRollout,
+                        RolePart::Train,
+                        rank as u32,
+                        2,
+                    );
+                    let mut t = SftTrainer::new(&s, &candle_core::Device::Cpu).unwrap();
+                    assert_eq!(t.state.optim.opt.shard().is_some(), zero == 1);
+                    for step in 1..=3 {
+                        let mut r = req.clone();
+                        r.step = step;
+                        t.update(&mut c, &r).unwrap();
+                    }
+                    let sharded = t.state.optim.opt.shard().is_some();
+                    let image = t
+                        .state
+                        .capture_checkpoint(sharded.then_some(&mut c as _))
+                        .unwrap();
+                    assert_eq!(image.is_some(), rank == 0 || !sharded);
+                    if rank == 0 {
+                        image.unwrap().write(&dir).unwrap();
+                    }
+                    (params(&t.state.model), t.state.optim.opt.owned_len())
+                })
+            })
+            .collect();
+        let out: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        (out, dir)
+    };
+    let (plain, plain_dir) = run(0);
+    let (zero, zero_dir) = run(1);
+    for rank in 0..2 {
+        let (diff, name) = max_rel_diff(&zero[rank].0, &plain[rank].0);
+        assert!(
+            diff == 0.0,
+            "rank {rank}: zero 1 vs 0 differ by {diff} at {name}"
+        );
+    }
+    // Each sharded rank held about half of the moments.
+    let total = plain[0].1;
+    assert_eq!(zero[0].1 + zero[1].1, total);
+    assert!(
+        zero[0].1.abs_diff(zero[1].1) <= 1,
+        "{} + {}",
+        zero[0].1,
+        zero[1].1
+    );
+    // The gathered checkpoint is the unsharded one, byte for byte in its optimizer file,
+    // and one plain rank resumes from it.
+    let cfg = stage_config(TrainerKind::Sft);
+    let s = spec(&cfg, RoleKind::ActorRollout, RolePart::Train, 0, 1);
+    let load = |dir: &std::path::Path| {
+        let mut t = SftTrainer::new(&s, &candle_core::Device::Cpu).unwrap();
+        t.state.load_checkpoint(dir).unwrap();
+        t
+    };
+    let (one, reference) = (load(&zero_dir), load(&plain_dir));
+    let state = |t: &SftTrainer| {
+        let (tensors, step) = t.state.optim.opt.state().unwrap();
+        let v: Vec<(String, Vec<f32>)> = tensors
+            .into_iter()
+            .map(|(n, x)| (n, x.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
+            .collect();
+        (v, step)
+    };
+    let ((a, sa), (b, sb)) = (state(&one), state(&reference));
+    assert_eq!(sa, sb);
+    for ((na, va), (nb, vb)) in a.iter().zip(&b) {
+        assert_eq!(na, nb);
+        let first = va
+            .iter()
+            .zip(vb)
+            .position(|(x, y)| x.to_bits() != y.to_bits());
+        assert!(
+            first.is_none(),
+            "{na} differs at {first:?}: {:?}",
+            first.map(|i| (va[i], vb[i]))
+        );
+    }
+    let (diff, name) = max_rel_diff(&params(&one.state.model), &plain[0].0);
+    assert!(diff == 0.0, "{diff} at {name}");
 }

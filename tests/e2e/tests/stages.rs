@@ -1,7 +1,8 @@
 //! The other stages as jobs over real processes (`rlhf-head run`, embedded head and worker):
 //! SFT's loss falls, packed or not; a reward model learns the shipped pairs and then drives PPO as its
 //! `reward.kind=model`; DPO's margins rise; both are scored on held-out pairs; a DPO run
-//! stopped and resumed repeats the straight one.
+//! stopped and resumed repeats the straight one; ZeRO stage 1 trains like plain data
+//! parallelism and resumes.
 
 use std::path::Path;
 use std::process::Command;
@@ -201,5 +202,39 @@ fn dpo_learns_the_pairs_and_resumes_exactly() -> Result<()> {
         !res.status.success() && err.contains("\"dpo\"") && err.contains("trainer sft"),
         "{err}"
     );
+    Ok(())
+}
+
+/// `training.zero_stage: 1` across two SFT trainer processes: each keeps half of the AdamW
+/// state, the metrics are those of plain data parallelism, and its checkpoint (the state
+/// gathered by both ranks together) resumes the run exactly.
+#[test]
+fn zero_stage_1_trains_like_plain_data_parallel_and_resumes() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let two = [
+        "resource_pool.actor_rollout=2",
+        "actor_rollout.num_gpus_for_train=2",
+        "training.train_iters=4",
+        "checkpoint.save_steps=2",
+    ];
+    let plain = dir.path().join("plain");
+    run("plain", dir.path(), stage_cmd("sft_tiny", &plain, &two))?;
+    let zero = dir.path().join("zero");
+    let mut a = stage_cmd("sft_tiny", &zero, &two);
+    a.arg("training.zero_stage=1").args(["--stop-after", "2"]);
+    run("zero-first-half", dir.path(), a)?;
+    let mut b = stage_cmd("sft_tiny", &zero, &two);
+    b.arg("training.zero_stage=1").args(["--resume", "latest"]);
+    let out = run("zero-second-half", dir.path(), b)?;
+    assert!(out.contains("global_step_2"), "{out}");
+    assert_same_steps(
+        &jsonl(&plain.join("metrics.jsonl"))?,
+        &jsonl(&zero.join("metrics.jsonl"))?,
+    );
+    // The sharded run's last checkpoint holds the whole optimizer state, as the plain one's.
+    let size = |d: &Path| -> Result<u64> {
+        Ok(std::fs::metadata(d.join("ckpt/global_step_4/actor/optimizer.safetensors"))?.len())
+    };
+    assert_eq!(size(&zero)?, size(&plain)?);
     Ok(())
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use rlhf_config::data::DataCursor;
 use rlhf_core::Error;
-use rlhf_core::{CommBackend, CommGroup};
+use rlhf_core::{CommBackend, CommGroup, RoleKind};
 use rlhf_proto::v1 as pb;
 
 use crate::checkpoint::{self, TrainerState};
@@ -157,7 +157,11 @@ impl Loop<'_> {
             &self.opts.job_id,
         );
         algo.save(&mut state);
-        let parts = [("actor", &self.roles.train), ("critic", &self.roles.critic)];
+        let sharded = |role| self.cfg.resolved(role).zero_stage >= 1;
+        let parts = [
+            ("actor", &self.roles.train, sharded(RoleKind::ActorRollout)),
+            ("critic", &self.roles.critic, sharded(RoleKind::Critic)),
+        ];
         save_parts(
             &parts,
             state,
@@ -174,7 +178,7 @@ impl Loop<'_> {
 /// the checkpoint is committed (`trainer_state.json`, the marker of a complete checkpoint,
 /// with each part's checksum) once every part is on disk. An empty group saves nothing.
 pub(super) async fn save_parts(
-    parts: &[(&str, &WorkerGroup)],
+    parts: &[(&str, &WorkerGroup, bool)],
     mut state: TrainerState,
     root: &std::path::Path,
     keep: u32,
@@ -182,9 +186,23 @@ pub(super) async fn save_parts(
 ) -> Res<PendingSave> {
     let step = state.global_step;
     let dir = checkpoint::step_dir(root, step);
+    // A part whose optimizer state is sharded (`training.zero_stage` 1) is captured by every
+    // rank together (they gather the state to rank 0); rank 0 writes it in any case.
+    let savers: Vec<WorkerGroup> = parts
+        .iter()
+        .map(|(_, g, sharded)| WorkerGroup {
+            id: g.id,
+            members: g
+                .members
+                .iter()
+                .take(if *sharded { usize::MAX } else { 1 })
+                .cloned()
+                .collect(),
+        })
+        .collect();
     let parts: Vec<(String, WorkerGroup, String)> = parts
         .iter()
-        .map(|(name, g)| {
+        .map(|(name, g, _)| {
             let first = WorkerGroup {
                 id: g.id,
                 members: g.members.iter().take(1).cloned().collect(),
@@ -193,7 +211,7 @@ pub(super) async fn save_parts(
             (name.to_string(), first, d)
         })
         .collect();
-    let saves = parts.iter().map(|(_, g, dir)| {
+    let saves = parts.iter().zip(&savers).map(|((_, _, dir), g)| {
         g.unary(t, "SaveCheckpoint", move |_, mut c| {
             let dir = dir.clone();
             async move {

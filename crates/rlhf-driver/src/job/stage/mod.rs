@@ -334,6 +334,11 @@ impl StageLoop<'_> {
         let t = opts.start_timeout;
         super::init_and_report(self.roles, cfg, &opts.job_id, t, self.report).await?;
         let (part, group, comm) = trained(cfg, self.roles);
+        let role = match cfg.trainer {
+            TrainerKind::Reward => rlhf_core::RoleKind::Reward,
+            _ => rlhf_core::RoleKind::ActorRollout,
+        };
+        let sharded = cfg.resolved(role).zero_stage >= 1;
         cluster::join_comm(&group, comm, opts.comm_backend, t).await?;
         if let Some((dir, st)) = &resumed {
             let d = dir.join(part).to_string_lossy().into_owned();
@@ -389,7 +394,7 @@ impl StageLoop<'_> {
                 );
                 self.carry.pending = Some(
                     sync::save_parts(
-                        &[(part, &group)],
+                        &[(part, &group, sharded)],
                         state,
                         self.ckpt_root,
                         cfg.checkpoint.keep_last,

@@ -1,0 +1,258 @@
+//! ZeRO stage 1 on the optimizer's side: each data-parallel rank keeps AdamW's moments (8 of
+//! the 16 bytes a trained f32 parameter costs) for one contiguous range of the flattened
+//! parameters only. Every rank still computes the whole gradient (all-reduced) and holds the
+//! whole model; it steps its range, and the group exchanges the stepped ranges. What crosses
+//! ranks is plain `f32` vectors in a fixed order (every parameter flattened, end to end), so
+//! the exchange and the checkpoint gather live with the communicator (rlhf-roles) and this
+//! file only cuts, reads and writes those vectors. AdamW is elementwise, so a sharded step
+//! gives bit for bit the weights of an unsharded one.
+
+use std::ops::Range;
+
+use candle_core::{DType, Tensor};
+
+use super::{AdamW, Moments};
+use crate::error::{Error, Result};
+
+/// The part of each parameter (by element of the flattened parameter) that `rank` of `world`
+/// owns: the parameters laid end to end and cut into `world` equal contiguous ranges (the
+/// first `total % world` ranks one element longer). Ranges may be empty.
+pub fn partition(sizes: &[usize], rank: usize, world: usize) -> Vec<Range<usize>> {
+    let total: usize = sizes.iter().sum();
+    let bound = |r: usize| r * (total / world) + r.min(total % world);
+    let (lo, hi) = (bound(rank), bound(rank + 1));
+    let mut off = 0;
+    sizes
+        .iter()
+        .map(|&n| {
+            let (a, b) = (lo.clamp(off, off + n), hi.clamp(off, off + n));
+            off += n;
+            (a - (off - n))..(b - (off - n))
+        })
+        .collect()
+}
+
+fn host(t: &Tensor) -> Result<Vec<f32>> {
+    Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+}
+
+impl AdamW {
+    /// Elements this optimizer owns, over all parameters.
+    pub fn owned_len(&self) -> usize {
+        self.slots.iter().map(|s| s.owned.len()).sum()
+    }
+
+    /// Elements of every parameter.
+    pub fn total_len(&self) -> usize {
+        self.slots.iter().map(|s| s.var.elem_count()).sum()
+    }
+
+    /// This rank's range of the parameters, as `f32`, parameter after parameter.
+    pub fn owned_params(&self) -> Result<Vec<f32>> {
+        let mut out = Vec::with_capacity(self.owned_len());
+        for s in &self.slots {
+            if !s.owned.is_empty() {
+                let p = host(s.var.as_tensor())?;
+                out.extend_from_slice(&p[s.owned.clone()]);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Sets every parameter from the whole flattened vector (the ranks' ranges in rank
+    /// order, as a group's all-gather of [`AdamW::owned_params`] gives it).
+    pub fn set_params_from_flat(&mut self, all: &[f32]) -> Result<()> {
+        if all.len() != self.total_len() {
+            return Err(Error::InvalidArgument(format!(
+                "{} parameter values for {} parameters' {} elements",
+                all.len(),
+                self.slots.len(),
+                self.total_len()
+            )));
+        }
+        let mut off = 0;
+        for s in &self.slots {
+            let n = s.var.elem_count();
+            let t = Tensor::from_slice(&all[off..off + n], s.var.shape(), s.var.device())?
+                .to_dtype(s.var.dtype())?;
+            s.var.set(&t)?;
+            off += n;
+        }
+        Ok(())
+    }
+
+    /// This rank's moments (first, second), each over its range, parameter after parameter.
+    pub fn owned_moments(&self) -> Result<(Vec<f32>, Vec<f32>)> {
+        let (mut m_out, mut v_out) = (Vec::new(), Vec::new());
+        for s in &self.slots {
+            match &s.moments {
+                Moments::Host { m, v } => {
+                    m_out.extend_from_slice(m);
+                    v_out.extend_from_slice(v);
+                }
+                Moments::Device { m, v } => {
+                    m_out.extend(host(m)?);
+                    v_out.extend(host(v)?);
+                }
+            }
+        }
+        Ok((m_out, v_out))
+    }
+
+    /// The whole state in [`AdamW::state`]'s form (named full-shape tensors on the CPU, and
+    /// the step) from the whole flattened moments: the ranks' [`AdamW::owned_moments`]
+    /// joined in rank order. What a sharded group's checkpoint writes, so that any number
+    /// of ranks can load it.
+    pub fn state_from_flat(&self, m: &[f32], v: &[f32]) -> Result<(Vec<(String, Tensor)>, usize)> {
+        let total = self.total_len();
+        if m.len() != total || v.len() != total {
+            return Err(Error::InvalidArgument(format!(
+                "moments of {} and {} elements for parameters of {total}",
+                m.len(),
+                v.len()
+            )));
+        }
+        let mut out = Vec::with_capacity(self.slots.len() * 2);
+        let mut off = 0;
+        let cpu = candle_core::Device::Cpu;
+        for s in &self.slots {
+            let n = s.var.elem_count();
+            for (prefix, x) in [("exp_avg", m), ("exp_avg_sq", v)] {
+                let t = Tensor::from_slice(&x[off..off + n], s.var.shape(), &cpu)?;
+                out.push((format!("{prefix}.{}", s.name), t));
+            }
+            off += n;
+        }
+        Ok((out, self.step))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn partitions_cover_every_element_once_in_rank_order() {
+        let sizes = [5, 0, 3, 9, 1];
+        let total: usize = sizes.iter().sum();
+        for world in 1..=7 {
+            let mut flat = Vec::new();
+            for rank in 0..world {
+                let parts = partition(&sizes, rank, world);
+                let len: usize = parts.iter().map(|r| r.len()).sum();
+                assert!(len == total / world || len == total / world + 1);
+                let mut off = 0;
+                for (r, &n) in parts.iter().zip(&sizes) {
+                    assert!(r.end <= n);
+                    flat.extend(r.clone().map(|i| off + i));
+                    off += n;
+                }
+            }
+            assert_eq!(flat, (0..total).collect::<Vec<_>>(), "world {world}");
+        }
+    }
+
+    /// Two ranks stepping their halves and exchanging them end with the unsharded weights,
+    /// bit for bit, over several steps (host and device moments alike); the gathered state is
+    /// the unsharded one, and loads back into any sharding.
+    #[test]
+    fn sharded_steps_equal_the_unsharded_ones() -> Result<()> {
+        use crate::train::{AdamWConfig, Gradients};
+        use candle_core::{Device, Var};
+        let cfg = AdamWConfig {
+            lr: 0.01,
+            weight_decay: 0.1,
+            ..AdamWConfig::default()
+        };
+        let dev = Device::Cpu;
+        for dtype in [DType::F32, DType::F64] {
+            let init: Vec<(String, Tensor)> =
+                [("a", vec![3usize, 4]), ("b", vec![5]), ("c", vec![2, 2])]
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, (n, shape))| {
+                        let len: usize = shape.iter().product();
+                        let v: Vec<f32> = (0..len)
+                            .map(|k| ((k * 7 + i * 3) % 11) as f32 * 0.1 - 0.4)
+                            .collect();
+                        (
+                            n.to_string(),
+                            Tensor::from_vec(v, shape, &dev)
+                                .unwrap()
+                                .to_dtype(dtype)
+                                .unwrap(),
+                        )
+                    })
+                    .collect();
+            let vars = || -> Vec<(String, Var)> {
+                init.iter()
+                    .map(|(n, t)| (n.clone(), Var::from_tensor(t).unwrap()))
+                    .collect()
+            };
+            let (full_vars, r0, r1) = (vars(), vars(), vars());
+            let mut full = AdamW::new(full_vars.clone(), cfg.clone())?;
+            let mut s0 = AdamW::new_sharded(r0.clone(), cfg.clone(), 0, 2)?;
+            let mut s1 = AdamW::new_sharded(r1.clone(), cfg.clone(), 1, 2)?;
+            assert_eq!(s0.owned_len() + s1.owned_len(), full.total_len());
+            assert!(full.state().is_ok() && s0.state().is_err());
+            for step in 0..4 {
+                let loss = |vs: &[(String, Var)]| -> Result<Gradients> {
+                    let mut total: Option<Tensor> = None;
+                    for (i, (_, v)) in vs.iter().enumerate() {
+                        let t = ((v.as_tensor().sqr()? * (1.0 + i as f64 + step as f64))?
+                            .sum_all()?
+                            + v.as_tensor().sum_all()?)?;
+                        total = Some(match total {
+                            Some(x) => (x + t)?,
+                            None => t,
+                        });
+                    }
+                    Gradients::backward(&total.unwrap(), vs)
+                };
+                full.step(&loss(&full_vars)?)?;
+                s0.step(&loss(&r0)?)?;
+                s1.step(&loss(&r1)?)?;
+                let mut all = s0.owned_params()?;
+                all.extend(s1.owned_params()?);
+                s0.set_params_from_flat(&all)?;
+                s1.set_params_from_flat(&all)?;
+            }
+            for ((_, f), ((_, a), (_, b))) in full_vars.iter().zip(r0.iter().zip(&r1)) {
+                let f = f
+                    .as_tensor()
+                    .flatten_all()?
+                    .to_dtype(DType::F64)?
+                    .to_vec1::<f64>()?;
+                for x in [a, b] {
+                    let x = x
+                        .as_tensor()
+                        .flatten_all()?
+                        .to_dtype(DType::F64)?
+                        .to_vec1::<f64>()?;
+                    assert_eq!(f, x, "{dtype:?}");
+                }
+            }
+            let (m0, v0) = s0.owned_moments()?;
+            let (m1, v1) = s1.owned_moments()?;
+            let (m, v) = ([m0, m1].concat(), [v0, v1].concat());
+            let (gathered, step) = s0.state_from_flat(&m, &v)?;
+            let (want, want_step) = full.state()?;
+            assert_eq!(step, want_step);
+            for ((n, g), (wn, w)) in gathered.iter().zip(&want) {
+                assert_eq!(n, wn);
+                assert_eq!(g.dims(), w.dims());
+                assert_eq!(host(g)?, host(w)?, "{n}");
+            }
+            // The whole state loads into a 3-way sharding: each rank keeps its range.
+            let mut parts = Vec::new();
+            for rank in 0..3 {
+                let mut o = AdamW::new_sharded(vars(), cfg.clone(), rank, 3)?;
+                o.load_state(&gathered, step)?;
+                parts.push(o.owned_moments()?);
+            }
+            let m3: Vec<f32> = parts.iter().flat_map(|(m, _)| m.clone()).collect();
+            assert_eq!(m3, m);
+        }
+        Ok(())
+    }
+}
