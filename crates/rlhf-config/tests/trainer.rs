@@ -140,6 +140,13 @@ fn stage_keys_and_shapes_are_checked() {
     .unwrap_err()
     .to_string();
     assert!(err.contains("needs the reference policy"), "{err}");
+    // ZeRO: stage 1 is built, 2 and 3 are refused by key and role.
+    assert!(tiny(&["training.zero_stage=1"]).is_ok());
+    let err = tiny(&["critic.zero_stage=3"]).unwrap_err().to_string();
+    assert!(
+        err.contains("critic: training.zero_stage 3 is not built yet"),
+        "{err}"
+    );
     // Packing is SFT's: refused by key for PPO and the pair trainers.
     for t in ["trainer=ppo", "trainer=dpo"] {
         let err = tiny(&[t, "data.packing=true", "resource_pool.actor_rollout=1"])
