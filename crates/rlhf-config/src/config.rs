@@ -108,6 +108,11 @@ training_keys! {
     /// the 16 bytes per trained parameter), steps them, and the ranks exchange the result
     /// (the same weights as 0). Stages 2 and 3 are not built yet.
     zero_stage: u32 = 0,
+    /// Keep a trained role's AdamW moments in host memory and step them there: the device
+    /// holds the parameters and gradients only (8 bytes per trained parameter less); each
+    /// step moves the gradients to the host and the parameters back. On a CPU device the
+    /// moments are in host memory anyway.
+    offload_optimizer: bool = false,
     /// Seed of every RNG the job uses (sampling, shuffling, init).
     seed: u64 = 1234,
     /// Tokenizer directory (HF `tokenizer.json`) or Hugging Face repo id (`owner/name`,

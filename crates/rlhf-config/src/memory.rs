@@ -156,7 +156,9 @@ impl PpoConfig {
             } else {
                 1
             };
-            let optimizer = |p: u64| mul(&[8, p]).div_ceil(shards);
+            // `offload_optimizer` keeps them in host memory: none on the device.
+            let on_device = if t.offload_optimizer { 0 } else { 8 };
+            let optimizer = |p: u64| mul(&[on_device, p]).div_ceil(shards);
             // Weights and the parameters that train: all of them, or LoRA's adapters (plus
             // `head` trained parameters) over a frozen base held at `b` bytes.
             let split = |p: u64, lora: &crate::LoraOptions, head: u64| match lora.active() {

@@ -48,6 +48,10 @@ fn memory_estimate_is_sane() {
     let zc = qwen7b(&["critic.zero_stage=1"]);
     assert_eq!(row(&zc, "actor_rollout/train").optimizer, train.optimizer);
     assert!(row(&zc, "critic").optimizer < row(&q, "critic").optimizer);
+    // Offloaded moments leave the device.
+    let off = qwen7b(&["training.offload_optimizer=true"]);
+    assert_eq!(row(&off, "actor_rollout/train").optimizer, 0);
+    assert_eq!(row(&off, "actor_rollout/train").gradients, train.gradients);
     let infer = row(&q, "actor_rollout/infer");
     // Frozen: bf16 weights. KV: 28 layers x 2 x 4 kv heads x 128 x 2048 tokens x 64 seqs x 2 B.
     assert_eq!(infer.weights, 2 * infer.params);

@@ -187,6 +187,10 @@ pub struct AdamWConfig {
     pub weight_decay: f64,
     /// Apply weight decay to 1-D parameters (biases, norm weights) too.
     pub decay_1d: bool,
+    /// Keep the moments in host memory and step there (`training.offload_optimizer`): the
+    /// accelerator keeps only the parameters; each step brings the gradient to the host and
+    /// the updated parameter back. f32 parameters on the CPU are stepped so anyway.
+    pub host_state: bool,
 }
 
 impl Default for AdamWConfig {
@@ -198,6 +202,7 @@ impl Default for AdamWConfig {
             eps: 1e-8,
             weight_decay: 0.0,
             decay_1d: false,
+            host_state: false,
         }
     }
 }
@@ -284,7 +289,8 @@ impl AdamW {
         let mut slots = Vec::with_capacity(vars.len());
         for ((name, var), owned) in vars.into_iter().zip(ranges) {
             let n = owned.len();
-            let moments = if var.device().is_cpu() && var.dtype() == DType::F32 {
+            let host = var.device().is_cpu() && var.dtype() == DType::F32;
+            let moments = if host || cfg.host_state {
                 Moments::Host {
                     m: vec![0.0; n],
                     v: vec![0.0; n],
@@ -308,6 +314,14 @@ impl AdamW {
             step: 0,
             shard: (world > 1).then_some((rank, world)),
         })
+    }
+
+    /// Whether every parameter's moments live in host memory (f32 on the CPU, or
+    /// [`AdamWConfig::host_state`]).
+    pub fn moments_on_host(&self) -> bool {
+        self.slots
+            .iter()
+            .all(|s| matches!(s.moments, Moments::Host { .. }))
     }
 
     /// `(rank, world)` of a sharded optimizer, `None` for one holding every parameter's state.
@@ -352,7 +366,14 @@ impl AdamW {
             let (a, b) = (s.owned.start, s.owned.end);
             match &mut s.moments {
                 Moments::Host { m, v } => {
-                    let mut p = s.var.as_tensor().flatten_all()?.to_vec1::<f32>()?;
+                    // f32 on the host whatever the parameter's dtype and device (a no-op for
+                    // f32 on the CPU).
+                    let mut p = s
+                        .var
+                        .as_tensor()
+                        .to_dtype(DType::F32)?
+                        .flatten_all()?
+                        .to_vec1::<f32>()?;
                     let g = g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
                     let k = StepScalars {
                         lr: c.lr as f32,
@@ -367,7 +388,9 @@ impl AdamW {
                     };
                     host_update(&mut p[a..b], &g[a..b], m, v, k);
                     let shape = s.var.shape().clone();
-                    s.var.set(&Tensor::from_vec(p, shape, s.var.device())?)?;
+                    let p = Tensor::from_vec(p, shape, &candle_core::Device::Cpu)?;
+                    s.var
+                        .set(&p.to_dtype(s.var.dtype())?.to_device(s.var.device())?)?;
                 }
                 Moments::Device { m, v } => {
                     let n = s.var.elem_count();
@@ -411,9 +434,10 @@ impl AdamW {
         let mut out = Vec::with_capacity(self.slots.len() * 2);
         for s in &self.slots {
             let (m, v) = match &s.moments {
+                // Host moments stay on the host (no copy to the accelerator for a save).
                 Moments::Host { m, v } => (
-                    Tensor::from_vec(m.clone(), s.var.shape(), s.var.device())?,
-                    Tensor::from_vec(v.clone(), s.var.shape(), s.var.device())?,
+                    Tensor::from_vec(m.clone(), s.var.shape(), &candle_core::Device::Cpu)?,
+                    Tensor::from_vec(v.clone(), s.var.shape(), &candle_core::Device::Cpu)?,
                 ),
                 Moments::Device { m, v } => (m.reshape(s.var.shape())?, v.reshape(s.var.shape())?),
             };
@@ -583,9 +607,10 @@ mod tests {
 
     #[test]
     fn adamw_matches_hand_computed_steps() -> Result<()> {
-        // f32 uses the fused host loop, f64 the tensor path.
-        for dtype in [DType::F32, DType::F64] {
-            adamw_case(dtype)?;
+        // f32 uses the fused host loop, f64 the tensor path, and f64 with host_state
+        // (`training.offload_optimizer`) the host loop through f32 and back.
+        for (dtype, host) in [(DType::F32, false), (DType::F64, false), (DType::F64, true)] {
+            adamw_case(dtype, host)?;
         }
         Ok(())
     }
@@ -616,7 +641,7 @@ mod tests {
         Ok(())
     }
 
-    fn adamw_case(dtype: DType) -> Result<()> {
+    fn adamw_case(dtype: DType, host_state: bool) -> Result<()> {
         // Scalar reference computed by hand from the torch.optim.AdamW update rule.
         let var = Var::from_tensor(
             &Tensor::new(&[1.0f32, -2.0], &Device::Cpu)?
@@ -626,9 +651,11 @@ mod tests {
         let cfg = AdamWConfig {
             lr: 0.1,
             weight_decay: 0.5,
+            host_state,
             ..AdamWConfig::default()
         };
         let mut opt = AdamW::new(vec![("w".into(), var.clone())], cfg.clone())?;
+        assert_eq!(opt.moments_on_host(), dtype == DType::F32 || host_state);
         let mut p = [1.0f64, -2.0];
         let (mut m, mut v) = ([0.0f64; 2], [0.0f64; 2]);
         for t in 1..=3 {

@@ -131,6 +131,7 @@ impl Optim {
                 eps: t.adam_eps,
                 weight_decay: t.weight_decay,
                 decay_1d: false,
+                host_state: t.offload_optimizer,
             },
             rank,
             world,
@@ -643,6 +644,27 @@ mod tests {
         assert_eq!(denominator(&m0, width, LossAggMode::SeqMeanTokenMean), 2.0);
         assert_eq!(denominator(&m1, width, LossAggMode::SeqMeanTokenSum), 1.0);
         assert!(micro_scale(&m0, width, LossAggMode::TokenMean, 0.0).is_err());
+    }
+
+    /// `training.offload_optimizer` and `training.zero_stage` reach AdamW: moments in host
+    /// memory for parameters that would keep them beside them (f64 here, a GPU in use), and
+    /// a share of them per rank.
+    #[test]
+    fn optimizer_keys_reach_adamw() {
+        let var = Var::from_tensor(
+            &candle_core::Tensor::zeros((4, 3), DType::F64, &candle_core::Device::Cpu).unwrap(),
+        )
+        .unwrap();
+        let vars = vec![("w".to_string(), var)];
+        let mut t = TrainingConfig::default();
+        let o = Optim::new(vars.clone(), &t, 1, 1, 2).unwrap();
+        assert!(!o.opt.moments_on_host() && o.opt.shard().is_none());
+        t.offload_optimizer = true;
+        t.zero_stage = 1;
+        let o = Optim::new(vars, &t, 1, 1, 2).unwrap();
+        assert!(o.opt.moments_on_host());
+        assert_eq!(o.opt.shard(), Some((1, 2)));
+        assert_eq!(o.opt.owned_len(), 6);
     }
 
     #[test]
