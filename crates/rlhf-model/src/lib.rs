@@ -75,6 +75,6 @@ pub use model::{Batch, LoadOptions, Model, ModelImage, ModelKind, ValueHeadInit}
 pub use ops::{entropy_from_logits, lm_head_log_probs, log_probs_from_logits, masked_mean};
 pub use tokenizer::{ChatMessage, Tokenizer};
 pub use train::{
-    partition, AdamW, AdamWConfig, GradAccumulator, Gradients, LrSchedule, LrScheduler,
+    partition, shard_span, AdamW, AdamWConfig, GradAccumulator, Gradients, LrSchedule, LrScheduler,
 };
 pub use transformer::{position_ids_from_mask, Kernels, KvCache};

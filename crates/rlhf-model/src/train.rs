@@ -11,7 +11,7 @@ use crate::error::{Error, Result};
 mod offload;
 mod zero;
 
-pub use zero::partition;
+pub use zero::{partition, span as shard_span};
 
 /// `acc + t`, or `t` when nothing was summed yet: how gradients pile up.
 pub(crate) fn add_to(acc: Option<Tensor>, t: Tensor) -> candle_core::Result<Tensor> {
@@ -257,6 +257,8 @@ pub struct AdamW {
     step: usize,
     /// `(rank, world)` when the state is sharded ([`AdamW::new_sharded`]).
     shard: Option<(usize, usize)>,
+    /// The elements of the flattened parameters (laid end to end) this optimizer owns.
+    span: std::ops::Range<usize>,
 }
 
 impl AdamW {
@@ -286,6 +288,7 @@ impl AdamW {
         }
         let sizes: Vec<usize> = vars.iter().map(|(_, v)| v.elem_count()).collect();
         let ranges = partition(&sizes, rank, world);
+        let span = zero::span(sizes.iter().sum(), rank, world);
         let mut slots = Vec::with_capacity(vars.len());
         for ((name, var), owned) in vars.into_iter().zip(ranges) {
             let n = owned.len();
@@ -313,6 +316,7 @@ impl AdamW {
             cfg,
             step: 0,
             shard: (world > 1).then_some((rank, world)),
+            span,
         })
     }
 

@@ -85,17 +85,6 @@ impl Engine {
     }
 
     /// The state of a trainable engine (its model, optimizer and version), for checkpoints.
-    /// The communicator group of a trainable engine's data-parallel ranks.
-    pub fn train_group(&self) -> Option<rlhf_core::CommGroup> {
-        use rlhf_core::CommGroup;
-        match self {
-            Engine::Trainer(_) | Engine::Sft(_) | Engine::Preference(_) => Some(CommGroup::ActorDp),
-            Engine::Critic(_) => Some(CommGroup::CriticDp),
-            Engine::RewardModel(_) => Some(CommGroup::RewardDp),
-            Engine::Rollout(_) | Engine::Ref(_) | Engine::Reward(_) => None,
-        }
-    }
-
     pub fn train_state_mut(&mut self) -> Option<&mut crate::train::TrainState> {
         match self {
             Engine::Trainer(t) => Some(&mut t.state),

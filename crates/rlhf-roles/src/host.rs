@@ -494,31 +494,13 @@ impl RoleHost {
             })
     }
 
-    /// The trainable engine's checkpoint, copied out for a writer thread. A rank of a
-    /// sharded group (`zero_stage` 1) gathers the optimizer state with its group, and only
-    /// rank 0 gets an image; the other ranks answer `None`.
-    pub fn capture_checkpoint(&mut self) -> Result<Option<crate::checkpoint::Image>> {
+    /// The trainable engine's checkpoint, copied out for a writer thread (this rank's
+    /// shard of a sharded optimizer, see `crate::checkpoint`).
+    pub fn capture_checkpoint(&mut self) -> Result<crate::checkpoint::Image> {
         let label = self.label();
-        self.trainable("SaveCheckpoint")?;
-        let h = self
-            .engines
-            .iter_mut()
-            .find(|h| h.engine.train_group().is_some())
-            .ok_or_else(|| Error::internal("no trainable engine"))?;
-        let group = h.engine.train_group().expect("found above");
-        let world = h.spec.slot.world_size as usize;
-        let ts = h.engine.train_state_mut().expect("found above");
-        let res = if ts.optim.opt.shard().is_some() {
-            let comm = self.groups.get(group, world)?;
-            let res = ts.capture_checkpoint(Some(comm));
-            if matches!(&res, Err(e) if is_collective(e)) {
-                self.groups.forget(group);
-            }
-            res
-        } else {
-            ts.capture_checkpoint(None)
-        };
-        res.with_ctx(|| format!("{label} SaveCheckpoint"))
+        self.trainable("SaveCheckpoint")?
+            .capture_checkpoint()
+            .with_ctx(|| format!("{label} SaveCheckpoint"))
     }
 
     pub fn load_checkpoint(&mut self, dir: &str) -> Result<u64> {

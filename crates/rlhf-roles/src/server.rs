@@ -260,10 +260,7 @@ impl RoleService for RoleServer {
     ) -> Result<Response<pb::SaveCheckpointResponse>, Status> {
         let req = req.into_inner();
         crate::host::checkpoint_dir(&req.dir).map_err(Status::from)?;
-        let Some(image) = self.compute.run(|a| a.capture_checkpoint()).await? else {
-            // A rank of a sharded group other than 0: its share went to rank 0, which writes.
-            return Ok(Response::new(pb::SaveCheckpointResponse::default()));
-        };
+        let image = self.compute.run(|a| a.capture_checkpoint()).await?;
         if req.background {
             self.saves.start(req.dir, image).await;
             return Ok(Response::new(pb::SaveCheckpointResponse::default()));

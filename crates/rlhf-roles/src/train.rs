@@ -285,31 +285,20 @@ impl TrainState {
     }
 
     /// Copies the checkpoint out; [`checkpoint::Image::write`] writes it.
-    /// The checkpoint image, copied out for a writer thread. A sharded optimizer
-    /// (`zero_stage` 1) gathers its group's state through `comm` first, a collective every
-    /// rank of the group makes; only rank 0 gets an image (`None` on the others).
-    pub fn capture_checkpoint(
-        &self,
-        comm: Option<&mut dyn Communicator>,
-    ) -> Result<Option<checkpoint::Image>> {
+    /// The checkpoint image, copied out for a writer thread: with a sharded optimizer
+    /// (`zero_stage` 1) this rank's shard, and the weights on rank 0 only.
+    pub fn capture_checkpoint(&self) -> Result<checkpoint::Image> {
         let state = RoleState {
             role: self.who.role,
             scheduler_step: self.optim.steps() as u64,
             weights_version: self.version,
         };
-        let optim = match (self.optim.opt.shard(), comm) {
-            (None, _) => self.optim.opt.state().ctx("copying the optimizer state out")?,
-            (Some(_), Some(comm)) => match crate::zero::gather_state(comm, &self.optim.opt)? {
-                Some(s) => s,
-                None => return Ok(None),
-            },
-            (Some((rank, world)), None) => {
-                return Err(Error::internal(format!(
-                    "rank {rank} of {world} holds a share of the optimizer state and needs its group to save it"
-                )))
-            }
-        };
-        checkpoint::capture(&self.model, optim, state, self.tokenizer_dir.as_deref()).map(Some)
+        checkpoint::capture(
+            &self.model,
+            &self.optim,
+            state,
+            self.tokenizer_dir.as_deref(),
+        )
     }
 
     pub fn load_checkpoint(&mut self, dir: &Path) -> Result<u64> {

@@ -2,11 +2,10 @@
 //! rank's AdamW holds the moments of its contiguous share of the flattened parameters
 //! (`rlhf_model::partition`), steps that share after the usual gradient all-reduce, and the
 //! group all-gathers the stepped shares so every rank holds the whole updated model again.
-//! A checkpoint gathers the moments the same way and rank 0 writes the whole state in the
-//! unsharded format, so a run resumes with any number of ranks (each keeps its share of it).
+//! A checkpoint keeps the shares apart: each rank writes its own (`crate::checkpoint`).
 
 use rlhf_collective::{as_bytes, Communicator};
-use rlhf_model::{AdamW, Tensor};
+use rlhf_model::AdamW;
 
 use crate::error::{Ctx, Error, Result};
 
@@ -43,28 +42,4 @@ pub fn exchange_params(comm: &mut dyn Communicator, opt: &mut AdamW) -> Result<(
         .ctx("exchanging the stepped parameter shares (training.zero_stage 1)")?;
     let flat = join(all, opt.total_len(), "stepped parameters")?;
     Ok(opt.set_params_from_flat(&flat)?)
-}
-
-/// An optimizer state as [`AdamW::state`] gives it: named tensors and the step.
-pub type OptimState = (Vec<(String, Tensor)>, usize);
-
-/// The whole optimizer state of a sharded group, in [`AdamW::state`]'s form, on rank 0
-/// (`None` on the other ranks, which only contribute their shares).
-pub fn gather_state(comm: &mut dyn Communicator, opt: &AdamW) -> Result<Option<OptimState>> {
-    let (m, v) = opt.owned_moments()?;
-    let ms = comm
-        .all_gather(as_bytes(&m))
-        .ctx("gathering the first moments for the checkpoint (training.zero_stage 1)")?;
-    let vs = comm
-        .all_gather(as_bytes(&v))
-        .ctx("gathering the second moments for the checkpoint (training.zero_stage 1)")?;
-    if comm.rank() != 0 {
-        return Ok(None);
-    }
-    let total = opt.total_len();
-    let (m, v) = (
-        join(ms, total, "first moments")?,
-        join(vs, total, "second moments")?,
-    );
-    Ok(Some(opt.state_from_flat(&m, &v)?))
 }

@@ -454,8 +454,7 @@ fn a_reward_model_learns_the_pairs_and_loads_as_the_reward_role() {
     // Saved as an HF sequence classifier, the reward role scores the same.
     let dir = tempfile::tempdir().unwrap();
     t.state
-        .capture_checkpoint(None)
-        .unwrap()
+        .capture_checkpoint()
         .unwrap()
         .write(dir.path())
         .unwrap();
@@ -478,8 +477,8 @@ fn a_reward_model_learns_the_pairs_and_loads_as_the_reward_role() {
 
 /// `training.zero_stage: 1`: two SFT ranks that each keep half of the AdamW state end every
 /// step with exactly the weights of two ranks that keep all of it (AdamW is elementwise), and
-/// their checkpoint, gathered to rank 0, holds exactly the unsharded optimizer state and
-/// loads into one unsharded rank.
+/// their checkpoint (one shard per rank) holds exactly the unsharded optimizer state: one
+/// unsharded rank and three sharded ranks read it back.
 #[test]
 fn zero_stage_1_steps_and_saves_exactly_like_plain_data_parallel() {
     let (seq, mask) = seqs(&LENS, 5);
@@ -539,14 +538,9 @@ fn zero_stage_1_steps_and_saves_exactly_like_plain_data_parallel() {
                         r.step = step;
                         t.update(&mut c, &r).unwrap();
                     }
-                    let sharded = t.state.optim.opt.shard().is_some();
-                    let image = t
-                        .state
-                        .capture_checkpoint(sharded.then_some(&mut c as _))
-                        .unwrap();
-                    assert_eq!(image.is_some(), rank == 0 || !sharded);
-                    if rank == 0 {
-                        image.unwrap().write(&dir).unwrap();
+                    // Plain: rank 0 saves it all; sharded: every rank saves its shard.
+                    if rank == 0 || zero == 1 {
+                        t.state.capture_checkpoint().unwrap().write(&dir).unwrap();
                     }
                     (params(&t.state.model), t.state.optim.opt.owned_len())
                 })
@@ -607,4 +601,45 @@ fn zero_stage_1_steps_and_saves_exactly_like_plain_data_parallel() {
     }
     let (diff, name) = max_rel_diff(&params(&one.state.model), &plain[0].0);
     assert!(diff == 0.0, "{diff} at {name}");
+    assert!(zero_dir
+        .with_file_name("zero1.rank-1")
+        .join("manifest.json")
+        .is_file());
+    assert!(!zero_dir.join("optimizer.safetensors").exists());
+    // Three sharded ranks: each reads its range out of the two shards.
+    let whole: Vec<f32> = {
+        let (tensors, _) = reference.state.optim.opt.state().unwrap();
+        let mut cfg = stage_config(TrainerKind::Sft);
+        cfg.training.zero_stage = 1;
+        let s = spec(&cfg, RoleKind::ActorRollout, RolePart::Train, 0, 1);
+        let t = SftTrainer::new(&s, &candle_core::Device::Cpu).unwrap();
+        let names: Vec<String> = t.state.model.vars().into_iter().map(|(n, _)| n).collect();
+        names
+            .iter()
+            .flat_map(|n| {
+                let (_, x) = tensors
+                    .iter()
+                    .find(|(k, _)| *k == format!("exp_avg.{n}"))
+                    .unwrap();
+                x.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+            })
+            .collect()
+    };
+    let mut joined = Vec::new();
+    for rank in 0..3 {
+        let mut cfg = stage_config(TrainerKind::Sft);
+        cfg.training.zero_stage = 1;
+        cfg.training.global_batch_size = 9;
+        let s = spec(&cfg, RoleKind::ActorRollout, RolePart::Train, rank, 3);
+        let mut t = SftTrainer::new(&s, &candle_core::Device::Cpu).unwrap();
+        t.state.load_checkpoint(&zero_dir).unwrap();
+        assert_eq!(t.state.optim.opt.steps(), 3);
+        joined.extend(t.state.optim.opt.owned_moments().unwrap().0);
+    }
+    assert_eq!(joined, whole);
+    // A missing shard is named.
+    std::fs::remove_dir_all(zero_dir.with_file_name("zero1.rank-1")).unwrap();
+    let mut t = SftTrainer::new(&s, &candle_core::Device::Cpu).unwrap();
+    let e = t.state.load_checkpoint(&zero_dir).unwrap_err().to_string();
+    assert!(e.contains("rank 1") && e.contains("zero1.rank-1"), "{e}");
 }

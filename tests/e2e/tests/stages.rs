@@ -4,7 +4,7 @@
 //! stopped and resumed repeats the straight one; ZeRO stage 1 trains like plain data
 //! parallelism and resumes.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
@@ -206,8 +206,8 @@ fn dpo_learns_the_pairs_and_resumes_exactly() -> Result<()> {
 }
 
 /// `training.zero_stage: 1` across two SFT trainer processes: each keeps half of the AdamW
-/// state, the metrics are those of plain data parallelism, and its checkpoint (the state
-/// gathered by both ranks together) resumes the run exactly.
+/// state, the metrics are those of plain data parallelism, and its checkpoint (one optimizer
+/// shard per rank) resumes the run exactly.
 #[test]
 fn zero_stage_1_trains_like_plain_data_parallel_and_resumes() -> Result<()> {
     let dir = tempfile::tempdir()?;
@@ -231,10 +231,17 @@ fn zero_stage_1_trains_like_plain_data_parallel_and_resumes() -> Result<()> {
         &jsonl(&plain.join("metrics.jsonl"))?,
         &jsonl(&zero.join("metrics.jsonl"))?,
     );
-    // The sharded run's last checkpoint holds the whole optimizer state, as the plain one's.
-    let size = |d: &Path| -> Result<u64> {
-        Ok(std::fs::metadata(d.join("ckpt/global_step_4/actor/optimizer.safetensors"))?.len())
-    };
-    assert_eq!(size(&zero)?, size(&plain)?);
+    // The sharded checkpoint: one shard per rank, rank 1's beside the actor directory, and
+    // together the size of the plain run's whole optimizer state.
+    let step = |d: &Path| d.join("ckpt/global_step_4");
+    let size = |p: PathBuf| -> Result<u64> { Ok(std::fs::metadata(p)?.len()) };
+    let shards = size(step(&zero).join("actor/optimizer-rank-0-of-2.safetensors"))?
+        + size(step(&zero).join("actor.rank-1/optimizer-rank-1-of-2.safetensors"))?;
+    let whole = size(step(&plain).join("actor/optimizer.safetensors"))?;
+    assert!(step(&zero).join("actor/optimizer_shards.json").is_file());
+    assert!(
+        shards < whole && whole - shards < 16 * 1024,
+        "shards {shards} bytes vs whole {whole}"
+    );
     Ok(())
 }

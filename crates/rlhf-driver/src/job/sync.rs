@@ -186,32 +186,26 @@ pub(super) async fn save_parts(
 ) -> Res<PendingSave> {
     let step = state.global_step;
     let dir = checkpoint::step_dir(root, step);
-    // A part whose optimizer state is sharded (`training.zero_stage` 1) is captured by every
-    // rank together (they gather the state to rank 0); rank 0 writes it in any case.
-    let savers: Vec<WorkerGroup> = parts
-        .iter()
-        .map(|(_, g, sharded)| WorkerGroup {
-            id: g.id,
-            members: g
-                .members
-                .iter()
-                .take(if *sharded { usize::MAX } else { 1 })
-                .cloned()
-                .collect(),
-        })
-        .collect();
+    // A part whose optimizer state is sharded (`training.zero_stage` 1) is saved by every
+    // rank (rank 0 the weights and its shard, the others their shards); otherwise rank 0
+    // saves it all. The checkpoint is committed once every saver has its files on disk.
     let parts: Vec<(String, WorkerGroup, String)> = parts
         .iter()
-        .map(|(name, g, _)| {
-            let first = WorkerGroup {
+        .map(|(name, g, sharded)| {
+            let savers = WorkerGroup {
                 id: g.id,
-                members: g.members.iter().take(1).cloned().collect(),
+                members: g
+                    .members
+                    .iter()
+                    .take(if *sharded { usize::MAX } else { 1 })
+                    .cloned()
+                    .collect(),
             };
             let d = dir.join(name).to_string_lossy().into_owned();
-            (name.to_string(), first, d)
+            (name.to_string(), savers, d)
         })
         .collect();
-    let saves = parts.iter().zip(&savers).map(|((_, _, dir), g)| {
+    let saves = parts.iter().map(|(_, g, dir)| {
         g.unary(t, "SaveCheckpoint", move |_, mut c| {
             let dir = dir.clone();
             async move {
@@ -245,6 +239,7 @@ pub(super) async fn save_parts(
         });
         let answers = futures::future::try_join_all(waits).await?;
         for ((name, _, _), a) in parts.iter().zip(answers) {
+            // Rank 0 saved the weights.
             if let Some(first) = a.first() {
                 state.set_checksum(name, first.weights_checksum);
             }

@@ -18,9 +18,7 @@ use crate::error::{Error, Result};
 /// owns: the parameters laid end to end and cut into `world` equal contiguous ranges (the
 /// first `total % world` ranks one element longer). Ranges may be empty.
 pub fn partition(sizes: &[usize], rank: usize, world: usize) -> Vec<Range<usize>> {
-    let total: usize = sizes.iter().sum();
-    let bound = |r: usize| r * (total / world) + r.min(total % world);
-    let (lo, hi) = (bound(rank), bound(rank + 1));
+    let Range { start: lo, end: hi } = span(sizes.iter().sum(), rank, world);
     let mut off = 0;
     sizes
         .iter()
@@ -32,11 +30,55 @@ pub fn partition(sizes: &[usize], rank: usize, world: usize) -> Vec<Range<usize>
         .collect()
 }
 
+/// The elements of `total` (the parameters end to end) that `rank` of `world` owns.
+pub fn span(total: usize, rank: usize, world: usize) -> Range<usize> {
+    let bound = |r: usize| r * (total / world) + r.min(total % world);
+    bound(rank)..bound(rank + 1)
+}
+
 fn host(t: &Tensor) -> Result<Vec<f32>> {
     Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
 }
 
 impl AdamW {
+    /// The elements of the flattened parameters (laid end to end) this optimizer owns: all
+    /// of them unless sharded.
+    pub fn owned_span(&self) -> Range<usize> {
+        self.span.clone()
+    }
+
+    /// Sets the moments of this optimizer's elements ([`AdamW::owned_span`], in that order)
+    /// and the step count: how a checkpoint written in per-rank shards is read back, by any
+    /// number of ranks.
+    pub fn load_owned_moments(&mut self, m: &[f32], v: &[f32], step: usize) -> Result<()> {
+        let n = self.owned_len();
+        if m.len() != n || v.len() != n {
+            return Err(Error::InvalidArgument(format!(
+                "moments of {} and {} elements for the {n} this optimizer owns",
+                m.len(),
+                v.len()
+            )));
+        }
+        let mut off = 0;
+        for s in self.slots.iter_mut() {
+            let k = s.owned.len();
+            let (ms, vs) = (&m[off..off + k], &v[off..off + k]);
+            match &mut s.moments {
+                Moments::Host { m, v } => {
+                    m.copy_from_slice(ms);
+                    v.copy_from_slice(vs);
+                }
+                Moments::Device { m, v } => {
+                    *m = Tensor::from_slice(ms, k, s.var.device())?;
+                    *v = Tensor::from_slice(vs, k, s.var.device())?;
+                }
+            }
+            off += k;
+        }
+        self.step = step;
+        Ok(())
+    }
+
     /// Elements this optimizer owns, over all parameters.
     pub fn owned_len(&self) -> usize {
         self.slots.iter().map(|s| s.owned.len()).sum()
