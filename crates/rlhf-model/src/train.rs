@@ -21,6 +21,45 @@ pub(crate) fn add_to(acc: Option<Tensor>, t: Tensor) -> candle_core::Result<Tens
     }
 }
 
+/// `a += b` in place for f32 CPU tensors laid out the same way over the whole of their
+/// storage (contiguous, or a transposed weight gradient): how micro-batch gradients pile up
+/// without a new tensor per parameter. Any other case is an error, and the caller adds out
+/// of place.
+struct AddAssign;
+
+impl candle_core::InplaceOp2 for AddAssign {
+    fn name(&self) -> &'static str {
+        "grad-add-assign"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &mut candle_core::CpuStorage,
+        l1: &candle_core::Layout,
+        s2: &candle_core::CpuStorage,
+        l2: &candle_core::Layout,
+    ) -> candle_core::Result<()> {
+        use candle_core::CpuStorage as S;
+        let (S::F32(a), S::F32(b)) = (s1, s2) else {
+            candle_core::bail!("grad-add-assign: f32 expected");
+        };
+        let n = l1.shape().elem_count();
+        if l1.dims() != l2.dims()
+            || l1.stride() != l2.stride()
+            || l1.start_offset() != 0
+            || l2.start_offset() != 0
+            || a.len() != n
+            || b.len() != n
+        {
+            candle_core::bail!("grad-add-assign: layouts differ");
+        }
+        for (x, y) in a.iter_mut().zip(b.iter()) {
+            *x += *y;
+        }
+        Ok(())
+    }
+}
+
 /// Gradients keyed by parameter name.
 #[derive(Debug, Clone, Default)]
 pub struct Gradients {
@@ -124,18 +163,35 @@ impl Gradients {
     /// before clipping (as torch's `clip_grad_norm_`).
     pub fn clip_global_norm(&mut self, max_norm: f64) -> Result<f64> {
         let norm = self.global_norm()?;
-        if norm.is_finite() && norm > max_norm {
-            self.scale(max_norm / (norm + 1e-6))?;
+        let f = Self::clip_factor(norm, max_norm);
+        if f != 1.0 {
+            self.scale(f)?;
         }
         Ok(norm)
     }
 
-    /// Adds `scale * other` into these gradients.
-    pub fn add_scaled(&mut self, other: &Gradients, scale: f64) -> Result<()> {
-        for (n, g) in &other.grads {
-            let g = (g * scale)?;
-            let sum = add_to(self.grads.remove(n), g)?;
-            self.grads.insert(n.clone(), sum);
+    /// The factor global-norm clipping scales gradients of norm `norm` by (1 when they are
+    /// within `max_norm`): hand it to [`AdamW::step_scaled`] to clip without rewriting
+    /// every gradient.
+    pub fn clip_factor(norm: f64, max_norm: f64) -> f64 {
+        if norm.is_finite() && norm > max_norm {
+            max_norm / (norm + 1e-6)
+        } else {
+            1.0
+        }
+    }
+
+    /// Adds `other` into these gradients, taking its tensors: the first addition copies
+    /// nothing. Scale the loss before backward rather than the gradients after it, and no
+    /// second copy of every gradient exists at any point.
+    pub fn add(&mut self, other: Gradients) -> Result<()> {
+        for (n, g) in other.grads {
+            let sum = match self.grads.remove(&n) {
+                // f32 on the CPU with one layout: summed into the running tensor itself.
+                Some(acc) if acc.inplace_op2(&g, &AddAssign).is_ok() => acc,
+                acc => add_to(acc, g)?,
+            };
+            self.grads.insert(n, sum);
         }
         Ok(())
     }
@@ -160,8 +216,13 @@ impl GradAccumulator {
 
     /// Backward on one micro-batch loss; its gradients are added times `scale`.
     pub fn backward(&mut self, loss: &Tensor, scale: f64) -> Result<()> {
-        let g = Gradients::backward(loss, &self.vars)?;
-        self.sum.add_scaled(&g, scale)?;
+        // The loss is scaled, not the gradients: no second copy of them (Gradients::add).
+        let g = if scale == 1.0 {
+            Gradients::backward(loss, &self.vars)?
+        } else {
+            Gradients::backward(&(loss * scale)?, &self.vars)?
+        };
+        self.sum.add(g)?;
         self.micro_batches += 1;
         Ok(())
     }
@@ -239,14 +300,55 @@ struct StepScalars {
     decay_factor: f32,
     inv_bc1: f32,
     inv_sqrt_bc2: f32,
+    /// Gradient multiplier (global-norm clipping), 1 for none.
+    grad_scale: f32,
 }
 
 fn host_update(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], k: StepScalars) {
     for (((pi, &gi), mi), vi) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+        let gi = gi * k.grad_scale;
         *mi = k.beta1 * *mi + k.one_minus_beta1 * gi;
         *vi = k.beta2 * *vi + k.one_minus_beta2 * gi * gi;
         let denom = vi.sqrt() * k.inv_sqrt_bc2 + k.eps;
         *pi = *pi * k.decay_factor - k.lr * k.inv_bc1 * *mi / denom;
+    }
+}
+
+/// One parameter's host step written straight into its storage (an f32 parameter on the
+/// CPU with an f32 gradient): no copy of the parameter or its gradient is made, where the
+/// general path copies both out and the result back in.
+struct InPlaceStep<'a> {
+    moments: std::cell::RefCell<(&'a mut [f32], &'a mut [f32])>,
+    owned: std::ops::Range<usize>,
+    k: StepScalars,
+}
+
+impl candle_core::InplaceOp2 for InPlaceStep<'_> {
+    fn name(&self) -> &'static str {
+        "adamw-host-step"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &mut candle_core::CpuStorage,
+        l1: &candle_core::Layout,
+        s2: &candle_core::CpuStorage,
+        l2: &candle_core::Layout,
+    ) -> candle_core::Result<()> {
+        use candle_core::CpuStorage as S;
+        let (S::F32(p), S::F32(g)) = (s1, s2) else {
+            candle_core::bail!("adamw-host-step: f32 parameter and gradient expected");
+        };
+        let (Some((p0, p1)), Some((g0, g1))) = (l1.contiguous_offsets(), l2.contiguous_offsets())
+        else {
+            candle_core::bail!("adamw-host-step: contiguous parameter and gradient expected");
+        };
+        let (p, g) = (&mut p[p0..p1], &g[g0..g1]);
+        let mut mv = self.moments.borrow_mut();
+        let (m, v) = &mut *mv;
+        let r = self.owned.clone();
+        host_update(&mut p[r.clone()], &g[r], m, v, self.k);
+        Ok(())
     }
 }
 
@@ -352,6 +454,12 @@ impl AdamW {
 
     /// One update; parameters without a gradient are left alone (their moments do not move).
     pub fn step(&mut self, grads: &Gradients) -> Result<()> {
+        self.step_scaled(grads, 1.0)
+    }
+
+    /// [`AdamW::step`] on `grad_scale` times the gradients (global-norm clipping without a
+    /// second copy of them, see [`Gradients::clip_factor`]).
+    pub fn step_scaled(&mut self, grads: &Gradients, grad_scale: f64) -> Result<()> {
         // Moments offloaded while the device generated come back first.
         self.reload()?;
         self.step += 1;
@@ -368,7 +476,33 @@ impl AdamW {
             }
             let decay = if s.decay { c.weight_decay } else { 0.0 };
             let (a, b) = (s.owned.start, s.owned.end);
+            let k = StepScalars {
+                lr: c.lr as f32,
+                beta1: c.beta1 as f32,
+                beta2: c.beta2 as f32,
+                one_minus_beta1: (1.0 - c.beta1) as f32,
+                one_minus_beta2: (1.0 - c.beta2) as f32,
+                eps: c.eps as f32,
+                decay_factor: (1.0 - c.lr * decay) as f32,
+                inv_bc1: (1.0 / bc1) as f32,
+                inv_sqrt_bc2: (1.0 / bc2.sqrt()) as f32,
+                grad_scale: grad_scale as f32,
+            };
             match &mut s.moments {
+                Moments::Host { m, v }
+                    if s.var.device().is_cpu()
+                        && s.var.dtype() == DType::F32
+                        && g.device().is_cpu() =>
+                {
+                    // Straight into the parameter's storage: no copies.
+                    let g = g.to_dtype(DType::F32)?.contiguous()?;
+                    let op = InPlaceStep {
+                        moments: std::cell::RefCell::new((m.as_mut_slice(), v.as_mut_slice())),
+                        owned: a..b,
+                        k,
+                    };
+                    s.var.as_tensor().inplace_op2(&g, &op)?;
+                }
                 Moments::Host { m, v } => {
                     // f32 on the host whatever the parameter's dtype and device (a no-op for
                     // f32 on the CPU).
@@ -379,17 +513,6 @@ impl AdamW {
                         .flatten_all()?
                         .to_vec1::<f32>()?;
                     let g = g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-                    let k = StepScalars {
-                        lr: c.lr as f32,
-                        beta1: c.beta1 as f32,
-                        beta2: c.beta2 as f32,
-                        one_minus_beta1: (1.0 - c.beta1) as f32,
-                        one_minus_beta2: (1.0 - c.beta2) as f32,
-                        eps: c.eps as f32,
-                        decay_factor: (1.0 - c.lr * decay) as f32,
-                        inv_bc1: (1.0 / bc1) as f32,
-                        inv_sqrt_bc2: (1.0 / bc2.sqrt()) as f32,
-                    };
                     host_update(&mut p[a..b], &g[a..b], m, v, k);
                     let shape = s.var.shape().clone();
                     let p = Tensor::from_vec(p, shape, &candle_core::Device::Cpu)?;
@@ -399,6 +522,11 @@ impl AdamW {
                 Moments::Device { m, v } => {
                     let n = s.var.elem_count();
                     let g = g.to_dtype(DType::F32)?.flatten_all()?.narrow(0, a, b - a)?;
+                    let g = if grad_scale == 1.0 {
+                        g
+                    } else {
+                        (g * grad_scale)?
+                    };
                     *m = ((&*m * c.beta1)? + (&g * (1.0 - c.beta1))?)?;
                     *v = ((&*v * c.beta2)? + (g.sqr()? * (1.0 - c.beta2))?)?;
                     let all = s.var.as_tensor().detach().flatten_all()?;

@@ -96,6 +96,32 @@ impl WeightFiles {
         Ok(self.st.load(name, device)?)
     }
 
+    /// An f32 tensor's values read straight out of the file (`None` when it is stored in
+    /// another dtype): one copy, where [`WeightFiles::load`] and a trainable parameter made
+    /// from it take two.
+    fn load_f32(&self, name: &str, expected: &[usize]) -> Result<Option<Vec<f32>>> {
+        let view = self.st.get(name).map_err(|_| Error::MissingTensor {
+            name: name.to_string(),
+            location: self.location.clone(),
+        })?;
+        if view.shape() != expected {
+            return Err(Error::ShapeMismatch {
+                name: name.to_string(),
+                expected: expected.to_vec(),
+                found: view.shape().to_vec(),
+            });
+        }
+        if view.dtype() != safetensors::Dtype::F32 {
+            return Ok(None);
+        }
+        Ok(Some(
+            view.data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect(),
+        ))
+    }
+
     /// Where the weights come from, for messages.
     pub fn location(&self) -> &str {
         &self.location
@@ -220,6 +246,17 @@ impl<'a> ParamBuilder<'a> {
 
     /// A parameter that must be in the checkpoint; random models initialise it with `init`.
     pub fn get(&mut self, name: &str, shape: &[usize], init: Init) -> Result<Tensor> {
+        // An f32 parameter trained on the CPU becomes its variable with a single copy out of
+        // the file: the usual path makes a tensor and then the variable from it, and the
+        // freed first copies stay in the process's heap.
+        if let Some(files) = self.files {
+            if self.device.is_cpu() && self.dtype() == DType::F32 {
+                if let Some(data) = files.load_f32(name, shape)? {
+                    let var = Var::from_vec(data, shape, &self.device)?;
+                    return Ok(self.register_var(name, var));
+                }
+            }
+        }
         let t = match self.files {
             Some(files) => files
                 .load(name, shape, &self.device)?
@@ -267,12 +304,16 @@ impl<'a> ParamBuilder<'a> {
 
     fn register(&mut self, name: &str, t: Tensor) -> Result<Tensor> {
         let var = Var::from_tensor(&t.contiguous()?)?;
+        Ok(self.register_var(name, var))
+    }
+
+    fn register_var(&mut self, name: &str, var: Var) -> Tensor {
         let view = self.view(&var);
         if self.base.is_some() {
             self.store.base.insert(name.to_string());
         }
         self.store.vars.insert(name.to_string(), var);
-        Ok(view)
+        view
     }
 
     fn random(&mut self, shape: &[usize], init: Init) -> Result<Tensor> {

@@ -18,6 +18,7 @@ pub mod engine;
 pub mod error;
 pub mod host;
 mod hub;
+pub mod mem;
 pub mod policy;
 pub mod reward;
 pub mod saves;

@@ -258,6 +258,7 @@ impl TrainState {
             slot.rank as usize,
             slot.world_size as usize,
         )?;
+        crate::mem::release_freed();
         if let Some((rank, world)) = optim.opt.shard() {
             tracing::info!(
                 "{}: AdamW state sharded (training.zero_stage 1), rank {rank} of {world}: {} of {} parameter elements",
@@ -351,8 +352,12 @@ pub fn update<T: Train>(
             return Err(abort_update(comm, e)).with_ctx(|| format!("{who} {call}"));
         }
     };
-    let metrics = run_update(engine, comm, &prepared).with_ctx(|| format!("{who} {call}"))?;
-    engine.state_mut().version = prepared.step;
+    let metrics = run_update(engine, comm, &prepared).with_ctx(|| format!("{who} {call}"));
+    let step = prepared.step;
+    drop(prepared);
+    crate::mem::release_freed();
+    let metrics = metrics?;
+    engine.state_mut().version = step;
     Ok(UpdateResponse { metrics })
 }
 
@@ -440,13 +445,19 @@ pub fn run_update<T: Train>(
                     });
                     break;
                 }
-                let g = Gradients::backward(&out.loss, &vars)?;
-                grads.add_scaled(&g, scale)?;
+                // Scaling the loss rather than the gradients keeps one copy of them
+                // (`Gradients::add` takes the micro-batch's tensors).
+                let loss = if scale == 1.0 {
+                    out.loss
+                } else {
+                    (out.loss * scale)?
+                };
+                grads.add(Gradients::backward(&loss, &vars)?)?;
                 for (k, v) in out.stats {
                     mean_into(&mut mb_stats, k, v, tokens);
                 }
             }
-            let (mut grads, failures) = all_reduce_grads(&grads, &vars, comm, failed.is_some())?;
+            let (grads, failures) = all_reduce_grads(&grads, &vars, comm, failed.is_some())?;
             if let Some(e) = failed {
                 return Err(e);
             }
@@ -473,12 +484,15 @@ pub fn run_update<T: Train>(
                 });
             }
             let optim = &mut engine.state_mut().optim;
-            if optim.clip_grad > 0.0 {
-                grads.clip_global_norm(optim.clip_grad)?;
-            }
+            // Clipping scales the gradients inside the step: no rewritten copy of them.
+            let clip = if optim.clip_grad > 0.0 {
+                Gradients::clip_factor(norm, optim.clip_grad)
+            } else {
+                1.0
+            };
             let lr = optim.sched.lr_at(optim.opt.steps());
             optim.opt.set_learning_rate(lr);
-            optim.opt.step(&grads)?;
+            optim.opt.step_scaled(&grads, clip)?;
             if optim.opt.shard().is_some() {
                 crate::zero::exchange_params(comm, &mut optim.opt)?;
             }
