@@ -9,7 +9,9 @@
 //! * weights: frozen roles `P·b`; trained roles `4·P` (f32 weights, the master
 //!   copy under bf16) plus, with `bf16`, `2·P` for the bf16 copy the forward
 //!   computes with and backward keeps;
-//! * gradients (trained roles): `4·P` (f32, like the weights they update);
+//! * gradients (trained roles): `4·P` (f32, like the weights they update), twice that when
+//!   a rank's mini-batch takes more than one micro-batch: the running sum and the next
+//!   micro-batch's gradients exist together (candle's backward returns a whole new set);
 //! * optimizer (AdamW): `2·4·P` for the two f32 moments;
 //! * KV cache (rollout ranks): `L · 2 · kv_heads · head_dim · s · B · b` with
 //!   `B` = rollout batch / `num_gpus_for_infer`;
@@ -156,6 +158,18 @@ impl PpoConfig {
             } else {
                 1
             };
+            // Rows of one optimizer step on a rank against the micro-batch.
+            let mini = match (self.trainer, role) {
+                (crate::TrainerKind::Ppo, RoleKind::ActorRollout) => a.ppo_mini_batch_size,
+                (crate::TrainerKind::Ppo, RoleKind::Critic) => self.critic.critic_mini_batch_size,
+                _ => t.global_batch_size,
+            };
+            let grad_copies = if u64::from(mini) / u64::from(dp.max(1)) > mb {
+                2
+            } else {
+                1
+            };
+            let gradients = |p: u64| mul(&[p, 4, grad_copies]);
             // `offload_optimizer` keeps them in host memory: none on the device.
             let on_device = if t.offload_optimizer { 0 } else { 8 };
             let optimizer = |p: u64| mul(&[on_device, p]).div_ceil(shards);
@@ -180,7 +194,7 @@ impl PpoConfig {
                         model: m.name.clone(),
                         params: p,
                         weights,
-                        gradients: mul(&[tp, 4]),
+                        gradients: gradients(tp),
                         optimizer: optimizer(tp),
                         kv_cache: 0,
                         activations: train_act(&arch, true),
@@ -252,7 +266,7 @@ impl PpoConfig {
                         model: m.name,
                         params: p,
                         weights,
-                        gradients: mul(&[tp, 4]),
+                        gradients: gradients(tp),
                         optimizer: optimizer(tp),
                         kv_cache: 0,
                         activations: train_act(&arch, false),
@@ -267,7 +281,7 @@ impl PpoConfig {
                         model: m.name,
                         params: p,
                         weights: trained(p),
-                        gradients: mul(&[p, 4]),
+                        gradients: gradients(p),
                         optimizer: optimizer(p),
                         kv_cache: 0,
                         activations: train_act(&arch, false),

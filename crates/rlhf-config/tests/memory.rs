@@ -34,8 +34,13 @@ fn memory_estimate_is_sane() {
         gib(train.weights)
     );
     assert_eq!(train.weights, 6 * train.params);
-    // f32 gradients and the two f32 AdamW moments.
-    assert_eq!(train.gradients, 4 * train.params);
+    // f32 gradients, twice: a rank's mini-batch takes several micro-batches here, and the
+    // running sum and one micro-batch's gradients exist together. One micro-batch per
+    // mini-batch holds one set.
+    assert_eq!(train.gradients, 8 * train.params);
+    let per_rank = q.actor_rollout.ppo_mini_batch_size / q.actor_rollout.num_gpus_for_train;
+    let one = qwen7b(&[&format!("training.micro_batch_size={per_rank}")]);
+    assert_eq!(row(&one, "actor_rollout/train").gradients, 4 * train.params);
     assert_eq!(train.optimizer, 8 * train.params);
     // ZeRO stage 1 shares the moments among the trainer ranks; a role override applies to
     // that role only.
@@ -126,10 +131,11 @@ fn the_half_billion_config_fits_its_gpus_in_bf16() {
     assert_eq!(q.resource_pool.device, rlhf_config::DeviceKind::Gpu);
     assert!(q.memory_warnings().is_empty(), "{:?}", q.memory_warnings());
     let train = row(&q, "actor_rollout/train");
-    // 18 bytes per parameter: f32 master + bf16 copy + f32 gradient + two f32 moments.
+    // 22 bytes per parameter: f32 master + bf16 copy + f32 gradients (the running sum and
+    // one micro-batch's) + two f32 moments.
     assert_eq!(
         train.weights + train.gradients + train.optimizer,
-        18 * train.params
+        22 * train.params
     );
 }
 
@@ -280,7 +286,7 @@ fn lora_trains_only_the_adapters_and_the_reference_is_free() {
     // Qwen2.5-7B: 28 layers, hidden 3584, 28 query / 4 KV heads of 128: q_proj 3584 -> 3584,
     // v_proj 3584 -> 512; r = 8.
     let a: u64 = 28 * 8 * ((3584 + 3584) + (3584 + 512));
-    assert_eq!(lt.gradients, 4 * a);
+    assert_eq!(lt.gradients, 8 * a); // several micro-batches per mini-batch
     assert_eq!(lt.optimizer, 8 * a);
     // bf16 base (2 bytes) plus the f32 master and bf16 copy of the adapters.
     assert_eq!(lt.weights, 2 * lt.params + 6 * a);
