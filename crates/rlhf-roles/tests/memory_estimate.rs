@@ -125,8 +125,9 @@ fn check_estimates_a_trainers_peak_memory_within_25_percent() {
     assert!(row.params > 30_000_000, "{} parameters", row.params);
 
     let base = status_bytes("VmRSS:");
-    // Resets VmHWM to the current RSS (Linux >= 4.0).
-    std::fs::write("/proc/self/clear_refs", "5").unwrap();
+    // Resets VmHWM to the current RSS (Linux >= 4.0). Where that is refused, the peak so far
+    // is this test's own small start (the model file was written a megabyte at a time).
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
     let s = spec(&cfg, RoleKind::ActorRollout, RolePart::Train, 0, 1);
     let mut t = SftTrainer::new(&s, &candle_core::Device::Cpu).unwrap();
     let rows = 4;
