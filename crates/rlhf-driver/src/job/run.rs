@@ -257,21 +257,42 @@ async fn attempt(
         sampler: &mut sampler,
         roles: &roles,
     };
-    let result = tokio::select! {
-        r = ctx.drive(&mut algo, &mut src, start_step, total, resumed, carry) => r,
+    let drive = ctx.drive(&mut algo, &mut src, start_step, total, resumed, carry);
+    let result = until_stopped(drive, shutdown).await;
+    conclude(head, &roles, result, carry, opts.call_timeout).await
+}
+
+/// An attempt's loop, or the stop a signal asks for.
+pub(super) async fn until_stopped(
+    drive: impl std::future::Future<Output = Res<u64>>,
+    shutdown: &CancellationToken,
+) -> Res<u64> {
+    tokio::select! {
+        r = drive => r,
         _ = shutdown.cancelled() => Err(Failed::Other(Error::new(FailureKind::Unavailable, "stopped by a signal; continue with --resume latest"))),
-    };
+    }
+}
+
+/// The end of an attempt however its loop ended: after a failure the checkpoint in flight
+/// gets its chance and the head is asked what died (and why); then the roles are freed.
+pub(super) async fn conclude(
+    head: &mut HeadClient,
+    roles: &cluster::Roles,
+    result: Res<u64>,
+    carry: &mut Carry,
+    call_timeout: Duration,
+) -> std::result::Result<u64, RunError> {
     if result.is_err() {
-        carry.settle_after_failure(opts.call_timeout).await;
+        carry.settle_after_failure(call_timeout).await;
     }
     let result = match result {
         Ok(step) => Ok(step),
         Err(Failed::Call(e)) => {
-            let (error, at) = cluster::diagnose(head, &roles, e).await;
+            let (error, at) = cluster::diagnose(head, roles, e).await;
             Err(RunError { error, at })
         }
         Err(Failed::Other(e)) => Err(RunError::from(e)),
     };
-    cluster::shutdown(head, &roles).await;
+    cluster::shutdown(head, roles).await;
     result
 }

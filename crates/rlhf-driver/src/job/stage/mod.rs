@@ -20,7 +20,7 @@ use rlhf_core::calls::{
     LogProbsRequest, Mat, PreferenceUpdateRequest, RewardModelUpdateRequest, ScoresRequest,
     Sequences, SftUpdateRequest, UpdateResponse,
 };
-use rlhf_core::{CommGroup, Error, FailureKind};
+use rlhf_core::{CommGroup, Error};
 use rlhf_proto::v1 as pb;
 use rlhf_tokenizer::Tokenizer;
 use tokio_util::sync::CancellationToken;
@@ -272,25 +272,11 @@ async fn attempt(
         eval: inputs.eval,
         ckpt_root: inputs.ckpt_root,
         report,
-        carry,
+        carry: &mut *carry,
     };
-    let result = tokio::select! {
-        r = lp.drive(&mut sampler, start_step, total, resumed) => r,
-        _ = shutdown.cancelled() => Err(Failed::Other(Error::new(FailureKind::Unavailable, "stopped by a signal; continue with --resume latest"))),
-    };
-    if result.is_err() {
-        lp.carry.settle_after_failure(opts.call_timeout).await;
-    }
-    let result = match result {
-        Ok(step) => Ok(step),
-        Err(Failed::Call(e)) => {
-            let (error, at) = cluster::diagnose(head, &roles, e).await;
-            Err(RunError { error, at })
-        }
-        Err(Failed::Other(e)) => Err(RunError::from(e)),
-    };
-    cluster::shutdown(head, &roles).await;
-    result
+    let result =
+        run::until_stopped(lp.drive(&mut sampler, start_step, total, resumed), shutdown).await;
+    run::conclude(head, &roles, result, carry, opts.call_timeout).await
 }
 
 struct StageLoop<'a> {
