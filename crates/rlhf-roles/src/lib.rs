@@ -19,6 +19,7 @@ pub mod error;
 pub mod host;
 mod hub;
 pub mod mem;
+pub mod optim;
 pub mod policy;
 pub mod reward;
 pub mod saves;

@@ -298,3 +298,37 @@ pub fn group(n: usize) -> Vec<rlhf_collective::TcpCommunicator> {
     out.extend(peers.into_iter().map(|p| p.join().unwrap()));
     out
 }
+
+// Stage engines (tests/stages.rs, tests/zero.rs).
+
+pub fn single() -> rlhf_collective::TcpCommunicator {
+    rlhf_collective::TcpCommunicator::single(rlhf_collective::CommConfig::default())
+}
+
+/// Typed sequences and their response mask from [`common::sequences`].
+pub fn seqs(
+    resp_lens: &[usize],
+    seed: u64,
+) -> (rlhf_core::calls::Sequences, rlhf_core::calls::Mat<f32>) {
+    use rlhf_core::calls::{Mat, Sequences};
+    let b: DataBatch = sequences(resp_lens, seed);
+    let n = resp_lens.len();
+    let mat_i = |name: &str| Mat::new(n, P + R, b.tensors[name].to_i64().unwrap()).unwrap();
+    let seq = Sequences {
+        input_ids: mat_i("input_ids"),
+        attention_mask: mat_i("attention_mask"),
+        response_len: R,
+    };
+    let mask = Mat::new(n, R, b.tensors["response_mask"].to_f32().unwrap()).unwrap();
+    (seq, mask)
+}
+
+pub fn stage_config(trainer: rlhf_config::TrainerKind) -> PpoConfig {
+    let mut cfg = config();
+    cfg.trainer = trainer;
+    cfg.training.lr = 0.05;
+    cfg.training.adam_eps = 1e-8;
+    cfg
+}
+
+pub const LENS: [usize; 8] = [5, 4, 5, 3, 1, 2, 4, 2];

@@ -1,0 +1,180 @@
+//! ZeRO stage 1 in process (`training.zero_stage: 1`): sharded AdamW state steps and saves
+//! exactly like plain data parallelism, and its per-rank checkpoint shards read back into
+//! any rank count.
+
+mod common;
+
+use common::*;
+use rlhf_config::TrainerKind;
+use rlhf_core::calls::{Mat, Sequences, SftUpdateRequest};
+use rlhf_core::{RoleKind, RolePart};
+use rlhf_roles::SftTrainer;
+
+/// `training.zero_stage: 1`: two SFT ranks that each keep half of the AdamW state end every
+/// step with exactly the weights of two ranks that keep all of it (AdamW is elementwise), and
+/// their checkpoint (one shard per rank) holds exactly the unsharded optimizer state: one
+/// unsharded rank and three sharded ranks read it back.
+#[test]
+fn zero_stage_1_steps_and_saves_exactly_like_plain_data_parallel() {
+    let (seq, mask) = seqs(&LENS, 5);
+    let half = |rows: std::ops::Range<usize>, step| {
+        let pick_i = |m: &Mat<i64>| {
+            Mat::new(
+                rows.len(),
+                m.cols,
+                rows.clone().flat_map(|i| m.row(i).to_vec()).collect(),
+            )
+            .unwrap()
+        };
+        let pick_f = |m: &Mat<f32>| {
+            Mat::new(
+                rows.len(),
+                m.cols,
+                rows.clone().flat_map(|i| m.row(i).to_vec()).collect(),
+            )
+            .unwrap()
+        };
+        SftUpdateRequest {
+            seq: Sequences {
+                input_ids: pick_i(&seq.input_ids),
+                attention_mask: pick_i(&seq.attention_mask),
+                response_len: R,
+            },
+            loss_mask: pick_f(&mask),
+            step,
+        }
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |zero: u32| {
+        let comms = group(2);
+        let dir = tmp.path().join(format!("zero{zero}"));
+        let handles: Vec<_> = comms
+            .into_iter()
+            .enumerate()
+            .map(|(rank, mut c)| {
+                let rows = if rank == 0 { 0..4 } else { 4..8 };
+                let dir = dir.clone();
+                let req = half(rows, 0);
+                std::thread::spawn(move || {
+                    let mut cfg = stage_config(TrainerKind::Sft);
+                    cfg.training.zero_stage = zero;
+                    cfg.training.weight_decay = 0.01;
+                    let s = spec(
+                        &cfg,
+                        RoleKind::ActorRollout,
+                        RolePart::Train,
+                        rank as u32,
+                        2,
+                    );
+                    let mut t = SftTrainer::new(&s, &candle_core::Device::Cpu).unwrap();
+                    assert_eq!(t.state.optim.opt.shard().is_some(), zero == 1);
+                    for step in 1..=3 {
+                        let mut r = req.clone();
+                        r.step = step;
+                        t.update(&mut c, &r).unwrap();
+                    }
+                    // Plain: rank 0 saves it all; sharded: every rank saves its shard.
+                    if rank == 0 || zero == 1 {
+                        t.state.capture_checkpoint().unwrap().write(&dir).unwrap();
+                    }
+                    (params(&t.state.model), t.state.optim.opt.owned_len())
+                })
+            })
+            .collect();
+        let out: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        (out, dir)
+    };
+    let (plain, plain_dir) = run(0);
+    let (zero, zero_dir) = run(1);
+    for rank in 0..2 {
+        let (diff, name) = max_rel_diff(&zero[rank].0, &plain[rank].0);
+        assert!(
+            diff == 0.0,
+            "rank {rank}: zero 1 vs 0 differ by {diff} at {name}"
+        );
+    }
+    // Each sharded rank held about half of the moments.
+    let total = plain[0].1;
+    assert_eq!(zero[0].1 + zero[1].1, total);
+    assert!(
+        zero[0].1.abs_diff(zero[1].1) <= 1,
+        "{} + {}",
+        zero[0].1,
+        zero[1].1
+    );
+    // The gathered checkpoint is the unsharded one, byte for byte in its optimizer file,
+    // and one plain rank resumes from it.
+    let cfg = stage_config(TrainerKind::Sft);
+    let s = spec(&cfg, RoleKind::ActorRollout, RolePart::Train, 0, 1);
+    let load = |dir: &std::path::Path| {
+        let mut t = SftTrainer::new(&s, &candle_core::Device::Cpu).unwrap();
+        t.state.load_checkpoint(dir).unwrap();
+        t
+    };
+    let (one, reference) = (load(&zero_dir), load(&plain_dir));
+    let state = |t: &SftTrainer| {
+        let (tensors, step) = t.state.optim.opt.state().unwrap();
+        let v: Vec<(String, Vec<f32>)> = tensors
+            .into_iter()
+            .map(|(n, x)| (n, x.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
+            .collect();
+        (v, step)
+    };
+    let ((a, sa), (b, sb)) = (state(&one), state(&reference));
+    assert_eq!(sa, sb);
+    for ((na, va), (nb, vb)) in a.iter().zip(&b) {
+        assert_eq!(na, nb);
+        let first = va
+            .iter()
+            .zip(vb)
+            .position(|(x, y)| x.to_bits() != y.to_bits());
+        assert!(
+            first.is_none(),
+            "{na} differs at {first:?}: {:?}",
+            first.map(|i| (va[i], vb[i]))
+        );
+    }
+    let (diff, name) = max_rel_diff(&params(&one.state.model), &plain[0].0);
+    assert!(diff == 0.0, "{diff} at {name}");
+    assert!(zero_dir
+        .with_file_name("zero1.rank-1")
+        .join("manifest.json")
+        .is_file());
+    assert!(!zero_dir.join("optimizer.safetensors").exists());
+    // Three sharded ranks: each reads its range out of the two shards.
+    let whole: Vec<f32> = {
+        let (tensors, _) = reference.state.optim.opt.state().unwrap();
+        let mut cfg = stage_config(TrainerKind::Sft);
+        cfg.training.zero_stage = 1;
+        let s = spec(&cfg, RoleKind::ActorRollout, RolePart::Train, 0, 1);
+        let t = SftTrainer::new(&s, &candle_core::Device::Cpu).unwrap();
+        let names: Vec<String> = t.state.model.vars().into_iter().map(|(n, _)| n).collect();
+        names
+            .iter()
+            .flat_map(|n| {
+                let (_, x) = tensors
+                    .iter()
+                    .find(|(k, _)| *k == format!("exp_avg.{n}"))
+                    .unwrap();
+                x.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+            })
+            .collect()
+    };
+    let mut joined = Vec::new();
+    for rank in 0..3 {
+        let mut cfg = stage_config(TrainerKind::Sft);
+        cfg.training.zero_stage = 1;
+        cfg.training.global_batch_size = 9;
+        let s = spec(&cfg, RoleKind::ActorRollout, RolePart::Train, rank, 3);
+        let mut t = SftTrainer::new(&s, &candle_core::Device::Cpu).unwrap();
+        t.state.load_checkpoint(&zero_dir).unwrap();
+        assert_eq!(t.state.optim.opt.steps(), 3);
+        joined.extend(t.state.optim.opt.owned_moments().unwrap().0);
+    }
+    assert_eq!(joined, whole);
+    // A missing shard is named.
+    std::fs::remove_dir_all(zero_dir.with_file_name("zero1.rank-1")).unwrap();
+    let mut t = SftTrainer::new(&s, &candle_core::Device::Cpu).unwrap();
+    let e = t.state.load_checkpoint(&zero_dir).unwrap_err().to_string();
+    assert!(e.contains("rank 1") && e.contains("zero1.rank-1"), "{e}");
+}
