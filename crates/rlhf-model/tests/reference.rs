@@ -25,18 +25,22 @@ fn max_diff_2d(a: &[Vec<f32>], b: &[Vec<f32>], keep: impl Fn(usize, usize) -> bo
     m
 }
 
-fn check_causal(name: &str, kernels: Kernels) {
-    let reference = reference();
-    let r = &reference["models"][name];
-    let opts = match kernels {
+/// Load options that give a causal LM computing with `kernels`.
+fn causal_options(kernels: Kernels) -> LoadOptions {
+    match kernels {
         Kernels::Inference => LoadOptions::inference(),
         Kernels::FusedTraining => LoadOptions::training(ModelKind::CausalLm),
         Kernels::Composite => LoadOptions {
             composite_ops: true,
             ..LoadOptions::training(ModelKind::CausalLm)
         },
-    };
-    let model = Model::load(fixture(name), &opts).unwrap();
+    }
+}
+
+fn check_causal(name: &str, kernels: Kernels) {
+    let reference = reference();
+    let r = &reference["models"][name];
+    let model = Model::load(fixture(name), &causal_options(kernels)).unwrap();
     assert_eq!(model.kernels(), kernels);
     let fast = format!("{kernels:?}");
     let (batch, mask) = batch_from(r);
@@ -337,15 +341,7 @@ fn packed_rows_give_each_sequence_its_own_logits() {
         Kernels::FusedTraining,
         Kernels::Composite,
     ] {
-        let opts = match kernels {
-            Kernels::Inference => LoadOptions::inference(),
-            Kernels::FusedTraining => LoadOptions::training(ModelKind::CausalLm),
-            Kernels::Composite => LoadOptions {
-                composite_ops: true,
-                ..LoadOptions::training(ModelKind::CausalLm)
-            },
-        };
-        let model = Model::load(fixture("tiny-qwen2"), &opts).unwrap();
+        let model = Model::load(fixture("tiny-qwen2"), &causal_options(kernels)).unwrap();
         let packed = to_vec3(&model.logits(&row).unwrap()).remove(0);
         let mut off = 0;
         for s in seqs {

@@ -333,7 +333,7 @@ impl AdamW {
     pub fn state(&self) -> Result<(Vec<(String, Tensor)>, usize)> {
         if let Some((rank, world)) = self.shard {
             return Err(Error::InvalidArgument(format!(
-                "this optimizer holds rank {rank}'s share of {world}; its group gathers the whole state (AdamW::owned_moments, AdamW::state_from_flat)"
+                "this optimizer holds rank {rank}'s share of {world}; its group saves the shares (AdamW::owned_moments) and loads them back (AdamW::load_owned_moments)"
             )));
         }
         let mut out = Vec::with_capacity(self.slots.len() * 2);

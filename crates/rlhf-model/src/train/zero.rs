@@ -3,8 +3,8 @@
 //! parameters only. Every rank still computes the whole gradient (all-reduced) and holds the
 //! whole model; it steps its range, and the group exchanges the stepped ranges. What crosses
 //! ranks is plain `f32` vectors in a fixed order (every parameter flattened, end to end), so
-//! the exchange and the checkpoint gather live with the communicator (rlhf-roles) and this
-//! file only cuts, reads and writes those vectors. AdamW is elementwise, so a sharded step
+//! the exchange lives with the communicator and the per-rank checkpoint shards with the
+//! roles (rlhf-roles), and this file only cuts, reads and writes those vectors. AdamW is elementwise, so a sharded step
 //! gives bit for bit the weights of an unsharded one.
 
 use std::ops::Range;
@@ -140,33 +140,6 @@ impl AdamW {
         }
         Ok((m_out, v_out))
     }
-
-    /// The whole state in [`AdamW::state`]'s form (named full-shape tensors on the CPU, and
-    /// the step) from the whole flattened moments: the ranks' [`AdamW::owned_moments`]
-    /// joined in rank order. What a sharded group's checkpoint writes, so that any number
-    /// of ranks can load it.
-    pub fn state_from_flat(&self, m: &[f32], v: &[f32]) -> Result<(Vec<(String, Tensor)>, usize)> {
-        let total = self.total_len();
-        if m.len() != total || v.len() != total {
-            return Err(Error::InvalidArgument(format!(
-                "moments of {} and {} elements for parameters of {total}",
-                m.len(),
-                v.len()
-            )));
-        }
-        let mut out = Vec::with_capacity(self.slots.len() * 2);
-        let mut off = 0;
-        let cpu = candle_core::Device::Cpu;
-        for s in &self.slots {
-            let n = s.var.elem_count();
-            for (prefix, x) in [("exp_avg", m), ("exp_avg_sq", v)] {
-                let t = Tensor::from_slice(&x[off..off + n], s.var.shape(), &cpu)?;
-                out.push((format!("{prefix}.{}", s.name), t));
-            }
-            off += n;
-        }
-        Ok((out, self.step))
-    }
 }
 
 #[cfg(test)]
@@ -274,22 +247,28 @@ mod tests {
                     assert_eq!(f, x, "{dtype:?}");
                 }
             }
+            // The two shares, joined in rank order, are the unsharded state.
             let (m0, v0) = s0.owned_moments()?;
             let (m1, v1) = s1.owned_moments()?;
             let (m, v) = ([m0, m1].concat(), [v0, v1].concat());
-            let (gathered, step) = s0.state_from_flat(&m, &v)?;
-            let (want, want_step) = full.state()?;
-            assert_eq!(step, want_step);
-            for ((n, g), (wn, w)) in gathered.iter().zip(&want) {
-                assert_eq!(n, wn);
-                assert_eq!(g.dims(), w.dims());
-                assert_eq!(host(g)?, host(w)?, "{n}");
-            }
+            let (want, step) = full.state()?;
+            assert_eq!(s0.steps(), step);
+            let flat = |prefix: &str| -> Result<Vec<f32>> {
+                let mut out = Vec::new();
+                for (n, t) in &want {
+                    if n.split_once('.').map(|(p, _)| p) == Some(prefix) {
+                        out.extend(host(t)?);
+                    }
+                }
+                Ok(out)
+            };
+            assert_eq!(m, flat("exp_avg")?);
+            assert_eq!(v, flat("exp_avg_sq")?);
             // The whole state loads into a 3-way sharding: each rank keeps its range.
             let mut parts = Vec::new();
             for rank in 0..3 {
                 let mut o = AdamW::new_sharded(vars(), cfg.clone(), rank, 3)?;
-                o.load_state(&gathered, step)?;
+                o.load_state(&want, step)?;
                 parts.push(o.owned_moments()?);
             }
             let m3: Vec<f32> = parts.iter().flat_map(|(m, _)| m.clone()).collect();

@@ -187,7 +187,7 @@ pub fn pack(
     let mut attn = Mat::filled(b, p + r, 0i64);
     let mut loss = Mat::filled(b, r, 0f32);
     for (i, e) in rows.iter().enumerate() {
-        let (prompt, completion, flags) = fitted(e, p, r, cuts);
+        let (prompt, completion, flags) = fitted(e, cfg, cuts)?;
         let off = p - prompt.len();
         for (j, &t) in prompt.iter().enumerate() {
             ids.row_mut(i)[off + j] = i64::from(t);
@@ -197,12 +197,6 @@ pub fn pack(
             ids.row_mut(i)[p + k] = i64::from(t);
             attn.row_mut(i)[p + k] = 1;
             loss.row_mut(i)[k] = f32::from(u8::from(l));
-        }
-        if prompt.is_empty() {
-            return Err(Error::invalid(format!(
-                "a row has an empty prompt after tokenization ({})",
-                cfg.data.path
-            )));
         }
     }
     Ok((
@@ -251,22 +245,29 @@ pub fn plan_packing(lens: &[usize], len: usize) -> Vec<Vec<usize>> {
     rows
 }
 
-/// An example cut to the job's shapes: its prompt's last `p` tokens, its completion's first
-/// `r` tokens with their loss flags (the cuts `pack` makes).
-fn fitted<'a>(
-    e: &'a Encoded,
-    p: usize,
-    r: usize,
-    cuts: &mut Cuts,
-) -> (&'a [u32], &'a [u32], &'a [bool]) {
+/// A fitted example: prompt tokens, completion tokens and their loss flags.
+type Fitted<'a> = (&'a [u32], &'a [u32], &'a [bool]);
+
+/// An example cut to the job's shapes: its prompt's last P tokens, its completion's first R
+/// tokens with their loss flags (the cuts `pack` and `pack_rows` make). A row whose prompt
+/// tokenized to nothing is refused, naming `data.path`.
+fn fitted<'a>(e: &'a Encoded, cfg: &PpoConfig, cuts: &mut Cuts) -> Result<Fitted<'a>> {
+    let p = cfg.actor_rollout.max_prompt_length as usize;
+    let r = cfg.actor_rollout.max_response_length as usize;
+    if e.prompt.is_empty() {
+        return Err(Error::invalid(format!(
+            "a row has an empty prompt after tokenization ({})",
+            cfg.data.path
+        )));
+    }
     cuts.prompts += usize::from(e.prompt.len() > p);
     cuts.completions += usize::from(e.completion.len() > r);
     let n = e.completion.len().min(r);
-    (
+    Ok((
         &e.prompt[e.prompt.len().saturating_sub(p)..],
         &e.completion[..n],
         &e.loss[..n],
-    )
+    ))
 }
 
 /// The token count of an example once cut to the job's shapes (what packing places).
@@ -297,13 +298,7 @@ pub fn pack_rows(
     for (i, row) in rows.iter().enumerate() {
         let mut off = 0;
         for (k, &ex) in row.iter().enumerate() {
-            let (prompt, completion, flags) = fitted(&examples[ex], p, r, cuts);
-            if prompt.is_empty() {
-                return Err(Error::invalid(format!(
-                    "a row has an empty prompt after tokenization ({})",
-                    cfg.data.path
-                )));
-            }
+            let (prompt, completion, flags) = fitted(&examples[ex], cfg, cuts)?;
             if off + prompt.len() + completion.len() > len {
                 return Err(Error::internal(format!(
                     "packed row {i} overflows its {len} tokens"

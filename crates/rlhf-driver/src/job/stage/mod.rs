@@ -65,12 +65,24 @@ impl Data {
     }
 }
 
-/// The trained role: its group and its directory in checkpoints.
-fn trained(cfg: &PpoConfig, roles: &Roles) -> (&'static str, WorkerGroup, CommGroup) {
-    match cfg.trainer {
-        TrainerKind::Reward => ("reward", roles.reward.clone(), CommGroup::RewardDp),
-        _ => ("actor", roles.train.clone(), CommGroup::ActorDp),
-    }
+/// The trained role: its directory in checkpoints, its group, its communicator, and whether
+/// its optimizer state is sharded (`training.zero_stage` as that role resolves it).
+fn trained(cfg: &PpoConfig, roles: &Roles) -> (&'static str, WorkerGroup, CommGroup, bool) {
+    let (part, group, comm, role) = match cfg.trainer {
+        TrainerKind::Reward => (
+            "reward",
+            roles.reward.clone(),
+            CommGroup::RewardDp,
+            rlhf_core::RoleKind::Reward,
+        ),
+        _ => (
+            "actor",
+            roles.train.clone(),
+            CommGroup::ActorDp,
+            rlhf_core::RoleKind::ActorRollout,
+        ),
+    };
+    (part, group, comm, cfg.resolved(role).zero_stage >= 1)
 }
 
 /// The job's tokenizer (a Hugging Face repo id resolves through this machine's HF cache).
@@ -320,12 +332,7 @@ impl StageLoop<'_> {
         let (cfg, opts) = (self.cfg, self.opts);
         let t = opts.start_timeout;
         super::init_and_report(self.roles, cfg, &opts.job_id, t, self.report).await?;
-        let (part, group, comm) = trained(cfg, self.roles);
-        let role = match cfg.trainer {
-            TrainerKind::Reward => rlhf_core::RoleKind::Reward,
-            _ => rlhf_core::RoleKind::ActorRollout,
-        };
-        let sharded = cfg.resolved(role).zero_stage >= 1;
+        let (part, group, comm, sharded) = trained(cfg, self.roles);
         cluster::join_comm(&group, comm, opts.comm_backend, t).await?;
         if let Some((dir, st)) = &resumed {
             let d = dir.join(part).to_string_lossy().into_owned();
