@@ -18,6 +18,8 @@ pub enum Op {
     Barrier,
     /// A [`crate::BucketedSync`] weight transfer (manifest check or a bucket).
     WeightSync,
+    /// `reduce_scatter_f32`.
+    ReduceScatter,
 }
 
 impl Op {
@@ -30,6 +32,7 @@ impl Op {
             Op::AllGather => 4,
             Op::Barrier => 5,
             Op::WeightSync => 6,
+            Op::ReduceScatter => 7,
         }
     }
 
@@ -41,6 +44,7 @@ impl Op {
             4 => Op::AllGather,
             5 => Op::Barrier,
             6 => Op::WeightSync,
+            7 => Op::ReduceScatter,
             _ => return None,
         })
     }
@@ -55,6 +59,7 @@ impl fmt::Display for Op {
             Op::AllGather => "all_gather",
             Op::Barrier => "barrier",
             Op::WeightSync => "weight_sync",
+            Op::ReduceScatter => "reduce_scatter",
         })
     }
 }

@@ -42,6 +42,7 @@ mod bucket;
 mod error;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+mod scatter;
 #[cfg(target_os = "linux")]
 pub mod shm;
 pub mod tcp;
@@ -55,6 +56,7 @@ pub use error::{Error, ErrorKind, Op, Result};
 #[cfg(feature = "nccl")]
 pub use nccl::NcclCommunicator;
 pub use rlhf_types::Checksum;
+pub use scatter::ReduceScatterStream;
 #[cfg(target_os = "linux")]
 pub use shm::{ShmCommunicator, ShmRendezvous};
 pub use tcp::{CommSecret, CommTls, TcpCommunicator, TcpRendezvous};
@@ -171,6 +173,21 @@ pub trait Communicator: Send {
     /// In-place all-reduce of `f64` values; every rank ends with bit-identical results.
     fn all_reduce_f64(&mut self, buf: &mut [f64], op: ReduceOp) -> Result<()>;
 
+    /// In-place reduce-scatter of `f32` values: `buf` is `world_size` segments laid end to
+    /// end, segment `r` of `counts[r]` elements (counts may differ and may be 0, the same on
+    /// every rank). Afterwards this rank's segment holds the reduction of every rank's copy
+    /// of it; the other segments hold unspecified values. The default all-reduces the whole
+    /// buffer (right, at twice the traffic); TCP sends each element `(n - 1) / n` times.
+    fn reduce_scatter_f32(
+        &mut self,
+        buf: &mut [f32],
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        check_counts(buf.len(), counts, self.world_size())?;
+        self.all_reduce_f32(buf, op)
+    }
+
     /// Every rank contributes `data` (lengths may differ); returns all contributions
     /// indexed by rank.
     fn all_gather(&mut self, data: &[u8]) -> Result<Vec<Vec<u8>>>;
@@ -192,6 +209,22 @@ pub trait Communicator: Send {
     fn broadcast_u16(&mut self, buf: &mut [u16], root: usize) -> Result<()> {
         self.broadcast(as_bytes_mut(buf), root)
     }
+}
+
+/// `counts` of a reduce-scatter: one per rank, adding up to the buffer.
+pub(crate) fn check_counts(len: usize, counts: &[usize], world: usize) -> Result<()> {
+    let total = counts.iter().try_fold(0usize, |a, &c| a.checked_add(c));
+    if counts.len() != world || total != Some(len) {
+        return Err(Error::InvalidArgument {
+            op: Op::ReduceScatter,
+            detail: format!(
+                "{} segment counts adding up to {total:?} for a buffer of {len} elements in a world of {world}: \
+                 give one count per rank, adding up to the buffer's length",
+                counts.len()
+            ),
+        });
+    }
+    Ok(())
 }
 
 mod sealed {

@@ -63,7 +63,7 @@ impl Header {
         let mut s = format!("{op} #{} of {} bytes", self.seq, self.len);
         match op {
             Op::Broadcast => s.push_str(&format!(" from root {}", self.root)),
-            Op::AllReduce => {
+            Op::AllReduce | Op::ReduceScatter => {
                 let red = match self.aux & 0xF {
                     1 => "sum",
                     2 => "avg",
@@ -98,6 +98,11 @@ impl Header {
         }
         let hint = if self.op == theirs.op && self.seq == theirs.seq && self.len != theirs.len {
             "; buffer lengths must be equal on every rank"
+        } else if self.op == theirs.op
+            && Op::from_wire_id(self.op) == Some(Op::ReduceScatter)
+            && self.root != theirs.root
+        {
+            "; the ranks cut the buffer into different segment counts"
         } else if self.seq != theirs.seq {
             "; the ranks issued a different number of collective calls"
         } else {

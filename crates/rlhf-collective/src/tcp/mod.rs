@@ -57,10 +57,10 @@
 //! | bytes | field |
 //! | --- | --- |
 //! | 4 | magic `0x314C4F43` |
-//! | 1 | op id (2 broadcast, 3 all_reduce, 4 all_gather, 5 barrier) |
-//! | 1 | aux: all_reduce: reduce op (1 sum, 2 avg, 3 max) + 16 × dtype (1 f32, 2 f64) |
+//! | 1 | op id (2 broadcast, 3 all_reduce, 4 all_gather, 5 barrier, 7 reduce_scatter) |
+//! | 1 | aux: all_reduce / reduce_scatter: reduce op (1 sum, 2 avg, 3 max) + 16 × dtype (1 f32, 2 f64) |
 //! | 2 | reserved, zero |
-//! | 4 | root rank (broadcast), else 0 |
+//! | 4 | root rank (broadcast), the low 32 bits of a digest of the segment counts (reduce_scatter), else 0 |
 //! | 4 | reserved, zero |
 //! | 8 | sequence number of the op on this communicator (1, 2, ...) |
 //! | 8 | payload length in bytes (all_gather: this rank's contribution, not compared) |
@@ -77,6 +77,8 @@
 //!   concurrently (a sender thread), reducing it chunk by chunk as it arrives. For
 //!   `Avg` the owner divides its reduced segment by `n` before the all-gather, so all
 //!   ranks end bit-identical.
+//! - reduce_scatter: the first half of all_reduce over the caller's segments, shifted by one
+//!   step so that segment `r` (of `counts[r]` elements) ends reduced on rank `r`.
 //! - all_gather / barrier: `n - 1` ring steps; each forwards one rank's block as a u64
 //!   length followed by the bytes (barrier: empty blocks).
 
@@ -326,6 +328,77 @@ impl TcpCommunicator {
         Ok(())
     }
 
+    fn reduce_scatter_impl(
+        &mut self,
+        buf: &mut [f32],
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        crate::check_counts(buf.len(), counts, self.world)?;
+        let seq = self.begin(Op::ReduceScatter)?;
+        let r = self.reduce_scatter_inner(buf, counts, op, seq);
+        self.finish(r)
+    }
+
+    /// The reduce-scatter half of the ring all-reduce, with segment `r` ending on rank `r`:
+    /// in step `s` rank `r` sends segment `(r - s - 1) mod n` and receives and reduces
+    /// segment `(r - s - 2) mod n`, so after `n - 1` steps its own segment has passed every
+    /// rank.
+    fn reduce_scatter_inner(
+        &mut self,
+        buf: &mut [f32],
+        counts: &[usize],
+        op: ReduceOp,
+        seq: u64,
+    ) -> Result<()> {
+        let n = self.world;
+        let rank = self.rank;
+        let config = self.config.clone();
+        let ctx = Ctx {
+            op: Op::ReduceScatter,
+            rank,
+            config: &config,
+        };
+        // The counts travel as a digest in the root field, so ranks that cut the buffer
+        // differently fail at once instead of reading each other's segments wrong.
+        let mut h = rlhf_types::Checksum::new();
+        for &c in counts {
+            h.update_u64(c as u64);
+        }
+        self.exchange_headers(
+            &ctx,
+            Header {
+                op: Op::ReduceScatter.wire_id(),
+                aux: op.wire_id() | (<f32 as Elem>::DTYPE_ID << 4),
+                root: h.finish() as u32,
+                seq,
+                len: std::mem::size_of_val(buf) as u64,
+            },
+        )?;
+        let Some((next, prev)) = &self.links else {
+            return Ok(());
+        };
+        let scratch: &mut [f32] = cast_scratch(&mut self.scratch);
+        let mut offs = Vec::with_capacity(n + 1);
+        offs.push(0usize);
+        for &c in counts {
+            offs.push(offs[offs.len() - 1] + c);
+        }
+        let seg = |i: usize| offs[i]..offs[i + 1];
+        for s in 0..n - 1 {
+            let send_i = (rank + 2 * n - s - 1) % n;
+            let recv_i = (rank + 2 * n - s - 2) % n;
+            let (send, recv) = split_pair(buf, seg(send_i), seg(recv_i));
+            duplex(&ctx, next, prev, as_bytes(send), |ctx| {
+                recv_reduce(ctx, prev, recv, op, scratch)
+            })?;
+        }
+        if op == ReduceOp::Avg {
+            f32::divide(&mut buf[seg(rank)], n);
+        }
+        Ok(())
+    }
+
     fn gather_impl(&mut self, op: Op, data: &[u8]) -> Result<Vec<Vec<u8>>> {
         let seq = self.begin(op)?;
         let r = self.gather_inner(op, data, seq);
@@ -426,6 +499,15 @@ impl Communicator for TcpCommunicator {
 
     fn all_reduce_f64(&mut self, buf: &mut [f64], op: ReduceOp) -> Result<()> {
         self.all_reduce_impl(buf, op)
+    }
+
+    fn reduce_scatter_f32(
+        &mut self,
+        buf: &mut [f32],
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.reduce_scatter_impl(buf, counts, op)
     }
 
     fn all_gather(&mut self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
