@@ -6,6 +6,7 @@ mod adamw;
 mod grads;
 mod offload;
 mod schedule;
+mod step;
 mod zero;
 
 use adamw::Moments;

@@ -1,12 +1,14 @@
 //! AdamW with decoupled weight decay, as PyTorch computes it: moments in f32, stepped in one
 //! fused host loop for f32 parameters on the CPU (in place, no copies) or where the state is
 //! offloaded, with tensor ops elsewhere; optionally only this rank's share of the
-//! parameters (ZeRO stage 1, `super::zero`).
+//! parameters (ZeRO stages 1 and 2, `super::zero`), stepped from whole gradients or from
+//! this rank's share of them.
 
 use std::collections::BTreeMap;
 
 use candle_core::{DType, Tensor, Var};
 
+use super::step::{step_slot, Grad, StepScalars};
 use super::zero::{self, partition};
 use super::Gradients;
 use crate::error::{Error, Result};
@@ -57,72 +59,6 @@ pub(super) struct Slot {
     /// state is sharded across data-parallel ranks: `zero_stage`); the moments cover only
     /// these.
     pub(super) owned: std::ops::Range<usize>,
-}
-
-/// Scalars of one AdamW step.
-#[derive(Clone, Copy)]
-struct StepScalars {
-    lr: f32,
-    beta1: f32,
-    beta2: f32,
-    /// `1 - beta` taken in f64 before rounding: `1 - (0.999 as f32)` is 1.3e-5 away from
-    /// 0.001, which scaled every step by 6e-6 against PyTorch (that computes it in f64).
-    one_minus_beta1: f32,
-    one_minus_beta2: f32,
-    eps: f32,
-    decay_factor: f32,
-    inv_bc1: f32,
-    inv_sqrt_bc2: f32,
-    /// Gradient multiplier (global-norm clipping), 1 for none.
-    grad_scale: f32,
-}
-
-fn host_update(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], k: StepScalars) {
-    for (((pi, &gi), mi), vi) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-        let gi = gi * k.grad_scale;
-        *mi = k.beta1 * *mi + k.one_minus_beta1 * gi;
-        *vi = k.beta2 * *vi + k.one_minus_beta2 * gi * gi;
-        let denom = vi.sqrt() * k.inv_sqrt_bc2 + k.eps;
-        *pi = *pi * k.decay_factor - k.lr * k.inv_bc1 * *mi / denom;
-    }
-}
-
-/// One parameter's host step written straight into its storage (an f32 parameter on the
-/// CPU with an f32 gradient): no copy of the parameter or its gradient is made, where the
-/// general path copies both out and the result back in.
-struct InPlaceStep<'a> {
-    moments: std::cell::RefCell<(&'a mut [f32], &'a mut [f32])>,
-    owned: std::ops::Range<usize>,
-    k: StepScalars,
-}
-
-impl candle_core::InplaceOp2 for InPlaceStep<'_> {
-    fn name(&self) -> &'static str {
-        "adamw-host-step"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &mut candle_core::CpuStorage,
-        l1: &candle_core::Layout,
-        s2: &candle_core::CpuStorage,
-        l2: &candle_core::Layout,
-    ) -> candle_core::Result<()> {
-        use candle_core::CpuStorage as S;
-        let (S::F32(p), S::F32(g)) = (s1, s2) else {
-            candle_core::bail!("adamw-host-step: f32 parameter and gradient expected");
-        };
-        let (Some((p0, p1)), Some((g0, g1))) = (l1.contiguous_offsets(), l2.contiguous_offsets())
-        else {
-            candle_core::bail!("adamw-host-step: contiguous parameter and gradient expected");
-        };
-        let (p, g) = (&mut p[p0..p1], &g[g0..g1]);
-        let mut mv = self.moments.borrow_mut();
-        let (m, v) = &mut *mv;
-        let r = self.owned.clone();
-        host_update(&mut p[r.clone()], &g[r], m, v, self.k);
-        Ok(())
-    }
 }
 
 /// AdamW with decoupled weight decay (Loshchilov & Hutter), moments kept in f32.
@@ -233,6 +169,33 @@ impl AdamW {
     /// [`AdamW::step`] on `grad_scale` times the gradients (global-norm clipping without a
     /// second copy of them, see [`Gradients::clip_factor`]).
     pub fn step_scaled(&mut self, grads: &Gradients, grad_scale: f64) -> Result<()> {
+        self.step_with(grad_scale, |s, _| Ok(grads.get(&s.name).map(Grad::Full)))
+    }
+
+    /// [`AdamW::step_scaled`] on gradients given for this optimizer's elements only
+    /// ([`AdamW::owned_span`], parameter after parameter): what ZeRO stage 2's
+    /// reduce-scatter leaves on a rank, so no rank ever holds the whole reduced gradient.
+    /// Every owned element has a gradient (zeros where a parameter got none).
+    pub fn step_owned(&mut self, grads: &[f32], grad_scale: f64) -> Result<()> {
+        if grads.len() != self.owned_len() {
+            return Err(Error::InvalidArgument(format!(
+                "{} gradient values for the {} elements this optimizer owns",
+                grads.len(),
+                self.owned_len()
+            )));
+        }
+        self.step_with(grad_scale, |s, off| {
+            Ok(Some(Grad::Owned(&grads[off..off + s.owned.len()])))
+        })
+    }
+
+    /// One step; `grad_of(slot, offset of its owned elements among all owned ones)` gives
+    /// each parameter's gradient, or `None` to leave it alone.
+    fn step_with<'g>(
+        &mut self,
+        grad_scale: f64,
+        mut grad_of: impl FnMut(&Slot, usize) -> Result<Option<Grad<'g>>>,
+    ) -> Result<()> {
         // Moments offloaded while the device generated come back first.
         self.reload()?;
         self.step += 1;
@@ -240,15 +203,17 @@ impl AdamW {
         let c = self.cfg.clone();
         let bc1 = 1.0 - c.beta1.powi(t);
         let bc2 = 1.0 - c.beta2.powi(t);
+        let mut off = 0;
         for s in self.slots.iter_mut() {
-            let Some(g) = grads.get(&s.name) else {
+            let at = off;
+            off += s.owned.len();
+            let Some(g) = grad_of(s, at)? else {
                 continue;
             };
             if s.owned.is_empty() {
                 continue;
             }
             let decay = if s.decay { c.weight_decay } else { 0.0 };
-            let (a, b) = (s.owned.start, s.owned.end);
             let k = StepScalars {
                 lr: c.lr as f32,
                 beta1: c.beta1 as f32,
@@ -261,68 +226,7 @@ impl AdamW {
                 inv_sqrt_bc2: (1.0 / bc2.sqrt()) as f32,
                 grad_scale: grad_scale as f32,
             };
-            match &mut s.moments {
-                Moments::Host { m, v }
-                    if s.var.device().is_cpu()
-                        && s.var.dtype() == DType::F32
-                        && g.device().is_cpu() =>
-                {
-                    // Straight into the parameter's storage: no copies.
-                    let g = g.to_dtype(DType::F32)?.contiguous()?;
-                    let op = InPlaceStep {
-                        moments: std::cell::RefCell::new((m.as_mut_slice(), v.as_mut_slice())),
-                        owned: a..b,
-                        k,
-                    };
-                    s.var.as_tensor().inplace_op2(&g, &op)?;
-                }
-                Moments::Host { m, v } => {
-                    // f32 on the host whatever the parameter's dtype and device (a no-op for
-                    // f32 on the CPU).
-                    let mut p = s
-                        .var
-                        .as_tensor()
-                        .to_dtype(DType::F32)?
-                        .flatten_all()?
-                        .to_vec1::<f32>()?;
-                    let g = g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-                    host_update(&mut p[a..b], &g[a..b], m, v, k);
-                    let shape = s.var.shape().clone();
-                    let p = Tensor::from_vec(p, shape, &candle_core::Device::Cpu)?;
-                    s.var
-                        .set(&p.to_dtype(s.var.dtype())?.to_device(s.var.device())?)?;
-                }
-                Moments::Device { m, v } => {
-                    let n = s.var.elem_count();
-                    let g = g.to_dtype(DType::F32)?.flatten_all()?.narrow(0, a, b - a)?;
-                    let g = if grad_scale == 1.0 {
-                        g
-                    } else {
-                        (g * grad_scale)?
-                    };
-                    *m = ((&*m * c.beta1)? + (&g * (1.0 - c.beta1))?)?;
-                    *v = ((&*v * c.beta2)? + (g.sqr()? * (1.0 - c.beta2))?)?;
-                    let all = s.var.as_tensor().detach().flatten_all()?;
-                    let p = all.narrow(0, a, b - a)?.to_dtype(DType::F32)?;
-                    let p = if decay != 0.0 {
-                        (p * (1.0 - c.lr * decay))?
-                    } else {
-                        p
-                    };
-                    let denom = ((v.sqrt()? / bc2.sqrt())? + c.eps)?;
-                    let update = ((&*m / denom)? * (c.lr / bc1))?;
-                    let mine = (p - update)?.to_dtype(s.var.dtype())?;
-                    let flat = if b - a == n {
-                        mine
-                    } else {
-                        Tensor::cat(
-                            &[&all.narrow(0, 0, a)?, &mine, &all.narrow(0, b, n - b)?],
-                            0,
-                        )?
-                    };
-                    s.var.set(&flat.reshape(s.var.shape())?)?;
-                }
-            }
+            step_slot(s, g, k, &c, decay, (bc1, bc2), grad_scale)?;
         }
         Ok(())
     }

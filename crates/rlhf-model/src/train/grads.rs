@@ -96,6 +96,11 @@ impl Gradients {
         self.grads.get(name)
     }
 
+    /// Takes one parameter's gradient out (to flatten and drop gradients one at a time).
+    pub fn remove(&mut self, name: &str) -> Option<Tensor> {
+        self.grads.remove(name)
+    }
+
     pub fn len(&self) -> usize {
         self.grads.len()
     }

@@ -1,11 +1,13 @@
-//! ZeRO stage 1 on the optimizer's side: each data-parallel rank keeps AdamW's moments (8 of
-//! the 16 bytes a trained f32 parameter costs) for one contiguous range of the flattened
-//! parameters only. Every rank still computes the whole gradient (all-reduced) and holds the
-//! whole model; it steps its range, and the group exchanges the stepped ranges. What crosses
-//! ranks is plain `f32` vectors in a fixed order (every parameter flattened, end to end), so
-//! the exchange lives with the communicator and the per-rank checkpoint shards with the
-//! roles (rlhf-roles), and this file only cuts, reads and writes those vectors. AdamW is elementwise, so a sharded step
-//! gives bit for bit the weights of an unsharded one.
+//! ZeRO stages 1 and 2 on the optimizer's side: each data-parallel rank keeps AdamW's
+//! moments (8 of the 16 bytes a trained f32 parameter costs) for one contiguous range of the
+//! flattened parameters only. Under stage 1 every rank computes the whole all-reduced
+//! gradient; under stage 2 it receives only its range of it (a reduce-scatter,
+//! [`AdamW::step_owned`]). Every rank holds the whole model, steps its range, and the group
+//! exchanges the stepped ranges. What crosses ranks is plain `f32` vectors in a fixed order
+//! (every parameter flattened, end to end), so the collectives live with the communicator
+//! and the per-rank checkpoint shards with the roles (rlhf-roles), and this file only cuts,
+//! reads and writes those vectors. AdamW is elementwise, so a sharded step gives bit for bit
+//! the weights of an unsharded one on the same gradients.
 
 use std::ops::Range;
 
@@ -82,6 +84,27 @@ impl AdamW {
     /// Elements this optimizer owns, over all parameters.
     pub fn owned_len(&self) -> usize {
         self.slots.iter().map(|s| s.owned.len()).sum()
+    }
+
+    /// The stepped parameters in the order every flattened vector lays them out: name and
+    /// element count.
+    pub fn param_sizes(&self) -> impl Iterator<Item = (&str, usize)> {
+        self.slots
+            .iter()
+            .map(|s| (s.name.as_str(), s.var.elem_count()))
+    }
+
+    /// The parameter whose element is number `i` of this optimizer's own ones
+    /// ([`AdamW::owned_span`]), for errors about a shard of gradients.
+    pub fn owned_name_at(&self, i: usize) -> Option<&str> {
+        let mut off = 0;
+        for s in &self.slots {
+            off += s.owned.len();
+            if i < off {
+                return Some(&s.name);
+            }
+        }
+        None
     }
 
     /// Elements of every parameter.
@@ -168,19 +191,22 @@ mod tests {
     }
 
     /// Two ranks stepping their halves and exchanging them end with the unsharded weights,
-    /// bit for bit, over several steps (host and device moments alike); the gathered state is
-    /// the unsharded one, and loads back into any sharding.
+    /// bit for bit, over several steps (in-place host, copied host and device moments alike),
+    /// whether a rank gets the whole gradient (stage 1) or only its share of it
+    /// ([`AdamW::step_owned`], stage 2: rank 1 here); the gathered state is the unsharded
+    /// one, and loads back into any sharding.
     #[test]
     fn sharded_steps_equal_the_unsharded_ones() -> Result<()> {
         use crate::train::{AdamWConfig, Gradients};
         use candle_core::{Device, Var};
-        let cfg = AdamWConfig {
-            lr: 0.01,
-            weight_decay: 0.1,
-            ..AdamWConfig::default()
-        };
         let dev = Device::Cpu;
-        for dtype in [DType::F32, DType::F64] {
+        for (dtype, host_state) in [(DType::F32, false), (DType::F64, false), (DType::F64, true)] {
+            let cfg = AdamWConfig {
+                lr: 0.01,
+                weight_decay: 0.1,
+                host_state,
+                ..AdamWConfig::default()
+            };
             let init: Vec<(String, Tensor)> =
                 [("a", vec![3usize, 4]), ("b", vec![5]), ("c", vec![2, 2])]
                     .into_iter()
@@ -226,7 +252,14 @@ mod tests {
                 };
                 full.step(&loss(&full_vars)?)?;
                 s0.step(&loss(&r0)?)?;
-                s1.step(&loss(&r1)?)?;
+                // Rank 1 gets only its share of the gradient, flattened end to end.
+                let g1 = loss(&r1)?;
+                let mut flat = Vec::new();
+                for (n, _) in &r1 {
+                    flat.extend(host(g1.get(n).unwrap())?);
+                }
+                assert!(s1.step_owned(&flat, 1.0).is_err(), "the whole gradient");
+                s1.step_owned(&flat[s1.owned_span()], 1.0)?;
                 let mut all = s0.owned_params()?;
                 all.extend(s1.owned_params()?);
                 s0.set_params_from_flat(&all)?;
@@ -244,7 +277,7 @@ mod tests {
                         .flatten_all()?
                         .to_dtype(DType::F64)?
                         .to_vec1::<f64>()?;
-                    assert_eq!(f, x, "{dtype:?}");
+                    assert_eq!(f, x, "{dtype:?} host_state {host_state}");
                 }
             }
             // The two shares, joined in rank order, are the unsharded state.
