@@ -106,7 +106,9 @@ training_keys! {
     /// ZeRO stage of a trained role's data-parallel ranks: 0, every rank holds the whole
     /// AdamW state; 1, each of the N ranks holds the moments of 1/N of the parameters (8 of
     /// the 16 bytes per trained parameter), steps them, and the ranks exchange the result
-    /// (the same weights as 0). Stages 2 and 3 are not built yet.
+    /// (the same weights as 0); 2, each rank also keeps only its 1/N of the summed gradient
+    /// (every micro-batch's gradient is reduce-scattered as soon as it exists, so no rank
+    /// holds an accumulated whole one). Stage 3 is not built yet.
     zero_stage: u32 = 0,
     /// Keep a trained role's AdamW moments in host memory and step them there: the device
     /// holds the parameters and gradients only (8 bytes per trained parameter less); each

@@ -145,8 +145,8 @@ impl PpoConfig {
                 ));
                 continue;
             };
-            // AdamW's two f32 moments; with `zero_stage` 1 each data-parallel rank holds its
-            // share of them.
+            // AdamW's two f32 moments; with `zero_stage` 1 or 2 each data-parallel rank holds
+            // its share of them.
             let dp = match role {
                 RoleKind::ActorRollout => a.num_gpus_for_train,
                 RoleKind::Critic => self.resource_pool.critic,
@@ -169,7 +169,15 @@ impl PpoConfig {
             } else {
                 1
             };
-            let gradients = |p: u64| mul(&[p, 4, grad_copies]);
+            // ZeRO stage 2 reduce-scatters every micro-batch's gradient at once: one whole
+            // gradient while the backward runs, and this rank's share of the sum.
+            let gradients = |p: u64| {
+                if t.zero_stage >= 2 && shards > 1 {
+                    mul(&[p, 4]).saturating_add(mul(&[p, 4]).div_ceil(shards))
+                } else {
+                    mul(&[p, 4, grad_copies])
+                }
+            };
             // `offload_optimizer` keeps them in host memory: none on the device.
             let on_device = if t.offload_optimizer { 0 } else { 8 };
             let optimizer = |p: u64| mul(&[on_device, p]).div_ceil(shards);

@@ -22,9 +22,9 @@ pub fn problems(cfg: &PpoConfig) -> Vec<String> {
     let mut e = Vec::new();
     for role in [RoleKind::ActorRollout, RoleKind::Critic, RoleKind::Reward] {
         let z = cfg.resolved(role).zero_stage;
-        if z > 1 {
+        if z > 2 {
             e.push(format!(
-                "{role}: training.zero_stage {z} is not built yet: use 1 (AdamW state sharded across the role's data-parallel ranks) or 0"
+                "{role}: training.zero_stage {z} is not built yet: use 2 (AdamW state and gradients sharded across the role's data-parallel ranks), 1 (AdamW state only) or 0"
             ));
         }
     }

@@ -50,6 +50,15 @@ fn memory_estimate_is_sane() {
     let zt = row(&z, "actor_rollout/train");
     assert_eq!(zt.optimizer, (8 * train.params).div_ceil(ranks));
     assert_eq!((zt.weights, zt.gradients), (train.weights, train.gradients));
+    // Stage 2 also keeps only a share of the summed gradient: one whole micro-batch
+    // gradient plus the share, against two whole ones while micro-batches accumulate.
+    let z2 = row(&qwen7b(&["training.zero_stage=2"]), "actor_rollout/train");
+    assert_eq!(z2.optimizer, zt.optimizer);
+    assert_eq!(
+        z2.gradients,
+        4 * train.params + (4 * train.params).div_ceil(ranks)
+    );
+    assert!(z2.gradients < train.gradients);
     let zc = qwen7b(&["critic.zero_stage=1"]);
     assert_eq!(row(&zc, "actor_rollout/train").optimizer, train.optimizer);
     assert!(row(&zc, "critic").optimizer < row(&q, "critic").optimizer);

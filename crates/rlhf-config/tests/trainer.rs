@@ -140,8 +140,9 @@ fn stage_keys_and_shapes_are_checked() {
     .unwrap_err()
     .to_string();
     assert!(err.contains("needs the reference policy"), "{err}");
-    // ZeRO: stage 1 is built, 2 and 3 are refused by key and role.
+    // ZeRO: stages 1 and 2 are built, 3 is refused by key and role.
     assert!(tiny(&["training.zero_stage=1"]).is_ok());
+    assert!(tiny(&["training.zero_stage=2"]).is_ok());
     let err = tiny(&["critic.zero_stage=3"]).unwrap_err().to_string();
     assert!(
         err.contains("critic: training.zero_stage 3 is not built yet"),

@@ -7,7 +7,7 @@
 //! out on the compute thread, [`Image::write`] writes it, in the background when the driver
 //! asks for it (`crate::saves`).
 //!
-//! A group whose optimizer state is sharded (`training.zero_stage` 1) saves it in per-rank
+//! A group whose optimizer state is sharded (`training.zero_stage` 1 or 2) saves it in per-rank
 //! shards, each rank its own, with no gather: rank 0 writes the directory above with its
 //! shard and `optimizer_shards.json` (the world size, every shard's range of the flattened
 //! parameters and its file) in place of `optimizer.safetensors`; rank r writes its shard into

@@ -10,6 +10,7 @@
 //! [`server`] is the thin gRPC adapter. The requests and answers of every call are the
 //! types of `rlhf_core::calls`.
 
+mod accumulate;
 pub mod checkpoint;
 pub mod comm;
 pub mod convert;

@@ -1,5 +1,5 @@
 //! The optimizer side of a trainable role: AdamW (whole, offloaded to host memory, or this
-//! rank's share under ZeRO stage 1) and its learning-rate schedule, from the role's resolved
+//! rank's share under ZeRO stages 1 and 2) and its learning-rate schedule, from the role's resolved
 //! `training` section.
 
 use candle_core::Var;
@@ -13,13 +13,16 @@ pub struct Optim {
     pub opt: AdamW,
     pub sched: LrScheduler,
     pub clip_grad: f64,
+    /// `training.zero_stage`: with a sharded `opt`, 2 also keeps only this rank's share of
+    /// the summed gradient (`crate::accumulate`).
+    pub zero_stage: u32,
 }
 
 impl Optim {
     /// AdamW and the schedule from the role's training config; `steps_per_iter` optimizer
     /// steps happen per PPO step (epochs x mini-batches), so the schedule spans
     /// `train_iters * steps_per_iter` optimizer steps and the warm-up counts optimizer steps.
-    /// With `training.zero_stage` 1 the AdamW state is this rank's share of the group's
+    /// With `training.zero_stage` 1 or 2 the AdamW state is this rank's share of the group's
     /// (`rank` of `world`, [`crate::zero`]).
     pub fn new(
         vars: Vec<(String, Var)>,
@@ -60,6 +63,7 @@ impl Optim {
             opt,
             sched,
             clip_grad: t.clip_grad,
+            zero_stage: t.zero_stage,
         })
     }
 

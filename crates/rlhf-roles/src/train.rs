@@ -9,23 +9,21 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use candle_core::backprop::GradStore;
-use candle_core::{DType, Tensor, Var};
+use candle_core::Tensor;
 use rand::seq::SliceRandom;
 use rand::SeedableRng;
 use rlhf_algo::LossAggMode;
-use rlhf_collective::{all_reduce_f32_bucketed, Communicator, ReduceOp};
+use rlhf_collective::{Communicator, ReduceOp};
 use rlhf_config::TrainSpec;
 use rlhf_core::calls::{RoleCall, UpdateResponse};
 use rlhf_core::RoleSlot;
 use rlhf_model::{Gradients, LoadOptions, Model};
 
+pub use crate::accumulate::all_reduce_grads;
+use crate::accumulate::{accumulate, MiniBatch, Summed};
 use crate::checkpoint::{self, RoleState};
 use crate::error::{Ctx, Error, Result};
 pub use crate::optim::Optim;
-
-/// Elements per gradient all-reduce call (16 MiB of f32).
-const GRAD_BUCKET_ELEMS: usize = 4 << 20;
 
 /// Who is computing, for error messages.
 #[derive(Debug, Clone)]
@@ -112,7 +110,12 @@ pub fn epoch_order(rows: usize, shuffle: bool, seed: u64, step: u64, epoch: usiz
     idx
 }
 
-fn mean_into(acc: &mut BTreeMap<String, (f64, f64)>, name: &str, value: f64, weight: f64) {
+pub(crate) fn mean_into(
+    acc: &mut BTreeMap<String, (f64, f64)>,
+    name: &str,
+    value: f64,
+    weight: f64,
+) {
     let e = acc.entry(name.to_string()).or_insert((0.0, 0.0));
     e.0 += value * weight;
     e.1 += weight;
@@ -201,8 +204,10 @@ impl TrainState {
         crate::mem::release_freed();
         if let Some((rank, world)) = optim.opt.shard() {
             tracing::info!(
-                "{}: AdamW state sharded (training.zero_stage 1), rank {rank} of {world}: {} of {} parameter elements",
+                "{}: AdamW state{} sharded (training.zero_stage {}), rank {rank} of {world}: {} of {} parameter elements",
                 slot.label(),
+                if optim.zero_stage >= 2 { " and summed gradients" } else { "" },
+                optim.zero_stage,
                 optim.opt.owned_len(),
                 optim.opt.total_len()
             );
@@ -227,7 +232,7 @@ impl TrainState {
 
     /// Copies the checkpoint out; [`checkpoint::Image::write`] writes it.
     /// The checkpoint image, copied out for a writer thread: with a sharded optimizer
-    /// (`zero_stage` 1) this rank's shard, and the weights on rank 0 only.
+    /// (`zero_stage` 1 or 2) this rank's shard, and the weights on rank 0 only.
     pub fn capture_checkpoint(&self) -> Result<checkpoint::Image> {
         let state = RoleState {
             role: self.who.role,
@@ -359,70 +364,24 @@ pub fn run_update<T: Train>(
                 // No valid token on any rank: nothing to learn from this mini-batch.
                 continue;
             }
-            let mut grads = Gradients::default();
-            let mut mb_stats: BTreeMap<String, (f64, f64)> = BTreeMap::new();
-            // A bad loss here must fail every rank of the group, not leave the others
-            // waiting in the gradient all-reduce: it travels as a flag with the gradients.
-            let mut failed: Option<Error> = None;
-            for micro_idx in idx.chunks(plan.micro_batch_rows) {
-                let m: Vec<f32> = micro_idx
-                    .iter()
-                    .flat_map(|&r| mask[r * width..(r + 1) * width].iter().copied())
-                    .collect();
-                let tokens = denominator(&m, width, LossAggMode::TokenMean);
-                if tokens == 0.0 {
-                    continue;
-                }
-                let scale = micro_scale(&m, width, mode, global)?;
-                let out = engine.micro_loss(&model, &prepared.batch, micro_idx)?;
-                let loss_value = out.loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
-                if !loss_value.is_finite() {
-                    failed = Some(Error::NonFinite {
-                        tensor: "loss".into(),
-                        role: who.role,
-                        rank: who.rank,
-                        step: plan.step,
-                    });
-                    break;
-                }
-                // Scaling the loss rather than the gradients keeps one copy of them
-                // (`Gradients::add` takes the micro-batch's tensors).
-                let loss = if scale == 1.0 {
-                    out.loss
-                } else {
-                    (out.loss * scale)?
-                };
-                grads.add(Gradients::backward(&loss, &vars)?)?;
-                for (k, v) in out.stats {
-                    mean_into(&mut mb_stats, k, v, tokens);
-                }
-            }
-            let (grads, failures) = all_reduce_grads(&grads, &vars, comm, failed.is_some())?;
-            if let Some(e) = failed {
-                return Err(e);
-            }
-            if failures > 0 {
-                return Err(Error::NonFinite {
-                    tensor: format!("loss on {failures} other rank(s) of the group"),
-                    role: who.role,
-                    rank: who.rank,
+            let acc = accumulate(
+                &*engine,
+                &model,
+                &vars,
+                comm,
+                &prepared.batch,
+                &MiniBatch {
+                    idx,
+                    mask,
+                    width,
+                    micro_rows: plan.micro_batch_rows,
+                    mode,
+                    global,
+                    who: &who,
                     step: plan.step,
-                });
-            }
-            let norm = grads.global_norm()?;
-            if !norm.is_finite() {
-                let which = grads
-                    .check_finite()
-                    .err()
-                    .map(|e| e.to_string())
-                    .unwrap_or_else(|| "gradient norm".into());
-                return Err(Error::NonFinite {
-                    tensor: format!("gradient ({which})"),
-                    role: who.role,
-                    rank: who.rank,
-                    step: plan.step,
-                });
-            }
+                },
+            )?;
+            let norm = acc.norm;
             let optim = &mut engine.state_mut().optim;
             // Clipping scales the gradients inside the step: no rewritten copy of them.
             let clip = if optim.clip_grad > 0.0 {
@@ -432,16 +391,20 @@ pub fn run_update<T: Train>(
             };
             let lr = optim.sched.lr_at(optim.opt.steps());
             optim.opt.set_learning_rate(lr);
-            optim.opt.step_scaled(&grads, clip)?;
+            match &acc.grads {
+                Summed::Whole(g) => optim.opt.step_scaled(g, clip)?,
+                Summed::Owned(g) => optim.opt.step_owned(g, clip)?,
+            }
+            drop(acc.grads);
             if optim.opt.shard().is_some() {
                 crate::zero::exchange_params(comm, &mut optim.opt)?;
             }
             // Every rank reports the mini-batch's token-weighted metrics over the whole group,
             // so the numbers do not depend on how the batch was split across ranks.
             let mb_stats = if comm.world_size() > 1 {
-                merge_stats(comm, &mb_stats)?
+                merge_stats(comm, &acc.stats)?
             } else {
-                mb_stats
+                acc.stats
             };
             for (k, (sum, w)) in mb_stats {
                 if w > 0.0 {
@@ -501,51 +464,6 @@ pub fn abort_update(comm: &mut dyn Communicator, error: Error) -> Error {
         }
     }
     error
-}
-
-/// Sums gradients over the group. Parameters without a gradient on a rank count as zeros,
-/// so every rank (and a single rank) steps the same parameter set. `failed` travels along:
-/// the second value is the number of ranks that reported a failure.
-pub fn all_reduce_grads(
-    grads: &Gradients,
-    vars: &[(String, Var)],
-    comm: &mut dyn Communicator,
-    failed: bool,
-) -> Result<(Gradients, usize)> {
-    if comm.world_size() <= 1 {
-        // Nothing to sum: the gradients stay where they are (on a GPU, no round trip through
-        // host memory every step).
-        let mut store = GradStore::default();
-        for (name, var) in vars {
-            let g = match grads.get(name) {
-                Some(g) => g.to_dtype(var.dtype())?,
-                None => var.zeros_like()?,
-            };
-            store.insert(var.as_tensor(), g);
-        }
-        return Ok((Gradients::from_store(&store, vars), 0));
-    }
-    let mut host: Vec<Vec<f32>> = Vec::with_capacity(vars.len());
-    for (name, var) in vars {
-        match grads.get(name) {
-            Some(g) => host.push(g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?),
-            None => host.push(vec![0.0; var.elem_count()]),
-        }
-    }
-    let mut flag = [f32::from(u8::from(failed))];
-    if comm.world_size() > 1 {
-        let mut parts: Vec<&mut [f32]> = host.iter_mut().map(|v| v.as_mut_slice()).collect();
-        parts.push(&mut flag);
-        all_reduce_f32_bucketed(comm, &mut parts, ReduceOp::Sum, GRAD_BUCKET_ELEMS)
-            .ctx("all-reducing gradients")?;
-    }
-    let failures = flag[0].round() as usize - usize::from(failed);
-    let mut store = GradStore::default();
-    for ((_, var), v) in vars.iter().zip(host) {
-        let t = Tensor::from_vec(v, var.shape(), var.device())?.to_dtype(var.dtype())?;
-        store.insert(var.as_tensor(), t);
-    }
-    Ok((Gradients::from_store(&store, vars), failures))
 }
 
 #[cfg(test)]

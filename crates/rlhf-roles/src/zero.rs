@@ -1,11 +1,14 @@
-//! ZeRO stage 1 across a trained role's data-parallel group (`training.zero_stage: 1`): each
-//! rank's AdamW holds the moments of its contiguous share of the flattened parameters
-//! (`rlhf_model::partition`), steps that share after the usual gradient all-reduce, and the
-//! group all-gathers the stepped shares so every rank holds the whole updated model again.
-//! A checkpoint keeps the shares apart: each rank writes its own (`crate::checkpoint`).
+//! ZeRO stages 1 and 2 across a trained role's data-parallel group (`training.zero_stage`):
+//! each rank's AdamW holds the moments of its contiguous share of the flattened parameters
+//! (`rlhf_model::partition`) and steps that share; the group then all-gathers the stepped
+//! shares so every rank holds the whole updated model again. Stage 1 steps from the usual
+//! all-reduced gradient; stage 2 reduce-scatters each micro-batch's gradient, so a rank only
+//! ever keeps its share of the summed gradient ([`scatter_grads`]). A checkpoint keeps the
+//! shares apart: each rank writes its own (`crate::checkpoint`).
 
-use rlhf_collective::{as_bytes, Communicator};
-use rlhf_model::AdamW;
+use candle_core::DType;
+use rlhf_collective::{as_bytes, Communicator, ReduceOp, ReduceScatterStream};
+use rlhf_model::{shard_span, AdamW, Gradients};
 
 use crate::error::{Ctx, Error, Result};
 
@@ -33,13 +36,57 @@ fn join(parts: Vec<Vec<u8>>, want: usize, what: &str) -> Result<Vec<f32>> {
     Ok(out)
 }
 
+/// Values per reduce-scatter call (16 MiB of f32): the most of the gradient that exists on a
+/// rank as one flat vector.
+const SCATTER_BUCKET_ELEMS: usize = 4 << 20;
+
+/// ZeRO stage 2: sums one micro-batch's gradients over the group and adds this rank's share
+/// ([`AdamW::owned_span`]) into `shard`. Each parameter's gradient is flattened and dropped
+/// in turn, so besides the backward's own tensors a rank holds one bucket and its share.
+/// `None` (a rank with no rows, or one that failed) and parameters without a gradient count
+/// as zeros, so every rank makes the same calls.
+pub fn scatter_grads(
+    comm: &mut dyn Communicator,
+    opt: &AdamW,
+    grads: Option<Gradients>,
+    shard: &mut [f32],
+) -> Result<()> {
+    let world = comm.world_size();
+    let total = opt.total_len();
+    let mut bounds: Vec<usize> = (0..world)
+        .map(|r| shard_span(total, r, world).start)
+        .collect();
+    bounds.push(total);
+    let mut grads = grads.unwrap_or_default();
+    let what = "reduce-scattering gradients (training.zero_stage 2)";
+    let mut s = ReduceScatterStream::new(comm, bounds, shard, ReduceOp::Sum, SCATTER_BUCKET_ELEMS)
+        .ctx(what)?;
+    for (name, n) in opt.param_sizes() {
+        match grads.remove(name) {
+            Some(g) => {
+                let g = g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                if g.len() != n {
+                    return Err(Error::internal(format!(
+                        "the gradient of {name} has {} values, the parameter {n}",
+                        g.len()
+                    )));
+                }
+                s.push(&g).ctx(what)?;
+            }
+            None => s.push_zeros(n).ctx(what)?,
+        }
+    }
+    s.finish().ctx(what)?;
+    Ok(())
+}
+
 /// After a sharded step: every rank's stepped share to every rank, so all hold the whole
 /// updated model.
 pub fn exchange_params(comm: &mut dyn Communicator, opt: &mut AdamW) -> Result<()> {
     let mine = opt.owned_params()?;
     let all = comm
         .all_gather(as_bytes(&mine))
-        .ctx("exchanging the stepped parameter shares (training.zero_stage 1)")?;
+        .ctx("exchanging the stepped parameter shares (training.zero_stage 1 or 2)")?;
     let flat = join(all, opt.total_len(), "stepped parameters")?;
     Ok(opt.set_params_from_flat(&flat)?)
 }

@@ -1,7 +1,7 @@
 //! The other stages as jobs over real processes (`rlhf-head run`, embedded head and worker):
 //! SFT's loss falls, packed or not; a reward model learns the shipped pairs and then drives PPO as its
 //! `reward.kind=model`; DPO's margins rise; both are scored on held-out pairs; a DPO run
-//! stopped and resumed repeats the straight one; ZeRO stage 1 trains like plain data
+//! stopped and resumed repeats the straight one; ZeRO stages 1 and 2 train like plain data
 //! parallelism and resumes.
 
 use std::path::{Path, PathBuf};
@@ -207,9 +207,10 @@ fn dpo_learns_the_pairs_and_resumes_exactly() -> Result<()> {
 
 /// `training.zero_stage: 1` across two SFT trainer processes: each keeps half of the AdamW
 /// state, the metrics are those of plain data parallelism, and its checkpoint (one optimizer
-/// shard per rank) resumes the run exactly.
+/// shard per rank) resumes the run exactly. Stage 2 (each also keeps half of the summed
+/// gradient, reduce-scattered over TCP) logs the same metrics too.
 #[test]
-fn zero_stage_1_trains_like_plain_data_parallel_and_resumes() -> Result<()> {
+fn zero_stages_1_and_2_train_like_plain_data_parallel_and_resume() -> Result<()> {
     let dir = tempfile::tempdir()?;
     let two = [
         "resource_pool.actor_rollout=2",
@@ -230,6 +231,14 @@ fn zero_stage_1_trains_like_plain_data_parallel_and_resumes() -> Result<()> {
     assert_same_steps(
         &jsonl(&plain.join("metrics.jsonl"))?,
         &jsonl(&zero.join("metrics.jsonl"))?,
+    );
+    let zero2 = dir.path().join("zero2");
+    let mut c = stage_cmd("sft_tiny", &zero2, &two);
+    c.arg("training.zero_stage=2");
+    run("zero-2", dir.path(), c)?;
+    assert_same_steps(
+        &jsonl(&plain.join("metrics.jsonl"))?,
+        &jsonl(&zero2.join("metrics.jsonl"))?,
     );
     // The sharded checkpoint: one shard per rank, rank 1's beside the actor directory, and
     // together the size of the plain run's whole optimizer state.

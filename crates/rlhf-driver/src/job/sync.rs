@@ -186,7 +186,7 @@ pub(super) async fn save_parts(
 ) -> Res<PendingSave> {
     let step = state.global_step;
     let dir = checkpoint::step_dir(root, step);
-    // A part whose optimizer state is sharded (`training.zero_stage` 1) is saved by every
+    // A part whose optimizer state is sharded (`training.zero_stage` 1 or 2) is saved by every
     // rank (rank 0 the weights and its shard, the others their shards); otherwise rank 0
     // saves it all. The checkpoint is committed once every saver has its files on disk.
     let parts: Vec<(String, WorkerGroup, String)> = parts

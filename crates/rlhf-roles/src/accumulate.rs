@@ -1,0 +1,265 @@
+//! One mini-batch's gradient, summed over micro-batches and over the data-parallel group:
+//! whole on every rank (all-reduce, ZeRO stages 0 and 1), or only each rank's share of it
+//! (a reduce-scatter per micro-batch, ZeRO stage 2), with its global norm either way. A bad
+//! loss on one rank travels with the collectives, so the whole group fails together instead
+//! of leaving the others waiting.
+
+use std::collections::BTreeMap;
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Tensor, Var};
+use rlhf_algo::LossAggMode;
+use rlhf_collective::{all_reduce_f32_bucketed, Communicator, ReduceOp};
+use rlhf_model::{Gradients, Model};
+
+use crate::error::{Ctx, Error, Result};
+use crate::train::{denominator, mean_into, micro_scale, Ident, Train};
+
+/// Elements per gradient all-reduce call (16 MiB of f32).
+const GRAD_BUCKET_ELEMS: usize = 4 << 20;
+
+/// The rows of one mini-batch on this rank and how to weigh them.
+pub(crate) struct MiniBatch<'a> {
+    pub idx: &'a [usize],
+    /// The shard's loss mask, `[rows, width]`.
+    pub mask: &'a [f32],
+    pub width: usize,
+    pub micro_rows: usize,
+    pub mode: LossAggMode,
+    /// The group's loss denominator of this mini-batch.
+    pub global: f64,
+    pub who: &'a Ident,
+    pub step: u64,
+}
+
+/// The group's summed gradient of a mini-batch.
+pub(crate) enum Summed {
+    /// All of it (ZeRO stages 0 and 1).
+    Whole(Gradients),
+    /// This rank's share ([`rlhf_model::AdamW::owned_span`]), ZeRO stage 2.
+    Owned(Vec<f32>),
+}
+
+pub(crate) struct Accumulated {
+    pub grads: Summed,
+    /// Global L2 norm of the summed gradient.
+    pub norm: f64,
+    /// `(weighted sum, weight)` of this rank's micro-batch diagnostics.
+    pub stats: BTreeMap<String, (f64, f64)>,
+}
+
+enum Micro {
+    /// No valid token in these rows.
+    Skip,
+    Failed(Error),
+    Grads(Gradients),
+}
+
+impl MiniBatch<'_> {
+    fn non_finite(&self, tensor: String) -> Error {
+        Error::NonFinite {
+            tensor,
+            role: self.who.role,
+            rank: self.who.rank,
+            step: self.step,
+        }
+    }
+
+    /// The backward pass of `rows`, with their loss scaled to the mini-batch's share.
+    fn micro<T: Train>(
+        &self,
+        engine: &T,
+        model: &Model,
+        vars: &[(String, Var)],
+        batch: &T::Batch,
+        rows: &[usize],
+        stats: &mut BTreeMap<String, (f64, f64)>,
+    ) -> Result<Micro> {
+        let w = self.width;
+        let m: Vec<f32> = rows
+            .iter()
+            .flat_map(|&r| self.mask[r * w..(r + 1) * w].iter().copied())
+            .collect();
+        let tokens = denominator(&m, w, LossAggMode::TokenMean);
+        if tokens == 0.0 {
+            return Ok(Micro::Skip);
+        }
+        let scale = micro_scale(&m, w, self.mode, self.global)?;
+        let out = engine.micro_loss(model, batch, rows)?;
+        let loss_value = out.loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        if !loss_value.is_finite() {
+            return Ok(Micro::Failed(self.non_finite("loss".into())));
+        }
+        // Scaling the loss rather than the gradients keeps one copy of them
+        // (`Gradients::add` takes the micro-batch's tensors).
+        let loss = if scale == 1.0 {
+            out.loss
+        } else {
+            (out.loss * scale)?
+        };
+        let grads = Gradients::backward(&loss, vars)?;
+        for (k, v) in out.stats {
+            mean_into(stats, k, v, tokens);
+        }
+        Ok(Micro::Grads(grads))
+    }
+
+    /// This rank's own failure first, then the count of other ranks that failed.
+    fn check_failures(&self, failed: Option<Error>, others: usize) -> Result<()> {
+        if let Some(e) = failed {
+            return Err(e);
+        }
+        if others > 0 {
+            return Err(self.non_finite(format!("loss on {others} other rank(s) of the group")));
+        }
+        Ok(())
+    }
+}
+
+/// Sums the mini-batch's gradient over micro-batches and the group: whole, or (ZeRO stage 2,
+/// `shard`ed optimizer) this rank's share only.
+pub(crate) fn accumulate<T: Train>(
+    engine: &T,
+    model: &Model,
+    vars: &[(String, Var)],
+    comm: &mut dyn Communicator,
+    batch: &T::Batch,
+    mb: &MiniBatch<'_>,
+) -> Result<Accumulated> {
+    let optim = &engine.state().optim;
+    if optim.zero_stage >= 2 && optim.opt.shard().is_some() {
+        return accumulate_owned(engine, model, vars, comm, batch, mb);
+    }
+    let mut grads = Gradients::default();
+    let mut stats = BTreeMap::new();
+    let mut failed = None;
+    for rows in mb.idx.chunks(mb.micro_rows) {
+        match mb.micro(engine, model, vars, batch, rows, &mut stats)? {
+            Micro::Skip => {}
+            Micro::Failed(e) => {
+                failed = Some(e);
+                break;
+            }
+            Micro::Grads(g) => grads.add(g)?,
+        }
+    }
+    let (grads, failures) = all_reduce_grads(&grads, vars, comm, failed.is_some())?;
+    mb.check_failures(failed, failures)?;
+    let norm = grads.global_norm()?;
+    if !norm.is_finite() {
+        let which = grads
+            .check_finite()
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_else(|| "gradient norm".into());
+        return Err(mb.non_finite(format!("gradient ({which})")));
+    }
+    Ok(Accumulated {
+        grads: Summed::Whole(grads),
+        norm,
+        stats,
+    })
+}
+
+/// ZeRO stage 2: every micro-batch's gradient is reduce-scattered as soon as it exists and
+/// only this rank's share is kept, so no rank holds a summed whole gradient. The ranks agree
+/// on the number of micro-batches first; one with fewer rows (or one that failed) sends zeros.
+fn accumulate_owned<T: Train>(
+    engine: &T,
+    model: &Model,
+    vars: &[(String, Var)],
+    comm: &mut dyn Communicator,
+    batch: &T::Batch,
+    mb: &MiniBatch<'_>,
+) -> Result<Accumulated> {
+    let opt = &engine.state().optim.opt;
+    let chunks: Vec<&[usize]> = mb.idx.chunks(mb.micro_rows).collect();
+    let mut n = [chunks.len() as f64];
+    comm.all_reduce_f64(&mut n, ReduceOp::Max)
+        .ctx("agreeing on the number of micro-batches (training.zero_stage 2)")?;
+    let mut shard = vec![0f32; opt.owned_len()];
+    let mut stats = BTreeMap::new();
+    let mut failed = None;
+    for k in 0..n[0] as usize {
+        let grads = match chunks.get(k) {
+            Some(rows) if failed.is_none() => {
+                match mb.micro(engine, model, vars, batch, rows, &mut stats)? {
+                    Micro::Skip => None,
+                    Micro::Failed(e) => {
+                        failed = Some(e);
+                        None
+                    }
+                    Micro::Grads(g) => Some(g),
+                }
+            }
+            _ => None,
+        };
+        crate::zero::scatter_grads(comm, opt, grads, &mut shard)?;
+    }
+    let squares: f64 = shard.iter().map(|&x| f64::from(x) * f64::from(x)).sum();
+    let mine = u8::from(failed.is_some());
+    let mut sums = [squares, f64::from(mine)];
+    comm.all_reduce_f64(&mut sums, ReduceOp::Sum)
+        .ctx("all-reducing the gradient norm (training.zero_stage 2)")?;
+    mb.check_failures(failed, sums[1].round() as usize - usize::from(mine))?;
+    let norm = sums[0].sqrt();
+    if !norm.is_finite() {
+        let which = shard
+            .iter()
+            .position(|x| !x.is_finite())
+            .and_then(|i| opt.owned_name_at(i))
+            .map(|n| format!("the gradient of {n} is not finite (NaN or inf)"))
+            .unwrap_or_else(|| "gradient norm, not finite on another rank's share".into());
+        return Err(mb.non_finite(format!("gradient ({which})")));
+    }
+    Ok(Accumulated {
+        grads: Summed::Owned(shard),
+        norm,
+        stats,
+    })
+}
+
+/// Sums gradients over the group. Parameters without a gradient on a rank count as zeros,
+/// so every rank (and a single rank) steps the same parameter set. `failed` travels along:
+/// the second value is the number of ranks that reported a failure.
+pub fn all_reduce_grads(
+    grads: &Gradients,
+    vars: &[(String, Var)],
+    comm: &mut dyn Communicator,
+    failed: bool,
+) -> Result<(Gradients, usize)> {
+    if comm.world_size() <= 1 {
+        // Nothing to sum: the gradients stay where they are (on a GPU, no round trip through
+        // host memory every step).
+        let mut store = GradStore::default();
+        for (name, var) in vars {
+            let g = match grads.get(name) {
+                Some(g) => g.to_dtype(var.dtype())?,
+                None => var.zeros_like()?,
+            };
+            store.insert(var.as_tensor(), g);
+        }
+        return Ok((Gradients::from_store(&store, vars), 0));
+    }
+    let mut host: Vec<Vec<f32>> = Vec::with_capacity(vars.len());
+    for (name, var) in vars {
+        match grads.get(name) {
+            Some(g) => host.push(g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?),
+            None => host.push(vec![0.0; var.elem_count()]),
+        }
+    }
+    let mut flag = [f32::from(u8::from(failed))];
+    if comm.world_size() > 1 {
+        let mut parts: Vec<&mut [f32]> = host.iter_mut().map(|v| v.as_mut_slice()).collect();
+        parts.push(&mut flag);
+        all_reduce_f32_bucketed(comm, &mut parts, ReduceOp::Sum, GRAD_BUCKET_ELEMS)
+            .ctx("all-reducing gradients")?;
+    }
+    let failures = flag[0].round() as usize - usize::from(failed);
+    let mut store = GradStore::default();
+    for ((_, var), v) in vars.iter().zip(host) {
+        let t = Tensor::from_vec(v, var.shape(), var.device())?.to_dtype(var.dtype())?;
+        store.insert(var.as_tensor(), t);
+    }
+    Ok((Gradients::from_store(&store, vars), failures))
+}
