@@ -8,32 +8,22 @@
 
 use candle_core::DType;
 use rlhf_collective::{as_bytes, Communicator, ReduceOp, ReduceScatterStream};
-use rlhf_model::{shard_span, AdamW, Gradients};
+use rlhf_model::{partition, shard_span, AdamW, Gradients};
 
 use crate::error::{Ctx, Error, Result};
 
-/// The ranks' `f32` vectors (as an all-gather returns them) joined in rank order.
-fn join(parts: Vec<Vec<u8>>, want: usize, what: &str) -> Result<Vec<f32>> {
-    let mut out = Vec::with_capacity(want);
-    for p in parts {
-        if p.len() % 4 != 0 {
-            return Err(Error::internal(format!(
-                "a rank sent {} bytes of {what}, not whole f32 values",
-                p.len()
-            )));
-        }
-        out.extend(
-            p.chunks_exact(4)
-                .map(|b| f32::from_ne_bytes([b[0], b[1], b[2], b[3]])),
-        );
-    }
-    if out.len() != want {
+/// A rank's `f32` values as an all-gather returns them.
+fn floats(bytes: &[u8], what: &str) -> Result<Vec<f32>> {
+    if !bytes.len().is_multiple_of(4) {
         return Err(Error::internal(format!(
-            "the group's {what} add up to {} values, the model has {want}; the ranks disagree on the parameters",
-            out.len()
+            "a rank sent {} bytes of {what}, not whole f32 values",
+            bytes.len()
         )));
     }
-    Ok(out)
+    Ok(bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
+        .collect())
 }
 
 /// Values per reduce-scatter call (16 MiB of f32): the most of the gradient that exists on a
@@ -80,13 +70,58 @@ pub fn scatter_grads(
     Ok(())
 }
 
+/// Parameter values per all-gather of the exchange after a step (16 MiB of f32, or one
+/// larger parameter): the most of the model that exists twice on a rank at once.
+const EXCHANGE_BUCKET_ELEMS: usize = 4 << 20;
+
 /// After a sharded step: every rank's stepped share to every rank, so all hold the whole
-/// updated model.
+/// updated model. Whole parameters go in buckets: each rank sends its share of a bucket's
+/// parameters, and each parameter is rebuilt from the ranks' pieces and set, so besides the
+/// model a rank holds one bucket, not a second copy of all the weights.
 pub fn exchange_params(comm: &mut dyn Communicator, opt: &mut AdamW) -> Result<()> {
-    let mine = opt.owned_params()?;
-    let all = comm
-        .all_gather(as_bytes(&mine))
-        .ctx("exchanging the stepped parameter shares (training.zero_stage 1 or 2)")?;
-    let flat = join(all, opt.total_len(), "stepped parameters")?;
-    Ok(opt.set_params_from_flat(&flat)?)
+    let world = comm.world_size();
+    let sizes: Vec<usize> = opt.param_sizes().map(|(_, n)| n).collect();
+    let pieces: Vec<Vec<std::ops::Range<usize>>> =
+        (0..world).map(|r| partition(&sizes, r, world)).collect();
+    let what = "stepped parameter shares";
+    let mut i = 0;
+    while i < sizes.len() {
+        let mut j = i + 1;
+        let mut n = sizes[i];
+        while j < sizes.len() && n + sizes[j] <= EXCHANGE_BUCKET_ELEMS {
+            n += sizes[j];
+            j += 1;
+        }
+        let mine = opt.owned_values(i..j)?;
+        let all = comm
+            .all_gather(as_bytes(&mine))
+            .ctx("exchanging the stepped parameter shares (training.zero_stage 1 or 2)")?;
+        drop(mine);
+        let all: Vec<Vec<f32>> = all.iter().map(|b| floats(b, what)).collect::<Result<_>>()?;
+        let mut at = vec![0usize; world];
+        for k in i..j {
+            let mut full = Vec::with_capacity(sizes[k]);
+            for (r, vals) in all.iter().enumerate() {
+                let len = pieces[r][k].len();
+                let got = vals.get(at[r]..at[r] + len).ok_or_else(|| {
+                    Error::internal(format!(
+                        "rank {r} sent {} {what} for parameters {i}..{j}, fewer than its shares; the ranks disagree on the parameters",
+                        vals.len()
+                    ))
+                })?;
+                full.extend_from_slice(got);
+                at[r] += len;
+            }
+            opt.set_param_values(k, full)?;
+        }
+        if let Some(r) = (0..world).find(|&r| at[r] != all[r].len()) {
+            return Err(Error::internal(format!(
+                "rank {r} sent {} {what} for parameters {i}..{j}, its shares are {}; the ranks disagree on the parameters",
+                all[r].len(),
+                at[r]
+            )));
+        }
+        i = j;
+    }
+    Ok(())
 }

@@ -114,14 +114,49 @@ impl AdamW {
 
     /// This rank's range of the parameters, as `f32`, parameter after parameter.
     pub fn owned_params(&self) -> Result<Vec<f32>> {
-        let mut out = Vec::with_capacity(self.owned_len());
-        for s in &self.slots {
+        self.owned_values(0..self.slots.len())
+    }
+
+    /// This rank's range of parameters `which` (by position in [`AdamW::param_sizes`]), as
+    /// `f32`, parameter after parameter: one bucket of the exchange after a sharded step.
+    pub fn owned_values(&self, which: Range<usize>) -> Result<Vec<f32>> {
+        let slots = self.slots.get(which.clone()).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "parameters {which:?} of an optimizer over {}",
+                self.slots.len()
+            ))
+        })?;
+        let mut out = Vec::with_capacity(slots.iter().map(|s| s.owned.len()).sum());
+        for s in slots {
             if !s.owned.is_empty() {
-                let p = host(s.var.as_tensor())?;
-                out.extend_from_slice(&p[s.owned.clone()]);
+                let p = s.var.as_tensor().flatten_all()?;
+                let p = p.narrow(0, s.owned.start, s.owned.len())?;
+                out.extend(host(&p)?);
             }
         }
         Ok(out)
+    }
+
+    /// Sets parameter `i` (by position in [`AdamW::param_sizes`]) to `values`, all of its
+    /// elements in order.
+    pub fn set_param_values(&mut self, i: usize, values: Vec<f32>) -> Result<()> {
+        let s = self.slots.get(i).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "parameter {i} of an optimizer over {}",
+                self.slots.len()
+            ))
+        })?;
+        if values.len() != s.var.elem_count() {
+            return Err(Error::InvalidArgument(format!(
+                "{} values for {} of {} elements",
+                values.len(),
+                s.name,
+                s.var.elem_count()
+            )));
+        }
+        let t = Tensor::from_vec(values, s.var.shape(), s.var.device())?.to_dtype(s.var.dtype())?;
+        s.var.set(&t)?;
+        Ok(())
     }
 
     /// Sets every parameter from the whole flattened vector (the ranks' ranges in rank
@@ -136,11 +171,9 @@ impl AdamW {
             )));
         }
         let mut off = 0;
-        for s in &self.slots {
-            let n = s.var.elem_count();
-            let t = Tensor::from_slice(&all[off..off + n], s.var.shape(), s.var.device())?
-                .to_dtype(s.var.dtype())?;
-            s.var.set(&t)?;
+        for i in 0..self.slots.len() {
+            let n = self.slots[i].var.elem_count();
+            self.set_param_values(i, all[off..off + n].to_vec())?;
             off += n;
         }
         Ok(())
