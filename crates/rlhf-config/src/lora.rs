@@ -12,7 +12,7 @@ pub struct LoraOptions {
     pub rank: u32,
     /// `lora_alpha`: the update is scaled by alpha / rank.
     pub alpha: f64,
-    /// `lora_dropout`; only 0 is supported.
+    /// `lora_dropout`: the share of each adapter's inputs zeroed in training (SFT only).
     pub dropout: f64,
     /// Linear modules that get adapters (`q_proj`, ..., or `all-linear`).
     pub target_modules: Vec<String>,

@@ -164,6 +164,16 @@ pub fn problems(cfg: &PpoConfig) -> Vec<String> {
     e.extend(a.async_.problems());
     e.extend(a.lora.problems("actor_rollout.lora"));
     e.extend(cfg.critic.lora.problems("critic.lora"));
+    e.extend(lora_dropout_problem(
+        cfg.trainer,
+        "actor_rollout.lora",
+        &a.lora,
+    ));
+    e.extend(lora_dropout_problem(
+        cfg.trainer,
+        "critic.lora",
+        &cfg.critic.lora,
+    ));
     e.extend(cfg.fault_tolerance.problems());
     if a.async_.is_async() && pool.colocate {
         e.push(format!(
@@ -352,9 +362,34 @@ fn non_negative(x: f64) -> bool {
 
 /// The rules of the other stages (`trainer: sft | reward | dpo`): sizes, ranks that divide
 /// the batch, the trained role's model and the reference a DPO loss needs.
+/// LoRA dropout trains SFT only: PPO, DPO and reward training run with dropout off, as TRL's
+/// trainers do, because they compare log-probs of the same tokens from different passes.
+fn lora_dropout_problem(
+    trainer: TrainerKind,
+    section: &str,
+    lora: &crate::LoraOptions,
+) -> Option<String> {
+    (lora.is_on() && lora.dropout > 0.0 && trainer != TrainerKind::Sft).then(|| {
+        format!(
+            "{section}.dropout {} with trainer {trainer}: dropout trains SFT only; {trainer} \
+             compares log-probs of the same tokens from different passes, which dropout would \
+             make differ (TRL turns dropout off for it too); set {section}.dropout=0",
+            lora.dropout
+        )
+    })
+}
+
 fn stage_problems(cfg: &PpoConfig) -> Vec<String> {
     let mut e = Vec::new();
     let a = &cfg.actor_rollout;
+    if cfg.trainer != TrainerKind::Reward {
+        e.extend(a.lora.problems("actor_rollout.lora"));
+        e.extend(lora_dropout_problem(
+            cfg.trainer,
+            "actor_rollout.lora",
+            &a.lora,
+        ));
+    }
     let pool = &cfg.resource_pool;
     let trainer = cfg.trainer;
     let (role, ranks, ranks_key) = match trainer {

@@ -140,6 +140,50 @@ fn stage_keys_and_shapes_are_checked() {
     .unwrap_err()
     .to_string();
     assert!(err.contains("needs the reference policy"), "{err}");
+    // LoRA dropout trains SFT only; PPO and DPO refuse it by key, and a bad value is named.
+    let sft = ["trainer=sft", "resource_pool.actor_rollout=1"];
+    let lora = [
+        "actor_rollout.lora.rank=8",
+        "actor_rollout.lora.dropout=0.1",
+    ];
+    assert!(tiny(&[&sft[..], &lora[..]].concat()).is_ok());
+    let err = tiny(&lora).unwrap_err().to_string();
+    assert!(
+        err.contains("actor_rollout.lora.dropout 0.1 with trainer ppo")
+            && err.contains("actor_rollout.lora.dropout=0"),
+        "{err}"
+    );
+    let err = tiny(&["critic.lora.rank=8", "critic.lora.dropout=0.05"])
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("critic.lora.dropout 0.05 with trainer ppo"),
+        "{err}"
+    );
+    let dpo = [
+        "trainer=dpo",
+        "resource_pool.actor_rollout=1",
+        lora[0],
+        lora[1],
+    ];
+    let err = tiny(&dpo).unwrap_err().to_string();
+    assert!(err.contains("with trainer dpo"), "{err}");
+    let err = tiny(
+        &[
+            &sft[..],
+            &[
+                "actor_rollout.lora.rank=8",
+                "actor_rollout.lora.dropout=1.0",
+            ],
+        ]
+        .concat(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("actor_rollout.lora: dropout must be in [0, 1)"),
+        "{err}"
+    );
     // ZeRO: stages 1 and 2 are built, 3 is refused by key and role.
     assert!(tiny(&["training.zero_stage=1"]).is_ok());
     assert!(tiny(&["training.zero_stage=2"]).is_ok());

@@ -71,6 +71,7 @@ pub use config::{Config, Family, MemoryEstimate, RopeScaling, SUPPORTED_ARCHITEC
 pub use error::{Error, Result};
 pub use generation::{generate, FinishReason, GeneratedSequence, Generation, GenerationConfig};
 pub use lora::LoraConfig;
+pub use lora_model::DropoutPass;
 pub use model::{Batch, LoadOptions, Model, ModelImage, ModelKind, ValueHeadInit};
 pub use ops::{entropy_from_logits, lm_head_log_probs, log_probs_from_logits, masked_mean};
 pub use tokenizer::{ChatMessage, Tokenizer};

@@ -70,6 +70,8 @@ impl Linear {
                     b: bm?,
                     scale: cfg.scale(),
                     switch: switch.clone(),
+                    dropout: cfg.dropout,
+                    id: crate::lora::layer_id(prefix),
                 })
             }
             _ => None,

@@ -14,7 +14,7 @@
 //! model's `score` head is saved beside them (PEFT's `modules_to_save`).
 
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 use candle_core::Tensor;
@@ -43,7 +43,9 @@ pub struct LoraConfig {
     pub rank: usize,
     /// `lora_alpha`: the update is scaled by `alpha / r` (`alpha / sqrt(r)` with rsLoRA).
     pub alpha: f64,
-    /// `lora_dropout`; only 0 is supported (see [`LoraConfig::validate`]).
+    /// `lora_dropout`: in a training pass ([`crate::Model::dropout_pass`]) each adapter's
+    /// input elements are zeroed with this probability and the rest scaled by `1 / (1 - p)`,
+    /// as PEFT's `nn.Dropout`; outside one the adapters see their whole input.
     pub dropout: f64,
     /// Module names (`q_proj`, ...) or `all-linear`.
     pub target_modules: Vec<String>,
@@ -237,24 +239,84 @@ pub fn is_adapter_param(name: &str) -> bool {
     name.ends_with(".lora_A.weight") || name.ends_with(".lora_B.weight")
 }
 
-/// Whether a model's adapters are applied; shared by every adapted layer of one model.
+/// Whether a model's adapters are applied, and the seed of the training pass their dropout
+/// masks come from (none outside one); shared by every adapted layer of one model.
 #[derive(Debug, Clone)]
-pub struct AdapterSwitch(Arc<AtomicBool>);
+pub struct AdapterSwitch {
+    on: Arc<AtomicBool>,
+    /// 0: no training pass.
+    pass: Arc<AtomicU64>,
+}
 
 impl Default for AdapterSwitch {
     fn default() -> Self {
-        Self(Arc::new(AtomicBool::new(true)))
+        Self {
+            on: Arc::new(AtomicBool::new(true)),
+            pass: Arc::new(AtomicU64::new(0)),
+        }
     }
 }
 
 impl AdapterSwitch {
     pub fn enabled(&self) -> bool {
-        self.0.load(Ordering::Acquire)
+        self.on.load(Ordering::Acquire)
     }
 
     pub fn set(&self, on: bool) {
-        self.0.store(on, Ordering::Release)
+        self.on.store(on, Ordering::Release)
     }
+
+    /// The seed of the training pass under way, if any.
+    pub fn dropout_seed(&self) -> Option<u64> {
+        let v = self.pass.load(Ordering::Acquire);
+        (v != 0).then_some(v)
+    }
+
+    /// Starts (`Some`) or ends (`None`) a training pass.
+    pub fn set_dropout_seed(&self, seed: Option<u64>) {
+        self.pass
+            .store(seed.map_or(0, |s| s.max(1)), Ordering::Release)
+    }
+}
+
+/// The splitmix64 finalizer: a well-mixed 64-bit hash of `z`.
+fn mix64(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// PEFT's `nn.Dropout(p)` mask for an adapter input of `[rows, cols]`, as a function of
+/// `seed` alone (so a recomputed checkpointed layer and a resumed run draw the same one):
+/// an element is kept, scaled by `1 / (1 - p)`, when its hash is at least `p` of the range.
+pub(crate) fn dropout_mask(
+    seed: u64,
+    (rows, cols): (usize, usize),
+    p: f64,
+    device: &candle_core::Device,
+    dtype: candle_core::DType,
+) -> Result<Tensor> {
+    let keep = (1.0 / (1.0 - p)) as f32;
+    // `p < 1`, so the cut is below 2^64 (the cast saturates anyway).
+    let cut = (p * 18_446_744_073_709_551_616.0) as u64;
+    let v: Vec<f32> = (0..(rows * cols) as u64)
+        .map(|i| {
+            if mix64(seed ^ mix64(i)) >= cut {
+                keep
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    Ok(Tensor::from_vec(v, (rows, cols), device)?.to_dtype(dtype)?)
+}
+
+/// A layer's own stream of dropout masks: its parameter prefix hashed.
+pub(crate) fn layer_id(prefix: &str) -> u64 {
+    let mut h = rlhf_types::Checksum::new();
+    h.update(prefix.as_bytes());
+    h.finish()
 }
 
 /// One adapted layer's matrices.
@@ -266,11 +328,29 @@ pub(crate) struct LoraPair {
     pub b: Tensor,
     pub scale: f64,
     pub switch: AdapterSwitch,
+    /// `lora_dropout`.
+    pub dropout: f64,
+    /// [`layer_id`] of the adapted layer.
+    pub id: u64,
 }
 
 impl LoraPair {
-    /// `s * (x A^T) B^T` for `x: [rows, in]`, in the dtype of `x`.
+    /// `s * (drop(x) A^T) B^T` for `x: [rows, in]`, in the dtype of `x`; `drop` is
+    /// `lora_dropout` in a training pass, nothing outside one.
     pub fn delta(&self, x: &Tensor) -> Result<Tensor> {
+        let x = match self.switch.dropout_seed() {
+            Some(seed) if self.dropout > 0.0 => {
+                let mask = dropout_mask(
+                    mix64(seed ^ self.id),
+                    x.dims2()?,
+                    self.dropout,
+                    x.device(),
+                    x.dtype(),
+                )?;
+                (x * mask)?
+            }
+            _ => x.clone(),
+        };
         let a = self.a.to_dtype(x.dtype())?;
         let b = self.b.to_dtype(x.dtype())?;
         Ok((x.matmul(&a.t()?)?.matmul(&b.t()?)? * self.scale)?)
@@ -287,6 +367,29 @@ impl LoraPair {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The mask zeroes about `p` of the elements, scales the rest by `1 / (1 - p)`, and is a
+    /// function of its seed.
+    #[test]
+    fn dropout_mask_keeps_one_minus_p_scaled_and_follows_its_seed() {
+        let dev = candle_core::Device::Cpu;
+        let f32s = |seed| {
+            dropout_mask(seed, (200, 100), 0.25, &dev, candle_core::DType::F32)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+        };
+        let m = f32s(3);
+        let zeros = m.iter().filter(|&&x| x == 0.0).count() as f64 / m.len() as f64;
+        assert!((zeros - 0.25).abs() < 0.02, "zeroed share {zeros}");
+        assert!(m.iter().all(|&x| x == 0.0 || (x - 4.0 / 3.0).abs() < 1e-6));
+        assert_eq!(m, f32s(3));
+        assert_ne!(m, f32s(4));
+        let none = dropout_mask(3, (4, 4), 0.0, &dev, candle_core::DType::F32).unwrap();
+        assert_eq!(none.sum_all().unwrap().to_scalar::<f32>().unwrap(), 16.0);
+    }
 
     #[test]
     fn scale_and_targets() {

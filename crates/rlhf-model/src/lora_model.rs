@@ -47,6 +47,19 @@ impl Model {
         f(self)
     }
 
+    /// Runs LoRA dropout (`lora_dropout`) in this model's forwards until the returned guard
+    /// drops: a training pass. `seed` picks every adapter's masks, so the same seed draws the
+    /// same ones (a layer recomputed for activation checkpointing, a resumed run). Outside a
+    /// pass the adapters see their whole input (log-probs, generation, evaluation). A model
+    /// without adapters, or with dropout 0, is unaffected.
+    pub fn dropout_pass(&self, seed: u64) -> DropoutPass<'_> {
+        let switch = self.lora.as_ref().map(|(_, s)| s);
+        if let Some(s) = switch {
+            s.set_dropout_seed(Some(seed));
+        }
+        DropoutPass(switch)
+    }
+
     /// Loads a base model and a PEFT LoRA adapter directory onto it: the adapter's
     /// `adapter_config.json` gives rank, alpha and targets (`opts.lora` is replaced).
     pub fn load_with_adapter(base: &Path, adapter: &Path, opts: &LoadOptions) -> Result<Model> {
@@ -213,6 +226,8 @@ impl Model {
                         b: get(&b_name)?,
                         scale,
                         switch: Default::default(),
+                        dropout: 0.0,
+                        id: 0,
                     };
                     pair.merged(&w)?
                 }
@@ -233,5 +248,16 @@ impl Model {
             .map(|(n, t)| Ok((n, t.to_dtype(dtype)?)))
             .collect::<Result<Vec<_>>>()?;
         self.full_image(tensors, dtype, tokenizer_dir)
+    }
+}
+
+/// A training pass of LoRA dropout ([`Model::dropout_pass`]); it ends when this drops.
+pub struct DropoutPass<'a>(Option<&'a crate::lora::AdapterSwitch>);
+
+impl Drop for DropoutPass<'_> {
+    fn drop(&mut self) {
+        if let Some(s) = self.0 {
+            s.set_dropout_seed(None);
+        }
     }
 }

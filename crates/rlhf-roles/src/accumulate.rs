@@ -30,6 +30,9 @@ pub(crate) struct MiniBatch<'a> {
     pub global: f64,
     pub who: &'a Ident,
     pub step: u64,
+    /// Seed of this mini-batch's LoRA dropout masks (job seed, step, epoch, mini-batch and
+    /// rank mixed): each micro-batch's pass adds its rows, so masks repeat on resume.
+    pub dropout_seed: u64,
 }
 
 /// The group's summed gradient of a mini-batch.
@@ -85,6 +88,14 @@ impl MiniBatch<'_> {
             return Ok(Micro::Skip);
         }
         let scale = micro_scale(&m, w, self.mode, self.global)?;
+        // LoRA dropout for this forward and its backward (a checkpointed layer recomputed in
+        // the backward draws the same masks); off again for any other use of the model.
+        let mut seed = rlhf_types::Checksum::new();
+        seed.update_u64(self.dropout_seed);
+        for &r in rows {
+            seed.update_u64(r as u64);
+        }
+        let _pass = model.dropout_pass(seed.finish());
         let out = engine.micro_loss(model, batch, rows)?;
         let loss_value = out.loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
         if !loss_value.is_finite() {

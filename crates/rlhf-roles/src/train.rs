@@ -379,6 +379,19 @@ pub fn run_update<T: Train>(
                     global,
                     who: &who,
                     step: plan.step,
+                    dropout_seed: {
+                        let mut h = rlhf_types::Checksum::new();
+                        for v in [
+                            plan.seed,
+                            plan.step,
+                            epoch as u64,
+                            mb as u64,
+                            who.rank as u64,
+                        ] {
+                            h.update_u64(v);
+                        }
+                        h.finish()
+                    },
                 },
             )?;
             let norm = acc.norm;

@@ -16,9 +16,9 @@ pub const LINEAR_MODULES: &[&str] = &[
 pub const ALL_LINEAR: &str = "all-linear";
 
 /// The first problem with adapter settings, as `what: why; fix` without the key prefix:
-/// rank 0, a non-positive alpha, dropout (it would make the trainer's log-probs of the same
-/// tokens differ between passes; PPO recipes use 0), no targets, or a target that matches no
-/// linear layer of the decoder.
+/// rank 0, a non-positive alpha, dropout outside [0, 1), no targets, or a target that
+/// matches no linear layer of the decoder. (Which trainers may use dropout is the config
+/// checker's rule.)
 pub fn lora_problem(rank: usize, alpha: f64, dropout: f64, targets: &[String]) -> Option<String> {
     if rank == 0 {
         return Some("rank must be at least 1 (rank 0 means no LoRA)".into());
@@ -26,10 +26,10 @@ pub fn lora_problem(rank: usize, alpha: f64, dropout: f64, targets: &[String]) -
     if !alpha.is_finite() || alpha <= 0.0 {
         return Some(format!("alpha must be positive, got {alpha}"));
     }
-    if dropout != 0.0 {
+    if !(0.0..1.0).contains(&dropout) {
         return Some(format!(
-            "dropout {dropout} is not supported, only 0: dropout would make the trainer's \
-             log-probs of the same tokens differ between passes (PPO recipes use 0)"
+            "dropout must be in [0, 1) (the share of an adapter's inputs zeroed in training), \
+             got {dropout}"
         ));
     }
     if targets.is_empty() {
@@ -65,7 +65,10 @@ mod tests {
         assert!(p(0, 16.0, 0.0, &["q_proj"]).contains("rank"));
         assert!(p(8, 0.0, 0.0, &["q_proj"]).contains("alpha"));
         assert!(p(8, f64::NAN, 0.0, &["q_proj"]).contains("alpha"));
-        assert!(p(8, 16.0, 0.1, &["q_proj"]).contains("dropout"));
+        assert_eq!(lora_problem(8, 16.0, 0.1, &t(&["q_proj"])), None);
+        assert!(p(8, 16.0, 1.0, &["q_proj"]).contains("dropout must be in [0, 1)"));
+        assert!(p(8, 16.0, -0.1, &["q_proj"]).contains("dropout"));
+        assert!(p(8, 16.0, f64::NAN, &["q_proj"]).contains("dropout"));
         assert!(p(8, 16.0, 0.0, &[]).contains("target_modules is empty"));
         let e = p(8, 16.0, 0.0, &["qkv"]);
         assert!(e.contains("'qkv'") && e.contains("down_proj"), "{e}");
