@@ -134,8 +134,14 @@ fn backward(
     // dW is summed in f32 (f64 for f64 weights) and cast to the weight's dtype once.
     let acc = ops::wide_dtype(w.dtype());
     let mut dh: Vec<Option<Tensor>> = vec![None; chunks.len()];
+    // A frozen head (a LoRA model's) gets no gradient: no [V, H] buffer, no dW products.
+    let need_w = w.track_op();
     // Written tile by tile in place: no second [V, H] buffer for a concatenation.
-    let dw = Tensor::zeros((v, wc.dim(1)?), acc, &dev)?;
+    let dw = if need_w {
+        Some(Tensor::zeros((v, wc.dim(1)?), acc, &dev)?)
+    } else {
+        None
+    };
     for (v0, vs) in spans(v, o.vocab_tile) {
         let w_tile = wc.narrow(0, v0, vs)?;
         let cols = Tensor::arange(v0 as u32, (v0 + vs) as u32, &dev)?.unsqueeze(0)?;
@@ -159,17 +165,19 @@ fn backward(
             let dl = (dz * scale)?.to_dtype(h.dtype())?;
             let dhc = dl.matmul(&w_tile)?;
             dh[k] = Some(add_to(dh[k].take(), dhc)?);
-            let dwc = dl.t()?.matmul(&hc)?.to_dtype(acc)?;
-            dw_tile = Some(add_to(dw_tile.take(), dwc)?);
+            if need_w {
+                let dwc = dl.t()?.matmul(&hc)?.to_dtype(acc)?;
+                dw_tile = Some(add_to(dw_tile.take(), dwc)?);
+            }
         }
-        if let Some(t) = dw_tile {
+        if let (Some(t), Some(dw)) = (dw_tile, &dw) {
             dw.slice_set(&t.contiguous()?, 0, v0)?;
         }
     }
     let dh: Vec<Tensor> = dh.into_iter().flatten().collect();
     let dh = Tensor::cat(&dh, 0)?;
-    let dw = dw.to_dtype(w.dtype())?;
-    Ok((Some(dh), Some(dw)))
+    let dw = dw.map(|d| d.to_dtype(w.dtype())).transpose()?;
+    Ok((Some(dh), dw))
 }
 
 #[cfg(test)]

@@ -91,7 +91,18 @@ impl Linear {
         // The reshape also packs strided rows (a narrowed position of [B, T, H]), which
         // CUDA's matmul refuses and the CPU's takes.
         let x2 = xs.reshape((rows, in_dim))?;
-        let ys = x2.matmul(&w.t()?)?;
+        let ys = if self.w.track_op() || !x2.track_op() {
+            x2.matmul(&w.t()?)?
+        } else {
+            // A frozen weight in a graph (a LoRA model's base): candle's matmul backward
+            // would also compute the weight's gradient, a weight-sized tensor per layer held
+            // until the backward ends. Attached instead with a backward for the input only.
+            let out = x2.detach().matmul(&w.t()?)?;
+            let wk = w.detach();
+            crate::replay::attach1("frozen-linear", &x2, &out, move |_, g| {
+                Ok(Some(g.contiguous()?.matmul(&wk)?))
+            })?
+        };
         let ys = match &self.b {
             Some(b) => ys.broadcast_add(&b.to_dtype(xs.dtype())?)?,
             None => ys,

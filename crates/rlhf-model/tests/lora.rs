@@ -426,6 +426,48 @@ fn checkpointed_lora_gradients_equal_plain_ones() {
     }
 }
 
+/// The frozen base joins the graph (the adapters' inputs flow through it) but gets no
+/// gradient: candle's matmul backward would compute a weight-sized one for every frozen
+/// linear layer and the LM head, held until the backward ends.
+#[test]
+fn the_frozen_base_gets_no_gradient_computed() {
+    for chunk in [None, Some(3)] {
+        let opts = LoadOptions {
+            dtype: DType::F64,
+            logits_chunk: chunk,
+            lora: Some(LoraConfig::new(2, 4.0, &["q_proj", "v_proj"])),
+            ..LoadOptions::training(ModelKind::CausalLm)
+        };
+        let model = Model::random(&tiny_config(Family::Llama), &opts).unwrap();
+        let batch = tiny_batch(&Device::Cpu);
+        let lp = model.token_log_probs(&batch, 1.0).unwrap();
+        let store = lp.sum_all().unwrap().backward().unwrap();
+        let p = model.params();
+        let mut frozen = 0;
+        for (n, v) in p.vars() {
+            if p.is_base(&n) {
+                frozen += v.elem_count();
+            } else {
+                assert!(store.get(v.as_tensor()).is_some(), "{n}: no gradient");
+            }
+        }
+        // What the backward left in the store: the adapters' gradients and small leftovers
+        // (masks, constants), not a gradient per frozen weight.
+        let held: usize = store
+            .get_ids()
+            .filter_map(|&id| store.get_id(id))
+            .map(|g| g.elem_count())
+            .sum();
+        println!(
+            "chunk {chunk:?}: the backward holds {held} gradient values; the base has {frozen}"
+        );
+        assert!(
+            held * 2 < frozen,
+            "{held} gradient values held for a base of {frozen}"
+        );
+    }
+}
+
 #[test]
 fn bad_adapters_are_refused_with_the_reason() {
     let inference = LoadOptions::inference();
