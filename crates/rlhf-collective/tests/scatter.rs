@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{config, run_all, world};
+use common::{config, run_all, serial, world};
 use rlhf_collective::{Communicator, ErrorKind, ReduceOp, ReduceScatterStream};
 
 /// Integer-valued floats: every summation order is exact, so results must equal the serial
@@ -12,20 +12,6 @@ use rlhf_collective::{Communicator, ErrorKind, ReduceOp, ReduceScatterStream};
 fn ints(len: usize, rank: usize) -> Vec<f32> {
     (0..len)
         .map(|i| ((i * 31 + rank * 17) % 101) as f32 - 50.0)
-        .collect()
-}
-
-fn serial(n: usize, len: usize, op: ReduceOp) -> Vec<f32> {
-    let all: Vec<Vec<f32>> = (0..n).map(|r| ints(len, r)).collect();
-    (0..len)
-        .map(|i| {
-            let col = all.iter().map(|v| v[i]);
-            match op {
-                ReduceOp::Sum => col.sum(),
-                ReduceOp::Avg => col.sum::<f32>() / n as f32,
-                ReduceOp::Max => col.fold(f32::NEG_INFINITY, f32::max),
-            }
-        })
         .collect()
 }
 
@@ -43,7 +29,8 @@ fn reduce_scatter_gives_each_rank_its_reduced_segment_for_worlds_1_to_4() {
         for counts in &cuts {
             let len: usize = counts.iter().sum();
             for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
-                let want = serial(n, len, op);
+                let inputs: Vec<Vec<f32>> = (0..n).map(|r| ints(len, r)).collect();
+                let want = serial(&inputs, op);
                 let got = run_all(&mut comms, |r, c| {
                     let mut v = ints(len, r);
                     c.reduce_scatter_f32(&mut v, counts, op).map(|_| v)

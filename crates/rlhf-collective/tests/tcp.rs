@@ -4,7 +4,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{config, floats, pattern, run_all, world};
+use common::{config, floats, pattern, run_all, serial, world};
 use rlhf_collective::{
     CommConfig, Communicator, ErrorKind, Op, ReduceOp, TcpCommunicator, TcpRendezvous,
 };
@@ -66,20 +66,6 @@ fn typed_broadcasts() {
         assert_eq!(d, vec![1.5, -2.25]);
         assert_eq!(h, vec![0x3F80, 0xBF80, 7]);
     }
-}
-
-fn serial(inputs: &[Vec<f32>], op: ReduceOp) -> Vec<f32> {
-    let n = inputs.len();
-    (0..inputs[0].len())
-        .map(|i| {
-            let col = inputs.iter().map(|v| v[i]);
-            match op {
-                ReduceOp::Sum => col.sum(),
-                ReduceOp::Avg => col.sum::<f32>() / n as f32,
-                ReduceOp::Max => col.fold(f32::NEG_INFINITY, f32::max),
-            }
-        })
-        .collect()
 }
 
 #[test]

@@ -35,7 +35,8 @@ fn rows_of(
 type Params = Vec<(String, Vec<f32>)>;
 
 /// SFT ranks over `cuts` of the batch (rank r gets rows `cuts[r]..cuts[r + 1]`) at ZeRO
-/// `stage`, three steps; each rank's parameters and the elements its AdamW owns.
+/// `stage`, three steps; each rank's parameters and the elements its AdamW owns. With `save`,
+/// the checkpoint goes there (rank 0's whole, or every rank's shard).
 fn train_ranks(
     stage: u32,
     cuts: &[usize],
@@ -71,7 +72,9 @@ fn train_ranks(
                     r.step = step;
                     t.update(&mut c, &r).unwrap();
                 }
-                if let Some(dir) = save {
+                // Plain: rank 0 saves it all; sharded: every rank saves its shard.
+                if let Some(dir) = save.filter(|_| rank == 0 || t.state.optim.opt.shard().is_some())
+                {
                     t.state.capture_checkpoint().unwrap().write(&dir).unwrap();
                 }
                 (params(&t.state.model), t.state.optim.opt.owned_len())
@@ -129,47 +132,10 @@ fn zero_stage_2_ends_with_the_weights_of_one_unsharded_rank() {
 /// unsharded rank and three sharded ranks read it back.
 #[test]
 fn zero_stage_1_steps_and_saves_exactly_like_plain_data_parallel() {
-    let (seq, mask) = seqs(&LENS, 5);
-    let half = |rows: std::ops::Range<usize>, step| rows_of(&seq, &mask, rows, step);
     let tmp = tempfile::tempdir().unwrap();
     let run = |zero: u32| {
-        let comms = group(2);
         let dir = tmp.path().join(format!("zero{zero}"));
-        let handles: Vec<_> = comms
-            .into_iter()
-            .enumerate()
-            .map(|(rank, mut c)| {
-                let rows = if rank == 0 { 0..4 } else { 4..8 };
-                let dir = dir.clone();
-                let req = half(rows, 0);
-                std::thread::spawn(move || {
-                    let mut cfg = stage_config(TrainerKind::Sft);
-                    cfg.training.zero_stage = zero;
-                    cfg.training.weight_decay = 0.01;
-                    let s = spec(
-                        &cfg,
-                        RoleKind::ActorRollout,
-                        RolePart::Train,
-                        rank as u32,
-                        2,
-                    );
-                    let mut t = SftTrainer::new(&s, &candle_core::Device::Cpu).unwrap();
-                    assert_eq!(t.state.optim.opt.shard().is_some(), zero == 1);
-                    for step in 1..=3 {
-                        let mut r = req.clone();
-                        r.step = step;
-                        t.update(&mut c, &r).unwrap();
-                    }
-                    // Plain: rank 0 saves it all; sharded: every rank saves its shard.
-                    if rank == 0 || zero == 1 {
-                        t.state.capture_checkpoint().unwrap().write(&dir).unwrap();
-                    }
-                    (params(&t.state.model), t.state.optim.opt.owned_len())
-                })
-            })
-            .collect();
-        let out: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
-        (out, dir)
+        (train_ranks(zero, &[0, 4, 8], 2, Some(&dir)), dir)
     };
     let (plain, plain_dir) = run(0);
     let (zero, zero_dir) = run(1);

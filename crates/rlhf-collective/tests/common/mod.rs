@@ -4,7 +4,7 @@
 use std::thread;
 use std::time::Duration;
 
-use rlhf_collective::{CommConfig, TcpCommunicator, TcpRendezvous};
+use rlhf_collective::{CommConfig, ReduceOp, TcpCommunicator, TcpRendezvous};
 
 pub fn config(timeout_ms: u64) -> CommConfig {
     CommConfig::with_timeout(Duration::from_millis(timeout_ms))
@@ -66,6 +66,21 @@ pub fn floats(len: usize, seed: u64) -> Vec<f32> {
         .map(|c| {
             (u32::from_le_bytes([c[0], c[1], c[2], c[3]]) as f64 / u32::MAX as f64 * 2.0 - 1.0)
                 as f32
+        })
+        .collect()
+}
+
+/// The element-wise reduction of every rank's input, computed in one place.
+pub fn serial(inputs: &[Vec<f32>], op: ReduceOp) -> Vec<f32> {
+    let n = inputs.len();
+    (0..inputs[0].len())
+        .map(|i| {
+            let col = inputs.iter().map(|v| v[i]);
+            match op {
+                ReduceOp::Sum => col.sum(),
+                ReduceOp::Avg => col.sum::<f32>() / n as f32,
+                ReduceOp::Max => col.fold(f32::NEG_INFINITY, f32::max),
+            }
         })
         .collect()
 }
