@@ -2,7 +2,7 @@
 //! SFT's loss falls, packed or not; a reward model learns the shipped pairs and then drives PPO as its
 //! `reward.kind=model`; DPO's margins rise; both are scored on held-out pairs; a DPO run
 //! stopped and resumed repeats the straight one; ZeRO stages 1 and 2 train like plain data
-//! parallelism and resumes.
+//! parallelism (SFT, and PPO's actor and critic) and resume.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -252,5 +252,38 @@ fn zero_stages_1_and_2_train_like_plain_data_parallel_and_resume() -> Result<()>
         shards < whole && whole - shards < 16 * 1024,
         "shards {shards} bytes vs whole {whole}"
     );
+    Ok(())
+}
+
+/// `zero_stage: 2` in PPO across real processes: two actor trainer ranks and two critic ranks
+/// keep only their shares of the AdamW state and of the summed gradients, and the run logs
+/// plain data parallelism's metrics (rollouts, losses, gradient norms) at every step.
+#[test]
+fn ppo_with_zero_stage_2_logs_the_metrics_of_plain_data_parallel() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let shape = [
+        "resource_pool.actor_rollout=3",
+        "actor_rollout.num_gpus_for_train=2",
+        "resource_pool.critic=2",
+        "training.train_iters=2",
+        "checkpoint.save_steps=0",
+    ];
+    let plain = dir.path().join("plain");
+    run(
+        "ppo-plain",
+        dir.path(),
+        stage_cmd("ppo_tiny", &plain, &shape),
+    )?;
+    let zero = dir.path().join("zero2");
+    let mut c = stage_cmd("ppo_tiny", &zero, &shape);
+    c.arg("training.zero_stage=2");
+    run("ppo-zero-2", dir.path(), c)?;
+    let (p, z) = (
+        jsonl(&plain.join("metrics.jsonl"))?,
+        jsonl(&zero.join("metrics.jsonl"))?,
+    );
+    assert!(p[0]["actor/grad_norm"].as_f64().is_some_and(|g| g > 0.0));
+    assert!(p[0]["critic/grad_norm"].as_f64().is_some_and(|g| g > 0.0));
+    assert_same_steps(&p, &z);
     Ok(())
 }
