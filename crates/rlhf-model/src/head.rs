@@ -23,7 +23,7 @@ pub(crate) struct HeadOpts {
     pub with_entropy: bool,
     /// Tokens per chunk (at least 1).
     pub chunk: usize,
-    /// This crate's fused CPU kernels may be used for the log-softmax.
+    /// This crate's fused kernels may be used for the log-softmax (where they run).
     pub fused: bool,
     /// Vocabulary columns per backward tile ([`VOCAB_TILE`] outside tests).
     pub vocab_tile: usize,

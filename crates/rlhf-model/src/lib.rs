@@ -11,8 +11,8 @@
 //!
 //! Trainable models compute with differentiable ops only: candle's fused kernels
 //! (softmax_last_dim, rms_norm, rope) silently drop gradients, so they are used for frozen
-//! (inference) models only. On CPU in f32/f64, training uses this crate's own fused kernels,
-//! which do have a backward pass ([`Kernels`]).
+//! (inference) models only. On the CPU in f32/f64 and on CUDA GPUs in f32/f64/bf16, training
+//! uses this crate's own fused kernels, which do have a backward pass ([`Kernels`]).
 //!
 //! ```
 //! use rlhf_model::*;

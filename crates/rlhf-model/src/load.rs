@@ -41,7 +41,7 @@ pub struct LoadOptions {
     /// Use candle's fused kernels (no backward). `None`: fast exactly when not trainable.
     pub fast: Option<bool>,
     /// Differentiable path built from candle's primitive ops only, even where this crate's
-    /// fused CPU kernels could run (slower; for cross-checking).
+    /// fused kernels could run (slower; for cross-checking).
     pub composite_ops: bool,
     pub value_head_init: ValueHeadInit,
     /// Seed for any freshly initialised parameter.

@@ -57,7 +57,7 @@ pub fn log_probs_from_logits(
     log_probs_impl(logits, targets, temperature, true)
 }
 
-/// `fused` allows the one-pass CPU kernel where it applies (f32/f64 on CPU).
+/// `fused` allows the one-pass kernel where it applies (see [`crate::kernels::supported`]).
 pub(crate) fn log_probs_impl(
     logits: &Tensor,
     targets: &Tensor,
@@ -70,6 +70,7 @@ pub(crate) fn log_probs_impl(
                 "temperature must be positive for log-probs, got {temperature}"
             )));
         }
+        // The kernels return f32 for bf16 logits (see `wide_dtype`).
         return Ok(crate::kernels::log_probs(
             logits,
             targets,
@@ -89,7 +90,7 @@ pub fn entropy_from_logits(logits: &Tensor, temperature: f64) -> Result<Tensor> 
     entropy_impl(logits, temperature, true)
 }
 
-/// `fused` allows the one-pass CPU kernel where it applies (f32/f64 on CPU).
+/// `fused` allows the one-pass kernel where it applies (see [`crate::kernels::supported`]).
 pub(crate) fn entropy_impl(logits: &Tensor, temperature: f64, fused: bool) -> Result<Tensor> {
     if fused && crate::kernels::supported(logits) {
         if !(temperature > 0.0 && temperature.is_finite()) {
@@ -116,7 +117,8 @@ pub fn lm_head_log_probs(
     temperature: f64,
     chunk: Option<usize>,
 ) -> Result<Tensor> {
-    let fused = hidden.device().is_cpu();
+    // The fused kernels where they run (log_probs_impl checks the device and dtype).
+    let fused = true;
     match chunk {
         Some(0) => Err(Error::InvalidArgument(
             "the LM-head chunk must be at least 1 token".to_string(),

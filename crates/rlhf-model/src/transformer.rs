@@ -8,8 +8,8 @@
 //! The forward pass takes left-padded batches: an attention mask `[B, S]` (1 = token, 0 = pad,
 //! `S` = cached + new tokens) and per-row position ids `[B, T]`. Its non-matmul ops come from one of three
 //! [`Kernels`]: candle's fused kernels (no backward pass: inference only), this crate's fused
-//! differentiable CPU kernels (training on CPU), or candle's primitive ops (explicit RMSNorm,
-//! rotate-half RoPE, softmax from exp/sum: training anywhere).
+//! differentiable kernels (training on the CPU and on CUDA GPUs), or candle's primitive ops
+//! (explicit RMSNorm, rotate-half RoPE, softmax from exp/sum: training anywhere).
 
 use candle_core::{DType, Device, Tensor, D};
 
@@ -24,7 +24,8 @@ use crate::weights::{Init, ParamBuilder};
 pub enum Kernels {
     /// candle's fused kernels: fastest for inference, no backward pass.
     Inference,
-    /// This crate's fused differentiable CPU kernels (f32/f64 on CPU).
+    /// This crate's fused differentiable kernels: f32/f64 on the CPU, f32/f64/bf16 on a
+    /// CUDA GPU (builds with the `cuda` feature).
     FusedTraining,
     /// candle's primitive differentiable ops: any device and dtype.
     Composite,
@@ -33,13 +34,14 @@ pub enum Kernels {
 impl Kernels {
     /// The one place the implementation is chosen, per device and compute dtype. A frozen
     /// model (`fast`) takes candle's fused kernels on every device. A trainable one never does
-    /// (they drop gradients silently): on the CPU in f32/f64 it takes this crate's fused
-    /// kernels, which have a backward pass; on a GPU, or in bf16/f16, candle's primitive ops;
-    /// `composite_ops` forces those everywhere (for cross-checking).
+    /// (they drop gradients silently): where this crate's fused kernels run (f32/f64 on the
+    /// CPU; f32/f64/bf16 on a CUDA GPU) it takes those, which have a backward pass; elsewhere
+    /// (bf16/f16 on the CPU) candle's primitive ops; `composite_ops` forces those everywhere
+    /// (for cross-checking).
     pub fn choose(device: &Device, compute: DType, fast: bool, composite_ops: bool) -> Kernels {
         if fast {
             Kernels::Inference
-        } else if !composite_ops && device.is_cpu() && matches!(compute, DType::F32 | DType::F64) {
+        } else if !composite_ops && crate::kernels::supported_on(device, compute) {
             Kernels::FusedTraining
         } else {
             Kernels::Composite
@@ -244,7 +246,13 @@ impl Attention {
         let scale = 1.0 / (d as f64).sqrt();
         let q = (q.contiguous()? * scale)?.reshape((b, nkv, n_rep * t, d))?;
         let att = q.matmul(&k.t()?)?.reshape((b, nkv, n_rep, t, s))?;
-        let att = if kernels == Kernels::FusedTraining {
+        // The fused masked softmax also serves inference on a GPU: one kernel instead of the
+        // mask's broadcast add, two casts and candle's softmax.
+        let fused_softmax = kernels == Kernels::FusedTraining
+            || (kernels == Kernels::Inference
+                && !att.device().is_cpu()
+                && crate::kernels::supported(&att));
+        let att = if fused_softmax {
             crate::kernels::masked_softmax(&att, &mask.reshape((b, t, s))?)?
         } else {
             softmax_last(&att.broadcast_add(mask)?, kernels == Kernels::Inference)?

@@ -15,7 +15,8 @@ fn opts(kind: ModelKind, dtype: DType) -> LoadOptions {
     }
 }
 
-/// Both differentiable paths: the fused CPU kernels and candle's primitive ops.
+/// Both differentiable paths: this crate's fused kernels (CPU or CUDA) and candle's primitive
+/// ops.
 fn both_paths(kind: ModelKind, dtype: DType) -> [LoadOptions; 2] {
     let fused = opts(kind, dtype);
     let composite = LoadOptions {
@@ -243,4 +244,156 @@ fn bf16_training_uses_composite_ops_and_updates_weights() {
         before.len(),
         "every bf16 parameter moves after a step"
     );
+}
+
+/// Max |a - b| over max |b| (or the absolute difference where b is all zeros).
+fn rel_diff(a: &rlhf_model::Tensor, b: &rlhf_model::Tensor) -> f32 {
+    let a = a.to_dtype(DType::F32).unwrap();
+    let b = b.to_dtype(DType::F32).unwrap();
+    let d = (&a - &b)
+        .unwrap()
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    let m = b
+        .abs()
+        .unwrap()
+        .max_all()
+        .unwrap()
+        .to_scalar::<f32>()
+        .unwrap();
+    if m > 0.0 {
+        d / m
+    } else {
+        d
+    }
+}
+
+/// Log-probs, entropies and every parameter's gradient of a model on `device`, fused kernels
+/// against candle's primitive ops.
+fn compare_paths(cfg: &rlhf_model::Config, batch: &rlhf_model::Batch, device: &Device, bf16: bool) {
+    let [f, c] = both_paths(ModelKind::CausalLm, DType::F32)
+        .map(|o| Model::random(cfg, &o.with_bf16(bf16).with_device(device.clone())).unwrap());
+    assert_eq!(c.kernels(), rlhf_model::Kernels::Composite);
+    // The fused kernels run on the CPU in f32 and, in a `cuda` build, on the GPU in f32 and
+    // bf16: this test then checks the CUDA kernels.
+    let gpu_fused = cfg!(feature = "cuda") && !device.is_cpu();
+    let want = if gpu_fused || (device.is_cpu() && !bf16) {
+        rlhf_model::Kernels::FusedTraining
+    } else {
+        rlhf_model::Kernels::Composite
+    };
+    assert_eq!(f.kernels(), want, "{device:?} bf16={bf16}");
+    // bf16 rounds every activation to 8 bits of mantissa at different points on the two paths
+    // (~0.4 % per op): a wrong index, sign or reduction is off by order 1, not by 10 %.
+    let (tol_lp, tol_grad) = if bf16 { (0.05, 0.1) } else { (1e-5, 1e-4) };
+    let (lf, ef) = f.log_probs_and_entropy(batch, 0.7, true).unwrap();
+    let (lc, ec) = c.log_probs_and_entropy(batch, 0.7, true).unwrap();
+    let d = rel_diff(&lf, &lc);
+    assert!(
+        d < tol_lp,
+        "{device:?} bf16={bf16}: log-probs differ by {d:e} (relative)"
+    );
+    let d = rel_diff(&ef.unwrap(), &ec.unwrap());
+    assert!(
+        d < tol_lp,
+        "{device:?} bf16={bf16}: entropies differ by {d:e} (relative)"
+    );
+    let gf = Gradients::backward(&loss(&f, batch), &f.vars()).unwrap();
+    let gc = Gradients::backward(&loss(&c, batch), &c.vars()).unwrap();
+    assert!(gf.missing(&f.vars()).is_empty());
+    gf.check_finite().unwrap();
+    let mut worst = (0f32, String::new());
+    for (name, g) in gc.iter() {
+        let got = gf
+            .get(name)
+            .unwrap_or_else(|| panic!("fused path: no gradient for {name}"));
+        let d = rel_diff(got, g);
+        if d > worst.0 {
+            worst = (d, name.to_string());
+        }
+    }
+    println!(
+        "{device:?} bf16={bf16} {:?}: worst gradient difference {:e} ({})",
+        f.kernels(),
+        worst.0,
+        worst.1
+    );
+    assert!(
+        worst.0 < tol_grad,
+        "{device:?} bf16={bf16}: gradient of {} differs by {:e} (relative)",
+        worst.1,
+        worst.0
+    );
+}
+
+/// The fused kernels against the composite ops on every device present (on a GPU, this
+/// crate's CUDA kernels), on the tiny model and on one wide enough that every kernel loops
+/// (hidden 320, 300 positions, vocabulary 700: each row is longer than a block of threads).
+#[test]
+fn fused_and_composite_paths_agree_on_every_device() {
+    let tiny = tiny_config(Family::Qwen2);
+    let wide = rlhf_model::Config::tiny_llama(700, 320, 640, 1, 5, 1, 512)
+        .unwrap()
+        .with_family(Family::Qwen2)
+        .unwrap();
+    let long: Vec<Vec<u32>> = vec![
+        (0..300).map(|i| (i * 7 + 3) % 700).collect(),
+        (0..260).map(|i| (i * 13 + 5) % 700).collect(),
+    ];
+    for device in devices() {
+        let mut bf16 = vec![false];
+        if !device.is_cpu() {
+            bf16.push(true);
+        }
+        for &b in &bf16 {
+            compare_paths(&tiny, &tiny_batch(&device), &device, b);
+            let batch = rlhf_model::Batch::left_padded(&long, 0, &device).unwrap();
+            compare_paths(&wide, &batch, &device, b);
+        }
+    }
+}
+
+/// AdamW with its moments on the device (on a GPU, the two fused kernels per parameter)
+/// against the host loop, over three steps with clipping-sized gradient scales and weight
+/// decay: the weights agree to f32 rounding.
+#[test]
+fn adamw_device_moments_match_the_host_loop_on_every_device() {
+    let cfg = tiny_config(Family::Llama);
+    for device in devices() {
+        let batch = tiny_batch(&device);
+        let mut finals = Vec::new();
+        for host_state in [true, false] {
+            let model = Model::random(
+                &cfg,
+                &opts(ModelKind::CausalLm, DType::F32).with_device(device.clone()),
+            )
+            .unwrap();
+            let mut opt = rlhf_model::AdamW::new(
+                model.vars(),
+                rlhf_model::AdamWConfig {
+                    lr: 1e-2,
+                    weight_decay: 0.1,
+                    host_state,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+            for _ in 0..3 {
+                let grads = Gradients::backward(&loss(&model, &batch), &model.vars()).unwrap();
+                opt.step(&grads).unwrap();
+            }
+            finals.push(model.named_tensors());
+        }
+        for ((name, a), (_, b)) in finals[0].iter().zip(&finals[1]) {
+            let d = rel_diff(a, b);
+            assert!(
+                d < 1e-5,
+                "{device:?}: {name} differs by {d:e} after 3 steps"
+            );
+        }
+    }
 }

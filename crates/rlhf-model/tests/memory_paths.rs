@@ -133,7 +133,14 @@ fn mixed_precision_keeps_f32_master_weights_and_state() {
         let model = Model::random(&cfg, &o).unwrap();
         assert_eq!(model.dtype(), DType::F32);
         assert_eq!(model.compute_dtype(), DType::BF16);
-        assert_eq!(model.kernels(), Kernels::Composite);
+        // bf16 on the CPU takes candle's primitive ops; on a GPU (a `cuda` build) this
+        // crate's fused CUDA kernels.
+        let want = if device.is_cpu() {
+            Kernels::Composite
+        } else {
+            Kernels::FusedTraining
+        };
+        assert_eq!(model.kernels(), want, "{device:?}");
         let vars = model.vars();
         let batch = tiny_batch(&device);
         let (lp, ent) = model.log_probs_and_entropy(&batch, 1.0, true).unwrap();
@@ -229,7 +236,9 @@ fn the_kernel_seam_never_trains_with_gradient_dropping_ops() {
                     continue;
                 }
                 assert_ne!(k, Kernels::Inference, "{device:?} {dtype:?}");
-                let fused = device.is_cpu() && dtype != DType::BF16;
+                // The fused kernels: f32/f64 on the CPU, every dtype here on a GPU (whose
+                // CUDA kernels exist for f32, f64 and bf16).
+                let fused = !device.is_cpu() || dtype != DType::BF16;
                 assert_eq!(k == Kernels::FusedTraining, fused, "{device:?} {dtype:?}");
                 assert_eq!(
                     Kernels::choose(&device, dtype, false, true),

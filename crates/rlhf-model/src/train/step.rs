@@ -1,7 +1,8 @@
 //! One AdamW step of one parameter's owned elements, the kernels `super::adamw` dispatches
 //! to: a fused host loop written straight into an f32 CPU parameter (from its whole gradient
 //! or from this rank's share of it under ZeRO stage 2), the same loop on copies for other
-//! dtypes and devices when the moments live on the host, and tensor ops when they do not.
+//! dtypes and devices when the moments live on the host, two fused kernels for an f32
+//! parameter on a CUDA GPU (`crate::kernels::adamw_device_step`), and tensor ops otherwise.
 
 use candle_core::{DType, Tensor};
 
@@ -171,6 +172,35 @@ pub(super) fn step_slot(
                 Grad::Full(g) => g.to_dtype(DType::F32)?.flatten_all()?.narrow(0, a, b - a)?,
                 Grad::Owned(g) => Tensor::from_slice(g, b - a, s.var.device())?,
             };
+            #[cfg(feature = "cuda")]
+            if s.var.device().is_cuda()
+                && s.var.dtype() == DType::F32
+                && m.device().same_device(s.var.device())
+            {
+                // Two fused kernels: new moments, then the parameter in place.
+                let (nm, nv) = crate::kernels::adamw_device_step(
+                    s.var.as_tensor(),
+                    &g,
+                    m,
+                    v,
+                    a..b,
+                    crate::kernels::AdamWScalars {
+                        lr: k.lr,
+                        beta1: k.beta1,
+                        beta2: k.beta2,
+                        one_minus_beta1: k.one_minus_beta1,
+                        one_minus_beta2: k.one_minus_beta2,
+                        eps: k.eps,
+                        decay_factor: k.decay_factor,
+                        inv_bc1: k.inv_bc1,
+                        inv_sqrt_bc2: k.inv_sqrt_bc2,
+                        grad_scale: k.grad_scale,
+                    },
+                )?;
+                *m = nm;
+                *v = nv;
+                return Ok(());
+            }
             let g = if grad_scale == 1.0 {
                 g
             } else {

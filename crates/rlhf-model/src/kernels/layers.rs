@@ -1,394 +1,7 @@
-//! Fused, differentiable CPU kernels for training (f32 and f64).
-//!
-//! candle's own fused kernels have no backward pass, and composing the same maths from
-//! primitive ops costs one tensor (and in backward, one zero-filled gradient plus an add) per
-//! primitive. These custom ops do each computation in one pass over memory and implement
-//! `bwd`, so a trainable model on CPU gets both speed and gradients. Every op is checked against
-//! the composite formulation (values and gradients) in the tests below; models on other devices
-//! or dtypes use the composite path.
+//! The decoder's non-matmul ops: masked softmax, RMSNorm, SwiGLU and RoPE, forward and
+//! backward.
 
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Shape, Tensor};
-
-type CResult<T> = candle_core::Result<T>;
-
-/// Whether the fused kernels can run on this tensor.
-pub(crate) fn supported(t: &Tensor) -> bool {
-    t.device().is_cpu() && matches!(t.dtype(), DType::F32 | DType::F64)
-}
-
-trait Real: Copy + Send + Sync + PartialOrd + 'static {
-    fn from_f64(x: f64) -> Self;
-    fn to_f64(self) -> f64;
-    fn exp(self) -> Self;
-    fn zero() -> Self;
-    fn add(self, o: Self) -> Self;
-    fn sub(self, o: Self) -> Self;
-    fn mul(self, o: Self) -> Self;
-    fn div(self, o: Self) -> Self;
-    fn neg_infinity() -> Self;
-    fn slice(s: &CpuStorage) -> Option<&[Self]>;
-    fn wrap(v: Vec<Self>) -> CpuStorage;
-}
-
-macro_rules! impl_real {
-    ($t:ty, $variant:ident) => {
-        impl Real for $t {
-            fn from_f64(x: f64) -> Self {
-                x as $t
-            }
-            fn to_f64(self) -> f64 {
-                self as f64
-            }
-            fn exp(self) -> Self {
-                <$t>::exp(self)
-            }
-            fn zero() -> Self {
-                0.0
-            }
-            fn add(self, o: Self) -> Self {
-                self + o
-            }
-            fn sub(self, o: Self) -> Self {
-                self - o
-            }
-            fn mul(self, o: Self) -> Self {
-                self * o
-            }
-            fn div(self, o: Self) -> Self {
-                self / o
-            }
-            fn neg_infinity() -> Self {
-                <$t>::NEG_INFINITY
-            }
-            fn slice(s: &CpuStorage) -> Option<&[Self]> {
-                match s {
-                    CpuStorage::$variant(v) => Some(v),
-                    _ => None,
-                }
-            }
-            fn wrap(v: Vec<Self>) -> CpuStorage {
-                CpuStorage::$variant(v)
-            }
-        }
-    };
-}
-
-impl_real!(f32, F32);
-impl_real!(f64, F64);
-
-fn err(msg: String) -> candle_core::Error {
-    candle_core::Error::Msg(msg)
-}
-
-fn data<'a, T: Real>(s: &'a CpuStorage, l: &Layout, op: &str) -> CResult<&'a [T]> {
-    let (a, b) = l
-        .contiguous_offsets()
-        .ok_or_else(|| err(format!("{op}: input must be contiguous")))?;
-    let all = T::slice(s).ok_or_else(|| err(format!("{op}: inputs must share one float dtype")))?;
-    Ok(&all[a..b])
-}
-
-fn u32_data<'a>(s: &'a CpuStorage, l: &Layout, op: &str) -> CResult<&'a [u32]> {
-    let (a, b) = l
-        .contiguous_offsets()
-        .ok_or_else(|| err(format!("{op}: index input must be contiguous")))?;
-    match s {
-        CpuStorage::U32(v) => Ok(&v[a..b]),
-        _ => Err(err(format!("{op}: indices must be u32"))),
-    }
-}
-
-/// Runs `f(row_index, row)` over `out` split into rows of `row_len`, on candle's thread count.
-fn par_rows<T: Send>(out: &mut [T], row_len: usize, f: impl Fn(usize, &mut [T]) + Sync) {
-    if row_len == 0 {
-        return;
-    }
-    let rows = out.len() / row_len;
-    let threads = candle_core::utils::get_num_threads().clamp(1, rows.max(1));
-    if threads == 1 || out.len() < 16 * 1024 {
-        for (r, row) in out.chunks_mut(row_len).enumerate() {
-            f(r, row);
-        }
-        return;
-    }
-    let rows_per = rows.div_ceil(threads);
-    std::thread::scope(|s| {
-        for (ci, block) in out.chunks_mut(rows_per * row_len).enumerate() {
-            let f = &f;
-            s.spawn(move || {
-                for (j, row) in block.chunks_mut(row_len).enumerate() {
-                    f(ci * rows_per + j, row);
-                }
-            });
-        }
-    });
-}
-
-macro_rules! dispatch {
-    ($s:expr, $op:expr, $f:ident $(, $arg:expr)*) => {
-        match $s {
-            CpuStorage::F32(_) => $f::<f32>($($arg),*),
-            CpuStorage::F64(_) => $f::<f64>($($arg),*),
-            _ => Err(err(format!("{}: only f32 and f64 are supported", $op))),
-        }
-    };
-}
-
-// ---------------------------------------------------------------------------------------------
-// log-probs of target tokens: log_softmax(x * scale)[target]
-
-struct LogProbs {
-    scale: f64,
-}
-
-/// log-sum-exp of `row * scale`, accumulated in f64 whatever the element type: summing a
-/// 152k-entry vocabulary one f32 term after another loses the small terms (entropy was ~3e-5
-/// off on a 512-entry vocabulary), while an f64 sum of terms <= 1 stays within ~1e-11.
-fn row_lse<T: Real>(row: &[T], scale: f64) -> f64 {
-    let mut m = f64::NEG_INFINITY;
-    for &x in row {
-        let v = x.to_f64() * scale;
-        if v > m {
-            m = v;
-        }
-    }
-    let mut s = 0f64;
-    for &x in row {
-        s += (x.to_f64() * scale - m).exp();
-    }
-    m + s.ln()
-}
-
-fn log_probs_fwd<T: Real>(
-    s1: &CpuStorage,
-    l1: &Layout,
-    s2: &CpuStorage,
-    l2: &Layout,
-    scale: f64,
-) -> CResult<(CpuStorage, Shape)> {
-    let x = data::<T>(s1, l1, "log_probs")?;
-    let idx = u32_data(s2, l2, "log_probs")?;
-    let v = *l1.dims().last().unwrap_or(&1);
-    let n = idx.len();
-    if n * v != x.len() {
-        return Err(err(format!(
-            "log_probs: {n} targets for logits of shape {:?}",
-            l1.dims()
-        )));
-    }
-    if let Some(&bad) = idx.iter().find(|&&t| t as usize >= v) {
-        return Err(err(format!(
-            "log_probs: target {bad} outside vocabulary {v}"
-        )));
-    }
-    let mut out = vec![T::zero(); n];
-    par_rows(&mut out, 1, |r, o| {
-        let row = &x[r * v..(r + 1) * v];
-        o[0] = T::from_f64(row[idx[r] as usize].to_f64() * scale - row_lse(row, scale));
-    });
-    Ok((T::wrap(out), Shape::from(n)))
-}
-
-impl CustomOp2 for LogProbs {
-    fn name(&self) -> &'static str {
-        "fused-log-probs"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> CResult<(CpuStorage, Shape)> {
-        dispatch!(s1, self.name(), log_probs_fwd, s1, l1, s2, l2, self.scale)
-    }
-
-    fn bwd(
-        &self,
-        logits: &Tensor,
-        targets: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> CResult<(Option<Tensor>, Option<Tensor>)> {
-        let g = logits.apply_op3_no_bwd(
-            targets,
-            &grad.contiguous()?,
-            &LogProbsBwd { scale: self.scale },
-        )?;
-        Ok((Some(g), None))
-    }
-}
-
-/// d/dx of g * log_softmax(x * s)[t] = g * s * (onehot(t) - softmax(x * s)).
-struct LogProbsBwd {
-    scale: f64,
-}
-
-fn log_probs_bwd<T: Real>(
-    s1: &CpuStorage,
-    l1: &Layout,
-    s2: &CpuStorage,
-    l2: &Layout,
-    s3: &CpuStorage,
-    l3: &Layout,
-    scale: f64,
-) -> CResult<(CpuStorage, Shape)> {
-    let x = data::<T>(s1, l1, "log_probs_bwd")?;
-    let idx = u32_data(s2, l2, "log_probs_bwd")?;
-    let g = data::<T>(s3, l3, "log_probs_bwd")?;
-    let v = *l1.dims().last().unwrap_or(&1);
-    let mut out = vec![T::zero(); x.len()];
-    par_rows(&mut out, v, |r, o| {
-        let row = &x[r * v..(r + 1) * v];
-        let lse = row_lse(row, scale);
-        let gs = g[r].to_f64() * scale;
-        let t = idx[r] as usize;
-        for (j, (oi, &xi)) in o.iter_mut().zip(row).enumerate() {
-            let onehot = if j == t { gs } else { 0.0 };
-            *oi = T::from_f64(onehot - gs * (xi.to_f64() * scale - lse).exp());
-        }
-    });
-    Ok((T::wrap(out), l1.shape().clone()))
-}
-
-impl CustomOp3 for LogProbsBwd {
-    fn name(&self) -> &'static str {
-        "fused-log-probs-bwd"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> CResult<(CpuStorage, Shape)> {
-        dispatch!(
-            s1,
-            self.name(),
-            log_probs_bwd,
-            s1,
-            l1,
-            s2,
-            l2,
-            s3,
-            l3,
-            self.scale
-        )
-    }
-}
-
-/// `log_softmax(logits * scale)` gathered at `targets`: logits `[.., V]`, targets `[..]`.
-pub(crate) fn log_probs(logits: &Tensor, targets: &Tensor, scale: f64) -> CResult<Tensor> {
-    let v = logits.dim(candle_core::D::Minus1)?;
-    let out_shape = targets.shape().clone();
-    let x = logits.contiguous()?.reshape(((), v))?;
-    let t = targets.to_dtype(DType::U32)?.contiguous()?.flatten_all()?;
-    x.apply_op2(&t, LogProbs { scale })?.reshape(out_shape)
-}
-
-// ---------------------------------------------------------------------------------------------
-// entropy of softmax(x * scale) per row
-
-struct Entropy {
-    scale: f64,
-}
-
-/// (lse, entropy) of softmax(row * scale), in f64 (see [`row_lse`]).
-fn row_entropy<T: Real>(row: &[T], scale: f64) -> (f64, f64) {
-    let lse = row_lse(row, scale);
-    let mut pz = 0f64;
-    for &x in row {
-        let z = x.to_f64() * scale;
-        pz += (z - lse).exp() * z;
-    }
-    (lse, lse - pz)
-}
-
-fn entropy_fwd<T: Real>(s1: &CpuStorage, l1: &Layout, scale: f64) -> CResult<(CpuStorage, Shape)> {
-    let x = data::<T>(s1, l1, "entropy")?;
-    let v = *l1.dims().last().unwrap_or(&1);
-    let n = x.len() / v.max(1);
-    let mut out = vec![T::zero(); n];
-    par_rows(&mut out, 1, |r, o| {
-        o[0] = T::from_f64(row_entropy(&x[r * v..(r + 1) * v], scale).1);
-    });
-    Ok((T::wrap(out), Shape::from(n)))
-}
-
-impl CustomOp1 for Entropy {
-    fn name(&self) -> &'static str {
-        "fused-entropy"
-    }
-
-    fn cpu_fwd(&self, s1: &CpuStorage, l1: &Layout) -> CResult<(CpuStorage, Shape)> {
-        dispatch!(s1, self.name(), entropy_fwd, s1, l1, self.scale)
-    }
-
-    fn bwd(&self, logits: &Tensor, _res: &Tensor, grad: &Tensor) -> CResult<Option<Tensor>> {
-        let g = logits.apply_op2_no_bwd(&grad.contiguous()?, &EntropyBwd { scale: self.scale })?;
-        Ok(Some(g))
-    }
-}
-
-/// dH/dx_j = -g * s * p_j * (log p_j + H).
-struct EntropyBwd {
-    scale: f64,
-}
-
-fn entropy_bwd<T: Real>(
-    s1: &CpuStorage,
-    l1: &Layout,
-    s2: &CpuStorage,
-    l2: &Layout,
-    scale: f64,
-) -> CResult<(CpuStorage, Shape)> {
-    let x = data::<T>(s1, l1, "entropy_bwd")?;
-    let g = data::<T>(s2, l2, "entropy_bwd")?;
-    let v = *l1.dims().last().unwrap_or(&1);
-    let mut out = vec![T::zero(); x.len()];
-    par_rows(&mut out, v, |r, o| {
-        let row = &x[r * v..(r + 1) * v];
-        let (lse, h) = row_entropy(row, scale);
-        let gs = g[r].to_f64() * scale;
-        for (oi, &xi) in o.iter_mut().zip(row) {
-            let logp = xi.to_f64() * scale - lse;
-            *oi = T::from_f64(-gs * logp.exp() * (logp + h));
-        }
-    });
-    Ok((T::wrap(out), l1.shape().clone()))
-}
-
-impl CustomOp2 for EntropyBwd {
-    fn name(&self) -> &'static str {
-        "fused-entropy-bwd"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-    ) -> CResult<(CpuStorage, Shape)> {
-        dispatch!(s1, self.name(), entropy_bwd, s1, l1, s2, l2, self.scale)
-    }
-}
-
-/// Entropy of softmax(logits * scale) over the last axis: logits `[.., V]`, result `[..]`.
-pub(crate) fn entropy(logits: &Tensor, scale: f64) -> CResult<Tensor> {
-    let dims = logits.dims();
-    let out_shape: Vec<usize> = dims[..dims.len().saturating_sub(1)].to_vec();
-    let v = logits.dim(candle_core::D::Minus1)?;
-    logits
-        .contiguous()?
-        .reshape(((), v))?
-        .apply_op1(Entropy { scale })?
-        .reshape(out_shape)
-}
+use super::*;
 
 // ---------------------------------------------------------------------------------------------
 // softmax over the last axis with an additive mask shared by groups of rows
@@ -446,6 +59,11 @@ fn masked_softmax_fwd<T: Real>(
 impl CustomOp2 for MaskedSoftmax {
     fn name(&self) -> &'static str {
         "fused-masked-softmax"
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s1: &Cs, l1: &Layout, s2: &Cs, l2: &Layout) -> CResult<(Cs, Shape)> {
+        cuda::masked_softmax(s1, l1, s2, l2, self.b, self.t)
     }
 
     fn cpu_fwd(
@@ -510,6 +128,11 @@ fn softmax_bwd<T: Real>(
 impl CustomOp2 for SoftmaxBwd {
     fn name(&self) -> &'static str {
         "fused-softmax-bwd"
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s1: &Cs, l1: &Layout, s2: &Cs, l2: &Layout) -> CResult<(Cs, Shape)> {
+        cuda::softmax_bwd(s1, l1, s2, l2)
     }
 
     fn cpu_fwd(
@@ -580,6 +203,11 @@ impl CustomOp2 for RmsNorm {
         "fused-rms-norm"
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s1: &Cs, l1: &Layout, s2: &Cs, l2: &Layout) -> CResult<(Cs, Shape)> {
+        cuda::rms_norm(s1, l1, s2, l2, self.eps)
+    }
+
     fn cpu_fwd(
         &self,
         s1: &CpuStorage,
@@ -644,6 +272,19 @@ impl CustomOp3 for RmsNormBwdX {
         "fused-rms-norm-bwd-x"
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &Cs,
+        l1: &Layout,
+        s2: &Cs,
+        l2: &Layout,
+        s3: &Cs,
+        l3: &Layout,
+    ) -> CResult<(Cs, Shape)> {
+        cuda::rms_norm_bwd_x(s1, l1, s2, l2, s3, l3, self.eps)
+    }
+
     fn cpu_fwd(
         &self,
         s1: &CpuStorage,
@@ -697,6 +338,11 @@ fn rms_norm_bwd_w<T: Real>(
 impl CustomOp2 for RmsNormBwdW {
     fn name(&self) -> &'static str {
         "fused-rms-norm-bwd-w"
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s1: &Cs, l1: &Layout, s2: &Cs, l2: &Layout) -> CResult<(Cs, Shape)> {
+        cuda::rms_norm_bwd_w(s1, l1, s2, l2, self.eps)
     }
 
     fn cpu_fwd(
@@ -753,6 +399,11 @@ fn swiglu_fwd<T: Real>(
 impl CustomOp2 for SwiGlu {
     fn name(&self) -> &'static str {
         "fused-swiglu"
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(&self, s1: &Cs, l1: &Layout, s2: &Cs, l2: &Layout) -> CResult<(Cs, Shape)> {
+        cuda::swiglu(s1, l1, s2, l2)
     }
 
     fn cpu_fwd(
@@ -822,6 +473,19 @@ fn swiglu_bwd<T: Real>(
 impl CustomOp3 for SwiGluBwd {
     fn name(&self) -> &'static str {
         "fused-swiglu-bwd"
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &Cs,
+        l1: &Layout,
+        s2: &Cs,
+        l2: &Layout,
+        s3: &Cs,
+        l3: &Layout,
+    ) -> CResult<(Cs, Shape)> {
+        cuda::swiglu_bwd(s1, l1, s2, l2, s3, l3)
     }
 
     fn cpu_fwd(
@@ -899,6 +563,19 @@ impl CustomOp3 for Rope {
         "fused-rope"
     }
 
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &Cs,
+        l1: &Layout,
+        s2: &Cs,
+        l2: &Layout,
+        s3: &Cs,
+        l3: &Layout,
+    ) -> CResult<(Cs, Shape)> {
+        cuda::rope(s1, l1, s2, l2, s3, l3, self.inverse)
+    }
+
     fn cpu_fwd(
         &self,
         s1: &CpuStorage,
@@ -949,7 +626,3 @@ pub(crate) fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> CResult<Tensor> {
         Rope { inverse: false },
     )
 }
-
-#[cfg(test)]
-#[path = "kernels_tests.rs"]
-mod tests;
