@@ -244,7 +244,8 @@ fn random_batch(
     Batch::from_mask(ids, mask)
 }
 
-fn run(args: &Args, dev: &Device) -> rlhf_model::Result<()> {
+/// The bench model's config from the flags.
+fn bench_config(args: &Args) -> rlhf_model::Result<Config> {
     let cfg = Config::tiny_llama(
         args.vocab,
         args.hidden,
@@ -265,6 +266,11 @@ fn run(args: &Args, dev: &Device) -> rlhf_model::Result<()> {
     } else {
         cfg
     };
+    Ok(cfg)
+}
+
+fn run(args: &Args, dev: &Device) -> rlhf_model::Result<()> {
+    let cfg = bench_config(args)?;
     let where_ = if dev.is_cpu() {
         format!("cpu, {} threads", rayon_threads())
     } else {
@@ -341,11 +347,37 @@ fn run(args: &Args, dev: &Device) -> rlhf_model::Result<()> {
     drop(model);
 
     // Training: f32 master weights, bf16 compute under --dtype bf16.
+    let (secs, kernels) = train_step_secs(args, dev, false)?;
+    let tps = (args.train_batch * args.train_seq) as f64 / secs;
+    println!("{{\"bench\":\"train_step\",\"seconds\":{secs},\"tokens_per_s\":{tps}}}");
+    if !dev.is_cpu() && kernels != rlhf_model::Kernels::Composite {
+        // The same step through candle's primitive ops (the path GPUs took before this
+        // crate's CUDA kernels), measured in the same run as the baseline of the fused one.
+        let (base, _) = train_step_secs(args, dev, true)?;
+        println!(
+            "{{\"bench\":\"train_step_composite\",\"seconds\":{base},\"fused_speedup\":{}}}",
+            base / secs
+        );
+    }
+    Ok(())
+}
+
+/// Median seconds of one training step (mean next-token loss, backward, AdamW) and the
+/// kernels the model used; `composite` forces candle's primitive ops.
+fn train_step_secs(
+    args: &Args,
+    dev: &Device,
+    composite: bool,
+) -> rlhf_model::Result<(f64, rlhf_model::Kernels)> {
+    let cfg = bench_config(args)?;
     let model = Model::random(
         &cfg,
-        &LoadOptions::training(ModelKind::CausalLm)
-            .with_device(dev.clone())
-            .with_bf16(args.bf16),
+        &LoadOptions {
+            composite_ops: composite,
+            ..LoadOptions::training(ModelKind::CausalLm)
+                .with_device(dev.clone())
+                .with_bf16(args.bf16)
+        },
     )?;
     let vars = model.vars();
     let mut opt = AdamW::new(
@@ -394,9 +426,7 @@ fn run(args: &Args, dev: &Device) -> rlhf_model::Result<()> {
         }
         Ok(())
     })?;
-    let tps = (args.train_batch * args.train_seq) as f64 / secs;
-    println!("{{\"bench\":\"train_step\",\"seconds\":{secs},\"tokens_per_s\":{tps}}}");
-    Ok(())
+    Ok((secs, model.kernels()))
 }
 
 fn rayon_threads() -> usize {
