@@ -112,11 +112,6 @@ impl AdamW {
         self.slots.iter().map(|s| s.var.elem_count()).sum()
     }
 
-    /// This rank's range of the parameters, as `f32`, parameter after parameter.
-    pub fn owned_params(&self) -> Result<Vec<f32>> {
-        self.owned_values(0..self.slots.len())
-    }
-
     /// This rank's range of parameters `which` (by position in [`AdamW::param_sizes`]), as
     /// `f32`, parameter after parameter: one bucket of the exchange after a sharded step.
     pub fn owned_values(&self, which: Range<usize>) -> Result<Vec<f32>> {
@@ -156,26 +151,6 @@ impl AdamW {
         }
         let t = Tensor::from_vec(values, s.var.shape(), s.var.device())?.to_dtype(s.var.dtype())?;
         s.var.set(&t)?;
-        Ok(())
-    }
-
-    /// Sets every parameter from the whole flattened vector (the ranks' ranges in rank
-    /// order, as a group's all-gather of [`AdamW::owned_params`] gives it).
-    pub fn set_params_from_flat(&mut self, all: &[f32]) -> Result<()> {
-        if all.len() != self.total_len() {
-            return Err(Error::InvalidArgument(format!(
-                "{} parameter values for {} parameters' {} elements",
-                all.len(),
-                self.slots.len(),
-                self.total_len()
-            )));
-        }
-        let mut off = 0;
-        for i in 0..self.slots.len() {
-            let n = self.slots[i].var.elem_count();
-            self.set_param_values(i, all[off..off + n].to_vec())?;
-            off += n;
-        }
         Ok(())
     }
 
@@ -293,10 +268,13 @@ mod tests {
                 }
                 assert!(s1.step_owned(&flat, 1.0).is_err(), "the whole gradient");
                 s1.step_owned(&flat[s1.owned_span()], 1.0)?;
-                let mut all = s0.owned_params()?;
-                all.extend(s1.owned_params()?);
-                s0.set_params_from_flat(&all)?;
-                s1.set_params_from_flat(&all)?;
+                // The exchange: each parameter's shares, joined in rank order.
+                for i in 0..s0.param_sizes().count() {
+                    let mut all = s0.owned_values(i..i + 1)?;
+                    all.extend(s1.owned_values(i..i + 1)?);
+                    s0.set_param_values(i, all.clone())?;
+                    s1.set_param_values(i, all)?;
+                }
             }
             for ((_, f), ((_, a), (_, b))) in full_vars.iter().zip(r0.iter().zip(&r1)) {
                 let f = f
