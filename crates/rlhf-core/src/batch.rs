@@ -142,11 +142,12 @@ impl TensorData {
 
     pub fn to_f32(&self) -> Result<Vec<f32>> {
         self.expect(DType::F32)?;
-        Ok(self
-            .data
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect())
+        rlhf_types::f32s_from_le_bytes(&self.data).ok_or_else(|| {
+            Error::invalid(format!(
+                "an f32 tensor of {} bytes holds no whole number of values",
+                self.data.len()
+            ))
+        })
     }
 
     pub fn to_i64(&self) -> Result<Vec<i64>> {

@@ -114,12 +114,8 @@ impl WeightFiles {
         if view.dtype() != safetensors::Dtype::F32 {
             return Ok(None);
         }
-        Ok(Some(
-            view.data()
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-        ))
+        // safetensors checked the length against the shape and dtype.
+        Ok(rlhf_types::f32s_from_le_bytes(view.data()))
     }
 
     /// Where the weights come from, for messages.

@@ -14,16 +14,13 @@ use crate::error::{Ctx, Error, Result};
 
 /// A rank's `f32` values as an all-gather returns them.
 fn floats(bytes: &[u8], what: &str) -> Result<Vec<f32>> {
-    if !bytes.len().is_multiple_of(4) {
-        return Err(Error::internal(format!(
+    // `as_bytes` sends the native order, which is little-endian on every target we build for.
+    rlhf_types::f32s_from_le_bytes(bytes).ok_or_else(|| {
+        Error::internal(format!(
             "a rank sent {} bytes of {what}, not whole f32 values",
             bytes.len()
-        )));
-    }
-    Ok(bytes
-        .chunks_exact(4)
-        .map(|b| f32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
-        .collect())
+        ))
+    })
 }
 
 /// Values per reduce-scatter call (16 MiB of f32): the most of the gradient that exists on a

@@ -91,3 +91,31 @@ mod tests {
         }
     }
 }
+
+/// f32 values from their little-endian bytes (the wire's and safetensors' order); `None` when
+/// the length is not a whole number of values.
+pub fn f32s_from_le_bytes(bytes: &[u8]) -> Option<Vec<f32>> {
+    if !bytes.len().is_multiple_of(4) {
+        return None;
+    }
+    Some(
+        bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect(),
+    )
+}
+
+#[cfg(test)]
+mod bytes_tests {
+    use super::f32s_from_le_bytes;
+
+    #[test]
+    fn f32s_round_trip_and_partial_values_are_refused() {
+        let v = [1.5f32, -0.0, f32::MAX, 3.25e-7];
+        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        assert_eq!(f32s_from_le_bytes(&bytes).unwrap(), v);
+        assert_eq!(f32s_from_le_bytes(&bytes[..7]), None);
+        assert_eq!(f32s_from_le_bytes(&[]).unwrap(), Vec::<f32>::new());
+    }
+}

@@ -8,5 +8,5 @@ mod dtype;
 mod hash;
 pub mod lora;
 
-pub use dtype::DType;
+pub use dtype::{f32s_from_le_bytes, DType};
 pub use hash::Checksum;
