@@ -412,7 +412,11 @@ fn two_dpo_ranks_on_halves_equal_one_rank_on_the_whole_batch() {
         .collect();
     let out: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
     let (diff, name) = max_rel_diff(&out[0].0, &params(&one.state.model));
-    assert!(diff < 1e-4, "rank 0 vs one rank: {diff} at {name}");
+    // AdamW's first step moves a weight by ~lr * g / (|g| + eps): for a near-zero gradient
+    // the f32 rounding of summing two halves instead of the whole batch is amplified. The
+    // machine's matmul kernels set that rounding: 4.6e-4 here on an AVX-512 CPU, below 1e-4
+    // on others. A missing or doubled share moves weights by lr (~5 relative), far above this.
+    assert!(diff < 2e-3, "rank 0 vs one rank: {diff} at {name}");
     let (diff, name) = max_rel_diff(&out[1].0, &out[0].0);
     assert!(diff == 0.0, "the ranks disagree: {diff} at {name}");
     for k in ["train/loss", "rewards/accuracies", "actor/grad_norm"] {
