@@ -100,9 +100,9 @@ use conn::Conn;
 pub use frame::tune_stream;
 use frame::{mismatch, read_exact, write_all, Ctx, Header};
 pub use rendezvous::TcpRendezvous;
-pub(crate) use ring::Elem;
 #[cfg(test)]
 use ring::split_pair;
+pub(crate) use ring::Elem;
 
 const HDR_MAGIC: u32 = 0x314C_4F43;
 const HDR_LEN: usize = 32;
