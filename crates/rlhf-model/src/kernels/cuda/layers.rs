@@ -211,8 +211,11 @@ pub(crate) fn rms_norm_bwd_w(
     )
 }
 
-/// Rows summed by one block column of the weight-gradient reduction.
+/// Rows summed by one block column of the weight-gradient reduction (at least; more when
+/// the rows would need more splits than a grid's y dimension holds).
 const ROWS_PER_SPLIT: usize = 32;
+/// The largest grid y dimension CUDA launches.
+const MAX_GRID_Y: usize = 65_535;
 
 fn rms_norm_bwd_w_t<T: Elem>(
     s1: &CudaStorage,
@@ -236,13 +239,14 @@ fn rms_norm_bwd_w_t<T: Elem>(
     let out = alloc::<T>(dev, h)?;
     // Sums in the kernels' accumulator type: double for f64, float otherwise.
     let acc = if T::DTYPE == DType::F64 { 8 } else { 4 };
-    let splits = rows.div_ceil(ROWS_PER_SPLIT).max(1);
+    let per_split = ROWS_PER_SPLIT.max(rows.div_ceil(MAX_GRID_Y));
+    let splits = rows.div_ceil(per_split).max(1);
     // SAFETY: scratch written in full (invs by rms_inv, partial by the partial sums) before it
     // is read; both are u8 buffers sized for `rows` and `splits * h` accumulator values.
     let invs = unsafe { dev.alloc::<u8>(rows.max(1) * acc)? };
     let partial = unsafe { dev.alloc::<u8>(splits * h.max(1) * acc)? };
     let (h32, rows32) = (u32_of(h, "width", op)?, u32_of(rows, "rows", op)?);
-    let (rps, splits32) = (ROWS_PER_SPLIT as u32, splits as u32);
+    let (rps, splits32) = (u32_of(per_split, "rows per split", op)?, splits as u32);
     if rows > 0 {
         let f = dev.get_or_load_custom_func(&kname("rms_inv", T::DTYPE), MODULE, PTX)?;
         let mut a = f.builder();
