@@ -15,4 +15,6 @@ pub use adamw::{AdamW, AdamWConfig};
 pub(crate) use grads::add_to;
 pub use grads::{GradAccumulator, Gradients};
 pub use schedule::{LrSchedule, LrScheduler};
+#[cfg(feature = "cuda")]
+pub(crate) use step::StepScalars;
 pub use zero::{partition, span as shard_span};

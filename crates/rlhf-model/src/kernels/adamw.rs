@@ -3,14 +3,11 @@
 //! (train/step.rs). The composite device path it replaces launches ~15 kernels per parameter.
 
 use super::*;
+use crate::train::StepScalars;
 
 /// `[m'; v']` from the gradient and the old moments (`[k]` f32 each).
 struct Moments {
-    beta1: f32,
-    beta2: f32,
-    omb1: f32,
-    omb2: f32,
-    grad_scale: f32,
+    k: StepScalars,
 }
 
 impl CustomOp3 for Moments {
@@ -39,25 +36,14 @@ impl CustomOp3 for Moments {
         s3: &Cs,
         l3: &Layout,
     ) -> CResult<(Cs, Shape)> {
-        cuda::adamw_moments(
-            (s1, l1),
-            (s2, l2),
-            (s3, l3),
-            [
-                self.beta1,
-                self.beta2,
-                self.omb1,
-                self.omb2,
-                self.grad_scale,
-            ],
-        )
+        cuda::adamw_moments((s1, l1), (s2, l2), (s3, l3), &self.k)
     }
 }
 
 /// Updates the owned values of an f32 parameter in place from `[m'; v']`.
 struct Apply {
     owned: std::ops::Range<usize>,
-    k: cuda::ApplyScalars,
+    k: StepScalars,
 }
 
 impl candle_core::InplaceOp2 for Apply {
@@ -70,23 +56,8 @@ impl candle_core::InplaceOp2 for Apply {
     }
 
     fn cuda_fwd(&self, s1: &mut Cs, l1: &Layout, s2: &Cs, l2: &Layout) -> CResult<()> {
-        cuda::adamw_apply((s1, l1), (s2, l2), self.owned.clone(), self.k)
+        cuda::adamw_apply((s1, l1), (s2, l2), self.owned.clone(), &self.k)
     }
-}
-
-/// The scalars of one step, as `train/step.rs` computes them.
-#[derive(Clone, Copy)]
-pub(crate) struct AdamWScalars {
-    pub lr: f32,
-    pub beta1: f32,
-    pub beta2: f32,
-    pub one_minus_beta1: f32,
-    pub one_minus_beta2: f32,
-    pub eps: f32,
-    pub decay_factor: f32,
-    pub inv_bc1: f32,
-    pub inv_sqrt_bc2: f32,
-    pub grad_scale: f32,
 }
 
 /// One AdamW step of `param`'s `owned` values (an f32 parameter on a CUDA GPU) from their
@@ -99,32 +70,12 @@ pub(crate) fn adamw_device_step(
     m: &Tensor,
     v: &Tensor,
     owned: std::ops::Range<usize>,
-    k: AdamWScalars,
+    k: StepScalars,
 ) -> CResult<(Tensor, Tensor)> {
     let n = owned.len();
-    let mv = g.contiguous()?.apply_op3_no_bwd(
-        &m.contiguous()?,
-        &v.contiguous()?,
-        &Moments {
-            beta1: k.beta1,
-            beta2: k.beta2,
-            omb1: k.one_minus_beta1,
-            omb2: k.one_minus_beta2,
-            grad_scale: k.grad_scale,
-        },
-    )?;
-    param.inplace_op2(
-        &mv,
-        &Apply {
-            owned,
-            k: cuda::ApplyScalars {
-                lr: k.lr,
-                eps: k.eps,
-                decay_factor: k.decay_factor,
-                inv_bc1: k.inv_bc1,
-                inv_sqrt_bc2: k.inv_sqrt_bc2,
-            },
-        },
-    )?;
+    let mv =
+        g.contiguous()?
+            .apply_op3_no_bwd(&m.contiguous()?, &v.contiguous()?, &Moments { k })?;
+    param.inplace_op2(&mv, &Apply { owned, k })?;
     Ok((mv.narrow(0, 0, n)?, mv.narrow(0, n, n)?))
 }

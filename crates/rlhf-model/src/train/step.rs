@@ -9,22 +9,22 @@ use candle_core::{DType, Tensor};
 use super::adamw::{AdamWConfig, Moments, Slot};
 use crate::error::Result;
 
-/// Scalars of one AdamW step.
+/// Scalars of one AdamW step (the host loop's and the CUDA kernels' alike).
 #[derive(Clone, Copy)]
-pub(super) struct StepScalars {
-    pub(super) lr: f32,
-    pub(super) beta1: f32,
-    pub(super) beta2: f32,
+pub(crate) struct StepScalars {
+    pub(crate) lr: f32,
+    pub(crate) beta1: f32,
+    pub(crate) beta2: f32,
     /// `1 - beta` taken in f64 before rounding: `1 - (0.999 as f32)` is 1.3e-5 away from
     /// 0.001, which scaled every step by 6e-6 against PyTorch (that computes it in f64).
-    pub(super) one_minus_beta1: f32,
-    pub(super) one_minus_beta2: f32,
-    pub(super) eps: f32,
-    pub(super) decay_factor: f32,
-    pub(super) inv_bc1: f32,
-    pub(super) inv_sqrt_bc2: f32,
+    pub(crate) one_minus_beta1: f32,
+    pub(crate) one_minus_beta2: f32,
+    pub(crate) eps: f32,
+    pub(crate) decay_factor: f32,
+    pub(crate) inv_bc1: f32,
+    pub(crate) inv_sqrt_bc2: f32,
     /// Gradient multiplier (global-norm clipping), 1 for none.
-    pub(super) grad_scale: f32,
+    pub(crate) grad_scale: f32,
 }
 
 fn host_update(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], k: StepScalars) {
@@ -178,25 +178,8 @@ pub(super) fn step_slot(
                 && m.device().same_device(s.var.device())
             {
                 // Two fused kernels: new moments, then the parameter in place.
-                let (nm, nv) = crate::kernels::adamw_device_step(
-                    s.var.as_tensor(),
-                    &g,
-                    m,
-                    v,
-                    a..b,
-                    crate::kernels::AdamWScalars {
-                        lr: k.lr,
-                        beta1: k.beta1,
-                        beta2: k.beta2,
-                        one_minus_beta1: k.one_minus_beta1,
-                        one_minus_beta2: k.one_minus_beta2,
-                        eps: k.eps,
-                        decay_factor: k.decay_factor,
-                        inv_bc1: k.inv_bc1,
-                        inv_sqrt_bc2: k.inv_sqrt_bc2,
-                        grad_scale: k.grad_scale,
-                    },
-                )?;
+                let (nm, nv) =
+                    crate::kernels::adamw_device_step(s.var.as_tensor(), &g, m, v, a..b, k)?;
                 *m = nm;
                 *v = nv;
                 return Ok(());

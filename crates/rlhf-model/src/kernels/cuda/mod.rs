@@ -1,4 +1,4 @@
-//! The CUDA side of the fused differentiable kernels (src/kernels.rs): launches the kernels of
+//! The CUDA side of the fused differentiable kernels (src/kernels/): launches the kernels of
 //! src/kernels.cu (built to PTX by build.rs) for f32, f64 and bf16 tensors on a GPU.
 //!
 //! Why: on a GPU the composite formulation of RMSNorm, RoPE, the masked softmax, SwiGLU and
@@ -7,7 +7,7 @@
 //! bandwidth-bound on them. Each op here is one kernel forward and one or three backward, with
 //! the CPU kernels' maths (the gradient and finite-difference tests run through both).
 //! AdamW's device path gets the same treatment: two kernels per parameter instead of ~15.
-//! Inputs must be contiguous (the wrappers in kernels.rs make them so); outputs are new
+//! Inputs must be contiguous (the wrappers in src/kernels/ make them so); outputs are new
 //! buffers, except the AdamW update, which writes the parameter in place as the CPU step does.
 
 use candle_core::backend::BackendStorage;
@@ -17,7 +17,9 @@ use candle_core::cuda_backend::cudarc::driver::{
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Shape, WithDType};
 
-type CResult<T> = candle_core::Result<T>;
+use crate::train::StepScalars;
+
+use super::{err, CResult};
 
 const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/rlhf_kernels.ptx"));
 /// The name candle caches the loaded module under (one per device).
@@ -39,10 +41,6 @@ impl Elem for f64 {
 }
 impl Elem for half::bf16 {
     type Wide = f32;
-}
-
-pub(super) fn err(msg: String) -> candle_core::Error {
-    candle_core::Error::Msg(msg)
 }
 
 macro_rules! by_dtype {
@@ -131,14 +129,12 @@ pub(crate) use logits::{entropy, entropy_bwd, log_probs, log_probs_bwd};
 // ---- AdamW (f32 parameters, f32 moments) ---------------------------------------------------
 
 /// New moments `[m; v]` (`2k` f32) from the gradient `g` `[k]` and the old moments.
-/// `scalars`: beta1, beta2, 1 - beta1, 1 - beta2, gradient scale.
 pub(crate) fn adamw_moments(
     g: (&CudaStorage, &Layout),
     m: (&CudaStorage, &Layout),
     v: (&CudaStorage, &Layout),
-    scalars: [f32; 5],
+    s: &StepScalars,
 ) -> CResult<(CudaStorage, Shape)> {
-    let [beta1, beta2, omb1, omb2, grad_scale] = scalars;
     let op = "adamw_moments";
     let dev = g.0.device();
     let k = g.1.shape().elem_count();
@@ -163,25 +159,15 @@ pub(crate) fn adamw_moments(
             .arg(&vv)
             .arg(&out)
             .arg(&k)
-            .arg(&beta1)
-            .arg(&beta2)
-            .arg(&omb1)
-            .arg(&omb2)
-            .arg(&grad_scale);
+            .arg(&s.beta1)
+            .arg(&s.beta2)
+            .arg(&s.one_minus_beta1)
+            .arg(&s.one_minus_beta2)
+            .arg(&s.grad_scale);
         // SAFETY: matches adamw_moments_f32 in kernels.cu; inputs hold k values, out 2k.
         unsafe { a.launch(per_elem(k)) }.w()?;
     }
     Ok((wrap(out, dev), Shape::from(2 * k)))
-}
-
-/// The scalars of [`adamw_apply`].
-#[derive(Clone, Copy)]
-pub(crate) struct ApplyScalars {
-    pub lr: f32,
-    pub eps: f32,
-    pub decay_factor: f32,
-    pub inv_bc1: f32,
-    pub inv_sqrt_bc2: f32,
 }
 
 /// Updates `p[owned]` (an f32 parameter, in place) from the new moments `[m; v]`.
@@ -189,7 +175,7 @@ pub(crate) fn adamw_apply(
     p: (&mut CudaStorage, &Layout),
     mv: (&CudaStorage, &Layout),
     owned: std::ops::Range<usize>,
-    k: ApplyScalars,
+    k: &StepScalars,
 ) -> CResult<()> {
     let op = "adamw_apply";
     let (ps, pl) = p;
