@@ -182,14 +182,7 @@ fn trainable_and_fast_paths_agree() {
     for o in both_paths(ModelKind::CausalLm, DType::F32) {
         let slow = Model::random(&cfg, &LoadOptions { seed: 0, ..o }).unwrap();
         let a = slow.logits(&batch).unwrap();
-        let d = (a - &b)
-            .unwrap()
-            .abs()
-            .unwrap()
-            .max_all()
-            .unwrap()
-            .to_scalar::<f32>()
-            .unwrap();
+        let d = max_abs_diff(&a, &b);
         assert!(
             d < 1e-5,
             "{:?} and inference paths differ by {d}",
@@ -227,17 +220,7 @@ fn bf16_training_uses_composite_ops_and_updates_weights() {
     let changed = before
         .iter()
         .zip(&after)
-        .filter(|((_, a), (_, b))| {
-            let d = (a.to_dtype(DType::F32).unwrap() - b.to_dtype(DType::F32).unwrap())
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
-            d > 0.0
-        })
+        .filter(|((_, a), (_, b))| max_abs_diff(a, b) > 0.0)
         .count();
     assert_eq!(
         changed,
@@ -246,25 +229,24 @@ fn bf16_training_uses_composite_ops_and_updates_weights() {
     );
 }
 
-/// Max |a - b| over max |b| (or the absolute difference where b is all zeros).
-fn rel_diff(a: &rlhf_model::Tensor, b: &rlhf_model::Tensor) -> f32 {
+/// Max |a - b| over every element, in f32.
+fn max_abs_diff(a: &rlhf_model::Tensor, b: &rlhf_model::Tensor) -> f32 {
     let a = a.to_dtype(DType::F32).unwrap();
     let b = b.to_dtype(DType::F32).unwrap();
-    let d = (&a - &b)
+    (a - b)
         .unwrap()
         .abs()
         .unwrap()
         .max_all()
         .unwrap()
         .to_scalar::<f32>()
-        .unwrap();
-    let m = b
-        .abs()
         .unwrap()
-        .max_all()
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
+}
+
+/// Max |a - b| over max |b| (or the absolute difference where b is all zeros).
+fn rel_diff(a: &rlhf_model::Tensor, b: &rlhf_model::Tensor) -> f32 {
+    let d = max_abs_diff(a, b);
+    let m = max_abs_diff(b, &b.zeros_like().unwrap());
     if m > 0.0 {
         d / m
     } else {
