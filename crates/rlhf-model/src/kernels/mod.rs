@@ -5,7 +5,8 @@
 //! primitive ops costs one tensor (and in backward, one zero-filled gradient plus an add) per
 //! primitive. These custom ops do each computation in one pass over memory and implement
 //! `bwd`, so a trainable model gets both speed and gradients: the CPU loops live next to each
-//! op (`logits.rs`, `layers.rs`), the CUDA launches in `cuda.rs` (kernels in ../kernels.cu).
+//! op (`logits.rs`, `layers.rs`, `elementwise.rs`), the CUDA launches in `cuda/` (kernels in
+//! ../kernels.cu).
 //! Every op is checked against the composite formulation (values and gradients) in the tests;
 //! the model's gradient and finite-difference tests run through them on every device present.
 //! Models on other devices or dtypes use the composite path.
@@ -156,14 +157,16 @@ macro_rules! dispatch {
 mod adamw;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod elementwise;
 mod layers;
 mod logits;
 
-pub(crate) use layers::{masked_softmax, rms_norm, rope, swiglu};
+pub(crate) use elementwise::{rope, swiglu};
+pub(crate) use layers::{masked_softmax, rms_norm};
 pub(crate) use logits::{entropy, log_probs};
 
 #[cfg(feature = "cuda")]
-pub(crate) use adamw::{adamw_device_step, AdamWScalars};
+pub(crate) use adamw::adamw_device_step;
 
 #[cfg(test)]
 mod tests;
