@@ -21,6 +21,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // copying, and encoders hand out views of tensor storage.
     tonic_prost_build::configure()
         .bytes(".rlhf.v1.BatchChunk.data")
+        .bytes(".rlhf.v1.SnapshotChunk.data")
         .compile_fds(fds)?;
     Ok(())
 }

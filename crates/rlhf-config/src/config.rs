@@ -310,6 +310,9 @@ pub struct CheckpointConfig {
     pub keep_last: u32,
     /// `latest`, a checkpoint path, or null to start fresh.
     pub resume: Option<String>,
+    /// Also hold each checkpoint in the memory of a peer node's worker, so that an automatic
+    /// restart loads it from there instead of from `dir`.
+    pub memory_snapshot: bool,
 }
 
 impl Default for CheckpointConfig {
@@ -319,6 +322,7 @@ impl Default for CheckpointConfig {
             save_steps: 100,
             keep_last: 3,
             resume: None,
+            memory_snapshot: false,
         }
     }
 }

@@ -115,6 +115,7 @@ pub const KEY_DOCS: &[(&str, &str)] = &[
     ("checkpoint.save_steps", "Save every N steps (0 = only at the end)."),
     ("checkpoint.keep_last", "Keep the newest N checkpoints (0 = all)."),
     ("checkpoint.resume", "latest, a checkpoint path, or null to start fresh."),
+    ("checkpoint.memory_snapshot", "Also hold every checkpoint in the memory of another node's worker (the same node's on a one-node cluster): an automatic restart then loads each part from there, falling back to checkpoint.dir part by part when a copy is missing (its node died too). The snapshot is pushed after the files are on disk; each worker keeps the newest committed one per job, within rlhf-worker --snapshot-memory-gb."),
     ("logging.metrics_file", "JSONL file with one metrics record per step."),
     ("logging.samples_file", "JSONL file with the sample tables."),
     ("logging.sample_every", "Print and save a (query, response, score) table every N steps (0 = never)."),

@@ -33,6 +33,9 @@ pub struct Roles {
     /// The reference is a LoRA actor's base with the adapters off: its ranks are the
     /// trainer processes (`reference` has the same members as `train`).
     pub ref_in_trainer: bool,
+    /// The alive nodes' workers at placement, for `checkpoint.memory_snapshot` (empty
+    /// without it).
+    pub peers: crate::snapshot::Peers,
 }
 
 impl Roles {
@@ -340,6 +343,7 @@ pub async fn launch(
         placement_groups: made.placement_groups.clone(),
         colocated: cfg.resource_pool.colocate,
         ref_in_trainer: cfg.ref_in_trainer(),
+        peers: Default::default(),
     };
     Ok(roles)
 }

@@ -72,6 +72,9 @@ pub enum Event<'a> {
         from: Option<&'a Path>,
         backoff_s: f64,
     },
+    /// A checkpoint part was loaded into its ranks; `source` says from where (`disk`, or a
+    /// memory snapshot and its size).
+    Restored { part: &'a str, source: &'a str },
 }
 
 /// Receives a job's events. An error stops the job (a metrics file that cannot be written
@@ -184,6 +187,9 @@ fn trace(event: &Event<'_>) {
         Event::WeightSync { path, why } => {
             tracing::info!(target: T, "weight sync: {path} ({why})")
         }
+        Event::Restored { part, source } => {
+            tracing::info!(target: T, part, source, "checkpoint loaded")
+        }
     }
 }
 
@@ -241,6 +247,7 @@ impl Console {
                 format!("stopping after {steps_run} step(s) as asked (--stop-after)")
             }
             Event::WeightSync { path, why } => format!("weight sync: {path} ({why})"),
+            Event::Restored { part, source } => format!("{part}: checkpoint loaded from {source}"),
             Event::Restart {
                 error,
                 restart,
@@ -363,6 +370,10 @@ pub enum Recorded {
         restart: u32,
         from: Option<PathBuf>,
     },
+    Restored {
+        part: String,
+        source: String,
+    },
 }
 
 /// Keeps every event, for callers that inspect a run as data (tests, embedding programs).
@@ -412,6 +423,10 @@ impl Reporter for Recorder {
                 error: error.into(),
                 restart,
                 from: from.map(Path::to_path_buf),
+            },
+            Event::Restored { part, source } => Recorded::Restored {
+                part: part.into(),
+                source: source.into(),
             },
         };
         if let Ok(mut v) = self.0.lock() {

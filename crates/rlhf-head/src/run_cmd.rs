@@ -184,6 +184,7 @@ async fn start_embedded(cfg: &PpoConfig, exe: PathBuf) -> Result<Embedded> {
         hostname: "local".into(),
         tls: Default::default(),
         cuda_roles,
+        snapshot_memory: worker::snapshots::default_cap(),
     };
     let worker = tokio::spawn(worker::run(wopts, shutdown.clone()));
     Ok(Embedded {

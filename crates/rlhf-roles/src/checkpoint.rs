@@ -149,14 +149,20 @@ impl Image {
         }
     }
 
+    /// The directory [`Image::write`] fills for the part directory `dir`: `dir` itself, or
+    /// [`shard_dir`] for a shard of rank r > 0.
+    pub fn target_dir(&self, dir: &Path) -> std::path::PathBuf {
+        match &self.optim {
+            OptimImage::Shard(sh) => shard_dir(dir, sh.rank),
+            OptimImage::Whole(..) => dir.to_path_buf(),
+        }
+    }
+
     /// Writes an HF model directory plus the optimizer state and `role_state.json`, beside
     /// `dir` first and then moved into place; returns the files written. A shard of rank
     /// r > 0 goes to [`shard_dir`] instead.
     pub fn write(&self, dir: &Path) -> Result<Vec<String>> {
-        let target = match &self.optim {
-            OptimImage::Shard(sh) => shard_dir(dir, sh.rank),
-            OptimImage::Whole(..) => dir.to_path_buf(),
-        };
+        let target = self.target_dir(dir);
         let staging = durable::staging_dir(&target);
         if staging.exists() {
             // What an interrupted save left behind.

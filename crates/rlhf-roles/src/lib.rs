@@ -22,6 +22,7 @@ mod hub;
 pub mod mem;
 pub mod optim;
 pub mod policy;
+pub mod restore;
 pub mod reward;
 pub mod saves;
 pub mod server;

@@ -25,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::host::{BatchCall, RoleHost};
-use crate::saves::Saves;
+use crate::saves::{Push, Saves};
 
 type Job = Box<dyn FnOnce(&mut RoleHost) + Send>;
 
@@ -94,16 +94,24 @@ impl Compute {
 pub struct RoleServer {
     compute: Compute,
     saves: Saves,
+    /// Token and TLS for reaching workers (checkpoint snapshots).
+    client: net::ClientOptions,
 }
 
 type ChunkStream = Pin<Box<dyn futures::Stream<Item = Result<pb::BatchChunk, Status>> + Send>>;
 
 impl RoleServer {
-    pub fn new(compute: Compute) -> Self {
+    pub fn new(compute: Compute, client: net::ClientOptions) -> Self {
         Self {
             compute,
             saves: Saves::default(),
+            client,
         }
+    }
+
+    async fn load_from_disk(&self, dir: &str) -> Result<u64, Status> {
+        let dir = dir.to_string();
+        self.compute.run(move |a| a.load_checkpoint(&dir)).await
     }
 
     async fn batch(
@@ -260,12 +268,22 @@ impl RoleService for RoleServer {
     ) -> Result<Response<pb::SaveCheckpointResponse>, Status> {
         let req = req.into_inner();
         crate::host::checkpoint_dir(&req.dir).map_err(Status::from)?;
+        let push = match req.snapshot {
+            Some(t) if !t.address.is_empty() => {
+                rlhf_runtime::head::validate::name(&t.job_id, "SnapshotTarget.job_id", false)?;
+                Some(Push {
+                    target: t,
+                    client: self.client.clone(),
+                })
+            }
+            _ => None,
+        };
         let image = self.compute.run(|a| a.capture_checkpoint()).await?;
         if req.background {
-            self.saves.start(req.dir, image).await;
+            self.saves.start(req.dir, image, push).await;
             return Ok(Response::new(pb::SaveCheckpointResponse::default()));
         }
-        let saved = self.saves.write_now(req.dir, image).await?;
+        let saved = self.saves.write_now(req.dir, image, push).await?;
         Ok(Response::new(saved.into()))
     }
 
@@ -283,10 +301,44 @@ impl RoleService for RoleServer {
         &self,
         req: Request<pb::LoadCheckpointRequest>,
     ) -> Result<Response<pb::LoadCheckpointResponse>, Status> {
-        let dir = req.into_inner().dir;
-        let weights_checksum = self.compute.run(move |a| a.load_checkpoint(&dir)).await?;
+        let req = req.into_inner();
+        let restored = match req.snapshot.filter(|s| !s.parts.is_empty()) {
+            None => Err(None),
+            Some(src) => crate::restore::fetch(&self.client, &src, &req.dir)
+                .await
+                .map_err(Some),
+        };
+        let (weights_checksum, source) = match restored {
+            Ok(r) => {
+                let dir = r.dir();
+                match self.compute.run(move |a| a.load_checkpoint(&dir)).await {
+                    Ok(sum) => (sum, r.describe()),
+                    // Whatever is wrong with the copy, the files on disk may be fine.
+                    Err(e) => {
+                        let why =
+                            format!("disk (loading the memory snapshot failed: {})", e.message());
+                        tracing::warn!("{why}");
+                        (self.load_from_disk(&req.dir).await?, why)
+                    }
+                }
+            }
+            Err(why) => {
+                let source = match why {
+                    None => "disk".to_string(),
+                    Some(e) => {
+                        tracing::warn!(
+                            "the memory snapshot was not available ({e}); loading {} from disk",
+                            req.dir
+                        );
+                        format!("disk (the memory snapshot was not available: {e})")
+                    }
+                };
+                (self.load_from_disk(&req.dir).await?, source)
+            }
+        };
         Ok(Response::new(pb::LoadCheckpointResponse {
             weights_checksum,
+            source,
         }))
     }
 }
@@ -301,6 +353,17 @@ pub struct ServeOptions {
     pub token: String,
     /// TLS identity (the worker's); plain TCP without one.
     pub tls: net::ServerTls,
+}
+
+impl ServeOptions {
+    /// How this process reaches other cluster services: the cluster token, and the cluster
+    /// CA when it serves TLS.
+    fn client(&self) -> net::ClientOptions {
+        net::ClientOptions {
+            tls_ca: self.tls.ca.clone(),
+            ..net::ClientOptions::new(self.token.clone())
+        }
+    }
 }
 
 /// Serves RoleService and ActorService (Ping) on `listener` until `shutdown`.
@@ -320,7 +383,7 @@ pub async fn serve(
     }
     let compute = Compute::spawn(role_host)?;
     let role = tonic::service::interceptor::InterceptedService::new(
-        RoleServiceServer::new(RoleServer::new(compute))
+        RoleServiceServer::new(RoleServer::new(compute, opts.client()))
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES),
         CheckToken::new(&opts.token, "role"),

@@ -398,6 +398,7 @@ async fn update_and_sync_weights_over_grpc() {
         .save_checkpoint(pb::SaveCheckpointRequest {
             dir: ckpt.clone(),
             background: false,
+            snapshot: None,
         })
         .await
         .unwrap()
@@ -416,6 +417,7 @@ async fn update_and_sync_weights_over_grpc() {
         .save_checkpoint(pb::SaveCheckpointRequest {
             dir: bg.clone(),
             background: true,
+            snapshot: None,
         })
         .await
         .unwrap()
@@ -437,16 +439,49 @@ async fn update_and_sync_weights_over_grpc() {
     t2.init_role(init("actor_rollout", "train")).await.unwrap();
     for d in [ckpt, bg.clone()] {
         let loaded = t2
-            .load_checkpoint(pb::LoadCheckpointRequest { dir: d })
+            .load_checkpoint(pb::LoadCheckpointRequest {
+                dir: d,
+                snapshot: None,
+            })
             .await
             .unwrap()
             .into_inner();
         assert_eq!(loaded.weights_checksum, a.checksum);
+        assert_eq!(loaded.source, "disk");
     }
+    // A memory snapshot whose worker is gone: the rank loads the same files from disk, and
+    // says why.
+    let gone = pb::SnapshotSource {
+        job_id: "job-x".into(),
+        step: 1,
+        parts: vec![pb::SnapshotHolder {
+            part: "step1-bg".into(),
+            address: "127.0.0.1:1".into(),
+            bytes: 10,
+        }],
+    };
+    let loaded = t2
+        .load_checkpoint(pb::LoadCheckpointRequest {
+            dir: bg.clone(),
+            snapshot: Some(gone),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(loaded.weights_checksum, a.checksum);
+    assert!(
+        loaded
+            .source
+            .starts_with("disk (the memory snapshot was not available: ")
+            && loaded.source.contains("127.0.0.1:1"),
+        "{}",
+        loaded.source
+    );
     let err = g
         .save_checkpoint(pb::SaveCheckpointRequest {
             dir: "/tmp/x".into(),
             background: true,
+            snapshot: None,
         })
         .await
         .unwrap_err();

@@ -15,6 +15,7 @@ pub mod prom;
 /// Gang placement (in rlhf-core, shared with `check`).
 pub use rlhf_core::placement;
 pub mod resources;
+pub mod snapshot;
 pub mod status;
 pub mod worker;
 

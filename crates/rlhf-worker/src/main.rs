@@ -61,6 +61,10 @@ enum Cmd {
         connect_timeout: f64,
         #[arg(long, env = "RLHF_STATE_DIR")]
         state_dir: Option<PathBuf>,
+        /// Memory for other nodes' checkpoint snapshots (jobs with
+        /// `checkpoint.memory_snapshot`), in GiB [default: a quarter of this node's memory].
+        #[arg(long)]
+        snapshot_memory_gb: Option<f64>,
     },
     /// Internal: run one actor process (started by the worker). Kinds: `test`, and the PPO
     /// roles `actor_rollout`, `ref`, `critic`, `reward`.
@@ -127,7 +131,17 @@ async fn run(cli: Cli) -> Result<()> {
             port,
             connect_timeout,
             state_dir,
+            snapshot_memory_gb,
         } => {
+            let snapshot_memory = match snapshot_memory_gb {
+                None => rlhf_runtime::worker::snapshots::default_cap(),
+                Some(g) if g.is_finite() && g >= 0.0 => (g * (1u64 << 30) as f64) as u64,
+                Some(g) => {
+                    return Err(rlhf_core::Error::invalid(format!(
+                        "--snapshot-memory-gb {g}: give a size in GiB, 0 or more (0 holds no snapshots)"
+                    )))
+                }
+            };
             // A cluster speaks TLS everywhere or nowhere: the head would refuse to reach a
             // plain agent, and drivers could not reach plain role processes.
             if tls_ca.is_some() != tls_cert.is_some() {
@@ -175,6 +189,7 @@ async fn run(cli: Cli) -> Result<()> {
                     ca: tls_ca,
                 },
                 cuda_roles: CUDA_ROLES,
+                snapshot_memory,
             };
             if CUDA_ROLES {
                 eprintln!("this worker runs CUDA roles (built with the `cuda` feature)");

@@ -1,7 +1,9 @@
 //! `fault_tolerance`: a role process SIGKILLed mid-run (which one and when chosen by a seed,
 //! `RLHF_CHAOS_SEED`) and the job recovers by itself: every role placed again, the newest
 //! checkpoint reloaded, the steps after it run again and written once, and the metrics equal
-//! those of an uninterrupted run; the other stages (a DPO job) recover the same way.
+//! those of an uninterrupted run; the other stages (a DPO job) recover the same way. With
+//! `checkpoint.memory_snapshot` the restart loads the checkpoint from a worker's memory: it
+//! does so even when every checkpoint on disk has been damaged in the meantime.
 
 use std::path::Path;
 use std::time::Duration;
@@ -87,10 +89,93 @@ fn a_killed_role_process_is_restarted_from_the_last_checkpoint_with_the_same_met
         "restarts from a checkpoint:\n{text}"
     );
 
-    // One line per step, and the same numbers as the uninterrupted run.
+    same_as_straight(&straight, &out)?;
+
+    // Again with the checkpoints also in the embedded worker's memory: the actor trainer
+    // dies, and while the job waits to restart every weight file on disk is zeroed (a
+    // restart from disk would be refused by the manifest check). The restart loads the
+    // memory copies and ends with the uninterrupted run's numbers.
+    let out = dir.path().join("memory");
+    let mut args = common();
+    args.retain(|a| !a.starts_with("fault_tolerance.restart_backoff_s"));
+    args.extend([
+        "checkpoint.memory_snapshot=true",
+        "fault_tolerance.restart_backoff_s=4",
+    ]);
+    let mut p = Proc::spawn(
+        "memory",
+        dir.path(),
+        &mut rlhf_e2e::ppo_run_cmd(&out, &args),
+    )?;
+    wait_steps(
+        &mut p,
+        &out.join("metrics.jsonl"),
+        kill_at,
+        Duration::from_secs(600),
+    )?;
+    let trainer = children_of(p.pid())
+        .into_iter()
+        .find(|(_, c)| c.contains("--kind actor_rollout"))
+        .with_context(|| format!("no actor process: {:?}", children_of(p.pid())))?;
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(trainer.0), Signal::SIGKILL)?;
+    rlhf_e2e::wait_for(Duration::from_secs(120), "the restart notice", || {
+        Ok(p.output().contains("restart 1/3").then_some(()))
+    })?;
+    let zeroed = zero_weight_files(&out.join("ckpt"))?;
+    assert!(
+        zeroed >= 2,
+        "the actor and critic weights of a checkpoint: {zeroed}"
+    );
+    let st = p.wait_exit(Duration::from_secs(900))?;
+    let text = p.output();
+    if !st.success() {
+        bail!("the run should recover from the memory snapshot ({st}):\n{text}");
+    }
+    for l in text
+        .lines()
+        .filter(|l| l.contains("checkpoint loaded from"))
+    {
+        println!("{l}");
+    }
+    for part in ["actor", "critic"] {
+        assert!(
+            text.contains(&format!(
+                "{part}: checkpoint loaded from the memory snapshot on the worker at"
+            )),
+            "{part} loads from memory:\n{text}"
+        );
+    }
+    same_as_straight(&straight, &out)
+}
+
+/// Zeroes every weight file of every checkpoint under `root` (same size, so only the
+/// content check can tell); returns how many.
+fn zero_weight_files(root: &Path) -> Result<usize> {
+    let mut n = 0;
+    for step in std::fs::read_dir(root)?.flatten() {
+        for part in ["actor", "critic"] {
+            let Ok(files) = std::fs::read_dir(step.path().join(part)) else {
+                continue;
+            };
+            for f in files.flatten() {
+                let path = f.path();
+                if path.extension().is_some_and(|e| e == "safetensors") {
+                    let len = std::fs::metadata(&path)?.len() as usize;
+                    std::fs::write(&path, vec![0u8; len])?;
+                    n += 1;
+                }
+            }
+        }
+    }
+    Ok(n)
+}
+
+/// The run under `out` logged each step once, with the numbers and sample tables of the
+/// uninterrupted run under `straight`.
+fn same_as_straight(straight: &Path, out: &Path) -> Result<()> {
     let (a, b) = (
         jsonl(&straight.join("metrics.jsonl"))?,
-        jsonl(&metrics_file)?,
+        jsonl(&out.join("metrics.jsonl"))?,
     );
     let steps: Vec<u64> = b.iter().filter_map(|l| l["step"].as_u64()).collect();
     assert_eq!(steps, (1..=STEPS).collect::<Vec<_>>());
@@ -121,7 +206,8 @@ fn a_killed_role_process_is_restarted_from_the_last_checkpoint_with_the_same_met
 
 /// A whole worker lost (the worker and every role process under it SIGKILLed) while the
 /// other worker has room: the head declares the node dead, and the job is placed again on
-/// the survivor and finishes, each step written once.
+/// the survivor and finishes, each step written once. The job keeps memory snapshots: a
+/// trainer that ran on the lost node had its copy on the survivor, and loads from there.
 #[test]
 fn a_lost_worker_moves_the_job_to_the_other_one() -> Result<()> {
     use rlhf_e2e::Cluster;
@@ -130,7 +216,9 @@ fn a_lost_worker_moves_the_job_to_the_other_one() -> Result<()> {
     c.add_worker(r#"{"CPU": 4}"#)?;
     c.wait_alive_nodes(2, Duration::from_secs(30))?;
     let out = c.dir.path().join("job");
-    let mut p = Proc::spawn("run", c.dir.path(), &mut c.ppo_run_cmd(&out, &common()))?;
+    let mut args = common();
+    args.push("checkpoint.memory_snapshot=true");
+    let mut p = Proc::spawn("run", c.dir.path(), &mut c.ppo_run_cmd(&out, &args))?;
     let metrics_file = out.join("metrics.jsonl");
     wait_steps(&mut p, &metrics_file, 4, Duration::from_secs(600))?;
     // The worker with the most role processes goes, with them.
@@ -162,6 +250,33 @@ fn a_lost_worker_moves_the_job_to_the_other_one() -> Result<()> {
         .filter_map(|l| l["step"].as_u64())
         .collect();
     assert_eq!(steps, (1..=STEPS).collect::<Vec<_>>());
+    // The survivor's worker held the copies of the lost node's savers.
+    let status = c.status()?;
+    let survivor = status["nodes"]
+        .as_array()
+        .and_then(|n| n.iter().find(|n| n["state"] == "ALIVE"))
+        .and_then(|n| n["address"].as_str())
+        .with_context(|| format!("no alive node: {status}"))?
+        .to_string();
+    let loaded: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("checkpoint loaded from"))
+        .collect();
+    println!("{}", loaded.join("\n"));
+    if kids.iter().any(|(_, cmd)| cmd.contains("--kind critic")) {
+        let want = format!(
+            "critic: checkpoint loaded from the memory snapshot on the worker at {survivor}"
+        );
+        assert!(loaded.iter().any(|l| l.contains(&want)), "{want}:\n{text}");
+    }
+    for part in ["actor", "critic"] {
+        assert!(
+            loaded
+                .iter()
+                .any(|l| l.contains(&format!("{part}: checkpoint loaded from"))),
+            "{text}"
+        );
+    }
     Ok(())
 }
 

@@ -22,7 +22,6 @@ use std::time::{Duration, Instant};
 use rlhf_algo::metric;
 use rlhf_config::{PpoConfig, RoleKind};
 use rlhf_core::{CommBackend, CommGroup, Error, Result};
-use rlhf_proto::v1 as pb;
 use rlhf_runtime::net::ClientOptions;
 
 use crate::checkpoint::{self};
@@ -226,7 +225,7 @@ async fn place(
         r = cluster::launch(head, &opts.config, &launch, &mut made) => r,
         _ = shutdown.cancelled() => Err(Error::new(rlhf_core::FailureKind::Unavailable, "stopped before the roles started")),
     };
-    let roles = match launched {
+    let mut roles = match launched {
         Ok(roles) => roles,
         Err(e) => {
             // Nothing a failed or stopped launch made stays on the cluster.
@@ -234,6 +233,15 @@ async fn place(
             return Err(e.into());
         }
     };
+    if opts.config.checkpoint.memory_snapshot {
+        match crate::snapshot::Peers::of_cluster(head).await {
+            Ok(p) => roles.peers = p,
+            Err(e) => {
+                cluster::release(head, &made).await;
+                return Err(e.into());
+            }
+        }
+    }
     report.report(&Event::Placed {
         processes: roles.all_members().count(),
         secs: started.elapsed().as_secs_f64(),
@@ -303,24 +311,17 @@ impl Loop<'_> {
         )?;
         let resume_dir = resumed.as_ref().map(|(d, _)| d.clone());
         if let Some((dir, st)) = &resumed {
-            let actor_dir = dir.join("actor").to_string_lossy().into_owned();
-            let critic_dir = dir.join("critic").to_string_lossy().into_owned();
+            let job = &self.opts.job_id;
+            let (source_a, source_c) = (
+                carry.snapshot_source(job, st.global_step, "actor", &self.roles.peers),
+                carry.snapshot_source(job, st.global_step, "critic", &self.roles.peers),
+            );
             let (actor, critic) = tokio::try_join!(
-                self.roles.train.unary(t, "LoadCheckpoint", |_, mut c| {
-                    let d = actor_dir.clone();
-                    async move {
-                        c.load_checkpoint(pb::LoadCheckpointRequest { dir: d })
-                            .await
-                    }
-                }),
-                self.roles.critic.unary(t, "LoadCheckpoint", |_, mut c| {
-                    let d = critic_dir.clone();
-                    async move {
-                        c.load_checkpoint(pb::LoadCheckpointRequest { dir: d })
-                            .await
-                    }
-                }),
+                sync::load_part(&self.roles.train, t, dir, "actor", source_a),
+                sync::load_part(&self.roles.critic, t, dir, "critic", source_c),
             )?;
+            sync::loaded_from(self.report, "actor", &actor)?;
+            sync::loaded_from(self.report, "critic", &critic)?;
             // The weights every rank loaded are the ones the checkpoint recorded.
             let expect = [
                 ("actor", Some(st.actor_checksum).filter(|&c| c != 0), &actor),

@@ -19,6 +19,8 @@ use crate::checkpoint::{self, TrainerState};
 use crate::cluster::{self, HeadClient};
 use crate::prompts::{self, FixedResponses, Prompt};
 use crate::report::{DatasetReport, Event, Reporter, Reporters};
+use crate::snapshot;
+use rlhf_proto::v1 as pb;
 
 use super::algorithm::{self, Algorithm};
 use super::ppo::Ppo;
@@ -33,15 +35,36 @@ pub(super) struct Carry {
     pub last_checkpoint: Option<PathBuf>,
     /// The checkpoint being written in the background, if any.
     pub pending: Option<sync::PendingSave>,
+    /// The memory snapshots of the newest checkpoint (`checkpoint.memory_snapshot`).
+    pub snapshots: snapshot::Held,
 }
 
 impl Carry {
     /// Waits for the checkpoint being written and records it as the newest.
     pub async fn settle(&mut self) -> Res<()> {
         if let Some(p) = self.pending.take() {
-            self.last_checkpoint = Some(p.finish().await?);
+            let c = p.finish().await?;
+            self.last_checkpoint = Some(c.dir);
+            if let Some((plan, record)) = c.snapshot {
+                self.snapshots.replace(&plan, record);
+            }
         }
         Ok(())
+    }
+
+    /// What LoadCheckpoint fetches for `part` of the checkpoint of `step`, when its memory
+    /// snapshot is whole and on workers among `alive`.
+    pub fn snapshot_source(
+        &self,
+        job_id: &str,
+        step: u64,
+        part: &str,
+        alive: &snapshot::Peers,
+    ) -> Option<pb::SnapshotSource> {
+        self.snapshots
+            .record
+            .as_ref()
+            .and_then(|r| r.source(job_id, step, part, alive))
     }
 
     /// After a failed attempt, before its roles are stopped: a checkpoint still being
@@ -95,16 +118,41 @@ pub(super) async fn with_restarts(
     let mut restarts = 0;
     loop {
         let error = match attempt(resumed.take(), report, &mut carry).await {
-            Ok(global_step) => return Ok(carry.summary(cfg, first_step, global_step)),
+            Ok(global_step) => {
+                carry.snapshots.release().await;
+                return Ok(carry.summary(cfg, first_step, global_step));
+            }
             Err(e) => e,
         };
         if error.error.kind() != FailureKind::ActorDied || restarts >= ft.max_restarts {
+            carry.snapshots.release().await;
             return Err(error);
         }
         restarts += 1;
         // The newest checkpoint this run wrote or resumed from; none: from the start.
         resumed = match &carry.last_checkpoint {
-            Some(dir) => Some(checkpoint::resolve(ckpt_root, &dir.to_string_lossy())?),
+            Some(dir) => match checkpoint::resolve(ckpt_root, &dir.to_string_lossy()) {
+                Ok(r) => Some(r),
+                // Its trainer state is gone from disk; the memory snapshot still has it.
+                Err(e) => match carry
+                    .snapshots
+                    .record
+                    .as_ref()
+                    .filter(|r| checkpoint::step_dir(ckpt_root, r.step) == *dir)
+                {
+                    Some(r) => {
+                        tracing::warn!(
+                            "{e}; restarting from the memory snapshot of step {}",
+                            r.step
+                        );
+                        Some((dir.clone(), r.state.clone()))
+                    }
+                    None => {
+                        carry.snapshots.release().await;
+                        return Err(e.into());
+                    }
+                },
+            },
             None => None,
         };
         let from = resumed.as_ref().map_or(0, |(_, st)| st.global_step);

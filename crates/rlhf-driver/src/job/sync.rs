@@ -14,6 +14,8 @@ use rlhf_proto::v1 as pb;
 use crate::checkpoint::{self, TrainerState};
 use crate::cluster::Roles;
 use crate::group::WorkerGroup;
+use crate::report::Reporter;
+use crate::snapshot;
 
 use super::algorithm::Algorithm;
 use super::{timed, Failed, Loop, Res};
@@ -168,21 +170,80 @@ impl Loop<'_> {
             self.ckpt_root,
             self.cfg.checkpoint.keep_last,
             self.opts.call_timeout,
+            snapshot_plan(self.cfg, self.opts, self.roles),
         )
         .await
     }
+}
+
+/// Loads part `part` (`actor`, `critic`) of the checkpoint `dir` into every rank of `group`,
+/// from the memory snapshot `snapshot` when given (a rank falls back to disk by itself when
+/// it cannot fetch it). [`loaded_from`] then tells where the files came from.
+pub(super) async fn load_part(
+    group: &WorkerGroup,
+    t: Duration,
+    dir: &std::path::Path,
+    part: &str,
+    snapshot: Option<pb::SnapshotSource>,
+) -> Res<Vec<pb::LoadCheckpointResponse>> {
+    if group.members.is_empty() {
+        return Ok(Vec::new());
+    }
+    let d = dir.join(part).to_string_lossy().into_owned();
+    let answers = group
+        .unary(t, "LoadCheckpoint", |_, mut c| {
+            let (dir, snapshot) = (d.clone(), snapshot.clone());
+            async move {
+                c.load_checkpoint(pb::LoadCheckpointRequest { dir, snapshot })
+                    .await
+            }
+        })
+        .await?;
+    Ok(answers)
+}
+
+/// Reports where rank 0 of part `part` loaded its checkpoint from.
+pub(super) fn loaded_from(
+    report: &mut crate::report::Reporters,
+    part: &str,
+    answers: &[pb::LoadCheckpointResponse],
+) -> Res<()> {
+    if let Some(first) = answers.first() {
+        report.report(&crate::report::Event::Restored {
+            part,
+            source: &first.source,
+        })?;
+    }
+    Ok(())
+}
+
+/// Where this job's savers push their memory snapshots, when `checkpoint.memory_snapshot`.
+pub(super) fn snapshot_plan(
+    cfg: &rlhf_config::PpoConfig,
+    opts: &super::DriverOptions,
+    roles: &Roles,
+) -> Option<snapshot::Plan> {
+    cfg.checkpoint.memory_snapshot.then(|| snapshot::Plan {
+        job_id: opts.job_id.clone(),
+        client: opts.client.clone(),
+        peers: roles.peers.clone(),
+    })
 }
 
 /// Starts a checkpoint of `state.global_step`: rank 0 of each group copies its state out and
 /// answers, then writes it under the role directory named beside it while the job goes on;
 /// the checkpoint is committed (`trainer_state.json`, the marker of a complete checkpoint,
 /// with each part's checksum) once every part is on disk. An empty group saves nothing.
+/// With a snapshot `plan`, each saver also pushes its directory into the memory of the
+/// worker the plan names for its node, and the committed checkpoint comes with the record
+/// of those copies.
 pub(super) async fn save_parts(
     parts: &[(&str, &WorkerGroup, bool)],
     mut state: TrainerState,
     root: &std::path::Path,
     keep: u32,
     t: Duration,
+    plan: Option<snapshot::Plan>,
 ) -> Res<PendingSave> {
     let step = state.global_step;
     let dir = checkpoint::step_dir(root, step);
@@ -205,13 +266,39 @@ pub(super) async fn save_parts(
             (name.to_string(), savers, d)
         })
         .collect();
-    let saves = parts.iter().map(|(_, g, dir)| {
-        g.unary(t, "SaveCheckpoint", move |_, mut c| {
+    // Each saver's snapshot holder (the worker of the next node), in rank order.
+    let holders: Vec<Vec<String>> = parts
+        .iter()
+        .map(|(_, g, _)| {
+            g.members
+                .iter()
+                .map(|m| {
+                    plan.as_ref()
+                        .and_then(|p| p.peers.holder_for(&m.node_id))
+                        .map(|(_, a)| a.to_string())
+                        .unwrap_or_default()
+                })
+                .collect()
+        })
+        .collect();
+    let saves = parts.iter().zip(&holders).map(|((_, g, dir), holders)| {
+        let job_id = plan.as_ref().map(|p| p.job_id.clone()).unwrap_or_default();
+        g.unary(t, "SaveCheckpoint", move |rank, mut c| {
             let dir = dir.clone();
+            let snapshot =
+                holders
+                    .get(rank)
+                    .filter(|a| !a.is_empty())
+                    .map(|a| pb::SnapshotTarget {
+                        address: a.clone(),
+                        job_id: job_id.clone(),
+                        step,
+                    });
             async move {
                 c.save_checkpoint(pb::SaveCheckpointRequest {
                     dir,
                     background: true,
+                    snapshot,
                 })
                 .await
             }
@@ -238,7 +325,7 @@ pub(super) async fn save_parts(
             )
         });
         let answers = futures::future::try_join_all(waits).await?;
-        for ((name, _, _), a) in parts.iter().zip(answers) {
+        for ((name, _, _), a) in parts.iter().zip(&answers) {
             // Rank 0 saved the weights.
             if let Some(first) = a.first() {
                 state.set_checksum(name, first.weights_checksum);
@@ -246,7 +333,20 @@ pub(super) async fn save_parts(
         }
         let dir = checkpoint::commit(&root, &state)?;
         checkpoint::prune(&root, keep)?;
-        Ok(dir)
+        let snapshot = match plan {
+            Some(plan) => {
+                let pushed: Vec<(String, Vec<(String, pb::SaveCheckpointResponse)>)> = parts
+                    .iter()
+                    .zip(answers)
+                    .zip(holders)
+                    .map(|(((name, _, _), a), h)| (name.clone(), h.into_iter().zip(a).collect()))
+                    .collect();
+                let record = snapshot::commit(&plan, &state, &pushed).await;
+                Some((plan, record))
+            }
+            None => None,
+        };
+        Ok(Committed { dir, snapshot })
     });
     Ok(PendingSave {
         step,
@@ -254,16 +354,22 @@ pub(super) async fn save_parts(
     })
 }
 
+/// A committed checkpoint: its directory, and its memory snapshots when the job keeps them.
+pub(super) struct Committed {
+    pub dir: PathBuf,
+    pub snapshot: Option<(snapshot::Plan, snapshot::Record)>,
+}
+
 /// A checkpoint whose files the trainers are writing. Dropped unfinished, it is abandoned:
 /// nothing is committed, and the previous checkpoint stays the newest.
 pub(super) struct PendingSave {
     step: u64,
-    task: Option<tokio::task::JoinHandle<Res<PathBuf>>>,
+    task: Option<tokio::task::JoinHandle<Res<Committed>>>,
 }
 
 impl PendingSave {
-    /// Waits for both trainers' files and the commit; returns the checkpoint directory.
-    pub(super) async fn finish(mut self) -> Res<PathBuf> {
+    /// Waits for both trainers' files and the commit; returns the checkpoint.
+    pub(super) async fn finish(mut self) -> Res<Committed> {
         let Some(task) = self.task.take() else {
             return Err(Failed::Other(Error::internal("checkpoint finished twice")));
         };

@@ -4,6 +4,7 @@
 //! processes, reporting each exit (code, signal, last log lines) to the head.
 
 mod heartbeat;
+pub mod snapshots;
 mod usage;
 
 use std::collections::HashMap;
@@ -43,6 +44,9 @@ pub struct WorkerOptions {
     /// `actor_exe` can run roles on CUDA GPUs (built with the `cuda` feature); told to the
     /// head at join, which places no GPU bundle here otherwise.
     pub cuda_roles: bool,
+    /// Bytes of checkpoint snapshots this worker holds in memory at most
+    /// (`--snapshot-memory-gb`; `checkpoint.memory_snapshot`).
+    pub snapshot_memory: u64,
 }
 
 struct ActorProc {
@@ -59,6 +63,7 @@ struct Agent {
     free: Mutex<(DevicePool, DevicePool)>,
     head: HeadServiceClient<AuthChannel>,
     shutdown: CancellationToken,
+    snapshots: snapshots::Store,
 }
 
 #[derive(Clone)]
@@ -417,6 +422,65 @@ impl WorkerService for WorkerSvc {
         self.0.shutdown.cancel();
         Ok(Response::new(pb::ShutdownWorkerResponse {}))
     }
+
+    async fn put_snapshot(
+        &self,
+        req: Request<tonic::Streaming<pb::SnapshotChunk>>,
+    ) -> std::result::Result<Response<pb::PutSnapshotResponse>, Status> {
+        let mut stream = req.into_inner();
+        let mut asm = crate::snapshot::Assembler::new();
+        while let Some(chunk) = stream.message().await? {
+            if let Some((key, total)) = asm.push(chunk)? {
+                // Refused before the data travels when it cannot fit.
+                self.0.snapshots.admit(&key.job_id, total)?;
+            }
+        }
+        let (key, files) = asm.finish()?;
+        let bytes = self.0.snapshots.insert(&key, files)?;
+        tracing::info!(job = %key.job_id, step = key.step, part = %key.part, bytes, held = self.0.snapshots.used(), "snapshot stored");
+        Ok(Response::new(pb::PutSnapshotResponse { bytes }))
+    }
+
+    type GetSnapshotStream = std::pin::Pin<
+        Box<dyn futures::Stream<Item = std::result::Result<pb::SnapshotChunk, Status>> + Send>,
+    >;
+
+    async fn get_snapshot(
+        &self,
+        req: Request<pb::GetSnapshotRequest>,
+    ) -> std::result::Result<Response<Self::GetSnapshotStream>, Status> {
+        let key = req
+            .into_inner()
+            .key
+            .ok_or_else(|| Error::invalid("GetSnapshotRequest.key is missing"))?;
+        crate::snapshot::check_key(&key)?;
+        let files = self.0.snapshots.get(&key)?;
+        // Chunks are views of the held bytes: nothing is copied.
+        let chunks = crate::snapshot::chunks(key, &files);
+        Ok(Response::new(Box::pin(tokio_stream::iter(
+            chunks.into_iter().map(Ok),
+        ))))
+    }
+
+    async fn commit_snapshot(
+        &self,
+        req: Request<pb::CommitSnapshotRequest>,
+    ) -> std::result::Result<Response<pb::CommitSnapshotResponse>, Status> {
+        let r = req.into_inner();
+        crate::head::validate::name(&r.job_id, "CommitSnapshotRequest.job_id", false)?;
+        self.0.snapshots.commit(&r.job_id, r.step);
+        Ok(Response::new(pb::CommitSnapshotResponse {}))
+    }
+
+    async fn drop_snapshots(
+        &self,
+        req: Request<pb::DropSnapshotsRequest>,
+    ) -> std::result::Result<Response<pb::DropSnapshotsResponse>, Status> {
+        let r = req.into_inner();
+        crate::head::validate::name(&r.job_id, "DropSnapshotsRequest.job_id", false)?;
+        let bytes_freed = self.0.snapshots.drop_job(&r.job_id);
+        Ok(Response::new(pb::DropSnapshotsResponse { bytes_freed }))
+    }
 }
 
 fn fatal(e: &Error) -> bool {
@@ -461,6 +525,7 @@ pub async fn run(opts: WorkerOptions, shutdown: CancellationToken) -> Result<()>
         free: Mutex::new((DevicePool::new(devices.gpus), DevicePool::new(devices.npus))),
         head,
         shutdown: shutdown.clone(),
+        snapshots: snapshots::Store::new(opts.snapshot_memory),
     });
 
     let svc = tonic::service::interceptor::InterceptedService::new(

@@ -22,7 +22,6 @@ use rlhf_core::calls::{
     SftUpdateRequest, UpdateResponse,
 };
 use rlhf_core::{CommGroup, Error};
-use rlhf_proto::v1 as pb;
 use rlhf_tokenizer::Tokenizer;
 use tokio_util::sync::CancellationToken;
 
@@ -335,13 +334,11 @@ impl StageLoop<'_> {
         let (part, group, comm, sharded) = trained(cfg, self.roles);
         cluster::join_comm(&group, comm, opts.comm_backend, t).await?;
         if let Some((dir, st)) = &resumed {
-            let d = dir.join(part).to_string_lossy().into_owned();
-            let answers = group
-                .unary(t, "LoadCheckpoint", |_, mut c| {
-                    let dir = d.clone();
-                    async move { c.load_checkpoint(pb::LoadCheckpointRequest { dir }).await }
-                })
-                .await?;
+            let source =
+                self.carry
+                    .snapshot_source(&opts.job_id, st.global_step, part, &self.roles.peers);
+            let answers = sync::load_part(&group, t, dir, part, source).await?;
+            sync::loaded_from(self.report, part, &answers)?;
             if let (Some(want), Some(got)) = (
                 st.checksum(part),
                 answers
@@ -393,6 +390,7 @@ impl StageLoop<'_> {
                         self.ckpt_root,
                         cfg.checkpoint.keep_last,
                         opts.call_timeout,
+                        sync::snapshot_plan(cfg, opts, self.roles),
                     )
                     .await?,
                 );
