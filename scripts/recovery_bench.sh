@@ -3,18 +3,23 @@
 # KILL_AT the critic's process is SIGKILLed, and the script prints, as seconds after that
 # death: detected (the driver's "restart 1/N" line), every role running again (the next
 # "placed ... role processes" line) and the next step done (the first progress line after
-# "resuming from"). Goals: detected <= 5 s, next step done <= 30 s.
-# Usage: scripts/recovery_bench.sh [KILL_AT] [BACKOFF_S]   (defaults 5 and 1)
+# "resuming from"). Goals: detected <= 5 s, next step done <= 30 s. MEMORY=1 keeps the
+# checkpoints in the worker's memory too (checkpoint.memory_snapshot) and prints where the
+# restart loaded them from.
+# Usage: [MEMORY=1] scripts/recovery_bench.sh [KILL_AT] [BACKOFF_S]   (defaults 5 and 1)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 kill_at=${1:-5}
 backoff=${2:-1}
+memory=false
+[ "${MEMORY:-0}" = 0 ] || memory=true
 cargo build --release --workspace --bins
 out=$(mktemp -d)
 trap 'kill "$run_pid" 2>/dev/null || true; rm -rf "$out"' EXIT
 # Not a TTY: one progress line per step.
 target/release/rlhf-head run --config-name ppo_tiny training.train_iters=20 \
   checkpoint.save_steps=2 "fault_tolerance.restart_backoff_s=$backoff" \
+  "checkpoint.memory_snapshot=$memory" \
   "checkpoint.dir=$out/ckpt" "logging.metrics_file=$out/metrics.jsonl" \
   "logging.samples_file=$out/samples.jsonl" >"$out/run.log" 2>&1 &
 run_pid=$!
@@ -39,6 +44,7 @@ while [ -z "$next" ]; do
 done
 from=$(grep -o 'from [^ ]*global_step_[0-9]*' "$out/run.log" | head -1)
 echo "critic SIGKILLed after step $kill_at; restart $from (backoff ${backoff} s)"
+grep 'checkpoint loaded from' "$out/run.log" || true
 python3 - "$t0" "$detected" "$running" "$next" <<'PY'
 import sys
 t0, d, r, n = map(float, sys.argv[1:])

@@ -290,7 +290,7 @@ pub async fn launch(
             let info = it
                 .next()
                 .ok_or_else(|| Error::internal("fewer actors than ranks"))?;
-            let ch = net::connect(&info.address, &opts.client).await?;
+            let ch = net::connect_direct(&info.address, &opts.client).await?;
             members.push(Member {
                 actor_id: info.actor_id.clone(),
                 node_id: info.node_id.clone(),

@@ -8,6 +8,7 @@ pub mod beat;
 pub mod clock;
 pub mod convert;
 pub mod dashboard;
+pub mod direct;
 pub mod head;
 pub mod logging;
 pub mod net;

@@ -7,13 +7,14 @@ use std::time::{Duration, Instant};
 
 use rlhf_core::{Error, FailureKind, Result};
 use tonic::service::interceptor::InterceptedService;
-use tonic::transport::{
-    Certificate, Channel, ClientTlsConfig, Endpoint, Identity, ServerTlsConfig,
-};
+use tonic::transport::{Certificate, ClientTlsConfig, Endpoint, Identity, ServerTlsConfig};
 
 use crate::auth::AddToken;
+pub use crate::direct::Transport;
 
-pub type AuthChannel = InterceptedService<Channel, AddToken>;
+/// What every client of the cluster calls through: the token added to each request, over
+/// tonic's reconnecting channel ([`connect`]) or one direct connection ([`connect_direct`]).
+pub type AuthChannel = InterceptedService<Transport, AddToken>;
 
 /// HTTP/2 flow-control windows. The 64 KiB defaults cap a streamed batch at a fraction of
 /// what the link carries (a window update per 64 KiB); a few MiB keep the pipe full.
@@ -178,13 +179,79 @@ fn endpoint(addr: &str, opts: &ClientOptions) -> Result<Endpoint> {
 }
 
 /// Connects with exponential backoff until `connect_timeout`, then fails naming the address.
+/// The channel reconnects by itself when the peer comes back (a restarted head).
 pub async fn connect(addr: &str, opts: &ClientOptions) -> Result<AuthChannel> {
     let ep = endpoint(addr, opts)?;
+    let ch = with_backoff(addr, opts, || async {
+        ep.connect()
+            .await
+            .map_err(|e| Box::new(e) as Box<dyn std::error::Error + Send + Sync>)
+    })
+    .await?;
+    Ok(InterceptedService::new(
+        Transport::Channel(ch),
+        AddToken::new(&opts.token)?,
+    ))
+}
+
+/// Connects as [`connect`] does, to a peer whose address dies with it (a role process): one
+/// HTTP/2 connection used directly, without tonic's buffer task (see `crate::direct`), and
+/// never reconnected. Over TLS, the same as [`connect`].
+pub async fn connect_direct(addr: &str, opts: &ClientOptions) -> Result<AuthChannel> {
+    if opts.tls_ca.is_some() {
+        return connect(addr, opts).await;
+    }
+    let authority: http::uri::Authority = addr
+        .parse()
+        .map_err(|e| Error::invalid(format!("bad address '{addr}': {e}; expected HOST:PORT")))?;
+    let direct = with_backoff(addr, opts, || async {
+        let tcp =
+            tokio::time::timeout(Duration::from_secs(3), tokio::net::TcpStream::connect(addr))
+                .await
+                .map_err(|_| "tcp connect error: timed out after 3 s")??;
+        tcp.set_nodelay(true)?;
+        let (send, conn) =
+            hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                .timer(hyper_util::rt::TokioTimer::new())
+                .initial_stream_window_size(STREAM_WINDOW)
+                .initial_connection_window_size(CONNECTION_WINDOW)
+                .max_frame_size(MAX_FRAME)
+                .keep_alive_interval(opts.keepalive)
+                .keep_alive_timeout(Duration::from_secs(20))
+                .handshake(hyper_util::rt::TokioIo::new(tcp))
+                .await?;
+        let peer = addr.to_string();
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!("connection to {peer} ended: {e}");
+            }
+        });
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(crate::direct::Direct {
+            send,
+            authority: authority.clone(),
+        })
+    })
+    .await?;
+    Ok(InterceptedService::new(
+        Transport::Direct(direct),
+        AddToken::new(&opts.token)?,
+    ))
+}
+
+/// Runs `attempt` with exponential backoff until `connect_timeout`, then fails naming the
+/// address and the last error.
+async fn with_backoff<T, F, Fut>(addr: &str, opts: &ClientOptions, mut attempt: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<
+        Output = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>,
+    >,
+{
     let start = Instant::now();
     let mut delay = Duration::from_millis(50);
     loop {
-        match ep.connect().await {
-            Ok(ch) => return Ok(InterceptedService::new(ch, AddToken::new(&opts.token)?)),
+        match attempt().await {
+            Ok(v) => return Ok(v),
             Err(e) => {
                 if start.elapsed() + delay > opts.connect_timeout {
                     return Err(Error::new(
@@ -192,7 +259,7 @@ pub async fn connect(addr: &str, opts: &ClientOptions) -> Result<AuthChannel> {
                         format!(
                             "cannot reach {addr} after {:.1}s ({}); check the address and that the process is running there, or wait longer with --connect-timeout",
                             start.elapsed().as_secs_f64(),
-                            error_chain(&e)
+                            error_chain(&*e)
                         ),
                     ));
                 }
@@ -214,7 +281,10 @@ pub fn never_sent(s: &tonic::Status) -> bool {
 /// A channel that connects on first use and reconnects by itself (for long-lived peers).
 pub fn connect_lazy(addr: &str, opts: &ClientOptions) -> Result<AuthChannel> {
     let ch = endpoint(addr, opts)?.connect_lazy();
-    Ok(InterceptedService::new(ch, AddToken::new(&opts.token)?))
+    Ok(InterceptedService::new(
+        Transport::Channel(ch),
+        AddToken::new(&opts.token)?,
+    ))
 }
 
 pub fn error_chain(e: &dyn std::error::Error) -> String {

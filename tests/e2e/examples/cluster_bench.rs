@@ -123,10 +123,17 @@ fn main() -> Result<()> {
             .context("no actor")?;
         anyhow::Ok(a.address)
     })?;
-    let pings = |rt: &tokio::runtime::Runtime| {
+    // Through tonic's buffered, reconnecting channel (what clients of the head use) and
+    // through the direct connection the driver uses for role processes.
+    let pings = |rt: &tokio::runtime::Runtime, direct: bool| {
         rt.block_on(async {
             let o = ClientOptions::new(token.clone());
-            let mut client = ActorServiceClient::new(net::connect(&actor_addr, &o).await?);
+            let ch = if direct {
+                net::connect_direct(&actor_addr, &o).await?
+            } else {
+                net::connect(&actor_addr, &o).await?
+            };
+            let mut client = ActorServiceClient::new(ch);
             let mut out = Vec::with_capacity(calls);
             for i in 0..calls + 200 {
                 let t = Instant::now();
@@ -139,23 +146,51 @@ fn main() -> Result<()> {
             anyhow::Ok(out)
         })
     };
-    let rpc = pings(&rt)?;
     let current = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let rpc_ct = pings(&current)?;
+    // Alternating, twice each, so drift in the machine's load hits both alike.
+    let (mut chan, mut direct, mut chan_ct, mut direct_ct) = (vec![], vec![], vec![], vec![]);
+    for _ in 0..2 {
+        chan.extend(pings(&rt, false)?);
+        direct.extend(pings(&rt, true)?);
+        chan_ct.extend(pings(&current, false)?);
+        direct_ct.extend(pings(&current, true)?);
+    }
     drop(current);
     let mut raw = raw_tcp_rtt(calls)?;
     raw.sort_by(f64::total_cmp);
-    let (m, p99) = (percentile(&rpc, 0.5), percentile(&rpc, 0.99));
-    let (cm, cp99) = (percentile(&rpc_ct, 0.5), percentile(&rpc_ct, 0.99));
+    for v in [&mut chan, &mut direct, &mut chan_ct, &mut direct_ct] {
+        v.sort_by(f64::total_cmp);
+    }
     let (rm, rp99) = (percentile(&raw, 0.5), percentile(&raw, 0.99));
-    println!("actor no-op RPC round trip over {calls} calls to {actor_addr}:");
-    println!("  rpc (multi-thread client):   median {m:.1} us, p99 {p99:.1} us");
-    println!("  rpc (current-thread client): median {cm:.1} us, p99 {cp99:.1} us");
-    println!("  raw tcp:  median {rm:.1} us, p99 {rp99:.1} us (baseline, same run)");
     println!(
-        "  ratio rpc/raw median: {:.2}x; goal median <= 100 us: {}",
+        "actor no-op RPC round trip over {} calls to {actor_addr}:",
+        2 * calls
+    );
+    for (name, v) in [
+        (
+            "direct connection, multi-thread client (the driver's)",
+            &direct,
+        ),
+        ("tonic channel, multi-thread client", &chan),
+        ("direct connection, current-thread client", &direct_ct),
+        ("tonic channel, current-thread client", &chan_ct),
+    ] {
+        println!(
+            "  {name:55} median {:6.1} us, p99 {:6.1} us",
+            percentile(v, 0.5),
+            percentile(v, 0.99)
+        );
+    }
+    println!(
+        "  raw tcp echo (baseline, same run){:22} median {rm:6.1} us, p99 {rp99:6.1} us",
+        ""
+    );
+    let m = percentile(&direct, 0.5);
+    println!(
+        "  ratio direct/channel median {:.2}x, direct/raw {:.2}x; goal median <= 100 us: {}",
+        m / percentile(&chan, 0.5),
         m / rm,
         if m <= 100.0 { "met" } else { "NOT met" }
     );

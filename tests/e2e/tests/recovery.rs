@@ -282,8 +282,8 @@ fn a_lost_worker_moves_the_job_to_the_other_one() -> Result<()> {
 
 /// The other stages recover the same way (`trainer: dpo`, whose trainer and reference are
 /// separate role processes): the trainer SIGKILLed after step 3 of 8, the job places both
-/// again from the newest checkpoint and ends with each step written once and the metrics of
-/// an uninterrupted run.
+/// again from the newest checkpoint (its memory snapshot) and ends with each step written
+/// once and the metrics of an uninterrupted run.
 #[test]
 fn a_killed_dpo_trainer_is_restarted_with_the_same_metrics() -> Result<()> {
     let dir = tempfile::tempdir()?;
@@ -292,6 +292,7 @@ fn a_killed_dpo_trainer_is_restarted_with_the_same_metrics() -> Result<()> {
         "checkpoint.save_steps=2",
         "fault_tolerance.restart_backoff_s=1",
         "logging.progress=false",
+        "checkpoint.memory_snapshot=true",
     ];
     let cmd = |out: &Path| {
         let mut cmd = std::process::Command::new(rlhf_e2e::bin("rlhf-head"));
@@ -324,6 +325,10 @@ fn a_killed_dpo_trainer_is_restarted_with_the_same_metrics() -> Result<()> {
     assert!(
         text.contains("died") && text.contains("restart 1/3"),
         "{text}"
+    );
+    assert!(
+        text.contains("actor: checkpoint loaded from the memory snapshot on the worker at"),
+        "the DPO trainer loads from memory:\n{text}"
     );
     let (a, b) = (
         jsonl(&straight.join("metrics.jsonl"))?,
