@@ -79,7 +79,7 @@ pub enum Event<'a> {
 
 /// Receives a job's events. An error stops the job (a metrics file that cannot be written
 /// is a failed run, not a silent one).
-pub trait Reporter: Send {
+pub trait Reporter: Send + Sync {
     fn report(&mut self, event: &Event<'_>) -> Result<()>;
 }
 

@@ -96,18 +96,37 @@ impl Carry {
 /// A resume point: the checkpoint directory and its state.
 pub(super) type ResumePoint = Option<(PathBuf, TrainerState)>;
 
+/// One attempt of a job, for [`with_restarts`]: places the roles, runs, and frees them;
+/// returns the last completed step. A trait with a boxed future rather than an async
+/// closure, so that the whole job is a `Send` future the runtime can run on a task.
+pub(super) trait Attempts {
+    fn attempt<'a>(
+        &'a mut self,
+        resumed: ResumePoint,
+        report: &'a mut Reporters,
+        carry: &'a mut Carry,
+    ) -> futures::future::BoxFuture<'a, Result<u64, RunError>>;
+}
+
+/// A job's attempts: what every attempt needs besides the resume point.
+pub(super) struct Attempter<'x, I> {
+    pub head: &'x mut HeadClient,
+    pub inputs: &'x I,
+    pub shutdown: &'x CancellationToken,
+}
+
 /// Runs attempts of a job (PPO's or another stage's) until one ends, restarting after a role
 /// process or node dies as `fault_tolerance` allows: each new attempt starts from the newest
 /// checkpoint of this run (or the one it resumed from, or the beginning), after
 /// `restart_backoff_s`; the steps after that checkpoint leave the history (the attempt's
-/// reporters drop them from the files). `attempt` places the roles, runs, and frees them.
+/// reporters drop them from the files). `attempts` places the roles, runs, and frees them.
 pub(super) async fn with_restarts(
     cfg: &PpoConfig,
     ckpt_root: &Path,
     mut resumed: ResumePoint,
     report: &mut Reporters,
     shutdown: &CancellationToken,
-    mut attempt: impl AsyncFnMut(ResumePoint, &mut Reporters, &mut Carry) -> Result<u64, RunError>,
+    attempts: &mut impl Attempts,
 ) -> std::result::Result<JobSummary, RunError> {
     let first_step = resumed.as_ref().map_or(0, |(_, st)| st.global_step);
     let ft = &cfg.fault_tolerance;
@@ -117,7 +136,7 @@ pub(super) async fn with_restarts(
     };
     let mut restarts = 0;
     loop {
-        let error = match attempt(resumed.take(), report, &mut carry).await {
+        let error = match attempts.attempt(resumed.take(), report, &mut carry).await {
             Ok(global_step) => {
                 carry.snapshots.release().await;
                 return Ok(carry.summary(cfg, first_step, global_step));
@@ -182,7 +201,25 @@ struct Inputs<'a> {
 
 /// Runs the job to its end (or to `stop_after`), restarting after role deaths as
 /// `fault_tolerance` allows, then frees the actors and devices.
+///
+/// The job runs on a task of the runtime, not on the thread that awaits this: a runtime's
+/// `block_on` thread is none of its workers, so every role call made there crosses threads
+/// twice on its way to the connection's task and back (`cluster_bench` measures both).
 pub async fn run(
+    head: HeadClient,
+    opts: DriverOptions,
+    shutdown: CancellationToken,
+) -> std::result::Result<JobSummary, RunError> {
+    match tokio::spawn(run_here(head, opts, shutdown)).await {
+        Ok(r) => r,
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(e) => Err(RunError::from(Error::internal(format!(
+            "the job's task ended before the job: {e}"
+        )))),
+    }
+}
+
+async fn run_here(
     mut head: HeadClient,
     mut opts: DriverOptions,
     shutdown: CancellationToken,
@@ -232,17 +269,38 @@ pub async fn run(
         fixed: fixed.as_ref(),
         ckpt_root: &ckpt_root,
     };
+    let mut attempts = Attempter {
+        head: &mut head,
+        inputs: &inputs,
+        shutdown: &shutdown,
+    };
     with_restarts(
         cfg,
         &ckpt_root,
         resumed,
         &mut report,
         &shutdown,
-        async |resumed, report, carry| {
-            attempt(&mut head, &inputs, resumed, report, carry, &shutdown).await
-        },
+        &mut attempts,
     )
     .await
+}
+
+impl Attempts for Attempter<'_, Inputs<'_>> {
+    fn attempt<'a>(
+        &'a mut self,
+        resumed: ResumePoint,
+        report: &'a mut Reporters,
+        carry: &'a mut Carry,
+    ) -> futures::future::BoxFuture<'a, Result<u64, RunError>> {
+        Box::pin(attempt(
+            self.head,
+            self.inputs,
+            resumed,
+            report,
+            carry,
+            self.shutdown,
+        ))
+    }
 }
 
 /// One attempt: placement, the roles loaded (from `resumed` when given), the loop, and the

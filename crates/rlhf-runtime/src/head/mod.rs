@@ -338,7 +338,15 @@ impl HeadService for Head {
         let (id, commit) =
             self.lock()
                 .register_deferred(Some(r.node_id.clone()), node, live, now)?;
-        commit.wait().await?;
+        // The record goes to disk with the next group commit; the answer does not wait for
+        // it: a registration is not durable when answered anyway (a restarted head has every
+        // node register again), and in a storm of joins that wait was most of the latency.
+        let node_id = id.clone();
+        tokio::spawn(async move {
+            if let Err(e) = commit.wait().await {
+                tracing::warn!(node = %node_id, "saving the node's registration: {e}; it registers again after a head restart");
+            }
+        });
         let heartbeat_key = self.0.beats.register(&id, now)?;
         tracing::info!(node = %id, host = %r.hostname, address = %r.address, peer = ?peer, resources = %resources.display(), cuda_roles = r.cuda_roles, "node registered");
         Ok(Response::new(pb::RegisterNodeResponse {

@@ -217,17 +217,38 @@ pub(super) async fn run(
         eval: eval.as_ref(),
         ckpt_root: &ckpt_root,
     };
+    let mut attempts = run::Attempter {
+        head: &mut head,
+        inputs: &inputs,
+        shutdown: &shutdown,
+    };
     run::with_restarts(
         cfg,
         &ckpt_root,
         resumed,
         &mut report,
         &shutdown,
-        async |resumed, report, carry| {
-            attempt(&mut head, &inputs, resumed, report, carry, &shutdown).await
-        },
+        &mut attempts,
     )
     .await
+}
+
+impl run::Attempts for run::Attempter<'_, Inputs<'_>> {
+    fn attempt<'a>(
+        &'a mut self,
+        resumed: ResumePoint,
+        report: &'a mut Reporters,
+        carry: &'a mut Carry,
+    ) -> futures::future::BoxFuture<'a, Result<u64, RunError>> {
+        Box::pin(attempt(
+            self.head,
+            self.inputs,
+            resumed,
+            report,
+            carry,
+            self.shutdown,
+        ))
+    }
 }
 
 /// One attempt: the data cursor restored, the roles placed and loaded (from `resumed` when
