@@ -123,55 +123,49 @@ pub(super) struct Attempter<'x, I> {
 pub(super) async fn with_restarts(
     cfg: &PpoConfig,
     ckpt_root: &Path,
-    mut resumed: ResumePoint,
+    resumed: ResumePoint,
     report: &mut Reporters,
     shutdown: &CancellationToken,
     attempts: &mut impl Attempts,
 ) -> std::result::Result<JobSummary, RunError> {
     let first_step = resumed.as_ref().map_or(0, |(_, st)| st.global_step);
-    let ft = &cfg.fault_tolerance;
     let mut carry = Carry {
         last_checkpoint: resumed.as_ref().map(|(d, _)| d.clone()),
         ..Carry::default()
     };
+    let out = restart_loop(
+        cfg, ckpt_root, resumed, report, shutdown, attempts, &mut carry,
+    )
+    .await;
+    // However the job ends (done, failed, stopped), the workers drop its memory snapshots.
+    carry.snapshots.release().await;
+    out.map(|global_step| carry.summary(cfg, first_step, global_step))
+}
+
+/// [`with_restarts`]' attempts and restarts; returns the last completed step.
+async fn restart_loop(
+    cfg: &PpoConfig,
+    ckpt_root: &Path,
+    mut resumed: ResumePoint,
+    report: &mut Reporters,
+    shutdown: &CancellationToken,
+    attempts: &mut impl Attempts,
+    carry: &mut Carry,
+) -> std::result::Result<u64, RunError> {
+    let ft = &cfg.fault_tolerance;
     let mut restarts = 0;
     loop {
-        let error = match attempts.attempt(resumed.take(), report, &mut carry).await {
-            Ok(global_step) => {
-                carry.snapshots.release().await;
-                return Ok(carry.summary(cfg, first_step, global_step));
-            }
+        let error = match attempts.attempt(resumed.take(), report, carry).await {
+            Ok(global_step) => return Ok(global_step),
             Err(e) => e,
         };
         if error.error.kind() != FailureKind::ActorDied || restarts >= ft.max_restarts {
-            carry.snapshots.release().await;
             return Err(error);
         }
         restarts += 1;
         // The newest checkpoint this run wrote or resumed from; none: from the start.
         resumed = match &carry.last_checkpoint {
-            Some(dir) => match checkpoint::resolve(ckpt_root, &dir.to_string_lossy()) {
-                Ok(r) => Some(r),
-                // Its trainer state is gone from disk; the memory snapshot still has it.
-                Err(e) => match carry
-                    .snapshots
-                    .record
-                    .as_ref()
-                    .filter(|r| checkpoint::step_dir(ckpt_root, r.step) == *dir)
-                {
-                    Some(r) => {
-                        tracing::warn!(
-                            "{e}; restarting from the memory snapshot of step {}",
-                            r.step
-                        );
-                        Some((dir.clone(), r.state.clone()))
-                    }
-                    None => {
-                        carry.snapshots.release().await;
-                        return Err(e.into());
-                    }
-                },
-            },
+            Some(dir) => Some(restart_point(ckpt_root, dir, carry)?),
             None => None,
         };
         let from = resumed.as_ref().map_or(0, |(_, st)| st.global_step);
@@ -187,6 +181,30 @@ pub(super) async fn with_restarts(
             _ = tokio::time::sleep(Duration::from_secs_f64(ft.restart_backoff_s)) => {}
             _ = shutdown.cancelled() => return Err(error),
         }
+    }
+}
+
+/// The checkpoint `dir` with its trainer state: from disk, or, when that is gone, from the
+/// memory snapshot of the same step.
+fn restart_point(
+    ckpt_root: &Path,
+    dir: &Path,
+    carry: &Carry,
+) -> rlhf_core::Result<(PathBuf, TrainerState)> {
+    let e = match checkpoint::resolve(ckpt_root, &dir.to_string_lossy()) {
+        Ok(r) => return Ok(r),
+        Err(e) => e,
+    };
+    let record = carry.snapshots.record.as_ref();
+    match record.filter(|r| checkpoint::step_dir(ckpt_root, r.step) == dir) {
+        Some(r) => {
+            tracing::warn!(
+                "{e}; restarting from the memory snapshot of step {}",
+                r.step
+            );
+            Ok((dir.to_path_buf(), r.state.clone()))
+        }
+        None => Err(e),
     }
 }
 

@@ -250,8 +250,9 @@ impl HeadState {
         Ok(id)
     }
 
-    /// [`HeadState::register`] with its writes queued for a group commit, which the caller
-    /// awaits after releasing the head's lock (registrations of many nodes share commits).
+    /// [`HeadState::register`] with its writes queued for a group commit (registrations of
+    /// many nodes share commits); the caller awaits it, if at all, after releasing the
+    /// head's lock (RegisterNode answers without waiting and only logs a failure).
     /// They are not fsynced first: a head that loses them to a crash does not know the node,
     /// and the node registers again with its live actors, which rebuilds the same records.
     pub fn register_deferred(

@@ -427,17 +427,7 @@ impl WorkerService for WorkerSvc {
         &self,
         req: Request<tonic::Streaming<pb::SnapshotChunk>>,
     ) -> std::result::Result<Response<pb::PutSnapshotResponse>, Status> {
-        let mut stream = req.into_inner();
-        let mut asm = crate::snapshot::Assembler::new();
-        while let Some(chunk) = stream.message().await? {
-            if let Some((key, total)) = asm.push(chunk)? {
-                // Refused before the data travels when it cannot fit.
-                self.0.snapshots.admit(&key.job_id, total)?;
-            }
-        }
-        let (key, files) = asm.finish()?;
-        let bytes = self.0.snapshots.insert(&key, files)?;
-        tracing::info!(job = %key.job_id, step = key.step, part = %key.part, bytes, held = self.0.snapshots.used(), "snapshot stored");
+        let bytes = self.0.snapshots.receive(req.into_inner()).await?;
         Ok(Response::new(pb::PutSnapshotResponse { bytes }))
     }
 
@@ -453,10 +443,7 @@ impl WorkerService for WorkerSvc {
             .into_inner()
             .key
             .ok_or_else(|| Error::invalid("GetSnapshotRequest.key is missing"))?;
-        crate::snapshot::check_key(&key)?;
-        let files = self.0.snapshots.get(&key)?;
-        // Chunks are views of the held bytes: nothing is copied.
-        let chunks = crate::snapshot::chunks(key, &files);
+        let chunks = self.0.snapshots.chunks(key)?;
         Ok(Response::new(Box::pin(tokio_stream::iter(
             chunks.into_iter().map(Ok),
         ))))

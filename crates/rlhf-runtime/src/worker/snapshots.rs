@@ -132,6 +132,28 @@ impl Store {
         Ok(bytes)
     }
 
+    /// PutSnapshot: takes the stream's directory (refused at its first chunk, before the
+    /// data travels, when it cannot fit) and stores it; returns its bytes.
+    pub async fn receive(&self, mut stream: tonic::Streaming<pb::SnapshotChunk>) -> Result<u64> {
+        let mut asm = crate::snapshot::Assembler::new();
+        while let Some(chunk) = stream.message().await? {
+            if let Some((key, total)) = asm.push(chunk)? {
+                self.admit(&key.job_id, total)?;
+            }
+        }
+        let (key, files) = asm.finish()?;
+        let bytes = self.insert(&key, files)?;
+        tracing::info!(job = %key.job_id, step = key.step, part = %key.part, bytes, held = self.used(), "snapshot stored");
+        Ok(bytes)
+    }
+
+    /// GetSnapshot: the snapshot `key` as chunks, views of the held bytes (nothing copied).
+    pub fn chunks(&self, key: pb::SnapshotKey) -> Result<Vec<pb::SnapshotChunk>> {
+        crate::snapshot::check_key(&key)?;
+        let files = self.get(&key)?;
+        Ok(crate::snapshot::chunks(key, &files))
+    }
+
     /// The snapshot `key`, when held.
     pub fn get(&self, key: &pb::SnapshotKey) -> Result<Arc<Files>> {
         let inner = crate::lock(&self.inner);
