@@ -16,89 +16,11 @@ use bytes::{Bytes, BytesMut};
 use rlhf_proto::v1 as pb;
 use serde::{Deserialize, Serialize};
 
+pub use crate::tensor_bytes::{SharedRegion, TensorBytes};
 use crate::{Error, Result};
 
 use rlhf_types::Checksum;
 pub use rlhf_types::DType;
-
-/// A tensor's bytes, shared copy-on-write. Cloning a batch or streaming it hands out
-/// references instead of copying hundreds of MiB; writing through it (it derefs to a
-/// `Vec<u8>`) copies only while another reference is alive.
-#[derive(Clone, Default, PartialEq, Eq)]
-pub struct TensorBytes(Arc<Vec<u8>>);
-
-impl TensorBytes {
-    /// The bytes as an owned vector, without a copy when this is the only reference.
-    pub fn into_vec(self) -> Vec<u8> {
-        Arc::try_unwrap(self.0).unwrap_or_else(|shared| (*shared).clone())
-    }
-
-    /// A zero-copy `Bytes` view that keeps the buffer alive (for stream chunks).
-    pub fn to_bytes(&self) -> Bytes {
-        Bytes::from_owner(SharedVec(Arc::clone(&self.0)))
-    }
-}
-
-struct SharedVec(Arc<Vec<u8>>);
-
-impl AsRef<[u8]> for SharedVec {
-    fn as_ref(&self) -> &[u8] {
-        &self.0
-    }
-}
-
-impl std::ops::Deref for TensorBytes {
-    type Target = Vec<u8>;
-    fn deref(&self) -> &Vec<u8> {
-        &self.0
-    }
-}
-
-impl std::ops::DerefMut for TensorBytes {
-    fn deref_mut(&mut self) -> &mut Vec<u8> {
-        Arc::make_mut(&mut self.0)
-    }
-}
-
-impl From<Vec<u8>> for TensorBytes {
-    fn from(v: Vec<u8>) -> Self {
-        Self(Arc::new(v))
-    }
-}
-
-impl From<TensorBytes> for Vec<u8> {
-    fn from(b: TensorBytes) -> Self {
-        b.into_vec()
-    }
-}
-
-impl PartialEq<[u8]> for TensorBytes {
-    fn eq(&self, other: &[u8]) -> bool {
-        self.0.as_slice() == other
-    }
-}
-
-impl PartialEq<Vec<u8>> for TensorBytes {
-    fn eq(&self, other: &Vec<u8>) -> bool {
-        *self.0 == *other
-    }
-}
-
-impl std::fmt::Debug for TensorBytes {
-    // Batches are often hundreds of MiB: print small tensors whole, big ones by length.
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        if self.0.len() <= 64 {
-            f.debug_tuple("TensorBytes").field(&self.0).finish()
-        } else {
-            write!(
-                f,
-                "TensorBytes({} bytes, starting {:?}..)",
-                self.0.len(),
-                &self.0[..16]
-            )
-        }
-    }
-}
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct TensorData {
@@ -418,8 +340,9 @@ struct TensorHeader {
     len: usize,
 }
 
-/// The prefix and JSON header: everything of the encoding but the tensor bytes.
-fn encode_header(b: &DataBatch) -> Result<Vec<u8>> {
+/// The prefix and JSON header: everything of the encoding but the tensor bytes, which
+/// follow it in name order (`DataBatch::tensors`).
+pub fn encode_header(b: &DataBatch) -> Result<Vec<u8>> {
     b.len()?;
     let header = Header {
         tensors: b
@@ -454,6 +377,20 @@ pub fn encode(b: &DataBatch) -> Result<Vec<u8>> {
         out.extend_from_slice(&t.data);
     }
     Ok(out)
+}
+
+/// Writes the encoding of `b` to `w` (the header, then each tensor's bytes straight from its
+/// storage, nothing copied in between) and returns its length.
+pub fn encode_into(b: &DataBatch, w: &mut impl std::io::Write) -> Result<u64> {
+    let head = encode_header(b)?;
+    let io = |e: std::io::Error| Error::io("writing an encoded batch", e);
+    w.write_all(&head).map_err(io)?;
+    let mut n = head.len() as u64;
+    for t in b.tensors.values() {
+        w.write_all(&t.data).map_err(io)?;
+        n += t.data.len() as u64;
+    }
+    Ok(n)
 }
 
 /// Encodes straight into stream chunks of `chunk_bytes` (the last one shorter). A chunk
@@ -503,6 +440,7 @@ fn chunk_segments(
             data,
             total_bytes: total,
             index: out.len() as u32,
+            shared: None,
         });
     }
     if out.is_empty() {
@@ -510,6 +448,7 @@ fn chunk_segments(
             data: Bytes::new(),
             total_bytes: 0,
             index: 0,
+            shared: None,
         });
     }
     out
@@ -616,6 +555,65 @@ fn prefault(_ptr: *mut u8, _len: usize) -> bool {
 /// Pieces are hashed this many bytes at a time, right after their copy, while in cache.
 const HASH_STEP: usize = 64 << 10;
 
+/// Where the JSON header ends, from the 16-byte prefix of a `total`-byte encoding.
+fn header_end(p: &[u8], total: usize) -> Result<usize> {
+    if p.len() < PREFIX || &p[..4] != MAGIC {
+        return Err(corrupt("missing RLHB header"));
+    }
+    let version = u32::from_le_bytes([p[4], p[5], p[6], p[7]]);
+    if version != FORMAT_VERSION {
+        return Err(corrupt(format!(
+            "format version {version}, this build reads {FORMAT_VERSION}"
+        )));
+    }
+    let hlen = u64::from_le_bytes([p[8], p[9], p[10], p[11], p[12], p[13], p[14], p[15]]);
+    usize::try_from(hlen)
+        .ok()
+        .and_then(|h| PREFIX.checked_add(h))
+        .filter(|&e| e <= total)
+        .ok_or_else(|| {
+            corrupt(format!(
+                "header length {hlen} runs past the end of a {total}-byte batch"
+            ))
+        })
+}
+
+/// Decodes the encoding that fills `region` from byte `offset` to its end without copying a
+/// tensor byte: every tensor of the result is a view of the region (a sealed shared-memory
+/// batch, mapped), which it keeps alive. The header is checked as the streamed decoder
+/// checks it.
+pub fn decode_view(region: Arc<dyn SharedRegion>, offset: usize) -> Result<DataBatch> {
+    let bytes = region
+        .bytes()
+        .get(offset..)
+        .ok_or_else(|| corrupt(format!("starts at byte {offset}, past the end")))?;
+    let total = bytes.len();
+    let end = header_end(bytes, total)?;
+    let header: Header = serde_json::from_slice(&bytes[PREFIX..end]).map_err(corrupt)?;
+    let body = Body::new(header, total - end)?;
+    let mut out = DataBatch {
+        columns: body.columns,
+        meta: body.meta,
+        ..Default::default()
+    };
+    let mut at = offset + end;
+    for t in body.tensors {
+        let data = TensorBytes::view(region.clone(), at..at + t.len)
+            .ok_or_else(|| corrupt(format!("tensor '{}' runs past the end", t.name)))?;
+        at += t.len;
+        out.tensors.insert(
+            t.name,
+            TensorData {
+                dtype: t.dtype,
+                shape: t.shape,
+                data,
+            },
+        );
+    }
+    out.len()?;
+    Ok(out)
+}
+
 impl Decoder {
     fn new(total: usize) -> Self {
         Self {
@@ -667,33 +665,16 @@ impl Decoder {
 
     fn parse_head(&mut self) -> Result<()> {
         if self.head_end.is_none() && self.head.len() == PREFIX {
-            let p = &self.head;
-            if &p[..4] != MAGIC {
-                return Err(corrupt("missing RLHB header"));
-            }
-            let version = u32::from_le_bytes([p[4], p[5], p[6], p[7]]);
-            if version != FORMAT_VERSION {
-                return Err(corrupt(format!(
-                    "format version {version}, this build reads {FORMAT_VERSION}"
-                )));
-            }
-            let hlen = u64::from_le_bytes([p[8], p[9], p[10], p[11], p[12], p[13], p[14], p[15]]);
-            let end = usize::try_from(hlen)
-                .ok()
-                .and_then(|h| PREFIX.checked_add(h))
-                .filter(|&e| e <= self.total)
-                .ok_or_else(|| {
-                    corrupt(format!(
-                        "header length {hlen} runs past the end of a {}-byte batch",
-                        self.total
-                    ))
-                })?;
+            let end = header_end(&self.head, self.total)?;
             self.head.reserve_exact(end - PREFIX);
             self.head_end = Some(end);
         }
         if self.head_end == Some(self.head.len()) {
             let header: Header = serde_json::from_slice(&self.head[PREFIX..]).map_err(corrupt)?;
             let mut body = Body::new(header, self.total - self.head.len())?;
+            for t in &mut body.tensors {
+                t.data.reserve_exact(t.len);
+            }
             body.skip_full(&mut self.hasher);
             self.body = Some(body);
             self.head = Vec::new();
@@ -792,9 +773,6 @@ impl Body {
                 body_bytes - sum
             )));
         }
-        for t in &mut tensors {
-            t.data.reserve_exact(t.len);
-        }
         Ok(Self {
             tensors,
             columns: h.columns,
@@ -856,6 +834,12 @@ impl Assembler {
     }
 
     pub fn push(&mut self, c: pb::BatchChunk) -> Result<()> {
+        if c.shared.is_some() {
+            return Err(corrupt(format!(
+                "chunk {} points at shared memory inside a streamed batch",
+                c.index
+            )));
+        }
         if c.index != self.next {
             return Err(corrupt(format!(
                 "chunk {} arrived, expected {}",
@@ -892,6 +876,11 @@ impl Assembler {
             .map_err(|e| Error::invalid(format!("{e} (in chunk {})", c.index)))?;
         self.next += 1;
         Ok(())
+    }
+
+    /// Whether every announced byte has arrived (the stream may stay open after that).
+    pub fn is_complete(&self) -> bool {
+        self.dec.as_ref().is_some_and(|d| d.seen == d.total)
     }
 
     /// Bytes received so far.

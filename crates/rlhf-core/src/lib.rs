@@ -12,6 +12,7 @@ pub mod outcome;
 pub mod placement;
 pub mod resources;
 pub mod role;
+mod tensor_bytes;
 
 pub use batch::{DataBatch, TensorData};
 pub use error::{Error, FailureKind, Result};

@@ -64,7 +64,7 @@ proptest! {
     ) {
         let mut a = Assembler::new(1 << 16);
         for (index, total_bytes, data) in chunks {
-            let r = a.push(pb::BatchChunk { index, total_bytes, data: data.into() });
+            let r = a.push(pb::BatchChunk { index, total_bytes, data: data.into(), shared: None });
             prop_assert!(a.received_bytes() <= 1 << 16);
             if r.is_err() {
                 break;
