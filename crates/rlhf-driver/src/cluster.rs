@@ -300,6 +300,7 @@ pub async fn launch(
                 client: RoleServiceClient::new(ch)
                     .max_decoding_message_size(rlhf_proto::MAX_MESSAGE_BYTES)
                     .max_encoding_message_size(rlhf_proto::MAX_MESSAGE_BYTES),
+                batches: Default::default(),
             });
         }
         groups.push(WorkerGroup {

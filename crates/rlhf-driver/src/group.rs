@@ -1,15 +1,21 @@
 //! WorkerGroup: the ranks of one role part. Splits a batch across its ranks, calls them
 //! concurrently, gathers the answers in rank order and drops the padding rows.
 
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::try_join_all;
+use futures::StreamExt;
 use rlhf_core::batch::{Assembler, DataBatch};
 use rlhf_core::calls::{self, RoleCall, Wire};
 use rlhf_core::{CommGroup, Error, FailureKind, Result, RoleKind, RolePart};
+use rlhf_proto::v1 as pb;
 use rlhf_proto::v1::role_service_client::RoleServiceClient;
 pub use rlhf_proto::BatchCall;
 use rlhf_runtime::net::AuthChannel;
+use rlhf_runtime::shared_batch;
+use tonic::Streaming;
 
 /// Largest batch a role answer may be.
 const MAX_ANSWER_BYTES: u64 = 8 << 30;
@@ -23,36 +29,156 @@ pub struct Member {
     pub pid: i32,
     pub log_file: String,
     pub client: RoleServiceClient<AuthChannel>,
+    /// Shared memory or gRPC, as the first batch call found.
+    pub batches: BatchPath,
 }
 
-/// Sends `batch` to one member and returns its answer batch.
+/// How batches reach one member: through shared memory while that works (same host), else
+/// streamed over gRPC. Untried (0) until the first call, which settles it (one log line per
+/// member).
+#[derive(Clone, Debug, Default)]
+pub struct BatchPath(Arc<AtomicU8>);
+
+const PATH_SHARED: u8 = 1;
+const PATH_STREAM: u8 = 2;
+
+impl BatchPath {
+    fn shared_allowed(&self) -> bool {
+        self.0.load(Ordering::Relaxed) != PATH_STREAM
+    }
+
+    fn settle(&self, member: &Member, path: u8, why: &str) {
+        if self.0.swap(path, Ordering::Relaxed) != path {
+            let how = if path == PATH_SHARED {
+                "through shared memory (same host)".to_string()
+            } else {
+                format!("streamed over gRPC ({why})")
+            };
+            tracing::info!("batches to actor {} go {how}", member.actor_id);
+        }
+    }
+
+    /// Whether batches to this member have gone through shared memory.
+    pub fn is_shared(&self) -> bool {
+        self.0.load(Ordering::Relaxed) == PATH_SHARED
+    }
+}
+
+/// One batch call with the request already a stream of chunks; the answer's stream.
+async fn send<S>(
+    member: &Member,
+    call: BatchCall,
+    stream: S,
+) -> std::result::Result<Streaming<pb::BatchChunk>, tonic::Status>
+where
+    S: futures::Stream<Item = pb::BatchChunk> + Send + 'static,
+{
+    let mut c = member.client.clone();
+    let resp = match call {
+        BatchCall::Generate => c.generate(stream).await,
+        BatchCall::ComputeLogProbs => c.compute_log_probs(stream).await,
+        BatchCall::ComputeValues => c.compute_values(stream).await,
+        BatchCall::ComputeScores => c.compute_scores(stream).await,
+        BatchCall::UpdateActor => c.update_actor(stream).await,
+        BatchCall::UpdateCritic => c.update_critic(stream).await,
+        BatchCall::UpdateSft => c.update_sft(stream).await,
+        BatchCall::UpdatePreference => c.update_preference(stream).await,
+        BatchCall::UpdateRewardModel => c.update_reward_model(stream).await,
+    }?;
+    Ok(resp.into_inner())
+}
+
+/// Reads a streamed answer whose first chunk has arrived.
+async fn read_streamed(
+    first: pb::BatchChunk,
+    mut s: Streaming<pb::BatchChunk>,
+) -> Result<DataBatch> {
+    let mut asm = Assembler::new(MAX_ANSWER_BYTES);
+    asm.push(first)?;
+    while let Some(chunk) = s.message().await.map_err(Error::from)? {
+        asm.push(chunk)?;
+    }
+    asm.finish()
+}
+
+/// The batch through shared memory ([`shared_batch`]); `None` when the member cannot read
+/// this process's memory (another host), so the caller streams it instead.
+async fn call_shared(
+    member: &Member,
+    call: BatchCall,
+    batch: &DataBatch,
+) -> Result<Option<DataBatch>> {
+    let b = batch.clone();
+    let file = match tokio::task::spawn_blocking(move || shared_batch::SharedFile::write(&b))
+        .await
+        .map_err(|e| Error::internal(format!("shared batch writer: {e}")))?
+    {
+        Ok(f) => f,
+        Err(e) => {
+            member.batches.settle(member, PATH_STREAM, &e.to_string());
+            return Ok(None);
+        }
+    };
+    // The request stream stays open until the answer is mapped: the member holds the
+    // answer's memory until then.
+    let (mapped, held) = tokio::sync::oneshot::channel::<()>();
+    let stream = futures::stream::iter([file.chunk()]).chain(
+        futures::stream::once(async move {
+            let _ = held.await;
+        })
+        .filter_map(|()| std::future::ready(None)),
+    );
+    let mut answer = match send(member, call, stream).await {
+        Ok(s) => s,
+        Err(s) if shared_batch::is_unreachable(&s) => {
+            member.batches.settle(member, PATH_STREAM, s.message());
+            return Ok(None);
+        }
+        Err(s) => return Err(Error::from(s)),
+    };
+    let first = answer
+        .message()
+        .await
+        .map_err(Error::from)?
+        .ok_or_else(|| Error::internal(format!("{} answered with no batch", call.name())))?;
+    let out = if first.shared.is_some() {
+        tokio::task::spawn_blocking(move || shared_batch::open(&first, MAX_ANSWER_BYTES))
+            .await
+            .map_err(|e| Error::internal(format!("shared batch reader: {e}")))??
+            .map_err(|u| Error::internal(format!("the answer of actor {}: {u}", member.actor_id)))?
+    } else {
+        read_streamed(first, answer).await?
+    };
+    drop(mapped);
+    drop(file);
+    member.batches.settle(member, PATH_SHARED, "");
+    Ok(Some(out))
+}
+
+/// Sends `batch` to one member and returns its answer batch: through shared memory when the
+/// member is on this host, else streamed in chunks.
 pub async fn call_batch(
     member: &Member,
     call: BatchCall,
     batch: &DataBatch,
     timeout: Duration,
 ) -> Result<DataBatch> {
-    let stream = rlhf_runtime::batch_stream(batch)?;
-    let mut c = member.client.clone();
     let fut = async move {
-        let resp = match call {
-            BatchCall::Generate => c.generate(stream).await,
-            BatchCall::ComputeLogProbs => c.compute_log_probs(stream).await,
-            BatchCall::ComputeValues => c.compute_values(stream).await,
-            BatchCall::ComputeScores => c.compute_scores(stream).await,
-            BatchCall::UpdateActor => c.update_actor(stream).await,
-            BatchCall::UpdateCritic => c.update_critic(stream).await,
-            BatchCall::UpdateSft => c.update_sft(stream).await,
-            BatchCall::UpdatePreference => c.update_preference(stream).await,
-            BatchCall::UpdateRewardModel => c.update_reward_model(stream).await,
+        if member.batches.shared_allowed() {
+            if let Some(out) = call_shared(member, call, batch).await? {
+                return Ok(out);
+            }
         }
-        .map_err(Error::from)?;
-        let mut s = resp.into_inner();
-        let mut asm = Assembler::new(MAX_ANSWER_BYTES);
-        while let Some(chunk) = s.message().await.map_err(Error::from)? {
-            asm.push(chunk)?;
-        }
-        asm.finish()
+        let stream = tokio_stream::iter(rlhf_core::batch::encode_chunks(
+            batch,
+            rlhf_core::batch::CHUNK_BYTES,
+        )?);
+        let mut s = send(member, call, stream).await.map_err(Error::from)?;
+        let first =
+            s.message().await.map_err(Error::from)?.ok_or_else(|| {
+                Error::internal(format!("{} answered with no batch", call.name()))
+            })?;
+        read_streamed(first, s).await
     };
     match tokio::time::timeout(timeout, fut).await {
         Ok(r) => r,

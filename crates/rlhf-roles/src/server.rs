@@ -20,6 +20,7 @@ use rlhf_proto::MAX_MESSAGE_BYTES;
 use rlhf_runtime::actor::MAX_BATCH_BYTES;
 use rlhf_runtime::auth::CheckToken;
 use rlhf_runtime::net;
+use rlhf_runtime::shared_batch;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
@@ -120,7 +121,15 @@ impl RoleServer {
         req: Request<Streaming<pb::BatchChunk>>,
     ) -> Result<Response<ChunkStream>, Status> {
         let mut stream = req.into_inner();
+        let first = stream
+            .message()
+            .await?
+            .ok_or_else(|| Status::invalid_argument("empty batch stream"))?;
+        if first.shared.is_some() {
+            return self.batch_shared(call, first, stream).await;
+        }
         let mut asm = Assembler::new(MAX_BATCH_BYTES);
+        asm.push(first)?;
         while let Some(chunk) = stream.message().await? {
             asm.push(chunk)?;
         }
@@ -139,7 +148,53 @@ impl RoleServer {
             chunks.into_iter().map(Ok),
         ))))
     }
+
+    /// A batch the caller put in shared memory on this host ([`shared_batch`]): read as
+    /// views of its mapping, and answered the same way. The caller keeps its request stream
+    /// open until it has mapped the answer; the answer's file is held until then (or
+    /// [`SHARED_ANSWER_HOLD`]), so its memory is never gone before it is read.
+    async fn batch_shared(
+        &self,
+        call: BatchCall,
+        first: pb::BatchChunk,
+        mut stream: Streaming<pb::BatchChunk>,
+    ) -> Result<Response<ChunkStream>, Status> {
+        let opened =
+            tokio::task::spawn_blocking(move || shared_batch::open(&first, MAX_BATCH_BYTES))
+                .await
+                .map_err(|e| Status::internal(format!("shared batch reader: {e}")))??;
+        let batch = opened.map_err(|u| shared_batch::unreachable_status(&u))?;
+        let out = self.compute.run(move |a| a.batch(call, &batch)).await?;
+        let written =
+            tokio::task::spawn_blocking(move || match shared_batch::SharedFile::write(&out) {
+                Ok(f) => Ok(f),
+                Err(e) => Err((e, out)),
+            })
+            .await
+            .map_err(|e| Status::internal(format!("shared batch writer: {e}")))?;
+        match written {
+            Ok(file) => {
+                let chunk = file.chunk();
+                tokio::spawn(async move {
+                    let drained = async { while let Ok(Some(_)) = stream.message().await {} };
+                    let _ = tokio::time::timeout(SHARED_ANSWER_HOLD, drained).await;
+                    drop(file);
+                });
+                Ok(Response::new(Box::pin(tokio_stream::iter([Ok(chunk)]))))
+            }
+            Err((e, out)) => {
+                tracing::warn!("answering through shared memory failed ({e}); streaming instead");
+                let chunks = to_chunks(encode(&out)?, CHUNK_BYTES);
+                Ok(Response::new(Box::pin(tokio_stream::iter(
+                    chunks.into_iter().map(Ok),
+                ))))
+            }
+        }
+    }
 }
+
+/// Longest a shared-memory answer is held for a caller that does not say it has mapped it.
+const SHARED_ANSWER_HOLD: Duration = Duration::from_secs(60);
 
 #[tonic::async_trait]
 impl RoleService for RoleServer {

@@ -161,6 +161,46 @@ async fn generate_and_log_probs_over_grpc() {
         .zip(&rmask)
         .all(|(l, m)| *m == 0.0 || (*l <= 0.0 && l.is_finite())));
 
+    // The same call through shared memory: the answer comes back the same way, as views of
+    // the role's segment, equal to the streamed one (greedy decoding, same seed). The role
+    // holds its answer until this request stream ends.
+    let req =
+        rlhf_runtime::shared_batch::SharedFile::write(&wire::<GenerateRequest>(&prompts)).unwrap();
+    let (mapped, held) = tokio::sync::oneshot::channel::<()>();
+    let stream = futures::StreamExt::chain(
+        futures::stream::iter([req.chunk()]),
+        futures::StreamExt::filter_map(
+            futures::stream::once(async move {
+                let _ = held.await;
+            }),
+            |()| std::future::ready(None),
+        ),
+    );
+    let mut answer = c.generate(stream).await.unwrap().into_inner();
+    let first = answer.message().await.unwrap().unwrap();
+    assert!(
+        first.shared.is_some(),
+        "a shared request is answered in shared memory"
+    );
+    let shared_out = rlhf_runtime::shared_batch::open(&first, 1 << 30)
+        .unwrap()
+        .unwrap();
+    drop(mapped);
+    assert!(shared_out.tensors["responses"].data.is_view());
+    assert_eq!(shared_out, out);
+    // A batch the role cannot reach (here: a descriptor that is not open) is refused with
+    // the mark that makes the driver stream it instead.
+    let mut bogus = req.chunk();
+    if let Some(sh) = &mut bogus.shared {
+        sh.fd = 1_000_000;
+    }
+    let err = c
+        .generate(futures::stream::iter([bogus]))
+        .await
+        .unwrap_err();
+    assert!(rlhf_runtime::shared_batch::is_unreachable(&err), "{err}");
+    drop(req);
+
     let bad_batch = DataBatch::new()
         .with_tensor(
             "prompt_ids",

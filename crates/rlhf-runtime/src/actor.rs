@@ -63,6 +63,27 @@ impl ActorService for TestActor {
         let mut stream = req.into_inner();
         let mut asm = rlhf_core::batch::Assembler::new(MAX_BATCH_BYTES);
         while let Some(chunk) = stream.message().await? {
+            if chunk.shared.is_some() {
+                // Through shared memory: views of the mapping, hashed in one pass.
+                let bytes = chunk.total_bytes;
+                let got = tokio::task::spawn_blocking(move || {
+                    crate::shared_batch::open(&chunk, MAX_BATCH_BYTES).map(|r| {
+                        r.map(|b| {
+                            let sum = rlhf_core::batch::checksum(&b);
+                            (b, sum)
+                        })
+                    })
+                })
+                .await
+                .map_err(|e| Status::internal(format!("shared batch reader: {e}")))??;
+                let (batch, checksum) =
+                    got.map_err(|u| crate::shared_batch::unreachable_status(&u))?;
+                return Ok(Response::new(pb::PutBatchResponse {
+                    rows: batch.len()? as u64,
+                    bytes,
+                    checksum,
+                }));
+            }
             asm.push(chunk)?;
         }
         let bytes = asm.received_bytes();

@@ -16,6 +16,7 @@ pub mod prom;
 /// Gang placement (in rlhf-core, shared with `check`).
 pub use rlhf_core::placement;
 pub mod resources;
+pub mod shared_batch;
 pub mod snapshot;
 pub mod status;
 pub mod worker;

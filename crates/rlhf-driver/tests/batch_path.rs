@@ -1,0 +1,151 @@
+//! How the driver's batch calls pick their path, against a real gRPC server: a member that
+//! cannot read this process's shared memory (a role on another host) answers the first
+//! shared-memory request with the "unreachable" mark; the driver then streams that batch
+//! and every later one to it, and the answers are the batches themselves (nothing lost,
+//! nothing sent twice to the role's compute).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use rlhf_core::batch::{encode_chunks, Assembler, DataBatch, TensorData, CHUNK_BYTES};
+use rlhf_driver::group::{call_batch, BatchCall, Member};
+use rlhf_proto::v1 as pb;
+use rlhf_proto::v1::role_service_client::RoleServiceClient;
+use rlhf_proto::v1::role_service_server::{RoleService, RoleServiceServer};
+use rlhf_runtime::shared_batch::{unreachable_status, Unreachable};
+use tonic::{Request, Response, Status, Streaming};
+
+type Chunks = std::pin::Pin<Box<dyn futures::Stream<Item = Result<pb::BatchChunk, Status>> + Send>>;
+
+/// A role on "another host": refuses shared-memory batches, echoes streamed ones.
+#[derive(Default)]
+struct FarRole {
+    refused: AtomicUsize,
+    streamed: AtomicUsize,
+}
+
+impl FarRole {
+    async fn echo(
+        &self,
+        req: Request<Streaming<pb::BatchChunk>>,
+    ) -> Result<Response<Chunks>, Status> {
+        let mut s = req.into_inner();
+        let mut asm = Assembler::new(1 << 30);
+        while let Some(c) = s.message().await? {
+            if c.shared.is_some() {
+                self.refused.fetch_add(1, Ordering::SeqCst);
+                return Err(unreachable_status(&Unreachable("another host".into())));
+            }
+            asm.push(c)?;
+        }
+        self.streamed.fetch_add(1, Ordering::SeqCst);
+        let b = asm.finish()?;
+        let chunks = encode_chunks(&b, CHUNK_BYTES)?;
+        Ok(Response::new(Box::pin(futures::stream::iter(
+            chunks.into_iter().map(Ok),
+        ))))
+    }
+}
+
+/// The server's handle on the shared counters.
+struct Far(Arc<FarRole>);
+
+/// The whole service: unary calls unimplemented, batch calls echoed. One macro for the
+/// impl block, so `async_trait` sees every method.
+macro_rules! far_role {
+    (unary { $($u:ident($req:ty) -> $resp:ty;)* } batch { $($b:ident, $stream:ident;)* }) => {
+        #[tonic::async_trait]
+        impl RoleService for Far {
+            $(
+                async fn $u(&self, _: Request<$req>) -> Result<Response<$resp>, Status> {
+                    Err(Status::unimplemented(stringify!($u)))
+                }
+            )*
+            $(
+                type $stream = Chunks;
+                async fn $b(
+                    &self,
+                    r: Request<Streaming<pb::BatchChunk>>,
+                ) -> Result<Response<Chunks>, Status> {
+                    self.0.echo(r).await
+                }
+            )*
+        }
+    };
+}
+
+far_role! {
+    unary {
+        init_role(pb::InitRoleRequest) -> pb::InitRoleResponse;
+        prepare_comm(pb::PrepareCommRequest) -> pb::PrepareCommResponse;
+        join_comm(pb::JoinCommRequest) -> pb::JoinCommResponse;
+        sync_weights(pb::SyncWeightsRequest) -> pb::SyncWeightsResponse;
+        weights_checksum(pb::WeightsChecksumRequest) -> pb::WeightsChecksumResponse;
+        save_checkpoint(pb::SaveCheckpointRequest) -> pb::SaveCheckpointResponse;
+        wait_checkpoint(pb::WaitCheckpointRequest) -> pb::SaveCheckpointResponse;
+        load_checkpoint(pb::LoadCheckpointRequest) -> pb::LoadCheckpointResponse;
+    }
+    batch {
+        generate, GenerateStream;
+        compute_log_probs, ComputeLogProbsStream;
+        compute_values, ComputeValuesStream;
+        compute_scores, ComputeScoresStream;
+        update_actor, UpdateActorStream;
+        update_critic, UpdateCriticStream;
+        update_sft, UpdateSftStream;
+        update_preference, UpdatePreferenceStream;
+        update_reward_model, UpdateRewardModelStream;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_that_cannot_read_shared_memory_gets_every_batch_streamed() {
+    let role = Arc::new(FarRole::default());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(RoleServiceServer::new(Far(role.clone())))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let o = rlhf_runtime::net::ClientOptions::new("t");
+    let member = Member {
+        actor_id: "far".into(),
+        node_id: "n".into(),
+        address: addr.clone(),
+        pid: 0,
+        log_file: String::new(),
+        client: RoleServiceClient::new(rlhf_runtime::net::connect_direct(&addr, &o).await.unwrap()),
+        batches: Default::default(),
+    };
+    let v: Vec<f32> = (0..3 << 18).map(|i| i as f32).collect();
+    let b = DataBatch::new().with_tensor(
+        "values",
+        TensorData::from_f32(vec![3, 1 << 18], &v).unwrap(),
+    );
+    let out = call_batch(
+        &member,
+        BatchCall::ComputeValues,
+        &b,
+        Duration::from_secs(20),
+    )
+    .await
+    .unwrap();
+    assert_eq!(out, b);
+    assert_eq!(role.refused.load(Ordering::SeqCst), 1);
+    assert_eq!(role.streamed.load(Ordering::SeqCst), 1);
+    assert!(!member.batches.is_shared());
+    // The path is settled: no second shared-memory attempt.
+    let out = call_batch(
+        &member,
+        BatchCall::UpdateCritic,
+        &b,
+        Duration::from_secs(20),
+    )
+    .await
+    .unwrap();
+    assert_eq!(out, b);
+    assert_eq!(role.refused.load(Ordering::SeqCst), 1);
+    assert_eq!(role.streamed.load(Ordering::SeqCst), 2);
+}
