@@ -144,6 +144,8 @@ impl std::fmt::Debug for TensorBytes {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::batch::{checksum, decode, decode_view, encode_into};
+    use crate::{DataBatch, TensorData};
 
     struct Region(Vec<u8>);
     impl SharedRegion for Region {
@@ -168,20 +170,6 @@ mod tests {
         let mut c = owned.clone();
         c.make_mut().push(3);
         assert_eq!((owned.len(), c.len()), (2, 3));
-    }
-}
-
-#[cfg(test)]
-mod decode_tests {
-    use super::*;
-    use crate::batch::{checksum, decode, decode_view, encode_into};
-    use crate::{DataBatch, TensorData};
-
-    struct Region(Vec<u8>);
-    impl SharedRegion for Region {
-        fn bytes(&self) -> &[u8] {
-            &self.0
-        }
     }
 
     /// A batch decoded as views of a region equals the copied decode, shares the region's
