@@ -1,8 +1,11 @@
-//! Loopback throughput of the TCP communicator next to a raw TCP copy of the same
-//! bytes, measured in the same run with the same socket settings. Each round runs
-//! the raw copy and every communicator op once, back to back, so all of them see
-//! the same machine load; the ratio is the median over rounds of
-//! `raw time / op time` (the first round is a warm-up).
+//! Loopback throughput of the TCP communicator between real processes next to a raw TCP
+//! copy of the same bytes between two of those processes, measured in the same run with
+//! the same socket settings, the connection made before timing and a receive buffer reused
+//! from copy to copy. This process is rank 0; it starts itself again for every other rank.
+//! Each round runs the raw copy and every communicator op once, back to back, so all of
+//! them see the same machine load; an op's time is rank 0's from a barrier to a barrier
+//! after it (so it covers the slowest rank's last byte); the ratio is the median over
+//! rounds of `raw time / op time` (the first round is a warm-up).
 //!
 //! `cargo run --release -p rlhf-collective --example collective_bench [-- OPTIONS]`
 //!
@@ -11,7 +14,7 @@
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::thread;
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use rlhf_collective::tcp::tune_stream;
@@ -22,6 +25,9 @@ use rlhf_collective::{
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
+/// Set in the processes of ranks 1..world: `RANK TCP_RENDEZVOUS RAW_ADDRESS`.
+const CHILD: &str = "RLHF_COLLECTIVE_BENCH_CHILD";
+
 struct Opts {
     sizes_mib: Vec<usize>,
     iters: usize,
@@ -30,7 +36,7 @@ struct Opts {
     world: usize,
 }
 
-fn parse() -> Result<Opts, BoxError> {
+fn parse(args: &[String]) -> Result<Opts, BoxError> {
     let mut o = Opts {
         sizes_mib: vec![64, 256],
         iters: 5,
@@ -38,7 +44,6 @@ fn parse() -> Result<Opts, BoxError> {
         params: 100,
         world: 2,
     };
-    let args: Vec<String> = std::env::args().skip(1).collect();
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut val = || it.next().ok_or_else(|| format!("{a} needs a value"));
@@ -79,129 +84,60 @@ fn gbps(bytes: usize, d: Duration) -> f64 {
     bytes as f64 / d.as_secs_f64() / 1e9
 }
 
-/// Two connected loopback sockets with the communicator's settings.
-struct RawPair {
-    tx: TcpStream,
-    rx: TcpStream,
-    src: Vec<u8>,
-    dst: Vec<u8>,
+/// Rank 0 → rank 1 over the raw link: rank 0 writes `buf`, rank 1 reads it into its
+/// reused buffer and answers one byte; the others do nothing. Rank 0's time.
+fn raw_once(
+    raw: &mut Option<TcpStream>,
+    buf: &mut [u8],
+    rank: usize,
     chunk: usize,
-}
-
-impl RawPair {
-    fn new(bytes: usize, cfg: &CommConfig) -> Result<Self, BoxError> {
-        let listener = TcpListener::bind("127.0.0.1:0")?;
-        let tx = TcpStream::connect(listener.local_addr()?)?;
-        let (rx, _) = listener.accept()?;
-        tune_stream(&tx, cfg);
-        tune_stream(&rx, cfg);
-        Ok(Self {
-            tx,
-            rx,
-            src: vec![7u8; bytes],
-            dst: vec![0u8; bytes],
-            chunk: cfg.chunk_bytes,
-        })
-    }
-
-    /// One copy: a writer thread with plain `write_all`, the reader with `read_exact`.
-    fn once(&mut self) -> Result<Duration, BoxError> {
-        let Self {
-            tx,
-            rx,
-            src,
-            dst,
-            chunk,
-        } = self;
-        let t = Instant::now();
-        let written = thread::scope(|s| {
-            let w = s.spawn(|| -> std::io::Result<()> {
-                for c in src.chunks(*chunk) {
-                    (&*tx).write_all(c)?;
-                }
-                Ok(())
-            });
-            let r = (&*rx).read_exact(dst);
-            (w.join(), r)
-        });
-        let d = t.elapsed();
-        match written {
-            (Ok(Ok(())), Ok(())) => {}
-            (w, r) => return Err(format!("raw copy failed: writer {w:?}, reader {r:?}").into()),
-        }
-        if dst.last() != Some(&7) {
-            return Err("raw copy delivered wrong bytes".into());
-        }
-        Ok(d)
-    }
-}
-
-fn make_world(o: &Opts) -> Result<Vec<TcpCommunicator>, BoxError> {
-    let rv = TcpRendezvous::bind("127.0.0.1:0")?;
-    let addr = rv.local_addr().to_string();
-    let n = o.world;
-    let handles: Vec<_> = (1..n)
-        .map(|r| {
-            let addr = addr.clone();
-            let cfg = o.config.clone();
-            thread::spawn(move || TcpCommunicator::connect(r, n, &addr, cfg))
-        })
-        .collect();
-    let mut v = vec![rv.accept(n, o.config.clone())?];
-    for h in handles {
-        v.push(h.join().map_err(|_| "rank thread panicked")??);
-    }
-    Ok(v)
-}
-
-/// Runs `op` once on every rank (after a barrier); returns the slowest rank's time.
-fn once<S: Send>(
-    comms: &mut [TcpCommunicator],
-    states: &mut [S],
-    op: impl Fn(usize, &mut TcpCommunicator, &mut S) -> rlhf_collective::Result<()> + Sync,
 ) -> Result<Duration, BoxError> {
-    let times: Vec<rlhf_collective::Result<Duration>> = thread::scope(|s| {
-        let hs: Vec<_> = comms
-            .iter_mut()
-            .zip(states.iter_mut())
-            .enumerate()
-            .map(|(r, (c, st))| {
-                let op = &op;
-                s.spawn(move || {
-                    c.barrier()?;
-                    let t = Instant::now();
-                    op(r, c, st)?;
-                    Ok(t.elapsed())
-                })
-            })
-            .collect();
-        hs.into_iter()
-            .map(|h| h.join().expect("bench rank panicked"))
-            .collect()
-    });
-    let mut worst = Duration::ZERO;
-    for t in times {
-        worst = worst.max(t?);
+    let t = Instant::now();
+    match (rank, raw.as_mut()) {
+        (0, Some(s)) => {
+            for c in buf.chunks(chunk) {
+                s.write_all(c)?;
+            }
+            s.read_exact(&mut [0u8])?;
+        }
+        (1, Some(s)) => {
+            s.read_exact(buf)?;
+            s.write_all(&[1])?;
+        }
+        _ => {}
     }
-    Ok(worst)
+    Ok(t.elapsed())
 }
 
-fn main() -> Result<(), BoxError> {
-    let o = parse()?;
-    println!(
-        "collective_bench: world {}, {} rounds (+1 warm-up), chunk {} KiB, socket buffers {}, {} parameters for the sync",
-        o.world,
-        o.iters,
-        o.config.chunk_bytes >> 10,
-        o.config
-            .socket_buffer_bytes
-            .map_or("auto".to_string(), |b| format!("{} KiB", b >> 10)),
-        o.params
-    );
-    let mut comms = make_world(&o)?;
+/// One op on every rank between two barriers; rank 0's time.
+fn timed(
+    comm: &mut TcpCommunicator,
+    op: impl FnOnce(&mut TcpCommunicator) -> rlhf_collective::Result<()>,
+) -> Result<Duration, BoxError> {
+    comm.barrier()?;
+    let t = Instant::now();
+    op(comm)?;
+    comm.barrier()?;
+    Ok(t.elapsed())
+}
+
+/// A 64-bit FNV-1a of bytes, to check that every rank ended with the same data.
+fn digest(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+/// Every rank runs the same rounds in the same order; rank 0 prints.
+fn rounds(
+    o: &Opts,
+    comm: &mut TcpCommunicator,
+    mut raw: Option<TcpStream>,
+    rank: usize,
+) -> Result<(), BoxError> {
     let n = o.world;
     let names = [
-        "raw TCP copy (2 threads)".to_string(),
+        "raw TCP copy (2 processes)".to_string(),
         format!("broadcast (world {n})"),
         format!("BucketedSync {} params (world {n})", o.params),
         format!("all_reduce_f32 sum (world {n})"),
@@ -209,10 +145,10 @@ fn main() -> Result<(), BoxError> {
     for &mib in &o.sizes_mib {
         let bytes = mib << 20;
         let elems = bytes / 4;
-        let mut raw = RawPair::new(bytes, &o.config)?;
-        let mut bcast: Vec<Vec<u8>> = (0..n).map(|r| vec![r as u8 + 1; bytes]).collect();
-        let mut weights: Vec<Vec<f32>> = (0..n).map(|r| vec![r as f32 + 1.0; elems]).collect();
-        let mut grads: Vec<Vec<f32>> = (0..n).map(|r| vec![r as f32 + 0.5; elems]).collect();
+        let mut raw_buf = vec![if rank == 0 { 7u8 } else { 0 }; if rank <= 1 { bytes } else { 0 }];
+        let mut bcast = vec![if rank == 0 { 1u8 } else { 0 }; bytes];
+        let mut weights = vec![if rank == 0 { 1.5f32 } else { 0.0 }; elems];
+        let mut grads = vec![rank as f32 + 0.5; elems];
         // ~`params` parameters of uneven sizes (quadratic spacing: a few large
         // tensors and many small ones), like a model's state dict.
         let bounds: Vec<usize> = (0..=o.params)
@@ -225,44 +161,71 @@ fn main() -> Result<(), BoxError> {
 
         let mut times: [Vec<Duration>; 4] = Default::default();
         for round in 0..=o.iters {
-            let t = [
-                raw.once()?,
-                once(&mut comms, &mut bcast, |_, c, buf| c.broadcast(buf, 0))?,
-                once(&mut comms, &mut weights, |r, c, buf| {
-                    if r == 0 {
-                        let params: Vec<Param<'_>> = bounds
-                            .windows(2)
-                            .enumerate()
-                            .map(|(i, w)| {
-                                Param::f32(format!("p{i}"), &[w[1] - w[0]], &buf[w[0]..w[1]])
-                            })
-                            .collect::<Result<_, _>>()?;
-                        sync.send(c, &params).map(|_| ())
-                    } else {
-                        let mut params: Vec<ParamMut<'_>> = Vec::with_capacity(bounds.len());
-                        let mut rest: &mut [f32] = buf;
-                        for (i, w) in bounds.windows(2).enumerate() {
-                            let (head, tail) = rest.split_at_mut(w[1] - w[0]);
-                            params.push(ParamMut::f32(format!("p{i}"), &[w[1] - w[0]], head)?);
-                            rest = tail;
+            comm.barrier()?;
+            // The four measurements in an order that rotates from round to round (the same
+            // on every rank), so no path always runs first after the round's barrier.
+            let mut t = [Duration::ZERO; 4];
+            for k in (0..4).map(|i| (i + round) % 4) {
+                t[k] = match k {
+                    0 => raw_once(&mut raw, &mut raw_buf, rank, o.config.chunk_bytes)?,
+                    1 => timed(comm, |c| c.broadcast(&mut bcast, 0))?,
+                    2 => timed(comm, |c| {
+                        if rank == 0 {
+                            let params: Vec<Param<'_>> = bounds
+                                .windows(2)
+                                .enumerate()
+                                .map(|(i, w)| {
+                                    Param::f32(
+                                        format!("p{i}"),
+                                        &[w[1] - w[0]],
+                                        &weights[w[0]..w[1]],
+                                    )
+                                })
+                                .collect::<Result<_, _>>()?;
+                            sync.send(c, &params).map(|_| ())
+                        } else {
+                            let mut params: Vec<ParamMut<'_>> = Vec::with_capacity(bounds.len());
+                            let mut rest: &mut [f32] = &mut weights;
+                            for (i, w) in bounds.windows(2).enumerate() {
+                                let (head, tail) = rest.split_at_mut(w[1] - w[0]);
+                                params.push(ParamMut::f32(format!("p{i}"), &[w[1] - w[0]], head)?);
+                                rest = tail;
+                            }
+                            sync.recv(c, 0, &mut params).map(|_| ())
                         }
-                        sync.recv(c, 0, &mut params).map(|_| ())
-                    }
-                })?,
-                once(&mut comms, &mut grads, |_, c, buf| {
-                    c.all_reduce_f32(buf, ReduceOp::Sum)
-                })?,
-            ];
+                    })?,
+                    _ => timed(comm, |c| c.all_reduce_f32(&mut grads, ReduceOp::Sum))?,
+                };
+                // The raw copy involves two ranks only: the others wait here.
+                if k == 0 {
+                    comm.barrier()?;
+                }
+            }
             if round > 0 {
                 for (acc, d) in times.iter_mut().zip(t) {
                     acc.push(d);
                 }
             }
         }
-        if bcast.iter().any(|b| b != &bcast[0]) || weights.iter().any(|w| w != &weights[0]) {
-            return Err("a rank ended with different data".into());
+        // Every rank must end with rank 0's broadcast and weights and the same sums.
+        let mine = [
+            digest(&bcast),
+            digest(rlhf_collective::as_bytes(&weights)),
+            digest(rlhf_collective::as_bytes(&grads)),
+        ];
+        let all = comm.all_gather(rlhf_collective::as_bytes(&mine))?;
+        if all.iter().any(|d| d[..] != all[0][..])
+            || bcast[bytes - 1] != 1
+            || weights[elems - 1] != 1.5
+        {
+            return Err(format!("rank {rank}: the ranks ended with different data").into());
         }
-
+        if rank == 1 && raw_buf.last() != Some(&7) {
+            return Err("the raw copy delivered wrong bytes".into());
+        }
+        if rank != 0 {
+            continue;
+        }
         println!("\n{mib} MiB (median of {} rounds)", o.iters);
         println!(
             "  {:<36} {:>8} {:>10} {:>7} {:>11}",
@@ -288,11 +251,82 @@ fn main() -> Result<(), BoxError> {
             );
         }
     }
+    if rank == 0 {
+        println!(
+            "\nGB/s = payload bytes / wall time until every rank is done; ratio = median over rounds of \
+             raw time / op time (goal >= 0.9 for broadcast and the sync); wire ratio = ratio x bytes \
+             all ranks send per payload byte (raw 1, broadcast n-1, all_reduce 2(n-1)): on a \
+             CPU-bound loopback it shows how much of the raw copy's socket throughput each op achieves."
+        );
+    }
+    Ok(())
+}
+
+/// Kills the other ranks' processes if rank 0 stops early.
+struct Reap(Vec<Child>);
+
+impl Drop for Reap {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn main() -> Result<(), BoxError> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let o = parse(&args)?;
+    if let Ok(v) = std::env::var(CHILD) {
+        let f: Vec<&str> = v.split(' ').collect();
+        let [rank, tcp, raw_addr] = f[..] else {
+            return Err(format!("{CHILD}={v}: expected RANK TCP RAW").into());
+        };
+        let rank: usize = rank.parse()?;
+        let mut comm = TcpCommunicator::connect(rank, o.world, tcp, o.config.clone())?;
+        let raw = if rank == 1 {
+            let s = TcpStream::connect(raw_addr)?;
+            tune_stream(&s, &o.config);
+            Some(s)
+        } else {
+            None
+        };
+        return rounds(&o, &mut comm, raw, rank);
+    }
     println!(
-        "\nGB/s = payload bytes / wall time of the slowest rank; ratio = median over rounds of \
-         raw time / op time (goal >= 0.5); wire ratio = ratio x bytes all ranks send per payload \
-         byte (raw 1, broadcast n-1, all_reduce 2(n-1)): on a CPU-bound loopback it shows how \
-         much of the raw copy's socket throughput each op achieves."
+        "collective_bench: world {} (one process per rank), {} rounds (+1 warm-up), chunk {} KiB, socket buffers {}, {} parameters for the sync",
+        o.world,
+        o.iters,
+        o.config.chunk_bytes >> 10,
+        o.config
+            .socket_buffer_bytes
+            .map_or("auto".to_string(), |b| format!("{} KiB", b >> 10)),
+        o.params
     );
+    let rv = TcpRendezvous::bind("127.0.0.1:0")?;
+    let raw_l = TcpListener::bind("127.0.0.1:0")?;
+    let mut children = Reap(Vec::new());
+    for r in 1..o.world {
+        children.0.push(
+            Command::new(std::env::current_exe()?)
+                .args(&args)
+                .env(
+                    CHILD,
+                    format!("{r} {} {}", rv.local_addr(), raw_l.local_addr()?),
+                )
+                .spawn()?,
+        );
+    }
+    let mut comm = rv.accept(o.world, o.config.clone())?;
+    let (raw, _) = raw_l.accept()?;
+    tune_stream(&raw, &o.config);
+    rounds(&o, &mut comm, Some(raw), 0)?;
+    for c in &mut children.0 {
+        let status = c.wait()?;
+        if !status.success() {
+            return Err(format!("a rank process ended with {status}").into());
+        }
+    }
+    children.0.clear();
     Ok(())
 }
