@@ -379,20 +379,6 @@ pub fn encode(b: &DataBatch) -> Result<Vec<u8>> {
     Ok(out)
 }
 
-/// Writes the encoding of `b` to `w` (the header, then each tensor's bytes straight from its
-/// storage, nothing copied in between) and returns its length.
-pub fn encode_into(b: &DataBatch, w: &mut impl std::io::Write) -> Result<u64> {
-    let head = encode_header(b)?;
-    let io = |e: std::io::Error| Error::io("writing an encoded batch", e);
-    w.write_all(&head).map_err(io)?;
-    let mut n = head.len() as u64;
-    for t in b.tensors.values() {
-        w.write_all(&t.data).map_err(io)?;
-        n += t.data.len() as u64;
-    }
-    Ok(n)
-}
-
 /// Encodes straight into stream chunks of `chunk_bytes` (the last one shorter). A chunk
 /// that lies inside one tensor is a zero-copy view of that tensor's storage; only chunks
 /// that straddle the header or a tensor boundary are copied. Same bytes as
@@ -876,11 +862,6 @@ impl Assembler {
             .map_err(|e| Error::invalid(format!("{e} (in chunk {})", c.index)))?;
         self.next += 1;
         Ok(())
-    }
-
-    /// Whether every announced byte has arrived (the stream may stay open after that).
-    pub fn is_complete(&self) -> bool {
-        self.dec.as_ref().is_some_and(|d| d.seen == d.total)
     }
 
     /// Bytes received so far.

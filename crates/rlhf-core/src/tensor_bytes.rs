@@ -144,7 +144,7 @@ impl std::fmt::Debug for TensorBytes {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::batch::{checksum, decode, decode_view, encode_into};
+    use crate::batch::{checksum, decode, decode_view, encode};
     use crate::{DataBatch, TensorData};
 
     struct Region(Vec<u8>);
@@ -182,9 +182,7 @@ mod tests {
             .with_tensor("input_ids", TensorData::from_i64(vec![4, 3], &ids).unwrap())
             .with_tensor("logprobs", TensorData::from_f32(vec![4, 3], &lp).unwrap())
             .with_column("prompt", (0..4).map(|i| serde_json::json!(i)).collect());
-        let mut buf = vec![9u8; 5];
-        let n = encode_into(&b, &mut buf).unwrap();
-        assert_eq!(n as usize, buf.len() - 5);
+        let buf = [vec![9u8; 5], encode(&b).unwrap()].concat();
         let region: Arc<dyn SharedRegion> = Arc::new(Region(buf.clone()));
         let v = decode_view(region.clone(), 5).unwrap();
         assert_eq!(v, decode(&buf[5..]).unwrap());

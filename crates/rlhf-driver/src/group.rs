@@ -88,6 +88,14 @@ where
     Ok(resp.into_inner())
 }
 
+/// The answer's first chunk: the shared-memory reference, or the first of a stream.
+async fn first_chunk(call: BatchCall, s: &mut Streaming<pb::BatchChunk>) -> Result<pb::BatchChunk> {
+    s.message()
+        .await
+        .map_err(Error::from)?
+        .ok_or_else(|| Error::internal(format!("{} answered with no batch", call.name())))
+}
+
 /// Reads a streamed answer whose first chunk has arrived.
 async fn read_streamed(
     first: pb::BatchChunk,
@@ -136,11 +144,7 @@ async fn call_shared(
         }
         Err(s) => return Err(Error::from(s)),
     };
-    let first = answer
-        .message()
-        .await
-        .map_err(Error::from)?
-        .ok_or_else(|| Error::internal(format!("{} answered with no batch", call.name())))?;
+    let first = first_chunk(call, &mut answer).await?;
     let out = if first.shared.is_some() {
         tokio::task::spawn_blocking(move || shared_batch::open(&first, MAX_ANSWER_BYTES))
             .await
@@ -169,15 +173,9 @@ pub async fn call_batch(
                 return Ok(out);
             }
         }
-        let stream = tokio_stream::iter(rlhf_core::batch::encode_chunks(
-            batch,
-            rlhf_core::batch::CHUNK_BYTES,
-        )?);
+        let stream = rlhf_runtime::batch_stream(batch)?;
         let mut s = send(member, call, stream).await.map_err(Error::from)?;
-        let first =
-            s.message().await.map_err(Error::from)?.ok_or_else(|| {
-                Error::internal(format!("{} answered with no batch", call.name()))
-            })?;
+        let first = first_chunk(call, &mut s).await?;
         read_streamed(first, s).await
     };
     match tokio::time::timeout(timeout, fut).await {

@@ -144,9 +144,7 @@ impl RoleServer {
                 Ok(to_chunks(encode(&out)?, CHUNK_BYTES))
             })
             .await?;
-        Ok(Response::new(Box::pin(tokio_stream::iter(
-            chunks.into_iter().map(Ok),
-        ))))
+        Ok(streamed(chunks))
     }
 
     /// A batch the caller put in shared memory on this host ([`shared_batch`]): read as
@@ -184,13 +182,15 @@ impl RoleServer {
             }
             Err((e, out)) => {
                 tracing::warn!("answering through shared memory failed ({e}); streaming instead");
-                let chunks = to_chunks(encode(&out)?, CHUNK_BYTES);
-                Ok(Response::new(Box::pin(tokio_stream::iter(
-                    chunks.into_iter().map(Ok),
-                ))))
+                Ok(streamed(to_chunks(encode(&out)?, CHUNK_BYTES)))
             }
         }
     }
+}
+
+/// An answer streamed in `chunks`.
+fn streamed(chunks: Vec<pb::BatchChunk>) -> Response<ChunkStream> {
+    Response::new(Box::pin(tokio_stream::iter(chunks.into_iter().map(Ok))))
 }
 
 /// Longest a shared-memory answer is held for a caller that does not say it has mapped it.

@@ -34,6 +34,17 @@ pub fn batch_stream(
 
 use tokio_util::sync::CancellationToken;
 
+/// Whether process `pid` still runs on this host: it exists and is not a zombie (or dead).
+pub fn process_alive(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(stat) => !matches!(
+            stat.rsplit_once(") ").and_then(|(_, r)| r.chars().next()),
+            Some('Z' | 'X')
+        ),
+        Err(_) => false,
+    }
+}
+
 /// Cancels `token` on SIGINT or SIGTERM.
 pub fn cancel_on_signals(token: CancellationToken) {
     tokio::spawn(async move {

@@ -73,14 +73,7 @@ pub(super) fn driver_alive(pid: i32, job_id: &str) -> bool {
         return false;
     }
     match std::fs::read(format!("/proc/{pid}/cmdline")) {
-        Ok(c) => {
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-            let zombie = stat
-                .rsplit(')')
-                .next()
-                .is_some_and(|r| r.trim_start().starts_with('Z'));
-            !zombie && String::from_utf8_lossy(&c).contains(job_id)
-        }
+        Ok(c) => crate::process_alive(pid as u32) && String::from_utf8_lossy(&c).contains(job_id),
         Err(_) => false,
     }
 }

@@ -35,8 +35,9 @@ use rlhf_core::batch::encode_header;
 use rlhf_core::{DataBatch, Error, Result};
 use rlhf_proto::v1 as pb;
 
+use crate::process_alive as alive;
 pub use reader::open;
-use segment::{alive, claimant, written, Map, FREE, ID_BYTES, MAGIC, PAGE, SIZE_SEALS, WRITING};
+use segment::{claimant, written, Map, FREE, ID_BYTES, MAGIC, PAGE, SIZE_SEALS, WRITING};
 
 /// gRPC metadata key a receiver sets on its refusal when it cannot read the sender's
 /// shared memory (another host, another pid namespace): the sender then streams instead.

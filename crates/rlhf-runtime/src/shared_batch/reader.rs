@@ -13,8 +13,9 @@ use rlhf_core::batch::{decode_view, SharedRegion};
 use rlhf_core::{DataBatch, Error, Result};
 use rlhf_proto::v1 as pb;
 
-use super::segment::{alive, claimed, written, Map, FREE, MAGIC, PAGE, SIZE_SEALS};
+use super::segment::{claimed, written, Map, FREE, MAGIC, PAGE, SIZE_SEALS};
 use super::{Unreachable, IDLE};
+use crate::process_alive as alive;
 
 /// A sender's segment as this process maps it: the header page read-write (for the lease
 /// word), the data area read-only.

@@ -149,14 +149,3 @@ impl Drop for Map {
         }
     }
 }
-
-/// Whether process `pid` still runs (not gone, not a zombie).
-pub(super) fn alive(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(stat) => !matches!(
-            stat.rsplit_once(") ").and_then(|(_, r)| r.chars().next()),
-            Some('Z' | 'X')
-        ),
-        Err(_) => false,
-    }
-}
