@@ -72,11 +72,15 @@ impl Model {
     /// goes on. A LoRA model's image is its PEFT adapter (`adapter_config.json`,
     /// `adapter_model.safetensors`); [`Model::merged_image`] is the full merged model.
     pub fn image(&self, tokenizer_dir: Option<&Path>) -> Result<ModelImage> {
-        let tensors = self
-            .named_tensors()
-            .into_iter()
-            .map(|(n, t)| Ok((n, t.copy()?)))
-            .collect::<Result<Vec<_>>>()?;
+        // A ZeRO-3 model's parameters are gathered from the group (fresh tensors already).
+        let tensors = match self.zero3() {
+            Some(z) => z.gather_all()?,
+            None => self
+                .named_tensors()
+                .into_iter()
+                .map(|(n, t)| Ok((n, t.copy()?)))
+                .collect::<Result<Vec<_>>>()?,
+        };
         if let Some((cfg, _)) = &self.lora {
             let base = self.source_dir.as_ref().map(|d| d.display().to_string());
             return Ok(ModelImage {

@@ -65,6 +65,7 @@ pub mod tokenizer;
 pub mod train;
 pub mod transformer;
 pub mod weights;
+pub mod zero3;
 
 pub use candle_core::{DType, Device, Tensor, Var};
 pub use config::{Config, Family, MemoryEstimate, RopeScaling, SUPPORTED_ARCHITECTURES};

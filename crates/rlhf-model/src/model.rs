@@ -26,7 +26,7 @@ pub(crate) enum Head {
 pub struct Model {
     pub(crate) config: Config,
     pub(crate) kind: ModelKind,
-    body: Transformer,
+    pub(crate) body: Transformer,
     pub(crate) head: Head,
     pub(crate) params: ParamStore,
     trainable: bool,
@@ -348,12 +348,13 @@ impl Model {
         position_ids: &Tensor,
         cache: Option<&mut KvCache>,
     ) -> Result<Tensor> {
-        self.body
+        self.parts()?
+            .body()
             .forward(input_ids, attention_mask, position_ids, cache)
     }
 
-    fn lm_head(&self) -> Result<&Tensor> {
-        match &self.head {
+    fn lm_head<'h>(&self, head: &'h Head) -> Result<&'h Tensor> {
+        match head {
             Head::Lm(w) => Ok(w),
             _ => Err(Error::InvalidArgument(format!(
                 "logits need a causal LM, this model is a {:?} model",
@@ -364,8 +365,9 @@ impl Model {
 
     /// Logits `[B, T, V]` at every position.
     pub fn logits(&self, batch: &Batch) -> Result<Tensor> {
-        let w = self.lm_head()?;
-        let h = self.hidden(
+        let parts = self.parts()?;
+        let w = self.lm_head(parts.head())?;
+        let h = parts.body().forward(
             &batch.input_ids,
             &batch.attention_mask,
             &batch.position_ids,
@@ -382,8 +384,11 @@ impl Model {
         position_ids: &Tensor,
         cache: &mut KvCache,
     ) -> Result<Tensor> {
-        let w = self.lm_head()?;
-        let h = self.hidden(input_ids, attention_mask, position_ids, Some(cache))?;
+        let parts = self.parts()?;
+        let w = self.lm_head(parts.head())?;
+        let h = parts
+            .body()
+            .forward(input_ids, attention_mask, position_ids, Some(cache))?;
         let t = h.dim(1)?;
         // The LM-head product of `logits`, on the last position (its rows T·H apart).
         Linear::plain(w.clone(), None).forward(&h.narrow(1, t - 1, 1)?.squeeze(1)?)
@@ -411,14 +416,15 @@ impl Model {
         temperature: f64,
         with_entropy: bool,
     ) -> Result<(Tensor, Option<Tensor>)> {
-        let w = self.lm_head()?;
         let t = batch.input_ids.dim(1)?;
         if t < 2 {
             return Err(Error::InvalidArgument(
                 "log-probs need sequences of at least 2 tokens".to_string(),
             ));
         }
-        let h = self.hidden(
+        let parts = self.parts()?;
+        let w = self.lm_head(parts.head())?;
+        let h = parts.body().forward(
             &batch.input_ids,
             &batch.attention_mask,
             &batch.position_ids,
@@ -455,13 +461,14 @@ impl Model {
 
     /// Per-token values `[B, T]` (critic), in f32 (f64 for f64 models).
     pub fn values(&self, batch: &Batch) -> Result<Tensor> {
-        let Head::Value(head) = &self.head else {
+        let parts = self.parts()?;
+        let Head::Value(head) = parts.head() else {
             return Err(Error::InvalidArgument(format!(
                 "values need a value model, this model is a {:?} model",
                 self.kind
             )));
         };
-        let h = self.hidden(
+        let h = parts.body().forward(
             &batch.input_ids,
             &batch.attention_mask,
             &batch.position_ids,
@@ -475,13 +482,14 @@ impl Model {
 
     /// Score-head outputs at every position `[B, T, num_labels]`.
     pub fn score_logits(&self, batch: &Batch) -> Result<Tensor> {
-        let Head::Score(head) = &self.head else {
+        let parts = self.parts()?;
+        let Head::Score(head) = parts.head() else {
             return Err(Error::InvalidArgument(format!(
                 "scores need a reward model, this model is a {:?} model",
                 self.kind
             )));
         };
-        let h = self.hidden(
+        let h = parts.body().forward(
             &batch.input_ids,
             &batch.attention_mask,
             &batch.position_ids,
@@ -544,8 +552,15 @@ impl Model {
 
     /// Saves an HF directory: config.json, model.safetensors, generation_config.json and, when
     /// `tokenizer_dir` is given, its tokenizer files.
+    ///
+    /// A ZeRO-3 model gathers its parameters: every rank of the group must call this, and
+    /// rank 0 writes.
     pub fn save(&self, dir: impl AsRef<Path>, tokenizer_dir: Option<&Path>) -> Result<()> {
-        self.image(tokenizer_dir)?.write(dir.as_ref())
+        let image = self.image(tokenizer_dir)?;
+        if self.zero3().is_some_and(|z| z.rank_world().0 != 0) {
+            return Ok(());
+        }
+        image.write(dir.as_ref())
     }
 }
 

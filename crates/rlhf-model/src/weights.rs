@@ -146,6 +146,14 @@ pub struct ParamStore {
 }
 
 impl ParamStore {
+    /// A store of trainable variables (a ZeRO-3 model's pieces).
+    pub(crate) fn from_vars(vars: Vec<(String, Var)>) -> Self {
+        Self {
+            vars: vars.into_iter().collect(),
+            base: Default::default(),
+        }
+    }
+
     /// All parameters, sorted by name.
     pub fn vars(&self) -> Vec<(String, Var)> {
         self.vars
@@ -183,6 +191,9 @@ impl ParamStore {
 /// Builds the parameters of a model from a checkpoint or from a seeded random initialisation.
 pub(crate) struct ParamBuilder<'a> {
     files: Option<&'a WeightFiles>,
+    /// Whole tensors handed over in memory (a ZeRO-3 layer gathered from its shards): taken
+    /// by name before anything else.
+    given: Option<BTreeMap<String, Tensor>>,
     device: Device,
     dtype: DType,
     trainable: bool,
@@ -202,6 +213,7 @@ impl<'a> ParamBuilder<'a> {
     ) -> Self {
         Self {
             files,
+            given: None,
             device: device.clone(),
             dtype,
             trainable,
@@ -209,6 +221,19 @@ impl<'a> ParamBuilder<'a> {
             store: ParamStore::default(),
             rng: rand::rngs::StdRng::seed_from_u64(seed),
         }
+    }
+
+    /// A builder that takes every parameter from `tensors` (all of them must be there): a
+    /// trainable one becomes a variable of its own, a frozen one is used as it is.
+    pub fn from_tensors(
+        tensors: BTreeMap<String, Tensor>,
+        device: &Device,
+        dtype: DType,
+        trainable: bool,
+    ) -> Self {
+        let mut pb = Self::new(None, device, dtype, trainable, 0);
+        pb.given = Some(tensors);
+        pb
     }
 
     pub fn device(&self) -> &Device {
@@ -242,6 +267,23 @@ impl<'a> ParamBuilder<'a> {
 
     /// A parameter that must be in the checkpoint; random models initialise it with `init`.
     pub fn get(&mut self, name: &str, shape: &[usize], init: Init) -> Result<Tensor> {
+        if let Some(given) = self.given.as_mut() {
+            let t = given.remove(name).ok_or_else(|| Error::MissingTensor {
+                name: name.to_string(),
+                location: "the gathered parameters".to_string(),
+            })?;
+            if t.dims() != shape {
+                return Err(Error::ShapeMismatch {
+                    name: name.to_string(),
+                    expected: shape.to_vec(),
+                    found: t.dims().to_vec(),
+                });
+            }
+            if !(self.trainable && self.base.is_none()) {
+                return Ok(t);
+            }
+            return self.register(name, t);
+        }
         // An f32 parameter trained on the CPU becomes its variable with a single copy out of
         // the file: the usual path makes a tensor and then the variable from it, and the
         // freed first copies stay in the process's heap.

@@ -63,6 +63,11 @@ pub struct Gradients {
 }
 
 impl Gradients {
+    /// Gradients already gathered by name.
+    pub fn from_map(grads: BTreeMap<String, Tensor>) -> Self {
+        Self { grads }
+    }
+
     /// Picks the gradients of `vars` out of a backward pass; parameters without one are absent.
     pub fn from_store(store: &GradStore, vars: &[(String, Var)]) -> Self {
         let grads = vars

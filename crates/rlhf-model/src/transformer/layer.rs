@@ -1,55 +1,16 @@
-//! Llama-family decoder (Llama 2/3, Qwen2): config, weights and forward pass.
-//!
-//! References: Touvron et al., "LLaMA" (2023) and the transformers `modeling_llama.py` /
-//! `modeling_qwen2.py` checkpoints, whose tensor names are mirrored here
-//! (`model.layers.N.self_attn.q_proj.weight`, ...). Qwen2 differs from Llama only by the q/k/v
-//! biases and its defaults, so both share this file.
-//!
-//! The forward pass takes left-padded batches: an attention mask `[B, S]` (1 = token, 0 = pad,
-//! `S` = cached + new tokens) and per-row position ids `[B, T]`. Its non-matmul ops come from one of three
-//! [`Kernels`]: candle's fused kernels (no backward pass: inference only), this crate's fused
-//! differentiable kernels (training on the CPU and on CUDA GPUs), or candle's primitive ops
-//! (explicit RMSNorm, rotate-half RoPE, softmax from exp/sum: training anywhere).
+//! One decoder layer of the Llama family: RMSNorm, rotary embeddings, grouped-query
+//! attention and the SwiGLU MLP, each with the op implementations [`Kernels`] picks, and the
+//! layer's activation-checkpointed forward.
 
-use candle_core::{DType, Device, Tensor, D};
+use candle_core::{DType, Tensor, D};
 
+use super::{Kernels, INIT_STD};
 use crate::config::Config;
-use crate::error::{Error, Result};
-pub use crate::kv_cache::KvCache;
-pub(crate) use crate::linear::{Linear, LoraSetup};
+use crate::error::Result;
+use crate::linear::{Linear, LoraSetup};
 use crate::weights::{Init, ParamBuilder};
 
-/// Which implementation of the non-matmul ops a decoder uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kernels {
-    /// candle's fused kernels: fastest for inference, no backward pass.
-    Inference,
-    /// This crate's fused differentiable kernels: f32/f64 on the CPU, f32/f64/bf16 on a
-    /// CUDA GPU (builds with the `cuda` feature).
-    FusedTraining,
-    /// candle's primitive differentiable ops: any device and dtype.
-    Composite,
-}
-
-impl Kernels {
-    /// The one place the implementation is chosen, per device and compute dtype. A frozen
-    /// model (`fast`) takes candle's fused kernels on every device. A trainable one never does
-    /// (they drop gradients silently): where this crate's fused kernels run (f32/f64 on the
-    /// CPU; f32/f64/bf16 on a CUDA GPU) it takes those, which have a backward pass; elsewhere
-    /// (bf16/f16 on the CPU) candle's primitive ops; `composite_ops` forces those everywhere
-    /// (for cross-checking).
-    pub fn choose(device: &Device, compute: DType, fast: bool, composite_ops: bool) -> Kernels {
-        if fast {
-            Kernels::Inference
-        } else if !composite_ops && crate::kernels::supported_on(device, compute) {
-            Kernels::FusedTraining
-        } else {
-            Kernels::Composite
-        }
-    }
-}
-
-fn rms_norm(xs: &Tensor, w: &Tensor, eps: f64, kernels: Kernels) -> Result<Tensor> {
+pub(super) fn rms_norm(xs: &Tensor, w: &Tensor, eps: f64, kernels: Kernels) -> Result<Tensor> {
     let w = &w.to_dtype(xs.dtype())?;
     match kernels {
         Kernels::Inference => {
@@ -87,14 +48,14 @@ fn rotate_half(xs: &Tensor) -> Result<Tensor> {
 /// cos/sin for one forward: half-width `[B, T, D/2]` tables (fused kernels) or full-width
 /// `[B, 1, T, D]` (explicit rotation).
 #[derive(Clone)]
-struct Rope {
+pub(super) struct Rope {
     cos: Tensor,
     sin: Tensor,
     kernels: Kernels,
 }
 
 impl Rope {
-    fn new(
+    pub(super) fn new(
         inv_freq: &Tensor,
         position_ids: &Tensor,
         dtype: DType,
@@ -304,7 +265,7 @@ impl Mlp {
 }
 
 #[derive(Debug, Clone)]
-struct Layer {
+pub(super) struct Layer {
     input_layernorm: Tensor,
     self_attn: Attention,
     post_attention_layernorm: Tensor,
@@ -312,7 +273,28 @@ struct Layer {
 }
 
 impl Layer {
-    fn forward(
+    /// Decoder layer `i` (`model.layers.{i}.*`).
+    pub(super) fn load(
+        cfg: &Config,
+        pb: &mut ParamBuilder,
+        i: usize,
+        lora: Option<&LoraSetup>,
+    ) -> Result<Self> {
+        let (std, h) = (INIT_STD, cfg.hidden_size);
+        let p = format!("model.layers.{i}");
+        Ok(Layer {
+            input_layernorm: pb.get(&format!("{p}.input_layernorm.weight"), &[h], Init::Ones)?,
+            self_attn: Attention::load(cfg, pb, &format!("{p}.self_attn"), std, lora)?,
+            post_attention_layernorm: pb.get(
+                &format!("{p}.post_attention_layernorm.weight"),
+                &[h],
+                Init::Ones,
+            )?,
+            mlp: Mlp::load(cfg, pb, &format!("{p}.mlp"), std, lora)?,
+        })
+    }
+
+    pub(super) fn forward(
         &self,
         xs: &Tensor,
         rope: &Rope,
@@ -359,7 +341,7 @@ impl Layer {
     /// The layer with activation checkpointing: only `xs` is kept for backward, which runs
     /// the layer again (with a graph this time) and hands the parameters' gradients to
     /// [`crate::checkpoint`], since a custom op returns gradients for its inputs only.
-    fn forward_checkpointed(
+    pub(super) fn forward_checkpointed(
         &self,
         xs: &Tensor,
         rope: &Rope,
@@ -379,222 +361,4 @@ impl Layer {
             Ok(grads.get(x.as_tensor()).cloned())
         })
     }
-}
-
-/// The decoder stack (`model.*` tensors): embeddings, layers and the final norm.
-#[derive(Debug, Clone)]
-pub struct Transformer {
-    cfg: Config,
-    embed_tokens: Tensor,
-    layers: Vec<Layer>,
-    norm: Tensor,
-    inv_freq: Tensor,
-    kernels: Kernels,
-    /// Activations' dtype; the weights may be kept in another (f32 master weights).
-    compute: DType,
-    /// Activation checkpointing per layer (training only).
-    checkpoint: bool,
-}
-
-/// Large negative score for masked positions; finite so fully masked (padding) rows stay
-/// finite instead of turning into NaN.
-fn mask_value(dtype: DType) -> f32 {
-    match dtype {
-        DType::F16 => -3.0e4,
-        _ => -1.0e9,
-    }
-}
-
-impl Transformer {
-    pub(crate) fn load(
-        cfg: &Config,
-        pb: &mut ParamBuilder,
-        kernels: Kernels,
-        compute: DType,
-        checkpoint: bool,
-        lora: Option<&LoraSetup>,
-    ) -> Result<Self> {
-        let std = 0.02;
-        let h = cfg.hidden_size;
-        let embed_tokens = pb.get(
-            "model.embed_tokens.weight",
-            &[cfg.vocab_size, h],
-            Init::Normal(std),
-        )?;
-        // A checkpoint must hold exactly the layers config.json announces.
-        let layer = |i: usize| format!("model.layers.{i}.input_layernorm.weight");
-        if pb.has_checkpoint() {
-            let n = cfg.num_hidden_layers;
-            if n == 0 || !pb.contains(&layer(n - 1)) || pb.contains(&layer(n)) {
-                let present = (0..=n).take_while(|&i| pb.contains(&layer(i))).count();
-                return Err(Error::Config(format!(
-                    "config.json says num_hidden_layers={n} but the weights hold {present} layer(s); the config does not belong to these weights"
-                )));
-            }
-        }
-        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
-        for i in 0..cfg.num_hidden_layers {
-            let p = format!("model.layers.{i}");
-            layers.push(Layer {
-                input_layernorm: pb.get(
-                    &format!("{p}.input_layernorm.weight"),
-                    &[h],
-                    Init::Ones,
-                )?,
-                self_attn: Attention::load(cfg, pb, &format!("{p}.self_attn"), std, lora)?,
-                post_attention_layernorm: pb.get(
-                    &format!("{p}.post_attention_layernorm.weight"),
-                    &[h],
-                    Init::Ones,
-                )?,
-                mlp: Mlp::load(cfg, pb, &format!("{p}.mlp"), std, lora)?,
-            });
-        }
-        let norm = pb.get("model.norm.weight", &[h], Init::Ones)?;
-        let inv = cfg.inv_freq();
-        let inv_freq = Tensor::from_vec(inv.clone(), inv.len(), pb.device())?;
-        Ok(Self {
-            cfg: cfg.clone(),
-            embed_tokens,
-            layers,
-            norm,
-            inv_freq,
-            kernels,
-            compute,
-            checkpoint,
-        })
-    }
-
-    /// The decoder config.
-    pub fn config(&self) -> &Config {
-        &self.cfg
-    }
-
-    /// Input embedding matrix `[V, H]` (used by tied LM heads).
-    pub fn embed_tokens(&self) -> &Tensor {
-        &self.embed_tokens
-    }
-
-    /// Which op implementations the forward uses.
-    pub fn kernels(&self) -> Kernels {
-        self.kernels
-    }
-
-    /// The dtype activations are computed in.
-    pub fn compute_dtype(&self) -> DType {
-        self.compute
-    }
-
-    /// Final hidden states `[B, T, H]` (after the last norm).
-    ///
-    /// `attention_mask` is `[B, S]` with `S = cached + T`; `position_ids` is `[B, T]`.
-    pub fn forward(
-        &self,
-        input_ids: &Tensor,
-        attention_mask: &Tensor,
-        position_ids: &Tensor,
-        mut cache: Option<&mut KvCache>,
-    ) -> Result<Tensor> {
-        let (b, t) = input_ids.dims2()?;
-        let past = cache.as_ref().map(|c| c.seq_len()).unwrap_or(0);
-        let (mb, s) = attention_mask.dims2()?;
-        if mb != b || s != past + t {
-            return Err(Error::InvalidArgument(format!(
-                "attention_mask has shape [{mb}, {s}] but input_ids is [{b}, {t}] with {past} cached positions; expected [{b}, {}]",
-                past + t
-            )));
-        }
-        if position_ids.dims() != [b, t] {
-            return Err(Error::InvalidArgument(format!(
-                "position_ids has shape {:?}, expected [{b}, {t}]",
-                position_ids.dims()
-            )));
-        }
-        if let Some(c) = cache.as_ref() {
-            if c.layers.len() != self.layers.len() {
-                return Err(Error::InvalidArgument(format!(
-                    "KV cache has {} layers, the model {}",
-                    c.layers.len(),
-                    self.layers.len()
-                )));
-            }
-        }
-        let dtype = self.compute;
-        let device = self.embed_tokens.device().clone();
-        let mask = build_mask(attention_mask, t, past, dtype, &device)?;
-        let rope = Rope::new(&self.inv_freq, position_ids, dtype, self.kernels)?;
-        let ids = input_ids.to_dtype(DType::U32)?.flatten_all()?;
-        // Gather first, then cast: only the looked-up rows are converted.
-        let mut xs = self
-            .embed_tokens
-            .index_select(&ids, 0)?
-            .reshape((b, t, self.cfg.hidden_size))?
-            .to_dtype(dtype)?;
-        let eps = self.cfg.rms_norm_eps;
-        let kernels = self.kernels;
-        for (i, layer) in self.layers.iter().enumerate() {
-            let slot = cache.as_mut().map(|c| &mut c.layers[i]);
-            xs = if self.checkpoint && slot.is_none() && xs.track_op() {
-                layer.forward_checkpointed(&xs, &rope, &mask, eps, kernels)?
-            } else {
-                layer.forward(&xs, &rope, &mask, slot, eps, kernels)?
-            };
-        }
-        rms_norm(&xs, &self.norm, eps, kernels)
-    }
-}
-
-/// Additive mask `[B, 1, 1, T, S]`: a query at absolute position `past + i` sees key `j` when
-/// `j <= past + i` and key `j` is not padding (mask 0). A mask value above 1 is a segment id
-/// (packed rows: several sequences back to back in one row): a query then sees only the keys
-/// of its own segment, so each packed sequence is computed as if it were alone. Binary masks
-/// (every value 0 or 1) are the ordinary case.
-fn build_mask(
-    attention_mask: &Tensor,
-    t: usize,
-    past: usize,
-    dtype: DType,
-    device: &Device,
-) -> Result<Tensor> {
-    let am = attention_mask.to_dtype(DType::U32)?.to_vec2::<u32>()?;
-    let b = am.len();
-    let s = past + t;
-    let neg = mask_value(dtype);
-    let mut data = vec![0f32; b * t * s];
-    for (bi, row) in am.iter().enumerate() {
-        for i in 0..t {
-            let base = (bi * t + i) * s;
-            // A padding query (segment 0) sees every token before it, as before packing.
-            let seg = row[past + i];
-            for (j, &m) in row.iter().enumerate() {
-                if j > past + i || m == 0 || (seg != 0 && m != seg) {
-                    data[base + j] = neg;
-                }
-            }
-        }
-    }
-    Ok(Tensor::from_vec(data, (b, 1, 1, t, s), device)?.to_dtype(dtype)?)
-}
-
-/// Position ids `cumsum(mask) - 1`, clamped at 0, for a left-padded batch (`[B, T]`, u32).
-/// With segment ids in the mask (packed rows, see `build_mask`), positions restart at 0 where
-/// a new segment begins; a binary mask is one segment.
-pub fn position_ids_from_mask(attention_mask: &Tensor) -> Result<Tensor> {
-    let am = attention_mask.to_dtype(DType::U32)?.to_vec2::<u32>()?;
-    let (b, t) = attention_mask.dims2()?;
-    let mut out = Vec::with_capacity(b * t);
-    for row in am {
-        let (mut c, mut seg): (i64, u32) = (-1, 0);
-        for m in row {
-            if m != 0 {
-                if seg != 0 && m != seg {
-                    c = -1;
-                }
-                seg = m;
-                c += 1;
-            }
-            out.push(c.max(0) as u32);
-        }
-    }
-    Ok(Tensor::from_vec(out, (b, t), attention_mask.device())?)
 }

@@ -1,0 +1,499 @@
+//! ZeRO stage 3: parameters sharded across a data-parallel group, each decoder layer gathered
+//! just before its forward and again before its backward, and freed after each.
+//!
+//! A stage-3 model keeps, on every rank, only its piece of each parameter: the flattened
+//! parameters laid end to end (by name, the optimizer's order) and cut into `world` equal
+//! contiguous ranges ([`crate::train::partition`]), exactly the split ZeRO stages 1 and 2 give
+//! AdamW's moments, so the optimizer state of all three stages is laid out alike and a
+//! checkpoint written under one stage reads back under another. The pieces are the model's
+//! variables ([`crate::Model::vars`]): a plain AdamW over them is the sharded optimizer.
+//!
+//! The model gathers what a computation needs from the group (an all-gather of every rank's
+//! pieces) and drops it afterwards:
+//! - the edges (embeddings, final norm, LM, value or score head) for a whole call, since they
+//!   are used at both ends of the network;
+//! - each decoder layer for its forward only. In a training pass the layer's output carries a
+//!   backward of its own ([`crate::replay`]) that gathers the layer again, recomputes it (so a
+//!   stage-3 model is always activation-checkpointed), and reduce-scatters the layer's weight
+//!   gradients at once: a rank keeps only its piece of the group's summed gradient.
+//!
+//! Every gather and reduce-scatter is a collective, so every rank of the group must make the
+//! same calls in the same order: the same number of forward calls and training passes, on
+//! models of the same structure. The rows may differ. Each collective has the communicator's
+//! deadline, so a rank that stops calling makes the others fail with a timeout, not hang.
+//!
+//! Memory per rank: the pieces and their gradients (2/world of the parameters), AdamW's moments
+//! over the pieces (2/world), the gathered edges for the call, and one or two gathered layers.
+
+mod model;
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::sync::{Mutex, MutexGuard};
+
+use candle_core::backprop::GradStore;
+use candle_core::{DType, Device, Tensor, Var};
+use rlhf_collective::{as_bytes, Communicator, ReduceOp};
+
+use crate::error::{Error, Result};
+use crate::train::{partition, Gradients};
+
+/// One parameter: its whole shape and this rank's piece of it.
+struct Piece {
+    name: String,
+    shape: Vec<usize>,
+    /// The elements of the flattened parameter each rank holds, in rank order.
+    ranges: Vec<Range<usize>>,
+    /// This rank's piece: `[n]` for a vector parameter, `[1, n]` for a matrix, so that what
+    /// decides AdamW's weight decay (the parameter's rank) is the same as for the whole one.
+    var: Var,
+    /// This rank's piece of the group's summed gradient, since [`Zero3::take_grads`].
+    grad: Option<Vec<f32>>,
+}
+
+/// Whole parameters gathered from the group's pieces.
+#[derive(Default)]
+pub(crate) struct Gathered {
+    /// By name: what a layer or head is built from.
+    pub tensors: BTreeMap<String, Tensor>,
+    /// When gathered as variables: the same tensors' variables, for their gradients.
+    pub vars: Vec<(String, Var)>,
+}
+
+struct State {
+    comm: Box<dyn Communicator>,
+    pieces: Vec<Piece>,
+    /// The parameters of each decoder layer (indices into `pieces`).
+    layers: Vec<Vec<usize>>,
+    /// Every other parameter (embeddings, final norm, heads).
+    edges: Vec<usize>,
+    /// Inside a training pass: the edge variables handed out, waiting for their gradients.
+    pass: Option<Vec<(usize, Var)>>,
+}
+
+/// The sharded parameters of one stage-3 model and the communicator of its group.
+pub struct Zero3 {
+    state: Mutex<State>,
+    device: Device,
+    dtype: DType,
+    rank: usize,
+    world: usize,
+}
+
+impl std::fmt::Debug for Zero3 {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Zero3(rank {} of {})", self.rank, self.world)
+    }
+}
+
+/// The decoder layer a parameter belongs to, from its HF name.
+fn layer_of(name: &str) -> Option<usize> {
+    name.strip_prefix("model.layers.")?
+        .split('.')
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// `f32` values sent by a rank.
+fn floats(bytes: &[u8], rank: usize) -> Result<Vec<f32>> {
+    rlhf_types::f32s_from_le_bytes(bytes).ok_or_else(|| {
+        Error::InvalidArgument(format!(
+            "rank {rank} sent {} bytes of parameters, not whole f32 values",
+            bytes.len()
+        ))
+    })
+}
+
+fn host(t: &Tensor) -> Result<Vec<f32>> {
+    Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
+}
+
+impl Zero3 {
+    /// Cuts `vars` (every parameter of a model, sorted by name) into this rank's pieces and
+    /// keeps those; `num_layers` decoder layers are gathered one at a time.
+    pub(crate) fn new(
+        vars: Vec<(String, Var)>,
+        num_layers: usize,
+        comm: Box<dyn Communicator>,
+    ) -> Result<Self> {
+        let (rank, world) = (comm.rank(), comm.world_size());
+        let first = vars
+            .first()
+            .map(|(_, v)| v.clone())
+            .ok_or_else(|| Error::InvalidArgument("a model without parameters".into()))?;
+        let sizes: Vec<usize> = vars.iter().map(|(_, v)| v.elem_count()).collect();
+        let per_rank: Vec<Vec<Range<usize>>> =
+            (0..world).map(|r| partition(&sizes, r, world)).collect();
+        let mut pieces = Vec::with_capacity(vars.len());
+        let mut layers = vec![Vec::new(); num_layers];
+        let mut edges = Vec::new();
+        for (k, (name, var)) in vars.into_iter().enumerate() {
+            let mine = per_rank[rank][k].clone();
+            let flat = var.as_tensor().detach().flatten_all()?;
+            let piece = flat.narrow(0, mine.start, mine.len())?.copy()?;
+            let piece = if var.rank() > 1 {
+                piece.reshape((1, mine.len()))?
+            } else {
+                piece
+            };
+            match layer_of(&name) {
+                Some(i) if i < num_layers => layers[i].push(k),
+                Some(i) => {
+                    return Err(Error::InvalidArgument(format!(
+                        "{name} belongs to layer {i}, the model has {num_layers}"
+                    )))
+                }
+                None => edges.push(k),
+            }
+            pieces.push(Piece {
+                name,
+                shape: var.dims().to_vec(),
+                ranges: per_rank.iter().map(|p| p[k].clone()).collect(),
+                var: Var::from_tensor(&piece)?,
+                grad: None,
+            });
+        }
+        Ok(Self {
+            state: Mutex::new(State {
+                comm,
+                pieces,
+                layers,
+                edges,
+                pass: None,
+            }),
+            device: first.device().clone(),
+            dtype: first.dtype(),
+            rank,
+            world,
+        })
+    }
+
+    fn lock(&self) -> Result<MutexGuard<'_, State>> {
+        self.state
+            .lock()
+            .map_err(|_| Error::InvalidArgument("ZeRO-3 state: lock poisoned".into()))
+    }
+
+    /// This rank and the group's size.
+    pub fn rank_world(&self) -> (usize, usize) {
+        (self.rank, self.world)
+    }
+
+    pub(crate) fn device(&self) -> &Device {
+        &self.device
+    }
+
+    pub(crate) fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// This rank's pieces, by parameter name: the model's variables.
+    pub(crate) fn piece_vars(&self) -> Result<Vec<(String, Var)>> {
+        Ok(self
+            .lock()?
+            .pieces
+            .iter()
+            .map(|p| (p.name.clone(), p.var.clone()))
+            .collect())
+    }
+
+    /// Elements of this rank's pieces, and of the whole parameters.
+    pub fn sizes(&self) -> Result<(usize, usize)> {
+        let st = self.lock()?;
+        let mine = st.pieces.iter().map(|p| p.var.elem_count()).sum();
+        let all = st
+            .pieces
+            .iter()
+            .map(|p| p.shape.iter().product::<usize>())
+            .sum();
+        Ok((mine, all))
+    }
+
+    /// The whole parameters `which`, gathered from every rank's pieces (a collective); with
+    /// `vars`, each is also a fresh variable (its tensor is the variable's, no copy), so a
+    /// graph computed with it yields its gradient.
+    fn gather(&self, st: &mut State, which: &[usize], vars: bool) -> Result<Gathered> {
+        let mut mine = Vec::new();
+        for &k in which {
+            mine.extend(host(st.pieces[k].var.as_tensor())?);
+        }
+        let all = st
+            .comm
+            .all_gather(as_bytes(&mine))
+            .map_err(|e| Error::InvalidArgument(format!("ZeRO-3: gathering parameters: {e}")))?;
+        drop(mine);
+        let all: Vec<Vec<f32>> = all
+            .iter()
+            .enumerate()
+            .map(|(r, b)| floats(b, r))
+            .collect::<Result<_>>()?;
+        let mut at = vec![0usize; self.world];
+        let mut out = Gathered::default();
+        for &k in which {
+            let p = &st.pieces[k];
+            let mut full = Vec::with_capacity(p.shape.iter().product());
+            for (r, vals) in all.iter().enumerate() {
+                let n = p.ranges[r].len();
+                let got = vals.get(at[r]..at[r] + n).ok_or_else(|| {
+                    Error::InvalidArgument(format!(
+                        "ZeRO-3: rank {r} sent {} values, fewer than its pieces; the ranks disagree on the model",
+                        vals.len()
+                    ))
+                })?;
+                full.extend_from_slice(got);
+                at[r] += n;
+            }
+            let shape = p.shape.as_slice();
+            let t = if self.dtype == DType::F32 && vars {
+                let var = Var::from_vec(full, shape, &self.device)?;
+                out.vars.push((p.name.clone(), var.clone()));
+                var.as_tensor().clone()
+            } else {
+                let t = Tensor::from_vec(full, shape, &self.device)?.to_dtype(self.dtype)?;
+                if vars {
+                    let var = Var::from_tensor(&t)?;
+                    out.vars.push((p.name.clone(), var.clone()));
+                    var.as_tensor().clone()
+                } else {
+                    t
+                }
+            };
+            out.tensors.insert(p.name.clone(), t);
+        }
+        if let Some(r) = (0..self.world).find(|&r| at[r] != all[r].len()) {
+            return Err(Error::InvalidArgument(format!(
+                "ZeRO-3: rank {r} sent {} values for pieces of {}; the ranks disagree on the model",
+                all[r].len(),
+                at[r]
+            )));
+        }
+        Ok(out)
+    }
+
+    /// Sums the whole gradients `grads` of parameters `which` (`None`: zeros) over the group
+    /// and adds this rank's piece of the sum to its gradients (a reduce-scatter).
+    fn scatter(&self, st: &mut State, which: &[usize], grads: Vec<Option<Tensor>>) -> Result<()> {
+        let host_grads: Vec<Option<Vec<f32>>> = grads
+            .iter()
+            .map(|g| g.as_ref().map(host).transpose())
+            .collect::<Result<_>>()?;
+        drop(grads);
+        let counts: Vec<usize> = (0..self.world)
+            .map(|r| which.iter().map(|&k| st.pieces[k].ranges[r].len()).sum())
+            .collect();
+        let mut buf = Vec::with_capacity(counts.iter().sum());
+        for r in 0..self.world {
+            for (j, &k) in which.iter().enumerate() {
+                let range = st.pieces[k].ranges[r].clone();
+                match &host_grads[j] {
+                    Some(g) => {
+                        let part = g.get(range.clone()).ok_or_else(|| {
+                            Error::InvalidArgument(format!(
+                                "ZeRO-3: the gradient of {} has {} values, its parameter more",
+                                st.pieces[k].name,
+                                g.len()
+                            ))
+                        })?;
+                        buf.extend_from_slice(part);
+                    }
+                    None => buf.resize(buf.len() + range.len(), 0.0),
+                }
+            }
+        }
+        drop(host_grads);
+        st.comm
+            .reduce_scatter_f32(&mut buf, &counts, ReduceOp::Sum)
+            .map_err(|e| {
+                Error::InvalidArgument(format!("ZeRO-3: reduce-scattering gradients: {e}"))
+            })?;
+        let mut at: usize = counts[..self.rank].iter().sum();
+        for &k in which {
+            let n = st.pieces[k].ranges[self.rank].len();
+            let part = &buf[at..at + n];
+            at += n;
+            match &mut st.pieces[k].grad {
+                Some(acc) => acc.iter_mut().zip(part).for_each(|(a, g)| *a += *g),
+                None => st.pieces[k].grad = Some(part.to_vec()),
+            }
+        }
+        Ok(())
+    }
+
+    /// Decoder layer `i`'s whole parameters (a collective), as variables with `vars`.
+    pub(crate) fn gather_layer(&self, i: usize, vars: bool) -> Result<Gathered> {
+        let mut st = self.lock()?;
+        let which =
+            st.layers.get(i).cloned().ok_or_else(|| {
+                Error::InvalidArgument(format!("ZeRO-3: no layer {i} in this model"))
+            })?;
+        self.gather(&mut st, &which, vars)
+    }
+
+    /// Reduce-scatters the gradients `grads` holds for layer `i`'s variables `vars` (the
+    /// whole parameters the backward recomputed with).
+    pub(crate) fn scatter_layer(
+        &self,
+        i: usize,
+        vars: &[(String, Var)],
+        grads: &GradStore,
+    ) -> Result<()> {
+        let mut st = self.lock()?;
+        let which =
+            st.layers.get(i).cloned().ok_or_else(|| {
+                Error::InvalidArgument(format!("ZeRO-3: no layer {i} in this model"))
+            })?;
+        let by_name: BTreeMap<&str, &Var> = vars.iter().map(|(n, v)| (n.as_str(), v)).collect();
+        let g = which
+            .iter()
+            .map(|&k| {
+                by_name
+                    .get(st.pieces[k].name.as_str())
+                    .and_then(|v| grads.get(v.as_tensor()).cloned())
+            })
+            .collect();
+        self.scatter(&mut st, &which, g)
+    }
+
+    /// The edge parameters (embeddings, final norm, heads), whole, for one call (a
+    /// collective). Inside a training pass they are fresh variables whose gradients
+    /// [`Zero3::backward`] collects.
+    pub(crate) fn gather_edges(&self) -> Result<BTreeMap<String, Tensor>> {
+        let mut st = self.lock()?;
+        let which = st.edges.clone();
+        let training = st.pass.is_some();
+        let out = self.gather(&mut st, &which, training)?;
+        let mut handed = Vec::with_capacity(out.vars.len());
+        for (name, var) in out.vars {
+            let k = which
+                .iter()
+                .copied()
+                .find(|&k| st.pieces[k].name == name)
+                .ok_or_else(|| Error::InvalidArgument(format!("ZeRO-3: no edge {name}")))?;
+            handed.push((k, var));
+        }
+        if let Some(pass) = st.pass.as_mut() {
+            pass.extend(handed);
+        }
+        Ok(out.tensors)
+    }
+
+    /// Whether a training pass is open ([`Zero3::begin_pass`]).
+    pub(crate) fn in_pass(&self) -> bool {
+        self.lock().map(|s| s.pass.is_some()).unwrap_or(false)
+    }
+
+    /// Opens a training pass: the forward calls until [`Zero3::backward`] build the graph
+    /// that backward differentiates. Outside a pass a stage-3 model computes with no graph.
+    pub fn begin_pass(&self) -> Result<()> {
+        let mut st = self.lock()?;
+        if st.pass.is_some() {
+            return Err(Error::InvalidArgument(
+                "ZeRO-3: a training pass is already open; call backward first".into(),
+            ));
+        }
+        st.pass = Some(Vec::new());
+        Ok(())
+    }
+
+    /// Closes a pass without a backward (a failed micro-batch): its edges are dropped.
+    pub fn abort_pass(&self) -> Result<()> {
+        self.lock()?.pass = None;
+        Ok(())
+    }
+
+    /// Differentiates `loss` (computed by this model inside a pass) and closes the pass: each
+    /// layer's gradients are reduce-scattered during the backward, the edges' after it, and
+    /// this rank's pieces of the group's sums add to its gradients ([`Zero3::take_grads`]).
+    /// Every rank must call it for the same pass.
+    pub fn backward(&self, loss: &Tensor) -> Result<()> {
+        let pending = self.lock()?.pass.take().ok_or_else(|| {
+            Error::InvalidArgument("ZeRO-3: backward without a training pass (begin_pass)".into())
+        })?;
+        // The layers' backwards lock the state: it must be free while candle runs.
+        let store = loss.backward()?;
+        let mut st = self.lock()?;
+        let which = st.edges.clone();
+        let mut sums: Vec<Option<Tensor>> = vec![None; which.len()];
+        for (k, var) in &pending {
+            if let (Some(j), Some(g)) = (
+                which.iter().position(|w| w == k),
+                store.get(var.as_tensor()),
+            ) {
+                sums[j] = Some(crate::train::add_to(sums[j].take(), g.clone())?);
+            }
+        }
+        drop(store);
+        drop(pending);
+        if !which.is_empty() {
+            self.scatter(&mut st, &which, sums)?;
+        }
+        Ok(())
+    }
+
+    /// This rank's pieces of the summed gradients since the last call, by parameter name
+    /// (zeros where nothing was summed), for AdamW over [`crate::Model::vars`]; the sums start
+    /// again from zero.
+    pub fn take_grads(&self) -> Result<Gradients> {
+        let mut st = self.lock()?;
+        let mut out = BTreeMap::new();
+        for p in st.pieces.iter_mut() {
+            let n = p.var.elem_count();
+            let g = p.grad.take().unwrap_or_else(|| vec![0.0; n]);
+            let t = Tensor::from_vec(g, p.var.shape(), &self.device)?.to_dtype(p.var.dtype())?;
+            out.insert(p.name.clone(), t);
+        }
+        Ok(Gradients::from_map(out))
+    }
+
+    /// The global L2 norm of the group's summed gradient (a collective).
+    pub fn grad_norm(&self) -> Result<f64> {
+        let mut st = self.lock()?;
+        let mut sq = [st
+            .pieces
+            .iter()
+            .flat_map(|p| p.grad.iter().flatten())
+            .map(|&g| f64::from(g) * f64::from(g))
+            .sum::<f64>()];
+        st.comm
+            .all_reduce_f64(&mut sq, ReduceOp::Sum)
+            .map_err(|e| Error::InvalidArgument(format!("ZeRO-3: the gradient norm: {e}")))?;
+        Ok(sq[0].sqrt())
+    }
+
+    /// Every parameter, whole, sorted by name (a collective): what a save or a weight sync
+    /// sends. One decoder layer is gathered at a time, so the peak is the result plus a layer.
+    pub fn gather_all(&self) -> Result<Vec<(String, Tensor)>> {
+        let n = self.lock()?.layers.len();
+        let mut out = {
+            let mut st = self.lock()?;
+            let which = st.edges.clone();
+            self.gather(&mut st, &which, false)?.tensors
+        };
+        for i in 0..n {
+            out.extend(self.gather_layer(i, false)?.tensors);
+        }
+        Ok(out.into_iter().collect())
+    }
+
+    /// Runs `f` with the group's communicator, for other collectives of the same group.
+    pub fn with_comm<R>(&self, f: impl FnOnce(&mut dyn Communicator) -> R) -> Result<R> {
+        let mut st = self.lock()?;
+        Ok(f(st.comm.as_mut()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::layer_of;
+
+    #[test]
+    fn parameters_belong_to_their_layer_or_to_the_edges() {
+        assert_eq!(layer_of("model.layers.12.mlp.up_proj.weight"), Some(12));
+        assert_eq!(layer_of("model.layers.0.input_layernorm.weight"), Some(0));
+        assert_eq!(layer_of("model.embed_tokens.weight"), None);
+        assert_eq!(layer_of("model.norm.weight"), None);
+        assert_eq!(layer_of("lm_head.weight"), None);
+        assert_eq!(layer_of("model.layers.x.mlp"), None);
+    }
+}

@@ -1,0 +1,115 @@
+//! A [`Model`] under ZeRO stage 3: sharding it, and the decoder and head each call computes
+//! with (the model's own, or a shell around the edges gathered for that call).
+
+use std::sync::Arc;
+
+use candle_core::Tensor;
+use rlhf_collective::Communicator;
+
+use super::Zero3;
+use crate::error::{Error, Result};
+use crate::model::{Head, Model, ModelKind};
+use crate::transformer::{Linear, Transformer};
+use crate::weights::ParamStore;
+
+/// The decoder and head one call computes with.
+pub(crate) enum Parts<'a> {
+    Own(&'a Transformer, &'a Head),
+    Gathered(Transformer, Head),
+}
+
+impl Parts<'_> {
+    pub fn body(&self) -> &Transformer {
+        match self {
+            Parts::Own(b, _) => b,
+            Parts::Gathered(b, _) => b,
+        }
+    }
+
+    pub fn head(&self) -> &Head {
+        match self {
+            Parts::Own(_, h) => h,
+            Parts::Gathered(_, h) => h,
+        }
+    }
+}
+
+impl Model {
+    /// Shards this model's parameters across the group of `comm` (ZeRO stage 3, see
+    /// [`crate::zero3`]): every rank keeps only its piece of each parameter, and from now on
+    /// [`Model::vars`] are those pieces, so an AdamW over them is the sharded optimizer. Every
+    /// rank of the group must call it on the same model (the same weights, as loaded from one
+    /// checkpoint or seed). Only a trainable model without LoRA adapters can be sharded.
+    pub fn into_zero3(mut self, comm: Box<dyn Communicator>) -> Result<Self> {
+        if !self.is_trainable() {
+            return Err(Error::InvalidArgument(
+                "ZeRO stage 3 shards a trained model's parameters; this model is frozen \
+                 (load it with trainable: true)"
+                    .into(),
+            ));
+        }
+        if self.lora.is_some() {
+            return Err(Error::InvalidArgument(
+                "ZeRO stage 3 with LoRA adapters is not built: the adapters are small, so use \
+                 zero_stage 2 (or 0) with LoRA"
+                    .into(),
+            ));
+        }
+        if self.zero3().is_some() {
+            return Err(Error::InvalidArgument(
+                "this model is already sharded (ZeRO stage 3)".into(),
+            ));
+        }
+        let z = Arc::new(Zero3::new(
+            self.params.vars(),
+            self.config.num_hidden_layers,
+            comm,
+        )?);
+        self.params = ParamStore::from_vars(z.piece_vars()?);
+        let empty = Tensor::zeros(0, z.dtype(), z.device())?;
+        self.head = match &self.head {
+            Head::Lm(_) => Head::Lm(empty),
+            Head::Value(l) => Head::Value(Linear::plain(
+                empty.clone(),
+                l.b.as_ref().map(|_| empty.clone()),
+            )),
+            Head::Score(_) => Head::Score(Linear::plain(empty, None)),
+        };
+        self.body = self.body.into_sharded(z)?;
+        Ok(self)
+    }
+
+    /// The ZeRO-3 parameters, when this model is sharded ([`Model::into_zero3`]).
+    pub fn zero3(&self) -> Option<&Arc<Zero3>> {
+        self.body.zero3()
+    }
+
+    /// The decoder and head for one call: the model's own, or (ZeRO-3) a shell holding the
+    /// edge parameters gathered for this call (a collective).
+    pub(crate) fn parts(&self) -> Result<Parts<'_>> {
+        let Some(z) = self.zero3() else {
+            return Ok(Parts::Own(&self.body, &self.head));
+        };
+        let mut edges = z.gather_edges()?;
+        let mut take = |name: &str| {
+            edges.remove(name).ok_or_else(|| Error::MissingTensor {
+                name: name.to_string(),
+                location: "the gathered ZeRO-3 edge parameters".to_string(),
+            })
+        };
+        let embed = take("model.embed_tokens.weight")?;
+        let norm = take("model.norm.weight")?;
+        let head = match &self.head {
+            Head::Lm(_) if self.kind == ModelKind::CausalLm && self.config.tie_word_embeddings => {
+                Head::Lm(embed.clone())
+            }
+            Head::Lm(_) => Head::Lm(take("lm_head.weight")?),
+            Head::Value(l) => Head::Value(Linear::plain(
+                take("score.weight")?,
+                l.b.as_ref().map(|_| take("score.bias")).transpose()?,
+            )),
+            Head::Score(_) => Head::Score(Linear::plain(take("score.weight")?, None)),
+        };
+        Ok(Parts::Gathered(self.body.with_edges(embed, norm), head))
+    }
+}

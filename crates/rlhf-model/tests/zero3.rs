@@ -1,0 +1,286 @@
+//! ZeRO stage 3 over the real TCP communicator, ranks on threads: 1, 2 and 4 ranks, each
+//! keeping only its piece of every parameter (a layer gathered for its forward and again for
+//! its backward), end several AdamW steps with the weights of one unsharded model trained on
+//! the whole batch; forward results, the gradient norm and the saved HF directory are the
+//! unsharded model's too.
+
+mod common;
+
+use std::collections::BTreeMap;
+
+use common::tiny_config;
+use rlhf_collective::{CommConfig, Communicator, TcpCommunicator, TcpRendezvous};
+use rlhf_model::{
+    AdamW, AdamWConfig, Batch, Config, DType, Device, Family, Gradients, LoadOptions, Model,
+    ModelKind, Tensor,
+};
+
+/// `n` connected TCP communicators, rank order.
+fn group(n: usize) -> Vec<TcpCommunicator> {
+    let rv = TcpRendezvous::bind("127.0.0.1:0").unwrap();
+    let addr = rv.local_addr().to_string();
+    let peers: Vec<_> = (1..n)
+        .map(|r| {
+            let a = addr.clone();
+            std::thread::spawn(move || {
+                TcpCommunicator::connect(r, n, &a, CommConfig::default()).unwrap()
+            })
+        })
+        .collect();
+    let mut out = vec![rv.accept(n, CommConfig::default()).unwrap()];
+    out.extend(peers.into_iter().map(|p| p.join().unwrap()));
+    out
+}
+
+/// Four rows of different lengths; rank `r` of `world` trains on rows `r, r + world, ...`.
+fn rows() -> Vec<Vec<u32>> {
+    vec![
+        vec![5, 9, 12, 3, 40, 17],
+        vec![7, 8, 1, 33, 20, 11, 2, 60],
+        vec![14, 15, 16],
+        vec![21, 22, 23, 24, 25],
+    ]
+}
+
+fn mine(rank: usize, world: usize) -> Vec<Vec<u32>> {
+    rows().into_iter().skip(rank).step_by(world).collect()
+}
+
+/// The loss of `seqs` as a share of the whole batch's: the sum over their rows, divided by
+/// the batch's row count, so the ranks' losses add up to the one-rank loss.
+fn loss(model: &Model, seqs: &[Vec<u32>]) -> Tensor {
+    let batch = Batch::left_padded(seqs, 0, &Device::Cpu).unwrap();
+    let n = rows().len() as f64;
+    let am = batch.attention_mask.to_dtype(DType::F32).unwrap();
+    let t = am.dim(1).unwrap();
+    match model.kind() {
+        ModelKind::CausalLm => {
+            // Entry t predicts token t + 1: scored where both are real tokens.
+            let m = (am.narrow(1, 0, t - 1).unwrap() * am.narrow(1, 1, t - 1).unwrap()).unwrap();
+            let (lp, ent) = model.log_probs_and_entropy(&batch, 0.9, true).unwrap();
+            let per = (lp + (ent.unwrap() * 0.1).unwrap()).unwrap();
+            ((per * m).unwrap().sum_all().unwrap() / n).unwrap()
+        }
+        _ => {
+            let v = model.values(&batch).unwrap();
+            let d = (v - 0.5).unwrap().sqr().unwrap();
+            ((d * am).unwrap().sum_all().unwrap() / n).unwrap()
+        }
+    }
+}
+
+fn opts(kind: ModelKind) -> LoadOptions {
+    LoadOptions {
+        kind,
+        trainable: true,
+        seed: 7,
+        logits_chunk: Some(5),
+        ..LoadOptions::default()
+    }
+}
+
+fn adamw() -> AdamWConfig {
+    AdamWConfig {
+        lr: 0.01,
+        weight_decay: 0.1,
+        ..AdamWConfig::default()
+    }
+}
+
+const STEPS: usize = 3;
+/// The gradient is clipped to this norm: the tiny models' first gradients are above it.
+const CLIP: f64 = 0.5;
+
+type Weights = BTreeMap<String, Vec<f32>>;
+
+fn host(named: Vec<(String, Tensor)>) -> Weights {
+    named
+        .into_iter()
+        .map(|(n, t)| (n, t.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
+        .collect()
+}
+
+/// One unsharded model on the whole batch: its weights after the steps, and the gradient
+/// norm of each step.
+fn unsharded(cfg: &Config, kind: ModelKind) -> (Weights, Vec<f64>) {
+    let model = Model::random(cfg, &opts(kind)).unwrap();
+    let vars = model.vars();
+    let mut opt = AdamW::new(vars.clone(), adamw()).unwrap();
+    let mut norms = Vec::new();
+    for _ in 0..STEPS {
+        let mut g = Gradients::backward(&loss(&model, &rows()), &vars).unwrap();
+        norms.push(g.clip_global_norm(CLIP).unwrap());
+        opt.step(&g).unwrap();
+    }
+    (host(model.named_tensors()), norms)
+}
+
+/// `world` stage-3 ranks: each rank's gathered weights after the steps, its gradient norms,
+/// and the share of the parameter elements it held.
+fn sharded(cfg: &Config, kind: ModelKind, world: usize) -> Vec<(Weights, Vec<f64>, f64)> {
+    let handles: Vec<_> = group(world)
+        .into_iter()
+        .enumerate()
+        .map(|(rank, comm)| {
+            let cfg = cfg.clone();
+            std::thread::spawn(move || {
+                let model = Model::random(&cfg, &opts(kind))
+                    .unwrap()
+                    .into_zero3(Box::new(comm))
+                    .unwrap();
+                let z = model.zero3().unwrap().clone();
+                let (held, total) = z.sizes().unwrap();
+                let mut opt = AdamW::new(model.vars(), adamw()).unwrap();
+                let mut norms = Vec::new();
+                for _ in 0..STEPS {
+                    z.begin_pass().unwrap();
+                    z.backward(&loss(&model, &mine(rank, world))).unwrap();
+                    let norm = z.grad_norm().unwrap();
+                    let mut g = z.take_grads().unwrap();
+                    g.scale(Gradients::clip_factor(norm, CLIP)).unwrap();
+                    opt.step(&g).unwrap();
+                    norms.push(norm);
+                }
+                let w = host(z.gather_all().unwrap());
+                (w, norms, held as f64 / total as f64)
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+fn max_diff(a: &Weights, b: &Weights) -> (f64, String) {
+    assert_eq!(
+        a.keys().collect::<Vec<_>>(),
+        b.keys().collect::<Vec<_>>(),
+        "the same parameters"
+    );
+    let mut worst = (0.0, String::new());
+    for (name, x) in a {
+        for (p, q) in x.iter().zip(&b[name]) {
+            let d = f64::from((p - q).abs());
+            if d > worst.0 {
+                worst = (d, name.clone());
+            }
+        }
+    }
+    worst
+}
+
+/// A Qwen2 config (q/k/v biases) with tied embeddings: the LM head is the embedding matrix.
+fn tied_qwen2() -> Config {
+    let mut raw = tiny_config(Family::Qwen2).raw.clone();
+    raw["tie_word_embeddings"] = serde_json::json!(true);
+    Config::from_json(&raw).unwrap()
+}
+
+/// The exactness the issue asks for: with 1, 2 and 4 ranks, stage 3 ends with the weights of
+/// one unsharded model after several clipped AdamW steps with weight decay (Llama with an
+/// untied LM head, Qwen2 with biases and a tied one, and a critic's value head). The sums run
+/// in another order, so float tolerance; a lost layer gradient, a wrong piece or a missing
+/// edge moves weights by the learning rate (1e-2) per step.
+#[test]
+fn stage_3_ends_with_the_weights_of_one_unsharded_model() {
+    for (what, cfg, kind) in [
+        ("llama lm", tiny_config(Family::Llama), ModelKind::CausalLm),
+        ("qwen2 tied lm", tied_qwen2(), ModelKind::CausalLm),
+        ("llama critic", tiny_config(Family::Llama), ModelKind::Value),
+    ] {
+        let (want, want_norms) = unsharded(&cfg, kind);
+        let init = host(Model::random(&cfg, &opts(kind)).unwrap().named_tensors());
+        let (moved, _) = max_diff(&want, &init);
+        assert!(
+            moved > 5e-3,
+            "{what}: training moved the weights by {moved}"
+        );
+        for world in [1, 2, 4] {
+            let ranks = sharded(&cfg, kind, world);
+            let held: f64 = ranks.iter().map(|r| r.2).sum();
+            assert!((held - 1.0).abs() < 1e-9, "{what}: pieces cover {held}");
+            for (rank, (w, norms, share)) in ranks.iter().enumerate() {
+                assert!(
+                    *share < 1.0 / world as f64 + 0.01,
+                    "{what} rank {rank}/{world} holds {share} of the parameters"
+                );
+                let (d, name) = max_diff(w, &want);
+                assert!(d < 1e-4, "{what} rank {rank}/{world}: {d} off at {name}");
+                for (a, b) in norms.iter().zip(&want_norms) {
+                    assert!((a - b).abs() < 1e-4 * b, "{what}: norm {a} vs {b}");
+                }
+            }
+        }
+    }
+}
+
+/// Outside a training pass a stage-3 model computes what the unsharded one does (log-probs
+/// through the gathered layers, generation's KV cache included), and `save` on every rank
+/// writes the whole model once, equal to the unsharded one's.
+#[test]
+fn stage_3_forward_and_save_match_the_unsharded_model() {
+    let cfg = tiny_config(Family::Qwen2);
+    let plain = Model::random(&cfg, &opts(ModelKind::CausalLm)).unwrap();
+    let batch = Batch::left_padded(&rows(), 0, &Device::Cpu).unwrap();
+    let want = plain.token_log_probs(&batch, 1.0).unwrap();
+    let want = want.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let handles: Vec<_> = group(2)
+        .into_iter()
+        .map(|comm| {
+            let (cfg, dir) = (cfg.clone(), tmp.path().join("saved"));
+            std::thread::spawn(move || {
+                let model = Model::random(&cfg, &opts(ModelKind::CausalLm))
+                    .unwrap()
+                    .into_zero3(Box::new(comm))
+                    .unwrap();
+                let batch = Batch::left_padded(&rows(), 0, &Device::Cpu).unwrap();
+                let lp = model.token_log_probs(&batch, 1.0).unwrap();
+                assert!(!lp.track_op(), "no graph outside a training pass");
+                model.save(&dir, None).unwrap();
+                lp.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+            })
+        })
+        .collect();
+    for h in handles {
+        let got = h.join().unwrap();
+        let d = got
+            .iter()
+            .zip(&want)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(d < 1e-5, "log-probs differ by {d}");
+    }
+    let saved = Model::load(tmp.path().join("saved"), &LoadOptions::default()).unwrap();
+    let (d, name) = max_diff(&host(saved.named_tensors()), &host(plain.named_tensors()));
+    assert!(d == 0.0, "saved weights differ by {d} at {name}");
+}
+
+/// The error of a sharding that must fail.
+fn refused(r: rlhf_model::Result<Model>) -> String {
+    match r {
+        Ok(_) => panic!("sharded"),
+        Err(e) => e.to_string(),
+    }
+}
+
+/// What cannot be sharded is refused with the reason, and a second sharding too.
+#[test]
+fn stage_3_refuses_frozen_lora_and_already_sharded_models() {
+    let cfg = tiny_config(Family::Llama);
+    let single =
+        || Box::new(TcpCommunicator::single(CommConfig::default())) as Box<dyn Communicator>;
+    let frozen = Model::random(&cfg, &LoadOptions::default()).unwrap();
+    let e = refused(frozen.into_zero3(single()));
+    assert!(e.contains("frozen"), "{e}");
+    let lora = LoadOptions {
+        lora: Some(rlhf_model::LoraConfig::new(2, 4.0, &["q_proj"])),
+        ..opts(ModelKind::CausalLm)
+    };
+    let e = refused(Model::random(&cfg, &lora).unwrap().into_zero3(single()));
+    assert!(e.contains("LoRA") && e.contains("zero_stage 2"), "{e}");
+    let z = Model::random(&cfg, &opts(ModelKind::CausalLm))
+        .unwrap()
+        .into_zero3(single())
+        .unwrap();
+    let e = refused(z.into_zero3(single()));
+    assert!(e.contains("already sharded"), "{e}");
+}
