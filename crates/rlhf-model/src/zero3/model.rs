@@ -15,21 +15,21 @@ use crate::weights::ParamStore;
 /// The decoder and head one call computes with.
 pub(crate) enum Parts<'a> {
     Own(&'a Transformer, &'a Head),
-    Gathered(Transformer, Head),
+    Gathered(Box<(Transformer, Head)>),
 }
 
 impl Parts<'_> {
     pub fn body(&self) -> &Transformer {
         match self {
             Parts::Own(b, _) => b,
-            Parts::Gathered(b, _) => b,
+            Parts::Gathered(g) => &g.0,
         }
     }
 
     pub fn head(&self) -> &Head {
         match self {
             Parts::Own(_, h) => h,
-            Parts::Gathered(_, h) => h,
+            Parts::Gathered(g) => &g.1,
         }
     }
 }
@@ -110,6 +110,9 @@ impl Model {
             )),
             Head::Score(_) => Head::Score(Linear::plain(take("score.weight")?, None)),
         };
-        Ok(Parts::Gathered(self.body.with_edges(embed, norm), head))
+        Ok(Parts::Gathered(Box::new((
+            self.body.with_edges(embed, norm),
+            head,
+        ))))
     }
 }
