@@ -20,6 +20,9 @@ use rlhf_model::{AdamW, AdamWConfig, Batch, Config, Device, Gradients, LoadOptio
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
+/// One rank's result: median step seconds, peak MiB, weights checksum.
+type RankResult = (f64, f64, f64);
+
 /// Set in the rank processes: `MODEL VARIANT RANK WORLD ADDRESS STEPS`.
 const CHILD: &str = "RLHF_ZERO3_BENCH_CHILD";
 const WORLD: usize = 2;
@@ -175,7 +178,7 @@ fn child(spec: &str) -> Result<(), BoxError> {
 }
 
 /// Runs one variant on `WORLD` fresh processes: per rank (median step s, peak MiB, checksum).
-fn run(model: &str, variant: &str, steps: usize) -> Result<Vec<(f64, f64, f64)>, BoxError> {
+fn run(model: &str, variant: &str, steps: usize) -> Result<Vec<RankResult>, BoxError> {
     let port = std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port();
@@ -242,13 +245,13 @@ fn main() -> Result<(), BoxError> {
             "{model}: {:.1}M parameters, {WORLD} ranks, {MICROS} micro-batches of {ROWS_PER_MICRO} x {SEQ} tokens per rank and step",
             n as f64 / 1e6
         );
-        let mut res: Vec<(&str, Vec<(f64, f64, f64)>)> = Vec::new();
+        let mut res: Vec<(&str, Vec<RankResult>)> = Vec::new();
         for _ in 0..rounds {
             for v in ["zero0", "zero3"] {
                 res.push((v, run(model, v, steps)?));
             }
         }
-        let pick = |v: &str, f: fn(&(f64, f64, f64)) -> f64| -> Vec<f64> {
+        let pick = |v: &str, f: fn(&RankResult) -> f64| -> Vec<f64> {
             res.iter()
                 .filter(|(x, _)| *x == v)
                 .flat_map(|(_, r)| r.iter().map(f))
