@@ -108,7 +108,10 @@ training_keys! {
     /// the 16 bytes per trained parameter), steps them, and the ranks exchange the result
     /// (the same weights as 0); 2, each rank also keeps only its 1/N of the summed gradient
     /// (every micro-batch's gradient is reduce-scattered as soon as it exists, so no rank
-    /// holds an accumulated whole one). Stage 3 is not built yet.
+    /// holds an accumulated whole one); 3, the parameters too: each rank keeps its 1/N of
+    /// every weight, gathers a decoder layer just before its forward and again before its
+    /// backward (which reduce-scatters the layer's gradients at once) and drops it after
+    /// (the SFT trainer so far, without LoRA).
     zero_stage: u32 = 0,
     /// Keep a trained role's AdamW moments in host memory and step them there: the device
     /// holds the parameters and gradients only (8 bytes per trained parameter less); each

@@ -145,7 +145,7 @@ impl PpoConfig {
                 ));
                 continue;
             };
-            // AdamW's two f32 moments; with `zero_stage` 1 or 2 each data-parallel rank holds
+            // AdamW's two f32 moments; with `zero_stage` 1 to 3 each data-parallel rank holds
             // its share of them.
             let dp = match role {
                 RoleKind::ActorRollout => a.num_gpus_for_train,
@@ -192,17 +192,38 @@ impl PpoConfig {
                 }
                 None => (trained(p), p),
             };
+            // ZeRO stage 3 (the SFT trainer, no LoRA): each rank holds its share of the
+            // weights and of the summed gradient, plus what a pass gathers whole: the edges
+            // (embeddings, final norm, LM head) for the call and one decoder layer, each with
+            // its gradient during the backward.
+            let zero3 = |p: u64| -> Option<(u64, u64)> {
+                if t.zero_stage < 3 || shards <= 1 {
+                    return None;
+                }
+                let heads = if arch.tie_word_embeddings { 1 } else { 2 };
+                let edges = mul(&[heads, arch.vocab_size, arch.hidden_size])
+                    .saturating_add(arch.hidden_size);
+                let layer = p.saturating_sub(edges) / arch.num_hidden_layers.max(1);
+                let whole = edges.saturating_add(layer);
+                Some((
+                    trained(p).div_ceil(shards).saturating_add(trained(whole)),
+                    mul(&[p, 4])
+                        .div_ceil(shards)
+                        .saturating_add(mul(&[whole, 4])),
+                ))
+            };
             match role {
                 RoleKind::ActorRollout => {
                     let p = arch.lm_params();
                     let (weights, tp) = split(p, &a.lora, 0);
+                    let (weights, grads) = zero3(p).unwrap_or((weights, gradients(tp)));
                     rows.push(MemoryRow {
                         label: "actor_rollout/train".into(),
                         role,
                         model: m.name.clone(),
                         params: p,
                         weights,
-                        gradients: gradients(tp),
+                        gradients: grads,
                         optimizer: optimizer(tp),
                         kv_cache: 0,
                         activations: train_act(&arch, true),

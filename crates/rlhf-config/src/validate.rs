@@ -20,14 +20,7 @@ pub fn validate(cfg: &PpoConfig, origin: &str) -> Result<()> {
 /// Every failed rule, one message each (empty when the config is valid).
 pub fn problems(cfg: &PpoConfig) -> Vec<String> {
     let mut e = Vec::new();
-    for role in [RoleKind::ActorRollout, RoleKind::Critic, RoleKind::Reward] {
-        let z = cfg.resolved(role).zero_stage;
-        if z > 2 {
-            e.push(format!(
-                "{role}: training.zero_stage {z} is not built yet: use 2 (AdamW state and gradients sharded across the role's data-parallel ranks), 1 (AdamW state only) or 0"
-            ));
-        }
-    }
+    e.extend(zero_problems(cfg));
     if cfg.data.packing && cfg.trainer != TrainerKind::Sft {
         e.push(format!(
             "data.packing packs SFT examples into rows, and this job is trainer {}; remove data.packing (or set trainer: sft)",
@@ -377,6 +370,44 @@ fn lora_dropout_problem(
             lora.dropout
         )
     })
+}
+
+/// `training.zero_stage` of every role the job trains: 0 to 3, and 3 (parameters sharded
+/// too) only where it is built: the SFT trainer, without LoRA.
+fn zero_problems(cfg: &PpoConfig) -> Vec<String> {
+    let trained: &[RoleKind] = match cfg.trainer {
+        TrainerKind::Ppo => &[RoleKind::ActorRollout, RoleKind::Critic],
+        TrainerKind::Sft | TrainerKind::Dpo => &[RoleKind::ActorRollout],
+        TrainerKind::Reward => &[RoleKind::Reward],
+    };
+    let mut e = Vec::new();
+    for &role in trained {
+        let z = cfg.resolved(role).zero_stage;
+        let lora = match role {
+            RoleKind::ActorRollout => {
+                Some(("actor_rollout.lora.rank", cfg.actor_rollout.lora.rank))
+            }
+            RoleKind::Critic => Some(("critic.lora.rank", cfg.critic.lora.rank)),
+            _ => None,
+        };
+        if z > 3 {
+            e.push(format!(
+                "{role}: training.zero_stage {z} is not a ZeRO stage: use 3 (parameters, gradients and AdamW state sharded across the role's data-parallel ranks), 2 (gradients and AdamW state), 1 (AdamW state only) or 0"
+            ));
+        } else if z == 3 && cfg.trainer != TrainerKind::Sft {
+            e.push(format!(
+                "{role}: training.zero_stage 3 is built for the SFT trainer so far (trainer: sft), and this job is trainer {}; use 2 (AdamW state and gradients sharded across the role's data-parallel ranks), 1 or 0",
+                cfg.trainer
+            ));
+        } else if let (3, Some((key, rank))) = (z, lora) {
+            if rank > 0 {
+                e.push(format!(
+                    "{key} is {rank} with training.zero_stage 3: ZeRO-3 with LoRA adapters is not built; the adapters are small, so use zero_stage 2 (or 0) with LoRA, or set {key}=0"
+                ));
+            }
+        }
+    }
+    e
 }
 
 fn stage_problems(cfg: &PpoConfig) -> Vec<String> {

@@ -331,3 +331,52 @@ fn the_7b_lora_config_fits_two_40gb_gpus() {
     let full = load(&configs(), "ppo_qwen25_7b_lora", &o).unwrap();
     assert!(!full.memory_warnings().is_empty());
 }
+
+/// ZeRO stage 3 (the SFT trainer): each rank holds its share of the weights and of the summed
+/// gradient, plus what a pass gathers whole (the embeddings and LM head for the call, one
+/// decoder layer), with the AdamW share of stages 1 and 2.
+#[test]
+fn zero_stage_3_shares_the_weights_and_the_gradients() {
+    let sft = |stage: &str| {
+        let o: Vec<String> = [
+            "trainer=sft",
+            "resource_pool.actor_rollout=8",
+            "actor_rollout.num_gpus_for_train=8",
+            stage,
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let cfg = load(&configs(), "ppo_qwen25_7b", &o).unwrap();
+        row(&cfg, "actor_rollout/train")
+    };
+    let (z0, z1, z2, z3) = (
+        sft("training.zero_stage=0"),
+        sft("training.zero_stage=1"),
+        sft("training.zero_stage=2"),
+        sft("training.zero_stage=3"),
+    );
+    assert_eq!(z3.optimizer, z1.optimizer);
+    assert!(z3.optimizer < z0.optimizer);
+    // 7.6 B parameters on 8 ranks: an eighth of the (mixed-precision) weights, plus the
+    // gathered edges (two 152k x 3584 matrices) and one of 28 layers.
+    let share = z0.weights.div_ceil(8);
+    assert!(
+        z3.weights > share && z3.weights < share + z0.weights / 4,
+        "{} vs {share}",
+        z3.weights
+    );
+    assert!(
+        z3.gradients < z2.gradients / 2,
+        "{} vs {}",
+        z3.gradients,
+        z2.gradients
+    );
+    let total = |r: &MemoryRow| r.weights + r.gradients + r.optimizer;
+    assert!(
+        total(&z3) * 3 < total(&z0),
+        "{} vs {}",
+        total(&z3),
+        total(&z0)
+    );
+}

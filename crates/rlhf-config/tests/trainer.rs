@@ -184,12 +184,31 @@ fn stage_keys_and_shapes_are_checked() {
         err.contains("actor_rollout.lora: dropout must be in [0, 1)"),
         "{err}"
     );
-    // ZeRO: stages 1 and 2 are built, 3 is refused by key and role.
+    // ZeRO: stages 1 and 2 are built for every trained role, 3 for the SFT trainer without
+    // LoRA; the rest is refused by key and role.
     assert!(tiny(&["training.zero_stage=1"]).is_ok());
     assert!(tiny(&["training.zero_stage=2"]).is_ok());
     let err = tiny(&["critic.zero_stage=3"]).unwrap_err().to_string();
     assert!(
-        err.contains("critic: training.zero_stage 3 is not built yet"),
+        err.contains("critic: training.zero_stage 3 is built for the SFT trainer so far")
+            && err.contains("trainer ppo"),
+        "{err}"
+    );
+    let err = tiny(&["training.zero_stage=4"]).unwrap_err().to_string();
+    assert!(err.contains("zero_stage 4 is not a ZeRO stage"), "{err}");
+    let sft_ranks = ["trainer=sft", "resource_pool.actor_rollout=1"];
+    assert!(tiny(&[&sft_ranks[..], &["training.zero_stage=3"]].concat()).is_ok());
+    let err = tiny(
+        &[
+            &sft_ranks[..],
+            &["training.zero_stage=3", "actor_rollout.lora.rank=8"],
+        ]
+        .concat(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("actor_rollout.lora.rank is 8 with training.zero_stage 3"),
         "{err}"
     );
     // Packing is SFT's: refused by key for PPO and the pair trainers.

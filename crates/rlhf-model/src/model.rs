@@ -317,7 +317,14 @@ impl Model {
     }
 
     /// Overwrites parameters in place (weight sync); every name must exist with the same shape.
+    /// A ZeRO-3 model keeps this rank's piece of each.
     pub fn set_weights(&self, weights: &[(String, Tensor)]) -> Result<()> {
+        if let Some(z) = self.zero3() {
+            for (name, t) in weights {
+                z.set_whole(name, t)?;
+            }
+            return Ok(());
+        }
         let vars = self.vars();
         for (name, t) in weights {
             let var = vars

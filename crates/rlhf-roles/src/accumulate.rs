@@ -1,6 +1,7 @@
 //! One mini-batch's gradient, summed over micro-batches and over the data-parallel group:
 //! whole on every rank (all-reduce, ZeRO stages 0 and 1), or only each rank's share of it
-//! (a reduce-scatter per micro-batch, ZeRO stage 2), with its global norm either way. A bad
+//! (a reduce-scatter per micro-batch, ZeRO stage 2; per layer during the backward, stage 3),
+//! with its global norm either way. A bad
 //! loss on one rank travels with the collectives, so the whole group fails together instead
 //! of leaving the others waiting.
 
@@ -96,9 +97,27 @@ impl MiniBatch<'_> {
             seed.update_u64(r as u64);
         }
         let _pass = model.dropout_pass(seed.finish());
-        let out = engine.micro_loss(model, batch, rows)?;
+        // ZeRO-3: the forward and the backward are one training pass of the sharded model.
+        let z = model.zero3();
+        if let Some(z) = z {
+            z.begin_pass()?;
+        }
+        let out = match engine.micro_loss(model, batch, rows) {
+            Ok(out) => out,
+            Err(e) => {
+                if let Some(z) = z {
+                    z.abort_pass()?;
+                }
+                return Err(e);
+            }
+        };
         let loss_value = out.loss.to_dtype(DType::F64)?.to_scalar::<f64>()?;
         if !loss_value.is_finite() {
+            if let Some(z) = z {
+                // The group's passes must line up: finish this one (its gradients are not
+                // used, the update fails on every rank).
+                z.backward(&rlhf_model::zero3::zero_loss(&out.loss)?)?;
+            }
             return Ok(Micro::Failed(self.non_finite("loss".into())));
         }
         // Scaling the loss rather than the gradients keeps one copy of them
@@ -108,7 +127,14 @@ impl MiniBatch<'_> {
         } else {
             (out.loss * scale)?
         };
-        let grads = Gradients::backward(&loss, vars)?;
+        let grads = match z {
+            // The gradients stay with the model, reduce-scattered to each rank's pieces.
+            Some(z) => {
+                z.backward(&loss)?;
+                Gradients::default()
+            }
+            None => Gradients::backward(&loss, vars)?,
+        };
         for (k, v) in out.stats {
             mean_into(stats, k, v, tokens);
         }
@@ -138,6 +164,9 @@ pub(crate) fn accumulate<T: Train>(
     mb: &MiniBatch<'_>,
 ) -> Result<Accumulated> {
     let optim = &engine.state().optim;
+    if model.zero3().is_some() {
+        return accumulate_zero3(engine, model, vars, comm, batch, mb);
+    }
     if optim.zero_stage >= 2 && optim.opt.shard().is_some() {
         return accumulate_owned(engine, model, vars, comm, batch, mb);
     }
@@ -225,6 +254,63 @@ fn accumulate_owned<T: Train>(
     }
     Ok(Accumulated {
         grads: Summed::Owned(shard),
+        norm,
+        stats,
+    })
+}
+
+/// ZeRO stage 3: every micro-batch is a training pass of the sharded model, whose backward
+/// reduce-scatters each layer's gradients as it goes, so a rank only ever holds its pieces of
+/// the summed gradient (and one layer's whole gradients at a time). Every pass is a sequence
+/// of collectives, so the ranks agree on the number of passes first; one with fewer rows (or
+/// one that failed, or a micro-batch with no valid token) joins with idle passes.
+fn accumulate_zero3<T: Train>(
+    engine: &T,
+    model: &Model,
+    vars: &[(String, Var)],
+    comm: &mut dyn Communicator,
+    batch: &T::Batch,
+    mb: &MiniBatch<'_>,
+) -> Result<Accumulated> {
+    let z = model
+        .zero3()
+        .ok_or_else(|| Error::internal("ZeRO-3 accumulation on a model that is not sharded"))?;
+    // What a failed update left behind belongs to no step.
+    z.clear_grads()?;
+    let chunks: Vec<&[usize]> = mb.idx.chunks(mb.micro_rows).collect();
+    let mut n = [chunks.len() as f64];
+    comm.all_reduce_f64(&mut n, ReduceOp::Max)
+        .ctx("agreeing on the number of micro-batches (training.zero_stage 3)")?;
+    let mut stats = BTreeMap::new();
+    let mut failed = None;
+    for k in 0..n[0] as usize {
+        let micro = match chunks.get(k) {
+            Some(rows) if failed.is_none() => {
+                mb.micro(engine, model, vars, batch, rows, &mut stats)?
+            }
+            _ => Micro::Skip,
+        };
+        match micro {
+            Micro::Skip => model.zero3_idle_pass()?,
+            Micro::Failed(e) => failed = Some(e),
+            Micro::Grads(_) => {}
+        }
+    }
+    let mine = u8::from(failed.is_some());
+    let mut sums = [z.local_grad_squares()?, f64::from(mine)];
+    comm.all_reduce_f64(&mut sums, ReduceOp::Sum)
+        .ctx("all-reducing the gradient norm (training.zero_stage 3)")?;
+    mb.check_failures(failed, sums[1].round() as usize - usize::from(mine))?;
+    let norm = sums[0].sqrt();
+    if !norm.is_finite() {
+        let which = z
+            .non_finite_grad()?
+            .map(|n| format!("the gradient of {n} is not finite (NaN or inf)"))
+            .unwrap_or_else(|| "gradient norm, not finite on another rank's pieces".into());
+        return Err(mb.non_finite(format!("gradient ({which})")));
+    }
+    Ok(Accumulated {
+        grads: Summed::Whole(z.take_grads()?),
         norm,
         stats,
     })

@@ -127,8 +127,10 @@ pub fn capture(
             (OptimImage::Shard(shard), rank == 0)
         }
     };
-    let model = if with_model {
-        Some(model.image(tok).ctx("copying the weights out")?)
+    // A ZeRO-3 model gathers its weights: every rank takes part, rank 0 keeps them.
+    let model = if with_model || model.zero3().is_some() {
+        let image = model.image(tok).ctx("copying the weights out")?;
+        with_model.then_some(image)
     } else {
         None
     };

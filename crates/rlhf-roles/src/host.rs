@@ -218,7 +218,11 @@ impl RoleHost {
         let (model, num_params, checksum) = match (hosted.engine.model(), &hosted.engine) {
             (Some(m), _) => (
                 src(m),
-                m.params().num_params() as u64,
+                match m.zero3() {
+                    // The whole model's count, not this rank's pieces.
+                    Some(z) => z.sizes()?.1 as u64,
+                    None => m.params().num_params() as u64,
+                },
                 crate::weights::weights_checksum(m)?,
             ),
             (None, Engine::Reward(r)) => (r.describe(), 0, 0),
@@ -481,34 +485,60 @@ impl RoleHost {
         })
     }
 
-    /// The one trainable engine's state, for checkpoints.
-    fn trainable(&mut self, what: &str) -> Result<&mut crate::train::TrainState> {
+    /// The trainable engine's state and, when its model is sharded (ZeRO-3), the
+    /// communicator of its data-parallel group, which saves and loads borrow.
+    fn trainable_in_group(
+        &mut self,
+        what: &str,
+    ) -> Result<(
+        &mut crate::train::TrainState,
+        Option<&mut dyn rlhf_collective::Communicator>,
+    )> {
         let label = self.label();
-        self.engines
+        let (state, world) = self
+            .engines
             .iter_mut()
-            .find_map(|h| h.engine.train_state_mut())
+            .find_map(|h| {
+                let world = h.spec.slot.world_size as usize;
+                h.engine.train_state_mut().map(|s| (s, world))
+            })
             .ok_or_else(|| {
                 Error::invalid(format!(
                     "{what} is for trainable roles (actor_rollout train, critic, a reward model in training), not {label}"
                 ))
-            })
+            })?;
+        if state.model.zero3().is_none() {
+            return Ok((state, None));
+        }
+        let group = match state.who.role {
+            rlhf_core::RoleKind::Critic => CommGroup::CriticDp,
+            rlhf_core::RoleKind::Reward => CommGroup::RewardDp,
+            _ => CommGroup::ActorDp,
+        };
+        Ok((state, Some(self.groups.get(group, world)?)))
     }
 
     /// The trainable engine's checkpoint, copied out for a writer thread (this rank's
     /// shard of a sharded optimizer, see `crate::checkpoint`).
     pub fn capture_checkpoint(&mut self) -> Result<crate::checkpoint::Image> {
         let label = self.label();
-        self.trainable("SaveCheckpoint")?
-            .capture_checkpoint()
-            .with_ctx(|| format!("{label} SaveCheckpoint"))
+        let (state, comm) = self.trainable_in_group("SaveCheckpoint")?;
+        match comm {
+            Some(c) => state.capture_checkpoint_in(c),
+            None => state.capture_checkpoint(),
+        }
+        .with_ctx(|| format!("{label} SaveCheckpoint"))
     }
 
     pub fn load_checkpoint(&mut self, dir: &str) -> Result<u64> {
         let label = self.label();
         let dir = checkpoint_dir(dir)?;
-        self.trainable("LoadCheckpoint")?
-            .load_checkpoint(dir)
-            .with_ctx(|| format!("{label} LoadCheckpoint"))
+        let (state, comm) = self.trainable_in_group("LoadCheckpoint")?;
+        match comm {
+            Some(c) => state.load_checkpoint_in(dir, c),
+            None => state.load_checkpoint(dir),
+        }
+        .with_ctx(|| format!("{label} LoadCheckpoint"))
     }
 }
 

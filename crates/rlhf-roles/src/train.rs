@@ -192,17 +192,38 @@ impl TrainState {
         seed: u64,
         tokenizer_dir: Option<PathBuf>,
     ) -> Result<Self> {
-        let model = Model::load(dir, &load_opts)
+        let mut model = Model::load(dir, &load_opts)
             .with_ctx(|| format!("{}: loading {}", slot.label(), dir.display()))?;
+        let (rank, world) = (slot.rank as usize, slot.world_size as usize);
+        let mut pieces = None;
+        if t.optimizer.zero_stage >= 3 {
+            // ZeRO-3: keep this rank's pieces only; the group's communicator is lent to the
+            // model for each update, save and load (`crate::zero::lend`).
+            model = model.into_zero3_lent(rank, world).with_ctx(|| {
+                format!(
+                    "{}: sharding the parameters (training.zero_stage 3)",
+                    slot.label()
+                )
+            })?;
+            let z = model
+                .zero3()
+                .ok_or_else(|| Error::internal("the sharded model has no ZeRO-3 state"))?;
+            let (held, total) = z.sizes()?;
+            tracing::info!(
+                "{}: parameters, gradients and AdamW state sharded (training.zero_stage 3), rank {rank} of {world}: {held} of {total} parameter elements",
+                slot.label()
+            );
+            pieces = Some(total);
+        }
         let optim = Optim::new(
             model.vars(),
             &t.optimizer,
             t.steps_per_iter,
-            slot.rank as usize,
-            slot.world_size as usize,
+            (rank, world),
+            pieces,
         )?;
         crate::mem::release_freed();
-        if let Some((rank, world)) = optim.opt.shard() {
+        if let (Some((rank, world)), None) = (optim.opt.shard(), pieces) {
             tracing::info!(
                 "{}: AdamW state{} sharded (training.zero_stage {}), rank {rank} of {world}: {} of {} parameter elements",
                 slot.label(),
@@ -252,6 +273,27 @@ impl TrainState {
         self.version = s.weights_version;
         self.checksum()
     }
+
+    /// [`TrainState::capture_checkpoint`] with the data-parallel group's communicator, which a
+    /// ZeRO-3 model borrows to gather its weights (every rank of the group calls this).
+    pub fn capture_checkpoint_in(&self, comm: &mut dyn Communicator) -> Result<checkpoint::Image> {
+        crate::zero::lend(&self.model, comm, |_| self.capture_checkpoint())
+    }
+
+    /// [`TrainState::load_checkpoint`] with the data-parallel group's communicator: a ZeRO-3
+    /// model keeps its pieces of the loaded weights and answers the whole model's checksum,
+    /// the one the save recorded (every rank of the group calls this).
+    pub fn load_checkpoint_in(&mut self, dir: &Path, comm: &mut dyn Communicator) -> Result<u64> {
+        let model = self.model.clone();
+        crate::zero::lend(&model, comm, |_| {
+            let s = checkpoint::load(&self.model, &mut self.optim, dir, &self.load_opts)?;
+            self.version = s.weights_version;
+            match self.model.zero3() {
+                Some(z) => crate::weights::tensors_checksum(&z.gather_all()?),
+                None => self.checksum(),
+            }
+        })
+    }
 }
 
 /// A request checked and moved to the device, ready for micro-batches.
@@ -297,7 +339,10 @@ pub fn update<T: Train>(
             return Err(abort_update(comm, e)).with_ctx(|| format!("{who} {call}"));
         }
     };
-    let metrics = run_update(engine, comm, &prepared).with_ctx(|| format!("{who} {call}"));
+    let metrics = crate::zero::lend(&engine.state().model.clone(), comm, |c| {
+        run_update(engine, c, &prepared)
+    })
+    .with_ctx(|| format!("{who} {call}"));
     let step = prepared.step;
     drop(prepared);
     crate::mem::release_freed();
@@ -409,7 +454,7 @@ pub fn run_update<T: Train>(
                 Summed::Owned(g) => optim.opt.step_owned(g, clip)?,
             }
             drop(acc.grads);
-            if optim.opt.shard().is_some() {
+            if optim.opt.shard().is_some() && optim.zero_stage < 3 {
                 crate::zero::exchange_params(comm, &mut optim.opt)?;
             }
             // Every rank reports the mini-batch's token-weighted metrics over the whole group,

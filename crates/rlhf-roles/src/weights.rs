@@ -41,6 +41,9 @@ fn views(params: &[HostParam]) -> Result<Vec<Param<'_>>> {
 }
 
 /// `rlhf_collective::checksum` over the model's parameters.
+///
+/// A ZeRO-3 model's is of this rank's pieces (no collective); its whole weights' checksum is
+/// that of `Zero3::gather_all`.
 pub fn weights_checksum(model: &Model) -> Result<u64> {
     tensors_checksum(&model.named_tensors())
 }

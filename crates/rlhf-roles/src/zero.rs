@@ -1,4 +1,5 @@
-//! ZeRO stages 1 and 2 across a trained role's data-parallel group (`training.zero_stage`):
+//! ZeRO stages 1 and 2 across a trained role's data-parallel group (`training.zero_stage`;
+//! stage 3 shards the model itself, `rlhf_model::zero3`, and borrows the group here, [`lend`]):
 //! each rank's AdamW holds the moments of its contiguous share of the flattened parameters
 //! (`rlhf_model::partition`) and steps that share; the group then all-gathers the stepped
 //! shares so every rank holds the whole updated model again. Stage 1 steps from the usual
@@ -8,9 +9,22 @@
 
 use candle_core::DType;
 use rlhf_collective::{as_bytes, Communicator, ReduceOp, ReduceScatterStream};
-use rlhf_model::{partition, shard_span, AdamW, Gradients};
+use rlhf_model::{partition, shard_span, AdamW, Gradients, Model};
 
 use crate::error::{Ctx, Error, Result};
+
+/// Runs `f` with the group's communicator: as it is, or (ZeRO stage 3) lent to `model` for
+/// the span of `f`, which then reaches the group through the model's turn-taking handle.
+pub fn lend<R>(
+    model: &Model,
+    comm: &mut dyn Communicator,
+    f: impl FnOnce(&mut dyn Communicator) -> Result<R>,
+) -> Result<R> {
+    match model.zero3() {
+        Some(z) => z.lend(comm, f)?,
+        None => f(comm),
+    }
+}
 
 /// A rank's `f32` values as an all-gather returns them.
 fn floats(bytes: &[u8], what: &str) -> Result<Vec<f32>> {

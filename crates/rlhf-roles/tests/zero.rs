@@ -67,17 +67,30 @@ fn train_ranks(
                 );
                 let mut t = SftTrainer::new(&s, &candle_core::Device::Cpu).unwrap();
                 assert_eq!(t.state.optim.opt.shard().is_some(), stage >= 1 && world > 1);
+                assert_eq!(t.state.model.zero3().is_some(), stage == 3);
                 for step in 1..=3 {
                     let mut r = req.clone();
                     r.step = step;
                     t.update(&mut c, &r).unwrap();
                 }
-                // Plain: rank 0 saves it all; sharded: every rank saves its shard.
+                // Plain: rank 0 saves it all; sharded: every rank saves its shard (and, at
+                // stage 3, takes part in gathering the weights rank 0 writes).
                 if let Some(dir) = save.filter(|_| rank == 0 || t.state.optim.opt.shard().is_some())
                 {
-                    t.state.capture_checkpoint().unwrap().write(&dir).unwrap();
+                    let image = t.state.capture_checkpoint_in(&mut c).unwrap();
+                    image.write(&dir).unwrap();
                 }
-                (params(&t.state.model), t.state.optim.opt.owned_len())
+                let weights = match t.state.model.zero3() {
+                    Some(z) => z
+                        .lend(&mut c, |_| z.gather_all())
+                        .unwrap()
+                        .unwrap()
+                        .into_iter()
+                        .map(|(n, x)| (n, x.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
+                        .collect(),
+                    None => params(&t.state.model),
+                };
+                (weights, t.state.optim.opt.owned_len())
             })
         })
         .collect();
@@ -124,6 +137,71 @@ fn zero_stage_2_ends_with_the_weights_of_one_unsharded_rank() {
     assert_eq!(t.state.optim.opt.steps(), 3 * 2);
     let (diff, name) = max_rel_diff(&params(&t.state.model), &zero[0].0);
     assert!(diff == 0.0, "{diff} at {name}");
+}
+
+/// `training.zero_stage: 3`: 1, 2 and 4 SFT ranks that keep only their pieces of the
+/// parameters (each layer gathered for its forward and again for its backward, which
+/// reduce-scatters its gradients), of the summed gradient and of the AdamW state end three
+/// steps with the weights of one unsharded rank, within the rounding stage 2 shows. Ranks
+/// with unequal rows, where one joins the other's micro-batches with idle passes, match plain
+/// data parallelism on the same split. Their checkpoint is a whole HF model plus the optimizer
+/// shards stages 1 and 2 write: a plain rank resumes from it with rank 0's weights, and two
+/// stage-3 ranks load it back and answer the saved whole model's checksum.
+#[test]
+fn zero_stage_3_ends_with_the_weights_of_one_unsharded_rank() {
+    let one = train_ranks(0, &[0, 8], 1, None);
+    let total = one[0].1;
+    for cuts in [&[0, 8][..], &[0, 4, 8], &[0, 2, 4, 6, 8]] {
+        let got = train_ranks(3, cuts, 1, None);
+        assert_eq!(got.iter().map(|g| g.1).sum::<usize>(), total, "{cuts:?}");
+        for (rank, (p, _)) in got.iter().enumerate() {
+            let (diff, name) = max_rel_diff(p, &one[0].0);
+            assert!(
+                diff < 2e-3,
+                "{cuts:?} rank {rank}: zero 3 vs one rank differ by {diff} at {name}"
+            );
+        }
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("zero3");
+    let plain = train_ranks(0, &[0, 5, 8], 2, None);
+    let zero = train_ranks(3, &[0, 5, 8], 2, Some(&dir));
+    for rank in 0..2 {
+        let (diff, name) = max_rel_diff(&zero[rank].0, &plain[rank].0);
+        assert!(diff < 2e-3, "rank {rank}: {diff} at {name}");
+    }
+    assert!(dir.join("model.safetensors").is_file());
+    let cfg = stage_config(TrainerKind::Sft);
+    let s = spec(&cfg, RoleKind::ActorRollout, RolePart::Train, 0, 1);
+    let mut t = SftTrainer::new(&s, &candle_core::Device::Cpu).unwrap();
+    let want = t.state.load_checkpoint(&dir).unwrap();
+    assert_eq!(t.state.optim.opt.steps(), 3 * 2);
+    let (diff, name) = max_rel_diff(&params(&t.state.model), &zero[0].0);
+    assert!(diff == 0.0, "{diff} at {name}");
+    let handles: Vec<_> = group(2)
+        .into_iter()
+        .enumerate()
+        .map(|(rank, mut c)| {
+            let dir = dir.clone();
+            std::thread::spawn(move || {
+                let mut cfg = stage_config(TrainerKind::Sft);
+                cfg.training.zero_stage = 3;
+                let s = spec(
+                    &cfg,
+                    RoleKind::ActorRollout,
+                    RolePart::Train,
+                    rank as u32,
+                    2,
+                );
+                let mut t = SftTrainer::new(&s, &candle_core::Device::Cpu).unwrap();
+                let got = t.state.load_checkpoint_in(&dir, &mut c).unwrap();
+                (got, t.state.optim.opt.steps())
+            })
+        })
+        .collect();
+    for h in handles {
+        assert_eq!(h.join().unwrap(), (want, 3 * 2));
+    }
 }
 
 /// `training.zero_stage: 1`: two SFT ranks that each keep half of the AdamW state end every

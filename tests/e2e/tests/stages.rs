@@ -208,9 +208,11 @@ fn dpo_learns_the_pairs_and_resumes_exactly() -> Result<()> {
 /// `training.zero_stage: 1` across two SFT trainer processes: each keeps half of the AdamW
 /// state, the metrics are those of plain data parallelism, and its checkpoint (one optimizer
 /// shard per rank) resumes the run exactly. Stage 2 (each also keeps half of the summed
-/// gradient, reduce-scattered over TCP) logs the same metrics too.
+/// gradient, reduce-scattered over TCP) logs the same metrics too, and so does stage 3 (each
+/// also keeps half of the parameters, a layer gathered at a time), stopped after two steps
+/// and resumed from its checkpoint.
 #[test]
-fn zero_stages_1_and_2_train_like_plain_data_parallel_and_resume() -> Result<()> {
+fn zero_stages_1_to_3_train_like_plain_data_parallel_and_resume() -> Result<()> {
     let dir = tempfile::tempdir()?;
     let two = [
         "resource_pool.actor_rollout=2",
@@ -240,6 +242,21 @@ fn zero_stages_1_and_2_train_like_plain_data_parallel_and_resume() -> Result<()>
         &jsonl(&plain.join("metrics.jsonl"))?,
         &jsonl(&zero2.join("metrics.jsonl"))?,
     );
+    let zero3 = dir.path().join("zero3");
+    let mut d = stage_cmd("sft_tiny", &zero3, &two);
+    d.arg("training.zero_stage=3").args(["--stop-after", "2"]);
+    run("zero-3-first-half", dir.path(), d)?;
+    let mut e = stage_cmd("sft_tiny", &zero3, &two);
+    e.arg("training.zero_stage=3").args(["--resume", "latest"]);
+    run("zero-3-second-half", dir.path(), e)?;
+    assert_same_steps(
+        &jsonl(&plain.join("metrics.jsonl"))?,
+        &jsonl(&zero3.join("metrics.jsonl"))?,
+    );
+    // Stage 3 saves the whole model as an HF directory, like the others.
+    assert!(zero3
+        .join("ckpt/global_step_4/actor/model.safetensors")
+        .is_file());
     // The sharded checkpoint: one shard per rank, rank 1's beside the actor directory, and
     // together the size of the plain run's whole optimizer state.
     let step = |d: &Path| d.join("ckpt/global_step_4");

@@ -70,6 +70,8 @@ pub struct AdamW {
     pub(super) shard: Option<(usize, usize)>,
     /// The elements of the flattened parameters (laid end to end) this optimizer owns.
     pub(super) span: std::ops::Range<usize>,
+    /// Over a ZeRO-3 model's pieces: the elements of the whole parameters.
+    pub(super) whole: Option<usize>,
 }
 
 impl AdamW {
@@ -128,6 +130,7 @@ impl AdamW {
             step: 0,
             shard: (world > 1).then_some((rank, world)),
             span,
+            whole: None,
         })
     }
 

@@ -11,9 +11,9 @@
 
 use std::ops::Range;
 
-use candle_core::{DType, Tensor};
+use candle_core::{DType, Tensor, Var};
 
-use super::{AdamW, Moments};
+use super::{AdamW, AdamWConfig, Moments};
 use crate::error::{Error, Result};
 
 /// The part of each parameter (by element of the flattened parameter) that `rank` of `world`
@@ -107,9 +107,36 @@ impl AdamW {
         None
     }
 
-    /// Elements of every parameter.
+    /// Elements of every parameter (of the whole parameters, over a ZeRO-3 model's pieces).
     pub fn total_len(&self) -> usize {
-        self.slots.iter().map(|s| s.var.elem_count()).sum()
+        self.whole
+            .unwrap_or_else(|| self.slots.iter().map(|s| s.var.elem_count()).sum())
+    }
+
+    /// AdamW over a ZeRO-3 model's pieces ([`crate::Model::vars`] after
+    /// [`crate::Model::into_zero3`]), `rank` of `world`, of whole parameters of `total`
+    /// elements: it steps its pieces whole, and its moments are exactly the range stages 1
+    /// and 2 give this rank ([`AdamW::owned_span`]), so the three stages save and load the
+    /// same per-rank optimizer shards.
+    pub fn new_pieces(
+        vars: Vec<(String, Var)>,
+        cfg: AdamWConfig,
+        rank: usize,
+        world: usize,
+        total: usize,
+    ) -> Result<Self> {
+        let mut o = Self::new(vars, cfg)?;
+        let want = span(total, rank, world);
+        let held = o.owned_len();
+        if held != want.len() {
+            return Err(Error::InvalidArgument(format!(
+                "pieces of {held} elements for rank {rank} of {world} of {total}, whose range is {want:?}"
+            )));
+        }
+        o.span = want;
+        o.shard = (world > 1).then_some((rank, world));
+        o.whole = Some(total);
+        Ok(o)
     }
 
     /// This rank's range of parameters `which` (by position in [`AdamW::param_sizes`]), as

@@ -25,7 +25,11 @@
 //! Memory per rank: the pieces and their gradients (2/world of the parameters), AdamW's moments
 //! over the pieces (2/world), the gathered edges for the call, and one or two gathered layers.
 
+mod comm;
 mod model;
+
+pub use comm::Lent;
+use comm::Slot;
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -61,14 +65,31 @@ pub(crate) struct Gathered {
 }
 
 struct State {
-    comm: Box<dyn Communicator>,
+    comm: Slot,
     pieces: Vec<Piece>,
     /// The parameters of each decoder layer (indices into `pieces`).
     layers: Vec<Vec<usize>>,
     /// Every other parameter (embeddings, final norm, heads).
     edges: Vec<usize>,
     /// Inside a training pass: the edge variables handed out, waiting for their gradients.
-    pass: Option<Vec<(usize, Var)>>,
+    pass: Option<Pass>,
+}
+
+/// An open training pass.
+#[derive(Default)]
+struct Pass {
+    /// The edge variables handed out, waiting for their gradients.
+    edges: Vec<(usize, Var)>,
+    /// Forward calls of the model in this pass.
+    calls: usize,
+}
+
+/// Where a stage-3 model's collectives go.
+pub enum Comm {
+    /// Its own communicator.
+    Own(Box<dyn Communicator>),
+    /// The caller's, lent for each call that needs it ([`Zero3::lend`]), as `rank` of `world`.
+    Lent { rank: usize, world: usize },
 }
 
 /// The sharded parameters of one stage-3 model and the communicator of its group.
@@ -84,6 +105,14 @@ impl std::fmt::Debug for Zero3 {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "Zero3(rank {} of {})", self.rank, self.world)
     }
+}
+
+/// `loss` times zero, still differentiated through `loss`: a pass whose collectives must
+/// happen but whose gradients must add nothing. (candle's backward does not walk past a
+/// multiplication by the constant 0, so the product is with a zero tensor.)
+pub fn zero_loss(loss: &Tensor) -> Result<Tensor> {
+    let zero = Tensor::zeros(loss.shape(), loss.dtype(), loss.device())?;
+    Ok(loss.mul(&zero)?)
 }
 
 /// The decoder layer a parameter belongs to, from its HF name.
@@ -112,12 +141,19 @@ fn host(t: &Tensor) -> Result<Vec<f32>> {
 impl Zero3 {
     /// Cuts `vars` (every parameter of a model, sorted by name) into this rank's pieces and
     /// keeps those; `num_layers` decoder layers are gathered one at a time.
-    pub(crate) fn new(
-        vars: Vec<(String, Var)>,
-        num_layers: usize,
-        comm: Box<dyn Communicator>,
-    ) -> Result<Self> {
-        let (rank, world) = (comm.rank(), comm.world_size());
+    pub(crate) fn new(vars: Vec<(String, Var)>, num_layers: usize, comm: Comm) -> Result<Self> {
+        let (comm, rank, world) = match comm {
+            Comm::Own(c) => {
+                let (rank, world) = (c.rank(), c.world_size());
+                (Slot::Owned(c), rank, world)
+            }
+            Comm::Lent { rank, world } => (Slot::Unbound, rank, world),
+        };
+        if world == 0 || rank >= world {
+            return Err(Error::InvalidArgument(format!(
+                "ZeRO-3: cannot shard a model as rank {rank} of {world}"
+            )));
+        }
         let first = vars
             .first()
             .map(|(_, v)| v.clone())
@@ -218,10 +254,10 @@ impl Zero3 {
         for &k in which {
             mine.extend(host(st.pieces[k].var.as_tensor())?);
         }
-        let all = st
-            .comm
-            .all_gather(as_bytes(&mine))
-            .map_err(|e| Error::InvalidArgument(format!("ZeRO-3: gathering parameters: {e}")))?;
+        let all =
+            st.comm.get()?.all_gather(as_bytes(&mine)).map_err(|e| {
+                Error::InvalidArgument(format!("ZeRO-3: gathering parameters: {e}"))
+            })?;
         drop(mine);
         let all: Vec<Vec<f32>> = all
             .iter()
@@ -303,6 +339,7 @@ impl Zero3 {
         }
         drop(host_grads);
         st.comm
+            .get()?
             .reduce_scatter_f32(&mut buf, &counts, ReduceOp::Sum)
             .map_err(|e| {
                 Error::InvalidArgument(format!("ZeRO-3: reduce-scattering gradients: {e}"))
@@ -373,7 +410,8 @@ impl Zero3 {
             handed.push((k, var));
         }
         if let Some(pass) = st.pass.as_mut() {
-            pass.extend(handed);
+            pass.edges.extend(handed);
+            pass.calls += 1;
         }
         Ok(out.tensors)
     }
@@ -392,7 +430,7 @@ impl Zero3 {
                 "ZeRO-3: a training pass is already open; call backward first".into(),
             ));
         }
-        st.pass = Some(Vec::new());
+        st.pass = Some(Pass::default());
         Ok(())
     }
 
@@ -407,9 +445,19 @@ impl Zero3 {
     /// this rank's pieces of the group's sums add to its gradients ([`Zero3::take_grads`]).
     /// Every rank must call it for the same pass.
     pub fn backward(&self, loss: &Tensor) -> Result<()> {
-        let pending = self.lock()?.pass.take().ok_or_else(|| {
+        let pass = self.lock()?.pass.take().ok_or_else(|| {
             Error::InvalidArgument("ZeRO-3: backward without a training pass (begin_pass)".into())
         })?;
+        // Ranks that ran no rows join a pass with one forward call (`Model::zero3_idle_pass`):
+        // the layers' collectives line up only when every pass has exactly one.
+        if pass.calls != 1 {
+            return Err(Error::InvalidArgument(format!(
+                "ZeRO-3: a training pass made {} forward calls of the model; stage 3 takes \
+                 exactly one per pass (one batch through the model per micro-batch)",
+                pass.calls
+            )));
+        }
+        let pending = pass.edges;
         // The layers' backwards lock the state: it must be free while candle runs.
         let store = loss.backward()?;
         let mut st = self.lock()?;
@@ -446,16 +494,72 @@ impl Zero3 {
         Ok(Gradients::from_map(out))
     }
 
-    /// The global L2 norm of the group's summed gradient (a collective).
-    pub fn grad_norm(&self) -> Result<f64> {
-        let mut st = self.lock()?;
-        let mut sq = [st
+    /// The sum of squares of this rank's pieces of the summed gradient: the group's sum of
+    /// these is the squared global norm.
+    pub fn local_grad_squares(&self) -> Result<f64> {
+        Ok(self
+            .lock()?
             .pieces
             .iter()
             .flat_map(|p| p.grad.iter().flatten())
             .map(|&g| f64::from(g) * f64::from(g))
-            .sum::<f64>()];
+            .sum())
+    }
+
+    /// The first parameter whose piece of the summed gradient is not finite.
+    pub fn non_finite_grad(&self) -> Result<Option<String>> {
+        Ok(self
+            .lock()?
+            .pieces
+            .iter()
+            .find(|p| p.grad.iter().flatten().any(|g| !g.is_finite()))
+            .map(|p| p.name.clone()))
+    }
+
+    /// Sets parameter `name` to the whole tensor `t` (this rank keeps its piece): how a
+    /// checkpoint or a weight sync reaches a stage-3 model. No collective.
+    pub(crate) fn set_whole(&self, name: &str, t: &Tensor) -> Result<()> {
+        let st = self.lock()?;
+        let p = st
+            .pieces
+            .iter()
+            .find(|p| p.name == name)
+            .ok_or_else(|| Error::MissingTensor {
+                name: name.to_string(),
+                location: "this model's parameters".to_string(),
+            })?;
+        if t.dims() != p.shape.as_slice() {
+            return Err(Error::ShapeMismatch {
+                name: name.to_string(),
+                expected: p.shape.clone(),
+                found: t.dims().to_vec(),
+            });
+        }
+        let mine = &p.ranges[self.rank];
+        let piece = t
+            .flatten_all()?
+            .narrow(0, mine.start, mine.len())?
+            .reshape(p.var.shape())?
+            .to_dtype(p.var.dtype())?
+            .to_device(p.var.device())?;
+        p.var.set(&piece)?;
+        Ok(())
+    }
+
+    /// Drops this rank's summed gradients (what a failed update left).
+    pub fn clear_grads(&self) -> Result<()> {
+        for p in self.lock()?.pieces.iter_mut() {
+            p.grad = None;
+        }
+        Ok(())
+    }
+
+    /// The global L2 norm of the group's summed gradient (a collective).
+    pub fn grad_norm(&self) -> Result<f64> {
+        let mut sq = [self.local_grad_squares()?];
+        let mut st = self.lock()?;
         st.comm
+            .get()?
             .all_reduce_f64(&mut sq, ReduceOp::Sum)
             .map_err(|e| Error::InvalidArgument(format!("ZeRO-3: the gradient norm: {e}")))?;
         Ok(sq[0].sqrt())
@@ -479,7 +583,7 @@ impl Zero3 {
     /// Runs `f` with the group's communicator, for other collectives of the same group.
     pub fn with_comm<R>(&self, f: impl FnOnce(&mut dyn Communicator) -> R) -> Result<R> {
         let mut st = self.lock()?;
-        Ok(f(st.comm.as_mut()))
+        Ok(f(st.comm.get()?))
     }
 }
 

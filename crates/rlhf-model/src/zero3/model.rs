@@ -6,7 +6,7 @@ use std::sync::Arc;
 use candle_core::Tensor;
 use rlhf_collective::Communicator;
 
-use super::Zero3;
+use super::{Comm, Zero3};
 use crate::error::{Error, Result};
 use crate::model::{Head, Model, ModelKind};
 use crate::transformer::{Linear, Transformer};
@@ -40,7 +40,17 @@ impl Model {
     /// [`Model::vars`] are those pieces, so an AdamW over them is the sharded optimizer. Every
     /// rank of the group must call it on the same model (the same weights, as loaded from one
     /// checkpoint or seed). Only a trainable model without LoRA adapters can be sharded.
-    pub fn into_zero3(mut self, comm: Box<dyn Communicator>) -> Result<Self> {
+    pub fn into_zero3(self, comm: Box<dyn Communicator>) -> Result<Self> {
+        self.shard_zero3(Comm::Own(comm))
+    }
+
+    /// [`Model::into_zero3`] as `rank` of `world`, with no communicator of its own: every call
+    /// that needs the group runs inside [`Zero3::lend`] (a role process lends its group's).
+    pub fn into_zero3_lent(self, rank: usize, world: usize) -> Result<Self> {
+        self.shard_zero3(Comm::Lent { rank, world })
+    }
+
+    fn shard_zero3(mut self, comm: Comm) -> Result<Self> {
         if !self.is_trainable() {
             return Err(Error::InvalidArgument(
                 "ZeRO stage 3 shards a trained model's parameters; this model is frozen \
@@ -114,5 +124,31 @@ impl Model {
             self.body.with_edges(embed, norm),
             head,
         ))))
+    }
+
+    /// A training pass with no rows of its own, for a rank whose group runs more passes than
+    /// it has micro-batches: the same collectives as a pass of one forward call (the edges,
+    /// every layer forward and backward, the gradients' reduce-scatters), with a zero loss,
+    /// so it adds nothing to the group's gradients.
+    pub fn zero3_idle_pass(&self) -> Result<()> {
+        let z = self.zero3().ok_or_else(|| {
+            Error::InvalidArgument("an idle ZeRO-3 pass on a model that is not sharded".into())
+        })?;
+        let dev = z.device().clone();
+        let ids = Tensor::new(&[[0u32, 0]], &dev)?;
+        let mask = Tensor::new(&[[1u32, 1]], &dev)?;
+        let pos = Tensor::new(&[[0u32, 1]], &dev)?;
+        z.begin_pass()?;
+        let run = || -> Result<Tensor> {
+            let h = self.hidden(&ids, &mask, &pos, None)?;
+            super::zero_loss(&h.sum_all()?)
+        };
+        match run() {
+            Ok(loss) => z.backward(&loss),
+            Err(e) => {
+                z.abort_pass()?;
+                Err(e)
+            }
+        }
     }
 }
