@@ -2,12 +2,12 @@
 # ZeRO and LoRA bench (training.zero_stage, actor_rollout.lora.rank): SFT on two trainer ranks
 # for two models, the tiny one (models/tiny) and a ~57M-parameter Llama made here with random
 # weights (hidden 768, 8 layers, the tiny tokenizer), each with the whole AdamW state per rank
-# (zero_stage 0), the moments sharded (1), moments and summed gradients sharded (2), and LoRA
-# rank 8 (stage 0). Two micro-batches per step, so gradients accumulate. Rounds alternate the
+# (zero_stage 0), the moments sharded (1), moments and summed gradients sharded (2), the
+# parameters sharded too (3: a layer gathered at a time), and LoRA rank 8 (stage 0). Two micro-batches per step, so gradients accumulate. Rounds alternate the
 # variants to spread machine noise. Prints per model and variant the median step time, its
 # ratio to stage 0, and the peak resident memory of the largest process of the run (a trainer
 # rank: the ranks are alike, and the head holds no model), with its ratio to stage 0. Stages 1
-# and 2 must log the losses of stage 0 (float rounding apart).
+# to 3 must log the losses of stage 0 (float rounding apart).
 # Usage: scripts/zero_bench.sh [STEPS] [ROUNDS]   (defaults 6 and 2)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -58,12 +58,13 @@ with open(f"{d}/model.safetensors", "wb") as f:
 print(f"made {d}: {off / 4 / 1e6:.1f}M parameters")
 PY
 
-variants=(zero0 zero1 zero2 lora8)
+variants=(zero0 zero1 zero2 zero3 lora8)
 args_of() {
   case $1 in
     zero0) echo training.zero_stage=0 ;;
     zero1) echo training.zero_stage=1 ;;
     zero2) echo training.zero_stage=2 ;;
+    zero3) echo training.zero_stage=3 ;;
     lora8) echo actor_rollout.lora.rank=8 actor_rollout.lora.alpha=16 ;;
   esac
 }
@@ -95,7 +96,7 @@ out, rounds, variants = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 for model in ["tiny", "m57"]:
     runs = {v: [[json.loads(l) for l in open(f"{out}/{model}.{v}.{i}.jsonl")]
                 for i in range(1, rounds + 1)] for v in variants}
-    for v in ["zero1", "zero2"]:
+    for v in ["zero1", "zero2", "zero3"]:
         for a, b in zip(runs["zero0"], runs[v]):
             for x, y in zip(a, b):
                 u, w = x["train/loss"], y["train/loss"]
@@ -108,5 +109,5 @@ for model in ["tiny", "m57"]:
     for v in variants:
         print(f"  {v:6s} median step {step[v]:8.4f} s ({step[v] / step['zero0']:.3f}x)   "
               f"peak RSS per rank {rss[v]:7.0f} MiB ({rss[v] / rss['zero0']:.3f}x)")
-print("stages 1 and 2 logged the losses of stage 0 at every step")
+print("stages 1 to 3 logged the losses of stage 0 at every step")
 PY

@@ -118,6 +118,11 @@ training_keys! {
     /// step moves the gradients to the host and the parameters back. On a CPU device the
     /// moments are in host memory anyway.
     offload_optimizer: bool = false,
+    /// With `zero_stage: 3`: keep this rank's pieces of the parameters in host memory (and so
+    /// their summed gradients and AdamW's moments, stepped there); the device holds only
+    /// what a pass gathers (the embeddings and heads, one decoder layer). On a CPU device
+    /// everything is in host memory anyway.
+    offload_params: bool = false,
     /// Seed of every RNG the job uses (sampling, shuffling, init).
     seed: u64 = 1234,
     /// Tokenizer directory (HF `tokenizer.json`) or Hugging Face repo id (`owner/name`,

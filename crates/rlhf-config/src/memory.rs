@@ -178,8 +178,10 @@ impl PpoConfig {
                     mul(&[p, 4, grad_copies])
                 }
             };
-            // `offload_optimizer` keeps them in host memory: none on the device.
-            let on_device = if t.offload_optimizer { 0 } else { 8 };
+            // `offload_optimizer` keeps them in host memory: none on the device (nor with
+            // ZeRO-3's `offload_params`, whose pieces AdamW steps on the host).
+            let offloaded = t.offload_optimizer || (t.offload_params && t.zero_stage >= 3);
+            let on_device = if offloaded { 0 } else { 8 };
             let optimizer = |p: u64| mul(&[on_device, p]).div_ceil(shards);
             // Weights and the parameters that train: all of them, or LoRA's adapters (plus
             // `head` trained parameters) over a frozen base held at `b` bytes.
@@ -205,11 +207,15 @@ impl PpoConfig {
                     .saturating_add(arch.hidden_size);
                 let layer = p.saturating_sub(edges) / arch.num_hidden_layers.max(1);
                 let whole = edges.saturating_add(layer);
+                // `offload_params`: the pieces and their summed gradients are in host memory.
+                let (pieces, piece_grads) = if t.offload_params {
+                    (0, 0)
+                } else {
+                    (trained(p).div_ceil(shards), mul(&[p, 4]).div_ceil(shards))
+                };
                 Some((
-                    trained(p).div_ceil(shards).saturating_add(trained(whole)),
-                    mul(&[p, 4])
-                        .div_ceil(shards)
-                        .saturating_add(mul(&[whole, 4])),
+                    pieces.saturating_add(trained(whole)),
+                    piece_grads.saturating_add(mul(&[whole, 4])),
                 ))
             };
             match role {

@@ -394,6 +394,10 @@ fn zero_problems(cfg: &PpoConfig) -> Vec<String> {
             e.push(format!(
                 "{role}: training.zero_stage {z} is not a ZeRO stage: use 3 (parameters, gradients and AdamW state sharded across the role's data-parallel ranks), 2 (gradients and AdamW state), 1 (AdamW state only) or 0"
             ));
+        } else if z != 3 && cfg.resolved(role).offload_params {
+            e.push(format!(
+                "{role}: training.offload_params keeps ZeRO-3's parameter pieces in host memory, and training.zero_stage is {z}; set training.zero_stage=3 or remove training.offload_params"
+            ));
         } else if z == 3 && cfg.trainer != TrainerKind::Sft {
             e.push(format!(
                 "{role}: training.zero_stage 3 is built for the SFT trainer so far (trainer: sft), and this job is trainer {}; use 2 (AdamW state and gradients sharded across the role's data-parallel ranks), 1 or 0",

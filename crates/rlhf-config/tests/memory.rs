@@ -337,24 +337,24 @@ fn the_7b_lora_config_fits_two_40gb_gpus() {
 /// decoder layer), with the AdamW share of stages 1 and 2.
 #[test]
 fn zero_stage_3_shares_the_weights_and_the_gradients() {
-    let sft = |stage: &str| {
+    let sft = |stage: &[&str]| {
         let o: Vec<String> = [
             "trainer=sft",
             "resource_pool.actor_rollout=8",
             "actor_rollout.num_gpus_for_train=8",
-            stage,
         ]
         .iter()
+        .chain(stage)
         .map(|s| s.to_string())
         .collect();
         let cfg = load(&configs(), "ppo_qwen25_7b", &o).unwrap();
         row(&cfg, "actor_rollout/train")
     };
     let (z0, z1, z2, z3) = (
-        sft("training.zero_stage=0"),
-        sft("training.zero_stage=1"),
-        sft("training.zero_stage=2"),
-        sft("training.zero_stage=3"),
+        sft(&["training.zero_stage=0"]),
+        sft(&["training.zero_stage=1"]),
+        sft(&["training.zero_stage=2"]),
+        sft(&["training.zero_stage=3"]),
     );
     assert_eq!(z3.optimizer, z1.optimizer);
     assert!(z3.optimizer < z0.optimizer);
@@ -379,4 +379,10 @@ fn zero_stage_3_shares_the_weights_and_the_gradients() {
         total(&z3),
         total(&z0)
     );
+    // `offload_params`: the pieces, their gradients and AdamW's moments leave the device;
+    // what a pass gathers stays.
+    let off = sft(&["training.zero_stage=3", "training.offload_params=true"]);
+    assert_eq!(off.optimizer, 0);
+    assert!(off.weights > 0 && off.weights < z3.weights - share / 2);
+    assert!(off.gradients > 0 && off.gradients < z3.gradients);
 }

@@ -211,6 +211,21 @@ fn stage_keys_and_shapes_are_checked() {
         err.contains("actor_rollout.lora.rank is 8 with training.zero_stage 3"),
         "{err}"
     );
+    let err = tiny(&[&sft_ranks[..], &["training.offload_params=true"]].concat())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("training.offload_params keeps ZeRO-3's parameter pieces"),
+        "{err}"
+    );
+    assert!(tiny(
+        &[
+            &sft_ranks[..],
+            &["training.zero_stage=3", "training.offload_params=true"]
+        ]
+        .concat()
+    )
+    .is_ok());
     // Packing is SFT's: refused by key for PPO and the pair trainers.
     for t in ["trainer=ppo", "trainer=dpo"] {
         let err = tiny(&[t, "data.packing=true", "resource_pool.actor_rollout=1"])

@@ -199,12 +199,14 @@ impl TrainState {
         if t.optimizer.zero_stage >= 3 {
             // ZeRO-3: keep this rank's pieces only; the group's communicator is lent to the
             // model for each update, save and load (`crate::zero::lend`).
-            model = model.into_zero3_lent(rank, world).with_ctx(|| {
-                format!(
-                    "{}: sharding the parameters (training.zero_stage 3)",
-                    slot.label()
-                )
-            })?;
+            model = model
+                .into_zero3_lent(rank, world, t.optimizer.offload_params)
+                .with_ctx(|| {
+                    format!(
+                        "{}: sharding the parameters (training.zero_stage 3)",
+                        slot.label()
+                    )
+                })?;
             let z = model
                 .zero3()
                 .ok_or_else(|| Error::internal("the sharded model has no ZeRO-3 state"))?;

@@ -267,6 +267,10 @@ impl Transformer {
             Layer::load(&self.cfg, &mut pb, i, None)
         };
         let layer = build(z.gather_layer(i, false)?.tensors)?;
+        // The next layer's gather overlaps this one's compute.
+        if i + 1 < self.cfg.num_hidden_layers {
+            z.prefetch_layer(i + 1, false)?;
+        }
         let training = slot.is_none() && xs.track_op() && z.in_pass();
         let input = if training { xs.detach() } else { xs.clone() };
         let out = layer.forward(&input, rope, mask, slot, eps, kernels)?;
@@ -278,15 +282,28 @@ impl Transformer {
         crate::replay::attach1("zero3-decoder-layer", xs, &out, move |x, g| {
             let run = || -> Result<Option<Tensor>> {
                 let gathered = z.gather_layer(i, true)?;
+                // The backward walks the layers down: the one below is gathered meanwhile.
+                if i > 0 {
+                    z.prefetch_layer(i - 1, true)?;
+                }
                 let mut pb =
                     ParamBuilder::from_tensors(gathered.tensors, z.device(), z.dtype(), false);
                 let layer = Layer::load(&cfg, &mut pb, i, None)?;
                 let x = candle_core::Var::from_tensor(&x.detach())?;
                 let y = layer.forward(x.as_tensor(), &rope, &mask, None, eps, kernels)?;
-                let grads = (y * g.detach())?.sum_all()?.backward()?;
+                let mut grads = (y * g.detach())?.sum_all()?.backward()?;
                 drop(layer);
-                z.scatter_layer(i, &gathered.vars, &grads)?;
-                Ok(grads.get(x.as_tensor()).cloned())
+                let dx = grads.remove(x.as_tensor());
+                // Only the weights' gradients stay while they are reduce-scattered.
+                let weights: Vec<(String, Option<Tensor>)> = gathered
+                    .vars
+                    .iter()
+                    .map(|(n, v)| (n.clone(), grads.remove(v.as_tensor())))
+                    .collect();
+                drop(grads);
+                drop(gathered.vars);
+                z.scatter_layer(i, weights)?;
+                Ok(dx)
             };
             run().map_err(|e| candle_core::Error::Msg(e.to_string()))
         })

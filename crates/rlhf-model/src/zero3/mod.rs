@@ -24,9 +24,12 @@
 //!
 //! Memory per rank: the pieces and their gradients (2/world of the parameters), AdamW's moments
 //! over the pieces (2/world), the gathered edges for the call, and one or two gathered layers.
+//! With `offload_params` the pieces live in host memory (and so do their gradients and AdamW's
+//! moments): the device holds only what is gathered.
 
 mod comm;
 mod model;
+mod prefetch;
 
 pub use comm::Lent;
 use comm::Slot;
@@ -35,7 +38,6 @@ use std::collections::BTreeMap;
 use std::ops::Range;
 use std::sync::{Mutex, MutexGuard};
 
-use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use rlhf_collective::{as_bytes, Communicator, ReduceOp};
 
@@ -95,6 +97,13 @@ pub enum Comm {
 /// The sharded parameters of one stage-3 model and the communicator of its group.
 pub struct Zero3 {
     state: Mutex<State>,
+    /// Whether a training pass is open (the state's `pass`, readable while a prefetch holds
+    /// the state).
+    training: std::sync::atomic::AtomicBool,
+    /// A layer being gathered ahead of its use ([`prefetch`]).
+    prefetched: Mutex<Option<prefetch::Prefetch>>,
+    /// The thread that gathers ahead, started by the first prefetch.
+    worker: Mutex<Option<prefetch::Worker>>,
     device: Device,
     dtype: DType,
     rank: usize,
@@ -124,14 +133,24 @@ fn layer_of(name: &str) -> Option<usize> {
         .ok()
 }
 
-/// `f32` values sent by a rank.
-fn floats(bytes: &[u8], rank: usize) -> Result<Vec<f32>> {
-    rlhf_types::f32s_from_le_bytes(bytes).ok_or_else(|| {
-        Error::InvalidArgument(format!(
-            "rank {rank} sent {} bytes of parameters, not whole f32 values",
-            bytes.len()
-        ))
-    })
+/// `f32` values sent by a rank, little-endian bytes.
+struct FloatBytes<'a>(&'a [u8]);
+
+impl FloatBytes<'_> {
+    fn len(&self) -> usize {
+        self.0.len() / 4
+    }
+
+    /// Appends values `range` to `out`; `None` when there are fewer.
+    fn extend_into(&self, range: Range<usize>, out: &mut Vec<f32>) -> Option<()> {
+        let bytes = self.0.get(range.start * 4..range.end * 4)?;
+        out.extend(
+            bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+        );
+        Some(())
+    }
 }
 
 fn host(t: &Tensor) -> Result<Vec<f32>> {
@@ -141,7 +160,14 @@ fn host(t: &Tensor) -> Result<Vec<f32>> {
 impl Zero3 {
     /// Cuts `vars` (every parameter of a model, sorted by name) into this rank's pieces and
     /// keeps those; `num_layers` decoder layers are gathered one at a time.
-    pub(crate) fn new(vars: Vec<(String, Var)>, num_layers: usize, comm: Comm) -> Result<Self> {
+    /// With `offload`, the pieces (and so the optimizer's moments and the summed gradients)
+    /// live in host memory, and only what a computation gathers is on the model's device.
+    pub(crate) fn new(
+        vars: Vec<(String, Var)>,
+        num_layers: usize,
+        comm: Comm,
+        offload: bool,
+    ) -> Result<Self> {
         let (comm, rank, world) = match comm {
             Comm::Own(c) => {
                 let (rank, world) = (c.rank(), c.world_size());
@@ -173,6 +199,11 @@ impl Zero3 {
             } else {
                 piece
             };
+            let piece = if offload {
+                piece.to_device(&Device::Cpu)?
+            } else {
+                piece
+            };
             match layer_of(&name) {
                 Some(i) if i < num_layers => layers[i].push(k),
                 Some(i) => {
@@ -198,6 +229,9 @@ impl Zero3 {
                 edges,
                 pass: None,
             }),
+            training: Default::default(),
+            prefetched: Mutex::new(None),
+            worker: Mutex::new(None),
             device: first.device().clone(),
             dtype: first.dtype(),
             rank,
@@ -259,11 +293,14 @@ impl Zero3 {
                 Error::InvalidArgument(format!("ZeRO-3: gathering parameters: {e}"))
             })?;
         drop(mine);
-        let all: Vec<Vec<f32>> = all
-            .iter()
-            .enumerate()
-            .map(|(r, b)| floats(b, r))
-            .collect::<Result<_>>()?;
+        if let Some((r, b)) = all.iter().enumerate().find(|(_, b)| b.len() % 4 != 0) {
+            return Err(Error::InvalidArgument(format!(
+                "rank {r} sent {} bytes of parameters, not whole f32 values",
+                b.len()
+            )));
+        }
+        // Decoded straight into each parameter: no second copy of the layer.
+        let all: Vec<FloatBytes> = all.iter().map(|b| FloatBytes(b)).collect();
         let mut at = vec![0usize; self.world];
         let mut out = Gathered::default();
         for &k in which {
@@ -271,13 +308,12 @@ impl Zero3 {
             let mut full = Vec::with_capacity(p.shape.iter().product());
             for (r, vals) in all.iter().enumerate() {
                 let n = p.ranges[r].len();
-                let got = vals.get(at[r]..at[r] + n).ok_or_else(|| {
+                vals.extend_into(at[r]..at[r] + n, &mut full).ok_or_else(|| {
                     Error::InvalidArgument(format!(
                         "ZeRO-3: rank {r} sent {} values, fewer than its pieces; the ranks disagree on the model",
                         vals.len()
                     ))
                 })?;
-                full.extend_from_slice(got);
                 at[r] += n;
             }
             let shape = p.shape.as_slice();
@@ -310,34 +346,41 @@ impl Zero3 {
     /// Sums the whole gradients `grads` of parameters `which` (`None`: zeros) over the group
     /// and adds this rank's piece of the sum to its gradients (a reduce-scatter).
     fn scatter(&self, st: &mut State, which: &[usize], grads: Vec<Option<Tensor>>) -> Result<()> {
-        let host_grads: Vec<Option<Vec<f32>>> = grads
-            .iter()
-            .map(|g| g.as_ref().map(host).transpose())
-            .collect::<Result<_>>()?;
-        drop(grads);
         let counts: Vec<usize> = (0..self.world)
             .map(|r| which.iter().map(|&k| st.pieces[k].ranges[r].len()).sum())
             .collect();
-        let mut buf = Vec::with_capacity(counts.iter().sum());
-        for r in 0..self.world {
-            for (j, &k) in which.iter().enumerate() {
-                let range = st.pieces[k].ranges[r].clone();
-                match &host_grads[j] {
-                    Some(g) => {
-                        let part = g.get(range.clone()).ok_or_else(|| {
-                            Error::InvalidArgument(format!(
-                                "ZeRO-3: the gradient of {} has {} values, its parameter more",
-                                st.pieces[k].name,
-                                g.len()
-                            ))
-                        })?;
-                        buf.extend_from_slice(part);
-                    }
-                    None => buf.resize(buf.len() + range.len(), 0.0),
+        // The buffer is rank after rank, each rank's pieces parameter after parameter: each
+        // gradient comes to the host on its own and is spread to its places, then dropped.
+        let mut buf = vec![0f32; counts.iter().sum()];
+        let mut starts = Vec::with_capacity(self.world);
+        let mut off = 0;
+        for &c in &counts {
+            starts.push(off);
+            off += c;
+        }
+        for (j, (&k, g)) in which.iter().zip(grads).enumerate() {
+            let p = &st.pieces[k];
+            if let Some(g) = g {
+                let g = host(&g)?;
+                if g.len() != p.shape.iter().product::<usize>() {
+                    return Err(Error::InvalidArgument(format!(
+                        "ZeRO-3: the gradient of {} has {} values, its parameter {}",
+                        p.name,
+                        g.len(),
+                        p.shape.iter().product::<usize>()
+                    )));
+                }
+                for (r, start) in starts.iter().enumerate() {
+                    let before: usize = which[..j]
+                        .iter()
+                        .map(|&q| st.pieces[q].ranges[r].len())
+                        .sum();
+                    let range = p.ranges[r].clone();
+                    let at = start + before;
+                    buf[at..at + range.len()].copy_from_slice(&g[range]);
                 }
             }
         }
-        drop(host_grads);
         st.comm
             .get()?
             .reduce_scatter_f32(&mut buf, &counts, ReduceOp::Sum)
@@ -359,6 +402,9 @@ impl Zero3 {
 
     /// Decoder layer `i`'s whole parameters (a collective), as variables with `vars`.
     pub(crate) fn gather_layer(&self, i: usize, vars: bool) -> Result<Gathered> {
+        if let Some(g) = self.take_prefetched(i, vars)? {
+            return Ok(g);
+        }
         let mut st = self.lock()?;
         let which =
             st.layers.get(i).cloned().ok_or_else(|| {
@@ -367,28 +413,28 @@ impl Zero3 {
         self.gather(&mut st, &which, vars)
     }
 
-    /// Reduce-scatters the gradients `grads` holds for layer `i`'s variables `vars` (the
-    /// whole parameters the backward recomputed with).
+    /// Reduce-scatters layer `i`'s whole weight gradients, by parameter name (`None`: no
+    /// gradient, zeros).
     pub(crate) fn scatter_layer(
         &self,
         i: usize,
-        vars: &[(String, Var)],
-        grads: &GradStore,
+        mut grads: Vec<(String, Option<Tensor>)>,
     ) -> Result<()> {
         let mut st = self.lock()?;
         let which =
             st.layers.get(i).cloned().ok_or_else(|| {
                 Error::InvalidArgument(format!("ZeRO-3: no layer {i} in this model"))
             })?;
-        let by_name: BTreeMap<&str, &Var> = vars.iter().map(|(n, v)| (n.as_str(), v)).collect();
         let g = which
             .iter()
             .map(|&k| {
-                by_name
-                    .get(st.pieces[k].name.as_str())
-                    .and_then(|v| grads.get(v.as_tensor()).cloned())
+                grads
+                    .iter_mut()
+                    .find(|(n, _)| *n == st.pieces[k].name)
+                    .and_then(|(_, g)| g.take())
             })
             .collect();
+        drop(grads);
         self.scatter(&mut st, &which, g)
     }
 
@@ -418,7 +464,13 @@ impl Zero3 {
 
     /// Whether a training pass is open ([`Zero3::begin_pass`]).
     pub(crate) fn in_pass(&self) -> bool {
-        self.lock().map(|s| s.pass.is_some()).unwrap_or(false)
+        self.training.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    fn set_pass(&self, st: &mut State, pass: Option<Pass>) {
+        self.training
+            .store(pass.is_some(), std::sync::atomic::Ordering::Release);
+        st.pass = pass;
     }
 
     /// Opens a training pass: the forward calls until [`Zero3::backward`] build the graph
@@ -430,13 +482,14 @@ impl Zero3 {
                 "ZeRO-3: a training pass is already open; call backward first".into(),
             ));
         }
-        st.pass = Some(Pass::default());
+        self.set_pass(&mut st, Some(Pass::default()));
         Ok(())
     }
 
     /// Closes a pass without a backward (a failed micro-batch): its edges are dropped.
     pub fn abort_pass(&self) -> Result<()> {
-        self.lock()?.pass = None;
+        let mut st = self.lock()?;
+        self.set_pass(&mut st, None);
         Ok(())
     }
 
@@ -445,7 +498,13 @@ impl Zero3 {
     /// this rank's pieces of the group's sums add to its gradients ([`Zero3::take_grads`]).
     /// Every rank must call it for the same pass.
     pub fn backward(&self, loss: &Tensor) -> Result<()> {
-        let pass = self.lock()?.pass.take().ok_or_else(|| {
+        let pass = {
+            let mut st = self.lock()?;
+            let pass = st.pass.take();
+            self.set_pass(&mut st, None);
+            pass
+        };
+        let pass = pass.ok_or_else(|| {
             Error::InvalidArgument("ZeRO-3: backward without a training pass (begin_pass)".into())
         })?;
         // Ranks that ran no rows join a pass with one forward call (`Model::zero3_idle_pass`):
@@ -488,7 +547,7 @@ impl Zero3 {
         for p in st.pieces.iter_mut() {
             let n = p.var.elem_count();
             let g = p.grad.take().unwrap_or_else(|| vec![0.0; n]);
-            let t = Tensor::from_vec(g, p.var.shape(), &self.device)?.to_dtype(p.var.dtype())?;
+            let t = Tensor::from_vec(g, p.var.shape(), p.var.device())?.to_dtype(p.var.dtype())?;
             out.insert(p.name.clone(), t);
         }
         Ok(Gradients::from_map(out))

@@ -41,16 +41,17 @@ impl Model {
     /// rank of the group must call it on the same model (the same weights, as loaded from one
     /// checkpoint or seed). Only a trainable model without LoRA adapters can be sharded.
     pub fn into_zero3(self, comm: Box<dyn Communicator>) -> Result<Self> {
-        self.shard_zero3(Comm::Own(comm))
+        self.shard_zero3(Comm::Own(comm), false)
     }
 
     /// [`Model::into_zero3`] as `rank` of `world`, with no communicator of its own: every call
     /// that needs the group runs inside [`Zero3::lend`] (a role process lends its group's).
-    pub fn into_zero3_lent(self, rank: usize, world: usize) -> Result<Self> {
-        self.shard_zero3(Comm::Lent { rank, world })
+    /// With `offload_params` the pieces are kept in host memory (`training.offload_params`).
+    pub fn into_zero3_lent(self, rank: usize, world: usize, offload_params: bool) -> Result<Self> {
+        self.shard_zero3(Comm::Lent { rank, world }, offload_params)
     }
 
-    fn shard_zero3(mut self, comm: Comm) -> Result<Self> {
+    fn shard_zero3(mut self, comm: Comm, offload: bool) -> Result<Self> {
         if !self.is_trainable() {
             return Err(Error::InvalidArgument(
                 "ZeRO stage 3 shards a trained model's parameters; this model is frozen \
@@ -74,6 +75,7 @@ impl Model {
             self.params.vars(),
             self.config.num_hidden_layers,
             comm,
+            offload,
         )?);
         self.params = ParamStore::from_vars(z.piece_vars()?);
         let empty = Tensor::zeros(0, z.dtype(), z.device())?;
