@@ -9,7 +9,7 @@ mod common;
 use std::collections::BTreeMap;
 
 use common::tiny_config;
-use rlhf_collective::{CommConfig, Communicator, TcpCommunicator, TcpRendezvous};
+use rlhf_collective::{CommConfig, Communicator, TcpCommunicator};
 use rlhf_model::{
     AdamW, AdamWConfig, Batch, Config, DType, Device, Family, Gradients, LoadOptions, Model,
     ModelKind, Tensor,
@@ -17,19 +17,7 @@ use rlhf_model::{
 
 /// `n` connected TCP communicators, rank order.
 fn group(n: usize) -> Vec<TcpCommunicator> {
-    let rv = TcpRendezvous::bind("127.0.0.1:0").unwrap();
-    let addr = rv.local_addr().to_string();
-    let peers: Vec<_> = (1..n)
-        .map(|r| {
-            let a = addr.clone();
-            std::thread::spawn(move || {
-                TcpCommunicator::connect(r, n, &a, CommConfig::default()).unwrap()
-            })
-        })
-        .collect();
-    let mut out = vec![rv.accept(n, CommConfig::default()).unwrap()];
-    out.extend(peers.into_iter().map(|p| p.join().unwrap()));
-    out
+    TcpCommunicator::loopback_group(n, CommConfig::default()).unwrap()
 }
 
 /// Four rows of different lengths; rank `r` of `world` trains on rows `r, r + world, ...`.

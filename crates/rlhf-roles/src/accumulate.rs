@@ -201,9 +201,87 @@ pub(crate) fn accumulate<T: Train>(
     })
 }
 
+/// `(weighted sum, weight)` of diagnostics, by name.
+type Stats = BTreeMap<String, (f64, f64)>;
+
+/// One micro-batch of a sharded stage on this rank.
+enum Turn {
+    /// Its backward ran: these gradients (ZeRO-3: none, they stayed with the model).
+    Ran(Gradients),
+    /// Its loss was not finite (a ZeRO-3 pass still ran, with a zero loss).
+    Failed,
+    /// Nothing ran: a rank with fewer rows, no valid token, or a failure before it.
+    Idle,
+}
+
+/// The micro-batches of a sharded stage (2 or 3), whose every micro-batch is a collective:
+/// the ranks agree on their number first, and `each` gets every one of them. Returns the
+/// diagnostics and this rank's failure.
+#[allow(clippy::too_many_arguments)]
+fn sharded_micro_batches<T: Train>(
+    engine: &T,
+    model: &Model,
+    vars: &[(String, Var)],
+    comm: &mut dyn Communicator,
+    batch: &T::Batch,
+    mb: &MiniBatch<'_>,
+    stage: u32,
+    mut each: impl FnMut(&mut dyn Communicator, Turn) -> Result<()>,
+) -> Result<(Stats, Option<Error>)> {
+    let chunks: Vec<&[usize]> = mb.idx.chunks(mb.micro_rows).collect();
+    let mut n = [chunks.len() as f64];
+    comm.all_reduce_f64(&mut n, ReduceOp::Max).with_ctx(|| {
+        format!("agreeing on the number of micro-batches (training.zero_stage {stage})")
+    })?;
+    let mut stats = BTreeMap::new();
+    let mut failed = None;
+    for k in 0..n[0] as usize {
+        let turn = match chunks.get(k) {
+            Some(rows) if failed.is_none() => {
+                match mb.micro(engine, model, vars, batch, rows, &mut stats)? {
+                    Micro::Skip => Turn::Idle,
+                    Micro::Failed(e) => {
+                        failed = Some(e);
+                        Turn::Failed
+                    }
+                    Micro::Grads(g) => Turn::Ran(g),
+                }
+            }
+            _ => Turn::Idle,
+        };
+        each(comm, turn)?;
+    }
+    Ok((stats, failed))
+}
+
+/// The global norm of a sharded gradient from each rank's sum of `squares`, with the group's
+/// failures (this rank's first); a norm that is not finite names `first_bad`'s parameter.
+fn sharded_norm(
+    comm: &mut dyn Communicator,
+    mb: &MiniBatch<'_>,
+    stage: u32,
+    squares: f64,
+    failed: Option<Error>,
+    first_bad: impl FnOnce() -> Result<Option<String>>,
+) -> Result<f64> {
+    let mine = u8::from(failed.is_some());
+    let mut sums = [squares, f64::from(mine)];
+    comm.all_reduce_f64(&mut sums, ReduceOp::Sum)
+        .with_ctx(|| format!("all-reducing the gradient norm (training.zero_stage {stage})"))?;
+    mb.check_failures(failed, sums[1].round() as usize - usize::from(mine))?;
+    let norm = sums[0].sqrt();
+    if !norm.is_finite() {
+        let which = first_bad()?
+            .map(|n| format!("the gradient of {n} is not finite (NaN or inf)"))
+            .unwrap_or_else(|| "gradient norm, not finite on another rank's share".into());
+        return Err(mb.non_finite(format!("gradient ({which})")));
+    }
+    Ok(norm)
+}
+
 /// ZeRO stage 2: every micro-batch's gradient is reduce-scattered as soon as it exists and
-/// only this rank's share is kept, so no rank holds a summed whole gradient. The ranks agree
-/// on the number of micro-batches first; one with fewer rows (or one that failed) sends zeros.
+/// only this rank's share is kept, so no rank holds a summed whole gradient; a rank without
+/// the micro-batch sends zeros.
 fn accumulate_owned<T: Train>(
     engine: &T,
     model: &Model,
@@ -213,45 +291,23 @@ fn accumulate_owned<T: Train>(
     mb: &MiniBatch<'_>,
 ) -> Result<Accumulated> {
     let opt = &engine.state().optim.opt;
-    let chunks: Vec<&[usize]> = mb.idx.chunks(mb.micro_rows).collect();
-    let mut n = [chunks.len() as f64];
-    comm.all_reduce_f64(&mut n, ReduceOp::Max)
-        .ctx("agreeing on the number of micro-batches (training.zero_stage 2)")?;
     let mut shard = vec![0f32; opt.owned_len()];
-    let mut stats = BTreeMap::new();
-    let mut failed = None;
-    for k in 0..n[0] as usize {
-        let grads = match chunks.get(k) {
-            Some(rows) if failed.is_none() => {
-                match mb.micro(engine, model, vars, batch, rows, &mut stats)? {
-                    Micro::Skip => None,
-                    Micro::Failed(e) => {
-                        failed = Some(e);
-                        None
-                    }
-                    Micro::Grads(g) => Some(g),
-                }
-            }
-            _ => None,
-        };
-        crate::zero::scatter_grads(comm, opt, grads, &mut shard)?;
-    }
+    let (stats, failed) =
+        sharded_micro_batches(engine, model, vars, comm, batch, mb, 2, |comm, turn| {
+            let grads = match turn {
+                Turn::Ran(g) => Some(g),
+                Turn::Failed | Turn::Idle => None,
+            };
+            crate::zero::scatter_grads(comm, opt, grads, &mut shard)
+        })?;
     let squares: f64 = shard.iter().map(|&x| f64::from(x) * f64::from(x)).sum();
-    let mine = u8::from(failed.is_some());
-    let mut sums = [squares, f64::from(mine)];
-    comm.all_reduce_f64(&mut sums, ReduceOp::Sum)
-        .ctx("all-reducing the gradient norm (training.zero_stage 2)")?;
-    mb.check_failures(failed, sums[1].round() as usize - usize::from(mine))?;
-    let norm = sums[0].sqrt();
-    if !norm.is_finite() {
-        let which = shard
+    let norm = sharded_norm(comm, mb, 2, squares, failed, || {
+        Ok(shard
             .iter()
             .position(|x| !x.is_finite())
             .and_then(|i| opt.owned_name_at(i))
-            .map(|n| format!("the gradient of {n} is not finite (NaN or inf)"))
-            .unwrap_or_else(|| "gradient norm, not finite on another rank's share".into());
-        return Err(mb.non_finite(format!("gradient ({which})")));
-    }
+            .map(str::to_string))
+    })?;
     Ok(Accumulated {
         grads: Summed::Owned(shard),
         norm,
@@ -261,9 +317,8 @@ fn accumulate_owned<T: Train>(
 
 /// ZeRO stage 3: every micro-batch is a training pass of the sharded model, whose backward
 /// reduce-scatters each layer's gradients as it goes, so a rank only ever holds its pieces of
-/// the summed gradient (and one layer's whole gradients at a time). Every pass is a sequence
-/// of collectives, so the ranks agree on the number of passes first; one with fewer rows (or
-/// one that failed, or a micro-batch with no valid token) joins with idle passes.
+/// the summed gradient (and one layer's whole gradients at a time). A rank without the
+/// micro-batch (or with no valid token in it) joins the others' pass with an idle one.
 fn accumulate_zero3<T: Train>(
     engine: &T,
     model: &Model,
@@ -277,38 +332,23 @@ fn accumulate_zero3<T: Train>(
         .ok_or_else(|| Error::internal("ZeRO-3 accumulation on a model that is not sharded"))?;
     // What a failed update left behind belongs to no step.
     z.clear_grads()?;
-    let chunks: Vec<&[usize]> = mb.idx.chunks(mb.micro_rows).collect();
-    let mut n = [chunks.len() as f64];
-    comm.all_reduce_f64(&mut n, ReduceOp::Max)
-        .ctx("agreeing on the number of micro-batches (training.zero_stage 3)")?;
-    let mut stats = BTreeMap::new();
-    let mut failed = None;
-    for k in 0..n[0] as usize {
-        let micro = match chunks.get(k) {
-            Some(rows) if failed.is_none() => {
-                mb.micro(engine, model, vars, batch, rows, &mut stats)?
-            }
-            _ => Micro::Skip,
-        };
-        match micro {
-            Micro::Skip => model.zero3_idle_pass()?,
-            Micro::Failed(e) => failed = Some(e),
-            Micro::Grads(_) => {}
-        }
-    }
-    let mine = u8::from(failed.is_some());
-    let mut sums = [z.local_grad_squares()?, f64::from(mine)];
-    comm.all_reduce_f64(&mut sums, ReduceOp::Sum)
-        .ctx("all-reducing the gradient norm (training.zero_stage 3)")?;
-    mb.check_failures(failed, sums[1].round() as usize - usize::from(mine))?;
-    let norm = sums[0].sqrt();
-    if !norm.is_finite() {
-        let which = z
-            .non_finite_grad()?
-            .map(|n| format!("the gradient of {n} is not finite (NaN or inf)"))
-            .unwrap_or_else(|| "gradient norm, not finite on another rank's pieces".into());
-        return Err(mb.non_finite(format!("gradient ({which})")));
-    }
+    // A pass that ran left its gradients with the model; the others are idle passes.
+    let (stats, failed) = sharded_micro_batches(
+        engine,
+        model,
+        vars,
+        comm,
+        batch,
+        mb,
+        3,
+        |_, turn| match turn {
+            Turn::Ran(_) | Turn::Failed => Ok(()),
+            Turn::Idle => Ok(model.zero3_idle_pass()?),
+        },
+    )?;
+    let norm = sharded_norm(comm, mb, 3, z.local_grad_squares()?, failed, || {
+        Ok(z.non_finite_grad()?)
+    })?;
     Ok(Accumulated {
         grads: Summed::Whole(z.take_grads()?),
         norm,

@@ -309,3 +309,54 @@ fn zero_stage_1_steps_and_saves_exactly_like_plain_data_parallel() {
     let e = t.state.load_checkpoint(&zero_dir).unwrap_err().to_string();
     assert!(e.contains("rank 1") && e.contains("zero1.rank-1"), "{e}");
 }
+
+/// `training.zero_stage: 3` with NaN weights (rank 1's pieces, so every gathered layer on
+/// both ranks): the group fails the update together, naming the NaN, with no rank left in a
+/// collective its peer gave up (a collective mismatch or timeout would say so); the next
+/// update of the same ranks starts clean and fails the same way.
+#[test]
+fn zero_stage_3_fails_together_on_nan_weights() {
+    let (seq, mask) = seqs(&LENS, 5);
+    let handles: Vec<_> = group(2)
+        .into_iter()
+        .enumerate()
+        .map(|(rank, mut c)| {
+            let req = rows_of(&seq, &mask, rank * 4..rank * 4 + 4, 1);
+            std::thread::spawn(move || {
+                let mut cfg = stage_config(TrainerKind::Sft);
+                cfg.training.zero_stage = 3;
+                let s = spec(
+                    &cfg,
+                    RoleKind::ActorRollout,
+                    RolePart::Train,
+                    rank as u32,
+                    2,
+                );
+                let mut t = SftTrainer::new(&s, &candle_core::Device::Cpu).unwrap();
+                let z = t.state.model.zero3().unwrap().clone();
+                let whole = z.lend(&mut c, |_| z.gather_all()).unwrap().unwrap();
+                if rank == 1 {
+                    // Rank 1's pieces become NaN, and so every gathered layer on both ranks.
+                    let nan: Vec<_> = whole
+                        .iter()
+                        .map(|(n, w)| (n.clone(), (w.ones_like().unwrap() * f64::NAN).unwrap()))
+                        .collect();
+                    t.state.model.set_weights(&nan).unwrap();
+                }
+                (0..2)
+                    .map(|_| match t.update(&mut c, &req) {
+                        Ok(_) => panic!("rank {rank}: a NaN loss updated"),
+                        Err(e) => e.to_string(),
+                    })
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    for h in handles {
+        for e in h.join().unwrap() {
+            assert!(e.contains("NaN") || e.contains("non-finite"), "{e}");
+            assert!(!e.contains("timed out"), "{e}");
+            assert!(!e.contains("mismatch"), "{e}");
+        }
+    }
+}

@@ -283,20 +283,8 @@ pub fn scores_of(e: &dyn Score, b: &DataBatch) -> rlhf_roles::Result<DataBatch> 
 
 /// A group of `n` TCP communicators on localhost, one per rank.
 pub fn group(n: usize) -> Vec<rlhf_collective::TcpCommunicator> {
-    use rlhf_collective::{CommConfig, TcpCommunicator, TcpRendezvous};
-    let rv = TcpRendezvous::bind("127.0.0.1:0").unwrap();
-    let addr = rv.local_addr().to_string();
-    let peers: Vec<_> = (1..n)
-        .map(|r| {
-            let a = addr.clone();
-            std::thread::spawn(move || {
-                TcpCommunicator::connect(r, n, &a, CommConfig::default()).unwrap()
-            })
-        })
-        .collect();
-    let mut out = vec![rv.accept(n, CommConfig::default()).unwrap()];
-    out.extend(peers.into_iter().map(|p| p.join().unwrap()));
-    out
+    use rlhf_collective::{CommConfig, TcpCommunicator};
+    TcpCommunicator::loopback_group(n, CommConfig::default()).unwrap()
 }
 
 // Stage engines (tests/stages.rs, tests/zero.rs).
