@@ -17,4 +17,5 @@ pub use grads::{GradAccumulator, Gradients};
 pub use schedule::{LrSchedule, LrScheduler};
 #[cfg(feature = "cuda")]
 pub(crate) use step::StepScalars;
+pub(crate) use zero::host as host_f32;
 pub use zero::{partition, span as shard_span};

@@ -270,10 +270,15 @@ impl TrainState {
         )
     }
 
+    /// Restores the checkpoint in `dir` and answers the whole model's checksum, the one the
+    /// save recorded (a ZeRO-3 model gathers for it: see [`TrainState::load_checkpoint_in`]).
     pub fn load_checkpoint(&mut self, dir: &Path) -> Result<u64> {
         let s = checkpoint::load(&self.model, &mut self.optim, dir, &self.load_opts)?;
         self.version = s.weights_version;
-        self.checksum()
+        match self.model.zero3() {
+            Some(z) => crate::weights::tensors_checksum(&z.gather_all()?),
+            None => self.checksum(),
+        }
     }
 
     /// [`TrainState::capture_checkpoint`] with the data-parallel group's communicator, which a
@@ -287,14 +292,7 @@ impl TrainState {
     /// the one the save recorded (every rank of the group calls this).
     pub fn load_checkpoint_in(&mut self, dir: &Path, comm: &mut dyn Communicator) -> Result<u64> {
         let model = self.model.clone();
-        crate::zero::lend(&model, comm, |_| {
-            let s = checkpoint::load(&self.model, &mut self.optim, dir, &self.load_opts)?;
-            self.version = s.weights_version;
-            match self.model.zero3() {
-                Some(z) => crate::weights::tensors_checksum(&z.gather_all()?),
-                None => self.checksum(),
-            }
-        })
+        crate::zero::lend(&model, comm, |_| self.load_checkpoint(dir))
     }
 }
 

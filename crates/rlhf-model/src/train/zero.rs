@@ -38,7 +38,8 @@ pub fn span(total: usize, rank: usize, world: usize) -> Range<usize> {
     bound(rank)..bound(rank + 1)
 }
 
-fn host(t: &Tensor) -> Result<Vec<f32>> {
+/// A tensor's values as `f32`, flattened, in host memory.
+pub(crate) fn host(t: &Tensor) -> Result<Vec<f32>> {
     Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
 }
 

@@ -262,11 +262,7 @@ impl Transformer {
         slot: Option<&mut Option<(Tensor, Tensor)>>,
     ) -> Result<Tensor> {
         let (eps, kernels) = (self.cfg.rms_norm_eps, self.kernels);
-        let build = |tensors| -> Result<Layer> {
-            let mut pb = ParamBuilder::from_tensors(tensors, z.device(), z.dtype(), false);
-            Layer::load(&self.cfg, &mut pb, i, None)
-        };
-        let layer = build(z.gather_layer(i, false)?.tensors)?;
+        let layer = gathered_layer(&self.cfg, z, i, z.gather_layer(i, false)?.tensors)?;
         // The next layer's gather overlaps this one's compute.
         if i + 1 < self.cfg.num_hidden_layers {
             z.prefetch_layer(i + 1, false)?;
@@ -286,19 +282,17 @@ impl Transformer {
                 if i > 0 {
                     z.prefetch_layer(i - 1, true)?;
                 }
-                let mut pb =
-                    ParamBuilder::from_tensors(gathered.tensors, z.device(), z.dtype(), false);
-                let layer = Layer::load(&cfg, &mut pb, i, None)?;
+                let layer = gathered_layer(&cfg, &z, i, gathered.tensors)?;
                 let x = candle_core::Var::from_tensor(&x.detach())?;
                 let y = layer.forward(x.as_tensor(), &rope, &mask, None, eps, kernels)?;
                 let mut grads = (y * g.detach())?.sum_all()?.backward()?;
                 drop(layer);
                 let dx = grads.remove(x.as_tensor());
                 // Only the weights' gradients stay while they are reduce-scattered.
-                let weights: Vec<(String, Option<Tensor>)> = gathered
+                let weights: Vec<Option<Tensor>> = gathered
                     .vars
                     .iter()
-                    .map(|(n, v)| (n.clone(), grads.remove(v.as_tensor())))
+                    .map(|(_, v)| grads.remove(v.as_tensor()))
                     .collect();
                 drop(grads);
                 drop(gathered.vars);
@@ -308,6 +302,18 @@ impl Transformer {
             run().map_err(|e| candle_core::Error::Msg(e.to_string()))
         })
     }
+}
+
+/// Decoder layer `i` of a ZeRO-3 model built from its gathered parameters (variables or plain
+/// tensors, used as they are).
+fn gathered_layer(
+    cfg: &Config,
+    z: &crate::zero3::Zero3,
+    i: usize,
+    tensors: std::collections::BTreeMap<String, Tensor>,
+) -> Result<Layer> {
+    let mut pb = ParamBuilder::from_tensors(tensors, z.device(), z.dtype(), false);
+    Layer::load(cfg, &mut pb, i, None)
 }
 
 /// Additive mask `[B, 1, 1, T, S]`: a query at absolute position `past + i` sees key `j` when

@@ -43,7 +43,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use rlhf_collective::{as_bytes, Communicator, ReduceOp};
 
 use crate::error::{Error, Result};
-use crate::train::partition;
+use crate::train::{host_f32 as host, partition};
 
 /// One parameter: its whole shape and this rank's piece of it.
 struct Piece {
@@ -63,7 +63,8 @@ struct Piece {
 pub(crate) struct Gathered {
     /// By name: what a layer or head is built from.
     pub tensors: BTreeMap<String, Tensor>,
-    /// When gathered as variables: the same tensors' variables, for their gradients.
+    /// When gathered as variables: the same tensors' variables, for their gradients, in the
+    /// order the parameters were asked for.
     pub vars: Vec<(String, Var)>,
 }
 
@@ -152,10 +153,6 @@ impl FloatBytes<'_> {
         );
         Some(())
     }
-}
-
-fn host(t: &Tensor) -> Result<Vec<f32>> {
-    Ok(t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
 }
 
 impl Zero3 {
@@ -353,13 +350,16 @@ impl Zero3 {
         // The buffer is rank after rank, each rank's pieces parameter after parameter: each
         // gradient comes to the host on its own and is spread to its places, then dropped.
         let mut buf = vec![0f32; counts.iter().sum()];
-        let mut starts = Vec::with_capacity(self.world);
-        let mut off = 0;
-        for &c in &counts {
-            starts.push(off);
-            off += c;
-        }
-        for (j, (&k, g)) in which.iter().zip(grads).enumerate() {
+        // Where each rank's next piece goes.
+        let mut next: Vec<usize> = counts
+            .iter()
+            .scan(0, |off, &c| {
+                let start = *off;
+                *off += c;
+                Some(start)
+            })
+            .collect();
+        for (&k, g) in which.iter().zip(grads) {
             let p = &st.pieces[k];
             if let Some(g) = g {
                 let g = host(&g)?;
@@ -371,15 +371,13 @@ impl Zero3 {
                         p.shape.iter().product::<usize>()
                     )));
                 }
-                for (r, start) in starts.iter().enumerate() {
-                    let before: usize = which[..j]
-                        .iter()
-                        .map(|&q| st.pieces[q].ranges[r].len())
-                        .sum();
+                for (r, &at) in next.iter().enumerate() {
                     let range = p.ranges[r].clone();
-                    let at = start + before;
                     buf[at..at + range.len()].copy_from_slice(&g[range]);
                 }
+            }
+            for (at, range) in next.iter_mut().zip(&p.ranges) {
+                *at += range.len();
             }
         }
         st.comm
@@ -414,29 +412,22 @@ impl Zero3 {
         self.gather(&mut st, &which, vars)
     }
 
-    /// Reduce-scatters layer `i`'s whole weight gradients, by parameter name (`None`: no
-    /// gradient, zeros).
-    pub(crate) fn scatter_layer(
-        &self,
-        i: usize,
-        mut grads: Vec<(String, Option<Tensor>)>,
-    ) -> Result<()> {
+    /// Reduce-scatters layer `i`'s whole weight gradients, in the order of its gathered
+    /// variables ([`Zero3::gather_layer`]; `None`: no gradient, zeros).
+    pub(crate) fn scatter_layer(&self, i: usize, grads: Vec<Option<Tensor>>) -> Result<()> {
         let mut st = self.lock()?;
         let which =
             st.layers.get(i).cloned().ok_or_else(|| {
                 Error::InvalidArgument(format!("ZeRO-3: no layer {i} in this model"))
             })?;
-        let g = which
-            .iter()
-            .map(|&k| {
-                grads
-                    .iter_mut()
-                    .find(|(n, _)| *n == st.pieces[k].name)
-                    .and_then(|(_, g)| g.take())
-            })
-            .collect();
-        drop(grads);
-        self.scatter(&mut st, &which, g)
+        if grads.len() != which.len() {
+            return Err(Error::InvalidArgument(format!(
+                "ZeRO-3: {} gradients for the {} parameters of layer {i}",
+                grads.len(),
+                which.len()
+            )));
+        }
+        self.scatter(&mut st, &which, grads)
     }
 
     /// The edge parameters (embeddings, final norm, heads), whole, for one call (a
@@ -447,17 +438,10 @@ impl Zero3 {
         let which = st.edges.clone();
         let training = st.pass.is_some();
         let out = self.gather(&mut st, &which, training)?;
-        let mut handed = Vec::with_capacity(out.vars.len());
-        for (name, var) in out.vars {
-            let k = which
-                .iter()
-                .copied()
-                .find(|&k| st.pieces[k].name == name)
-                .ok_or_else(|| Error::InvalidArgument(format!("ZeRO-3: no edge {name}")))?;
-            handed.push((k, var));
-        }
         if let Some(pass) = st.pass.as_mut() {
-            pass.edges.extend(handed);
+            // Gathered as variables, in `which`'s order.
+            let vars = out.vars.into_iter().map(|(_, v)| v);
+            pass.edges.extend(which.iter().copied().zip(vars));
             pass.calls += 1;
         }
         Ok(out.tensors)
@@ -496,22 +480,18 @@ impl Zero3 {
     /// Every parameter, whole, sorted by name (a collective): what a save or a weight sync
     /// sends. One decoder layer is gathered at a time, so the peak is the result plus a layer.
     pub fn gather_all(&self) -> Result<Vec<(String, Tensor)>> {
-        let n = self.lock()?.layers.len();
-        let mut out = {
+        let (n, mut out) = {
             let mut st = self.lock()?;
             let which = st.edges.clone();
-            self.gather(&mut st, &which, false)?.tensors
+            (
+                st.layers.len(),
+                self.gather(&mut st, &which, false)?.tensors,
+            )
         };
         for i in 0..n {
             out.extend(self.gather_layer(i, false)?.tensors);
         }
         Ok(out.into_iter().collect())
-    }
-
-    /// Runs `f` with the group's communicator, for other collectives of the same group.
-    pub fn with_comm<R>(&self, f: impl FnOnce(&mut dyn Communicator) -> R) -> Result<R> {
-        let mut st = self.lock()?;
-        Ok(f(st.comm.get()?))
     }
 }
 
