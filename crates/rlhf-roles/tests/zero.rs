@@ -97,6 +97,42 @@ fn train_ranks(
     handles.into_iter().map(|h| h.join().unwrap()).collect()
 }
 
+/// What stages 2 and 3 are held to: 1, 2 and 4 ranks end three steps with one unsharded
+/// rank's weights (within float rounding); 5 rows against 3 with 2-row micro-batches (rank 1
+/// has one micro-batch less in the first mini-batch and none in the second) match plain data
+/// parallelism on the same split; and one plain rank resumes their checkpoint with rank 0's
+/// weights. Returns that checkpoint (in `tmp`) and the plain rank's answered checksum.
+fn sharded_like_one_rank(stage: u32, tmp: &std::path::Path) -> (std::path::PathBuf, u64) {
+    let one = train_ranks(0, &[0, 8], 1, None);
+    let total = one[0].1;
+    for cuts in [&[0, 8][..], &[0, 4, 8], &[0, 2, 4, 6, 8]] {
+        let got = train_ranks(stage, cuts, 1, None);
+        assert_eq!(got.iter().map(|g| g.1).sum::<usize>(), total, "{cuts:?}");
+        for (rank, (p, _)) in got.iter().enumerate() {
+            let (diff, name) = max_rel_diff(p, &one[0].0);
+            assert!(
+                diff < 2e-3,
+                "{cuts:?} rank {rank}: zero {stage} vs one rank differ by {diff} at {name}"
+            );
+        }
+    }
+    let dir = tmp.join(format!("zero{stage}"));
+    let plain = train_ranks(0, &[0, 5, 8], 2, None);
+    let zero = train_ranks(stage, &[0, 5, 8], 2, Some(&dir));
+    for rank in 0..2 {
+        let (diff, name) = max_rel_diff(&zero[rank].0, &plain[rank].0);
+        assert!(diff < 2e-3, "rank {rank}: {diff} at {name}");
+    }
+    let cfg = stage_config(TrainerKind::Sft);
+    let s = spec(&cfg, RoleKind::ActorRollout, RolePart::Train, 0, 1);
+    let mut t = SftTrainer::new(&s, &candle_core::Device::Cpu).unwrap();
+    let checksum = t.state.load_checkpoint(&dir).unwrap();
+    assert_eq!(t.state.optim.opt.steps(), 3 * 2);
+    let (diff, name) = max_rel_diff(&params(&t.state.model), &zero[0].0);
+    assert!(diff == 0.0, "{diff} at {name}");
+    (dir, checksum)
+}
+
 /// `training.zero_stage: 2`: 1, 2 and 4 ranks that keep only their share of the AdamW state
 /// and of the summed gradient (reduce-scattered every micro-batch, with accumulation and
 /// clipping) end three steps with the weights of one unsharded rank on the whole batch, up
@@ -107,36 +143,8 @@ fn train_ranks(
 /// split. Their checkpoint is the sharded one stage 1 writes: a plain rank resumes from it.
 #[test]
 fn zero_stage_2_ends_with_the_weights_of_one_unsharded_rank() {
-    let one = train_ranks(0, &[0, 8], 1, None);
-    let total = one[0].1;
-    for cuts in [&[0, 8][..], &[0, 4, 8], &[0, 2, 4, 6, 8]] {
-        let got = train_ranks(2, cuts, 1, None);
-        assert_eq!(got.iter().map(|g| g.1).sum::<usize>(), total, "{cuts:?}");
-        for (rank, (p, _)) in got.iter().enumerate() {
-            let (diff, name) = max_rel_diff(p, &one[0].0);
-            assert!(
-                diff < 2e-3,
-                "{cuts:?} rank {rank}: zero 2 vs one rank differ by {diff} at {name}"
-            );
-        }
-    }
-    // 5 rows against 3 with 2-row micro-batches: rank 1 has one micro-batch less in the
-    // first mini-batch and sends zeros for it, and none at all in the second.
     let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("zero2");
-    let plain = train_ranks(0, &[0, 5, 8], 2, None);
-    let zero = train_ranks(2, &[0, 5, 8], 2, Some(&dir));
-    for rank in 0..2 {
-        let (diff, name) = max_rel_diff(&zero[rank].0, &plain[rank].0);
-        assert!(diff < 2e-3, "rank {rank}: {diff} at {name}");
-    }
-    let cfg = stage_config(TrainerKind::Sft);
-    let s = spec(&cfg, RoleKind::ActorRollout, RolePart::Train, 0, 1);
-    let mut t = SftTrainer::new(&s, &candle_core::Device::Cpu).unwrap();
-    t.state.load_checkpoint(&dir).unwrap();
-    assert_eq!(t.state.optim.opt.steps(), 3 * 2);
-    let (diff, name) = max_rel_diff(&params(&t.state.model), &zero[0].0);
-    assert!(diff == 0.0, "{diff} at {name}");
+    sharded_like_one_rank(2, tmp.path());
 }
 
 /// `training.zero_stage: 3`: 1, 2 and 4 SFT ranks that keep only their pieces of the
@@ -149,35 +157,9 @@ fn zero_stage_2_ends_with_the_weights_of_one_unsharded_rank() {
 /// stage-3 ranks load it back and answer the saved whole model's checksum.
 #[test]
 fn zero_stage_3_ends_with_the_weights_of_one_unsharded_rank() {
-    let one = train_ranks(0, &[0, 8], 1, None);
-    let total = one[0].1;
-    for cuts in [&[0, 8][..], &[0, 4, 8], &[0, 2, 4, 6, 8]] {
-        let got = train_ranks(3, cuts, 1, None);
-        assert_eq!(got.iter().map(|g| g.1).sum::<usize>(), total, "{cuts:?}");
-        for (rank, (p, _)) in got.iter().enumerate() {
-            let (diff, name) = max_rel_diff(p, &one[0].0);
-            assert!(
-                diff < 2e-3,
-                "{cuts:?} rank {rank}: zero 3 vs one rank differ by {diff} at {name}"
-            );
-        }
-    }
     let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("zero3");
-    let plain = train_ranks(0, &[0, 5, 8], 2, None);
-    let zero = train_ranks(3, &[0, 5, 8], 2, Some(&dir));
-    for rank in 0..2 {
-        let (diff, name) = max_rel_diff(&zero[rank].0, &plain[rank].0);
-        assert!(diff < 2e-3, "rank {rank}: {diff} at {name}");
-    }
+    let (dir, want) = sharded_like_one_rank(3, tmp.path());
     assert!(dir.join("model.safetensors").is_file());
-    let cfg = stage_config(TrainerKind::Sft);
-    let s = spec(&cfg, RoleKind::ActorRollout, RolePart::Train, 0, 1);
-    let mut t = SftTrainer::new(&s, &candle_core::Device::Cpu).unwrap();
-    let want = t.state.load_checkpoint(&dir).unwrap();
-    assert_eq!(t.state.optim.opt.steps(), 3 * 2);
-    let (diff, name) = max_rel_diff(&params(&t.state.model), &zero[0].0);
-    assert!(diff == 0.0, "{diff} at {name}");
     let handles: Vec<_> = group(2)
         .into_iter()
         .enumerate()
