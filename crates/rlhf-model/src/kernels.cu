@@ -254,6 +254,43 @@ __device__ void rope(const T* x, const T* cos, const T* sin, T* out, uint32_t h,
 }
 
 // ---- log-probs and entropy of softmax(x * scale) over rows of v (the vocabulary).
+// ---- Embedding backward: out[ids[r], :] = sum of g[j, :] over the rows j with that id, in row
+// order (deterministic, no atomics). One block per row r: a row that is not its id's first
+// occurrence does nothing; the first one sums its id's rows from r on, a tile of columns at a
+// time. Rows of the table no id names keep the zeros they were allocated with.
+#define EMB_K 8
+template <typename T>
+__device__ void embedding_bwd(const uint32_t* ids, const T* g, typename Acc<T>::type* out,
+                              uint32_t n, uint32_t h, uint32_t v) {
+    typedef typename Acc<T>::type A;
+    __shared__ int earlier;
+    uint32_t r = blockIdx.x;
+    uint32_t id = ids[r];
+    if (id >= v) return;
+    if (threadIdx.x == 0) earlier = 0;
+    __syncthreads();
+    for (uint32_t j = threadIdx.x; j < r; j += blockDim.x)
+        if (ids[j] == id) earlier = 1;
+    __syncthreads();
+    if (earlier) return;
+    for (uint32_t c0 = 0; c0 < h; c0 += blockDim.x * EMB_K) {
+        A acc[EMB_K];
+        for (int k = 0; k < EMB_K; ++k) acc[k] = 0;
+        for (uint32_t j = r; j < n; ++j) {
+            if (ids[j] != id) continue;
+            const T* gr = g + (size_t)j * h;
+            for (int k = 0; k < EMB_K; ++k) {
+                uint32_t c = c0 + k * blockDim.x + threadIdx.x;
+                if (c < h) acc[k] += to_acc(gr[c]);
+            }
+        }
+        for (int k = 0; k < EMB_K; ++k) {
+            uint32_t c = c0 + k * blockDim.x + threadIdx.x;
+            if (c < h) out[(size_t)id * h + c] = acc[k];
+        }
+    }
+}
+
 // log-sum-exp of a row, every thread gets it; the sum of exponentials in double.
 template <typename T>
 __device__ double row_lse(const T* xr, uint32_t v, double scale, double* shd) {
@@ -426,6 +463,11 @@ extern "C" __global__ void adamw_apply_f32(float* p, const float* mv, size_t n, 
     extern "C" __global__ void entropy_bwd_##S(const T* x, const Acc<T>::type* g, T* out,        \
                                                uint32_t v, double scale) {                       \
         entropy_bwd<T>(x, g, out, v, scale);                                                     \
+    }                                                                                            \
+    extern "C" __global__ void embedding_bwd_##S(const uint32_t* ids, const T* g,                \
+                                                 Acc<T>::type* out, uint32_t n, uint32_t h,      \
+                                                 uint32_t v) {                                   \
+        embedding_bwd<T>(ids, g, out, n, h, v);                                                  \
     }
 
 INSTANTIATE(float, f32)

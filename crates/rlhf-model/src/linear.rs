@@ -82,6 +82,20 @@ impl Linear {
     /// Computes in the dtype of `xs`: weights kept in another dtype (f32 master weights under
     /// mixed precision) are cast on the way, differentiably.
     pub fn forward(&self, xs: &Tensor) -> Result<Tensor> {
+        self.forward_with(xs, false)
+    }
+
+    /// [`Linear::forward`]; with `fused` (a model training through the fused kernels), a
+    /// trainable weight without adapter takes the one-node product of
+    /// [`crate::kernels::linear`] instead of candle's five.
+    pub fn forward_with(&self, xs: &Tensor, fused: bool) -> Result<Tensor> {
+        if fused && self.lora.is_none() && self.w.track_op() {
+            let ys = crate::kernels::linear(xs, &self.w)?;
+            return Ok(match &self.b {
+                Some(b) => ys.broadcast_add(&b.to_dtype(xs.dtype())?)?,
+                None => ys,
+            });
+        }
         let dims = xs.dims().to_vec();
         let in_dim = *dims
             .last()

@@ -456,7 +456,19 @@ impl Model {
             return Ok((lp, ent));
         }
         // The last position predicts nothing that is scored: skip its LM-head product.
-        let logits = Linear::plain(w.clone(), None).forward(&h.narrow(1, 0, t - 1)?)?;
+        let h = h.narrow(1, 0, t - 1)?;
+        if self.body.kernels() == Kernels::FusedTraining {
+            // Training: the product and the kernels as one graph node (kernels/lm_head.rs).
+            if !(temperature > 0.0 && temperature.is_finite()) {
+                return Err(Error::InvalidArgument(format!(
+                    "temperature must be positive for log-probs, got {temperature}"
+                )));
+            }
+            let (lp, ent) =
+                crate::kernels::lm_head(&h, w, &targets, 1.0 / temperature, with_entropy)?;
+            return Ok((lp, ent));
+        }
+        let logits = Linear::plain(w.clone(), None).forward(&h)?;
         let lp = ops::log_probs_impl(&logits, &targets, temperature, fused)?;
         let ent = if with_entropy {
             Some(ops::entropy_impl(&logits, temperature, fused)?)

@@ -12,7 +12,7 @@
 use std::sync::Mutex;
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp1, CustomOp2, Layout, Shape, Storage, Tensor};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Shape, Storage, Tensor};
 
 use crate::error::Result;
 
@@ -20,6 +20,9 @@ type Bwd1 = dyn Fn(&Tensor, &Tensor) -> candle_core::Result<Option<Tensor>> + Se
 type Bwd2 = dyn Fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)>
     + Send
     + Sync;
+
+type Grads3 = (Option<Tensor>, Option<Tensor>, Option<Tensor>);
+type Bwd3 = dyn Fn(&Tensor, &Tensor, &Tensor, &Tensor) -> candle_core::Result<Grads3> + Send + Sync;
 
 /// The precomputed output, taken by the one forward call candle makes.
 struct Out(Mutex<Option<Tensor>>);
@@ -140,6 +143,54 @@ impl CustomOp2 for Replay2 {
     }
 }
 
+struct Replay3 {
+    name: &'static str,
+    out: Out,
+    bwd: Box<Bwd3>,
+}
+
+impl CustomOp3 for Replay3 {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        self.out.cpu(self.name)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+        _: &candle_core::CudaStorage,
+        _: &Layout,
+    ) -> candle_core::Result<(candle_core::CudaStorage, Shape)> {
+        self.out.cuda(self.name)
+    }
+
+    fn bwd(
+        &self,
+        a: &Tensor,
+        b: &Tensor,
+        c: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> candle_core::Result<Grads3> {
+        (self.bwd)(a, b, c, grad)
+    }
+}
+
 /// `out` (computed from `arg` with no graph) as a tensor whose backward is
 /// `bwd(arg, grad_out) -> grad_arg`. Without a graph to join (`arg` tracks nothing), `out`
 /// itself.
@@ -180,6 +231,29 @@ pub(crate) fn attach2(
         bwd: Box::new(bwd),
     };
     Ok(a.apply_op2(b, op)?)
+}
+
+/// As [`attach1`] for a result of three tensors.
+pub(crate) fn attach3(
+    name: &'static str,
+    a: &Tensor,
+    b: &Tensor,
+    c: &Tensor,
+    out: &Tensor,
+    bwd: impl Fn(&Tensor, &Tensor, &Tensor, &Tensor) -> candle_core::Result<Grads3>
+        + Send
+        + Sync
+        + 'static,
+) -> Result<Tensor> {
+    if !a.track_op() && !b.track_op() && !c.track_op() {
+        return Ok(out.clone());
+    }
+    let op = Replay3 {
+        name,
+        out: Out::new(out)?,
+        bwd: Box::new(bwd),
+    };
+    Ok(a.apply_op3(b, c, op)?)
 }
 
 #[cfg(test)]

@@ -5,7 +5,7 @@ use super::*;
 // ---------------------------------------------------------------------------------------------
 // SwiGLU: silu(gate) * up
 
-struct SwiGlu;
+pub(super) struct SwiGlu;
 
 fn sigmoid<T: Real>(a: T) -> T {
     T::from_f64(1.0).div(T::from_f64(1.0).add(T::zero().sub(a).exp()))
@@ -75,7 +75,7 @@ impl CustomOp2 for SwiGlu {
 }
 
 /// Gradients of gate and up, stacked: `[2, ..]`.
-struct SwiGluBwd;
+pub(super) struct SwiGluBwd;
 
 fn swiglu_bwd<T: Real>(
     s1: &CpuStorage,
@@ -150,9 +150,9 @@ pub(crate) fn swiglu(gate: &Tensor, up: &Tensor) -> CResult<Tensor> {
 // ---------------------------------------------------------------------------------------------
 // RoPE (rotate-half convention): x [B, H, T, D], cos/sin [B, T, D/2]
 
-struct Rope {
+pub(super) struct Rope {
     /// Rotate by -theta (the transpose), for the backward pass.
-    inverse: bool,
+    pub(super) inverse: bool,
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -99,7 +99,7 @@ impl CustomOp2 for MaskedSoftmax {
 }
 
 /// grad_x = y * (g - sum(g * y)) per row.
-struct SoftmaxBwd;
+pub(super) struct SoftmaxBwd;
 
 fn softmax_bwd<T: Real>(
     s1: &CpuStorage,

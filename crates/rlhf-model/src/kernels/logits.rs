@@ -5,8 +5,8 @@ use super::*;
 // ---------------------------------------------------------------------------------------------
 // log-probs of target tokens: log_softmax(x * scale)[target]
 
-struct LogProbs {
-    scale: f64,
+pub(super) struct LogProbs {
+    pub(super) scale: f64,
 }
 
 /// log-sum-exp of `row * scale`, accumulated in f64 whatever the element type: summing a
@@ -94,8 +94,8 @@ impl CustomOp2 for LogProbs {
 }
 
 /// d/dx of g * log_softmax(x * s)[t] = g * s * (onehot(t) - softmax(x * s)).
-struct LogProbsBwd {
-    scale: f64,
+pub(super) struct LogProbsBwd {
+    pub(super) scale: f64,
 }
 
 fn log_probs_bwd<T: Real>(
@@ -179,8 +179,8 @@ pub(crate) fn log_probs(logits: &Tensor, targets: &Tensor, scale: f64) -> CResul
 // ---------------------------------------------------------------------------------------------
 // entropy of softmax(x * scale) per row
 
-struct Entropy {
-    scale: f64,
+pub(super) struct Entropy {
+    pub(super) scale: f64,
 }
 
 /// (lse, entropy) of softmax(row * scale), in f64 (see [`row_lse`]).
@@ -226,8 +226,8 @@ impl CustomOp1 for Entropy {
 }
 
 /// dH/dx_j = -g * s * p_j * (log p_j + H).
-struct EntropyBwd {
-    scale: f64,
+pub(super) struct EntropyBwd {
+    pub(super) scale: f64,
 }
 
 fn entropy_bwd<T: Real>(

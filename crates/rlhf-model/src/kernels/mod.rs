@@ -155,18 +155,30 @@ macro_rules! dispatch {
 
 #[cfg(feature = "cuda")]
 mod adamw;
+mod attention;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod elementwise;
+mod embedding;
 mod layers;
+mod linear;
+mod lm_head;
 mod logits;
+mod mlp;
 
+pub(crate) use attention::{attention, attention_block};
 pub(crate) use elementwise::{rope, swiglu};
+pub(crate) use embedding::embedding;
 pub(crate) use layers::{masked_softmax, rms_norm};
+pub(crate) use linear::linear;
+pub(crate) use lm_head::lm_head;
 pub(crate) use logits::{entropy, log_probs};
+pub(crate) use mlp::gate_up_swiglu;
 
 #[cfg(feature = "cuda")]
 pub(crate) use adamw::adamw_device_step;
+#[cfg(feature = "cuda")]
+pub(crate) use cuda::{set_pool_release_threshold, trim_pool};
 
 #[cfg(test)]
 mod tests;

@@ -170,19 +170,33 @@ impl Attention {
     ) -> Result<Tensor> {
         let (b, t, _) = xs.dims3()?;
         let (nh, nkv, d) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let fused = kernels == Kernels::FusedTraining;
+        let scale = 1.0 / (d as f64).sqrt();
+        if fused && cache.is_none() {
+            // Training: RoPE, the head transposes and the core as one graph node (see
+            // kernels/attention.rs).
+            let q = self.q_proj.forward_with(xs, fused)?;
+            let k = self.k_proj.forward_with(xs, fused)?;
+            let v = self.v_proj.forward_with(xs, fused)?;
+            let mask = mask.reshape((b, t, t))?;
+            let ys = crate::kernels::attention_block(
+                &q, &k, &v, &rope.cos, &rope.sin, &mask, nh, nkv, scale,
+            )?;
+            return self.o_proj.forward_with(&ys, fused);
+        }
         let q = self
             .q_proj
-            .forward(xs)?
+            .forward_with(xs, fused)?
             .reshape((b, t, nh, d))?
             .transpose(1, 2)?;
         let k = self
             .k_proj
-            .forward(xs)?
+            .forward_with(xs, fused)?
             .reshape((b, t, nkv, d))?
             .transpose(1, 2)?;
         let v = self
             .v_proj
-            .forward(xs)?
+            .forward_with(xs, fused)?
             .reshape((b, t, nkv, d))?
             .transpose(1, 2)?;
         let q = rope.apply(&q)?;
@@ -204,12 +218,20 @@ impl Attention {
         let n_rep = nh / nkv;
         // Grouped-query attention without copying K/V: the n_rep query heads that share a KV
         // head are stacked along the sequence axis.
-        let scale = 1.0 / (d as f64).sqrt();
+        if fused {
+            // Decoding with a training model's kernels: the core as one node.
+            let q = q.contiguous()?.reshape((b, nkv, n_rep * t, d))?;
+            let ys = crate::kernels::attention(&q, &k, &v, &mask.reshape((b, t, s))?, scale)?
+                .reshape((b, nh, t, d))?
+                .transpose(1, 2)?
+                .reshape((b, t, nh * d))?;
+            return self.o_proj.forward_with(&ys, fused);
+        }
         let q = (q.contiguous()? * scale)?.reshape((b, nkv, n_rep * t, d))?;
         let att = q.matmul(&k.t()?)?.reshape((b, nkv, n_rep, t, s))?;
         // The fused masked softmax also serves inference on a GPU: one kernel instead of the
         // mask's broadcast add, two casts and candle's softmax.
-        let fused_softmax = kernels == Kernels::FusedTraining
+        let fused_softmax = fused
             || (kernels == Kernels::Inference
                 && !att.device().is_cpu()
                 && crate::kernels::supported(&att));
@@ -253,14 +275,22 @@ impl Mlp {
     }
 
     fn forward(&self, xs: &Tensor, kernels: Kernels) -> Result<Tensor> {
-        let gate = self.gate_proj.forward(xs)?;
-        let up = self.up_proj.forward(xs)?;
-        let h = if kernels == Kernels::FusedTraining {
+        let fused = kernels == Kernels::FusedTraining;
+        let (g, u) = (&self.gate_proj, &self.up_proj);
+        let plain = |l: &Linear| l.lora.is_none() && l.b.is_none();
+        if fused && plain(g) && plain(u) && (g.w.track_op() || u.w.track_op()) {
+            // Training: both products and the activation as one graph node (kernels/mlp.rs).
+            let h = crate::kernels::gate_up_swiglu(xs, &g.w, &u.w)?;
+            return self.down_proj.forward_with(&h, fused);
+        }
+        let gate = self.gate_proj.forward_with(xs, fused)?;
+        let up = self.up_proj.forward_with(xs, fused)?;
+        let h = if fused {
             crate::kernels::swiglu(&gate, &up)?
         } else {
             (gate.silu()? * up)?
         };
-        self.down_proj.forward(&h)
+        self.down_proj.forward_with(&h, fused)
     }
 }
 

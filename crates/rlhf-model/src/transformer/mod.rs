@@ -221,12 +221,14 @@ impl Transformer {
         let mask = build_mask(attention_mask, t, past, dtype, &device)?;
         let rope = Rope::new(&self.inv_freq, position_ids, dtype, self.kernels)?;
         let ids = input_ids.to_dtype(DType::U32)?.flatten_all()?;
-        // Gather first, then cast: only the looked-up rows are converted.
-        let mut xs = self
-            .embed_tokens
-            .index_select(&ids, 0)?
-            .reshape((b, t, self.cfg.hidden_size))?
-            .to_dtype(dtype)?;
+        // Gather first, then cast: only the looked-up rows are converted. Training takes the
+        // lookup with its own backward (kernels/embedding.rs).
+        let rows = if self.kernels == Kernels::FusedTraining {
+            crate::kernels::embedding(&self.embed_tokens, &ids, dtype)?
+        } else {
+            self.embed_tokens.index_select(&ids, 0)?.to_dtype(dtype)?
+        };
+        let mut xs = rows.reshape((b, t, self.cfg.hidden_size))?;
         let eps = self.cfg.rms_norm_eps;
         let kernels = self.kernels;
         if let Some(z) = &self.zero3 {

@@ -1,7 +1,7 @@
 //! CUDA launches of the decoder's ops: masked softmax, RMSNorm, SwiGLU, RoPE.
 
 use candle_core::backend::BackendStorage;
-use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg, ValidAsZeroBits};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaStorage, DType, Layout, Shape};
 
@@ -433,4 +433,51 @@ fn rope_t<T: Elem>(
         unsafe { a.launch(per_elem(pairs)) }.w()?;
     }
     Ok((wrap(out, dev), l1.shape().clone()))
+}
+
+// ---- Embedding backward --------------------------------------------------------------------
+
+/// The `[v, h]` table gradient (in the accumulator dtype: f32 for bf16) from the rows' ids
+/// `[n]` (u32) and their gradients `g` `[n, h]`.
+pub(crate) fn embedding_bwd(
+    ids: (&CudaStorage, &Layout),
+    g: (&CudaStorage, &Layout),
+    v: usize,
+) -> CResult<(CudaStorage, Shape)> {
+    by_dtype!(g.0.dtype(), "embedding_bwd", embedding_bwd_t(ids, g, v))
+}
+
+fn embedding_bwd_t<T: Elem>(
+    ids: (&CudaStorage, &Layout),
+    g: (&CudaStorage, &Layout),
+    v: usize,
+) -> CResult<(CudaStorage, Shape)>
+where
+    T::Wide: ValidAsZeroBits,
+{
+    let op = "embedding_bwd";
+    let dev = g.0.device();
+    let n = ids.1.shape().elem_count();
+    let total = g.1.shape().elem_count();
+    if n == 0 || !total.is_multiple_of(n) {
+        return Err(err(format!(
+            "{op}: {n} ids for gradients of shape {:?}",
+            g.1.dims()
+        )));
+    }
+    let h = total / n;
+    let (iv, gv) = (u32_view(ids.0, ids.1, op)?, view::<T>(g.0, g.1, op)?);
+    let out = dev.alloc_zeros::<T::Wide>((v * h).max(1))?;
+    let (n32, h32, v32) = (
+        u32_of(n, "row count", op)?,
+        u32_of(h, "row width", op)?,
+        u32_of(v, "vocabulary", op)?,
+    );
+    let f = dev.get_or_load_custom_func(&kname(op, T::DTYPE), MODULE, PTX)?;
+    let mut a = f.builder();
+    a.arg(&iv).arg(&gv).arg(&out).arg(&n32).arg(&h32).arg(&v32);
+    // SAFETY: matches embedding_bwd_* in kernels.cu; ids hold n values, g n x h, out v x h
+    // (ids >= v are skipped by the kernel).
+    unsafe { a.launch(per_row(n)) }.w()?;
+    Ok((wrap(out, dev), Shape::from((v, h))))
 }

@@ -122,7 +122,8 @@ mod layers;
 mod logits;
 
 pub(crate) use layers::{
-    masked_softmax, rms_norm, rms_norm_bwd_w, rms_norm_bwd_x, rope, softmax_bwd, swiglu, swiglu_bwd,
+    embedding_bwd, masked_softmax, rms_norm, rms_norm_bwd_w, rms_norm_bwd_x, rope, softmax_bwd,
+    swiglu, swiglu_bwd,
 };
 pub(crate) use logits::{entropy, entropy_bwd, log_probs, log_probs_bwd};
 
@@ -216,4 +217,53 @@ pub(crate) fn adamw_apply(
         unsafe { a.launch(per_elem(n)) }.w()?;
     }
     Ok(())
+}
+
+// ---- The default memory pool ---------------------------------------------------------------
+
+fn default_pool(
+    dev: &CudaDevice,
+) -> CResult<candle_core::cuda_backend::cudarc::driver::sys::CUmemoryPool> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let cu_dev = dev.cuda_stream().context().cu_device();
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: `pool` is a valid out-pointer for one handle; the device handle comes from a
+    // live context. The default pool lives as long as the device.
+    unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, cu_dev) }
+        .result()
+        .map_err(|e| err(format!("cannot get the device's default memory pool: {e}")))?;
+    Ok(pool)
+}
+
+/// Sets the release threshold of `dev`'s default memory pool (bytes kept across syncs).
+pub(crate) fn set_pool_release_threshold(dev: &CudaDevice, bytes: u64) -> CResult<()> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let pool = default_pool(dev)?;
+    let mut value: u64 = bytes;
+    // SAFETY: the release threshold attribute takes a pointer to a cuuint64_t, which `value`
+    // is for the length of the call.
+    unsafe {
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            &mut value as *mut u64 as *mut std::ffi::c_void,
+        )
+    }
+    .result()
+    .map_err(|e| {
+        err(format!(
+            "cannot set the memory pool's release threshold: {e}"
+        ))
+    })
+}
+
+/// Gives the freed memory of `dev`'s default pool back to the driver, keeping `keep` bytes.
+pub(crate) fn trim_pool(dev: &CudaDevice, keep: usize) -> CResult<()> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    let pool = default_pool(dev)?;
+    candle_core::backend::BackendDevice::synchronize(dev)?;
+    // SAFETY: a valid pool handle; trimming only releases memory no allocation holds.
+    unsafe { sys::cuMemPoolTrimTo(pool, keep) }
+        .result()
+        .map_err(|e| err(format!("cannot trim the memory pool: {e}")))
 }
