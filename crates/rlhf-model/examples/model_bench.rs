@@ -10,8 +10,10 @@
 //! Flags beyond the sizes: `--device cpu|cuda:N` (default cpu), `--dtype f32|bf16` (bf16: the
 //! trained model keeps f32 master weights and computes in bf16, the generating model holds
 //! bf16 weights), `--family llama|qwen2` (qwen2: q/k/v biases, Qwen2's rms_norm_eps 1e-6),
-//! `--tie` (tied embeddings). On a GPU every timed region ends with a read of a result back
-//! to the host, which waits for the queued kernels.
+//! `--tie` (tied embeddings), `--parts` (instead of the above, each training op of a layer and
+//! the LM head timed alone at these sizes, forward and forward + backward: where a step's time
+//! goes). On a GPU every timed region ends with a read of a result back to the host, which
+//! waits for the queued kernels.
 
 use std::time::Instant;
 
@@ -24,7 +26,7 @@ use rlhf_model::{
 const USAGE: &str = "usage: model_bench [--hidden N] [--layers N] [--heads N] [--kv-heads N] \
 [--intermediate N] [--vocab N] [--prompt-len N] [--new-tokens N] [--train-batch N] \
 [--train-seq N] [--batches N,N,..] [--repeats N] [--threads N] [--device cpu|cuda:N] \
-[--dtype f32|bf16] [--family llama|qwen2] [--tie]";
+[--dtype f32|bf16] [--family llama|qwen2] [--tie] [--parts]";
 
 struct Args {
     hidden: usize,
@@ -43,6 +45,7 @@ struct Args {
     bf16: bool,
     family: Family,
     tie: bool,
+    parts: bool,
 }
 
 fn parse() -> Result<Args, String> {
@@ -63,6 +66,7 @@ fn parse() -> Result<Args, String> {
         bf16: false,
         family: Family::Llama,
         tie: false,
+        parts: false,
     };
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let mut i = 0;
@@ -83,6 +87,13 @@ fn parse() -> Result<Args, String> {
                     return Err("--tie takes no value".to_string());
                 }
                 a.tie = true;
+                continue;
+            }
+            "--parts" => {
+                if inline.is_some() {
+                    return Err("--parts takes no value".to_string());
+                }
+                a.parts = true;
                 continue;
             }
             _ => {}
@@ -221,7 +232,12 @@ fn main() {
             std::process::exit(2);
         }
     };
-    if let Err(e) = run(&args, &dev) {
+    let result = if args.parts {
+        parts(&args, &dev)
+    } else {
+        run(&args, &dev)
+    };
+    if let Err(e) = result {
         eprintln!("error: {e}");
         std::process::exit(1);
     }
@@ -267,6 +283,36 @@ fn bench_config(args: &Args) -> rlhf_model::Result<Config> {
         cfg
     };
     Ok(cfg)
+}
+
+/// `--parts`: one JSON line per op of a training step, timed alone.
+fn parts(args: &Args, dev: &Device) -> rlhf_model::Result<()> {
+    let shape = rlhf_model::profile::PartsShape {
+        batch: args.train_batch,
+        seq: args.train_seq,
+        hidden: args.hidden,
+        intermediate: args.intermediate,
+        heads: args.heads,
+        kv_heads: args.kv_heads,
+        vocab: args.vocab,
+    };
+    let dtype = if args.bf16 { DType::BF16 } else { DType::F32 };
+    for p in rlhf_model::profile::parts(dev, dtype, shape, args.repeats.max(5))? {
+        let num = |x: f64| {
+            if x.is_finite() {
+                format!("{x:.3}")
+            } else {
+                "null".to_string()
+            }
+        };
+        println!(
+            "{{\"bench\":\"part\",\"name\":{:?},\"forward_ms\":{},\"forward_backward_ms\":{}}}",
+            p.name,
+            num(p.forward_ms),
+            num(p.forward_backward_ms)
+        );
+    }
+    Ok(())
 }
 
 fn run(args: &Args, dev: &Device) -> rlhf_model::Result<()> {
@@ -357,6 +403,15 @@ fn run(args: &Args, dev: &Device) -> rlhf_model::Result<()> {
         println!(
             "{{\"bench\":\"train_step_composite\",\"seconds\":{base},\"fused_speedup\":{}}}",
             base / secs
+        );
+        // The same fused step with the freed memory kept by the device's pool across the
+        // step's final synchronisation (see rlhf_model::keep_freed_device_memory).
+        rlhf_model::keep_freed_device_memory(dev, u64::MAX)?;
+        let (kept, _) = train_step_secs(args, dev, false)?;
+        rlhf_model::keep_freed_device_memory(dev, 0)?;
+        println!(
+            "{{\"bench\":\"train_step_pool_kept\",\"seconds\":{kept},\"speedup\":{}}}",
+            secs / kept
         );
     }
     Ok(())

@@ -46,6 +46,7 @@
 
 mod checkpoint;
 pub mod config;
+mod device_pool;
 pub mod error;
 mod gen_config;
 pub mod generation;
@@ -60,6 +61,8 @@ pub mod lora;
 mod lora_model;
 pub mod model;
 pub mod ops;
+#[doc(hidden)]
+pub mod profile;
 mod replay;
 pub mod tokenizer;
 pub mod train;
@@ -69,6 +72,7 @@ pub mod zero3;
 
 pub use candle_core::{DType, Device, Tensor, Var};
 pub use config::{Config, Family, MemoryEstimate, RopeScaling, SUPPORTED_ARCHITECTURES};
+pub use device_pool::{keep_freed_device_memory, release_freed_device_memory};
 pub use error::{Error, Result};
 pub use generation::{generate, FinishReason, GeneratedSequence, Generation, GenerationConfig};
 pub use lora::LoraConfig;
