@@ -298,18 +298,12 @@ fn parts(args: &Args, dev: &Device) -> rlhf_model::Result<()> {
     };
     let dtype = if args.bf16 { DType::BF16 } else { DType::F32 };
     for p in rlhf_model::profile::parts(dev, dtype, shape, args.repeats.max(5))? {
-        let num = |x: f64| {
-            if x.is_finite() {
-                format!("{x:.3}")
-            } else {
-                "null".to_string()
-            }
-        };
         println!(
-            "{{\"bench\":\"part\",\"name\":{:?},\"forward_ms\":{},\"forward_backward_ms\":{}}}",
+            "{{\"bench\":\"part\",\"name\":{:?},\"forward_ms\":{:.3},\"forward_backward_ms\":{}}}",
             p.name,
-            num(p.forward_ms),
-            num(p.forward_backward_ms)
+            p.forward_ms,
+            p.forward_backward_ms
+                .map_or("null".to_string(), |ms| format!("{ms:.3}"))
         );
     }
     Ok(())

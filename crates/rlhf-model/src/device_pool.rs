@@ -4,8 +4,8 @@
 //! hands every freed byte back to the driver at the next synchronisation (a release threshold
 //! of 0). A training step frees gigabytes of activations and ends with a read back to the
 //! host, so the next step maps all of it again. PyTorch's caching allocator keeps such memory;
-//! [`keep_freed_device_memory`] lets a process do the same (and [`release_freed_device_memory`]
-//! gives it back, e.g. before another process on the same GPU needs it).
+//! [`keep_freed_device_memory`] lets a process do the same (`model_bench` measures a step
+//! both ways).
 
 use candle_core::Device;
 
@@ -19,16 +19,5 @@ pub fn keep_freed_device_memory(device: &Device, bytes: u64) -> Result<()> {
         crate::kernels::set_pool_release_threshold(d, bytes)?;
     }
     let _ = (device, bytes);
-    Ok(())
-}
-
-/// Returns the freed memory `device`'s default pool holds to the driver, keeping at most
-/// `keep` bytes. Nothing to do on the CPU or in a build without `cuda`.
-pub fn release_freed_device_memory(device: &Device, keep: usize) -> Result<()> {
-    #[cfg(feature = "cuda")]
-    if let Device::Cuda(d) = device {
-        crate::kernels::trim_pool(d, keep)?;
-    }
-    let _ = (device, keep);
     Ok(())
 }

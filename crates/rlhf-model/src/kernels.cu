@@ -253,7 +253,6 @@ __device__ void rope(const T* x, const T* cos, const T* sin, T* out, uint32_t h,
     }
 }
 
-// ---- log-probs and entropy of softmax(x * scale) over rows of v (the vocabulary).
 // ---- Embedding backward: out[ids[r], :] = sum of g[j, :] over the rows j with that id, in row
 // order (deterministic, no atomics). One block per row r: a row that is not its id's first
 // occurrence does nothing; the first one sums its id's rows from r on, a tile of columns at a
@@ -291,6 +290,7 @@ __device__ void embedding_bwd(const uint32_t* ids, const T* g, typename Acc<T>::
     }
 }
 
+// ---- log-probs and entropy of softmax(x * scale) over rows of v (the vocabulary).
 // log-sum-exp of a row, every thread gets it; the sum of exponentials in double.
 template <typename T>
 __device__ double row_lse(const T* xr, uint32_t v, double scale, double* shd) {

@@ -72,7 +72,7 @@ pub mod zero3;
 
 pub use candle_core::{DType, Device, Tensor, Var};
 pub use config::{Config, Family, MemoryEstimate, RopeScaling, SUPPORTED_ARCHITECTURES};
-pub use device_pool::{keep_freed_device_memory, release_freed_device_memory};
+pub use device_pool::keep_freed_device_memory;
 pub use error::{Error, Result};
 pub use generation::{generate, FinishReason, GeneratedSequence, Generation, GenerationConfig};
 pub use lora::LoraConfig;

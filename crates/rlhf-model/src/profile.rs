@@ -22,12 +22,13 @@ pub struct PartsShape {
     pub vocab: usize,
 }
 
-/// One part: median milliseconds of its forward alone and of forward + backward.
+/// One part: median milliseconds of its forward alone and of forward + backward (none for a
+/// reference measurement with no graph).
 #[derive(Debug, Clone)]
 pub struct PartTiming {
     pub name: String,
     pub forward_ms: f64,
-    pub forward_backward_ms: f64,
+    pub forward_backward_ms: Option<f64>,
 }
 
 fn median_ms(dev: &Device, repeats: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
@@ -60,7 +61,7 @@ fn part(
     Ok(PartTiming {
         name: name.to_string(),
         forward_ms,
-        forward_backward_ms,
+        forward_backward_ms: Some(forward_backward_ms),
     })
 }
 
@@ -71,11 +72,7 @@ fn randn(dev: &Device, shape: &[usize], dtype: DType) -> Result<Tensor> {
 /// Every part at `shape`, activations in `dtype`, weights in f32 (mixed precision's master
 /// weights) when `dtype` is bf16.
 pub fn parts(dev: &Device, dtype: DType, s: PartsShape, repeats: usize) -> Result<Vec<PartTiming>> {
-    let wdt = if dtype == DType::BF16 {
-        DType::F32
-    } else {
-        dtype
-    };
+    let wdt = crate::ops::wide_dtype(dtype);
     let (b, t, h, i) = (s.batch, s.seq, s.hidden, s.intermediate);
     let d = h / s.heads;
     let n_rep = s.heads / s.kv_heads;
@@ -99,7 +96,7 @@ pub fn parts(dev: &Device, dtype: DType, s: PartsShape, repeats: usize) -> Resul
     out.push(PartTiming {
         name: format!("matmul [{rows}, {h}] x [{h}, {i}] (no graph)"),
         forward_ms: ms,
-        forward_backward_ms: f64::NAN,
+        forward_backward_ms: None,
     });
     // candle's backward adds a zero-filled gradient and an add per node input.
     let big = randn(dev, &[rows, i], dtype)?;
@@ -110,7 +107,7 @@ pub fn parts(dev: &Device, dtype: DType, s: PartsShape, repeats: usize) -> Resul
     out.push(PartTiming {
         name: format!("zeros_like + add [{rows}, {i}] (candle's cost per node input)"),
         forward_ms: ms,
-        forward_backward_ms: f64::NAN,
+        forward_backward_ms: None,
     });
 
     out.push(part(dev, &format!("linear {h} -> {i}"), repeats, || {

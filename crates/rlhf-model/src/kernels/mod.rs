@@ -178,7 +178,7 @@ pub(crate) use mlp::gate_up_swiglu;
 #[cfg(feature = "cuda")]
 pub(crate) use adamw::adamw_device_step;
 #[cfg(feature = "cuda")]
-pub(crate) use cuda::{set_pool_release_threshold, trim_pool};
+pub(crate) use cuda::set_pool_release_threshold;
 
 #[cfg(test)]
 mod tests;

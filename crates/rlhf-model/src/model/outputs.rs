@@ -8,7 +8,7 @@ use super::{Head, Model};
 use crate::error::{Error, Result};
 use crate::load::Batch;
 use crate::ops;
-use crate::transformer::{Kernels, KvCache, Linear};
+use crate::transformer::{Kernels, KvCache, Linear, Transformer};
 
 impl Model {
     /// Final hidden states `[B, T, H]`.
@@ -38,12 +38,7 @@ impl Model {
     pub fn logits(&self, batch: &Batch) -> Result<Tensor> {
         let parts = self.parts()?;
         let w = self.lm_head(parts.head())?;
-        let h = parts.body().forward(
-            &batch.input_ids,
-            &batch.attention_mask,
-            &batch.position_ids,
-            None,
-        )?;
+        let h = batch_hidden(parts.body(), batch)?;
         Linear::plain(w.clone(), None).forward(&h)
     }
 
@@ -95,12 +90,7 @@ impl Model {
         }
         let parts = self.parts()?;
         let w = self.lm_head(parts.head())?;
-        let h = parts.body().forward(
-            &batch.input_ids,
-            &batch.attention_mask,
-            &batch.position_ids,
-            None,
-        )?;
+        let h = batch_hidden(parts.body(), batch)?;
         let targets = batch.input_ids.narrow(1, 1, t - 1)?;
         let fused = self.body.kernels() != Kernels::Composite;
         if let Some(chunk) = self.logits_chunk {
@@ -151,12 +141,7 @@ impl Model {
                 self.kind
             )));
         };
-        let h = parts.body().forward(
-            &batch.input_ids,
-            &batch.attention_mask,
-            &batch.position_ids,
-            None,
-        )?;
+        let h = batch_hidden(parts.body(), batch)?;
         Ok(head
             .forward(&h)?
             .squeeze(D::Minus1)?
@@ -172,12 +157,7 @@ impl Model {
                 self.kind
             )));
         };
-        let h = parts.body().forward(
-            &batch.input_ids,
-            &batch.attention_mask,
-            &batch.position_ids,
-            None,
-        )?;
+        let h = batch_hidden(parts.body(), batch)?;
         head.forward(&h)
     }
 
@@ -207,6 +187,16 @@ impl Model {
             .squeeze(1)?
             .to_dtype(ops::wide_dtype(logits.dtype()))?)
     }
+}
+
+/// Final hidden states `[B, T, H]` of a whole batch (no KV cache).
+fn batch_hidden(body: &Transformer, batch: &Batch) -> Result<Tensor> {
+    body.forward(
+        &batch.input_ids,
+        &batch.attention_mask,
+        &batch.position_ids,
+        None,
+    )
 }
 
 /// Per row, the position a sequence classifier reads: the last attended token that is not

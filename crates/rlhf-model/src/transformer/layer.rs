@@ -229,12 +229,11 @@ impl Attention {
         }
         let q = (q.contiguous()? * scale)?.reshape((b, nkv, n_rep * t, d))?;
         let att = q.matmul(&k.t()?)?.reshape((b, nkv, n_rep, t, s))?;
-        // The fused masked softmax also serves inference on a GPU: one kernel instead of the
-        // mask's broadcast add, two casts and candle's softmax.
-        let fused_softmax = fused
-            || (kernels == Kernels::Inference
-                && !att.device().is_cpu()
-                && crate::kernels::supported(&att));
+        // Inference on a GPU takes the fused masked softmax: one kernel instead of the mask's
+        // broadcast add, two casts and candle's softmax.
+        let fused_softmax = kernels == Kernels::Inference
+            && !att.device().is_cpu()
+            && crate::kernels::supported(&att);
         let att = if fused_softmax {
             crate::kernels::masked_softmax(&att, &mask.reshape((b, t, s))?)?
         } else {

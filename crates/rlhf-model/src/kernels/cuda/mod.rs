@@ -221,9 +221,8 @@ pub(crate) fn adamw_apply(
 
 // ---- The default memory pool ---------------------------------------------------------------
 
-fn default_pool(
-    dev: &CudaDevice,
-) -> CResult<candle_core::cuda_backend::cudarc::driver::sys::CUmemoryPool> {
+/// Sets the release threshold of `dev`'s default memory pool (bytes kept across syncs).
+pub(crate) fn set_pool_release_threshold(dev: &CudaDevice, bytes: u64) -> CResult<()> {
     use candle_core::cuda_backend::cudarc::driver::sys;
     let cu_dev = dev.cuda_stream().context().cu_device();
     let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
@@ -232,13 +231,6 @@ fn default_pool(
     unsafe { sys::cuDeviceGetDefaultMemPool(&mut pool, cu_dev) }
         .result()
         .map_err(|e| err(format!("cannot get the device's default memory pool: {e}")))?;
-    Ok(pool)
-}
-
-/// Sets the release threshold of `dev`'s default memory pool (bytes kept across syncs).
-pub(crate) fn set_pool_release_threshold(dev: &CudaDevice, bytes: u64) -> CResult<()> {
-    use candle_core::cuda_backend::cudarc::driver::sys;
-    let pool = default_pool(dev)?;
     let mut value: u64 = bytes;
     // SAFETY: the release threshold attribute takes a pointer to a cuuint64_t, which `value`
     // is for the length of the call.
@@ -255,15 +247,4 @@ pub(crate) fn set_pool_release_threshold(dev: &CudaDevice, bytes: u64) -> CResul
             "cannot set the memory pool's release threshold: {e}"
         ))
     })
-}
-
-/// Gives the freed memory of `dev`'s default pool back to the driver, keeping `keep` bytes.
-pub(crate) fn trim_pool(dev: &CudaDevice, keep: usize) -> CResult<()> {
-    use candle_core::cuda_backend::cudarc::driver::sys;
-    let pool = default_pool(dev)?;
-    candle_core::backend::BackendDevice::synchronize(dev)?;
-    // SAFETY: a valid pool handle; trimming only releases memory no allocation holds.
-    unsafe { sys::cuMemPoolTrimTo(pool, keep) }
-        .result()
-        .map_err(|e| err(format!("cannot trim the memory pool: {e}")))
 }
