@@ -81,6 +81,10 @@ pub enum Error {
     #[error("gradient problem: {0}")]
     Gradient(String),
 
+    /// Handing device memory to another process (CUDA IPC) failed.
+    #[error("device memory hand-over: {0}")]
+    Ipc(String),
+
     /// An error raised by candle.
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

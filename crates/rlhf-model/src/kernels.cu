@@ -473,3 +473,40 @@ extern "C" __global__ void adamw_apply_f32(float* p, const float* mv, size_t n, 
 INSTANTIATE(float, f32)
 INSTANTIATE(double, f64)
 INSTANTIATE(__nv_bfloat16, bf16)
+
+// ---- Content hash of a byte range, for the checksum of a CUDA IPC weight sync (src/ipc.rs).
+// The sum over 16-bit units u_i of mix(u_i, base + i), in 64 bits: order-free (any grid gives
+// the same sum) and position-aware (the index enters every term). src/ipc.rs::hash_bytes is
+// the same function on the host. `x` points at `n` units; the block sums land in `*out`.
+__device__ __forceinline__ uint32_t ipc_mix32(uint32_t h) {
+    h ^= h >> 16;
+    h *= 0x7feb352dU;
+    h ^= h >> 15;
+    h *= 0x846ca68bU;
+    h ^= h >> 16;
+    return h;
+}
+__device__ __forceinline__ unsigned long long ipc_term(uint32_t u, unsigned long long i) {
+    uint32_t lo = (uint32_t)i, hi = (uint32_t)(i >> 32);
+    uint32_t a = ipc_mix32(u ^ (lo * 0x9E3779B1U) ^ (hi * 0x85EBCA77U));
+    uint32_t b = ipc_mix32(a ^ 0x5bd1e995U ^ (hi + 0x27d4eb2fU));
+    return ((unsigned long long)a << 32) | b;
+}
+extern "C" __global__ void ipc_hash(const uint16_t* x, unsigned long long n,
+                                    unsigned long long base, unsigned long long* out) {
+    unsigned long long acc = 0;
+    for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x)
+        acc += ipc_term(x[i], base + i);
+    // One atomic per block (launched with few blocks): same-address atomics per warp
+    // serialised and cost more than the hashing.
+    __shared__ unsigned long long part[32];
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_down_sync(0xffffffffU, acc, o);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = acc;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        acc = threadIdx.x < (blockDim.x >> 5) ? part[threadIdx.x] : 0;
+        for (int o = 16; o > 0; o >>= 1) acc += __shfl_down_sync(0xffffffffU, acc, o);
+        if (threadIdx.x == 0) atomicAdd(out, acc);
+    }
+}

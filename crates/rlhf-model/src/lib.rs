@@ -53,6 +53,7 @@ pub mod generation;
 mod head;
 pub mod hub;
 mod image;
+pub mod ipc;
 mod kernels;
 mod kv_cache;
 mod linear;

@@ -178,6 +178,8 @@ pub(crate) use mlp::gate_up_swiglu;
 #[cfg(feature = "cuda")]
 pub(crate) use adamw::adamw_device_step;
 #[cfg(feature = "cuda")]
+pub(crate) use cuda::ipc as cuda_ipc;
+#[cfg(feature = "cuda")]
 pub(crate) use cuda::set_pool_release_threshold;
 
 #[cfg(test)]

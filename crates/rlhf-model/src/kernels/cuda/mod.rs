@@ -118,6 +118,7 @@ pub(super) fn u32_of(n: usize, what: &str, op: &str) -> CResult<u32> {
     u32::try_from(n).map_err(|_| err(format!("{op}: {what} {n} exceeds the kernels' u32 range")))
 }
 
+pub(crate) mod ipc;
 mod layers;
 mod logits;
 
