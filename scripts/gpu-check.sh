@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Checks the CUDA build on a GPU machine: run from the repository root after the repository
 # and gpu-bin/ (or gpu-bin.tar.xz) from scripts/gpu-build.sh were copied there.
-#   scripts/gpu-check.sh [tests] [parity] [ppo] [bench]      (no step named: all of them)
+#   scripts/gpu-check.sh [tests] [parity] [ipc] [ppo] [bench]   (no step named: all of them)
 # Why: the build machine has no GPU and the GPU machines have no Rust toolchain, so whether
 # the CUDA paths work (and how fast they are) can only be learnt here, from prebuilt binaries.
 # Steps, each under `== ...`:
@@ -11,6 +11,8 @@
 #                libnccl.so.2 exists, and every binary checked for unresolved libraries (always)
 #   tests        rlhf-model's integration tests (gpu-bin/tests/*), which run on cuda:0 too
 #   parity       gpu-bin/gpu_parity: fixture models on cuda:0 (f32, bf16) against the CPU
+#   ipc          gpu-bin/weight_ipc_bench: a 0.5B bf16 weight sync between two processes on
+#                cuda:0 through CUDA IPC, checksummed, against mapping a handle and the host path
 #   ppo          a 5-step ppo_tiny job with every role on a GPU (needs 4 GPUs), and the same
 #                colocated on one GPU (resource_pool.colocate), in f32 and in bf16 with
 #                checkpointing, chunked log-probs and LoRA on actor and critic
@@ -25,7 +27,7 @@ PY="${PYTHON:-python3}"
 T="${GPU_CHECK_TIMEOUT:-600}"
 BIN="$ROOT/gpu-bin"
 
-ALL_STEPS="tests parity ppo bench"
+ALL_STEPS="tests parity ipc ppo bench"
 STEPS="${*:-$ALL_STEPS}"
 for s in $STEPS; do
     case " $ALL_STEPS " in
@@ -117,7 +119,7 @@ if [ "$has_nccl_so" = 0 ] && [ -n "$nccl2" ]; then
     echo "  libnccl.so -> $nccl2 (in $TMP/nccl)"
 fi
 missing=""
-for exe in "$BIN"/rlhf-worker "$BIN"/rlhf-head "$BIN"/rlhf "$BIN"/model_bench "$BIN"/gpu_parity "$BIN"/tests/*; do
+for exe in "$BIN"/rlhf-worker "$BIN"/rlhf-head "$BIN"/rlhf "$BIN"/model_bench "$BIN"/gpu_parity "$BIN"/weight_ipc_bench "$BIN"/tests/*; do
     [ -f "$exe" ] || continue
     m="$(ldd "$exe" 2>&1 | awk '/not found/ {print $1}')" || true
     if [ -n "$m" ]; then missing+="$m"$'\n'; fi
@@ -179,6 +181,14 @@ if want parity; then
         2) fail "gpu_parity: no GPU could be opened" ;;
         *) fail "gpu_parity (exit $rc)" ;;
     esac
+fi
+
+# --- (d2) CUDA IPC weight sync between two processes on one GPU ---
+if want ipc; then
+    header "weight_ipc_bench (trainer -> rollout on cuda:0 through CUDA IPC)"
+    rc=0
+    timeout "$T" "$BIN/weight_ipc_bench" --device cuda:0 --iters 5 || rc=$?
+    if [ "$rc" = 0 ]; then pass "weight_ipc_bench"; else fail "weight_ipc_bench (exit $rc)"; fi
 fi
 
 # --- (e) a PPO job on the GPUs ---

@@ -444,17 +444,20 @@ impl RoleHost {
         let mut res = Err(Error::invalid(format!(
             "SyncWeights is served by actor_rollout ranks only, not by {label}"
         )));
+        let mut cuda_ipc = None;
         // A trainer sends; a rollout (without a trainer on this host) receives.
         if let Some(t) = self.engines.iter_mut().find_map(|h| match &mut h.engine {
             Engine::Trainer(t) => Some(t),
             _ => None,
         }) {
             res = t.send_weights(comm, req.version, bucket);
+            cuda_ipc = t.ipc.last_was_ipc();
         } else if let Some(r) = self.engines.iter_mut().find_map(|h| match &mut h.engine {
             Engine::Rollout(r) => Some(r),
             _ => None,
         }) {
             res = r.recv_weights(comm, req.version, bucket);
+            cuda_ipc = r.ipc.last_was_ipc();
         }
         if matches!(&res, Err(e) if is_collective(e)) {
             self.groups.forget(group);
@@ -466,6 +469,7 @@ impl RoleHost {
             buckets: stats.buckets as u32,
             seconds: stats.elapsed.as_secs_f64(),
             version: req.version,
+            cuda_ipc: cuda_ipc == Some(true),
         })
     }
 

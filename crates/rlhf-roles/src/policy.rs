@@ -78,6 +78,8 @@ pub struct Trainer {
     pub shapes: Shapes,
     pub loss: PolicyLossConfig,
     temperature: f64,
+    /// The weight sync's exported GPU buffer, kept between syncs.
+    pub ipc: weights::ipc::IpcState,
 }
 
 /// An actor update's tensors on the device.
@@ -115,6 +117,7 @@ impl Trainer {
             shapes: spec.shapes,
             loss: loss.clone(),
             temperature: *temperature,
+            ipc: Default::default(),
         })
     }
 
@@ -125,7 +128,7 @@ impl Trainer {
         version: u64,
         bucket_bytes: usize,
     ) -> Result<(SyncStats, u64)> {
-        let out = weights::send_weights(&self.state.model, comm, bucket_bytes)?;
+        let out = weights::send_weights(&self.state.model, comm, bucket_bytes, &mut self.ipc)?;
         self.state.version = version;
         Ok(out)
     }
@@ -267,6 +270,8 @@ pub struct Rollout {
     micro: usize,
     /// Its temperature (the trainer's).
     logprob_temperature: f64,
+    /// The weight sync's mapping of the trainer's GPU buffer, kept between syncs.
+    pub ipc: weights::ipc::IpcState,
 }
 
 impl Rollout {
@@ -320,6 +325,7 @@ impl Rollout {
             version: 0,
             micro: spec.micro_batch_rows,
             logprob_temperature: *temperature,
+            ipc: Default::default(),
         })
     }
 
@@ -334,7 +340,7 @@ impl Rollout {
         version: u64,
         bucket_bytes: usize,
     ) -> Result<(SyncStats, u64)> {
-        let out = weights::recv_weights(&self.model, comm, 0, bucket_bytes)?;
+        let out = weights::recv_weights(&self.model, comm, bucket_bytes, &mut self.ipc)?;
         self.version = version;
         Ok(out)
     }

@@ -339,7 +339,13 @@ impl Loop<'_> {
                 }
             }
         }
-        self.sync_weights(start_step).await?;
+        if self.sync_weights(start_step).await?.cuda_ipc {
+            // The roles found every rank of the sync on a GPU of this node.
+            self.report.report(&Event::WeightSync {
+                path: "CUDA IPC",
+                why: "every rank of the sync on a GPU of one node: the rollouts map the trainer's GPU buffer by handle, shared memory carries the control",
+            })?;
+        }
 
         self.report
             .add_files(cfg, resume_dir.as_ref().map(|_| start_step))?;

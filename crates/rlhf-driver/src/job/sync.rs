@@ -31,9 +31,10 @@ pub enum SyncPath {
 
 impl SyncPath {
     /// Picks the path for `roles`: same process → none; `forced` (`--weight-sync-backend`)
-    /// when given; NCCL when the job's backend is NCCL (device to device); shared memory when
-    /// every rank of the weights group is on one node; else the job's backend. Returns the
-    /// path and the reason, for the one log line.
+    /// when given; shared memory when every rank of the weights group is on one node (on GPUs
+    /// the roles then hand the weights over by CUDA IPC, with the segment as control
+    /// channel; the first sync reports it); NCCL across nodes when the job's backend is NCCL;
+    /// else the job's backend. Returns the path and the reason, for the one log line.
     pub fn choose(
         roles: &Roles,
         backend: CommBackend,
@@ -61,16 +62,19 @@ impl SyncPath {
             );
         }
         match backend {
+            _ if nodes.len() <= 1 && cfg!(target_os = "linux") => (
+                SyncPath::Comm(CommBackend::Shm),
+                format!(
+                    "{}: one shared-memory segment, no sockets (GPU weights go by CUDA IPC)",
+                    on(1)
+                ),
+            ),
             CommBackend::Nccl => (
                 SyncPath::Comm(backend),
                 format!(
                     "the job's NCCL backend, device to device; {}",
                     on(nodes.len())
                 ),
-            ),
-            _ if nodes.len() <= 1 && cfg!(target_os = "linux") => (
-                SyncPath::Comm(CommBackend::Shm),
-                format!("{}: one shared-memory segment, no sockets", on(1)),
             ),
             _ => (
                 SyncPath::Comm(backend),
@@ -96,6 +100,8 @@ pub(super) struct Synced {
     pub secs: f64,
     /// Bytes delivered to rollout ranks (the payload times the receivers; 0 when colocated).
     pub bytes: u64,
+    /// The bytes went through the trainer's GPU memory, mapped by handle (CUDA IPC).
+    pub cuda_ipc: bool,
 }
 
 impl Loop<'_> {
@@ -137,6 +143,7 @@ impl Loop<'_> {
         Ok(Synced {
             secs,
             bytes: answers.first().map_or(0, |a| a.bytes) * receivers,
+            cuda_ipc: answers.first().is_some_and(|a| a.cuda_ipc),
         })
     }
 

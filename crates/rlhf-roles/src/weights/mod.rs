@@ -1,5 +1,9 @@
 //! Weight lists for sync and checksums: every parameter of a model as host f32, in the
-//! model's parameter order, on both sides of a sync.
+//! model's parameter order, on both sides of a sync. When every rank of a sync computes on a
+//! GPU of one node the weights go through the trainer's GPU memory instead ([`ipc`]); the
+//! ranks agree on that at the start of every sync.
+
+pub mod ipc;
 
 use std::time::Instant;
 
@@ -62,12 +66,23 @@ fn bucketed(bucket_bytes: usize) -> Result<BucketedSync> {
     }
 }
 
-/// Root side of a sync: sends every parameter; returns the stats and the checksum.
+/// Root side of a sync: sends every parameter; returns the stats and the checksum (of the
+/// bytes sent: [`checksum`] on the host path, [`rlhf_model::ipc::hash`] over CUDA IPC).
 pub fn send_weights(
     model: &Model,
     comm: &mut dyn Communicator,
     bucket_bytes: usize,
+    st: &mut ipc::IpcState,
 ) -> Result<(SyncStats, u64)> {
+    if let Some(wire) = ipc::negotiate(model, comm, st)? {
+        let bucket = match bucket_bytes {
+            0 => ipc::DEFAULT_BUCKET_BYTES,
+            b => b,
+        };
+        if let Some(out) = ipc::send(model, comm, wire, bucket, st)? {
+            return Ok(out);
+        }
+    }
     let params = host_params(model)?;
     let views = views(&params)?;
     let stats = bucketed(bucket_bytes)?
@@ -76,13 +91,19 @@ pub fn send_weights(
     Ok((stats, checksum(&views)))
 }
 
-/// Receiver side: fills every parameter from rank `root` and installs them in `model`.
+/// Receiver side: fills every parameter from rank 0 and installs them in `model`.
 pub fn recv_weights(
     model: &Model,
     comm: &mut dyn Communicator,
-    root: usize,
     bucket_bytes: usize,
+    st: &mut ipc::IpcState,
 ) -> Result<(SyncStats, u64)> {
+    if let Some(wire) = ipc::negotiate(model, comm, st)? {
+        if let Some(out) = ipc::recv(model, comm, wire, st)? {
+            return Ok(out);
+        }
+    }
+    let root = 0;
     let start = Instant::now();
     let mut params = host_params(model)?;
     let mut stats = {
