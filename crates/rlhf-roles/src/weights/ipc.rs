@@ -268,7 +268,19 @@ pub fn send(
     let slot = l.total.clamp(1, bucket_bytes.max(1));
     if st.region.as_ref().is_none_or(|r| r.len() != slot) {
         st.region = None;
-        st.region = Some(Region::new(model.device(), slot).ctx("exporting the weight buffer")?);
+        match Region::new(model.device(), slot) {
+            Ok(r) => st.region = Some(r),
+            Err(e) => {
+                // No buffer (the GPU is full): a setup with no slot sends every rank to the
+                // host path, this sync and the next ones.
+                let why = format!("the trainer cannot export a {slot}-byte GPU buffer: {e}");
+                comm.broadcast(&mut [0u8; SETUP_BYTES], 0)
+                    .ctx("telling the rollouts the weight buffer is missing")?;
+                st.disabled = Some(why.clone());
+                st.log_once(false, &why);
+                return Ok(None);
+            }
+        }
     }
     let region = st
         .region
@@ -349,6 +361,11 @@ pub fn recv(
         u64::from_le_bytes(setup[at..at + 8].try_into().unwrap_or([0; 8])) as usize
     };
     let (slot, total, manifest) = (word(0), word(1), word(2) as u64);
+    if slot == 0 {
+        // The trainer has no buffer to hand over; it logged why.
+        st.log_once(false, "the trainer could not export its GPU buffer");
+        return Ok(None);
+    }
     let mut failed = None;
     if total != l.total || manifest != l.manifest {
         failed = Some(format!(
