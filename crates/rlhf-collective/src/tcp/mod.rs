@@ -91,6 +91,7 @@ use crate::error::{Error, Op, Result};
 pub(crate) mod auth;
 mod conn;
 mod frame;
+mod hello;
 mod loopback;
 mod rendezvous;
 mod ring;

@@ -2,20 +2,23 @@
 //! all persisted under `--state-dir`. `start` builds and binds the service so the binary,
 //! the embedded mode and tests share it.
 
+mod actors;
 mod job_driver;
 mod job_state;
 pub mod jobs;
 mod liveness;
+mod options;
 mod start;
 pub mod state;
 pub mod store;
 pub mod validate;
 
+pub use options::HeadOptions;
 pub use start::start;
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
-use std::path::PathBuf;
+
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -29,71 +32,11 @@ use tonic::{Request, Response, Status};
 
 use crate::clock::Clock;
 use crate::convert;
-use crate::net::{self, AuthChannel, ClientOptions, ServerTls};
+use crate::net::{self, AuthChannel, ClientOptions};
 use state::{ActorExit, HeadState, LiveActor, NewNode};
 
 /// How long KillActor waits for the worker to stop the process.
 const KILL_TIMEOUT: Duration = Duration::from_secs(30);
-
-#[derive(Clone, Debug)]
-pub struct HeadOptions {
-    /// Address the gRPC service binds (all interfaces by default, like `ray start --head`).
-    pub host: String,
-    pub port: u16,
-    pub state_dir: PathBuf,
-    pub token: String,
-    pub tls: ServerTls,
-    pub heartbeat_interval: Duration,
-    /// A node silent this long is marked dead.
-    pub dead_threshold: Duration,
-    /// Heartbeat datagrams on UDP `port` (else beats come on the nodes' gRPC streams).
-    pub udp_heartbeats: bool,
-    /// None disables the dashboard.
-    pub dashboard: Option<(String, u16)>,
-    /// Executable run as a submitted job's driver (`<exe> run ...`); None = this program.
-    pub job_exe: Option<PathBuf>,
-    /// Between SIGTERM and SIGKILL when a job is stopped.
-    pub job_stop_grace: Duration,
-    /// Submitted jobs that run at once (0 = no limit); later ones queue.
-    pub max_running_jobs: usize,
-    /// Ended jobs are removed this long after they ended, or beyond the newest `jobs_kept`.
-    pub job_ttl: Duration,
-    pub jobs_kept: usize,
-    /// CA that verifies this head's TLS certificate, for the job drivers it starts; None =
-    /// the certificate itself (right for a self-signed one).
-    pub job_tls_ca: Option<PathBuf>,
-}
-
-impl HeadOptions {
-    /// The cluster CA clients of this head's making verify with (job drivers, calls to
-    /// workers): `job_tls_ca`, else the certificate itself; None without TLS.
-    pub fn cluster_ca(&self) -> Option<PathBuf> {
-        self.tls
-            .cert
-            .as_ref()
-            .map(|cert| self.job_tls_ca.clone().unwrap_or_else(|| cert.clone()))
-    }
-
-    pub fn new(state_dir: PathBuf, token: String) -> Self {
-        Self {
-            host: "0.0.0.0".into(),
-            port: 6344,
-            state_dir,
-            token,
-            tls: ServerTls::default(),
-            heartbeat_interval: Duration::from_millis(500),
-            dead_threshold: Duration::from_secs(3),
-            udp_heartbeats: true,
-            dashboard: Some(("127.0.0.1".into(), 8260)),
-            job_exe: None,
-            job_stop_grace: Duration::from_secs(10),
-            max_running_jobs: 1,
-            job_ttl: jobs::DEFAULT_JOB_TTL,
-            jobs_kept: jobs::DEFAULT_JOBS_KEPT,
-            job_tls_ca: None,
-        }
-    }
-}
 
 pub struct HeadHandle {
     pub addr: SocketAddr,
@@ -180,119 +123,6 @@ impl Head {
     /// The job manager (submitted PPO jobs).
     pub fn jobs(&self) -> &jobs::Jobs {
         &self.0.jobs
-    }
-
-    async fn create_actor(
-        &self,
-        spec: state::ActorSpec,
-        timeout: Duration,
-    ) -> Result<pb::ActorInfo> {
-        let rec = self.lock().reserve_actor(spec)?;
-        let address = self
-            .lock()
-            .nodes
-            .get(&rec.node_id)
-            .map(|n| n.address.clone())
-            .unwrap_or_default();
-        let mut client = self.worker_client(&address)?;
-        let req = pb::StartActorRequest {
-            actor_id: rec.actor_id.clone(),
-            spec: Some(convert::spec_to_proto(&rec.spec)),
-            timeout_ms: timeout.as_millis() as u64,
-        };
-        let res = tokio::time::timeout(timeout + Duration::from_secs(5), async {
-            // A request that never left (the connection to the worker could not be made, as
-            // under heavy load) is safe to send again until the deadline; anything else is
-            // the worker's answer.
-            let mut delay = Duration::from_millis(100);
-            loop {
-                match client.start_actor(req.clone()).await {
-                    // Unless the node was marked dead meanwhile (its actors with it): then the
-                    // caller places again, elsewhere.
-                    Err(s) if net::never_sent(&s) && self.actor_dead(&rec.actor_id) => {
-                        return Err(Status::from(Error::new(
-                            FailureKind::ActorDied,
-                            format!(
-                                "node {} died before actor {} started; place it again",
-                                rec.node_id, rec.actor_id
-                            ),
-                        )));
-                    }
-                    Err(s) if net::never_sent(&s) => {
-                        tracing::warn!(
-                            node = %rec.node_id,
-                            "StartActor {}: {}; trying again in {delay:?}",
-                            rec.actor_id,
-                            s.message()
-                        );
-                        tokio::time::sleep(delay).await;
-                        delay = (delay * 2).min(Duration::from_secs(2));
-                    }
-                    r => return r,
-                }
-            }
-        })
-        .await;
-        let info = match res {
-            Ok(Ok(r)) => r.into_inner().actor.unwrap_or_default(),
-            Ok(Err(status)) => {
-                let e = Error::from(status);
-                self.lock()
-                    .actor_died(&rec.actor_id, format!("failed to start: {e}"), None)?;
-                return Err(e);
-            }
-            Err(_) => {
-                let e = Error::new(
-                    FailureKind::Timeout,
-                    format!(
-                        "node {} did not start actor {} within {:?}",
-                        rec.node_id, rec.actor_id, timeout
-                    ),
-                );
-                self.lock().actor_died(&rec.actor_id, e.to_string(), None)?;
-                return Err(e);
-            }
-        };
-        let mut s = self.lock();
-        s.actor_started(
-            &rec.actor_id,
-            info.address,
-            info.pid,
-            info.devices,
-            info.log_file,
-        )?;
-        Ok(convert::actor_to_proto(&s.actors[&rec.actor_id]))
-    }
-
-    fn actor_dead(&self, actor_id: &str) -> bool {
-        self.lock()
-            .actors
-            .get(actor_id)
-            .is_none_or(|a| a.state == state::ActorState::Dead)
-    }
-
-    async fn stop_workers(&self) {
-        let addrs: Vec<String> = self
-            .lock()
-            .nodes
-            .values()
-            .filter(|n| n.state == state::NodeState::Alive)
-            .map(|n| n.address.clone())
-            .collect();
-        let calls = addrs.into_iter().filter_map(|a| {
-            let mut c = self.worker_client(&a).ok()?;
-            Some(async move {
-                let r = tokio::time::timeout(
-                    Duration::from_secs(10),
-                    c.shutdown_worker(pb::ShutdownWorkerRequest {}),
-                )
-                .await;
-                if !matches!(r, Ok(Ok(_))) {
-                    tracing::warn!(worker = %a, "worker did not confirm shutdown");
-                }
-            })
-        });
-        futures::future::join_all(calls).await;
     }
 }
 
