@@ -15,7 +15,9 @@
 #                cuda:0 through CUDA IPC, checksummed, against mapping a handle and the host path
 #   ppo          a 5-step ppo_tiny job with every role on a GPU (needs 4 GPUs), and the same
 #                colocated on one GPU (resource_pool.colocate), in f32 and in bf16 with
-#                checkpointing, chunked log-probs and LoRA on actor and critic
+#                checkpointing, chunked log-probs and LoRA on actor and critic, and with the
+#                rollout as a process of its own (actor_rollout.hybrid_engine=false), whose
+#                weights must go by CUDA IPC
 #   bench        scripts/gpu_bench.sh, rlhf-model against PyTorch at Qwen2.5-0.5B's shape
 # Ends with `gpu-check: P passed, F failed, S skipped`; exits 1 when anything failed.
 #   PYTHON=python3          the Python with torch (+ transformers for the bench)
@@ -197,10 +199,11 @@ fi
 ppo_on_gpus() { # name, extra overrides...
     local name="$1" metrics="$TMP/$1/metrics.jsonl" rc=0 lines=0
     shift
+    mkdir -p "$TMP/$name"
     timeout "$T" "$BIN/rlhf-head" run --config-name ppo_tiny resource_pool.device=GPU \
         training.train_iters=5 checkpoint.save_steps=0 checkpoint.dir="$TMP/$name/checkpoints" \
         logging.metrics_file="$metrics" logging.samples_file="$TMP/$name/samples.jsonl" \
-        logging.progress=false "$@" || rc=$?
+        logging.progress=false "$@" 2>&1 | tee "$TMP/$name/out.log" || rc=$?
     [ -f "$metrics" ] && lines="$(wc -l <"$metrics")"
     if [ "$rc" = 0 ] && [ "$lines" -eq 5 ]; then
         pass "ppo_tiny $name: 5 steps, 5 metrics lines"
@@ -222,6 +225,14 @@ if want ppo; then
         ppo_on_gpus "colocated-bf16-lora" resource_pool.colocate=true training.bf16=true \
             training.gradient_checkpointing=true training.logits_chunk_size=7 \
             actor_rollout.lora.rank=8 actor_rollout.lora.alpha=16 critic.lora.rank=8
+        # The rollout as a process of its own on the same GPU: the weights go by CUDA IPC.
+        ppo_on_gpus "colocated-split-cuda-ipc" resource_pool.colocate=true \
+            actor_rollout.hybrid_engine=false
+        if grep -q "weight sync: CUDA IPC" "$TMP/colocated-split-cuda-ipc/out.log"; then
+            pass "ppo_tiny colocated-split-cuda-ipc: the weights went by CUDA IPC"
+        else
+            fail "ppo_tiny colocated-split-cuda-ipc: no 'weight sync: CUDA IPC' line in its log"
+        fi
     else
         skip "ppo_tiny colocated: no GPU"
     fi

@@ -50,11 +50,14 @@ impl PpoConfig {
             return Vec::new();
         }
         let rows = self.memory_estimate();
+        // The hybrid engine's rollout generates with the trainer's weights; rollout
+        // processes of their own hold a copy.
+        let hybrid = self.hybrid_engine();
         let row = |label: &str| rows.iter().find(|r| r.label == label);
         let act = |label: &str| row(label).map_or(0, |r| r.activations);
         let sum = |f: fn(&MemoryRow) -> u64| {
             rows.iter()
-                .filter(|r| r.label != "actor_rollout/infer")
+                .filter(|r| !(hybrid && r.label == "actor_rollout/infer"))
                 .fold(0u64, |a, r| a.saturating_add(f(r)))
         };
         let (weights, gradients, optimizer) = (
@@ -95,7 +98,7 @@ impl PpoConfig {
                     model: "every role on one device".into(),
                     params: rows
                         .iter()
-                        .filter(|r| r.label != "actor_rollout/infer")
+                        .filter(|r| !(hybrid && r.label == "actor_rollout/infer"))
                         .map(|r| r.params)
                         .sum(),
                     weights,

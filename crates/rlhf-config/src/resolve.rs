@@ -66,14 +66,20 @@ impl PpoConfig {
         }
         match role {
             // The other stages have trainer ranks only.
-            RoleKind::ActorRollout
-                if self.resource_pool.colocate || self.trainer != TrainerKind::Ppo =>
-            {
+            RoleKind::ActorRollout if self.hybrid_engine() || self.trainer != TrainerKind::Ppo => {
                 self.actor_rollout.num_gpus_for_train.max(1)
             }
             RoleKind::Ref if self.ref_in_trainer() => 0,
             _ => self.devices(role),
         }
+    }
+
+    /// Whether the rollout ranks are the actor trainer processes, generating with their
+    /// weights (`resource_pool.colocate` with `actor_rollout.hybrid_engine`, the default).
+    /// A colocated job without it shares the devices but keeps rollout processes of its own,
+    /// which receive the weights after every update.
+    pub fn hybrid_engine(&self) -> bool {
+        self.resource_pool.colocate && self.actor_rollout.hybrid_engine
     }
 
     /// With LoRA on the actor and no other reference model, the reference policy is the
@@ -85,11 +91,20 @@ impl PpoConfig {
             && (self.ref_.model.is_empty() || self.ref_.model == self.actor_rollout.model)
     }
 
-    /// Devices a colocated job uses in all: the largest role's.
+    /// Devices a colocated job uses in all: the largest role's (without the hybrid engine,
+    /// the actor's trainer and rollout ranks count apart: rank i of each shares a device).
     pub fn colocated_devices(&self) -> u32 {
         RoleKind::ALL
             .iter()
-            .map(|&r| self.role_processes(r))
+            .map(|&r| match r {
+                RoleKind::ActorRollout
+                    if !self.hybrid_engine() && self.trainer == TrainerKind::Ppo =>
+                {
+                    let a = &self.actor_rollout;
+                    a.num_gpus_for_train.max(a.num_gpus_for_infer).max(1)
+                }
+                _ => self.role_processes(r),
+            })
             .max()
             .unwrap_or(0)
             .max(1)

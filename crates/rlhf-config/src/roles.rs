@@ -59,6 +59,10 @@ pub struct ActorRolloutConfig {
     pub fixed_responses_file: Option<String>,
     /// Colocated trainer: optimizer state in host memory while the device generates.
     pub offload: bool,
+    /// Under `resource_pool.colocate`: the rollout ranks are the trainer processes and
+    /// generate with their weights (true), or processes of their own on the same devices
+    /// that receive the weights after every update (false).
+    pub hybrid_engine: bool,
     /// Rollout overlapped with training (`actor_rollout.async.*`).
     #[serde(rename = "async")]
     pub async_: AsyncConfig,
@@ -97,6 +101,7 @@ impl Default for ActorRolloutConfig {
             kl_loss_type: p.kl_loss_type,
             fixed_responses_file: None,
             offload: false,
+            hybrid_engine: true,
             async_: AsyncConfig::default(),
             lora: crate::LoraOptions::default(),
             overrides: TrainingOverrides::default(),

@@ -163,7 +163,7 @@ pub struct RoleSpec {
     pub lora: Option<crate::LoraOptions>,
     /// The communicator groups this rank joins.
     pub comms: Vec<CommGroup>,
-    /// Under `resource_pool.colocate`, the trainer slot whose process hosts this rollout
+    /// Under the hybrid engine (`resource_pool.colocate`), the trainer slot whose process hosts this rollout
     /// rank and whose model it generates with (the hybrid engine: no copy, no sync).
     #[serde(default)]
     pub shares_model_of: Option<RoleSlot>,
@@ -299,7 +299,7 @@ impl RoleSpec {
             }
             (_, RoleKind::ActorRollout, RolePart::Train) => {
                 let mut comms = vec![CommGroup::ActorDp];
-                if slot.rank == 0 && !cfg.resource_pool.colocate {
+                if slot.rank == 0 && !cfg.hybrid_engine() {
                     comms.push(CommGroup::Weights);
                 }
                 let train = TrainSpec::new(
@@ -323,7 +323,7 @@ impl RoleSpec {
                     top_p: a.top_p,
                     top_k: a.top_k as usize,
                 };
-                let comms = if cfg.resource_pool.colocate {
+                let comms = if cfg.hybrid_engine() {
                     vec![]
                 } else {
                     vec![CommGroup::Weights]
@@ -408,7 +408,7 @@ impl RoleSpec {
                 _ => None,
             },
             comms,
-            shares_model_of: ((cfg.resource_pool.colocate
+            shares_model_of: ((cfg.hybrid_engine()
                 && kind == RoleKind::ActorRollout
                 && slot.part == RolePart::Infer)
                 || (kind == RoleKind::Ref && cfg.ref_in_trainer()))

@@ -149,9 +149,9 @@ pub fn problems(cfg: &PpoConfig) -> Vec<String> {
             a.num_gpus_for_train, a.num_gpus_for_infer, pool.actor_rollout
         ));
     }
-    if a.offload && !pool.colocate {
+    if a.offload && !cfg.hybrid_engine() {
         e.push(
-            "actor_rollout.offload: true moves the trainer's optimizer state off the device while that device generates, which happens only with resource_pool.colocate: true; set resource_pool.colocate=true or actor_rollout.offload=false".to_string(),
+            "actor_rollout.offload: true moves the trainer's optimizer state off the device while that device generates, which happens only when the trainer generates itself (resource_pool.colocate: true with actor_rollout.hybrid_engine: true); set resource_pool.colocate=true with actor_rollout.hybrid_engine=true (the default), or actor_rollout.offload=false".to_string(),
         );
     }
     e.extend(a.async_.problems());
@@ -184,9 +184,9 @@ pub fn problems(cfg: &PpoConfig) -> Vec<String> {
             a.async_.mode
         ));
     }
-    if pool.colocate && a.num_gpus_for_infer != a.num_gpus_for_train {
+    if cfg.hybrid_engine() && a.num_gpus_for_infer != a.num_gpus_for_train {
         e.push(format!(
-            "resource_pool.colocate: every actor trainer rank generates with its own weights, so actor_rollout.num_gpus_for_infer ({}) must equal actor_rollout.num_gpus_for_train ({})",
+            "resource_pool.colocate with actor_rollout.hybrid_engine: every actor trainer rank generates with its own weights, so actor_rollout.num_gpus_for_infer ({}) must equal actor_rollout.num_gpus_for_train ({}) (or set actor_rollout.hybrid_engine=false for rollout processes of their own)",
             a.num_gpus_for_infer, a.num_gpus_for_train
         ));
     }

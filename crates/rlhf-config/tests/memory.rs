@@ -186,6 +186,61 @@ fn a_colocated_job_plans_shares_of_one_device() {
     assert!(msg.contains("num_gpus_for_infer (2) must equal"), "{msg}");
 }
 
+/// `actor_rollout.hybrid_engine=false`: a colocated job whose rollout ranks are processes of
+/// their own on the shared devices. ppo_tiny's four processes (actor trainer, actor rollout,
+/// reference, critic) take a quarter of its one device each; the rollout and the trainer
+/// join the weights group (the sync goes between them); every phase counts the rollout's
+/// copy of the weights; offload (which needs the trainer to generate) is refused by name.
+#[test]
+fn a_colocated_job_without_the_hybrid_engine_shares_the_device_with_rollout_processes() {
+    let o = |v: &[&str]| -> Vec<String> { v.iter().map(|s| s.to_string()).collect() };
+    let split = [
+        "resource_pool.colocate=true",
+        "actor_rollout.hybrid_engine=false",
+    ];
+    let cfg = load(&configs(), "ppo_tiny", &o(&split)).unwrap();
+    assert!(rlhf_config::problems(&cfg).is_empty());
+    assert!(!cfg.hybrid_engine());
+    assert_eq!(cfg.colocated_devices(), 1);
+    assert_eq!(cfg.role_processes(RoleKind::ActorRollout), 2);
+    assert_eq!(cfg.role_bundles(RoleKind::ActorRollout), (2, 0.25));
+    assert_eq!(cfg.role_bundles(RoleKind::Critic), (1, 0.25));
+    let one = [(
+        "n1".to_string(),
+        std::collections::BTreeMap::from([("CPU".to_string(), 1.0)]),
+    )];
+    let plan = cfg.placement_plan(&one).unwrap();
+    assert!(plan.to_string().contains("2 x 0.25"), "{plan}");
+
+    let q = load(&configs(), "ppo_qwen25_05b", &o(&split)).unwrap();
+    let hybrid = load(
+        &configs(),
+        "ppo_qwen25_05b",
+        &o(&["resource_pool.colocate=true"]),
+    )
+    .unwrap();
+    let infer = q
+        .memory_estimate()
+        .into_iter()
+        .find(|r| r.label == "actor_rollout/infer")
+        .unwrap();
+    assert!(infer.weights > 0);
+    for (a, b) in q.colocated_phases().iter().zip(hybrid.colocated_phases()) {
+        assert_eq!(a.weights, b.weights + infer.weights, "{}", a.label);
+    }
+
+    let mut with_offload = split.to_vec();
+    with_offload.push("actor_rollout.offload=true");
+    let msg = match load(&configs(), "ppo_tiny", &o(&with_offload)) {
+        Ok(c) => rlhf_config::problems(&c).join("\n"),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        msg.contains("actor_rollout.offload") && msg.contains("hybrid_engine"),
+        "{msg}"
+    );
+}
+
 /// `check` on a colocated job reports what one device holds in each phase: every role's
 /// resident state (the rollout's weights are the trainer's, counted once) plus the phase's
 /// transient part, and warns on the phases, not on roles that no longer have devices of

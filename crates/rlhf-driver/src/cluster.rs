@@ -27,7 +27,8 @@ pub struct Roles {
     pub critic: WorkerGroup,
     pub reward: WorkerGroup,
     pub placement_groups: Vec<String>,
-    /// `resource_pool.colocate`: the rollout ranks are the trainer processes (`infer` has
+    /// The hybrid engine (`resource_pool.colocate` with `actor_rollout.hybrid_engine`): the
+    /// rollout ranks are the trainer processes (`infer` has
     /// the same members as `train`), and no weights travel between them.
     pub colocated: bool,
     /// The reference is a LoRA actor's base with the adapters off: its ranks are the
@@ -109,7 +110,7 @@ fn parts(cfg: &PpoConfig) -> Vec<PartSpec> {
     }
     // Colocated rollout ranks live in the trainer processes: no processes of their own; the
     // other stages than PPO have none.
-    if !cfg.resource_pool.colocate && cfg.trainer == rlhf_config::TrainerKind::Ppo {
+    if !cfg.hybrid_engine() && cfg.trainer == rlhf_config::TrainerKind::Ppo {
         v.push(PartSpec {
             role: RoleKind::ActorRollout,
             part: RolePart::Infer,
@@ -319,7 +320,7 @@ pub async fn launch(
         }
     };
     let train = take(RoleKind::ActorRollout, RolePart::Train);
-    let infer = if cfg.resource_pool.colocate {
+    let infer = if cfg.hybrid_engine() {
         WorkerGroup {
             id: GroupId::Role(RoleKind::ActorRollout, RolePart::Infer),
             members: train.members.clone(),
@@ -342,7 +343,7 @@ pub async fn launch(
         critic: take(RoleKind::Critic, RolePart::Whole),
         reward: take(RoleKind::Reward, RolePart::Whole),
         placement_groups: made.placement_groups.clone(),
-        colocated: cfg.resource_pool.colocate,
+        colocated: cfg.hybrid_engine(),
         ref_in_trainer: cfg.ref_in_trainer(),
         peers: Default::default(),
     };

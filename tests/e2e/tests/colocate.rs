@@ -1,7 +1,10 @@
 //! `resource_pool.colocate`: the whole tiny PPO job on one device. Against a worker that
 //! offers a single CPU slot, every role takes a third of it (fractional bundles), the
 //! rollout generates inside the trainer process with the trainer's weights (no second copy,
-//! no weight sync), and the score climbs as in the default run.
+//! no weight sync), and the score climbs as in the default run. Without the hybrid engine
+//! (`actor_rollout.hybrid_engine=false`) the rollout is a process of its own on the same
+//! slot, given the weights through shared memory after every update, and the score climbs
+//! as well.
 
 use std::process::Command;
 use std::time::Duration;
@@ -33,6 +36,34 @@ fn a_colocated_ppo_job_runs_on_one_device_and_climbs() -> Result<()> {
     // The rollout rank lives in the trainer's process and says so.
     assert!(out.contains("colocated"), "{out}");
 
+    let m = climbs(&job, "colocated")?;
+    // The rollout sees the trainer's updates without any sync.
+    assert!(m
+        .iter()
+        .all(|l| l["perf/weight_sync_bytes"].as_f64() == Some(0.0)));
+
+    // The three role processes with a device (actor, ref, critic) shared the one slot: their
+    // placement groups held a third of a CPU each.
+    let s = c.status()?;
+    let bundles = cpu_bundles(&s)?;
+    assert_eq!(bundles.len(), 3, "{s}");
+    assert!(
+        bundles.iter().all(|&b| (b - 0.333).abs() < 1e-9),
+        "{bundles:?}"
+    );
+    // One process per role (the rule reward's holds no device), the rollout inside the
+    // trainer's.
+    assert_eq!(
+        actor_roles(&s),
+        ["actor_rollout", "critic", "ref", "reward"],
+        "{s}"
+    );
+    Ok(())
+}
+
+/// The job's metrics after checking that it ran on-policy for at least 20 steps, that the
+/// score climbed as in the default run and that the policy moved.
+fn climbs(job: &std::path::Path, what: &str) -> Result<Vec<Value>> {
     let text = std::fs::read_to_string(job.join("metrics.jsonl"))?;
     let m: Vec<Value> = text
         .lines()
@@ -50,40 +81,78 @@ fn a_colocated_ppo_job_runs_on_one_device_and_climbs() -> Result<()> {
     let k = 10;
     let first = scores[..k].iter().sum::<f64>() / k as f64;
     let last = scores[scores.len() - k..].iter().sum::<f64>() / k as f64;
-    println!("colocated: objective/scores first {k} steps {first:.3}, last {k} steps {last:.3}");
+    println!("{what}: objective/scores first {k} steps {first:.3}, last {k} steps {last:.3}");
     assert!(
         last >= first + 0.15,
-        "the score should climb: first {k} steps {first:.3}, last {k} steps {last:.3}"
+        "{what}: the score should climb: first {k} steps {first:.3}, last {k} steps {last:.3}"
     );
-    // The policy moves (the rollout sees the trainer's updates without any sync).
     let kl_last = m[m.len() - k..]
         .iter()
         .filter_map(|l| l["objective/kl"].as_f64())
         .sum::<f64>()
         / k as f64;
-    assert!(kl_last > 1e-3, "mean KL of the last {k} steps {kl_last}");
+    assert!(
+        kl_last > 1e-3,
+        "{what}: mean KL of the last {k} steps {kl_last}"
+    );
+    Ok(m)
+}
 
-    // The three role processes with a device (actor, ref, critic) shared the one slot: their
-    // placement groups held a third of a CPU each.
-    let s = c.status()?;
-    let pgs = s["placement_groups"]
+/// CPU bundles of the job's placement groups, as the head reports them.
+fn cpu_bundles(s: &Value) -> Result<Vec<f64>> {
+    Ok(s["placement_groups"]
         .as_array()
-        .context("placement groups")?;
-    let bundles: Vec<f64> = pgs
+        .context("placement groups")?
         .iter()
         .flat_map(|p| p["bundles"].as_array().cloned().unwrap_or_default())
         .filter_map(|b| b["CPU"].as_f64())
-        .collect();
-    assert_eq!(bundles.len(), 3, "{s}");
+        .collect())
+}
+
+#[test]
+fn a_colocated_job_with_rollout_processes_of_its_own_syncs_through_shared_memory() -> Result<()> {
+    let mut c = Cluster::start(&[])?;
+    c.add_worker(r#"{"CPU": 1}"#)?;
+    c.wait_alive_nodes(1, Duration::from_secs(30))?;
+    let job = c.dir.path().join("job");
+    let mut cmd = c.ppo_run_cmd(
+        &job,
+        &[
+            "resource_pool.colocate=true",
+            "actor_rollout.hybrid_engine=false",
+            "checkpoint.save_steps=0",
+        ],
+    );
+    let mut p = Proc::spawn("colocated-split", c.dir.path(), &mut cmd)?;
+    let st = p.wait_exit(Duration::from_secs(900))?;
+    let out = p.output();
+    assert!(st.success(), "{out}");
     assert!(
-        bundles.iter().all(|&b| (b - 0.333).abs() < 1e-9),
+        out.contains("weight sync: shared memory (every rank on node"),
+        "{out}"
+    );
+    let m = climbs(&job, "colocated, rollout processes of its own")?;
+    // Every update's weights went to the rollout process, checksummed by the driver (all
+    // but the last step's: no generation follows it).
+    assert!(
+        m[..m.len() - 1].iter().all(|l| l["perf/weight_sync_bytes"]
+            .as_f64()
+            .is_some_and(|b| b > 0.0)),
+        "{:?}",
+        m[0]
+    );
+    // Four processes with a device (actor trainer, actor rollout, ref, critic) shared the
+    // one slot, a quarter each.
+    let s = c.status()?;
+    let bundles = cpu_bundles(&s)?;
+    assert_eq!(bundles.len(), 4, "{s}");
+    assert!(
+        bundles.iter().all(|&b| (b - 0.25).abs() < 1e-9),
         "{bundles:?}"
     );
-    // One process per role (the rule reward's holds no device), the rollout inside the
-    // trainer's.
     assert_eq!(
         actor_roles(&s),
-        ["actor_rollout", "critic", "ref", "reward"],
+        ["actor_rollout", "actor_rollout", "critic", "ref", "reward"],
         "{s}"
     );
     Ok(())
