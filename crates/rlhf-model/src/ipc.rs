@@ -134,6 +134,21 @@ fn tensor_from_bytes(bytes: &[u8], dtype: DType, shape: Shape) -> Result<Tensor>
     })
 }
 
+/// The device address of the first byte of the contiguous GPU tensor `t`. It stays valid
+/// while `t` (which holds its storage) lives; `not_gpu` is the error for a CPU tensor.
+#[cfg(feature = "cuda")]
+fn cuda_addr(t: &Tensor, not_gpu: &str) -> Result<u64> {
+    let (s, l) = t.storage_and_layout();
+    let Storage::Cuda(cs) = &*s else {
+        return Err(ipc(not_gpu));
+    };
+    if !l.is_contiguous() {
+        return Err(ipc("the tensor must be contiguous"));
+    }
+    let (p, es) = crate::kernels::cuda_ipc::storage_ptr(cs);
+    Ok(p + (l.start_offset() * es) as u64)
+}
+
 // ---- Region, Mapped, Dest -------------------------------------------------------------------
 
 enum RegionMem {
@@ -210,15 +225,7 @@ impl Region {
             }
             #[cfg(feature = "cuda")]
             RegionMem::Cuda(e, d) => {
-                let (s, l) = src.storage_and_layout();
-                let Storage::Cuda(cs) = &*s else {
-                    return Err(ipc("a GPU region takes GPU tensors"));
-                };
-                if !l.is_contiguous() {
-                    return Err(ipc("the tensor must be contiguous"));
-                }
-                let (p, es) = crate::kernels::cuda_ipc::storage_ptr(cs);
-                let p = p + (l.start_offset() * es + from) as u64;
+                let p = cuda_addr(src, "a GPU region takes GPU tensors")? + from as u64;
                 Ok(crate::kernels::cuda_ipc::copy(
                     d,
                     e.ptr() + at as u64,
@@ -339,15 +346,7 @@ impl Mapped {
         match &self.mem {
             #[cfg(feature = "cuda")]
             MappedMem::Cuda(i, dev) => {
-                let (s, l) = dst.storage_and_layout();
-                let Storage::Cuda(cs) = &*s else {
-                    return Err(ipc("a GPU mapping writes GPU tensors only"));
-                };
-                if !l.is_contiguous() {
-                    return Err(ipc("the tensor must be contiguous"));
-                }
-                let (p, es) = crate::kernels::cuda_ipc::storage_ptr(cs);
-                let p = p + (l.start_offset() * es + to) as u64;
+                let p = cuda_addr(dst, "a GPU mapping writes GPU tensors only")? + to as u64;
                 Ok(crate::kernels::cuda_ipc::copy(
                     dev,
                     p,
@@ -492,15 +491,7 @@ impl Hasher {
         match t.device() {
             #[cfg(feature = "cuda")]
             Device::Cuda(d) => {
-                let (s, l) = t.storage_and_layout();
-                let Storage::Cuda(cs) = &*s else {
-                    return Err(ipc("a CUDA tensor without CUDA storage"));
-                };
-                if !l.is_contiguous() {
-                    return Err(ipc("the tensor must be contiguous"));
-                }
-                let (p, es) = crate::kernels::cuda_ipc::storage_ptr(cs);
-                let p = p + (l.start_offset() * es) as u64;
+                let p = cuda_addr(t, "a CUDA tensor without CUDA storage")?;
                 if self.cuda.is_none() {
                     self.cuda = Some(crate::kernels::cuda_ipc::HashAcc::new(d)?);
                 }

@@ -6,6 +6,7 @@
 //! slot, given the weights through shared memory after every update, and the score climbs
 //! as well.
 
+use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
@@ -15,24 +16,12 @@ use serde_json::Value;
 
 #[test]
 fn a_colocated_ppo_job_runs_on_one_device_and_climbs() -> Result<()> {
-    let mut c = Cluster::start(&[])?;
-    c.add_worker(r#"{"CPU": 1}"#)?;
-    c.wait_alive_nodes(1, Duration::from_secs(30))?;
-    let job = c.dir.path().join("job");
-    let mut cmd = c.ppo_run_cmd(
-        &job,
-        // Offload is part of the path (config → role spec → the trainer before each
-        // generation); on a CPU device the moments already are in host memory.
-        &[
-            "resource_pool.colocate=true",
-            "actor_rollout.offload=true",
-            "checkpoint.save_steps=0",
-        ],
-    );
-    let mut p = Proc::spawn("colocated", c.dir.path(), &mut cmd)?;
-    let st = p.wait_exit(Duration::from_secs(900))?;
-    let out = p.output();
-    assert!(st.success(), "{out}");
+    // Offload is part of the path (config → role spec → the trainer before each
+    // generation); on a CPU device the moments already are in host memory.
+    let (c, job, out) = run_on_one_slot(
+        "colocated",
+        &["resource_pool.colocate=true", "actor_rollout.offload=true"],
+    )?;
     // The rollout rank lives in the trainer's process and says so.
     assert!(out.contains("colocated"), "{out}");
 
@@ -59,6 +48,24 @@ fn a_colocated_ppo_job_runs_on_one_device_and_climbs() -> Result<()> {
         "{s}"
     );
     Ok(())
+}
+
+/// Runs ppo_tiny with `overrides` (no checkpoints) against one worker that offers a single
+/// CPU slot, to its successful end; returns the cluster (for its status), the job directory
+/// and the run's output.
+fn run_on_one_slot(name: &str, overrides: &[&str]) -> Result<(Cluster, PathBuf, String)> {
+    let mut c = Cluster::start(&[])?;
+    c.add_worker(r#"{"CPU": 1}"#)?;
+    c.wait_alive_nodes(1, Duration::from_secs(30))?;
+    let job = c.dir.path().join("job");
+    let mut args = overrides.to_vec();
+    args.push("checkpoint.save_steps=0");
+    let mut cmd = c.ppo_run_cmd(&job, &args);
+    let mut p = Proc::spawn(name, c.dir.path(), &mut cmd)?;
+    let st = p.wait_exit(Duration::from_secs(900))?;
+    let out = p.output();
+    assert!(st.success(), "{name}: {out}");
+    Ok((c, job, out))
 }
 
 /// The job's metrics after checking that it ran on-policy for at least 20 steps, that the
@@ -111,22 +118,13 @@ fn cpu_bundles(s: &Value) -> Result<Vec<f64>> {
 
 #[test]
 fn a_colocated_job_with_rollout_processes_of_its_own_syncs_through_shared_memory() -> Result<()> {
-    let mut c = Cluster::start(&[])?;
-    c.add_worker(r#"{"CPU": 1}"#)?;
-    c.wait_alive_nodes(1, Duration::from_secs(30))?;
-    let job = c.dir.path().join("job");
-    let mut cmd = c.ppo_run_cmd(
-        &job,
+    let (c, job, out) = run_on_one_slot(
+        "colocated-split",
         &[
             "resource_pool.colocate=true",
             "actor_rollout.hybrid_engine=false",
-            "checkpoint.save_steps=0",
         ],
-    );
-    let mut p = Proc::spawn("colocated-split", c.dir.path(), &mut cmd)?;
-    let st = p.wait_exit(Duration::from_secs(900))?;
-    let out = p.output();
-    assert!(st.success(), "{out}");
+    )?;
     assert!(
         out.contains("weight sync: shared memory (every rank on node"),
         "{out}"
