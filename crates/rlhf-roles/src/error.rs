@@ -86,6 +86,13 @@ impl Error {
         }
     }
 
+    /// Whether the device ran out of memory (CUDA's `CUDA_ERROR_OUT_OF_MEMORY`, as candle
+    /// and cudarc report it), here or in an error this one wraps.
+    pub fn is_out_of_memory(&self) -> bool {
+        let s = self.to_string();
+        s.contains("CUDA_ERROR_OUT_OF_MEMORY") || s.contains("out of memory")
+    }
+
     /// Wraps the error with what was being done.
     pub fn context(self, context: impl Into<String>) -> Self {
         Error::Context {
@@ -144,5 +151,30 @@ mod tests {
         };
         assert_eq!(nf.to_string(), "non-finite loss in critic rank 0 at step 3");
         assert!(!nf.kind().retryable());
+    }
+
+    #[test]
+    fn out_of_memory_is_seen_through_contexts_and_gets_the_remedy_of_its_call() {
+        // How candle reports cudarc's driver error.
+        let oom = Error::Candle(candle_core::Error::Msg(
+            "DriverError(CUDA_ERROR_OUT_OF_MEMORY, \"out of memory\")".into(),
+        ))
+        .context("generating");
+        assert!(oom.is_out_of_memory());
+        assert!(!Error::invalid("a bad prompt")
+            .context("x")
+            .is_out_of_memory());
+        let gen = crate::host::out_of_memory_remedy(rlhf_proto::BatchCall::Generate);
+        assert!(
+            gen.contains("actor_rollout.max_response_length")
+                && gen.contains("actor_rollout.offload=true"),
+            "{gen}"
+        );
+        let train = crate::host::out_of_memory_remedy(rlhf_proto::BatchCall::UpdateActor);
+        assert!(
+            train.contains("training.micro_batch_size")
+                && train.contains("training.gradient_checkpointing=true"),
+            "{train}"
+        );
     }
 }

@@ -352,11 +352,18 @@ impl RoleHost {
         }
     }
 
-    /// Runs a batch call from the wire; the error names the engine and the call.
+    /// Runs a batch call from the wire; the error names the engine and the call, and when
+    /// the device ran out of memory, the settings that make the call fit.
     pub fn batch(&mut self, call: BatchCall, batch: &DataBatch) -> Result<DataBatch> {
         let label = self.label();
-        self.batch_inner(call, batch)
-            .with_ctx(|| format!("{label} {}", call.name()))
+        self.batch_inner(call, batch).map_err(|e| {
+            let what = format!("{label} {}", call.name());
+            if e.is_out_of_memory() {
+                e.context(format!("{what}: {}", out_of_memory_remedy(call)))
+            } else {
+                e.context(what)
+            }
+        })
     }
 
     fn batch_inner(&mut self, call: BatchCall, batch: &DataBatch) -> Result<DataBatch> {
@@ -566,4 +573,27 @@ fn is_collective(e: &Error) -> bool {
         Error::Context { source, .. } => is_collective(source),
         _ => false,
     }
+}
+
+/// What to change when `call` ran out of device memory.
+pub fn out_of_memory_remedy(call: BatchCall) -> String {
+    let what = match call {
+        BatchCall::Generate => {
+            "the rollout batch and its KV cache did not fit: lower training.global_batch_size or \
+             actor_rollout.num_samples_per_step (the rollout batch is their product, split over \
+             the rollout ranks) or actor_rollout.max_response_length, use training.bf16=true, or \
+             under resource_pool.colocate set actor_rollout.offload=true to move the trainer's \
+             optimizer state off the device while it generates"
+        }
+        BatchCall::ComputeLogProbs | BatchCall::ComputeValues | BatchCall::ComputeScores => {
+            "a forward pass did not fit: lower training.micro_batch_size or set \
+             training.logits_chunk_size, or use training.bf16=true"
+        }
+        _ => {
+            "a training pass did not fit: lower training.micro_batch_size, set \
+             training.gradient_checkpointing=true and training.logits_chunk_size, use \
+             training.bf16=true, LoRA, or ZeRO (training.zero_stage)"
+        }
+    };
+    format!("the device ran out of memory; {what} (`rlhf-head check` estimates each role's peak)")
 }
