@@ -35,15 +35,6 @@ pub fn supported(device: &Device) -> bool {
     cfg!(feature = "cuda") && device.is_cuda()
 }
 
-/// A 16-byte identity of `device`: the GPU's UUID, zeros for the CPU.
-pub fn device_id(device: &Device) -> Result<[u8; 16]> {
-    match device {
-        #[cfg(feature = "cuda")]
-        Device::Cuda(d) => Ok(crate::kernels::cuda_ipc::device_uuid(d)?),
-        _ => Ok([0; 16]),
-    }
-}
-
 fn ipc(msg: impl Into<String>) -> Error {
     Error::Ipc(msg.into())
 }

@@ -36,15 +36,15 @@ struct Synced {
     rollouts: Vec<(Rollout, u64, Option<bool>)>,
 }
 
-/// One sync from `trainer` to two fresh rollouts over `comms`; `cpu_ipc[r]` lets rank r take
-/// the IPC protocol with CPU regions.
+/// One sync from `trainer` to two fresh rollouts of `cfg` over `comms`; `cpu_ipc[r]` lets
+/// rank r take the IPC protocol with CPU regions.
 fn sync(
     trainer: &mut Trainer,
+    cfg: &rlhf_config::PpoConfig,
     mut comms: Vec<Box<dyn Communicator>>,
     cpu_ipc: [bool; 3],
     bucket: usize,
 ) -> Synced {
-    let cfg = config();
     let mut c0 = comms.remove(0);
     let hs: Vec<_> = comms
         .into_iter()
@@ -116,7 +116,7 @@ fn ipc_sync_moves_the_trainers_weights_in_buckets_and_checksums_what_arrived() {
     let host_sum = t.state.checksum().unwrap();
     let want = params(&t.state.model);
     // 1000-byte buckets: most parameters of the tiny model span several.
-    let s = sync(&mut t, boxed(shm_group(3)), [true; 3], 1000);
+    let s = sync(&mut t, &config(), boxed(shm_group(3)), [true; 3], 1000);
     assert_eq!(s.trainer_ipc, Some(true));
     assert_eq!(s.sent, ipc_sum(&t.state.model));
     assert_ne!(s.sent, host_sum, "the IPC checksum is its own function");
@@ -132,7 +132,7 @@ fn ipc_sync_moves_the_trainers_weights_in_buckets_and_checksums_what_arrived() {
     let seqs = sequences(&LENS, 9);
     let batch = actor_batch(&seqs, &log_probs(&t, &seqs), 5);
     t.upd(&mut single(), &batch).unwrap();
-    let s2 = sync(&mut t, boxed(shm_group(3)), [true; 3], 1000);
+    let s2 = sync(&mut t, &config(), boxed(shm_group(3)), [true; 3], 1000);
     assert_ne!(s2.sent, s.sent);
     for (r, _, _) in &s2.rollouts {
         assert_eq!(params(&r.model), params(&t.state.model));
@@ -151,7 +151,7 @@ fn a_rank_without_ipc_or_a_tcp_group_turns_every_rank_to_the_host_path() {
         ),
         ("a TCP group", boxed(group(3)), [true; 3]),
     ] {
-        let s = sync(&mut t, comms, allow, 1000);
+        let s = sync(&mut t, &config(), comms, allow, 1000);
         assert_eq!(s.trainer_ipc, Some(false), "{what}");
         assert_eq!(s.sent, host_sum, "{what}: the host path's checksum");
         for (r, sum, ipc) in &s.rollouts {
@@ -159,5 +159,50 @@ fn a_rank_without_ipc_or_a_tcp_group_turns_every_rank_to_the_host_path() {
             assert_eq!(*sum, host_sum, "{what}");
             assert_eq!(r.checksum().unwrap(), host_sum, "{what}");
         }
+    }
+}
+
+/// Mixed precision: the trainer keeps f32 weights, the rollouts hold bf16 ones. The wire is
+/// the rollouts' dtype, so the trainer casts each parameter as it packs it, and the rollouts
+/// end with the trainer's weights rounded to bf16.
+#[test]
+fn ipc_sync_casts_f32_trainer_weights_to_the_bf16_rollouts() {
+    let mut t = trained_trainer();
+    let mut bf16 = config();
+    bf16.training.bf16 = true;
+    let want: Vec<(String, Vec<f32>)> = t
+        .state
+        .model
+        .named_tensors()
+        .into_iter()
+        .map(|(n, w)| {
+            let r = w.to_dtype(rlhf_model::DType::BF16).unwrap();
+            (
+                n,
+                r.to_dtype(rlhf_model::DType::F32)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap(),
+            )
+        })
+        .collect();
+    let s = sync(&mut t, &bf16, boxed(shm_group(3)), [true; 3], 1000);
+    assert_eq!(s.trainer_ipc, Some(true));
+    for (r, sum, ipc) in &s.rollouts {
+        assert_eq!(r.model.dtype(), rlhf_model::DType::BF16);
+        assert_eq!(*ipc, Some(true));
+        assert_eq!(*sum, s.sent);
+        assert_eq!(
+            ipc_sum(&r.model),
+            s.sent,
+            "the rollout's bf16 weights hash as sent"
+        );
+        assert_eq!(
+            params(&r.model),
+            want,
+            "the trainer's weights rounded to bf16"
+        );
     }
 }

@@ -107,8 +107,7 @@ pub fn negotiate(
         && comm.backend() == "shm"
         && model.zero3().is_none()
         && (ipc::supported(dev) || (st.allow_cpu && dev.is_cpu()));
-    let mut offer = vec![OFFER_VERSION, u8::from(can), dtype_code(model.dtype())];
-    offer.extend_from_slice(&ipc::device_id(dev)?);
+    let offer = [OFFER_VERSION, u8::from(can), dtype_code(model.dtype())];
     let offers = comm
         .all_gather(&offer)
         .ctx("agreeing on the weight sync path")?;
@@ -171,6 +170,18 @@ struct Layout {
     total: usize,
     /// A hash of the names, shapes and wire dtype: both sides must agree on it.
     manifest: u64,
+}
+
+impl Layout {
+    /// Where parameter `i` starts, in the hash's 16-bit units.
+    fn base(&self, i: usize) -> u64 {
+        (self.spans[i].0 / 2) as u64
+    }
+
+    /// Whether a piece `from..from + len` of parameter `i` is its last.
+    fn ends(&self, i: usize, from: usize, len: usize) -> bool {
+        from + len == self.spans[i].1
+    }
 }
 
 fn layout(tensors: &[(String, Tensor)], wire: DType) -> Layout {
@@ -259,12 +270,8 @@ pub fn send(
     st: &mut IpcState,
 ) -> Result<Option<(SyncStats, u64)>> {
     let start = Instant::now();
-    let tensors: Vec<(String, Tensor)> = model
-        .named_tensors()
-        .into_iter()
-        .map(|(n, t)| Ok((n, t.to_dtype(wire)?.contiguous()?)))
-        .collect::<Result<_>>()?;
-    let l = layout(&tensors, wire);
+    let params = model.named_tensors();
+    let l = layout(&params, wire);
     let slot = l.total.clamp(1, bucket_bytes.max(1));
     if st.region.as_ref().is_none_or(|r| r.len() != slot) {
         st.region = None;
@@ -300,15 +307,29 @@ pub fn send(
     let mut clock = Phases::new(start);
     clock.lap("setup");
     let mut hasher = ipc::Hasher::default();
-    for (i, (_, t)) in tensors.iter().enumerate() {
-        hasher.add(t, (l.spans[i].0 / 2) as u64)?;
-    }
+    // Each parameter in the wire's dtype, made (and hashed) at its first piece and dropped
+    // once its last piece is in the buffer: under mixed precision (f32 weights, a bf16
+    // rollout) the trainer never holds a second copy of the whole model.
+    let mut wired: Vec<Option<Tensor>> = vec![None; params.len()];
     let buckets = l.total.div_ceil(slot);
     for b in 0..buckets {
-        for (i, from, at, len) in pieces(&l, b, slot) {
-            region.write(at, &tensors[i].1, from, len)?;
+        let ps = pieces(&l, b, slot);
+        for &(i, from, at, len) in &ps {
+            if wired[i].is_none() {
+                let t = params[i].1.to_dtype(wire)?.contiguous()?;
+                hasher.add(&t, l.base(i))?;
+                wired[i] = Some(t);
+            }
+            if let Some(t) = &wired[i] {
+                region.write(at, t, from, len)?;
+            }
         }
         region.flush()?;
+        for &(i, from, _, len) in &ps {
+            if l.ends(i, from, len) {
+                wired[i] = None;
+            }
+        }
         clock.lap("pack");
         comm.barrier().ctx("announcing a weight bucket")?;
         comm.barrier()
@@ -329,7 +350,7 @@ pub fn send(
     );
     Ok(Some((
         SyncStats {
-            params: tensors.len(),
+            params: params.len(),
             bytes: l.total as u64,
             buckets,
             elapsed: start.elapsed(),
@@ -432,16 +453,17 @@ pub fn recv(
         clock.lap("wait");
         // Install every parameter whose last byte was in this bucket.
         for &(i, from, _, len) in &ps {
-            if from + len == l.spans[i].1 && in_place[i] {
-                hasher.add(&names[i].1, (l.spans[i].0 / 2) as u64)?;
-            } else if from + len == l.spans[i].1 {
-                if let Some(d) = dests[i].take() {
-                    let t = d.finish()?;
-                    hasher.add(&t, (l.spans[i].0 / 2) as u64)?;
-                    model
-                        .set_weights(&[(names[i].0.clone(), t)])
-                        .ctx("installing received weights")?;
-                }
+            if !l.ends(i, from, len) {
+                continue;
+            }
+            if in_place[i] {
+                hasher.add(&names[i].1, l.base(i))?;
+            } else if let Some(d) = dests[i].take() {
+                let t = d.finish()?;
+                hasher.add(&t, l.base(i))?;
+                model
+                    .set_weights(&[(names[i].0.clone(), t)])
+                    .ctx("installing received weights")?;
             }
         }
     }

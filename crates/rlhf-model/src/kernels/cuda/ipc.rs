@@ -33,16 +33,6 @@ fn check(r: sys::CUresult, what: &str) -> CResult<()> {
     r.result().map_err(|e| err(format!("{what}: {e}")))
 }
 
-/// The 16-byte UUID of `dev`'s GPU.
-pub(crate) fn device_uuid(dev: &CudaDevice) -> CResult<[u8; 16]> {
-    let u = dev
-        .cuda_stream()
-        .context()
-        .uuid()
-        .map_err(|e| err(format!("cannot read the GPU's UUID: {e}")))?;
-    Ok(u.bytes.map(|b| b as u8))
-}
-
 /// Device memory of this process, exported by handle.
 pub(crate) struct Export {
     dev: CudaDevice,
