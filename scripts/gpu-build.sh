@@ -7,7 +7,7 @@
 #   rlhf-worker, rlhf-head, rlhf          the orchestrator (a PPO job on the GPUs)
 #   model_bench, gpu_parity               the rlhf-model examples (scripts/gpu_bench.sh, parity)
 #   weight_ipc_bench                      the CUDA IPC weight sync between two processes
-#   tests/{gradients,memory_paths,generation,reference}
+#   tests/{gradients,memory_paths,generation,reference,zero3}
 #                                         rlhf-model's integration tests, which also run on cuda:0
 # and copies them, stripped, into gpu-bin/ (git-ignored) with gpu-bin/BUILD_ROOT, this
 # checkout's path: the tests find their fixtures under the CARGO_MANIFEST_DIR baked in at
@@ -23,7 +23,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)"
 cd "$ROOT"
 LIMIT=$((64 * 1024 * 1024))
-TESTS=(gradients memory_paths generation reference)
+TESTS=(gradients memory_paths generation reference zero3)
 
 log() { echo "gpu-build.sh: $*" >&2; }
 die() { echo "gpu-build.sh: error: $*" >&2; exit 1; }

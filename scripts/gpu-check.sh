@@ -17,7 +17,8 @@
 #                colocated on one GPU (resource_pool.colocate), in f32 and in bf16 with
 #                checkpointing, chunked log-probs and LoRA on actor and critic, and with the
 #                rollout as a process of its own (actor_rollout.hybrid_engine=false), whose
-#                weights must go by CUDA IPC
+#                weights must go by CUDA IPC; and a colocated run whose rollout batch cannot
+#                fit (PyTorch holds the rest of the GPU), which must fail naming the remedy
 #   bench        scripts/gpu_bench.sh, rlhf-model against PyTorch at Qwen2.5-0.5B's shape
 # Ends with `gpu-check: P passed, F failed, S skipped`; exits 1 when anything failed.
 #   PYTHON=python3          the Python with torch (+ transformers for the bench)
@@ -211,6 +212,38 @@ ppo_on_gpus() { # name, extra overrides...
         fail "ppo_tiny $name (exit $rc, $lines metrics lines, expected 5)"
     fi
 }
+# A colocated run whose rollout batch cannot fit: PyTorch holds all but 4 GiB of the GPU, and
+# the rollout batch (64 prompts x 2048 samples) needs ~28 GiB (`rlhf-head check`). The job
+# must fail by itself, naming the call and the settings that make it fit.
+rollout_oom() {
+    local d="$TMP/rollout-oom" rc=0 hog
+    mkdir -p "$d"
+    "$PY" - "$d/ready" <<'EOF' &
+import sys, time, torch
+free, _ = torch.cuda.mem_get_info()
+hog = torch.empty(max(free - (4 << 30), 0), dtype=torch.uint8, device="cuda")
+open(sys.argv[1], "w").write(f"{hog.numel() >> 20} MiB held of {free >> 20} MiB free")
+time.sleep(900)
+EOF
+    hog=$!
+    for _ in $(seq 120); do [ -f "$d/ready" ] && break; sleep 0.5; done
+    echo "rollout-oom: PyTorch holds $(cat "$d/ready" 2>/dev/null || echo nothing)"
+    timeout "$T" "$BIN/rlhf-head" run --config-name ppo_tiny resource_pool.device=GPU \
+        resource_pool.colocate=true training.global_batch_size=64 \
+        actor_rollout.num_samples_per_step=2048 training.train_iters=2 checkpoint.save_steps=0 \
+        checkpoint.dir="$d/checkpoints" logging.metrics_file="$d/metrics.jsonl" \
+        logging.samples_file="$d/samples.jsonl" logging.progress=false \
+        >"$d/out.log" 2>&1 || rc=$?
+    kill "$hog" 2>/dev/null || true
+    wait "$hog" 2>/dev/null || true
+    grep -i -m3 "out of memory" "$d/out.log" || tail -20 "$d/out.log"
+    if [ "$rc" != 0 ] && [ "$rc" != 124 ] && grep -q "Generate: the device ran out of memory" "$d/out.log" \
+        && grep -q "actor_rollout.num_samples_per_step" "$d/out.log"; then
+        pass "ppo_tiny rollout-oom: failed (exit $rc) naming Generate and the settings that fit"
+    else
+        fail "ppo_tiny rollout-oom (exit $rc): no 'Generate: the device ran out of memory' remedy"
+    fi
+}
 if want ppo; then
     header "ppo_tiny on GPUs"
     if [ "$NGPU" -ge 4 ]; then
@@ -233,6 +266,7 @@ if want ppo; then
         else
             fail "ppo_tiny colocated-split-cuda-ipc: no 'weight sync: CUDA IPC' line in its log"
         fi
+        rollout_oom
     else
         skip "ppo_tiny colocated: no GPU"
     fi

@@ -373,7 +373,8 @@ fn lora_dropout_problem(
 }
 
 /// `training.zero_stage` of every role the job trains: 0 to 3, and 3 (parameters sharded
-/// too) only where it is built: the SFT trainer, without LoRA.
+/// too) only where it is built: without LoRA, and for the policy of a PPO job not under the
+/// hybrid engine (whose rollout would generate with the sharded weights).
 fn zero_problems(cfg: &PpoConfig) -> Vec<String> {
     let trained: &[RoleKind] = match cfg.trainer {
         TrainerKind::Ppo => &[RoleKind::ActorRollout, RoleKind::Critic],
@@ -398,10 +399,13 @@ fn zero_problems(cfg: &PpoConfig) -> Vec<String> {
             e.push(format!(
                 "{role}: training.offload_params keeps ZeRO-3's parameter pieces in host memory, and training.zero_stage is {z}; set training.zero_stage=3 or remove training.offload_params"
             ));
-        } else if z == 3 && cfg.trainer != TrainerKind::Sft {
+        } else if z == 3
+            && role == RoleKind::ActorRollout
+            && cfg.trainer == TrainerKind::Ppo
+            && cfg.hybrid_engine()
+        {
             e.push(format!(
-                "{role}: training.zero_stage 3 is built for the SFT trainer so far (trainer: sft), and this job is trainer {}; use 2 (AdamW state and gradients sharded across the role's data-parallel ranks), 1 or 0",
-                cfg.trainer
+                "{role}: training.zero_stage 3 shards the policy's weights across the trainer ranks, and the hybrid engine (resource_pool.colocate with actor_rollout.hybrid_engine) generates with the trainer's own weights; set actor_rollout.hybrid_engine=false (the rollout keeps a copy of its own on the same devices, synced after every update) or use zero_stage 2"
             ));
         } else if let (3, Some((key, rank))) = (z, lora) {
             if rank > 0 {

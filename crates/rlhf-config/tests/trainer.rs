@@ -184,16 +184,33 @@ fn stage_keys_and_shapes_are_checked() {
         err.contains("actor_rollout.lora: dropout must be in [0, 1)"),
         "{err}"
     );
-    // ZeRO: stages 1 and 2 are built for every trained role, 3 for the SFT trainer without
-    // LoRA; the rest is refused by key and role.
+    // ZeRO: every stage is built for every trained role, 3 without LoRA and, for the PPO
+    // policy, without the hybrid engine; the rest is refused by key and role.
     assert!(tiny(&["training.zero_stage=1"]).is_ok());
     assert!(tiny(&["training.zero_stage=2"]).is_ok());
-    let err = tiny(&["critic.zero_stage=3"]).unwrap_err().to_string();
+    assert!(tiny(&["training.zero_stage=3"]).is_ok());
+    assert!(tiny(&["critic.zero_stage=3"]).is_ok());
+    for name in ["dpo_tiny", "rm_tiny"] {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs");
+        let cfg = load(&dir, name, &["training.zero_stage=3".to_string()]);
+        assert!(cfg.is_ok(), "{name}: {:?}", cfg.err());
+    }
+    assert!(tiny(&[
+        "training.zero_stage=3",
+        "resource_pool.colocate=true",
+        "actor_rollout.hybrid_engine=false"
+    ])
+    .is_ok());
+    let err = tiny(&["training.zero_stage=3", "resource_pool.colocate=true"])
+        .unwrap_err()
+        .to_string();
     assert!(
-        err.contains("critic: training.zero_stage 3 is built for the SFT trainer so far")
-            && err.contains("trainer ppo"),
+        err.contains("actor_rollout: training.zero_stage 3 shards the policy's weights")
+            && err.contains("set actor_rollout.hybrid_engine=false"),
         "{err}"
     );
+    // The critic is not the hybrid engine's concern.
+    assert!(tiny(&["critic.zero_stage=3", "resource_pool.colocate=true"]).is_ok());
     let err = tiny(&["training.zero_stage=4"]).unwrap_err().to_string();
     assert!(err.contains("zero_stage 4 is not a ZeRO stage"), "{err}");
     let sft_ranks = ["trainer=sft", "resource_pool.actor_rollout=1"];

@@ -37,7 +37,7 @@ fn mine(rank: usize, world: usize) -> Vec<Vec<u32>> {
 /// The loss of `seqs` as a share of the whole batch's: the sum over their rows, divided by
 /// the batch's row count, so the ranks' losses add up to the one-rank loss.
 fn loss(model: &Model, seqs: &[Vec<u32>]) -> Tensor {
-    let batch = Batch::left_padded(seqs, 0, &Device::Cpu).unwrap();
+    let batch = Batch::left_padded(seqs, 0, model.device()).unwrap();
     let n = rows().len() as f64;
     let am = batch.attention_mask.to_dtype(DType::F32).unwrap();
     let t = am.dim(1).unwrap();
@@ -58,8 +58,13 @@ fn loss(model: &Model, seqs: &[Vec<u32>]) -> Tensor {
 }
 
 fn opts(kind: ModelKind) -> LoadOptions {
+    opts_on(kind, &Device::Cpu)
+}
+
+fn opts_on(kind: ModelKind, device: &Device) -> LoadOptions {
     LoadOptions {
         kind,
+        device: device.clone(),
         trainable: true,
         seed: 7,
         logits_chunk: Some(5),
@@ -84,14 +89,21 @@ type Weights = BTreeMap<String, Vec<f32>>;
 fn host(named: Vec<(String, Tensor)>) -> Weights {
     named
         .into_iter()
-        .map(|(n, t)| (n, t.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
+        .map(|(n, t)| {
+            let t = t.to_device(&Device::Cpu).unwrap().flatten_all().unwrap();
+            (n, t.to_vec1::<f32>().unwrap())
+        })
         .collect()
 }
 
 /// One unsharded model on the whole batch: its weights after the steps, and the gradient
 /// norm of each step.
 fn unsharded(cfg: &Config, kind: ModelKind) -> (Weights, Vec<f64>) {
-    let model = Model::random(cfg, &opts(kind)).unwrap();
+    unsharded_on(cfg, kind, &Device::Cpu)
+}
+
+fn unsharded_on(cfg: &Config, kind: ModelKind, device: &Device) -> (Weights, Vec<f64>) {
+    let model = Model::random(cfg, &opts_on(kind, device)).unwrap();
     let vars = model.vars();
     let mut opt = AdamW::new(vars.clone(), adamw()).unwrap();
     let mut norms = Vec::new();
@@ -106,31 +118,63 @@ fn unsharded(cfg: &Config, kind: ModelKind) -> (Weights, Vec<f64>) {
 /// `world` stage-3 ranks: each rank's gathered weights after the steps, its gradient norms,
 /// and the share of the parameter elements it held.
 fn sharded(cfg: &Config, kind: ModelKind, world: usize) -> Vec<(Weights, Vec<f64>, f64)> {
+    sharded_on(cfg, kind, world, &Device::Cpu, false)
+}
+
+/// [`sharded`] on `device`, with the communicator owned by the model, or lent to it for each
+/// call with `offload` (`training.offload_params`: the pieces, their summed gradients and
+/// AdamW's moments in host memory, what a pass gathers on `device`), as a role process runs.
+fn sharded_on(
+    cfg: &Config,
+    kind: ModelKind,
+    world: usize,
+    device: &Device,
+    offload: bool,
+) -> Vec<(Weights, Vec<f64>, f64)> {
     let handles: Vec<_> = group(world)
         .into_iter()
         .enumerate()
         .map(|(rank, comm)| {
-            let cfg = cfg.clone();
+            let (cfg, device) = (cfg.clone(), device.clone());
             std::thread::spawn(move || {
-                let model = Model::random(&cfg, &opts(kind))
-                    .unwrap()
-                    .into_zero3(Box::new(comm))
-                    .unwrap();
+                let model = Model::random(&cfg, &opts_on(kind, &device)).unwrap();
+                let (model, mut lent) = if offload {
+                    (
+                        model.into_zero3_lent(rank, world, true).unwrap(),
+                        Some(comm),
+                    )
+                } else {
+                    (model.into_zero3(Box::new(comm)).unwrap(), None)
+                };
                 let z = model.zero3().unwrap().clone();
+                // Through the lent communicator when the model has none of its own.
+                let mut with_group = |f: &mut dyn FnMut()| match lent.as_mut() {
+                    Some(c) => z.lend(c, |_| f()).unwrap(),
+                    None => f(),
+                };
+                if offload {
+                    let on_host = model.vars().iter().all(|(_, v)| v.device().is_cpu());
+                    assert!(on_host, "offload_params keeps the pieces in host memory");
+                }
                 let (held, total) = z.sizes().unwrap();
                 let mut opt = AdamW::new(model.vars(), adamw()).unwrap();
                 let mut norms = Vec::new();
                 for _ in 0..STEPS {
-                    z.begin_pass().unwrap();
-                    z.backward(&loss(&model, &mine(rank, world))).unwrap();
-                    let norm = z.grad_norm().unwrap();
-                    let mut g = z.take_grads().unwrap();
+                    let mut g = None;
+                    with_group(&mut || {
+                        z.begin_pass().unwrap();
+                        z.backward(&loss(&model, &mine(rank, world))).unwrap();
+                        let norm = z.grad_norm().unwrap();
+                        g = Some((z.take_grads().unwrap(), norm));
+                    });
+                    let (mut g, norm) = g.unwrap();
                     g.scale(Gradients::clip_factor(norm, CLIP)).unwrap();
                     opt.step(&g).unwrap();
                     norms.push(norm);
                 }
-                let w = host(z.gather_all().unwrap());
-                (w, norms, held as f64 / total as f64)
+                let mut w = None;
+                with_group(&mut || w = Some(host(z.gather_all().unwrap())));
+                (w.unwrap(), norms, held as f64 / total as f64)
             })
         })
         .collect();
@@ -192,6 +236,31 @@ fn stage_3_ends_with_the_weights_of_one_unsharded_model() {
                 );
                 let (d, name) = max_diff(w, &want);
                 assert!(d < 1e-4, "{what} rank {rank}/{world}: {d} off at {name}");
+                for (a, b) in norms.iter().zip(&want_norms) {
+                    assert!((a - b).abs() < 1e-4 * b, "{what}: norm {a} vs {b}");
+                }
+            }
+        }
+    }
+}
+
+/// The same exactness on every device present (cuda:0 in scripts/gpu-check.sh), with the
+/// pieces on the device and with `offload_params` (the pieces, their summed gradients and
+/// AdamW's moments in host memory, stepped there; each pass gathers onto the device): two
+/// ranks end the clipped steps with one unsharded model's weights on that device.
+#[test]
+fn stage_3_on_every_device_with_and_without_offloaded_pieces() {
+    let cfg = tiny_config(Family::Llama);
+    for device in common::devices() {
+        let (want, want_norms) = unsharded_on(&cfg, ModelKind::CausalLm, &device);
+        for offload in [false, true] {
+            let what = format!("{device:?}, offload_params {offload}");
+            for (rank, (w, norms, _)) in sharded_on(&cfg, ModelKind::CausalLm, 2, &device, offload)
+                .iter()
+                .enumerate()
+            {
+                let (d, name) = max_diff(w, &want);
+                assert!(d < 1e-4, "{what} rank {rank}: {d} off at {name}");
                 for (a, b) in norms.iter().zip(&want_norms) {
                     assert!((a - b).abs() < 1e-4 * b, "{what}: norm {a} vs {b}");
                 }

@@ -85,6 +85,18 @@ impl Engine {
     }
 
     /// The state of a trainable engine (its model, optimizer and version), for checkpoints.
+    pub fn train_state(&self) -> Option<&crate::train::TrainState> {
+        match self {
+            Engine::Trainer(t) => Some(&t.state),
+            Engine::Critic(c) => Some(&c.state),
+            Engine::Sft(t) => Some(&t.state),
+            Engine::Preference(t) => Some(&t.state),
+            Engine::RewardModel(t) => Some(&t.state),
+            Engine::Rollout(_) | Engine::Ref(_) | Engine::Reward(_) => None,
+        }
+    }
+
+    /// The same, to update or restore.
     pub fn train_state_mut(&mut self) -> Option<&mut crate::train::TrainState> {
         match self {
             Engine::Trainer(t) => Some(&mut t.state),

@@ -7,7 +7,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use candle_core::Device;
+use candle_core::{Device, Tensor};
 use rlhf_config::{EngineSpec, RoleSpec};
 use rlhf_core::batch::DataBatch;
 use rlhf_core::calls::{
@@ -383,29 +383,57 @@ impl RoleHost {
         }
         let rank = self.engines[i].spec.slot.rank;
         let world = self.engines[i].spec.slot.world_size as usize;
+        let kind = self.engines[i].spec.slot.kind;
         let engine = &mut self.engines[i].engine;
         let unserved = || Error::internal("routed to an engine without the capability");
+        let infer = |engine: &Engine| -> Result<DataBatch> {
+            Ok(match call {
+                BatchCall::ComputeLogProbs => engine
+                    .as_log_probs()
+                    .ok_or_else(unserved)?
+                    .log_probs(&req::<LogProbsRequest>(batch)?)?
+                    .to_batch()?,
+                BatchCall::ComputeValues => engine
+                    .as_values()
+                    .ok_or_else(unserved)?
+                    .values(&req::<ValuesRequest>(batch)?)?
+                    .to_batch()?,
+                BatchCall::ComputeScores => engine
+                    .as_score()
+                    .ok_or_else(unserved)?
+                    .score(&req::<ScoresRequest>(batch)?)?
+                    .to_batch()?,
+                _ => return Err(unserved()),
+            })
+        };
         let out = match call {
             BatchCall::Generate => engine
                 .as_generate()
                 .ok_or_else(unserved)?
                 .generate(rank, &req::<GenerateRequest>(batch)?)?
                 .to_batch()?,
-            BatchCall::ComputeLogProbs => engine
-                .as_log_probs()
-                .ok_or_else(unserved)?
-                .log_probs(&req::<LogProbsRequest>(batch)?)?
-                .to_batch()?,
-            BatchCall::ComputeValues => engine
-                .as_values()
-                .ok_or_else(unserved)?
-                .values(&req::<ValuesRequest>(batch)?)?
-                .to_batch()?,
-            BatchCall::ComputeScores => engine
-                .as_score()
-                .ok_or_else(unserved)?
-                .score(&req::<ScoresRequest>(batch)?)?
-                .to_batch()?,
+            BatchCall::ComputeLogProbs | BatchCall::ComputeValues | BatchCall::ComputeScores => {
+                match engine.model().filter(|m| m.zero3().is_some()).cloned() {
+                    None => infer(engine)?,
+                    // ZeRO-3: the model gathers from its data-parallel group at every call.
+                    Some(model) => {
+                        let micro = engine
+                            .train_state()
+                            .map_or(1, |s| s.settings.micro_batch_rows)
+                            .max(1);
+                        let planned = batch.len()?.div_ceil(micro);
+                        let group = dp_group(kind);
+                        let comm = self.groups.get(group, world)?;
+                        let res = crate::zero::lockstep(&model, comm, planned, call.name(), || {
+                            infer(engine)
+                        });
+                        if matches!(&res, Err(e) if is_collective(e)) {
+                            self.groups.forget(group);
+                        }
+                        res?
+                    }
+                }
+            }
             BatchCall::UpdateActor
             | BatchCall::UpdateCritic
             | BatchCall::UpdateSft
@@ -445,6 +473,25 @@ impl RoleHost {
         let label = self.label();
         let group = CommGroup::from_wire(req.group, "SyncWeightsRequest.group")?;
         let bucket = req.bucket_bytes as usize;
+        // ZeRO-3: every rank of the trainer's group gathers the whole weights first (one
+        // layer at a time); rank 0 sends them, the others only take part in the gathers
+        // (the driver calls them with the actor's data-parallel group).
+        let gathered = self.gather_for_sync(req.version, &label)?;
+        if group == CommGroup::ActorDp {
+            let Some(g) = gathered else {
+                return Err(Error::invalid(format!(
+                    "{label} SyncWeights: the actor's data-parallel group takes part in a sync only when the trainer's parameters are sharded (training.zero_stage 3)"
+                )));
+            };
+            return Ok(pb::SyncWeightsResponse {
+                checksum: 0,
+                bytes: 0,
+                buckets: 0,
+                seconds: g.1,
+                version: req.version,
+                cuda_ipc: false,
+            });
+        }
         // The weights group has the trainer and at least one rollout rank: never a group
         // of one made on the spot, so a missing JoinComm is reported.
         let comm = self.groups.get(group, 2)?;
@@ -457,7 +504,7 @@ impl RoleHost {
             Engine::Trainer(t) => Some(t),
             _ => None,
         }) {
-            res = t.send_weights(comm, req.version, bucket);
+            res = t.send_weights(comm, req.version, bucket, gathered.map(|g| g.0));
             cuda_ipc = t.ipc.last_was_ipc();
         } else if let Some(r) = self.engines.iter_mut().find_map(|h| match &mut h.engine {
             Engine::Rollout(r) => Some(r),
@@ -478,6 +525,36 @@ impl RoleHost {
             version: req.version,
             cuda_ipc: cuda_ipc == Some(true),
         })
+    }
+
+    /// A ZeRO-3 trainer's whole weights, gathered from its data-parallel group for a weight
+    /// sync, with the seconds it took (`None`: not a ZeRO-3 trainer). Every rank of the group
+    /// calls this, and each counts the sync's version as its own.
+    fn gather_for_sync(
+        &mut self,
+        version: u64,
+        label: &str,
+    ) -> Result<Option<(Gathered, f64)>> {
+        let Some((t, world)) = self.engines.iter_mut().find_map(|h| match &mut h.engine {
+            Engine::Trainer(t) => Some((t, h.spec.slot.world_size as usize)),
+            _ => None,
+        }) else {
+            return Ok(None);
+        };
+        let model = t.state.model.clone();
+        let Some(z) = model.zero3() else {
+            return Ok(None);
+        };
+        let start = std::time::Instant::now();
+        let comm = self.groups.get(CommGroup::ActorDp, world)?;
+        let res = crate::zero::lend(&model, comm, |_| Ok(z.gather_all()?)).with_ctx(|| {
+            format!("{label} SyncWeights: gathering the sharded weights (training.zero_stage 3)")
+        });
+        if matches!(&res, Err(e) if is_collective(e)) {
+            self.groups.forget(CommGroup::ActorDp);
+        }
+        t.state.version = version;
+        Ok(Some((res?, start.elapsed().as_secs_f64())))
     }
 
     /// Checksum and version of the first engine with a model (rule and HTTP rewards: 0).
@@ -521,11 +598,7 @@ impl RoleHost {
         if state.model.zero3().is_none() {
             return Ok((state, None));
         }
-        let group = match state.who.role {
-            rlhf_core::RoleKind::Critic => CommGroup::CriticDp,
-            rlhf_core::RoleKind::Reward => CommGroup::RewardDp,
-            _ => CommGroup::ActorDp,
-        };
+        let group = dp_group(state.who.role);
         Ok((state, Some(self.groups.get(group, world)?)))
     }
 
@@ -550,6 +623,19 @@ impl RoleHost {
             None => state.load_checkpoint(dir),
         }
         .with_ctx(|| format!("{label} LoadCheckpoint"))
+    }
+}
+
+/// A ZeRO-3 model's whole weights by name, in its parameter order.
+type Gathered = Vec<(String, Tensor)>;
+
+/// The data-parallel group of a trained role: whose communicator its updates, and a ZeRO-3
+/// model's gathers, go through.
+fn dp_group(role: rlhf_core::RoleKind) -> CommGroup {
+    match role {
+        rlhf_core::RoleKind::Critic => CommGroup::CriticDp,
+        rlhf_core::RoleKind::Reward => CommGroup::RewardDp,
+        _ => CommGroup::ActorDp,
     }
 }
 

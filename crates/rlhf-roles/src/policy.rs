@@ -121,14 +121,22 @@ impl Trainer {
         })
     }
 
-    /// Root side of the weight sync.
+    /// Root side of the weight sync; `gathered`: a ZeRO-3 model's whole weights, gathered
+    /// from its group beforehand (they go by the host path).
     pub fn send_weights(
         &mut self,
         comm: &mut dyn Communicator,
         version: u64,
         bucket_bytes: usize,
+        gathered: Option<Vec<(String, Tensor)>>,
     ) -> Result<(SyncStats, u64)> {
-        let out = weights::send_weights(&self.state.model, comm, bucket_bytes, &mut self.ipc)?;
+        let out = weights::send_weights_from(
+            &self.state.model,
+            gathered.as_deref(),
+            comm,
+            bucket_bytes,
+            &mut self.ipc,
+        )?;
         self.state.version = version;
         Ok(out)
     }

@@ -66,6 +66,26 @@ fn log_probs_of(
     crate::policy::log_probs(model, req, shapes, 1.0, micro)
 }
 
+/// `f` (a model call on `(ids, mask)`) of rows `idx` of both sides of the pairs, in one call
+/// of the chosen rows then the rejected ones (TRL's concatenated forward), split back: one
+/// call of 2n rows is faster than two of n, and a ZeRO-3 training pass makes exactly one.
+fn both_sides(
+    chosen: &(Tensor, Tensor),
+    rejected: &(Tensor, Tensor),
+    idx: &[usize],
+    f: impl FnOnce(&Tensor, &Tensor) -> Result<Tensor>,
+) -> Result<(Tensor, Tensor)> {
+    let n = idx.len();
+    let cat = |c: &Tensor, r: &Tensor| -> Result<Tensor> {
+        Ok(Tensor::cat(
+            &[convert::rows(c, idx)?, convert::rows(r, idx)?],
+            0,
+        )?)
+    };
+    let out = f(&cat(&chosen.0, &rejected.0)?, &cat(&chosen.1, &rejected.1)?)?;
+    Ok((out.narrow(0, 0, n)?, out.narrow(0, n, n)?))
+}
+
 /// A pair request's per-pair weight mask (`[pairs, 1]` of ones): the loss denominators and
 /// the metric weights count pairs.
 fn pair_mask(pairs: usize) -> Vec<f32> {
@@ -362,21 +382,16 @@ impl Train for PreferenceTrainer {
     }
 
     fn micro_loss(&self, model: &Model, b: &PairTensors, idx: &[usize]) -> Result<MicroOut> {
-        let side = |(ids, mask): &(Tensor, Tensor)| {
-            completion_log_probs(
-                model,
-                &convert::rows(ids, idx)?,
-                &convert::rows(mask, idx)?,
-                self.shapes.response_len,
-            )
-        };
+        let (chosen, rejected) = both_sides(&b.chosen, &b.rejected, idx, |ids, mask| {
+            completion_log_probs(model, ids, mask, self.shapes.response_len)
+        })?;
         let rows = |t: &Option<Tensor>| t.as_ref().map(|t| convert::rows(t, idx)).transpose();
         let (ref_c, ref_r) = (rows(&b.ref_chosen)?, rows(&b.ref_rejected)?);
         let out = preference_loss(
             &PairBatch {
-                chosen_logp: &side(&b.chosen)?,
+                chosen_logp: &chosen,
                 chosen_mask: &convert::rows(&b.chosen_mask, idx)?,
-                rejected_logp: &side(&b.rejected)?,
+                rejected_logp: &rejected,
                 rejected_mask: &convert::rows(&b.rejected_mask, idx)?,
                 ref_chosen: ref_c.as_ref(),
                 ref_rejected: ref_r.as_ref(),
@@ -430,13 +445,8 @@ impl RewardModelTrainer {
         train::update(self, comm, req)
     }
 
-    fn scores_of(
-        &self,
-        model: &Model,
-        (ids, mask): &(Tensor, Tensor),
-        idx: &[usize],
-    ) -> Result<Tensor> {
-        let batch = Batch::from_mask(convert::rows(ids, idx)?, convert::rows(mask, idx)?)?;
+    fn scores_of(model: &Model, ids: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        let batch = Batch::from_mask(ids.clone(), mask.clone())?;
         Ok(model.scores(&batch)?.to_dtype(candle_core::DType::F32)?)
     }
 }
@@ -449,7 +459,10 @@ impl Score for RewardModelTrainer {
         let out = chunked(
             req.seq.rows(),
             self.state.settings.micro_batch_rows,
-            |idx| Ok(vec![self.scores_of(model, &seqs, idx)?.detach()]),
+            |idx| {
+                let (ids, mask) = (convert::rows(&seqs.0, idx)?, convert::rows(&seqs.1, idx)?);
+                Ok(vec![Self::scores_of(model, &ids, &mask)?.detach()])
+            },
         )?;
         Ok(ScoresResponse {
             scores: out[0].to_vec1::<f32>()?,
@@ -504,12 +517,10 @@ impl Train for RewardModelTrainer {
             .as_ref()
             .map(|m| convert::rows(m, idx))
             .transpose()?;
-        let (loss, s) = reward_loss(
-            &self.scores_of(model, &b.chosen, idx)?,
-            &self.scores_of(model, &b.rejected, idx)?,
-            margin.as_ref(),
-            self.center,
-        )?;
+        let (chosen, rejected) = both_sides(&b.chosen, &b.rejected, idx, |ids, mask| {
+            Self::scores_of(model, ids, mask)
+        })?;
+        let (loss, s) = reward_loss(&chosen, &rejected, margin.as_ref(), self.center)?;
         let n = s.pairs.max(1) as f64;
         Ok(MicroOut {
             loss,

@@ -26,6 +26,45 @@ pub fn lend<R>(
     }
 }
 
+/// A ZeRO-3 model's inference call (log-probs, values, scores) on one rank of its group.
+/// Every model call gathers from the whole group, so every rank must make the same number
+/// of them, while the driver hands the ranks different numbers of rows. The ranks first
+/// agree on the most calls any of them plans (`planned`: its rows over its micro-batch),
+/// then each runs `f` with the group lent and makes up the difference with idle calls, also
+/// after `f` failed before its first call (a refused request), so that no rank is left
+/// waiting in a collective. A model that is not sharded just runs `f`.
+pub fn lockstep<R>(
+    model: &Model,
+    comm: &mut dyn Communicator,
+    planned: usize,
+    what: &str,
+    f: impl FnOnce() -> Result<R>,
+) -> Result<R> {
+    let Some(z) = model.zero3() else {
+        return f();
+    };
+    z.lend(comm, |c| {
+        let mut most = [planned as f64];
+        c.all_reduce_f64(&mut most, ReduceOp::Max)
+            .with_ctx(|| format!("{what}: agreeing on the model calls of the group (ZeRO-3)"))?;
+        let total = most[0] as usize;
+        let before = z.calls();
+        let out = f();
+        let made = z.calls() - before;
+        if made > total {
+            return Err(Error::internal(format!(
+                "{what}: made {made} ZeRO-3 model calls, the group agreed on {total}"
+            )));
+        }
+        for _ in made..total {
+            model
+                .zero3_idle_forward()
+                .with_ctx(|| format!("{what}: an idle ZeRO-3 call keeping the group in step"))?;
+        }
+        out
+    })?
+}
+
 /// A rank's `f32` values as an all-gather returns them.
 fn floats(bytes: &[u8], what: &str) -> Result<Vec<f32>> {
     // `as_bytes` sends the native order, which is little-endian on every target we build for.

@@ -1,7 +1,7 @@
 //! The other stages as jobs over real processes (`rlhf-head run`, embedded head and worker):
 //! SFT's loss falls, packed or not; a reward model learns the shipped pairs and then drives PPO as its
 //! `reward.kind=model`; DPO's margins rise; both are scored on held-out pairs; a DPO run
-//! stopped and resumed repeats the straight one; ZeRO stages 1 and 2 train like plain data
+//! stopped and resumed repeats the straight one; ZeRO stages 1 to 3 train like plain data
 //! parallelism (SFT, and PPO's actor and critic) and resume.
 
 use std::path::{Path, PathBuf};
@@ -272,11 +272,13 @@ fn zero_stages_1_to_3_train_like_plain_data_parallel_and_resume() -> Result<()> 
     Ok(())
 }
 
-/// `zero_stage: 2` in PPO across real processes: two actor trainer ranks and two critic ranks
-/// keep only their shares of the AdamW state and of the summed gradients, and the run logs
-/// plain data parallelism's metrics (rollouts, losses, gradient norms) at every step.
+/// `zero_stage` 2 and 3 in PPO across real processes: two actor trainer ranks and two critic
+/// ranks keep only their shares of the AdamW state and of the summed gradients (2), and of
+/// the parameters too (3: the log-probs and values gather each layer from the group, and the
+/// trainer ranks gather the whole policy for every weight sync to the rollout), and the runs
+/// log plain data parallelism's metrics (rollouts, losses, gradient norms) at every step.
 #[test]
-fn ppo_with_zero_stage_2_logs_the_metrics_of_plain_data_parallel() -> Result<()> {
+fn ppo_with_zero_stages_2_and_3_logs_the_metrics_of_plain_data_parallel() -> Result<()> {
     let dir = tempfile::tempdir()?;
     let shape = [
         "resource_pool.actor_rollout=3",
@@ -302,5 +304,13 @@ fn ppo_with_zero_stage_2_logs_the_metrics_of_plain_data_parallel() -> Result<()>
     assert!(p[0]["actor/grad_norm"].as_f64().is_some_and(|g| g > 0.0));
     assert!(p[0]["critic/grad_norm"].as_f64().is_some_and(|g| g > 0.0));
     assert_same_steps(&p, &z);
+    let zero3 = dir.path().join("zero3");
+    let mut c = stage_cmd("ppo_tiny", &zero3, &shape);
+    c.arg("training.zero_stage=3");
+    run("ppo-zero-3", dir.path(), c)?;
+    // Step 2 generated with the weights step 1 trained, gathered from both trainer ranks: a
+    // sync that delivered other weights would change its rollouts and every metric after.
+    assert_eq!(p.len(), 2, "metrics lines");
+    assert_same_steps(&p, &jsonl(&zero3.join("metrics.jsonl"))?);
     Ok(())
 }

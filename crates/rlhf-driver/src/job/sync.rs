@@ -113,18 +113,36 @@ impl Loop<'_> {
             return Ok(Synced::default());
         }
         let g = self.roles.weights_group();
-        let (answers, secs) = timed(g.unary(
-            self.opts.call_timeout,
-            "SyncWeights",
-            |_, mut c| async move {
-                c.sync_weights(pb::SyncWeightsRequest {
-                    group: pb::CommGroup::from(CommGroup::Weights) as i32,
-                    version,
-                    bucket_bytes: 0,
-                })
-                .await
-            },
-        ))
+        let t = self.opts.call_timeout;
+        let request = move |group: CommGroup| pb::SyncWeightsRequest {
+            group: pb::CommGroup::from(group) as i32,
+            version,
+            bucket_bytes: 0,
+        };
+        let send = g.unary(t, "SyncWeights", |_, mut c| async move {
+            c.sync_weights(request(CommGroup::Weights)).await
+        });
+        // ZeRO-3: the trainer's other ranks take part in gathering its weights.
+        let helpers = self.cfg.resolved(RoleKind::ActorRollout).zero_stage >= 3
+            && self.roles.train.members.len() > 1;
+        let (answers, secs) = timed(async {
+            if !helpers {
+                return send.await;
+            }
+            let help = self
+                .roles
+                .train
+                .unary(t, "SyncWeights", |rank, mut c| async move {
+                    if rank == 0 {
+                        // Rank 0 sends, in the weights group above.
+                        return Ok(tonic::Response::new(pb::SyncWeightsResponse::default()));
+                    }
+                    c.sync_weights(request(CommGroup::ActorDp)).await
+                });
+            let (sent, helped) = tokio::join!(send, help);
+            helped?;
+            sent
+        })
         .await;
         let answers = answers?;
         if let Some(first) = answers.first() {

@@ -102,6 +102,9 @@ pub struct Zero3 {
     /// Whether a training pass is open (the state's `pass`, readable while a prefetch holds
     /// the state).
     training: std::sync::atomic::AtomicBool,
+    /// Model calls so far (each gathers the edges once): what keeps a group's inference calls
+    /// in step ([`Zero3::calls`]).
+    calls: std::sync::atomic::AtomicUsize,
     /// A layer being gathered ahead of its use ([`prefetch`]).
     prefetched: Mutex<Option<prefetch::Prefetch>>,
     /// The thread that gathers ahead, started by the first prefetch.
@@ -228,6 +231,7 @@ impl Zero3 {
                 pass: None,
             }),
             training: Default::default(),
+            calls: Default::default(),
             prefetched: Mutex::new(None),
             worker: Mutex::new(None),
             device: first.device().clone(),
@@ -241,6 +245,13 @@ impl Zero3 {
         self.state
             .lock()
             .map_err(|_| Error::InvalidArgument("ZeRO-3 state: lock poisoned".into()))
+    }
+
+    /// Model calls made so far (forwards, training passes' forwards, idle calls): every rank
+    /// of the group must make the same number, so a caller whose rows need fewer calls than
+    /// another rank's makes up the difference with [`crate::Model::zero3_idle_forward`].
+    pub fn calls(&self) -> usize {
+        self.calls.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// This rank and the group's size.
@@ -435,6 +446,8 @@ impl Zero3 {
     /// [`Zero3::backward`] collects.
     pub(crate) fn gather_edges(&self) -> Result<BTreeMap<String, Tensor>> {
         let mut st = self.lock()?;
+        self.calls
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let which = st.edges.clone();
         let training = st.pass.is_some();
         let out = self.gather(&mut st, &which, training)?;

@@ -128,6 +128,25 @@ impl Model {
         ))))
     }
 
+    /// A model call with no rows of its own, outside a training pass: the same collectives as
+    /// one inference forward (the edges, then every layer), for a rank whose group makes more
+    /// calls than its rows need ([`Zero3::calls`]). Nothing is computed that anyone reads.
+    pub fn zero3_idle_forward(&self) -> Result<()> {
+        let z = self.zero3().ok_or_else(|| {
+            Error::InvalidArgument("an idle ZeRO-3 forward on a model that is not sharded".into())
+        })?;
+        if z.in_pass() {
+            return Err(Error::InvalidArgument(
+                "an idle ZeRO-3 forward inside a training pass; use zero3_idle_pass".into(),
+            ));
+        }
+        let dev = z.device().clone();
+        let ids = Tensor::new(&[[0u32]], &dev)?;
+        let mask = Tensor::new(&[[1u32]], &dev)?;
+        self.hidden(&ids, &mask, &ids, None)?;
+        Ok(())
+    }
+
     /// A training pass with no rows of its own, for a rank whose group runs more passes than
     /// it has micro-batches: the same collectives as a pass of one forward call (the edges,
     /// every layer forward and backward, the gradients' reduce-scatters), with a zero loss,

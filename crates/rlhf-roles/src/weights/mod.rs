@@ -74,6 +74,19 @@ pub fn send_weights(
     bucket_bytes: usize,
     st: &mut ipc::IpcState,
 ) -> Result<(SyncStats, u64)> {
+    send_weights_from(model, None, comm, bucket_bytes, st)
+}
+
+/// [`send_weights`] of `gathered`, a ZeRO-3 model's whole weights gathered from its group
+/// (`Zero3::gather_all`, the model's parameter order), when given: they go by the host path
+/// (a sharded model offers no CUDA IPC, so the ranks agree on that).
+pub fn send_weights_from(
+    model: &Model,
+    gathered: Option<&[(String, Tensor)]>,
+    comm: &mut dyn Communicator,
+    bucket_bytes: usize,
+    st: &mut ipc::IpcState,
+) -> Result<(SyncStats, u64)> {
     if let Some(wire) = ipc::negotiate(model, comm, st)? {
         let bucket = match bucket_bytes {
             0 => ipc::DEFAULT_BUCKET_BYTES,
@@ -83,7 +96,10 @@ pub fn send_weights(
             return Ok(out);
         }
     }
-    let params = host_params(model)?;
+    let params = match gathered {
+        Some(g) => to_host(g)?,
+        None => host_params(model)?,
+    };
     let views = views(&params)?;
     let stats = bucketed(bucket_bytes)?
         .send(comm, &views)
