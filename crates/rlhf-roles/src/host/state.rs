@@ -1,0 +1,191 @@
+//! The calls of a role process that reach past one batch: the trainer → rollout weight sync
+//! (a ZeRO-3 trainer's ranks gather the whole policy for it first), the weights' checksum,
+//! and checkpoints of the trainable engine, with its data-parallel group's communicator
+//! lent to a sharded model.
+
+use std::path::Path;
+
+use candle_core::Tensor;
+use rlhf_core::CommGroup;
+use rlhf_proto::v1 as pb;
+
+use super::{is_collective, RoleHost};
+use crate::engine::Engine;
+use crate::error::{Ctx, Error, Result};
+
+impl RoleHost {
+    pub fn sync_weights(
+        &mut self,
+        req: &pb::SyncWeightsRequest,
+    ) -> Result<pb::SyncWeightsResponse> {
+        let label = self.label();
+        let group = CommGroup::from_wire(req.group, "SyncWeightsRequest.group")?;
+        let bucket = req.bucket_bytes as usize;
+        // ZeRO-3: every rank of the trainer's group gathers the whole weights first (one
+        // layer at a time); rank 0 sends them, the others only take part in the gathers
+        // (the driver calls them with the actor's data-parallel group).
+        let gathered = self.gather_for_sync(req.version, &label)?;
+        if group == CommGroup::ActorDp {
+            let Some(g) = gathered else {
+                return Err(Error::invalid(format!(
+                    "{label} SyncWeights: the actor's data-parallel group takes part in a sync only when the trainer's parameters are sharded (training.zero_stage 3)"
+                )));
+            };
+            return Ok(pb::SyncWeightsResponse {
+                checksum: 0,
+                bytes: 0,
+                buckets: 0,
+                seconds: g.1,
+                version: req.version,
+                cuda_ipc: false,
+            });
+        }
+        // The weights group has the trainer and at least one rollout rank: never a group
+        // of one made on the spot, so a missing JoinComm is reported.
+        let comm = self.groups.get(group, 2)?;
+        let mut res = Err(Error::invalid(format!(
+            "SyncWeights is served by actor_rollout ranks only, not by {label}"
+        )));
+        let mut cuda_ipc = None;
+        // A trainer sends; a rollout (without a trainer on this host) receives.
+        if let Some(t) = self.engines.iter_mut().find_map(|h| match &mut h.engine {
+            Engine::Trainer(t) => Some(t),
+            _ => None,
+        }) {
+            res = t.send_weights(comm, req.version, bucket, gathered.map(|g| g.0));
+            cuda_ipc = t.ipc.last_was_ipc();
+        } else if let Some(r) = self.engines.iter_mut().find_map(|h| match &mut h.engine {
+            Engine::Rollout(r) => Some(r),
+            _ => None,
+        }) {
+            res = r.recv_weights(comm, req.version, bucket);
+            cuda_ipc = r.ipc.last_was_ipc();
+        }
+        if matches!(&res, Err(e) if is_collective(e)) {
+            self.groups.forget(group);
+        }
+        let (stats, checksum) = res.with_ctx(|| format!("{label} SyncWeights"))?;
+        Ok(pb::SyncWeightsResponse {
+            checksum,
+            bytes: stats.bytes,
+            buckets: stats.buckets as u32,
+            seconds: stats.elapsed.as_secs_f64(),
+            version: req.version,
+            cuda_ipc: cuda_ipc == Some(true),
+        })
+    }
+
+    /// A ZeRO-3 trainer's whole weights, gathered from its data-parallel group for a weight
+    /// sync, with the seconds it took (`None`: not a ZeRO-3 trainer). Every rank of the group
+    /// calls this, and each counts the sync's version as its own.
+    fn gather_for_sync(&mut self, version: u64, label: &str) -> Result<Option<(Gathered, f64)>> {
+        let Some((t, world)) = self.engines.iter_mut().find_map(|h| match &mut h.engine {
+            Engine::Trainer(t) => Some((t, h.spec.slot.world_size as usize)),
+            _ => None,
+        }) else {
+            return Ok(None);
+        };
+        let model = t.state.model.clone();
+        let Some(z) = model.zero3() else {
+            return Ok(None);
+        };
+        let start = std::time::Instant::now();
+        let comm = self.groups.get(CommGroup::ActorDp, world)?;
+        let res = crate::zero::lend(&model, comm, |_| Ok(z.gather_all()?)).with_ctx(|| {
+            format!("{label} SyncWeights: gathering the sharded weights (training.zero_stage 3)")
+        });
+        if matches!(&res, Err(e) if is_collective(e)) {
+            self.groups.forget(CommGroup::ActorDp);
+        }
+        t.state.version = version;
+        Ok(Some((res?, start.elapsed().as_secs_f64())))
+    }
+
+    /// Checksum and version of the first engine with a model (rule and HTTP rewards: 0).
+    pub fn weights_checksum(&mut self) -> Result<pb::WeightsChecksumResponse> {
+        let h = self
+            .engines
+            .first()
+            .ok_or_else(|| Error::invalid("not initialised; call InitRole first"))?;
+        let checksum = match h.engine.model() {
+            Some(m) => crate::weights::weights_checksum(m)?,
+            None => 0,
+        };
+        Ok(pb::WeightsChecksumResponse {
+            checksum,
+            version: h.engine.version(),
+        })
+    }
+
+    /// The trainable engine's state and, when its model is sharded (ZeRO-3), the
+    /// communicator of its data-parallel group, which saves and loads borrow.
+    fn trainable_in_group(
+        &mut self,
+        what: &str,
+    ) -> Result<(
+        &mut crate::train::TrainState,
+        Option<&mut dyn rlhf_collective::Communicator>,
+    )> {
+        let label = self.label();
+        let (state, world) = self
+            .engines
+            .iter_mut()
+            .find_map(|h| {
+                let world = h.spec.slot.world_size as usize;
+                h.engine.train_state_mut().map(|s| (s, world))
+            })
+            .ok_or_else(|| {
+                Error::invalid(format!(
+                    "{what} is for trainable roles (actor_rollout train, critic, a reward model in training), not {label}"
+                ))
+            })?;
+        if state.model.zero3().is_none() {
+            return Ok((state, None));
+        }
+        let group = dp_group(state.who.role);
+        Ok((state, Some(self.groups.get(group, world)?)))
+    }
+
+    /// The trainable engine's checkpoint, copied out for a writer thread (this rank's
+    /// shard of a sharded optimizer, see `crate::checkpoint`).
+    pub fn capture_checkpoint(&mut self) -> Result<crate::checkpoint::Image> {
+        let label = self.label();
+        let (state, comm) = self.trainable_in_group("SaveCheckpoint")?;
+        match comm {
+            Some(c) => state.capture_checkpoint_in(c),
+            None => state.capture_checkpoint(),
+        }
+        .with_ctx(|| format!("{label} SaveCheckpoint"))
+    }
+
+    pub fn load_checkpoint(&mut self, dir: &str) -> Result<u64> {
+        let label = self.label();
+        let dir = checkpoint_dir(dir)?;
+        let (state, comm) = self.trainable_in_group("LoadCheckpoint")?;
+        match comm {
+            Some(c) => state.load_checkpoint_in(dir, c),
+            None => state.load_checkpoint(dir),
+        }
+        .with_ctx(|| format!("{label} LoadCheckpoint"))
+    }
+}
+
+/// A ZeRO-3 model's whole weights by name, in its parameter order.
+type Gathered = Vec<(String, Tensor)>;
+
+/// The data-parallel group of a trained role: whose communicator its updates, and a ZeRO-3
+/// model's gathers, go through.
+pub(super) fn dp_group(role: rlhf_core::RoleKind) -> CommGroup {
+    match role {
+        rlhf_core::RoleKind::Critic => CommGroup::CriticDp,
+        rlhf_core::RoleKind::Reward => CommGroup::RewardDp,
+        _ => CommGroup::ActorDp,
+    }
+}
+
+pub(crate) fn checkpoint_dir(dir: &str) -> Result<&Path> {
+    if dir.is_empty() {
+        return Err(Error::invalid("checkpoint dir is empty"));
+    }
+    Ok(Path::new(dir))
+}
