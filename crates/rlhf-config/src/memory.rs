@@ -103,8 +103,10 @@ impl PpoConfig {
             };
             let trained =
                 |p: u64| mul(&[p, 4]).saturating_add(if t.bf16 { mul(&[p, 2]) } else { 0 });
+            // ZeRO-3 recomputes every layer in its backward: checkpointed whatever the key.
+            let checkpointed = t.gradient_checkpointing || t.zero_stage >= 3;
             let train_act = |arch: &ModelConfig, lm_head: bool| {
-                let layers = if t.gradient_checkpointing {
+                let layers = if checkpointed {
                     mul(&[arch.num_hidden_layers, mb, s, arch.hidden_size, b])
                         .saturating_add(layer_activations(arch, mb, s, b))
                 } else {
@@ -194,17 +196,21 @@ impl PpoConfig {
                 }
                 None => (trained(p), p),
             };
-            // ZeRO stage 3 (the SFT trainer, no LoRA): each rank holds its share of the
-            // weights and of the summed gradient, plus what a pass gathers whole: the edges
-            // (embeddings, final norm, LM head) for the call and one decoder layer, each with
-            // its gradient during the backward.
-            let zero3 = |p: u64| -> Option<(u64, u64)> {
+            // ZeRO stage 3 (no LoRA): each rank holds its share of the weights and of the
+            // summed gradient, plus what a pass gathers whole: the `edges` (embeddings, final
+            // norm, LM, value or score head) for the call and one decoder layer, each with its
+            // gradient during the backward.
+            let heads = if arch.tie_word_embeddings { 1 } else { 2 };
+            let lm_edges = mul(&[heads, arch.vocab_size, arch.hidden_size])
+                .saturating_add(arch.hidden_size);
+            // The embeddings, the final norm and the value or score head with its bias.
+            let value_edges = mul(&[arch.vocab_size, arch.hidden_size])
+                .saturating_add(mul(&[arch.hidden_size, 2]))
+                .saturating_add(1);
+            let zero3 = |p: u64, edges: u64| -> Option<(u64, u64)> {
                 if t.zero_stage < 3 || shards <= 1 {
                     return None;
                 }
-                let heads = if arch.tie_word_embeddings { 1 } else { 2 };
-                let edges = mul(&[heads, arch.vocab_size, arch.hidden_size])
-                    .saturating_add(arch.hidden_size);
                 let layer = p.saturating_sub(edges) / arch.num_hidden_layers.max(1);
                 let whole = edges.saturating_add(layer);
                 // `offload_params`: the pieces and their summed gradients are in host memory.
@@ -222,7 +228,7 @@ impl PpoConfig {
                 RoleKind::ActorRollout => {
                     let p = arch.lm_params();
                     let (weights, tp) = split(p, &a.lora, 0);
-                    let (weights, grads) = zero3(p).unwrap_or((weights, gradients(tp)));
+                    let (weights, grads) = zero3(p, lm_edges).unwrap_or((weights, gradients(tp)));
                     rows.push(MemoryRow {
                         label: "actor_rollout/train".into(),
                         role,
@@ -295,13 +301,15 @@ impl PpoConfig {
                     let p = arch.value_params();
                     let head = arch.hidden_size.saturating_add(1);
                     let (weights, tp) = split(p, &self.critic.lora, head);
+                    let (weights, grads) =
+                        zero3(p, value_edges).unwrap_or((weights, gradients(tp)));
                     rows.push(MemoryRow {
                         label: RoleKind::Critic.to_string(),
                         role,
                         model: m.name,
                         params: p,
                         weights,
-                        gradients: gradients(tp),
+                        gradients: grads,
                         optimizer: optimizer(tp),
                         kv_cache: 0,
                         activations: train_act(&arch, false),
@@ -310,13 +318,15 @@ impl PpoConfig {
                 RoleKind::Reward if self.trainer == crate::TrainerKind::Reward => {
                     // A reward model in training: trained like the critic (no LoRA here).
                     let p = arch.value_params();
+                    let (weights, grads) =
+                        zero3(p, value_edges).unwrap_or((trained(p), gradients(p)));
                     rows.push(MemoryRow {
                         label: RoleKind::Reward.to_string(),
                         role,
                         model: m.name,
                         params: p,
-                        weights: trained(p),
-                        gradients: gradients(p),
+                        weights,
+                        gradients: grads,
                         optimizer: optimizer(p),
                         kv_cache: 0,
                         activations: train_act(&arch, false),

@@ -457,10 +457,10 @@ fn check_report_has_config_plan_and_memory() {
     let cfg = load(
         &configs(),
         "ppo_qwen25_7b",
-        &["resource_pool.device_memory_gb=80".into()],
+        &["resource_pool.device_memory_gb=40".into()],
     )
     .unwrap();
-    let nodes = [node("n0", "GPU", 8.0), node("n1", "GPU", 8.0)];
+    let nodes = [node("n0", "GPU", 4.0), node("n1", "GPU", 4.0)];
     let r = cfg.check_report(&nodes);
     assert!(
         r.contains("# resolved config") && r.contains("adv_estimator: gae"),
@@ -471,9 +471,9 @@ fn check_report_has_config_plan_and_memory() {
         r.contains("actor_rollout/infer") && r.contains("WARNING"),
         "{r}"
     );
-    let r = cfg.check_report(&[node("n0", "GPU", 8.0)]);
+    let r = cfg.check_report(&[node("n0", "GPU", 4.0)]);
     assert!(
-        r.contains("ERROR: cannot place the job: resource 'GPU' is short by 8"),
+        r.contains("ERROR: cannot place the job: resource 'GPU' is short by 4"),
         "{r}"
     );
 }

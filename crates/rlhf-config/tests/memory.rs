@@ -9,8 +9,15 @@ fn configs() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs")
 }
 
+/// The 7B config with plain data-parallel trainers (it ships with ZeRO-3): what the
+/// estimate's parts are checked against.
 fn qwen7b(overrides: &[&str]) -> PpoConfig {
-    let o: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+    let plain = ["training.zero_stage=0", "actor_rollout.offload_params=false"];
+    let o: Vec<String> = plain
+        .iter()
+        .chain(overrides)
+        .map(|s| s.to_string())
+        .collect();
     load(&configs(), "ppo_qwen25_7b", &o).unwrap()
 }
 
@@ -67,9 +74,10 @@ fn memory_estimate_is_sane() {
     assert_eq!(row(&off, "actor_rollout/train").optimizer, 0);
     assert_eq!(row(&off, "actor_rollout/train").gradients, train.gradients);
     let infer = row(&q, "actor_rollout/infer");
-    // Frozen: bf16 weights. KV: 28 layers x 2 x 4 kv heads x 128 x 2048 tokens x 64 seqs x 2 B.
+    // Frozen: bf16 weights. KV: 28 layers x 2 x 4 kv heads x 128 x 2048 tokens x 2 B for
+    // each of the 256 sequences over 2 rollout ranks.
     assert_eq!(infer.weights, 2 * infer.params);
-    assert_eq!(infer.kv_cache, 28 * 2 * 4 * 128 * 2048 * 64 * 2);
+    assert_eq!(infer.kv_cache, 28 * 2 * 4 * 128 * 2048 * (256 / 2) * 2);
     assert_eq!(infer.optimizer, 0);
     let critic = row(&q, "critic");
     assert!(critic.params < train.params, "the critic has no LM head");
@@ -387,6 +395,32 @@ fn the_7b_lora_config_fits_two_40gb_gpus() {
     assert!(!full.memory_warnings().is_empty());
 }
 
+/// The shipped 7B config fits what it says: one node of 8 x 80 GB GPUs with ZeRO-3 trainers
+/// (the policy's pieces in host memory), every role within device_memory_gb; the same
+/// layout with plain data-parallel trainers does not.
+#[test]
+fn the_7b_config_fits_eight_80gb_gpus_with_zero_3() {
+    let q = load(&configs(), "ppo_qwen25_7b", &[]).unwrap();
+    assert_eq!(q.resource_pool.device_memory_gb, 80.0);
+    let devices: u32 = [
+        RoleKind::ActorRollout,
+        RoleKind::Ref,
+        RoleKind::Critic,
+        RoleKind::Reward,
+    ]
+    .into_iter()
+    .map(|r| q.devices(r))
+    .sum();
+    assert_eq!(devices, 8);
+    let warnings = q.memory_warnings();
+    assert!(warnings.is_empty(), "{warnings:?}");
+    for r in q.memory_estimate() {
+        assert!(r.total() > 0, "{} has no estimate", r.label);
+    }
+    let plain = qwen7b(&[]);
+    assert!(!plain.memory_warnings().is_empty());
+}
+
 /// ZeRO stage 3 (the SFT trainer): each rank holds its share of the weights and of the summed
 /// gradient, plus what a pass gathers whole (the embeddings and LM head for the call, one
 /// decoder layer), with the AdamW share of stages 1 and 2.
@@ -395,6 +429,7 @@ fn zero_stage_3_shares_the_weights_and_the_gradients() {
     let sft = |stage: &[&str]| {
         let o: Vec<String> = [
             "trainer=sft",
+            "actor_rollout.offload_params=false",
             "resource_pool.actor_rollout=8",
             "actor_rollout.num_gpus_for_train=8",
         ]
@@ -436,7 +471,7 @@ fn zero_stage_3_shares_the_weights_and_the_gradients() {
     );
     // `offload_params`: the pieces, their gradients and AdamW's moments leave the device;
     // what a pass gathers stays.
-    let off = sft(&["training.zero_stage=3", "training.offload_params=true"]);
+    let off = sft(&["training.zero_stage=3", "actor_rollout.offload_params=true"]);
     assert_eq!(off.optimizer, 0);
     assert!(off.weights > 0 && off.weights < z3.weights - share / 2);
     assert!(off.gradients > 0 && off.gradients < z3.gradients);
