@@ -201,8 +201,8 @@ impl PpoConfig {
             // norm, LM, value or score head) for the call and one decoder layer, each with its
             // gradient during the backward.
             let heads = if arch.tie_word_embeddings { 1 } else { 2 };
-            let lm_edges = mul(&[heads, arch.vocab_size, arch.hidden_size])
-                .saturating_add(arch.hidden_size);
+            let lm_edges =
+                mul(&[heads, arch.vocab_size, arch.hidden_size]).saturating_add(arch.hidden_size);
             // The embeddings, the final norm and the value or score head with its bias.
             let value_edges = mul(&[arch.vocab_size, arch.hidden_size])
                 .saturating_add(mul(&[arch.hidden_size, 2]))

@@ -12,7 +12,10 @@ fn configs() -> PathBuf {
 /// The 7B config with plain data-parallel trainers (it ships with ZeRO-3): what the
 /// estimate's parts are checked against.
 fn qwen7b(overrides: &[&str]) -> PpoConfig {
-    let plain = ["training.zero_stage=0", "actor_rollout.offload_params=false"];
+    let plain = [
+        "training.zero_stage=0",
+        "actor_rollout.offload_params=false",
+    ];
     let o: Vec<String> = plain
         .iter()
         .chain(overrides)

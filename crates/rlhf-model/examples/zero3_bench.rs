@@ -8,7 +8,13 @@
 //! machine noise. The two variants must end with the same weights (their checksums are
 //! compared), so the stage-3 numbers are of a run that trains the same model.
 //!
-//! `cargo run --release -p rlhf-model --example zero3_bench [-- --steps 6 --rounds 2]`
+//! With `--device cuda` (a `cuda` build) both ranks compute on cuda:0 and the peak is of the
+//! GPU memory each rank's process holds, sampled from `nvidia-smi` every 50 ms while it runs;
+//! `--models q05` adds Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads over 2 KV heads,
+//! a 151936-token vocabulary; untied head, so 0.63B parameters).
+//!
+//! `cargo run --release -p rlhf-model --example zero3_bench [-- --steps 6 --rounds 2
+//! --models tiny,m57 --device cpu]`
 
 use std::process::{Command, Stdio};
 use std::time::Instant;
@@ -35,6 +41,7 @@ fn config(model: &str) -> Result<Config, BoxError> {
         // hidden, intermediate, layers, heads as in scripts/zero_bench.sh's m57.
         "m57" => Config::tiny_llama(384, 768, 2048, 8, 12, 12, 256)?,
         "tiny" => Config::tiny_llama(384, 64, 128, 2, 4, 2, 256)?,
+        "q05" => Config::tiny_llama(151936, 896, 4864, 24, 14, 2, 256)?,
         other => return Err(format!("unknown model {other}").into()),
     })
 }
@@ -53,8 +60,17 @@ fn peak_rss_mib() -> Result<f64, BoxError> {
     Ok(kib / 1024.0)
 }
 
+/// `cpu` or `cuda` (cuda:0).
+fn device(name: &str) -> Result<Device, BoxError> {
+    match name {
+        "cpu" => Ok(Device::Cpu),
+        "cuda" => Ok(Device::new_cuda(0)?),
+        other => Err(format!("unknown device {other}: cpu or cuda").into()),
+    }
+}
+
 /// Micro-batch `m` of step `step` on `rank`: rows of token ids, some left-padded.
-fn micro(step: usize, rank: usize, m: usize) -> Result<Batch, BoxError> {
+fn micro(step: usize, rank: usize, m: usize, dev: &Device) -> Result<Batch, BoxError> {
     let rows: Vec<Vec<u32>> = (0..ROWS_PER_MICRO)
         .map(|r| {
             let seed = (step * 131 + rank * 17 + m * 7 + r) as u32;
@@ -64,7 +80,7 @@ fn micro(step: usize, rank: usize, m: usize) -> Result<Batch, BoxError> {
                 .collect()
         })
         .collect();
-    Ok(Batch::left_padded(&rows, 0, &Device::Cpu)?)
+    Ok(Batch::left_padded(&rows, 0, dev)?)
 }
 
 fn loss(model: &Model, batch: &Batch) -> Result<rlhf_model::Tensor, BoxError> {
@@ -78,7 +94,7 @@ fn loss(model: &Model, batch: &Batch) -> Result<rlhf_model::Tensor, BoxError> {
 
 fn child(spec: &str) -> Result<(), BoxError> {
     let f: Vec<&str> = spec.split(' ').collect();
-    let [model, variant, rank, world, addr, steps] = f[..] else {
+    let [model, variant, rank, world, addr, steps, dev] = f[..] else {
         return Err(format!("bad {CHILD}: {spec}").into());
     };
     let (rank, world, steps): (usize, usize, usize) =
@@ -88,7 +104,9 @@ fn child(spec: &str) -> Result<(), BoxError> {
     } else {
         TcpCommunicator::connect(rank, world, addr, CommConfig::default())?
     };
+    let dev = device(dev)?;
     let opts = LoadOptions {
+        device: dev.clone(),
         trainable: true,
         logits_chunk: Some(256),
         gradient_checkpointing: true,
@@ -110,7 +128,7 @@ fn child(spec: &str) -> Result<(), BoxError> {
             let t = Instant::now();
             for m in 0..MICROS {
                 z.begin_pass()?;
-                z.backward(&loss(&model, &micro(step, rank, m)?)?)?;
+                z.backward(&loss(&model, &micro(step, rank, m, &dev)?)?)?;
             }
             let norm = z.grad_norm()?;
             let mut g = z.take_grads()?;
@@ -127,7 +145,7 @@ fn child(spec: &str) -> Result<(), BoxError> {
             let mut sum = Gradients::default();
             for m in 0..MICROS {
                 sum.add(Gradients::backward(
-                    &loss(&model, &micro(step, rank, m)?)?,
+                    &loss(&model, &micro(step, rank, m, &dev)?)?,
                     &vars,
                 )?)?;
             }
@@ -143,10 +161,7 @@ fn child(spec: &str) -> Result<(), BoxError> {
             all_reduce_f32_bucketed(&mut comm, &mut parts, ReduceOp::Sum, 4 << 20)?;
             let mut named = std::collections::BTreeMap::new();
             for ((n, v), h) in vars.iter().zip(host) {
-                named.insert(
-                    n.clone(),
-                    rlhf_model::Tensor::from_vec(h, v.shape(), &Device::Cpu)?,
-                );
+                named.insert(n.clone(), rlhf_model::Tensor::from_vec(h, v.shape(), &dev)?);
             }
             let mut g = Gradients::from_map(named);
             g.clip_global_norm(1.0)?;
@@ -160,7 +175,7 @@ fn child(spec: &str) -> Result<(), BoxError> {
     let mut sum = 0f64;
     let mut i = 0u64;
     for (_, t) in &weights {
-        for x in t.flatten_all()?.to_vec1::<f32>()? {
+        for x in t.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()? {
             i += 1;
             let c = (i.wrapping_mul(2654435761) % 1000) as f64 / 1000.0 - 0.5;
             sum += c * f64::from(x);
@@ -177,8 +192,44 @@ fn child(spec: &str) -> Result<(), BoxError> {
     Ok(())
 }
 
-/// Runs one variant on `WORLD` fresh processes: per rank (median step s, peak MiB, checksum).
-fn run(model: &str, variant: &str, steps: usize) -> Result<Vec<RankResult>, BoxError> {
+/// The GPU memory (MiB) each of `pids` holds, sampled from `nvidia-smi` every 50 ms until
+/// `stop`: the most seen per process.
+fn gpu_peaks(
+    pids: Vec<u32>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> std::thread::JoinHandle<Vec<f64>> {
+    std::thread::spawn(move || {
+        let mut peak = vec![0f64; pids.len()];
+        while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            let out = Command::new("nvidia-smi")
+                .args([
+                    "--query-compute-apps=pid,used_memory",
+                    "--format=csv,noheader,nounits",
+                ])
+                .output();
+            if let Ok(o) = out {
+                for line in String::from_utf8_lossy(&o.stdout).lines() {
+                    let mut f = line.split(',').map(str::trim);
+                    let (Some(pid), Some(mib)) = (f.next(), f.next()) else {
+                        continue;
+                    };
+                    let (Ok(pid), Ok(mib)) = (pid.parse::<u32>(), mib.parse::<f64>()) else {
+                        continue;
+                    };
+                    if let Some(i) = pids.iter().position(|&p| p == pid) {
+                        peak[i] = peak[i].max(mib);
+                    }
+                }
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        peak
+    })
+}
+
+/// Runs one variant on `WORLD` fresh processes: per rank (median step s, peak MiB, checksum);
+/// the peak is of the process's GPU memory on `cuda`, of its resident memory on the CPU.
+fn run(model: &str, variant: &str, steps: usize, dev: &str) -> Result<Vec<RankResult>, BoxError> {
     let port = std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port();
@@ -190,17 +241,25 @@ fn run(model: &str, variant: &str, steps: usize) -> Result<Vec<RankResult>, BoxE
             Command::new(&exe)
                 .env(
                     CHILD,
-                    format!("{model} {variant} {r} {WORLD} {addr} {steps}"),
+                    format!("{model} {variant} {r} {WORLD} {addr} {steps} {dev}"),
                 )
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 .spawn()
         })
         .collect::<Result<_, _>>()?;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sampler =
+        (dev == "cuda").then(|| gpu_peaks(started.iter().map(|c| c.id()).collect(), stop.clone()));
     let children: Vec<_> = started
         .into_iter()
         .map(|c| c.wait_with_output())
         .collect::<Result<_, _>>()?;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let gpu = match sampler {
+        Some(h) => Some(h.join().map_err(|_| "the nvidia-smi sampler panicked")?),
+        None => None,
+    };
     let mut out = Vec::new();
     for (r, o) in children.iter().enumerate() {
         let text = String::from_utf8_lossy(&o.stdout);
@@ -214,7 +273,8 @@ fn run(model: &str, variant: &str, steps: usize) -> Result<Vec<RankResult>, BoxE
                 )
             })?;
         let v: Vec<f64> = line.split(' ').map(str::parse).collect::<Result<_, _>>()?;
-        out.push((v[0], v[1], v[2]));
+        let peak = gpu.as_ref().map_or(v[1], |g| g[r]);
+        out.push((v[0], peak, v[2]));
     }
     Ok(out)
 }
@@ -225,30 +285,42 @@ fn main() -> Result<(), BoxError> {
     }
     let args: Vec<String> = std::env::args().skip(1).collect();
     let (mut steps, mut rounds) = (6usize, 2usize);
+    let mut models = "tiny,m57".to_string();
+    let mut dev = "cpu".to_string();
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let v = it.next().ok_or_else(|| format!("{a} needs a value"))?;
         match a.as_str() {
             "--steps" => steps = v.parse()?,
             "--rounds" => rounds = v.parse()?,
+            "--models" => models = v.clone(),
+            "--device" => {
+                device(v)?;
+                dev = v.clone();
+            }
             other => return Err(format!("unknown option {other}; see the file header").into()),
         }
     }
     if steps < 2 || rounds == 0 {
         return Err("--steps must be at least 2 and --rounds at least 1".into());
     }
-    for model in ["tiny", "m57"] {
+    let what = if dev == "cuda" {
+        "peak GPU memory per rank"
+    } else {
+        "peak RSS per rank"
+    };
+    for model in models.split(',') {
         let n: usize = Model::random(&config(model)?, &LoadOptions::default())?
             .params()
             .num_params();
         println!(
-            "{model}: {:.1}M parameters, {WORLD} ranks, {MICROS} micro-batches of {ROWS_PER_MICRO} x {SEQ} tokens per rank and step",
+            "{model}: {:.1}M parameters, {WORLD} ranks on {dev}, {MICROS} micro-batches of {ROWS_PER_MICRO} x {SEQ} tokens per rank and step",
             n as f64 / 1e6
         );
         let mut res: Vec<(&str, Vec<RankResult>)> = Vec::new();
         for _ in 0..rounds {
             for v in ["zero0", "zero3"] {
-                res.push((v, run(model, v, steps)?));
+                res.push((v, run(model, v, steps, &dev)?));
             }
         }
         let pick = |v: &str, f: fn(&RankResult) -> f64| -> Vec<f64> {
@@ -270,11 +342,9 @@ fn main() -> Result<(), BoxError> {
             .zip(&c3)
             .map(|(a, b)| (a - b).abs() / a.abs().max(1e-3))
             .fold(0.0, f64::max);
+        println!("  zero0  median step {t0:8.4} s (1.000x)   {what} {m0:7.0} MiB (1.000x)");
         println!(
-            "  zero0  median step {t0:8.4} s (1.000x)   peak RSS per rank {m0:7.0} MiB (1.000x)"
-        );
-        println!(
-            "  zero3  median step {t3:8.4} s ({:.3}x)   peak RSS per rank {m3:7.0} MiB ({:.3}x)",
+            "  zero3  median step {t3:8.4} s ({:.3}x)   {what} {m3:7.0} MiB ({:.3}x)",
             t3 / t0,
             m3 / m0
         );
