@@ -118,18 +118,20 @@ fn unsharded_on(cfg: &Config, kind: ModelKind, device: &Device) -> (Weights, Vec
 /// `world` stage-3 ranks: each rank's gathered weights after the steps, its gradient norms,
 /// and the share of the parameter elements it held.
 fn sharded(cfg: &Config, kind: ModelKind, world: usize) -> Vec<(Weights, Vec<f64>, f64)> {
-    sharded_on(cfg, kind, world, &Device::Cpu, false)
+    sharded_on(cfg, kind, world, &Device::Cpu, false, false)
 }
 
 /// [`sharded`] on `device`, with the communicator owned by the model, or lent to it for each
 /// call with `offload` (`training.offload_params`: the pieces, their summed gradients and
-/// AdamW's moments in host memory, what a pass gathers on `device`), as a role process runs.
+/// AdamW's moments in host memory, what a pass gathers on `device`) or `host_load` (the
+/// model loaded in host memory and sharded onto `device`), as a role process runs.
 fn sharded_on(
     cfg: &Config,
     kind: ModelKind,
     world: usize,
     device: &Device,
     offload: bool,
+    host_load: bool,
 ) -> Vec<(Weights, Vec<f64>, f64)> {
     let handles: Vec<_> = group(world)
         .into_iter()
@@ -137,8 +139,12 @@ fn sharded_on(
         .map(|(rank, comm)| {
             let (cfg, device) = (cfg.clone(), device.clone());
             std::thread::spawn(move || {
-                let model = Model::random(&cfg, &opts_on(kind, &device)).unwrap();
-                let (model, mut lent) = if offload {
+                let load_on = if host_load { &Device::Cpu } else { &device };
+                let model = Model::random(&cfg, &opts_on(kind, load_on)).unwrap();
+                let (model, mut lent) = if host_load {
+                    let m = model.into_zero3_lent_on(rank, world, offload, &device);
+                    (m.unwrap(), Some(comm))
+                } else if offload {
                     (
                         model.into_zero3_lent(rank, world, true).unwrap(),
                         Some(comm),
@@ -155,7 +161,17 @@ fn sharded_on(
                 if offload {
                     let on_host = model.vars().iter().all(|(_, v)| v.device().is_cpu());
                     assert!(on_host, "offload_params keeps the pieces in host memory");
+                } else {
+                    let there = model
+                        .vars()
+                        .iter()
+                        .all(|(_, v)| v.device().same_device(&device));
+                    assert!(there, "the pieces live on {device:?}");
                 }
+                assert!(
+                    model.device().same_device(&device),
+                    "it computes on {device:?}"
+                );
                 let (held, total) = z.sizes().unwrap();
                 let mut opt = AdamW::new(model.vars(), adamw()).unwrap();
                 let mut norms = Vec::new();
@@ -246,19 +262,19 @@ fn stage_3_ends_with_the_weights_of_one_unsharded_model() {
 
 /// The same exactness on every device present (cuda:0 in scripts/gpu-check.sh), with the
 /// pieces on the device and with `offload_params` (the pieces, their summed gradients and
-/// AdamW's moments in host memory, stepped there; each pass gathers onto the device): two
-/// ranks end the clipped steps with one unsharded model's weights on that device.
+/// AdamW's moments in host memory, stepped there; each pass gathers onto the device), each
+/// from a model made on the device and from one loaded in host memory and sharded onto it
+/// (how a role process loads, so the device never holds the whole model): two ranks end the
+/// clipped steps with one unsharded model's weights on that device.
 #[test]
 fn stage_3_on_every_device_with_and_without_offloaded_pieces() {
     let cfg = tiny_config(Family::Llama);
     for device in common::devices() {
         let (want, want_norms) = unsharded_on(&cfg, ModelKind::CausalLm, &device);
-        for offload in [false, true] {
-            let what = format!("{device:?}, offload_params {offload}");
-            for (rank, (w, norms, _)) in sharded_on(&cfg, ModelKind::CausalLm, 2, &device, offload)
-                .iter()
-                .enumerate()
-            {
+        for (offload, host_load) in [(false, false), (true, false), (false, true), (true, true)] {
+            let what = format!("{device:?}, offload_params {offload}, host load {host_load}");
+            let ranks = sharded_on(&cfg, ModelKind::CausalLm, 2, &device, offload, host_load);
+            for (rank, (w, norms, _)) in ranks.iter().enumerate() {
                 let (d, name) = max_diff(w, &want);
                 assert!(d < 1e-4, "{what} rank {rank}: {d} off at {name}");
                 for (a, b) in norms.iter().zip(&want_norms) {

@@ -192,15 +192,26 @@ impl TrainState {
         seed: u64,
         tokenizer_dir: Option<PathBuf>,
     ) -> Result<Self> {
-        let mut model = Model::load(dir, &load_opts)
+        let zero3 = t.optimizer.zero_stage >= 3;
+        // ZeRO-3 loads the whole model in host memory and keeps only this rank's pieces on
+        // the device: the device never holds the whole model.
+        let first = if zero3 {
+            LoadOptions {
+                device: candle_core::Device::Cpu,
+                ..load_opts.clone()
+            }
+        } else {
+            load_opts.clone()
+        };
+        let mut model = Model::load(dir, &first)
             .with_ctx(|| format!("{}: loading {}", slot.label(), dir.display()))?;
         let (rank, world) = (slot.rank as usize, slot.world_size as usize);
         let mut pieces = None;
-        if t.optimizer.zero_stage >= 3 {
+        if zero3 {
             // ZeRO-3: keep this rank's pieces only; the group's communicator is lent to the
             // model for each update, save and load (`crate::zero::lend`).
             model = model
-                .into_zero3_lent(rank, world, t.optimizer.offload_params)
+                .into_zero3_lent_on(rank, world, t.optimizer.offload_params, &load_opts.device)
                 .with_ctx(|| {
                     format!(
                         "{}: sharding the parameters (training.zero_stage 3)",

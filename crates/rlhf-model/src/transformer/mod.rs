@@ -133,6 +133,16 @@ impl Transformer {
     /// This decoder with its parameters in `z` (ZeRO stage 3): the whole tensors it held are
     /// dropped here, and kept only as `z`'s pieces.
     pub(crate) fn into_sharded(mut self, z: std::sync::Arc<crate::zero3::Zero3>) -> Result<Self> {
+        let from = self.embed_tokens.device().clone();
+        if !from.same_device(z.device()) {
+            // Loaded in host memory, computing on the sharded model's device: the rotary
+            // frequencies follow, and the kernels are chosen again for that device (a forced
+            // choice of candle's primitive ops stays).
+            self.inv_freq = self.inv_freq.to_device(z.device())?;
+            let forced = self.kernels == Kernels::Composite
+                && crate::kernels::supported_on(&from, self.compute);
+            self.kernels = Kernels::choose(z.device(), self.compute, false, forced);
+        }
         let empty = Tensor::zeros(0, z.dtype(), z.device())?;
         self.embed_tokens = empty.clone();
         self.norm = empty;

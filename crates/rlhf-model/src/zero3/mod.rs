@@ -160,7 +160,8 @@ impl FloatBytes<'_> {
 
 impl Zero3 {
     /// Cuts `vars` (every parameter of a model, sorted by name) into this rank's pieces and
-    /// keeps those; `num_layers` decoder layers are gathered one at a time.
+    /// keeps those; `num_layers` decoder layers are gathered one at a time, onto `target`
+    /// when given (the vars' device otherwise), where the pieces live too.
     /// With `offload`, the pieces (and so the optimizer's moments and the summed gradients)
     /// live in host memory, and only what a computation gathers is on the model's device.
     pub(crate) fn new(
@@ -168,6 +169,7 @@ impl Zero3 {
         num_layers: usize,
         comm: Comm,
         offload: bool,
+        target: Option<&Device>,
     ) -> Result<Self> {
         let (comm, rank, world) = match comm {
             Comm::Own(c) => {
@@ -200,10 +202,10 @@ impl Zero3 {
             } else {
                 piece
             };
-            let piece = if offload {
-                piece.to_device(&Device::Cpu)?
-            } else {
-                piece
+            let piece = match (offload, target) {
+                (true, _) => piece.to_device(&Device::Cpu)?,
+                (false, Some(d)) => piece.to_device(d)?,
+                (false, None) => piece,
             };
             match layer_of(&name) {
                 Some(i) if i < num_layers => layers[i].push(k),
@@ -234,7 +236,7 @@ impl Zero3 {
             calls: Default::default(),
             prefetched: Mutex::new(None),
             worker: Mutex::new(None),
-            device: first.device().clone(),
+            device: target.unwrap_or(first.device()).clone(),
             dtype: first.dtype(),
             rank,
             world,

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use candle_core::Tensor;
+use candle_core::{Device, Tensor};
 use rlhf_collective::Communicator;
 
 use super::{Comm, Zero3};
@@ -41,17 +41,36 @@ impl Model {
     /// rank of the group must call it on the same model (the same weights, as loaded from one
     /// checkpoint or seed). Only a trainable model without LoRA adapters can be sharded.
     pub fn into_zero3(self, comm: Box<dyn Communicator>) -> Result<Self> {
-        self.shard_zero3(Comm::Own(comm), false)
+        self.shard_zero3(Comm::Own(comm), false, None)
     }
 
     /// [`Model::into_zero3`] as `rank` of `world`, with no communicator of its own: every call
     /// that needs the group runs inside [`Zero3::lend`] (a role process lends its group's).
     /// With `offload_params` the pieces are kept in host memory (`training.offload_params`).
     pub fn into_zero3_lent(self, rank: usize, world: usize, offload_params: bool) -> Result<Self> {
-        self.shard_zero3(Comm::Lent { rank, world }, offload_params)
+        self.shard_zero3(Comm::Lent { rank, world }, offload_params, None)
     }
 
-    fn shard_zero3(mut self, comm: Comm, offload: bool) -> Result<Self> {
+    /// [`Model::into_zero3_lent`] of a model loaded in host memory, computing on `device`:
+    /// the pieces go there (or stay in host memory with `offload_params`), so the device
+    /// never holds the whole model, only what a call gathers.
+    pub fn into_zero3_lent_on(
+        self,
+        rank: usize,
+        world: usize,
+        offload_params: bool,
+        device: &Device,
+    ) -> Result<Self> {
+        if !self.device().is_cpu() {
+            return Err(Error::InvalidArgument(format!(
+                "ZeRO-3 onto {device:?}: load the model in host memory first (it is on {:?})",
+                self.device()
+            )));
+        }
+        self.shard_zero3(Comm::Lent { rank, world }, offload_params, Some(device))
+    }
+
+    fn shard_zero3(mut self, comm: Comm, offload: bool, target: Option<&Device>) -> Result<Self> {
         if !self.is_trainable() {
             return Err(Error::InvalidArgument(
                 "ZeRO stage 3 shards a trained model's parameters; this model is frozen \
@@ -76,6 +95,7 @@ impl Model {
             self.config.num_hidden_layers,
             comm,
             offload,
+            target,
         )?);
         self.params = ParamStore::from_vars(z.piece_vars()?);
         let empty = Tensor::zeros(0, z.dtype(), z.device())?;
