@@ -314,3 +314,48 @@ fn ppo_with_zero_stages_2_and_3_logs_the_metrics_of_plain_data_parallel() -> Res
     assert_same_steps(&p, &jsonl(&zero3.join("metrics.jsonl"))?);
     Ok(())
 }
+
+/// `zero_stage: 3` for DPO and reward models across real processes: two trainer ranks each
+/// keep half of every weight, the chosen and rejected sides go through one model call per
+/// pass, and the held-out scoring (`eval/*`, a stage-3 inference call on both ranks) and
+/// every training metric equal plain data parallelism's at every step.
+#[test]
+fn dpo_and_reward_models_at_zero_stage_3_log_the_metrics_of_plain_data_parallel() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    for (config, ranks) in [
+        (
+            "dpo_tiny",
+            [
+                "resource_pool.actor_rollout=2",
+                "actor_rollout.num_gpus_for_train=2",
+            ],
+        ),
+        (
+            "rm_tiny",
+            ["resource_pool.reward=2", "training.train_iters=4"],
+        ),
+    ] {
+        let shape: Vec<&str> = ranks
+            .iter()
+            .copied()
+            .chain(["training.train_iters=4"])
+            .collect();
+        let mut logs = Vec::new();
+        for stage in ["training.zero_stage=0", "training.zero_stage=3"] {
+            let out = dir.path().join(format!("{config}-{stage}"));
+            let mut cmd = stage_cmd(config, &out, &shape);
+            cmd.arg(stage);
+            run(&format!("{config} {stage}"), dir.path(), cmd)?;
+            logs.push(jsonl(&out.join("metrics.jsonl"))?);
+        }
+        assert_eq!(logs[0].len(), 4, "{config}");
+        assert!(
+            logs[0].iter().any(|l| l
+                .as_object()
+                .is_some_and(|o| o.keys().any(|k| k.starts_with("eval/")))),
+            "{config}: no held-out scores"
+        );
+        assert_same_steps(&logs[0], &logs[1]);
+    }
+    Ok(())
+}
