@@ -332,7 +332,7 @@ fn dpo_and_reward_models_at_zero_stage_3_log_the_metrics_of_plain_data_parallel(
         ),
         (
             "rm_tiny",
-            ["resource_pool.reward=2", "training.train_iters=4"],
+            ["resource_pool.reward=2", "checkpoint.save_steps=0"],
         ),
     ] {
         let shape: Vec<&str> = ranks
