@@ -17,8 +17,10 @@
 #                colocated on one GPU (resource_pool.colocate), in f32 and in bf16 with
 #                checkpointing, chunked log-probs and LoRA on actor and critic, and with the
 #                rollout as a process of its own (actor_rollout.hybrid_engine=false), whose
-#                weights must go by CUDA IPC; and a colocated run whose rollout batch cannot
-#                fit (PyTorch holds the rest of the GPU), which must fail naming the remedy
+#                weights must go by CUDA IPC, and so again at ZeRO stage 3; with the trainer's
+#                AdamW moments offloaded while it generates; and a colocated run whose
+#                rollout batch cannot fit (PyTorch holds the rest of the GPU), which must
+#                fail naming the remedy
 #   bench        scripts/gpu_bench.sh, rlhf-model against PyTorch at Qwen2.5-0.5B's shape
 # Ends with `gpu-check: P passed, F failed, S skipped`; exits 1 when anything failed.
 #   PYTHON=python3          the Python with torch (+ transformers for the bench)
@@ -266,6 +268,13 @@ if want ppo; then
         else
             fail "ppo_tiny colocated-split-cuda-ipc: no 'weight sync: CUDA IPC' line in its log"
         fi
+        # The colocated trainer's AdamW moments leave the GPU while it generates.
+        ppo_on_gpus "colocated-offload-bf16" resource_pool.colocate=true \
+            actor_rollout.offload=true training.bf16=true
+        # ZeRO-3 on the GPU (one trainer rank: the model loaded in host memory, its pieces on
+        # the GPU, every call gathering from its group), the rollout a process of its own.
+        ppo_on_gpus "colocated-split-zero3" resource_pool.colocate=true \
+            actor_rollout.hybrid_engine=false training.zero_stage=3
         rollout_oom
     else
         skip "ppo_tiny colocated: no GPU"
