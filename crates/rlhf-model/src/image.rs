@@ -72,9 +72,10 @@ impl Model {
     /// goes on. A LoRA model's image is its PEFT adapter (`adapter_config.json`,
     /// `adapter_model.safetensors`); [`Model::merged_image`] is the full merged model.
     pub fn image(&self, tokenizer_dir: Option<&Path>) -> Result<ModelImage> {
-        // A ZeRO-3 model's parameters are gathered from the group (fresh tensors already).
+        // A ZeRO-3 model's parameters are gathered from the group into host memory (fresh
+        // tensors already; the device never holds the whole model).
         let tensors = match self.zero3() {
-            Some(z) => z.gather_all()?,
+            Some(z) => z.gather_all_host()?,
             None => self
                 .named_tensors()
                 .into_iter()
@@ -110,7 +111,11 @@ impl Model {
         };
         let mut extra: Vec<(&str, Value)> = vec![("torch_dtype", json!(dtype_name))];
         if let Head::Score(h) = &self.head {
-            let n = h.w.dim(0)?;
+            // The saved head's rows (a ZeRO-3 model's own head is an empty placeholder).
+            let n = match tensors.iter().find(|(name, _)| name == "score.weight") {
+                Some((_, w)) => w.dim(0)?,
+                None => h.w.dim(0)?,
+            };
             extra.push(("num_labels", json!(n)));
             extra.push(("id2label", labels_map(n, false)));
             extra.push(("label2id", labels_map(n, true)));

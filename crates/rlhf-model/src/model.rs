@@ -142,7 +142,7 @@ impl Model {
         let body = Transformer::load(
             config,
             &mut pb,
-            kernels,
+            (kernels, opts.composite_ops),
             compute,
             opts.gradient_checkpointing,
             lora.as_ref(),

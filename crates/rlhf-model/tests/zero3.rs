@@ -190,6 +190,13 @@ fn sharded_on(
                 }
                 let mut w = None;
                 with_group(&mut || w = Some(host(z.gather_all().unwrap())));
+                // The host-memory gather (saves, syncs, checksums) gives the same weights,
+                // without a whole copy on the device.
+                let mut on_host = None;
+                with_group(&mut || on_host = Some(z.gather_all_host().unwrap()));
+                let on_host = on_host.unwrap();
+                assert!(on_host.iter().all(|(_, t)| t.device().is_cpu()));
+                assert_eq!(host(on_host), *w.as_ref().unwrap());
                 (w.unwrap(), norms, held as f64 / total as f64)
             })
         })

@@ -33,6 +33,11 @@ pub fn lend<R>(
 /// then each runs `f` with the group lent and makes up the difference with idle calls, also
 /// after `f` failed before its first call (a refused request), so that no rank is left
 /// waiting in a collective. A model that is not sharded just runs `f`.
+///
+/// Every inference call makes the same collectives per model call (the edges, then each
+/// layer), so two such calls that reach the ranks of a group in different orders (the driver
+/// may send two at once) still pair up: each pairing agrees on its own count, and each rank
+/// computes its own rows with the same gathered weights.
 pub fn lockstep<R>(
     model: &Model,
     comm: &mut dyn Communicator,
@@ -57,9 +62,15 @@ pub fn lockstep<R>(
             )));
         }
         for _ in made..total {
-            model
-                .zero3_idle_forward()
-                .with_ctx(|| format!("{what}: an idle ZeRO-3 call keeping the group in step"))?;
+            if let Err(e) = model.zero3_idle_forward() {
+                let idle = format!("{what}: an idle ZeRO-3 call keeping the group in step");
+                // A call that failed halfway (out of device memory, say) leaves the group out
+                // of step: its own error is the one to report.
+                return Err(match out {
+                    Err(first) => first.context(format!("{idle} failed too: {e}")),
+                    Ok(_) => Error::from(e).context(idle),
+                });
+            }
         }
         out
     })?

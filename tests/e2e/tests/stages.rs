@@ -332,7 +332,7 @@ fn dpo_and_reward_models_at_zero_stage_3_log_the_metrics_of_plain_data_parallel(
         ),
         (
             "rm_tiny",
-            ["resource_pool.reward=2", "checkpoint.save_steps=0"],
+            ["resource_pool.reward=2", "checkpoint.save_steps=4"],
         ),
     ] {
         let shape: Vec<&str> = ranks
@@ -356,6 +356,18 @@ fn dpo_and_reward_models_at_zero_stage_3_log_the_metrics_of_plain_data_parallel(
             "{config}: no held-out scores"
         );
         assert_same_steps(&logs[0], &logs[1]);
+        if config == "rm_tiny" {
+            // The sharded reward model is saved as the sequence classifier transformers loads:
+            // one label, as the plain run writes it.
+            for stage in ["training.zero_stage=0", "training.zero_stage=3"] {
+                let saved = dir.path().join(format!(
+                    "{config}-{stage}/ckpt/global_step_4/reward/config.json"
+                ));
+                let cfg: Value = serde_json::from_str(&std::fs::read_to_string(&saved)?)?;
+                assert_eq!(cfg["num_labels"], 1, "{stage}: {cfg}");
+                assert_eq!(cfg["id2label"]["0"], "LABEL_0", "{stage}: {cfg}");
+            }
+        }
     }
     Ok(())
 }

@@ -62,6 +62,9 @@ pub struct Transformer {
     norm: Tensor,
     inv_freq: Tensor,
     kernels: Kernels,
+    /// The kernels were forced to candle's primitive ops (`LoadOptions::composite_ops`): kept
+    /// when the decoder moves to another device.
+    composite_ops: bool,
     /// Activations' dtype; the weights may be kept in another (f32 master weights).
     compute: DType,
     /// Activation checkpointing per layer (training only).
@@ -88,7 +91,7 @@ impl Transformer {
     pub(crate) fn load(
         cfg: &Config,
         pb: &mut ParamBuilder,
-        kernels: Kernels,
+        (kernels, composite_ops): (Kernels, bool),
         compute: DType,
         checkpoint: bool,
         lora: Option<&LoraSetup>,
@@ -124,6 +127,7 @@ impl Transformer {
             norm,
             inv_freq,
             kernels,
+            composite_ops,
             compute,
             checkpoint,
             zero3: None,
@@ -139,9 +143,7 @@ impl Transformer {
             // frequencies follow, and the kernels are chosen again for that device (a forced
             // choice of candle's primitive ops stays).
             self.inv_freq = self.inv_freq.to_device(z.device())?;
-            let forced = self.kernels == Kernels::Composite
-                && crate::kernels::supported_on(&from, self.compute);
-            self.kernels = Kernels::choose(z.device(), self.compute, false, forced);
+            self.kernels = Kernels::choose(z.device(), self.compute, false, self.composite_ops);
         }
         let empty = Tensor::zeros(0, z.dtype(), z.device())?;
         self.embed_tokens = empty.clone();
@@ -166,6 +168,7 @@ impl Transformer {
             norm,
             inv_freq: self.inv_freq.clone(),
             kernels: self.kernels,
+            composite_ops: self.composite_ops,
             compute: self.compute,
             checkpoint: self.checkpoint,
             zero3: self.zero3.clone(),

@@ -293,8 +293,19 @@ impl Zero3 {
 
     /// The whole parameters `which`, gathered from every rank's pieces (a collective); with
     /// `vars`, each is also a fresh variable (its tensor is the variable's, no copy), so a
-    /// graph computed with it yields its gradient.
+    /// graph computed with it yields its gradient. On the model's device.
     fn gather(&self, st: &mut State, which: &[usize], vars: bool) -> Result<Gathered> {
+        self.gather_to(st, which, vars, &self.device)
+    }
+
+    /// [`Zero3::gather`] onto `on`.
+    fn gather_to(
+        &self,
+        st: &mut State,
+        which: &[usize],
+        vars: bool,
+        on: &Device,
+    ) -> Result<Gathered> {
         let mut mine = Vec::new();
         for &k in which {
             mine.extend(host(st.pieces[k].var.as_tensor())?);
@@ -329,11 +340,11 @@ impl Zero3 {
             }
             let shape = p.shape.as_slice();
             let t = if self.dtype == DType::F32 && vars {
-                let var = Var::from_vec(full, shape, &self.device)?;
+                let var = Var::from_vec(full, shape, on)?;
                 out.vars.push((p.name.clone(), var.clone()));
                 var.as_tensor().clone()
             } else {
-                let t = Tensor::from_vec(full, shape, &self.device)?.to_dtype(self.dtype)?;
+                let t = Tensor::from_vec(full, shape, on)?.to_dtype(self.dtype)?;
                 if vars {
                     let var = Var::from_tensor(&t)?;
                     out.vars.push((p.name.clone(), var.clone()));
@@ -492,19 +503,42 @@ impl Zero3 {
         Ok(())
     }
 
-    /// Every parameter, whole, sorted by name (a collective): what a save or a weight sync
-    /// sends. One decoder layer is gathered at a time, so the peak is the result plus a layer.
+    /// Every parameter, whole, sorted by name (a collective), on the model's device. One
+    /// decoder layer is gathered at a time, so the peak is the result plus a layer.
     pub fn gather_all(&self) -> Result<Vec<(String, Tensor)>> {
+        self.gather_all_to(&self.device.clone())
+    }
+
+    /// [`Zero3::gather_all`] into host memory: what a save, a weight sync and a checksum
+    /// take, so the device never holds the whole model.
+    pub fn gather_all_host(&self) -> Result<Vec<(String, Tensor)>> {
+        self.gather_all_to(&Device::Cpu)
+    }
+
+    fn gather_all_to(&self, on: &Device) -> Result<Vec<(String, Tensor)>> {
         let (n, mut out) = {
             let mut st = self.lock()?;
             let which = st.edges.clone();
             (
                 st.layers.len(),
-                self.gather(&mut st, &which, false)?.tensors,
+                self.gather_to(&mut st, &which, false, on)?.tensors,
             )
         };
         for i in 0..n {
-            out.extend(self.gather_layer(i, false)?.tensors);
+            // A layer gathered ahead for a call that did not use it was a collective already.
+            let layer = match self.take_prefetched(i, false)? {
+                Some(g) => g,
+                None => {
+                    let mut st = self.lock()?;
+                    let which = st.layers.get(i).cloned().ok_or_else(|| {
+                        Error::InvalidArgument(format!("ZeRO-3: no layer {i} in this model"))
+                    })?;
+                    self.gather_to(&mut st, &which, false, on)?
+                }
+            };
+            for (name, t) in layer.tensors {
+                out.insert(name, t.to_device(on)?);
+            }
         }
         Ok(out.into_iter().collect())
     }

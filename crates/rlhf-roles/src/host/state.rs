@@ -24,7 +24,7 @@ impl RoleHost {
         // ZeRO-3: every rank of the trainer's group gathers the whole weights first (one
         // layer at a time); rank 0 sends them, the others only take part in the gathers
         // (the driver calls them with the actor's data-parallel group).
-        let gathered = self.gather_for_sync(req.version, &label)?;
+        let gathered = self.gather_for_sync(req.version, group == CommGroup::ActorDp, &label)?;
         if group == CommGroup::ActorDp {
             let Some(g) = gathered else {
                 return Err(Error::invalid(format!(
@@ -77,8 +77,13 @@ impl RoleHost {
 
     /// A ZeRO-3 trainer's whole weights, gathered from its data-parallel group for a weight
     /// sync, with the seconds it took (`None`: not a ZeRO-3 trainer). Every rank of the group
-    /// calls this, and each counts the sync's version as its own.
-    fn gather_for_sync(&mut self, version: u64, label: &str) -> Result<Option<(Gathered, f64)>> {
+    /// calls this; a `helper` (a rank that only gathers) counts the sync's version as its own.
+    fn gather_for_sync(
+        &mut self,
+        version: u64,
+        helper: bool,
+        label: &str,
+    ) -> Result<Option<(Gathered, f64)>> {
         let Some((t, world)) = self.engines.iter_mut().find_map(|h| match &mut h.engine {
             Engine::Trainer(t) => Some((t, h.spec.slot.world_size as usize)),
             _ => None,
@@ -91,14 +96,18 @@ impl RoleHost {
         };
         let start = std::time::Instant::now();
         let comm = self.groups.get(CommGroup::ActorDp, world)?;
-        let res = crate::zero::lend(&model, comm, |_| Ok(z.gather_all()?)).with_ctx(|| {
+        let res = crate::zero::lend(&model, comm, |_| Ok(z.gather_all_host()?)).with_ctx(|| {
             format!("{label} SyncWeights: gathering the sharded weights (training.zero_stage 3)")
         });
         if matches!(&res, Err(e) if is_collective(e)) {
             self.groups.forget(CommGroup::ActorDp);
         }
-        t.state.version = version;
-        Ok(Some((res?, start.elapsed().as_secs_f64())))
+        let gathered = res?;
+        if helper {
+            // Rank 0 counts the version once its send went through.
+            t.state.version = version;
+        }
+        Ok(Some((gathered, start.elapsed().as_secs_f64())))
     }
 
     /// Checksum and version of the first engine with a model (rule and HTTP rewards: 0).
