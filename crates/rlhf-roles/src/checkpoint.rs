@@ -341,11 +341,13 @@ pub fn load(
             .with_ctx(|| format!("restoring the adapters from {}", dir.display()))?;
     } else {
         // A ZeRO-3 model keeps only its pieces: the whole saved model stays in host memory.
-        let host = rlhf_model::LoadOptions {
-            device: candle_core::Device::Cpu,
-            ..opts.clone()
+        let host;
+        let opts = if model.zero3().is_some() {
+            host = opts.clone().with_device(candle_core::Device::Cpu);
+            &host
+        } else {
+            opts
         };
-        let opts = if model.zero3().is_some() { &host } else { opts };
         let saved = Model::load(dir, opts).with_ctx(|| format!("loading {}", dir.display()))?;
         model
             .set_weights(&saved.named_tensors())

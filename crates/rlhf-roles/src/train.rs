@@ -196,10 +196,7 @@ impl TrainState {
         // ZeRO-3 loads the whole model in host memory and keeps only this rank's pieces on
         // the device: the device never holds the whole model.
         let first = if zero3 {
-            LoadOptions {
-                device: candle_core::Device::Cpu,
-                ..load_opts.clone()
-            }
+            load_opts.clone().with_device(candle_core::Device::Cpu)
         } else {
             load_opts.clone()
         };

@@ -425,7 +425,16 @@ impl Zero3 {
 
     /// Decoder layer `i`'s whole parameters (a collective), as variables with `vars`.
     pub(crate) fn gather_layer(&self, i: usize, vars: bool) -> Result<Gathered> {
-        if let Some(g) = self.take_prefetched(i, vars)? {
+        self.gather_layer_to(i, vars, &self.device)
+    }
+
+    /// [`Zero3::gather_layer`] onto `on`. A layer gathered ahead ([`prefetch`]) is on the
+    /// model's device and moves (its collective happened already).
+    fn gather_layer_to(&self, i: usize, vars: bool, on: &Device) -> Result<Gathered> {
+        if let Some(mut g) = self.take_prefetched(i, vars)? {
+            for t in g.tensors.values_mut() {
+                *t = t.to_device(on)?;
+            }
             return Ok(g);
         }
         let mut st = self.lock()?;
@@ -433,7 +442,7 @@ impl Zero3 {
             st.layers.get(i).cloned().ok_or_else(|| {
                 Error::InvalidArgument(format!("ZeRO-3: no layer {i} in this model"))
             })?;
-        self.gather(&mut st, &which, vars)
+        self.gather_to(&mut st, &which, vars, on)
     }
 
     /// Reduce-scatters layer `i`'s whole weight gradients, in the order of its gathered
@@ -506,7 +515,7 @@ impl Zero3 {
     /// Every parameter, whole, sorted by name (a collective), on the model's device. One
     /// decoder layer is gathered at a time, so the peak is the result plus a layer.
     pub fn gather_all(&self) -> Result<Vec<(String, Tensor)>> {
-        self.gather_all_to(&self.device.clone())
+        self.gather_all_to(&self.device)
     }
 
     /// [`Zero3::gather_all`] into host memory: what a save, a weight sync and a checksum
@@ -525,20 +534,7 @@ impl Zero3 {
             )
         };
         for i in 0..n {
-            // A layer gathered ahead for a call that did not use it was a collective already.
-            let layer = match self.take_prefetched(i, false)? {
-                Some(g) => g,
-                None => {
-                    let mut st = self.lock()?;
-                    let which = st.layers.get(i).cloned().ok_or_else(|| {
-                        Error::InvalidArgument(format!("ZeRO-3: no layer {i} in this model"))
-                    })?;
-                    self.gather_to(&mut st, &which, false, on)?
-                }
-            };
-            for (name, t) in layer.tensors {
-                out.insert(name, t.to_device(on)?);
-            }
+            out.extend(self.gather_layer_to(i, false, on)?.tensors);
         }
         Ok(out.into_iter().collect())
     }

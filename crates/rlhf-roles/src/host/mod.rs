@@ -442,11 +442,7 @@ impl RoleHost {
             | BatchCall::UpdateSft
             | BatchCall::UpdatePreference
             | BatchCall::UpdateRewardModel => {
-                let group = match call {
-                    BatchCall::UpdateCritic => CommGroup::CriticDp,
-                    BatchCall::UpdateRewardModel => CommGroup::RewardDp,
-                    _ => CommGroup::ActorDp,
-                };
+                let group = dp_group(kind);
                 let comm = self.groups.get(group, world)?;
                 let res = match engine {
                     Engine::Trainer(t) => t.update(comm, &req::<ActorUpdateRequest>(batch)?),

@@ -78,7 +78,7 @@ pub fn send_weights(
 }
 
 /// [`send_weights`] of `gathered`, a ZeRO-3 model's whole weights gathered from its group
-/// (`Zero3::gather_all`, the model's parameter order), when given: they go by the host path
+/// (`Zero3::gather_all_host`, the model's parameter order), when given: they go by the host path
 /// (a sharded model offers no CUDA IPC, so the ranks agree on that).
 pub fn send_weights_from(
     model: &Model,
