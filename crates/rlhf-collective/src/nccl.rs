@@ -45,6 +45,15 @@ fn unavailable(reason: impl Into<String>) -> Error {
     }
 }
 
+/// NCCL's name for a reduction.
+fn nccl_op(red: ReduceOp) -> cudarc::nccl::ReduceOp {
+    match red {
+        ReduceOp::Sum => cudarc::nccl::ReduceOp::Sum,
+        ReduceOp::Avg => cudarc::nccl::ReduceOp::Avg,
+        ReduceOp::Max => cudarc::nccl::ReduceOp::Max,
+    }
+}
+
 /// Whether `dlopen` can load `name` (the handle is closed again).
 fn can_dlopen(name: &str) -> bool {
     let Ok(c) = CString::new(name) else {
@@ -467,16 +476,46 @@ impl NcclCommunicator {
             return Ok(());
         }
         let mut dev = self.to_device(op, buf)?;
-        let nop = match red {
-            ReduceOp::Sum => cudarc::nccl::ReduceOp::Sum,
-            ReduceOp::Avg => cudarc::nccl::ReduceOp::Avg,
-            ReduceOp::Max => cudarc::nccl::ReduceOp::Max,
-        };
+        let nop = nccl_op(red);
         let (comm, _) = self.parts(op)?;
         comm.all_reduce_in_place(&mut dev, &nop)
             .map_err(|e| self.nccl_err(op, e))?;
         self.wait(op)?;
         self.to_host(op, &dev, buf)
+    }
+
+    /// `ncclReduceScatter` over the segments padded to equal blocks ([`crate::padded_blocks`]):
+    /// each rank sends and receives `(n - 1) / n` of the buffer, half an all-reduce's traffic.
+    fn reduce_scatter_inner(
+        &mut self,
+        buf: &mut [f32],
+        counts: &[usize],
+        red: ReduceOp,
+        seq: u64,
+    ) -> Result<()> {
+        let op = Op::ReduceScatter;
+        crate::check_counts(buf.len(), counts, self.world)?;
+        self.check_header(op, seq, buf.len() as u64, 0, red.wire_id(), true)?;
+        let (padded, width) = crate::padded_blocks(buf, counts);
+        if width == 0 {
+            return Ok(());
+        }
+        let src = self.to_device(op, &padded)?;
+        drop(padded);
+        let nop = nccl_op(red);
+        let (comm, stream) = self.parts(op)?;
+        let mut dst = stream
+            .alloc_zeros::<f32>(width)
+            .map_err(|e| self.err(op, "allocating device memory", e.to_string()))?;
+        comm.reduce_scatter(&src, &mut dst, &nop)
+            .map_err(|e| self.nccl_err(op, e))?;
+        self.wait(op)?;
+        let mut mine = vec![0f32; width];
+        self.to_host(op, &dst, &mut mine)?;
+        let at: usize = counts[..self.rank].iter().sum();
+        let n = counts[self.rank];
+        buf[at..at + n].copy_from_slice(&mine[..n]);
+        Ok(())
     }
 
     fn gather_inner(&mut self, op: Op, data: &[u8], seq: u64) -> Result<Vec<Vec<u8>>> {
@@ -543,6 +582,17 @@ impl Communicator for NcclCommunicator {
     fn all_reduce_f64(&mut self, buf: &mut [f64], op: ReduceOp) -> Result<()> {
         let seq = self.begin(Op::AllReduce)?;
         let r = self.all_reduce_inner(buf, op, seq);
+        self.finish(r)
+    }
+
+    fn reduce_scatter_f32(
+        &mut self,
+        buf: &mut [f32],
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        let seq = self.begin(Op::ReduceScatter)?;
+        let r = self.reduce_scatter_inner(buf, counts, op, seq);
         self.finish(r)
     }
 
