@@ -13,8 +13,11 @@
 //! `--models q05` adds Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads over 2 KV heads,
 //! a 151936-token vocabulary; untied head, so 0.63B parameters).
 //!
+//! With `--dtype bf16` both variants compute in bf16 over f32 master weights
+//! (`training.bf16`), and stage 3's gathers for a computation send bf16, half the bytes.
+//!
 //! `cargo run --release -p rlhf-model --example zero3_bench [-- --steps 6 --rounds 2
-//! --models tiny,m57 --device cpu]`
+//! --models tiny,m57 --device cpu --dtype f32]`
 
 use std::process::{Command, Stdio};
 use std::time::Instant;
@@ -22,7 +25,7 @@ use std::time::Instant;
 use rlhf_collective::{
     all_reduce_f32_bucketed, CommConfig, Communicator, ReduceOp, TcpCommunicator, TcpRendezvous,
 };
-use rlhf_model::{AdamW, AdamWConfig, Batch, Config, Device, Gradients, LoadOptions, Model};
+use rlhf_model::{AdamW, AdamWConfig, Batch, Config, DType, Device, Gradients, LoadOptions, Model};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -94,7 +97,7 @@ fn loss(model: &Model, batch: &Batch) -> Result<rlhf_model::Tensor, BoxError> {
 
 fn child(spec: &str) -> Result<(), BoxError> {
     let f: Vec<&str> = spec.split(' ').collect();
-    let [model, variant, rank, world, addr, steps, dev] = f[..] else {
+    let [model, variant, rank, world, addr, steps, dev, dtype] = f[..] else {
         return Err(format!("bad {CHILD}: {spec}").into());
     };
     let (rank, world, steps): (usize, usize, usize) =
@@ -111,6 +114,7 @@ fn child(spec: &str) -> Result<(), BoxError> {
         logits_chunk: Some(256),
         gradient_checkpointing: true,
         seed: 7,
+        compute_dtype: (dtype == "bf16").then_some(DType::BF16),
         ..LoadOptions::default()
     };
     let adamw = AdamWConfig {
@@ -229,7 +233,13 @@ fn gpu_peaks(
 
 /// Runs one variant on `WORLD` fresh processes: per rank (median step s, peak MiB, checksum);
 /// the peak is of the process's GPU memory on `cuda`, of its resident memory on the CPU.
-fn run(model: &str, variant: &str, steps: usize, dev: &str) -> Result<Vec<RankResult>, BoxError> {
+fn run(
+    model: &str,
+    variant: &str,
+    steps: usize,
+    dev: &str,
+    dtype: &str,
+) -> Result<Vec<RankResult>, BoxError> {
     let port = std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port();
@@ -241,7 +251,7 @@ fn run(model: &str, variant: &str, steps: usize, dev: &str) -> Result<Vec<RankRe
             Command::new(&exe)
                 .env(
                     CHILD,
-                    format!("{model} {variant} {r} {WORLD} {addr} {steps} {dev}"),
+                    format!("{model} {variant} {r} {WORLD} {addr} {steps} {dev} {dtype}"),
                 )
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
@@ -287,6 +297,7 @@ fn main() -> Result<(), BoxError> {
     let (mut steps, mut rounds) = (6usize, 2usize);
     let mut models = "tiny,m57".to_string();
     let mut dev = "cpu".to_string();
+    let mut dtype = "f32".to_string();
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let v = it.next().ok_or_else(|| format!("{a} needs a value"))?;
@@ -294,6 +305,8 @@ fn main() -> Result<(), BoxError> {
             "--steps" => steps = v.parse()?,
             "--rounds" => rounds = v.parse()?,
             "--models" => models = v.clone(),
+            "--dtype" if v == "f32" || v == "bf16" => dtype = v.clone(),
+            "--dtype" => return Err(format!("--dtype is f32 or bf16, not {v}").into()),
             "--device" => {
                 device(v)?;
                 dev = v.clone();
@@ -314,13 +327,13 @@ fn main() -> Result<(), BoxError> {
             .params()
             .num_params();
         println!(
-            "{model}: {:.1}M parameters, {WORLD} ranks on {dev}, {MICROS} micro-batches of {ROWS_PER_MICRO} x {SEQ} tokens per rank and step",
+            "{model}: {:.1}M parameters, {WORLD} ranks on {dev} computing in {dtype}, {MICROS} micro-batches of {ROWS_PER_MICRO} x {SEQ} tokens per rank and step",
             n as f64 / 1e6
         );
         let mut res: Vec<(&str, Vec<RankResult>)> = Vec::new();
         for _ in 0..rounds {
             for v in ["zero0", "zero3"] {
-                res.push((v, run(model, v, steps, &dev)?));
+                res.push((v, run(model, v, steps, &dev, &dtype)?));
             }
         }
         let pick = |v: &str, f: fn(&RankResult) -> f64| -> Vec<f64> {

@@ -197,6 +197,19 @@ fn sharded_on(
                 let on_host = on_host.unwrap();
                 assert!(on_host.iter().all(|(_, t)| t.device().is_cpu()));
                 assert_eq!(host(on_host), *w.as_ref().unwrap());
+                // A save or a sync: rank 0 keeps what the group gathers, the others take part
+                // in the same collectives and keep nothing.
+                let mut alone = None;
+                with_group(&mut || {
+                    if rank == 0 {
+                        alone = Some(z.gather_all_host().unwrap());
+                    } else {
+                        z.gather_all_for_others().unwrap();
+                    }
+                });
+                if let Some(alone) = alone {
+                    assert_eq!(host(alone), *w.as_ref().unwrap(), "rank 0's gather");
+                }
                 (w.unwrap(), norms, held as f64 / total as f64)
             })
         })
@@ -332,6 +345,123 @@ fn stage_3_forward_and_save_match_the_unsharded_model() {
     let saved = Model::load(tmp.path().join("saved"), &LoadOptions::default()).unwrap();
     let (d, name) = max_diff(&host(saved.named_tensors()), &host(plain.named_tensors()));
     assert!(d == 0.0, "saved weights differ by {d} at {name}");
+}
+
+/// A model computing in bf16 (`training.bf16`: f32 pieces, bf16 compute) gathers its weights
+/// for a computation as bf16, half the bytes, and computes exactly what one unsharded model
+/// does (every use casts the weights to bf16 first, so the log-probs are bit-equal); its
+/// gradient is the unsharded one's (summed in another order: float tolerance); a save still
+/// gathers exact f32 weights.
+#[test]
+fn stage_3_in_bf16_gathers_bf16_and_computes_what_one_unsharded_model_does() {
+    let cfg = tiny_config(Family::Qwen2);
+    let bf16 = |device: &Device| LoadOptions {
+        compute_dtype: Some(DType::BF16),
+        ..opts_on(ModelKind::CausalLm, device)
+    };
+    let plain = Model::random(&cfg, &bf16(&Device::Cpu)).unwrap();
+    let batch = Batch::left_padded(&rows(), 0, &Device::Cpu).unwrap();
+    let lp = plain.token_log_probs(&batch, 1.0).unwrap();
+    let want = lp.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+    let want = want.to_vec1::<f32>().unwrap();
+    let vars = plain.vars();
+    let g = Gradients::backward(&loss(&plain, &rows()), &vars).unwrap();
+    let want_norm = g.global_norm().unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let handles: Vec<_> = group(2)
+        .into_iter()
+        .enumerate()
+        .map(|(rank, comm)| {
+            let (cfg, dir) = (cfg.clone(), tmp.path().join("saved"));
+            std::thread::spawn(move || {
+                let model = Model::random(&cfg, &bf16(&Device::Cpu))
+                    .unwrap()
+                    .into_zero3(Box::new(comm))
+                    .unwrap();
+                let z = model.zero3().unwrap().clone();
+                assert_eq!(z.wire_dtype(), DType::BF16, "a bf16 model gathers bf16");
+                let batch = Batch::left_padded(&rows(), 0, &Device::Cpu).unwrap();
+                let lp = model.token_log_probs(&batch, 1.0).unwrap();
+                let lp = lp.to_dtype(DType::F32).unwrap().flatten_all().unwrap();
+                z.begin_pass().unwrap();
+                z.backward(&loss(&model, &mine(rank, 2))).unwrap();
+                let norm = z.grad_norm().unwrap();
+                model.save(&dir, None).unwrap();
+                (lp.to_vec1::<f32>().unwrap(), norm)
+            })
+        })
+        .collect();
+    for h in handles {
+        let (got, norm) = h.join().unwrap();
+        assert_eq!(got, want, "bf16 log-probs of the sharded model");
+        let rel = (norm - want_norm).abs() / want_norm;
+        assert!(
+            rel < 1e-2,
+            "gradient norm {norm} against {want_norm} unsharded"
+        );
+    }
+    let saved = Model::load(tmp.path().join("saved"), &LoadOptions::default()).unwrap();
+    let (d, name) = max_diff(&host(saved.named_tensors()), &host(plain.named_tensors()));
+    assert!(
+        d == 0.0,
+        "saved weights differ by {d} at {name}: a save must gather f32"
+    );
+}
+
+/// A rank whose inference call fails after the call's edges were gathered (here a token
+/// outside the vocabulary, in place of running out of device memory) still takes part in the
+/// gathers of every layer, so the other rank finishes its own call with the right log-probs
+/// at once instead of failing at the communicator's deadline, and the group's next call is in
+/// step. Without that the other rank waits in layer 0's gather for the whole deadline.
+#[test]
+fn a_rank_whose_call_fails_halfway_leaves_the_group_in_step() {
+    let cfg = tiny_config(Family::Llama);
+    let plain = Model::random(&cfg, &opts(ModelKind::CausalLm)).unwrap();
+    let batch = Batch::left_padded(&rows(), 0, &Device::Cpu).unwrap();
+    let want = plain.token_log_probs(&batch, 1.0).unwrap();
+    let want = want.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let deadline = std::time::Duration::from_secs(30);
+    let comms = TcpCommunicator::loopback_group(2, CommConfig::with_timeout(deadline)).unwrap();
+    let vocab = cfg.vocab_size as u32;
+    let handles: Vec<_> = comms
+        .into_iter()
+        .enumerate()
+        .map(|(rank, comm)| {
+            let cfg = cfg.clone();
+            std::thread::spawn(move || {
+                let model = Model::random(&cfg, &opts(ModelKind::CausalLm))
+                    .unwrap()
+                    .into_zero3(Box::new(comm))
+                    .unwrap();
+                let good = Batch::left_padded(&rows(), 0, &Device::Cpu).unwrap();
+                let bad = Batch::left_padded(&[vec![3, vocab + 5, 4]], 0, &Device::Cpu).unwrap();
+                let start = std::time::Instant::now();
+                let first = model.token_log_probs(if rank == 0 { &bad } else { &good }, 1.0);
+                let took = start.elapsed();
+                let first = first.map(|t| t.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+                let second = model.token_log_probs(&good, 1.0).unwrap();
+                let second = second.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                (first, took, second)
+            })
+        })
+        .collect();
+    let close = |got: &[f32]| {
+        got.len() == want.len() && got.iter().zip(&want).all(|(a, b)| (a - b).abs() < 1e-5)
+    };
+    for (rank, h) in handles.into_iter().enumerate() {
+        let (first, took, second) = h.join().unwrap();
+        assert!(
+            took < deadline / 3,
+            "rank {rank}'s first call took {took:?}: it waited for the other rank"
+        );
+        match (rank, first) {
+            (0, Err(e)) => assert!(!e.to_string().contains("gathering"), "rank 0: {e}"),
+            (0, Ok(_)) => panic!("rank 0's call with a token outside the vocabulary succeeded"),
+            (_, Ok(lp)) => assert!(close(&lp), "rank {rank}'s first log-probs"),
+            (_, Err(e)) => panic!("rank {rank}'s first call failed: {e}"),
+        }
+        assert!(close(&second), "rank {rank}'s second log-probs");
+    }
 }
 
 /// The error of a sharding that must fail.

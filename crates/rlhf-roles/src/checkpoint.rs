@@ -127,12 +127,16 @@ pub fn capture(
             (OptimImage::Shard(shard), rank == 0)
         }
     };
-    // A ZeRO-3 model gathers its weights: every rank takes part, rank 0 keeps them.
-    let model = if with_model || model.zero3().is_some() {
-        let image = model.image(tok).ctx("copying the weights out")?;
-        with_model.then_some(image)
-    } else {
-        None
+    // A ZeRO-3 model gathers its weights: every rank takes part, rank 0 keeps them (the
+    // others drop each gathered layer at once).
+    let model = match model.zero3() {
+        _ if with_model => Some(model.image(tok).ctx("copying the weights out")?),
+        Some(z) => {
+            z.gather_all_for_others()
+                .ctx("gathering the weights for rank 0")?;
+            None
+        }
+        None => None,
     };
     Ok(Image {
         model,

@@ -203,6 +203,29 @@ impl Transformer {
         input_ids: &Tensor,
         attention_mask: &Tensor,
         position_ids: &Tensor,
+        cache: Option<&mut KvCache>,
+    ) -> Result<Tensor> {
+        let out = self.forward_inner(input_ids, attention_mask, position_ids, cache);
+        if let (Err(e), Some(z)) = (&out, &self.zero3) {
+            // A ZeRO-3 inference call that failed before its last layer (an invalid token,
+            // out of device memory): the group's other ranks still gather the layers it did
+            // not, so this rank takes part in those gathers before it reports its error.
+            if !z.in_pass() {
+                if let Err(late) = z.finish_failed_call() {
+                    return Err(Error::InvalidArgument(format!(
+                        "{e} (and the layers' gathers after it failed too: {late})"
+                    )));
+                }
+            }
+        }
+        out
+    }
+
+    fn forward_inner(
+        &self,
+        input_ids: &Tensor,
+        attention_mask: &Tensor,
+        position_ids: &Tensor,
         mut cache: Option<&mut KvCache>,
     ) -> Result<Tensor> {
         let (b, t) = input_ids.dims2()?;

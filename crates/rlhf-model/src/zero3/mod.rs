@@ -31,16 +31,19 @@ mod comm;
 mod model;
 mod pass;
 mod prefetch;
+mod wire;
 
 pub use comm::Lent;
 use comm::Slot;
+use wire::{wire_bytes, Whole};
 
 use std::collections::BTreeMap;
 use std::ops::Range;
+use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Mutex, MutexGuard};
 
 use candle_core::{DType, Device, Tensor, Var};
-use rlhf_collective::{as_bytes, Communicator, ReduceOp};
+use rlhf_collective::{Communicator, ReduceOp};
 
 use crate::error::{Error, Result};
 use crate::train::{host_f32 as host, partition};
@@ -105,12 +108,22 @@ pub struct Zero3 {
     /// Model calls so far (each gathers the edges once): what keeps a group's inference calls
     /// in step ([`Zero3::calls`]).
     calls: std::sync::atomic::AtomicUsize,
+    /// Decoder layers taken for a forward since the call's edges were gathered: where a
+    /// failed call's remaining gathers start ([`Zero3::finish_failed_call`]).
+    taken: std::sync::atomic::AtomicUsize,
+    /// Whether a gather failed since the call's edges were gathered (the group is broken).
+    gather_failed: std::sync::atomic::AtomicBool,
     /// A layer being gathered ahead of its use ([`prefetch`]).
     prefetched: Mutex<Option<prefetch::Prefetch>>,
     /// The thread that gathers ahead, started by the first prefetch.
     worker: Mutex<Option<prefetch::Worker>>,
     device: Device,
     dtype: DType,
+    /// What a computation's gathers send: the model's compute dtype when that is 16-bit
+    /// (`training.bf16`), half the bytes of the `f32` pieces, and exact, since every use
+    /// casts the weights to the compute dtype first; `f32` otherwise. Whole-model gathers
+    /// (saves, syncs, checksums) always send `f32`.
+    wire: DType,
     rank: usize,
     world: usize,
 }
@@ -138,26 +151,6 @@ fn layer_of(name: &str) -> Option<usize> {
         .ok()
 }
 
-/// `f32` values sent by a rank, little-endian bytes.
-struct FloatBytes<'a>(&'a [u8]);
-
-impl FloatBytes<'_> {
-    fn len(&self) -> usize {
-        self.0.len() / 4
-    }
-
-    /// Appends values `range` to `out`; `None` when there are fewer.
-    fn extend_into(&self, range: Range<usize>, out: &mut Vec<f32>) -> Option<()> {
-        let bytes = self.0.get(range.start * 4..range.end * 4)?;
-        out.extend(
-            bytes
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
-        );
-        Some(())
-    }
-}
-
 impl Zero3 {
     /// Cuts `vars` (every parameter of a model, sorted by name) into this rank's pieces and
     /// keeps those; `num_layers` decoder layers are gathered one at a time, onto `target`
@@ -170,6 +163,7 @@ impl Zero3 {
         comm: Comm,
         offload: bool,
         target: Option<&Device>,
+        compute: DType,
     ) -> Result<Self> {
         let (comm, rank, world) = match comm {
             Comm::Own(c) => {
@@ -234,10 +228,16 @@ impl Zero3 {
             }),
             training: Default::default(),
             calls: Default::default(),
+            taken: Default::default(),
+            gather_failed: Default::default(),
             prefetched: Mutex::new(None),
             worker: Mutex::new(None),
             device: target.unwrap_or(first.device()).clone(),
             dtype: first.dtype(),
+            wire: match (first.dtype(), compute) {
+                (DType::F32, DType::BF16 | DType::F16) => compute,
+                _ => DType::F32,
+            },
             rank,
             world,
         })
@@ -253,7 +253,12 @@ impl Zero3 {
     /// of the group must make the same number, so a caller whose rows need fewer calls than
     /// another rank's makes up the difference with [`crate::Model::zero3_idle_forward`].
     pub fn calls(&self) -> usize {
-        self.calls.load(std::sync::atomic::Ordering::Relaxed)
+        self.calls.load(Relaxed)
+    }
+
+    /// What a computation's gathers send (see the field).
+    pub fn wire_dtype(&self) -> DType {
+        self.wire
     }
 
     /// This rank and the group's size.
@@ -293,72 +298,75 @@ impl Zero3 {
 
     /// The whole parameters `which`, gathered from every rank's pieces (a collective); with
     /// `vars`, each is also a fresh variable (its tensor is the variable's, no copy), so a
-    /// graph computed with it yields its gradient. On the model's device.
+    /// graph computed with it yields its gradient. On the model's device, sent as the values
+    /// a computation uses ([`Zero3::wire`]).
     fn gather(&self, st: &mut State, which: &[usize], vars: bool) -> Result<Gathered> {
-        self.gather_to(st, which, vars, &self.device)
+        self.gather_to(st, which, vars, &self.device, self.wire)
     }
 
-    /// [`Zero3::gather`] onto `on`.
+    /// [`Zero3::gather`] onto `on`, the values sent as `wire` (`f32`: exact).
     fn gather_to(
         &self,
         st: &mut State,
         which: &[usize],
         vars: bool,
         on: &Device,
+        wire: DType,
     ) -> Result<Gathered> {
-        let mut mine = Vec::new();
-        for &k in which {
-            mine.extend(host(st.pieces[k].var.as_tensor())?);
-        }
-        let all =
-            st.comm.get()?.all_gather(as_bytes(&mine)).map_err(|e| {
-                Error::InvalidArgument(format!("ZeRO-3: gathering parameters: {e}"))
-            })?;
+        let size = if wire == DType::F32 { 4 } else { 2 };
+        let mine = wire_bytes(&st.pieces, which, wire)?;
+        let all = st.comm.get()?.all_gather(&mine).map_err(|e| {
+            self.gather_failed.store(true, Relaxed);
+            Error::InvalidArgument(format!("ZeRO-3: gathering parameters: {e}"))
+        })?;
         drop(mine);
-        if let Some((r, b)) = all.iter().enumerate().find(|(_, b)| b.len() % 4 != 0) {
+        if let Some((r, b)) = all.iter().enumerate().find(|(_, b)| b.len() % size != 0) {
             return Err(Error::InvalidArgument(format!(
-                "rank {r} sent {} bytes of parameters, not whole f32 values",
+                "rank {r} sent {} bytes of parameters, not whole {wire:?} values",
                 b.len()
             )));
         }
         // Decoded straight into each parameter: no second copy of the layer.
-        let all: Vec<FloatBytes> = all.iter().map(|b| FloatBytes(b)).collect();
         let mut at = vec![0usize; self.world];
         let mut out = Gathered::default();
         for &k in which {
             let p = &st.pieces[k];
-            let mut full = Vec::with_capacity(p.shape.iter().product());
+            let mut full = Whole::with_capacity(wire, p.shape.iter().product());
             for (r, vals) in all.iter().enumerate() {
                 let n = p.ranges[r].len();
-                vals.extend_into(at[r]..at[r] + n, &mut full).ok_or_else(|| {
+                let bytes = vals.get(at[r] * size..(at[r] + n) * size).ok_or_else(|| {
                     Error::InvalidArgument(format!(
                         "ZeRO-3: rank {r} sent {} values, fewer than its pieces; the ranks disagree on the model",
-                        vals.len()
+                        vals.len() / size
                     ))
                 })?;
+                full.extend(bytes);
                 at[r] += n;
             }
             let shape = p.shape.as_slice();
-            let t = if self.dtype == DType::F32 && vars {
-                let var = Var::from_vec(full, shape, on)?;
-                out.vars.push((p.name.clone(), var.clone()));
-                var.as_tensor().clone()
-            } else {
-                let t = Tensor::from_vec(full, shape, on)?.to_dtype(self.dtype)?;
-                if vars {
-                    let var = Var::from_tensor(&t)?;
+            let t = match full {
+                Whole::F32(v) if self.dtype == DType::F32 && vars => {
+                    let var = Var::from_vec(v, shape, on)?;
                     out.vars.push((p.name.clone(), var.clone()));
                     var.as_tensor().clone()
-                } else {
-                    t
+                }
+                full => {
+                    let t = full.into_tensor(shape, on)?.to_dtype(self.dtype)?;
+                    if vars {
+                        let var = Var::from_tensor(&t)?;
+                        out.vars.push((p.name.clone(), var.clone()));
+                        var.as_tensor().clone()
+                    } else {
+                        t
+                    }
                 }
             };
             out.tensors.insert(p.name.clone(), t);
         }
-        if let Some(r) = (0..self.world).find(|&r| at[r] != all[r].len()) {
+        if let Some(r) = (0..self.world).find(|&r| at[r] * size != all[r].len()) {
             return Err(Error::InvalidArgument(format!(
                 "ZeRO-3: rank {r} sent {} values for pieces of {}; the ranks disagree on the model",
-                all[r].len(),
+                all[r].len() / size,
                 at[r]
             )));
         }
@@ -425,13 +433,17 @@ impl Zero3 {
 
     /// Decoder layer `i`'s whole parameters (a collective), as variables with `vars`.
     pub(crate) fn gather_layer(&self, i: usize, vars: bool) -> Result<Gathered> {
-        self.gather_layer_to(i, vars, &self.device)
+        self.gather_layer_to(i, vars, &self.device, self.wire)
     }
 
-    /// [`Zero3::gather_layer`] onto `on`. A layer gathered ahead ([`prefetch`]) is on the
-    /// model's device and moves (its collective happened already).
-    fn gather_layer_to(&self, i: usize, vars: bool, on: &Device) -> Result<Gathered> {
-        if let Some(mut g) = self.take_prefetched(i, vars)? {
+    /// [`Zero3::gather_layer`] onto `on`, sent as `wire`. A layer gathered ahead
+    /// ([`prefetch`], as the computation's values) is on the model's device and moves (its
+    /// collective happened already).
+    fn gather_layer_to(&self, i: usize, vars: bool, on: &Device, wire: DType) -> Result<Gathered> {
+        if !vars {
+            self.taken.fetch_add(1, Relaxed);
+        }
+        if let Some(mut g) = self.take_prefetched(i, vars, wire == self.wire)? {
             for t in g.tensors.values_mut() {
                 *t = t.to_device(on)?;
             }
@@ -442,7 +454,7 @@ impl Zero3 {
             st.layers.get(i).cloned().ok_or_else(|| {
                 Error::InvalidArgument(format!("ZeRO-3: no layer {i} in this model"))
             })?;
-        self.gather_to(&mut st, &which, vars, on)
+        self.gather_to(&mut st, &which, vars, on, wire)
     }
 
     /// Reduce-scatters layer `i`'s whole weight gradients, in the order of its gathered
@@ -468,8 +480,9 @@ impl Zero3 {
     /// [`Zero3::backward`] collects.
     pub(crate) fn gather_edges(&self) -> Result<BTreeMap<String, Tensor>> {
         let mut st = self.lock()?;
-        self.calls
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.calls.fetch_add(1, Relaxed);
+        self.taken.store(0, Relaxed);
+        self.gather_failed.store(false, Relaxed);
         let which = st.edges.clone();
         let training = st.pass.is_some();
         let out = self.gather(&mut st, &which, training)?;
@@ -480,6 +493,21 @@ impl Zero3 {
             pass.calls += 1;
         }
         Ok(out.tensors)
+    }
+
+    /// After an inference call failed between its gathers (its rows could not be computed),
+    /// takes part in the gathers of the decoder layers it did not take, dropping each, so
+    /// the group's other ranks finish their own call instead of waiting for the deadline.
+    /// Nothing when a gather failed (the group is broken, and the others see it too).
+    pub(crate) fn finish_failed_call(&self) -> Result<()> {
+        if self.gather_failed.load(Relaxed) {
+            return Ok(());
+        }
+        let (from, n) = (self.taken.load(Relaxed), self.lock()?.layers.len());
+        for i in from..n {
+            self.gather_layer(i, false)?;
+        }
+        Ok(())
     }
 
     /// Sets parameter `name` to the whole tensor `t` (this rank keeps its piece): how a
@@ -502,6 +530,10 @@ impl Zero3 {
             });
         }
         let mine = &p.ranges[self.rank];
+        if mine.is_empty() {
+            // Nothing of it here (and casting an empty tensor on a CUDA device fails).
+            return Ok(());
+        }
         let piece = t
             .flatten_all()?
             .narrow(0, mine.start, mine.len())?
@@ -524,19 +556,39 @@ impl Zero3 {
         self.gather_all_to(&Device::Cpu)
     }
 
+    /// This rank's part in another rank's [`Zero3::gather_all_host`]: the same collectives,
+    /// each gathered piece dropped at once, so this rank never holds more than one layer (a
+    /// save or a weight sync that rank 0 writes or sends).
+    pub fn gather_all_for_others(&self) -> Result<()> {
+        self.gather_all_each(&Device::Cpu, |_| {})
+    }
+
     fn gather_all_to(&self, on: &Device) -> Result<Vec<(String, Tensor)>> {
-        let (n, mut out) = {
+        let mut out = BTreeMap::new();
+        self.gather_all_each(on, |part| out.extend(part))?;
+        Ok(out.into_iter().collect())
+    }
+
+    /// Gathers the edges, then each decoder layer, onto `on`, handing each part to `take`:
+    /// exact `f32` values whatever the model computes in.
+    fn gather_all_each(
+        &self,
+        on: &Device,
+        mut take: impl FnMut(BTreeMap<String, Tensor>),
+    ) -> Result<()> {
+        let n = {
             let mut st = self.lock()?;
             let which = st.edges.clone();
-            (
-                st.layers.len(),
-                self.gather_to(&mut st, &which, false, on)?.tensors,
-            )
+            take(
+                self.gather_to(&mut st, &which, false, on, DType::F32)?
+                    .tensors,
+            );
+            st.layers.len()
         };
         for i in 0..n {
-            out.extend(self.gather_layer_to(i, false, on)?.tensors);
+            take(self.gather_layer_to(i, false, on, DType::F32)?.tensors);
         }
-        Ok(out.into_iter().collect())
+        Ok(())
     }
 }
 

@@ -96,6 +96,7 @@ impl Model {
             comm,
             offload,
             target,
+            self.body.compute_dtype(),
         )?);
         self.params = ParamStore::from_vars(z.piece_vars()?);
         let empty = Tensor::zeros(0, z.dtype(), z.device())?;

@@ -96,13 +96,19 @@ impl Zero3 {
         Ok(())
     }
 
-    /// The prefetched layer `i`, if that is what was prefetched; any other prefetch is
-    /// finished and dropped.
-    pub(super) fn take_prefetched(&self, i: usize, vars: bool) -> Result<Option<Gathered>> {
+    /// The prefetched layer `i`, if that is what was prefetched (and the caller wants what a
+    /// computation uses: `computing`); any other prefetch is finished and dropped.
+    pub(super) fn take_prefetched(
+        &self,
+        i: usize,
+        vars: bool,
+        computing: bool,
+    ) -> Result<Option<Gathered>> {
         let Some(p) = self.slot()?.take() else {
             return Ok(None);
         };
-        let hit = p.layer == i && p.vars == vars;
+        // A prefetch gathers what a computation uses; an exact gather does not take it.
+        let hit = p.layer == i && p.vars == vars && computing;
         let g = joined(p)?;
         Ok(hit.then_some(g))
     }

@@ -77,7 +77,8 @@ impl RoleHost {
 
     /// A ZeRO-3 trainer's whole weights, gathered from its data-parallel group for a weight
     /// sync, with the seconds it took (`None`: not a ZeRO-3 trainer). Every rank of the group
-    /// calls this; a `helper` (a rank that only gathers) counts the sync's version as its own.
+    /// calls this; a `helper` (a rank that only gathers) keeps none of them and counts the
+    /// sync's version as its own.
     fn gather_for_sync(
         &mut self,
         version: u64,
@@ -96,7 +97,16 @@ impl RoleHost {
         };
         let start = std::time::Instant::now();
         let comm = self.groups.get(CommGroup::ActorDp, world)?;
-        let res = crate::zero::lend(&model, comm, |_| Ok(z.gather_all_host()?)).with_ctx(|| {
+        // A helper drops each gathered layer at once: only rank 0 holds the whole policy.
+        let res = crate::zero::lend(&model, comm, |_| {
+            if helper {
+                z.gather_all_for_others()?;
+                Ok(Vec::new())
+            } else {
+                Ok(z.gather_all_host()?)
+            }
+        })
+        .with_ctx(|| {
             format!("{label} SyncWeights: gathering the sharded weights (training.zero_stage 3)")
         });
         if matches!(&res, Err(e) if is_collective(e)) {
