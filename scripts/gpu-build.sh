@@ -5,7 +5,8 @@
 # and only the repository plus a small payload travel there. This builds, against the
 # minimal CUDA 13.0 toolkit of scripts/cuda-toolkit.sh, in release mode with CUDA:
 #   rlhf-worker, rlhf-head, rlhf          the orchestrator (a PPO job on the GPUs)
-#   model_bench, gpu_parity               the rlhf-model examples (scripts/gpu_bench.sh, parity)
+#   model_bench, gpu_parity, zero3_bench  the rlhf-model examples (scripts/gpu_bench.sh, parity,
+#                                         ZeRO-3 against plain data parallelism)
 #   weight_ipc_bench                      the CUDA IPC weight sync between two processes
 #   tests/{gradients,memory_paths,generation,reference,zero3}
 #                                         rlhf-model's integration tests, which also run on cuda:0
@@ -39,7 +40,8 @@ log "building in $CARGO_TARGET_DIR (CUDA_COMPUTE_CAP=$CUDA_COMPUTE_CAP)"
 
 cargo build --release -p rlhf-worker -p rlhf-head -p rlhf-cli \
     --features rlhf-worker/cuda,rlhf-cli/cuda
-cargo build --release -p rlhf-model --features cuda --example model_bench --example gpu_parity
+cargo build --release -p rlhf-model --features cuda --example model_bench --example gpu_parity \
+    --example zero3_bench
 cargo build --release -p rlhf-roles --features cuda --example weight_ipc_bench
 
 TMP="$(mktemp -d)"
@@ -75,13 +77,14 @@ mkdir -p gpu-bin/tests
 for b in rlhf-worker rlhf-head rlhf; do
     cp "$CARGO_TARGET_DIR/release/$b" gpu-bin/
 done
-for b in model_bench gpu_parity weight_ipc_bench; do
+for b in model_bench gpu_parity zero3_bench weight_ipc_bench; do
     cp "$CARGO_TARGET_DIR/release/examples/$b" gpu-bin/
 done
 while IFS=$'\t' read -r name exe; do
     cp "$exe" "gpu-bin/tests/$name"
 done <"$TMP/tests.tsv"
-strip gpu-bin/rlhf-worker gpu-bin/rlhf-head gpu-bin/rlhf gpu-bin/model_bench gpu-bin/gpu_parity gpu-bin/weight_ipc_bench \
+strip gpu-bin/rlhf-worker gpu-bin/rlhf-head gpu-bin/rlhf gpu-bin/model_bench gpu-bin/gpu_parity gpu-bin/zero3_bench \
+    gpu-bin/weight_ipc_bench \
     gpu-bin/tests/*
 echo "$ROOT" >gpu-bin/BUILD_ROOT
 

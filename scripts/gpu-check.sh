@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Checks the CUDA build on a GPU machine: run from the repository root after the repository
 # and gpu-bin/ (or gpu-bin.tar.xz) from scripts/gpu-build.sh were copied there.
-#   scripts/gpu-check.sh [tests] [parity] [ipc] [ppo] [bench]   (no step named: all of them)
+#   scripts/gpu-check.sh [tests] [parity] [ipc] [ppo] [zero3] [bench]   (no step named: all)
 # Why: the build machine has no GPU and the GPU machines have no Rust toolchain, so whether
 # the CUDA paths work (and how fast they are) can only be learnt here, from prebuilt binaries.
 # Steps, each under `== ...`:
@@ -20,7 +20,11 @@
 #                weights must go by CUDA IPC, and so again at ZeRO stage 3; with the trainer's
 #                AdamW moments offloaded while it generates; and a colocated run whose
 #                rollout batch cannot fit (PyTorch holds the rest of the GPU), which must
-#                fail naming the remedy
+#                fail naming the remedy (PPO_RUNS="name ..." runs only the named ones)
+#   zero3        gpu-bin/zero3_bench --device cuda: ZeRO-3 against plain data parallelism, two
+#                rank processes on cuda:0, step time and GPU memory, on the tiny model and on
+#                Qwen2.5-0.5B's shape (ZERO3_MODELS, default tiny,q05), computing in
+#                ZERO3_DTYPE (f32, the default, or bf16: stage 3 then gathers bf16)
 #   bench        scripts/gpu_bench.sh, rlhf-model against PyTorch at Qwen2.5-0.5B's shape
 # Ends with `gpu-check: P passed, F failed, S skipped`; exits 1 when anything failed.
 #   PYTHON=python3          the Python with torch (+ transformers for the bench)
@@ -32,7 +36,7 @@ PY="${PYTHON:-python3}"
 T="${GPU_CHECK_TIMEOUT:-600}"
 BIN="$ROOT/gpu-bin"
 
-ALL_STEPS="tests parity ipc ppo bench"
+ALL_STEPS="tests parity ipc ppo zero3 bench"
 STEPS="${*:-$ALL_STEPS}"
 for s in $STEPS; do
     case " $ALL_STEPS " in
@@ -124,7 +128,8 @@ if [ "$has_nccl_so" = 0 ] && [ -n "$nccl2" ]; then
     echo "  libnccl.so -> $nccl2 (in $TMP/nccl)"
 fi
 missing=""
-for exe in "$BIN"/rlhf-worker "$BIN"/rlhf-head "$BIN"/rlhf "$BIN"/model_bench "$BIN"/gpu_parity "$BIN"/weight_ipc_bench "$BIN"/tests/*; do
+for exe in "$BIN"/rlhf-worker "$BIN"/rlhf-head "$BIN"/rlhf "$BIN"/model_bench "$BIN"/gpu_parity "$BIN"/zero3_bench "$BIN"/weight_ipc_bench \
+    "$BIN"/tests/*; do
     [ -f "$exe" ] || continue
     m="$(ldd "$exe" 2>&1 | awk '/not found/ {print $1}')" || true
     if [ -n "$m" ]; then missing+="$m"$'\n'; fi
@@ -202,6 +207,10 @@ fi
 ppo_on_gpus() { # name, extra overrides...
     local name="$1" metrics="$TMP/$1/metrics.jsonl" rc=0 lines=0
     shift
+    if [ -n "${PPO_RUNS:-}" ] && [[ " $PPO_RUNS " != *" $name "* ]]; then
+        echo "ppo_tiny $name: not in PPO_RUNS, not run"
+        return 0
+    fi
     mkdir -p "$TMP/$name"
     timeout "$T" "$BIN/rlhf-head" run --config-name ppo_tiny resource_pool.device=GPU \
         training.train_iters=5 checkpoint.save_steps=0 checkpoint.dir="$TMP/$name/checkpoints" \
@@ -219,6 +228,10 @@ ppo_on_gpus() { # name, extra overrides...
 # must fail by itself, naming the call and the settings that make it fit.
 rollout_oom() {
     local d="$TMP/rollout-oom" rc=0 hog
+    if [ -n "${PPO_RUNS:-}" ] && [[ " $PPO_RUNS " != *" rollout-oom "* ]]; then
+        echo "ppo_tiny rollout-oom: not in PPO_RUNS, not run"
+        return 0
+    fi
     mkdir -p "$d"
     "$PY" - "$d/ready" <<'EOF' &
 import sys, time, torch
@@ -263,7 +276,9 @@ if want ppo; then
         # The rollout as a process of its own on the same GPU: the weights go by CUDA IPC.
         ppo_on_gpus "colocated-split-cuda-ipc" resource_pool.colocate=true \
             actor_rollout.hybrid_engine=false
-        if grep -q "weight sync: CUDA IPC" "$TMP/colocated-split-cuda-ipc/out.log"; then
+        if [ ! -f "$TMP/colocated-split-cuda-ipc/out.log" ]; then
+            :
+        elif grep -q "weight sync: CUDA IPC" "$TMP/colocated-split-cuda-ipc/out.log"; then
             pass "ppo_tiny colocated-split-cuda-ipc: the weights went by CUDA IPC"
         else
             fail "ppo_tiny colocated-split-cuda-ipc: no 'weight sync: CUDA IPC' line in its log"
@@ -279,6 +294,15 @@ if want ppo; then
     else
         skip "ppo_tiny colocated: no GPU"
     fi
+fi
+
+# --- (e2) ZeRO-3 against plain data parallelism on the GPU ---
+if want zero3; then
+    header "zero3_bench (ZeRO-3 vs stage 0, two rank processes on cuda:0)"
+    rc=0
+    timeout "$T" "$BIN/zero3_bench" --device cuda --models "${ZERO3_MODELS:-tiny,q05}" \
+        --dtype "${ZERO3_DTYPE:-f32}" --steps 3 --rounds 1 || rc=$?
+    if [ "$rc" = 0 ]; then pass "zero3_bench"; else fail "zero3_bench (exit $rc)"; fi
 fi
 
 # --- (f) bench against PyTorch ---
