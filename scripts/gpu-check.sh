@@ -24,7 +24,8 @@
 #   zero3        gpu-bin/zero3_bench --device cuda: ZeRO-3 against plain data parallelism, two
 #                rank processes on cuda:0, step time and GPU memory, on the tiny model and on
 #                Qwen2.5-0.5B's shape (ZERO3_MODELS, default tiny,q05), computing in
-#                ZERO3_DTYPE (f32, the default, or bf16: stage 3 then gathers bf16)
+#                ZERO3_DTYPE (f32, the default, or bf16: stage 3 then gathers bf16), over
+#                ZERO3_COMM (tcp, the default, or shm)
 #   bench        scripts/gpu_bench.sh, rlhf-model against PyTorch at Qwen2.5-0.5B's shape
 # Ends with `gpu-check: P passed, F failed, S skipped`; exits 1 when anything failed.
 #   PYTHON=python3          the Python with torch (+ transformers for the bench)
@@ -301,7 +302,7 @@ if want zero3; then
     header "zero3_bench (ZeRO-3 vs stage 0, two rank processes on cuda:0)"
     rc=0
     timeout "$T" "$BIN/zero3_bench" --device cuda --models "${ZERO3_MODELS:-tiny,q05}" \
-        --dtype "${ZERO3_DTYPE:-f32}" --steps 3 --rounds 1 || rc=$?
+        --dtype "${ZERO3_DTYPE:-f32}" --comm "${ZERO3_COMM:-tcp}" --steps 3 --rounds 1 || rc=$?
     if [ "$rc" = 0 ]; then pass "zero3_bench"; else fail "zero3_bench (exit $rc)"; fi
 fi
 

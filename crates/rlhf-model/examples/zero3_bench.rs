@@ -16,14 +16,17 @@
 //! With `--dtype bf16` both variants compute in bf16 over f32 master weights
 //! (`training.bf16`), and stage 3's gathers for a computation send bf16, half the bytes.
 //!
+//! `--comm shm` connects the ranks through the shared-memory communicator instead of TCP.
+//!
 //! `cargo run --release -p rlhf-model --example zero3_bench [-- --steps 6 --rounds 2
-//! --models tiny,m57 --device cpu --dtype f32]`
+//! --models tiny,m57 --device cpu --dtype f32 --comm tcp]`
 
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
 use rlhf_collective::{
-    all_reduce_f32_bucketed, CommConfig, Communicator, ReduceOp, TcpCommunicator, TcpRendezvous,
+    all_reduce_f32_bucketed, CommConfig, Communicator, ReduceOp, ShmCommunicator, ShmRendezvous,
+    TcpCommunicator, TcpRendezvous,
 };
 use rlhf_model::{AdamW, AdamWConfig, Batch, Config, DType, Device, Gradients, LoadOptions, Model};
 
@@ -95,18 +98,50 @@ fn loss(model: &Model, batch: &Batch) -> Result<rlhf_model::Tensor, BoxError> {
     Ok(((lp * m)?.sum_all()? * scale)?)
 }
 
+/// This rank's communicator. TCP: rank 0 listens on `addr`. Shared memory: rank 0 makes the
+/// segment and writes its address into the file `addr`, which the others wait for.
+fn connect(
+    backend: &str,
+    rank: usize,
+    world: usize,
+    addr: &str,
+) -> Result<Box<dyn Communicator>, BoxError> {
+    let cfg = CommConfig::default();
+    Ok(match (backend, rank) {
+        ("tcp", 0) => Box::new(TcpRendezvous::bind(addr)?.accept(world, cfg)?),
+        ("tcp", _) => Box::new(TcpCommunicator::connect(rank, world, addr, cfg)?),
+        ("shm", 0) => {
+            let rv = ShmRendezvous::create(rlhf_collective::shm::DEFAULT_SLOT_BYTES)?;
+            let tmp = format!("{addr}.tmp");
+            std::fs::write(&tmp, rv.address())?;
+            std::fs::rename(&tmp, addr)?;
+            Box::new(rv.accept(world, cfg)?)
+        }
+        ("shm", _) => {
+            let deadline = Instant::now() + cfg.timeout;
+            let at = loop {
+                if let Ok(a) = std::fs::read_to_string(addr) {
+                    break a;
+                }
+                if Instant::now() > deadline {
+                    return Err(format!("rank 0 published no segment in {addr}").into());
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            };
+            Box::new(ShmCommunicator::connect(rank, world, &at, cfg)?)
+        }
+        (other, _) => return Err(format!("--comm is tcp or shm, not {other}").into()),
+    })
+}
+
 fn child(spec: &str) -> Result<(), BoxError> {
     let f: Vec<&str> = spec.split(' ').collect();
-    let [model, variant, rank, world, addr, steps, dev, dtype] = f[..] else {
+    let [model, variant, rank, world, addr, steps, dev, dtype, backend] = f[..] else {
         return Err(format!("bad {CHILD}: {spec}").into());
     };
     let (rank, world, steps): (usize, usize, usize) =
         (rank.parse()?, world.parse()?, steps.parse()?);
-    let mut comm = if rank == 0 {
-        TcpRendezvous::bind(addr)?.accept(world, CommConfig::default())?
-    } else {
-        TcpCommunicator::connect(rank, world, addr, CommConfig::default())?
-    };
+    let mut comm = connect(backend, rank, world, addr)?;
     let dev = device(dev)?;
     let opts = LoadOptions {
         device: dev.clone(),
@@ -125,7 +160,7 @@ fn child(spec: &str) -> Result<(), BoxError> {
     let model = Model::random(&config(model)?, &opts)?;
     let mut times = Vec::new();
     let weights = if variant == "zero3" {
-        let model = model.into_zero3(Box::new(comm))?;
+        let model = model.into_zero3(comm)?;
         let z = model.zero3().ok_or("not sharded")?.clone();
         let mut opt = AdamW::new(model.vars(), adamw)?;
         for step in 0..steps {
@@ -162,7 +197,7 @@ fn child(spec: &str) -> Result<(), BoxError> {
                 .collect::<Result<_, _>>()?;
             drop(sum);
             let mut parts: Vec<&mut [f32]> = host.iter_mut().map(|v| v.as_mut_slice()).collect();
-            all_reduce_f32_bucketed(&mut comm, &mut parts, ReduceOp::Sum, 4 << 20)?;
+            all_reduce_f32_bucketed(comm.as_mut(), &mut parts, ReduceOp::Sum, 4 << 20)?;
             let mut named = std::collections::BTreeMap::new();
             for ((n, v), h) in vars.iter().zip(host) {
                 named.insert(n.clone(), rlhf_model::Tensor::from_vec(h, v.shape(), &dev)?);
@@ -239,11 +274,17 @@ fn run(
     steps: usize,
     dev: &str,
     dtype: &str,
+    backend: &str,
 ) -> Result<Vec<RankResult>, BoxError> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
-    let addr = format!("127.0.0.1:{port}");
+    let tmp = tempfile::tempdir()?;
+    let addr = if backend == "shm" {
+        tmp.path().join("segment").display().to_string()
+    } else {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        format!("127.0.0.1:{port}")
+    };
     let exe = std::env::current_exe()?;
     // Every rank is started before any is waited for: rank 0 waits for the others to join.
     let started: Vec<_> = (0..WORLD)
@@ -251,7 +292,7 @@ fn run(
             Command::new(&exe)
                 .env(
                     CHILD,
-                    format!("{model} {variant} {r} {WORLD} {addr} {steps} {dev} {dtype}"),
+                    format!("{model} {variant} {r} {WORLD} {addr} {steps} {dev} {dtype} {backend}"),
                 )
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
@@ -298,6 +339,7 @@ fn main() -> Result<(), BoxError> {
     let mut models = "tiny,m57".to_string();
     let mut dev = "cpu".to_string();
     let mut dtype = "f32".to_string();
+    let mut backend = "tcp".to_string();
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let v = it.next().ok_or_else(|| format!("{a} needs a value"))?;
@@ -306,6 +348,8 @@ fn main() -> Result<(), BoxError> {
             "--rounds" => rounds = v.parse()?,
             "--models" => models = v.clone(),
             "--dtype" if v == "f32" || v == "bf16" => dtype = v.clone(),
+            "--comm" if v == "tcp" || v == "shm" => backend = v.clone(),
+            "--comm" => return Err(format!("--comm is tcp or shm, not {v}").into()),
             "--dtype" => return Err(format!("--dtype is f32 or bf16, not {v}").into()),
             "--device" => {
                 device(v)?;
@@ -327,13 +371,13 @@ fn main() -> Result<(), BoxError> {
             .params()
             .num_params();
         println!(
-            "{model}: {:.1}M parameters, {WORLD} ranks on {dev} computing in {dtype}, {MICROS} micro-batches of {ROWS_PER_MICRO} x {SEQ} tokens per rank and step",
+            "{model}: {:.1}M parameters, {WORLD} ranks on {dev} computing in {dtype} over {backend}, {MICROS} micro-batches of {ROWS_PER_MICRO} x {SEQ} tokens per rank and step",
             n as f64 / 1e6
         );
         let mut res: Vec<(&str, Vec<RankResult>)> = Vec::new();
         for _ in 0..rounds {
             for v in ["zero0", "zero3"] {
-                res.push((v, run(model, v, steps, &dev, &dtype)?));
+                res.push((v, run(model, v, steps, &dev, &dtype, &backend)?));
             }
         }
         let pick = |v: &str, f: fn(&RankResult) -> f64| -> Vec<f64> {
