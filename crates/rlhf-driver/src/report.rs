@@ -54,6 +54,13 @@ pub enum Event<'a> {
     },
     /// How trainer → rollout weights travel in this job, chosen once (`path`), and why.
     WeightSync { path: &'a str, why: &'a str },
+    /// The collective backend of a trained part's data-parallel group (`actor`, `critic`,
+    /// `reward`), and why.
+    DataParallel {
+        part: &'a str,
+        backend: &'a str,
+        why: &'a str,
+    },
     /// A step ended. `samples` is set on the steps whose samples are due
     /// (`logging.sample_every`).
     Step {
@@ -187,6 +194,9 @@ fn trace(event: &Event<'_>) {
         Event::WeightSync { path, why } => {
             tracing::info!(target: T, "weight sync: {path} ({why})")
         }
+        Event::DataParallel { part, backend, why } => {
+            tracing::info!(target: T, "{part} data-parallel group: {backend} ({why})")
+        }
         Event::Restored { part, source } => {
             tracing::info!(target: T, part, source, "checkpoint loaded")
         }
@@ -247,6 +257,9 @@ impl Console {
                 format!("stopping after {steps_run} step(s) as asked (--stop-after)")
             }
             Event::WeightSync { path, why } => format!("weight sync: {path} ({why})"),
+            Event::DataParallel { part, backend, why } => {
+                format!("{part} data-parallel group: {backend} ({why})")
+            }
             Event::Restored { part, source } => format!("{part}: checkpoint loaded from {source}"),
             Event::Restart {
                 error,
@@ -365,6 +378,10 @@ pub enum Recorded {
     WeightSync {
         path: String,
     },
+    DataParallel {
+        part: String,
+        backend: String,
+    },
     Restart {
         error: String,
         restart: u32,
@@ -414,6 +431,10 @@ impl Reporter for Recorder {
             },
             Event::Stopped { steps_run } => Recorded::Stopped { steps_run },
             Event::WeightSync { path, .. } => Recorded::WeightSync { path: path.into() },
+            Event::DataParallel { part, backend, .. } => Recorded::DataParallel {
+                part: part.into(),
+                backend: backend.into(),
+            },
             Event::Restart {
                 error,
                 restart,

@@ -56,11 +56,14 @@ pub(crate) struct RunArgs {
     /// Seconds to wait for devices and for the role processes to start.
     #[arg(long, default_value_t = 600.0)]
     pub(crate) start_timeout: f64,
-    /// Collective backend between role processes (nccl needs GPUs and a build with it).
-    #[arg(long, default_value = "tcp")]
-    pub(crate) comm_backend: rlhf_core::CommBackend,
+    /// Collective backend of the data-parallel groups (tcp, shm, nccl; nccl needs GPUs and
+    /// a build with it). Chosen by default: shm for a group whose ranks are all on one node,
+    /// else tcp.
+    #[arg(long)]
+    pub(crate) comm_backend: Option<rlhf_core::CommBackend>,
     /// Backend of the trainer → rollout weight sync (tcp, shm, nccl); chosen by default:
-    /// none when colocated, shm when every rank is on one node, else --comm-backend.
+    /// none when colocated, shm when every rank is on one node, else --comm-backend (tcp
+    /// when not given).
     #[arg(long)]
     pub(crate) weight_sync_backend: Option<rlhf_core::CommBackend>,
     /// Embedded mode only: `rlhf-worker` binary for the local worker (default: next to

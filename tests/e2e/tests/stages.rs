@@ -278,7 +278,8 @@ fn zero_stages_1_to_3_train_like_plain_data_parallel_and_resume() -> Result<()> 
 /// trainer ranks gather the whole policy for every weight sync to the rollout), and the runs
 /// log plain data parallelism's metrics (rollouts, losses, gradient norms) at every step.
 #[test]
-fn ppo_with_zero_stages_2_and_3_logs_the_metrics_of_plain_data_parallel() -> Result<()> {
+fn ppo_with_zero_stages_2_and_3_over_shared_memory_logs_the_metrics_of_plain_data_parallel_over_tcp(
+) -> Result<()> {
     let dir = tempfile::tempdir()?;
     let shape = [
         "resource_pool.actor_rollout=3",
@@ -287,16 +288,28 @@ fn ppo_with_zero_stages_2_and_3_logs_the_metrics_of_plain_data_parallel() -> Res
         "training.train_iters=2",
         "checkpoint.save_steps=0",
     ];
+    // Plain data parallelism over TCP, asked for; the ZeRO runs take the default, shared
+    // memory (every rank on this one node): for two ranks every sum is the same either way.
     let plain = dir.path().join("plain");
-    run(
-        "ppo-plain",
-        dir.path(),
-        stage_cmd("ppo_tiny", &plain, &shape),
-    )?;
+    let mut c = stage_cmd("ppo_tiny", &plain, &shape);
+    c.args(["--comm-backend", "tcp"]);
+    let said = run("ppo-plain", dir.path(), c)?;
+    for part in ["actor", "critic"] {
+        let line = format!("{part} data-parallel group: tcp (asked for with --comm-backend");
+        assert!(said.contains(&line), "no {line:?} in:\n{said}");
+    }
     let zero = dir.path().join("zero2");
     let mut c = stage_cmd("ppo_tiny", &zero, &shape);
     c.arg("training.zero_stage=2");
-    run("ppo-zero-2", dir.path(), c)?;
+    let said = run("ppo-zero-2", dir.path(), c)?;
+    for part in ["actor", "critic"] {
+        let line = format!("{part} data-parallel group: shm (every rank on node");
+        assert_eq!(
+            said.matches(&line).count(),
+            1,
+            "no one {line:?} in:\n{said}"
+        );
+    }
     let (p, z) = (
         jsonl(&plain.join("metrics.jsonl"))?,
         jsonl(&zero.join("metrics.jsonl"))?,

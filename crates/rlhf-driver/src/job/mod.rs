@@ -40,8 +40,9 @@ pub struct DriverOptions {
     pub resume: Option<String>,
     /// Token and TLS for talking to role actors.
     pub client: ClientOptions,
-    /// Collective backend between role processes: `tcp` (CPU) or `nccl`.
-    pub comm_backend: CommBackend,
+    /// Collective backend of the data-parallel groups (`--comm-backend`); `None` chooses per
+    /// group (see [`sync::dp_backend`]).
+    pub comm_backend: Option<CommBackend>,
     /// The trainer → rollout weights backend; `None` chooses (see `SyncPath::choose`).
     pub weight_sync_backend: Option<CommBackend>,
     /// Bound on every role call (a generation, an update, ...).
@@ -61,7 +62,7 @@ impl DriverOptions {
             job_id: job_id.into(),
             resume: None,
             client,
-            comm_backend: CommBackend::Tcp,
+            comm_backend: None,
             weight_sync_backend: None,
             call_timeout: Duration::from_secs(3600),
             start_timeout: Duration::from_secs(600),
@@ -292,15 +293,29 @@ impl Loop<'_> {
         let cfg = self.cfg;
         let t = self.opts.start_timeout;
         init_and_report(self.roles, cfg, &self.opts.job_id, t, self.report).await?;
-        let backend = self.opts.comm_backend;
+        let forced = self.opts.comm_backend;
         let weights = self.roles.weights_group();
         let weights_backend = match self.sync_path {
             sync::SyncPath::Comm(b) => b,
-            sync::SyncPath::None => backend,
+            sync::SyncPath::None => forced.unwrap_or_default(),
         };
+        let actor = sync::dp_backend(&self.roles.train, forced);
+        let critic = sync::dp_backend(&self.roles.critic, forced);
+        for (name, g, (backend, why)) in [
+            ("actor", &self.roles.train, &actor),
+            ("critic", &self.roles.critic, &critic),
+        ] {
+            if g.len() > 1 {
+                self.report.report(&Event::DataParallel {
+                    part: name,
+                    backend: &backend.to_string(),
+                    why,
+                })?;
+            }
+        }
         tokio::try_join!(
-            cluster::join_comm(&self.roles.train, CommGroup::ActorDp, backend, t),
-            cluster::join_comm(&self.roles.critic, CommGroup::CriticDp, backend, t),
+            cluster::join_comm(&self.roles.train, CommGroup::ActorDp, actor.0, t),
+            cluster::join_comm(&self.roles.critic, CommGroup::CriticDp, critic.0, t),
             async {
                 if weights.members.is_empty() {
                     Ok(())

@@ -358,8 +358,11 @@ async fn attempt(
     }
 
     let roles = super::place(head, opts, shutdown, report).await?;
-    let (sync_path, why) =
-        sync::SyncPath::choose(&roles, opts.comm_backend, opts.weight_sync_backend);
+    let (sync_path, why) = sync::SyncPath::choose(
+        &roles,
+        opts.comm_backend.unwrap_or_default(),
+        opts.weight_sync_backend,
+    );
     report.report(&Event::WeightSync {
         path: &sync_path.describe(),
         why: &why,

@@ -353,7 +353,15 @@ impl StageLoop<'_> {
         let t = opts.start_timeout;
         super::init_and_report(self.roles, cfg, &opts.job_id, t, self.report).await?;
         let (part, group, comm, sharded) = trained(cfg, self.roles);
-        cluster::join_comm(&group, comm, opts.comm_backend, t).await?;
+        let (backend, why) = sync::dp_backend(&group, opts.comm_backend);
+        if group.len() > 1 {
+            self.report.report(&Event::DataParallel {
+                part,
+                backend: &backend.to_string(),
+                why: &why,
+            })?;
+        }
+        cluster::join_comm(&group, comm, backend, t).await?;
         if let Some((dir, st)) = &resumed {
             let source =
                 self.carry
