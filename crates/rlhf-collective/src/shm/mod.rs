@@ -15,8 +15,9 @@
 //! message `s - SLOTS`, so the writer fills the next slots while the readers copy out of
 //! the earlier ones. A slot's header (sequence, op, root, length) is checked by every
 //! reader, so ranks that disagree about the call get a `Mismatch` error instead of wrong
-//! bytes. All-reduce is an all-gather followed by the same reduction in rank order on every
-//! rank (bit-identical results). Waits poll (spin, yield, then sleep up to 80 µs) against
+//! bytes. All-reduce: every rank's buffer goes out in turn and every rank adds them up in
+//! rank order as they pass through the slots (bit-identical results, one extra buffer);
+//! reduce-scatter the same, each rank adding up only its own segment. Waits poll (spin, yield, then sleep up to 80 µs) against
 //! [`CommConfig::timeout`](crate::CommConfig), watch the waited-on peer's process and an
 //! abort word a failing rank sets: a dead or failed peer is an error within ~100 ms, never a
 //! hang.
@@ -269,6 +270,20 @@ impl ShmCommunicator {
     fn recv(&mut self, op: Op, parts: &mut [&mut [u8]], root: usize) -> Result<()> {
         let total: usize = parts.iter().map(|p| p.len()).sum();
         let mut cursor = Cursor::default();
+        self.recv_with(op, total, root, |_, bytes| {
+            cursor.copy_into_parts(parts, bytes.as_ptr(), bytes.len())
+        })
+    }
+
+    /// Reads one op's payload of `total` bytes from `root`, message by message: `take` gets
+    /// each message's bytes, and their offset in the payload, while they sit in the slot.
+    fn recv_with(
+        &mut self,
+        op: Op,
+        total: usize,
+        root: usize,
+        mut take: impl FnMut(usize, &[u8]),
+    ) -> Result<()> {
         for k in 0..self.messages(total) {
             let s = self.next;
             self.next += 1;
@@ -294,10 +309,66 @@ impl ShmCommunicator {
                 });
             }
             let n = (total - k * self.slot_bytes).min(self.slot_bytes);
-            cursor.copy_into_parts(parts, self.map.slot(slot, self.slot_bytes), n);
+            // SAFETY: the slot holds `n >= 0` published bytes of a live mapping, which its
+            // writer does not reuse before this rank marks the message consumed (below,
+            // after the borrow ends).
+            let bytes = unsafe {
+                std::slice::from_raw_parts(self.map.slot(slot, self.slot_bytes).cast_const(), n)
+            };
+            take(k * self.slot_bytes, bytes);
             h.ranks[self.rank].consumed.store(s, Ordering::Release);
         }
         Ok(())
+    }
+
+    /// Elements `keep` of the reduction of every rank's `buf` (the same length on every
+    /// rank), in rank order as every rank computes it (so bit-identical on all). Each rank's
+    /// buffer goes out whole once; a rank adds up, message by message, only what falls in
+    /// `keep`, so besides the result it holds one slot's worth, not every rank's buffer.
+    fn reduce_range<T: Elem + Default>(
+        &mut self,
+        op: Op,
+        buf: &[T],
+        keep: std::ops::Range<usize>,
+        red: ReduceOp,
+    ) -> Result<Vec<T>> {
+        let size = std::mem::size_of::<T>();
+        let total = std::mem::size_of_val(buf);
+        let mut acc = vec![T::default(); keep.len()];
+        let mut scratch: Vec<T> = Vec::new();
+        for r in 0..self.world {
+            if r == self.rank {
+                self.send(op, &[as_bytes(buf)])?;
+                let mine = &buf[keep.clone()];
+                if r == 0 {
+                    acc.copy_from_slice(mine);
+                } else {
+                    T::reduce(&mut acc, mine, red);
+                }
+                continue;
+            }
+            // Slots are a multiple of 64 bytes, so no element straddles two messages.
+            self.recv_with(op, total, r, |off, bytes| {
+                let (first, n) = (off / size, bytes.len() / size);
+                let (lo, hi) = (first.max(keep.start), (first + n).min(keep.end));
+                if lo >= hi {
+                    return;
+                }
+                scratch.resize(hi - lo, T::default());
+                as_bytes_mut(&mut scratch)
+                    .copy_from_slice(&bytes[(lo - first) * size..(hi - first) * size]);
+                let dst = &mut acc[lo - keep.start..hi - keep.start];
+                if r == 0 {
+                    dst.copy_from_slice(&scratch);
+                } else {
+                    T::reduce(dst, &scratch, red);
+                }
+            })?;
+        }
+        if red == ReduceOp::Avg {
+            T::divide(&mut acc, self.world);
+        }
+        Ok(acc)
     }
 
     fn gather(&mut self, op: Op, data: &[u8]) -> Result<Vec<Vec<u8>>> {
@@ -319,33 +390,18 @@ impl ShmCommunicator {
     }
 
     fn reduce<T: Elem + Default>(&mut self, buf: &mut [T], op: ReduceOp) -> Result<()> {
-        let all = self.gather(Op::AllReduce, as_bytes(buf))?;
-        let mut acc = vec![T::default(); buf.len()];
-        let mut other = vec![T::default(); buf.len()];
-        for (r, bytes) in all.iter().enumerate() {
-            if bytes.len() != std::mem::size_of_val(buf) {
-                return Err(Error::Mismatch {
-                    op: Op::AllReduce,
-                    rank: self.rank,
-                    peer: Some(r),
-                    detail: format!(
-                        "rank {r} reduces {} bytes, this rank {}",
-                        bytes.len(),
-                        std::mem::size_of_val(buf)
-                    ),
-                });
-            }
-            if r == 0 {
-                as_bytes_mut(&mut acc).copy_from_slice(bytes);
-            } else {
-                as_bytes_mut(&mut other).copy_from_slice(bytes);
-                T::reduce(&mut acc, &other, op);
-            }
-        }
-        if op == ReduceOp::Avg {
-            T::divide(&mut acc, self.world);
-        }
-        buf.copy_from_slice(&acc);
+        let all = self.reduce_range(Op::AllReduce, buf, 0..buf.len(), op)?;
+        buf.copy_from_slice(&all);
+        Ok(())
+    }
+
+    /// Each rank keeps the reduction of its own segment only (`counts`, rank order).
+    fn reduce_scatter(&mut self, buf: &mut [f32], counts: &[usize], op: ReduceOp) -> Result<()> {
+        crate::check_counts(buf.len(), counts, self.world)?;
+        let start: usize = counts[..self.rank].iter().sum();
+        let keep = start..start + counts[self.rank];
+        let mine = self.reduce_range(Op::ReduceScatter, buf, keep.clone(), op)?;
+        buf[keep].copy_from_slice(&mine);
         Ok(())
     }
 
@@ -455,6 +511,15 @@ impl Communicator for ShmCommunicator {
 
     fn all_reduce_f64(&mut self, buf: &mut [f64], op: ReduceOp) -> Result<()> {
         self.run(Op::AllReduce, |c| c.reduce(buf, op))
+    }
+
+    fn reduce_scatter_f32(
+        &mut self,
+        buf: &mut [f32],
+        counts: &[usize],
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.run(Op::ReduceScatter, |c| c.reduce_scatter(buf, counts, op))
     }
 
     fn all_gather(&mut self, data: &[u8]) -> Result<Vec<Vec<u8>>> {

@@ -88,6 +88,55 @@ fn broadcast_gather_reduce_and_barrier_across_many_slot_turns() {
     }
 }
 
+/// All-reduce and reduce-scatter add every rank's values up as they pass through the slots
+/// (128-byte slots: 32 floats a message, so a rank's buffer takes many turns of the ring):
+/// every element is the rank-order sum on every rank (bit-identical), and a reduce-scatter
+/// leaves each rank its own segment's sums, for uneven and empty segments, with the
+/// average and the max too.
+#[test]
+fn reductions_add_up_every_element_in_rank_order_as_it_streams_through() {
+    let mut comms = ok(group(3, 100, &[Some(4); 3]));
+    let n = 1001usize;
+    let value = |r: usize, i: usize| ((r * 7919 + i * 104_729) % 1000) as f32 * 0.37 - 150.0;
+    let counts = [400usize, 0, 601];
+    let results = run_all(&mut comms, |r, c| {
+        let mut all: Vec<f32> = (0..n).map(|i| value(r, i)).collect();
+        c.all_reduce_f32(&mut all, ReduceOp::Sum).unwrap();
+        let mut seg: Vec<f32> = (0..n).map(|i| value(r, i)).collect();
+        c.reduce_scatter_f32(&mut seg, &counts, ReduceOp::Sum)
+            .unwrap();
+        let mut avg: Vec<f32> = (0..n).map(|i| value(r, i)).collect();
+        c.reduce_scatter_f32(&mut avg, &counts, ReduceOp::Avg)
+            .unwrap();
+        let mut max: Vec<f32> = (0..n).map(|i| value(r, i)).collect();
+        c.reduce_scatter_f32(&mut max, &counts, ReduceOp::Max)
+            .unwrap();
+        let e = c
+            .reduce_scatter_f32(&mut [0.0; 3], &[1, 1], ReduceOp::Sum)
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+        (all, seg, avg, max)
+    });
+    let sum = |i: usize| (value(0, i) + value(1, i)) + value(2, i);
+    let top = |i: usize| value(0, i).max(value(1, i)).max(value(2, i));
+    let mut start = 0;
+    for (r, (all, seg, avg, max)) in results.iter().enumerate() {
+        for i in 0..n {
+            assert_eq!(all[i].to_bits(), sum(i).to_bits(), "rank {r} element {i}");
+        }
+        for i in start..start + counts[r] {
+            assert_eq!(
+                seg[i].to_bits(),
+                sum(i).to_bits(),
+                "rank {r} segment element {i}"
+            );
+            assert_eq!(avg[i], sum(i) / 3.0, "rank {r} average {i}");
+            assert_eq!(max[i], top(i), "rank {r} max {i}");
+        }
+        start += counts[r];
+    }
+}
+
 #[test]
 fn bucketed_weight_sync_arrives_with_the_trainers_checksum() {
     let mut comms = ok(group(3, 4096, &[Some(3); 3]));
