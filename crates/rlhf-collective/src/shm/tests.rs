@@ -121,8 +121,8 @@ fn reductions_add_up_every_element_in_rank_order_as_it_streams_through() {
     let top = |i: usize| value(0, i).max(value(1, i)).max(value(2, i));
     let mut start = 0;
     for (r, (all, seg, avg, max)) in results.iter().enumerate() {
-        for i in 0..n {
-            assert_eq!(all[i].to_bits(), sum(i).to_bits(), "rank {r} element {i}");
+        for (i, v) in all.iter().enumerate() {
+            assert_eq!(v.to_bits(), sum(i).to_bits(), "rank {r} element {i}");
         }
         for i in start..start + counts[r] {
             assert_eq!(
