@@ -435,6 +435,13 @@ fn a_rank_whose_call_fails_halfway_leaves_the_group_in_step() {
                     .unwrap();
                 let good = Batch::left_padded(&rows(), 0, &Device::Cpu).unwrap();
                 let bad = Batch::left_padded(&[vec![3, vocab + 5, 4]], 0, &Device::Cpu).unwrap();
+                // A call this model cannot make is refused before it gathers anything, so it
+                // counts no model call (what keeps a group's calls in step).
+                let z = model.zero3().unwrap().clone();
+                let calls = z.calls();
+                let e = model.values(&good).unwrap_err().to_string();
+                assert!(e.contains("values need a value model"), "{e}");
+                assert_eq!(z.calls(), calls, "a refused call gathered");
                 let start = std::time::Instant::now();
                 let first = model.token_log_probs(if rank == 0 { &bad } else { &good }, 1.0);
                 let took = start.elapsed();

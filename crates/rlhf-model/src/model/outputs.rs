@@ -9,6 +9,11 @@ use crate::error::{Error, Result};
 use crate::load::Batch;
 use crate::ops;
 use crate::transformer::{Kernels, KvCache, Linear, Transformer};
+use crate::zero3::Parts;
+
+const NEED_LM: &str = "logits need a causal LM";
+const NEED_VALUE: &str = "values need a value model";
+const NEED_SCORE: &str = "scores need a reward model";
 
 impl Model {
     /// Final hidden states `[B, T, H]`.
@@ -27,16 +32,27 @@ impl Model {
     fn lm_head<'h>(&self, head: &'h Head) -> Result<&'h Tensor> {
         match head {
             Head::Lm(w) => Ok(w),
-            _ => Err(Error::InvalidArgument(format!(
-                "logits need a causal LM, this model is a {:?} model",
-                self.kind
-            ))),
+            _ => Err(self.head_error(NEED_LM)),
         }
+    }
+
+    fn head_error(&self, need: &str) -> Error {
+        Error::InvalidArgument(format!("{need}, this model is a {:?} model", self.kind))
+    }
+
+    /// The decoder and head for one call, once this model is known to have the head the call
+    /// needs (`has`; `need` says which): a ZeRO-3 call that gathered its edges and then
+    /// refused would leave the group's other ranks waiting in the next gather.
+    fn parts_for(&self, has: fn(&Head) -> bool, need: &str) -> Result<Parts<'_>> {
+        if !has(&self.head) {
+            return Err(self.head_error(need));
+        }
+        self.parts()
     }
 
     /// Logits `[B, T, V]` at every position.
     pub fn logits(&self, batch: &Batch) -> Result<Tensor> {
-        let parts = self.parts()?;
+        let parts = self.parts_for(|h| matches!(h, Head::Lm(_)), NEED_LM)?;
         let w = self.lm_head(parts.head())?;
         let h = batch_hidden(parts.body(), batch)?;
         Linear::plain(w.clone(), None).forward(&h)
@@ -50,7 +66,7 @@ impl Model {
         position_ids: &Tensor,
         cache: &mut KvCache,
     ) -> Result<Tensor> {
-        let parts = self.parts()?;
+        let parts = self.parts_for(|h| matches!(h, Head::Lm(_)), NEED_LM)?;
         let w = self.lm_head(parts.head())?;
         let h = parts
             .body()
@@ -88,7 +104,7 @@ impl Model {
                 "log-probs need sequences of at least 2 tokens".to_string(),
             ));
         }
-        let parts = self.parts()?;
+        let parts = self.parts_for(|h| matches!(h, Head::Lm(_)), NEED_LM)?;
         let w = self.lm_head(parts.head())?;
         let h = batch_hidden(parts.body(), batch)?;
         let targets = batch.input_ids.narrow(1, 1, t - 1)?;
@@ -134,12 +150,9 @@ impl Model {
 
     /// Per-token values `[B, T]` (critic), in f32 (f64 for f64 models).
     pub fn values(&self, batch: &Batch) -> Result<Tensor> {
-        let parts = self.parts()?;
+        let parts = self.parts_for(|h| matches!(h, Head::Value(_)), NEED_VALUE)?;
         let Head::Value(head) = parts.head() else {
-            return Err(Error::InvalidArgument(format!(
-                "values need a value model, this model is a {:?} model",
-                self.kind
-            )));
+            return Err(self.head_error(NEED_VALUE));
         };
         let h = batch_hidden(parts.body(), batch)?;
         Ok(head
@@ -150,12 +163,9 @@ impl Model {
 
     /// Score-head outputs at every position `[B, T, num_labels]`.
     pub fn score_logits(&self, batch: &Batch) -> Result<Tensor> {
-        let parts = self.parts()?;
+        let parts = self.parts_for(|h| matches!(h, Head::Score(_)), NEED_SCORE)?;
         let Head::Score(head) = parts.head() else {
-            return Err(Error::InvalidArgument(format!(
-                "scores need a reward model, this model is a {:?} model",
-                self.kind
-            )));
+            return Err(self.head_error(NEED_SCORE));
         };
         let h = batch_hidden(parts.body(), batch)?;
         head.forward(&h)

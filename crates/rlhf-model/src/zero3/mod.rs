@@ -35,6 +35,7 @@ mod wire;
 
 pub use comm::Lent;
 use comm::Slot;
+pub(crate) use model::Parts;
 use wire::{wire_bytes, Whole};
 
 use std::collections::BTreeMap;
