@@ -14,6 +14,27 @@ use rlhf_e2e::{children_of, comparable, jsonl, wait_steps, wait_success, Proc};
 
 const STEPS: u64 = 12;
 
+/// Waits until the run `p` has committed a checkpoint at step `min` or later under `ckpt`
+/// (`latest_checkpointed_iteration.txt`, written once a save is complete). Saves run in the
+/// background, so on a loaded machine the steps logged can be ahead of the newest complete
+/// checkpoint: a kill before it completes rightly restarts from an older one (or the start).
+fn wait_checkpoint(p: &mut Proc, ckpt: &Path, min: u64) -> Result<()> {
+    let latest = ckpt.join("latest_checkpointed_iteration.txt");
+    rlhf_e2e::wait_for(
+        Duration::from_secs(300),
+        &format!("a checkpoint at step {min} or later in {}", ckpt.display()),
+        || {
+            if let Some(st) = p.child.try_wait()? {
+                bail!("the run ended first ({st}): {}", p.output());
+            }
+            let step = std::fs::read_to_string(&latest)
+                .ok()
+                .and_then(|t| t.trim().parse::<u64>().ok());
+            Ok(step.filter(|&s| s >= min).map(|_| ()))
+        },
+    )
+}
+
 fn common() -> Vec<&'static str> {
     vec![
         "training.train_iters=12",
@@ -59,6 +80,7 @@ fn a_killed_role_process_is_restarted_from_the_last_checkpoint_with_the_same_met
     )?;
     let metrics_file = out.join("metrics.jsonl");
     wait_steps(&mut p, &metrics_file, kill_at, Duration::from_secs(600))?;
+    wait_checkpoint(&mut p, &out.join("ckpt"), 2)?;
     let mut roles: Vec<(i32, String)> = children_of(p.pid())
         .into_iter()
         .filter(|(_, c)| c.contains(" actor ") && c.contains("--kind "))
@@ -113,6 +135,7 @@ fn a_killed_role_process_is_restarted_from_the_last_checkpoint_with_the_same_met
         kill_at,
         Duration::from_secs(600),
     )?;
+    wait_checkpoint(&mut p, &out.join("ckpt"), 2)?;
     let trainer = children_of(p.pid())
         .into_iter()
         .find(|(_, c)| c.contains("--kind actor_rollout"))
@@ -312,6 +335,7 @@ fn a_killed_dpo_trainer_is_restarted_with_the_same_metrics() -> Result<()> {
     let mut p = Proc::spawn("chaos", dir.path(), &mut cmd(&out))?;
     let metrics_file = out.join("metrics.jsonl");
     wait_steps(&mut p, &metrics_file, 3, Duration::from_secs(600))?;
+    wait_checkpoint(&mut p, &out.join("ckpt"), 2)?;
     let trainer = children_of(p.pid())
         .into_iter()
         .find(|(_, c)| c.contains("--kind actor"))
