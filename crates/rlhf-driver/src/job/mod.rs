@@ -41,7 +41,7 @@ pub struct DriverOptions {
     /// Token and TLS for talking to role actors.
     pub client: ClientOptions,
     /// Collective backend of the data-parallel groups (`--comm-backend`); `None` chooses per
-    /// group (see [`sync::dp_backend`]).
+    /// group (see `sync::dp_backend`).
     pub comm_backend: Option<CommBackend>,
     /// The trainer → rollout weights backend; `None` chooses (see `SyncPath::choose`).
     pub weight_sync_backend: Option<CommBackend>,
@@ -299,23 +299,11 @@ impl Loop<'_> {
             sync::SyncPath::Comm(b) => b,
             sync::SyncPath::None => forced.unwrap_or_default(),
         };
-        let actor = sync::dp_backend(&self.roles.train, forced);
-        let critic = sync::dp_backend(&self.roles.critic, forced);
-        for (name, g, (backend, why)) in [
-            ("actor", &self.roles.train, &actor),
-            ("critic", &self.roles.critic, &critic),
-        ] {
-            if g.len() > 1 {
-                self.report.report(&Event::DataParallel {
-                    part: name,
-                    backend: &backend.to_string(),
-                    why,
-                })?;
-            }
-        }
+        let actor = sync::dp_backend(self.report, "actor", &self.roles.train, forced)?;
+        let critic = sync::dp_backend(self.report, "critic", &self.roles.critic, forced)?;
         tokio::try_join!(
-            cluster::join_comm(&self.roles.train, CommGroup::ActorDp, actor.0, t),
-            cluster::join_comm(&self.roles.critic, CommGroup::CriticDp, critic.0, t),
+            cluster::join_comm(&self.roles.train, CommGroup::ActorDp, actor, t),
+            cluster::join_comm(&self.roles.critic, CommGroup::CriticDp, critic, t),
             async {
                 if weights.members.is_empty() {
                     Ok(())

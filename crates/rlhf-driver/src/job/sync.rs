@@ -48,38 +48,26 @@ impl SyncPath {
             );
         }
         let g = roles.weights_group();
-        let nodes: BTreeSet<&str> = g.members.iter().map(|m| m.node_id.as_str()).collect();
-        let on = |n: usize| {
-            if n == 1 {
-                format!("every rank on node {}", nodes.iter().next().unwrap_or(&"?"))
-            } else {
-                format!("ranks on {n} nodes")
-            }
-        };
+        let nodes = nodes_of(&g);
+        let on = ranks_on(&nodes);
         if let Some(b) = forced {
             return (
                 SyncPath::Comm(b),
-                format!("asked for with --weight-sync-backend; {}", on(nodes.len())),
+                format!("asked for with --weight-sync-backend; {on}"),
             );
         }
         match backend {
             _ if nodes.len() <= 1 && cfg!(target_os = "linux") => (
                 SyncPath::Comm(CommBackend::Shm),
-                format!(
-                    "{}: one shared-memory segment, no sockets (GPU weights go by CUDA IPC)",
-                    on(1)
-                ),
+                format!("{on}: one shared-memory segment, no sockets (GPU weights go by CUDA IPC)"),
             ),
             CommBackend::Nccl => (
                 SyncPath::Comm(backend),
-                format!(
-                    "the job's NCCL backend, device to device; {}",
-                    on(nodes.len())
-                ),
+                format!("the job's NCCL backend, device to device; {on}"),
             ),
             _ => (
                 SyncPath::Comm(backend),
-                format!("the job's {backend} backend; {}", on(nodes.len())),
+                format!("the job's {backend} backend; {on}"),
             ),
         }
     }
@@ -94,23 +82,43 @@ impl SyncPath {
     }
 }
 
-/// The backend of a data-parallel group and why, for the one log line: `forced`
-/// (`--comm-backend`) when given; shared memory when every rank is on one node (Linux: an
-/// anonymous memfd ring, no sockets; weight_sync_bench moves 64-512 MiB 1.9-3.5x faster
-/// through it than through the TCP communicator); else TCP.
-pub fn dp_backend(group: &WorkerGroup, forced: Option<CommBackend>) -> (CommBackend, String) {
-    dp_backend_on(group.members.iter().map(|m| m.node_id.as_str()), forced)
+/// The nodes `group`'s ranks run on.
+fn nodes_of(group: &WorkerGroup) -> BTreeSet<&str> {
+    group.members.iter().map(|m| m.node_id.as_str()).collect()
 }
 
-fn dp_backend_on<'a>(
-    nodes: impl Iterator<Item = &'a str>,
-    forced: Option<CommBackend>,
-) -> (CommBackend, String) {
-    let nodes: std::collections::BTreeSet<&str> = nodes.collect();
-    let on = match nodes.len() {
-        1 => format!("every rank on node {}", nodes.iter().next().unwrap_or(&"?")),
+/// Where the ranks on `nodes` run, for a log line.
+fn ranks_on(nodes: &BTreeSet<&str>) -> String {
+    match nodes.len() {
+        0 | 1 => format!("every rank on node {}", nodes.iter().next().unwrap_or(&"?")),
         n => format!("ranks on {n} nodes"),
-    };
+    }
+}
+
+/// The backend of the data-parallel group of `part` (`actor`, `critic`, `reward`), logged
+/// once when the group has several ranks: `forced` (`--comm-backend`) when given; shared
+/// memory when every rank is on one node (Linux: an anonymous memfd ring, no sockets;
+/// weight_sync_bench moves 64-512 MiB 1.9-3.5x faster through it than through the TCP
+/// communicator); else TCP.
+pub(super) fn dp_backend(
+    report: &mut crate::report::Reporters,
+    part: &str,
+    group: &WorkerGroup,
+    forced: Option<CommBackend>,
+) -> Res<CommBackend> {
+    let (backend, why) = dp_backend_on(&nodes_of(group), forced);
+    if group.len() > 1 {
+        report.report(&crate::report::Event::DataParallel {
+            part,
+            backend: &backend.to_string(),
+            why: &why,
+        })?;
+    }
+    Ok(backend)
+}
+
+fn dp_backend_on(nodes: &BTreeSet<&str>, forced: Option<CommBackend>) -> (CommBackend, String) {
+    let on = ranks_on(nodes);
     match forced {
         Some(b) => (b, format!("asked for with --comm-backend; {on}")),
         None if nodes.len() <= 1 && cfg!(target_os = "linux") => (
@@ -452,14 +460,15 @@ mod tests {
 
     #[test]
     fn a_data_parallel_group_on_one_node_takes_shared_memory_unless_told() {
-        let (b, why) = dp_backend_on(["n1", "n1"].into_iter(), None);
+        let nodes = |n: &[&'static str]| n.iter().copied().collect::<BTreeSet<&str>>();
+        let (b, why) = dp_backend_on(&nodes(&["n1", "n1"]), None);
         assert_eq!(b, CommBackend::Shm);
         assert!(why.contains("every rank on node n1"), "{why}");
-        let (b, why) = dp_backend_on(["n1", "n2", "n1"].into_iter(), None);
+        let (b, why) = dp_backend_on(&nodes(&["n1", "n2", "n1"]), None);
         assert_eq!(b, CommBackend::Tcp);
         assert!(why.contains("ranks on 2 nodes"), "{why}");
         for forced in CommBackend::ALL {
-            let (b, why) = dp_backend_on(["n1", "n1"].into_iter(), Some(forced));
+            let (b, why) = dp_backend_on(&nodes(&["n1", "n1"]), Some(forced));
             assert_eq!(b, forced);
             assert!(why.contains("--comm-backend"), "{why}");
         }

@@ -353,14 +353,7 @@ impl StageLoop<'_> {
         let t = opts.start_timeout;
         super::init_and_report(self.roles, cfg, &opts.job_id, t, self.report).await?;
         let (part, group, comm, sharded) = trained(cfg, self.roles);
-        let (backend, why) = sync::dp_backend(&group, opts.comm_backend);
-        if group.len() > 1 {
-            self.report.report(&Event::DataParallel {
-                part,
-                backend: &backend.to_string(),
-                why: &why,
-            })?;
-        }
+        let backend = sync::dp_backend(self.report, part, &group, opts.comm_backend)?;
         cluster::join_comm(&group, comm, backend, t).await?;
         if let Some((dir, st)) = &resumed {
             let source =
