@@ -17,7 +17,8 @@
 //! reader, so ranks that disagree about the call get a `Mismatch` error instead of wrong
 //! bytes. All-reduce: every rank's buffer goes out in turn and every rank adds them up in
 //! rank order as they pass through the slots (bit-identical results, one extra buffer);
-//! reduce-scatter the same, each rank adding up only its own segment. Waits poll (spin, yield, then sleep up to 80 µs) against
+//! reduce-scatter the same, each rank adding up only its own segment. Waits poll (spin,
+//! yield, then sleep up to 80 µs) against
 //! [`CommConfig::timeout`](crate::CommConfig), watch the waited-on peer's process and an
 //! abort word a failing rank sets: a dead or failed peer is an error within ~100 ms, never a
 //! hang.
@@ -336,15 +337,18 @@ impl ShmCommunicator {
         let total = std::mem::size_of_val(buf);
         let mut acc = vec![T::default(); keep.len()];
         let mut scratch: Vec<T> = Vec::new();
+        // Rank 0's values start the sum; every later rank's are added in turn.
+        let fold = |r: usize, dst: &mut [T], src: &[T]| {
+            if r == 0 {
+                dst.copy_from_slice(src);
+            } else {
+                T::reduce(dst, src, red);
+            }
+        };
         for r in 0..self.world {
             if r == self.rank {
                 self.send(op, &[as_bytes(buf)])?;
-                let mine = &buf[keep.clone()];
-                if r == 0 {
-                    acc.copy_from_slice(mine);
-                } else {
-                    T::reduce(&mut acc, mine, red);
-                }
+                fold(r, &mut acc, &buf[keep.clone()]);
                 continue;
             }
             // Slots are a multiple of 64 bytes, so no element straddles two messages.
@@ -357,12 +361,7 @@ impl ShmCommunicator {
                 scratch.resize(hi - lo, T::default());
                 as_bytes_mut(&mut scratch)
                     .copy_from_slice(&bytes[(lo - first) * size..(hi - first) * size]);
-                let dst = &mut acc[lo - keep.start..hi - keep.start];
-                if r == 0 {
-                    dst.copy_from_slice(&scratch);
-                } else {
-                    T::reduce(dst, &scratch, red);
-                }
+                fold(r, &mut acc[lo - keep.start..hi - keep.start], &scratch);
             })?;
         }
         if red == ReduceOp::Avg {
