@@ -16,6 +16,13 @@ pub mod v1 {
     tonic::include_proto!("rlhf.v1");
 }
 
+include!(concat!(env!("OUT_DIR"), "/unary_methods.rs"));
+
+/// Whether `path` (`/package.Service/Method`) names a unary method of proto/.
+pub fn is_unary(path: &str) -> bool {
+    UNARY_METHODS.binary_search(&path).is_ok()
+}
+
 /// The batch RPCs of `RoleService`: the driver and the role actors name calls with it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum BatchCall {
@@ -44,5 +51,23 @@ impl BatchCall {
             BatchCall::UpdatePreference => "UpdatePreference",
             BatchCall::UpdateRewardModel => "UpdateRewardModel",
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unary_methods_are_the_non_streaming_ones() {
+        assert!(is_unary("/rlhf.v1.ActorService/Ping"));
+        assert!(is_unary("/rlhf.v1.RoleService/SyncWeights"));
+        assert!(is_unary("/rlhf.v1.HeadService/RegisterNode"));
+        // Client-, server- and bidirectional streams are not.
+        assert!(!is_unary("/rlhf.v1.ActorService/PutBatch"));
+        assert!(!is_unary("/rlhf.v1.WorkerService/GetSnapshot"));
+        assert!(!is_unary("/rlhf.v1.RoleService/Generate"));
+        assert!(!is_unary("/rlhf.v1.ActorService/NoSuchMethod"));
+        assert!(UNARY_METHODS.windows(2).all(|w| w[0] < w[1]), "sorted");
     }
 }

@@ -443,19 +443,13 @@ pub async fn serve(
             .max_encoding_message_size(MAX_MESSAGE_BYTES),
         CheckToken::new(&opts.token, "role"),
     );
-    opts.tls
-        .server()?
-        .add_service(rlhf_runtime::actor::actor_service(
-            &opts.actor_id,
-            &opts.token,
-        ))
-        .add_service(role)
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
-            shutdown.cancelled_owned(),
-        )
-        .await
-        .map_err(|e| rlhf_core::Error::internal(format!("role server: {}", net::error_chain(&e))))
+    let routes = tonic::service::Routes::new(rlhf_runtime::actor::actor_service(
+        &opts.actor_id,
+        &opts.token,
+    ))
+    .add_service(role);
+    // HTTP/2 for the batch streams, control frames for the driver's unary calls.
+    rlhf_runtime::frames::server::serve(&opts.tls, routes, listener, shutdown, "role").await
 }
 
 /// The worker's entry point for `rlhf-worker actor --kind <role>`: binds, writes the ready

@@ -47,10 +47,13 @@ async fn start(kind: &str, shutdown: &CancellationToken) -> String {
     addr
 }
 
+/// As the driver calls a role process: unary calls as control frames, batches over HTTP/2.
 async fn client(addr: &str, token: &str) -> RoleServiceClient<AuthChannel> {
-    let ch = rlhf_runtime::net::connect(addr, &ClientOptions::new(token))
+    let t = rlhf_runtime::net::direct_transport(addr, &ClientOptions::new(token))
         .await
         .unwrap();
+    assert!(t.frames().is_some(), "a role process serves control frames");
+    let ch = rlhf_runtime::net::with_token(t, token).unwrap();
     RoleServiceClient::new(ch)
         .max_decoding_message_size(rlhf_proto::MAX_MESSAGE_BYTES)
         .max_encoding_message_size(rlhf_proto::MAX_MESSAGE_BYTES)

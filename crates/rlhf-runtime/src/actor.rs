@@ -162,14 +162,6 @@ pub async fn run(opts: ActorOptions, shutdown: CancellationToken) -> Result<()> 
     }
     let (listener, addr) = bind_ready(&opts.host, &opts.ready_file).await?;
     eprintln!("actor {} ({}) serving on {addr}", opts.actor_id, opts.kind);
-    let svc = actor_service(&opts.actor_id, &opts.token);
-    opts.tls
-        .server()?
-        .add_service(svc)
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
-            shutdown.cancelled_owned(),
-        )
-        .await
-        .map_err(|e| Error::internal(format!("actor server: {}", net::error_chain(&e))))
+    let routes = tonic::service::Routes::new(actor_service(&opts.actor_id, &opts.token));
+    crate::frames::server::serve(&opts.tls, routes, listener, shutdown, "actor").await
 }

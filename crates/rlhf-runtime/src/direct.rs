@@ -7,7 +7,8 @@
 //! driver's calls to role processes need neither: a role process's address lives and dies
 //! with it. So `crate::net::connect_direct` hands those out (plain TCP; a TLS cluster keeps
 //! tonic's channel), and everything that must survive a peer's restart (workers and drivers
-//! to the head) keeps the reconnecting channel.
+//! to the head) keeps the reconnecting channel. On such a connection the unary calls travel
+//! as control frames (`crate::frames`) where the server speaks them.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -21,11 +22,13 @@ use tonic::transport::Channel;
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 type BoxFuture = Pin<Box<dyn Future<Output = Result<http::Response<Body>, BoxError>> + Send>>;
 
-/// One HTTP/2 connection, driven by a task of its own; clones share it.
+/// One HTTP/2 connection, driven by a task of its own; clones share it. Unary calls go as
+/// control frames instead when the server speaks them (`crate::frames`).
 #[derive(Clone, Debug)]
 pub struct Direct {
     pub(crate) send: SendRequest<Body>,
     pub(crate) authority: Authority,
+    pub(crate) frames: Option<crate::frames::FramesClient>,
 }
 
 /// What a gRPC client of this cluster sends through.
@@ -35,6 +38,27 @@ pub enum Transport {
     Channel(Channel),
     /// One connection, no buffer task (see the module doc).
     Direct(Direct),
+}
+
+impl Transport {
+    /// The control frames pool unary calls go through, if they do.
+    pub fn frames(&self) -> Option<&crate::frames::FramesClient> {
+        match self {
+            Transport::Direct(d) => d.frames.as_ref(),
+            Transport::Channel(_) => None,
+        }
+    }
+
+    /// The same transport with its frames pool changed by `f` (tests shorten its limits).
+    pub fn map_frames(
+        mut self,
+        f: impl FnOnce(crate::frames::FramesClient) -> crate::frames::FramesClient,
+    ) -> Transport {
+        if let Transport::Direct(d) = &mut self {
+            d.frames = d.frames.take().map(f);
+        }
+        self
+    }
 }
 
 impl tower::Service<http::Request<Body>> for Transport {
@@ -58,6 +82,11 @@ impl tower::Service<http::Request<Body>> for Transport {
                 Box::pin(async move { f.await.map_err(Into::into) })
             }
             Transport::Direct(d) => {
+                if let Some(f) = &d.frames {
+                    if rlhf_proto::is_unary(req.uri().path()) {
+                        return Box::pin(f.clone().call(req));
+                    }
+                }
                 // tonic's clients send the path alone; HTTP/2 needs scheme and authority.
                 let (mut parts, body) = req.into_parts();
                 let mut uri = parts.uri.into_parts();

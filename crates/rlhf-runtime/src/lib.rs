@@ -9,6 +9,7 @@ pub mod clock;
 pub mod convert;
 pub mod dashboard;
 pub mod direct;
+pub mod frames;
 pub mod head;
 pub mod logging;
 pub mod net;

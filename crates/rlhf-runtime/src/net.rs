@@ -49,6 +49,9 @@ pub struct ClientOptions {
     /// HTTP/2 keepalive ping period of the channel (a silent server is found within this
     /// plus 20 s).
     pub keepalive: Duration,
+    /// Whether [`connect_direct`] sends unary calls as control frames (`crate::frames`) to a
+    /// server that speaks them; true unless a test or bench compares with HTTP/2.
+    pub control_frames: bool,
 }
 
 impl ClientOptions {
@@ -59,6 +62,7 @@ impl ClientOptions {
             tls_domain: None,
             connect_timeout: Duration::from_secs(30),
             keepalive: Duration::from_secs(10),
+            control_frames: true,
         }
     }
 }
@@ -196,11 +200,23 @@ pub async fn connect(addr: &str, opts: &ClientOptions) -> Result<AuthChannel> {
 
 /// Connects as [`connect`] does, to a peer whose address dies with it (a role process): one
 /// HTTP/2 connection used directly, without tonic's buffer task (see `crate::direct`), and
-/// never reconnected. Over TLS, the same as [`connect`].
+/// never reconnected; unary calls go as control frames when the server speaks them
+/// (`crate::frames`). Over TLS, the same as [`connect`].
 pub async fn connect_direct(addr: &str, opts: &ClientOptions) -> Result<AuthChannel> {
     if opts.tls_ca.is_some() {
         return connect(addr, opts).await;
     }
+    with_token(direct_transport(addr, opts).await?, &opts.token)
+}
+
+/// A transport with the cluster token added to every request.
+pub fn with_token(t: Transport, token: &str) -> Result<AuthChannel> {
+    Ok(InterceptedService::new(t, AddToken::new(token)?))
+}
+
+/// The plain-TCP transport of [`connect_direct`], before the token is added: benches and
+/// tests look at it (whether unary calls go as frames) and shape it.
+pub async fn direct_transport(addr: &str, opts: &ClientOptions) -> Result<Transport> {
     let authority: http::uri::Authority = addr
         .parse()
         .map_err(|e| Error::invalid(format!("bad address '{addr}': {e}; expected HOST:PORT")))?;
@@ -226,16 +242,26 @@ pub async fn connect_direct(addr: &str, opts: &ClientOptions) -> Result<AuthChan
                 tracing::debug!("connection to {peer} ended: {e}");
             }
         });
-        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(crate::direct::Direct {
-            send,
-            authority: authority.clone(),
-        })
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>((send, authority.clone()))
     })
     .await?;
-    Ok(InterceptedService::new(
-        Transport::Direct(direct),
-        AddToken::new(&opts.token)?,
-    ))
+    let frames = if opts.control_frames {
+        // The HTTP/2 connection is up, so the server is: a failure here only means no frames.
+        match crate::frames::FramesClient::connect(addr).await {
+            Ok(f) => f,
+            Err(e) => {
+                tracing::debug!("no control frames to {addr} ({e}); unary calls use HTTP/2");
+                None
+            }
+        }
+    } else {
+        None
+    };
+    Ok(Transport::Direct(crate::direct::Direct {
+        send: direct.0,
+        authority: direct.1,
+        frames,
+    }))
 }
 
 /// Runs `attempt` with exponential backoff until `connect_timeout`, then fails naming the

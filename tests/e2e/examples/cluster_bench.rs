@@ -1,5 +1,6 @@
-//! Control-plane bench: (1) no-op RPC round trip to a real actor process, next to a raw TCP
-//! echo round trip on loopback measured in the same run; (2) 10,000 simulated nodes
+//! Control-plane bench: (1) no-op RPC round trip to a real actor process, over control
+//! frames, direct HTTP/2 and tonic's channel, next to a raw TCP echo round trip on loopback
+//! measured in the same run; (2) 10,000 simulated nodes
 //! registering and heartbeating at 1 Hz (signed UDP beats, one idle stream per node, as
 //! workers do) against one head process:
 //! registration latency, head CPU use from /proc, and how fast a node that goes silent at
@@ -123,18 +124,36 @@ fn main() -> Result<()> {
             .context("no actor")?;
         anyhow::Ok(a.address)
     })?;
-    // Through tonic's buffered, reconnecting channel (what clients of the head use) and
-    // through the direct connection the driver uses for role processes.
-    let pings = |rt: &tokio::runtime::Runtime, direct: bool, spawned: bool| {
+    // Through the control frames the driver uses for unary calls to role processes, through
+    // the direct HTTP/2 connection it used before them, and through tonic's buffered,
+    // reconnecting channel (what clients of the head use).
+    #[derive(Clone, Copy, PartialEq)]
+    enum Path {
+        Frames,
+        Http2Direct,
+        Http2Channel,
+    }
+    let pings = |rt: &tokio::runtime::Runtime, path: Path| {
         let (token, actor_addr) = (token.clone(), actor_addr.clone());
-        // On a task of the runtime (as the driver's loop runs), not on the thread that
-        // blocks on it: a call and its connection's task can then share a worker thread.
+        // On a task of the runtime, as the driver's loop runs.
         let run = async move {
-            let o = ClientOptions::new(token);
-            let ch = if direct {
-                net::connect_direct(&actor_addr, &o).await?
-            } else {
-                net::connect(&actor_addr, &o).await?
+            let mut o = ClientOptions::new(token.clone());
+            o.control_frames = path == Path::Frames;
+            let ch = match path {
+                Path::Http2Channel => net::connect(&actor_addr, &o).await?,
+                _ => {
+                    let t = net::direct_transport(&actor_addr, &o).await?;
+                    anyhow::ensure!(
+                        t.frames().is_some() == (path == Path::Frames),
+                        "control frames {} to {actor_addr}",
+                        if path == Path::Frames {
+                            "refused"
+                        } else {
+                            "used"
+                        }
+                    );
+                    net::with_token(t, &token)?
+                }
             };
             let mut client = ActorServiceClient::new(ch);
             let mut out = Vec::with_capacity(calls);
@@ -145,63 +164,52 @@ fn main() -> Result<()> {
                     out.push(t.elapsed().as_secs_f64() * 1e6);
                 }
             }
-            out.sort_by(f64::total_cmp);
             anyhow::Ok(out)
         };
-        if spawned {
-            rt.block_on(async move { tokio::spawn(run).await? })
-        } else {
-            rt.block_on(run)
-        }
+        rt.block_on(async move { tokio::spawn(run).await? })
     };
     let current = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    // Alternating, twice each, so drift in the machine's load hits both alike.
-    let (mut chan, mut direct, mut chan_ct, mut direct_ct, mut blocking, mut old) =
+    // Alternating, three times each, so drift in the machine's load hits all alike.
+    let (mut frames, mut direct, mut chan, mut frames_ct, mut direct_ct, mut raw) =
         (vec![], vec![], vec![], vec![], vec![], vec![]);
-    for _ in 0..2 {
-        chan.extend(pings(&rt, false, true)?);
-        direct.extend(pings(&rt, true, true)?);
-        chan_ct.extend(pings(&current, false, true)?);
-        direct_ct.extend(pings(&current, true, true)?);
-        blocking.extend(pings(&rt, true, false)?);
-        old.extend(pings(&rt, false, false)?);
+    for _ in 0..3 {
+        frames.extend(pings(&rt, Path::Frames)?);
+        direct.extend(pings(&rt, Path::Http2Direct)?);
+        chan.extend(pings(&rt, Path::Http2Channel)?);
+        frames_ct.extend(pings(&current, Path::Frames)?);
+        direct_ct.extend(pings(&current, Path::Http2Direct)?);
+        raw.extend(raw_tcp_rtt(calls)?);
     }
     drop(current);
-    let mut raw = raw_tcp_rtt(calls)?;
-    raw.sort_by(f64::total_cmp);
     for v in [
-        &mut chan,
+        &mut frames,
         &mut direct,
-        &mut chan_ct,
+        &mut chan,
+        &mut frames_ct,
         &mut direct_ct,
-        &mut blocking,
-        &mut old,
+        &mut raw,
     ] {
         v.sort_by(f64::total_cmp);
     }
-    let (rm, rp99) = (percentile(&raw, 0.5), percentile(&raw, 0.99));
     println!(
-        "actor no-op RPC round trip over {} calls to {actor_addr}:",
-        2 * calls
+        "actor no-op RPC round trip over {} calls each to {actor_addr}:",
+        3 * calls
     );
     for (name, v) in [
         (
-            "direct connection, multi-thread client (the driver's)",
-            &direct,
+            "control frames, multi-thread client (the driver's)",
+            &frames,
         ),
-        ("tonic channel, multi-thread client", &chan),
+        ("direct HTTP/2 connection, multi-thread client", &direct),
+        ("tonic channel (HTTP/2), multi-thread client", &chan),
+        ("control frames, current-thread client", &frames_ct),
         (
-            "direct connection, on the runtime's block_on thread",
-            &blocking,
+            "direct HTTP/2 connection, current-thread client",
+            &direct_ct,
         ),
-        (
-            "tonic channel, on the block_on thread (the old driver's)",
-            &old,
-        ),
-        ("direct connection, current-thread client", &direct_ct),
-        ("tonic channel, current-thread client", &chan_ct),
+        ("raw tcp echo (baseline, same run)", &raw),
     ] {
         println!(
             "  {name:55} median {:6.1} us, p99 {:6.1} us",
@@ -209,16 +217,11 @@ fn main() -> Result<()> {
             percentile(v, 0.99)
         );
     }
+    let m = percentile(&frames, 0.5);
     println!(
-        "  raw tcp echo (baseline, same run){:22} median {rm:6.1} us, p99 {rp99:6.1} us",
-        ""
-    );
-    let m = percentile(&direct, 0.5);
-    println!(
-        "  ratio driver's path new/old median {:.2}x, direct/channel {:.2}x, direct/raw {:.2}x; goal median <= 100 us: {}",
-        m / percentile(&old, 0.5),
-        m / percentile(&chan, 0.5),
-        m / rm,
+        "  ratio median frames/direct HTTP/2 {:.2}x, frames/raw echo {:.2}x; goal median <= 100 us: {}",
+        m / percentile(&direct, 0.5),
+        m / percentile(&raw, 0.5),
         if m <= 100.0 { "met" } else { "NOT met" }
     );
     if rpc_only {

@@ -1,0 +1,197 @@
+//! The client side of control frames: a small pool of connections to one role or actor
+//! process; a call takes one (or opens one), runs on the caller's task and gives it back.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use http_body_util::BodyExt;
+use prost::Message;
+use rlhf_proto::v1 as pb;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tonic::body::Body;
+
+use super::{
+    decode, from_frame_headers, read_frame, to_frame_headers, write_frame, Kind, HELLO, IDLE_LIMIT,
+};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Connections kept open for later calls; more are opened while calls overlap and closed
+/// when they come back to a full pool.
+const POOL: usize = 8;
+
+/// How long connecting and the hello exchange may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Unary calls to one server over control frames; clones share the pool.
+#[derive(Clone, Debug)]
+pub struct FramesClient {
+    addr: String,
+    idle: Arc<Mutex<Vec<TcpStream>>>,
+    /// A call fails when the server sends nothing for this long ([`IDLE_LIMIT`]).
+    idle_limit: Duration,
+}
+
+impl FramesClient {
+    /// Connects to `addr` and says hello. `Ok(None)`: the server answered, but not with
+    /// frames (a server without them, or a TLS one); the caller keeps HTTP/2.
+    pub async fn connect(addr: &str) -> std::io::Result<Option<FramesClient>> {
+        let c = FramesClient {
+            addr: addr.to_string(),
+            idle: Arc::default(),
+            idle_limit: IDLE_LIMIT,
+        };
+        match c.open().await? {
+            Some(s) => {
+                c.give_back(s);
+                Ok(Some(c))
+            }
+            None => Ok(None),
+        }
+    }
+
+    /// A new connection past the hello; `None` when the server does not speak frames.
+    async fn open(&self) -> std::io::Result<Option<TcpStream>> {
+        let timed_out = |what: &str| {
+            std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("{what} {} timed out after {CONNECT_TIMEOUT:?}", self.addr),
+            )
+        };
+        // "tcp connect error" is what `net::never_sent` looks for: such a call is safe to
+        // send again.
+        let mut s = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(&self.addr))
+            .await
+            .map_err(|_| timed_out("tcp connect error: connecting"))?
+            .map_err(|e| std::io::Error::new(e.kind(), format!("tcp connect error: {e}")))?;
+        s.set_nodelay(true)?;
+        let mut answer = [0u8; HELLO.len()];
+        let said = tokio::time::timeout(CONNECT_TIMEOUT, async {
+            s.write_all(HELLO).await?;
+            s.read_exact(&mut answer).await
+        })
+        .await
+        .map_err(|_| timed_out("control frames hello to"))?;
+        match said {
+            Ok(_) if &answer == HELLO => Ok(Some(s)),
+            // Closed, or answered with something else: not a frames server.
+            Ok(_) => Ok(None),
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Ok(None),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The same pool with another silence limit (tests shorten it).
+    pub fn with_idle_limit(mut self, limit: Duration) -> FramesClient {
+        self.idle_limit = limit;
+        self
+    }
+
+    /// Connections open and idle now.
+    pub fn idle_connections(&self) -> usize {
+        self.idle.lock().map(|v| v.len()).unwrap_or(0)
+    }
+
+    fn take(&self) -> Option<TcpStream> {
+        self.idle.lock().ok()?.pop()
+    }
+
+    fn give_back(&self, s: TcpStream) {
+        if let Ok(mut idle) = self.idle.lock() {
+            if idle.len() < POOL {
+                idle.push(s);
+            }
+        }
+    }
+
+    /// Sends one unary gRPC call and returns its response as HTTP/2 would have. A connection
+    /// that fails is `Unavailable`, as a broken HTTP/2 connection is.
+    pub async fn call(self, req: http::Request<Body>) -> Result<http::Response<Body>, BoxError> {
+        let path = req.uri().path().to_string();
+        let addr = self.addr.clone();
+        self.call_inner(req).await.map_err(|e| {
+            Box::new(tonic::Status::unavailable(format!(
+                "control call {path} to {addr}: {e}"
+            ))) as BoxError
+        })
+    }
+
+    async fn call_inner(self, req: http::Request<Body>) -> Result<http::Response<Body>, BoxError> {
+        let (parts, body) = req.into_parts();
+        let body = body.collect().await?.to_bytes();
+        let msg = pb::ControlRequest {
+            path: parts.uri.path().to_string(),
+            headers: to_frame_headers(&parts.headers),
+            body,
+        }
+        .encode_to_vec();
+        let mut s = match self.take() {
+            Some(s) => s,
+            None => self.open().await?.ok_or_else(|| {
+                format!(
+                    "{} stopped answering control frames on a new connection",
+                    self.addr
+                )
+            })?,
+        };
+        let resp = self.exchange(&mut s, &msg).await?;
+        self.give_back(s);
+        Ok(resp)
+    }
+
+    async fn exchange(
+        &self,
+        s: &mut TcpStream,
+        msg: &[u8],
+    ) -> std::io::Result<http::Response<Body>> {
+        write_frame(s, Kind::Request, msg).await?;
+        loop {
+            let frame = tokio::time::timeout(self.idle_limit, read_frame(s))
+                .await
+                .map_err(|_| {
+                    std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!(
+                            "the server sent nothing for {:?} during the call (stopped or unreachable)",
+                            self.idle_limit
+                        ),
+                    )
+                })??;
+            match frame {
+                None => {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::UnexpectedEof,
+                        "the server closed the connection during the call",
+                    ))
+                }
+                Some((Kind::Keepalive, _)) => continue,
+                Some((Kind::Response, payload)) => {
+                    return response(decode::<pb::ControlResponse>(&payload, "response")?)
+                }
+                Some((Kind::Request, _)) => {
+                    return Err(super::invalid(
+                        "the server sent a request frame".to_string(),
+                    ))
+                }
+            }
+        }
+    }
+}
+
+fn response(r: pb::ControlResponse) -> std::io::Result<http::Response<Body>> {
+    let status = http::StatusCode::from_u16(r.status.min(u16::MAX as u32) as u16)
+        .map_err(|e| super::invalid(format!("control frame status {}: {e}", r.status)))?;
+    let trailers = from_frame_headers(r.trailers)?;
+    let data = http_body_util::Full::new(r.body);
+    let body = if trailers.is_empty() {
+        Body::new(data)
+    } else {
+        Body::new(data.with_trailers(async move { Some(Ok(trailers)) }))
+    };
+    let mut resp = http::Response::new(body);
+    *resp.status_mut() = status;
+    *resp.headers_mut() = from_frame_headers(r.headers)?;
+    Ok(resp)
+}

@@ -1,0 +1,232 @@
+//! The server side of control frames: one listener for both protocols. Each accepted
+//! connection's first bytes say which: [`HELLO`] goes to the frames loop, anything else
+//! (the HTTP/2 preface) to tonic's server, with the same routes behind both.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use http_body_util::BodyExt;
+use prost::Message;
+use rlhf_core::{Error, Result};
+use rlhf_proto::v1 as pb;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio_util::sync::CancellationToken;
+use tonic::service::Routes;
+use tower::ServiceExt;
+
+use super::{
+    decode, from_frame_headers, read_frame, to_frame_headers, write_frame, Kind, HELLO,
+    KEEPALIVE_EVERY,
+};
+use crate::net::{self, ServerTls};
+
+/// A connection that has not said which protocol it speaks within this is closed.
+const FIRST_BYTES_WITHIN: Duration = Duration::from_secs(10);
+
+/// Serves `routes` on `listener` until `shutdown`: HTTP/2 (tonic) and control frames on the
+/// same port. With TLS, HTTP/2 only (frames carry no encryption).
+pub async fn serve(
+    tls: &ServerTls,
+    routes: Routes,
+    listener: tokio::net::TcpListener,
+    shutdown: CancellationToken,
+    what: &str,
+) -> Result<()> {
+    let server_err = |e: tonic::transport::Error| {
+        Error::internal(format!("{what} server: {}", net::error_chain(&e)))
+    };
+    if tls.config()?.is_some() {
+        return tls
+            .server()?
+            .add_routes(routes)
+            .serve_with_incoming_shutdown(
+                tokio_stream::wrappers::TcpListenerStream::new(listener),
+                shutdown.cancelled_owned(),
+            )
+            .await
+            .map_err(server_err);
+    }
+    let (h2_tx, h2_rx) = tokio::sync::mpsc::channel::<std::io::Result<TcpStream>>(64);
+    let accept = {
+        let (routes, shutdown) = (routes.clone(), shutdown.clone());
+        async move {
+            loop {
+                let (s, peer) = tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    r = listener.accept() => match r {
+                        Ok(c) => c,
+                        Err(e) => {
+                            // Out of descriptors and the like: wait, do not spin.
+                            tracing::warn!("{e} accepting a connection");
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                            continue;
+                        }
+                    },
+                };
+                let (routes, shutdown, h2_tx) = (routes.clone(), shutdown.clone(), h2_tx.clone());
+                tokio::spawn(async move {
+                    match first_bytes(&s).await {
+                        Some(b) if b == HELLO[..4] => serve_frames(s, peer, routes, shutdown).await,
+                        Some(_) => {
+                            let _ = h2_tx.send(Ok(s)).await;
+                        }
+                        None => tracing::debug!("{peer} said nothing; connection closed"),
+                    }
+                });
+            }
+        }
+    };
+    let grpc = net::server_builder()
+        .add_routes(routes)
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::ReceiverStream::new(h2_rx),
+            shutdown.cancelled_owned(),
+        );
+    tokio::pin!(grpc);
+    // The accept loop ends at shutdown (and the listener closes with it), then tonic's server
+    // finishes its calls; a server that fails first ends both.
+    let failed = tokio::select! {
+        r = &mut grpc => Some(r),
+        () = accept => None,
+    };
+    match failed {
+        Some(r) => r,
+        None => grpc.await,
+    }
+    .map_err(server_err)
+}
+
+/// The connection's first four bytes, left in the socket; `None` if it closed or said
+/// nothing within [`FIRST_BYTES_WITHIN`].
+async fn first_bytes(s: &TcpStream) -> Option<[u8; 4]> {
+    let mut b = [0u8; 4];
+    let peek = async {
+        loop {
+            match s.peek(&mut b).await {
+                Ok(0) | Err(_) => return false,
+                Ok(n) if n >= b.len() => return true,
+                // A first segment shorter than four bytes: wait for the rest.
+                Ok(_) => tokio::time::sleep(Duration::from_millis(1)).await,
+            }
+        }
+    };
+    match tokio::time::timeout(FIRST_BYTES_WITHIN, peek).await {
+        Ok(true) => Some(b),
+        _ => None,
+    }
+}
+
+/// One frames connection: the hello, then calls one at a time until the client closes or
+/// the server shuts down.
+async fn serve_frames(
+    mut s: TcpStream,
+    peer: SocketAddr,
+    routes: Routes,
+    shutdown: CancellationToken,
+) {
+    let mut hello = [0u8; HELLO.len()];
+    let said = tokio::time::timeout(FIRST_BYTES_WITHIN, s.read_exact(&mut hello)).await;
+    if !matches!(said, Ok(Ok(_))) || &hello != HELLO {
+        tracing::debug!("{peer}: not a control frames hello; connection closed");
+        return;
+    }
+    if s.write_all(HELLO).await.is_err() {
+        return;
+    }
+    let info = tonic::transport::server::TcpConnectInfo {
+        local_addr: s.local_addr().ok(),
+        remote_addr: Some(peer),
+    };
+    loop {
+        let frame = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            f = read_frame(&mut s) => f,
+        };
+        let payload = match frame {
+            Ok(Some((Kind::Request, p))) => p,
+            Ok(None) => return,
+            Ok(Some((kind, _))) => {
+                tracing::debug!("{peer}: unexpected {kind:?} control frame; connection closed");
+                return;
+            }
+            Err(e) => {
+                tracing::debug!("{peer}: {e}; connection closed");
+                return;
+            }
+        };
+        let answer = match call(&routes, &info, &payload, &mut s).await {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::debug!("{peer}: {e}; connection closed");
+                return;
+            }
+        };
+        if write_frame(&mut s, Kind::Response, &answer).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Runs one call through `routes`, saying it is alive every [`KEEPALIVE_EVERY`] while it
+/// runs; returns the encoded response. An error ends the connection (the call, if it
+/// started, is dropped with it, as HTTP/2 drops a reset stream's).
+async fn call(
+    routes: &Routes,
+    info: &tonic::transport::server::TcpConnectInfo,
+    payload: &[u8],
+    s: &mut TcpStream,
+) -> std::io::Result<Vec<u8>> {
+    let r = decode::<pb::ControlRequest>(payload, "request")?;
+    let mut req = http::Request::new(tonic::body::Body::new(http_body_util::Full::new(r.body)));
+    *req.method_mut() = http::Method::POST;
+    *req.version_mut() = http::Version::HTTP_2;
+    *req.uri_mut() = r
+        .path
+        .parse()
+        .map_err(|e| super::invalid(format!("control frame path {:?}: {e}", r.path)))?;
+    *req.headers_mut() = from_frame_headers(r.headers)?;
+    req.extensions_mut().insert(info.clone());
+    let answer = async {
+        let resp = match routes.clone().oneshot(req).await {
+            Ok(r) => r,
+            Err(never) => match never {},
+        };
+        let (parts, body) = resp.into_parts();
+        let (body, trailers) = match body.collect().await {
+            Ok(c) => {
+                let trailers = c.trailers().map(to_frame_headers).unwrap_or_default();
+                (c.to_bytes(), trailers)
+            }
+            // The body failed halfway: answer as a gRPC error, which the caller reports.
+            Err(e) => (
+                Default::default(),
+                to_frame_headers(
+                    &tonic::Status::internal(format!("response body: {e}"))
+                        .into_http::<()>()
+                        .into_parts()
+                        .0
+                        .headers,
+                ),
+            ),
+        };
+        pb::ControlResponse {
+            status: parts.status.as_u16() as u32,
+            headers: to_frame_headers(&parts.headers),
+            body,
+            trailers,
+        }
+        .encode_to_vec()
+    };
+    tokio::pin!(answer);
+    let mut alive = tokio::time::interval_at(
+        tokio::time::Instant::now() + KEEPALIVE_EVERY,
+        KEEPALIVE_EVERY,
+    );
+    loop {
+        tokio::select! {
+            a = &mut answer => return Ok(a),
+            _ = alive.tick() => write_frame(s, Kind::Keepalive, &[]).await?,
+        }
+    }
+}

@@ -1,0 +1,227 @@
+//! Control frames against real servers on loopback: the actor service behind
+//! [`super::server::serve`], and a plain tonic server that does not speak frames.
+
+use std::time::{Duration, Instant};
+
+use rlhf_proto::v1 as pb;
+use rlhf_proto::v1::actor_service_client::ActorServiceClient;
+use rlhf_proto::v1::role_service_client::RoleServiceClient;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio_util::sync::CancellationToken;
+
+use super::*;
+use crate::net::{self, ClientOptions, ServerTls};
+
+const TOKEN: &str = "frames-test-token";
+
+/// The actor service on a free port, frames and HTTP/2 both; the server ends with the guard.
+async fn actor_server() -> (String, tokio_util::sync::DropGuard) {
+    let listener = net::bind("127.0.0.1", 0, "--port").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let stop = CancellationToken::new();
+    let routes = tonic::service::Routes::new(crate::actor::actor_service("a1", TOKEN));
+    let s = stop.clone();
+    tokio::spawn(async move {
+        server::serve(&ServerTls::default(), routes, listener, s, "actor")
+            .await
+            .unwrap()
+    });
+    (addr, stop.drop_guard())
+}
+
+async fn transport(addr: &str, frames: bool) -> net::Transport {
+    let mut o = ClientOptions::new(TOKEN);
+    o.control_frames = frames;
+    net::direct_transport(addr, &o).await.unwrap()
+}
+
+fn actor(t: net::Transport, token: &str) -> ActorServiceClient<net::AuthChannel> {
+    ActorServiceClient::new(net::with_token(t, token).unwrap())
+}
+
+#[tokio::test]
+async fn unary_calls_go_as_frames_and_streams_stay_on_http2() {
+    let (addr, _server) = actor_server().await;
+    let t = transport(&addr, true).await;
+    let frames = t.frames().expect("the server speaks frames").clone();
+    let mut c = actor(t, TOKEN);
+    let r = c
+        .ping(pb::PingRequest {
+            payload: b"hello".to_vec(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(
+        (r.payload.as_slice(), r.actor_id.as_str()),
+        (&b"hello"[..], "a1")
+    );
+    // A streamed batch goes through the HTTP/2 connection beside the frames.
+    let batch = rlhf_core::DataBatch::new().with_tensor(
+        "x",
+        rlhf_core::TensorData::from_f32(vec![2, 3], &[1., 2., 3., 4., 5., 6.]).unwrap(),
+    );
+    let put = c
+        .put_batch(crate::batch_stream(&batch).unwrap())
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(put.rows, 2);
+    assert_eq!(put.checksum, rlhf_core::batch::checksum(&batch));
+    // Calls that overlap each take a connection; they come back to the pool after.
+    let calls = (0..6u8).map(|i| {
+        let mut c = c.clone();
+        async move {
+            c.sleep(pb::SleepRequest { ms: 50 }).await.unwrap();
+            c.ping(pb::PingRequest { payload: vec![i] }).await.unwrap()
+        }
+    });
+    let answers = futures::future::join_all(calls).await;
+    for (i, a) in answers.into_iter().enumerate() {
+        assert_eq!(a.into_inner().payload, vec![i as u8]);
+    }
+    assert_eq!(
+        frames.idle_connections(),
+        6,
+        "overlapping calls: one connection each"
+    );
+}
+
+#[tokio::test]
+async fn a_wrong_token_is_refused_over_frames_as_over_http2() {
+    let (addr, _server) = actor_server().await;
+    for frames in [true, false] {
+        let t = transport(&addr, frames).await;
+        assert_eq!(t.frames().is_some(), frames);
+        let e = actor(t, "not-the-token")
+            .ping(pb::PingRequest::default())
+            .await
+            .unwrap_err();
+        assert_eq!(
+            e.code(),
+            tonic::Code::Unauthenticated,
+            "frames {frames}: {e}"
+        );
+        assert!(e.message().contains("wrong cluster token"), "{e}");
+    }
+    // A method the server lacks is the server's gRPC answer, not a broken connection.
+    let t = transport(&addr, true).await;
+    let e = RoleServiceClient::new(net::with_token(t, TOKEN).unwrap())
+        .weights_checksum(pb::WeightsChecksumRequest::default())
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unimplemented, "{e}");
+}
+
+#[tokio::test]
+async fn a_server_without_frames_is_called_over_http2() {
+    let listener = net::bind("127.0.0.1", 0, "--port").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    tokio::spawn(
+        net::server_builder()
+            .add_service(crate::actor::actor_service("plain", TOKEN))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let t = Instant::now();
+    let tr = transport(&addr, true).await;
+    assert!(
+        tr.frames().is_none(),
+        "a plain HTTP/2 server refuses the hello"
+    );
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    let r = actor(tr, TOKEN)
+        .ping(pb::PingRequest::default())
+        .await
+        .unwrap();
+    assert_eq!(r.into_inner().actor_id, "plain");
+}
+
+#[tokio::test]
+async fn a_long_call_is_kept_alive_and_a_silent_server_is_given_up() {
+    let (addr, _server) = actor_server().await;
+    // Longer than the silence limit: only the server's keepalives carry it through.
+    let limit = KEEPALIVE_EVERY + Duration::from_millis(500);
+    let t = transport(&addr, true)
+        .await
+        .map_frames(|f| f.with_idle_limit(limit));
+    let mut c = actor(t, TOKEN);
+    let ms = (limit + Duration::from_secs(1)).as_millis() as u64;
+    c.sleep(pb::SleepRequest { ms }).await.unwrap();
+    // The server shuts down: the next call fails at once, and says so.
+    drop(_server);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let t = Instant::now();
+    let s = c.ping(pb::PingRequest::default()).await.unwrap_err();
+    assert!(t.elapsed() < Duration::from_secs(1), "{:?}", t.elapsed());
+    assert!(s.message().contains("closed"), "{s:?}");
+
+    // A server that says hello, then nothing (a stopped process).
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let silent = l.local_addr().unwrap().to_string();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((mut s, _)) = l.accept().await {
+            let mut b = [0u8; HELLO.len()];
+            if s.read_exact(&mut b).await.is_ok() && s.write_all(HELLO).await.is_ok() {
+                held.push(s);
+            }
+        }
+    });
+    let f = FramesClient::connect(&silent)
+        .await
+        .unwrap()
+        .unwrap()
+        .with_idle_limit(Duration::from_millis(400));
+    let req = http::Request::builder()
+        .uri("/rlhf.v1.ActorService/Ping")
+        .body(tonic::body::Body::empty())
+        .unwrap();
+    let t = Instant::now();
+    let e = f.call(req).await.unwrap_err();
+    assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+    let s = e.downcast_ref::<tonic::Status>().expect("a gRPC status");
+    assert_eq!(s.code(), tonic::Code::Unavailable, "{s:?}");
+    assert!(
+        s.message().contains("sent nothing for") && s.message().contains(&silent),
+        "{s:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_cancelled_call_leaves_the_client_usable() {
+    let (addr, _server) = actor_server().await;
+    let t = transport(&addr, true).await;
+    let mut c = actor(t, TOKEN);
+    let cut = tokio::time::timeout(
+        Duration::from_millis(100),
+        c.sleep(pb::SleepRequest { ms: 2000 }),
+    )
+    .await;
+    assert!(cut.is_err(), "the call was to be cut by the timeout");
+    let r = c.ping(pb::PingRequest { payload: vec![7] }).await.unwrap();
+    assert_eq!(r.into_inner().payload, vec![7]);
+}
+
+#[tokio::test]
+async fn frames_over_the_limit_or_of_unknown_kind_are_refused() {
+    let (mut a, mut b) = tokio::io::duplex(64);
+    let mut head = Vec::from(((MAX_FRAME + 1) as u32).to_le_bytes());
+    head.push(Kind::Request as u8);
+    a.write_all(&head).await.unwrap();
+    let e = read_frame(&mut b).await.unwrap_err();
+    assert!(e.to_string().contains("over the"), "{e}");
+    let mut head = Vec::from(0u32.to_le_bytes());
+    head.push(9);
+    a.write_all(&head).await.unwrap();
+    let e = read_frame(&mut b).await.unwrap_err();
+    assert!(
+        e.to_string().contains("unknown control frame kind 9"),
+        "{e}"
+    );
+    // A frame written is the frame read; a clean close between frames is `None`.
+    write_frame(&mut a, Kind::Keepalive, b"xyz").await.unwrap();
+    let (k, p) = read_frame(&mut b).await.unwrap().unwrap();
+    assert_eq!((k, &p[..]), (Kind::Keepalive, &b"xyz"[..]));
+    drop(a);
+    assert!(read_frame(&mut b).await.unwrap().is_none());
+}
