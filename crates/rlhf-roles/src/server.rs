@@ -449,7 +449,8 @@ pub async fn serve(
     ))
     .add_service(role);
     // HTTP/2 for the batch streams, control frames for the driver's unary calls.
-    rlhf_runtime::frames::server::serve(&opts.tls, routes, listener, shutdown, "role").await
+    rlhf_runtime::frames::server::serve(&opts.tls, routes, listener, shutdown, "role", &opts.token)
+        .await
 }
 
 /// The worker's entry point for `rlhf-worker actor --kind <role>`: binds, writes the ready

@@ -163,5 +163,5 @@ pub async fn run(opts: ActorOptions, shutdown: CancellationToken) -> Result<()> 
     let (listener, addr) = bind_ready(&opts.host, &opts.ready_file).await?;
     eprintln!("actor {} ({}) serving on {addr}", opts.actor_id, opts.kind);
     let routes = tonic::service::Routes::new(actor_service(&opts.actor_id, &opts.token));
-    crate::frames::server::serve(&opts.tls, routes, listener, shutdown, "actor").await
+    crate::frames::server::serve(&opts.tls, routes, listener, shutdown, "actor", &opts.token).await
 }

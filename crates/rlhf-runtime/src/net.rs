@@ -247,7 +247,7 @@ pub async fn direct_transport(addr: &str, opts: &ClientOptions) -> Result<Transp
     .await?;
     let frames = if opts.control_frames {
         // The HTTP/2 connection is up, so the server is: a failure here only means no frames.
-        match crate::frames::FramesClient::connect(addr).await {
+        match crate::frames::FramesClient::connect(addr, &opts.token).await {
             Ok(f) => f,
             Err(e) => {
                 tracing::debug!("no control frames to {addr} ({e}); unary calls use HTTP/2");

@@ -50,8 +50,11 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[i.min(sorted.len() - 1)]
 }
 
-/// Raw loopback round trip: 8 bytes out, 8 bytes back, over one TCP connection.
-fn raw_tcp_rtt(calls: usize) -> Result<Vec<f64>> {
+/// An echo server on a thread of its own: 8 bytes back for every 8 in, on one connection.
+fn echo_server() -> Result<(
+    std::net::SocketAddr,
+    std::thread::JoinHandle<std::io::Result<()>>,
+)> {
     let l = std::net::TcpListener::bind("127.0.0.1:0")?;
     let addr = l.local_addr()?;
     let srv = std::thread::spawn(move || -> std::io::Result<()> {
@@ -63,6 +66,12 @@ fn raw_tcp_rtt(calls: usize) -> Result<Vec<f64>> {
         }
         Ok(())
     });
+    Ok((addr, srv))
+}
+
+/// Raw loopback round trip: 8 bytes out, 8 bytes back, over one TCP connection, blocking.
+fn raw_tcp_rtt(calls: usize) -> Result<Vec<f64>> {
+    let (addr, srv) = echo_server()?;
     let mut c = std::net::TcpStream::connect(addr)?;
     c.set_nodelay(true)?;
     let mut out = Vec::with_capacity(calls);
@@ -76,6 +85,32 @@ fn raw_tcp_rtt(calls: usize) -> Result<Vec<f64>> {
         }
     }
     drop(c);
+    let _ = srv.join();
+    Ok(out)
+}
+
+/// The same echo, the client on a task of `rt` (what the async runtime's wakeups add).
+fn tokio_tcp_rtt(rt: &tokio::runtime::Runtime, calls: usize) -> Result<Vec<f64>> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (addr, srv) = echo_server()?;
+    let out = rt.block_on(async move {
+        tokio::spawn(async move {
+            let mut c = tokio::net::TcpStream::connect(addr).await?;
+            c.set_nodelay(true)?;
+            let mut out = Vec::with_capacity(calls);
+            let mut b = [0u8; 8];
+            for i in 0..calls + 200 {
+                let t = Instant::now();
+                c.write_all(&b).await?;
+                c.read_exact(&mut b).await?;
+                if i >= 200 {
+                    out.push(t.elapsed().as_secs_f64() * 1e6);
+                }
+            }
+            anyhow::Ok(out)
+        })
+        .await?
+    })?;
     let _ = srv.join();
     Ok(out)
 }
@@ -172,8 +207,8 @@ fn main() -> Result<()> {
         .enable_all()
         .build()?;
     // Alternating, three times each, so drift in the machine's load hits all alike.
-    let (mut frames, mut direct, mut chan, mut frames_ct, mut direct_ct, mut raw) =
-        (vec![], vec![], vec![], vec![], vec![], vec![]);
+    let (mut frames, mut direct, mut chan, mut frames_ct, mut direct_ct, mut raw, mut raw_rt) =
+        (vec![], vec![], vec![], vec![], vec![], vec![], vec![]);
     for _ in 0..3 {
         frames.extend(pings(&rt, Path::Frames)?);
         direct.extend(pings(&rt, Path::Http2Direct)?);
@@ -181,6 +216,7 @@ fn main() -> Result<()> {
         frames_ct.extend(pings(&current, Path::Frames)?);
         direct_ct.extend(pings(&current, Path::Http2Direct)?);
         raw.extend(raw_tcp_rtt(calls)?);
+        raw_rt.extend(tokio_tcp_rtt(&rt, calls)?);
     }
     drop(current);
     for v in [
@@ -190,6 +226,7 @@ fn main() -> Result<()> {
         &mut frames_ct,
         &mut direct_ct,
         &mut raw,
+        &mut raw_rt,
     ] {
         v.sort_by(f64::total_cmp);
     }
@@ -210,6 +247,10 @@ fn main() -> Result<()> {
             &direct_ct,
         ),
         ("raw tcp echo (baseline, same run)", &raw),
+        (
+            "raw tcp echo, client on a multi-thread runtime task",
+            &raw_rt,
+        ),
     ] {
         println!(
             "  {name:55} median {:6.1} us, p99 {:6.1} us",
@@ -218,10 +259,15 @@ fn main() -> Result<()> {
         );
     }
     let m = percentile(&frames, 0.5);
+    let rm = percentile(&raw, 0.5);
+    // The goal was set as 100 us against a 59 us raw echo on this kind of VM: also shown as
+    // that ratio, since the VM's own echo drifts between runs.
     println!(
-        "  ratio median frames/direct HTTP/2 {:.2}x, frames/raw echo {:.2}x; goal median <= 100 us: {}",
+        "  ratio median frames/direct HTTP/2 {:.2}x, frames/raw echo {:.2}x (goal's ratio {:.2}x: {}); goal median <= 100 us: {}",
         m / percentile(&direct, 0.5),
-        m / percentile(&raw, 0.5),
+        m / rm,
+        100.0 / 59.0,
+        if m / rm <= 100.0 / 59.0 { "met" } else { "NOT met" },
         if m <= 100.0 { "met" } else { "NOT met" }
     );
     if rpc_only {
@@ -282,6 +328,10 @@ fn main() -> Result<()> {
         };
         let mut tasks = Vec::with_capacity(nodes);
         let start_all = Instant::now();
+        let (head_cpu0, own_cpu0) = (
+            proc_cpu_seconds(head_pid)?,
+            proc_cpu_seconds(std::process::id() as i32)?,
+        );
         // Nodes join 50 at a time, as a cluster coming up does, not in one SYN flood.
         let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(50));
         for i in 0..nodes {
@@ -307,9 +357,16 @@ fn main() -> Result<()> {
             reg.push(ms);
         }
         let reg_all = start_all.elapsed();
+        // Where the storm's CPU went: the head, and the simulated nodes' clients (this
+        // process), which share the machine's cores with it.
+        let head_cpu = proc_cpu_seconds(head_pid)? - head_cpu0;
+        let own_cpu = proc_cpu_seconds(std::process::id() as i32)? - own_cpu0;
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         println!(
-            "\n{nodes} simulated nodes registered in {:.2}s",
-            reg_all.as_secs_f64()
+            "\n{nodes} simulated nodes registered in {:.2}s ({:.0} per second); CPU in that time: head {head_cpu:.2} s, the nodes' clients {own_cpu:.2} s, of {:.2} core-seconds on {cores} cores",
+            reg_all.as_secs_f64(),
+            nodes as f64 / reg_all.as_secs_f64(),
+            reg_all.as_secs_f64() * cores as f64
         );
         // After the beats, the streams stay open for a moment with no beats (less than the
         // threshold): the cost of 10,000 idle connections alone.

@@ -7,12 +7,18 @@ use std::time::Duration;
 use http_body_util::BodyExt;
 use prost::Message;
 use rlhf_proto::v1 as pb;
+use tokio::io::BufReader;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
+
+/// A connection past the hello: reads buffered (a frame's header and payload in one read),
+/// writes straight through (a frame is one write already).
+type Conn = BufReader<TcpStream>;
 use tonic::body::Body;
 
 use super::{
-    decode, from_frame_headers, read_frame, to_frame_headers, write_frame, Kind, HELLO, IDLE_LIMIT,
+    decode, from_frame_headers, read_frame, to_frame_headers, write_frame, Kind, ACCEPTED,
+    CHALLENGE, HELLO, IDLE_LIMIT,
 };
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -25,20 +31,35 @@ const POOL: usize = 8;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// Unary calls to one server over control frames; clones share the pool.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct FramesClient {
     addr: String,
-    idle: Arc<Mutex<Vec<TcpStream>>>,
+    /// The cluster token, to answer each new connection's challenge.
+    token: String,
+    idle: Arc<Mutex<Vec<Conn>>>,
     /// A call fails when the server sends nothing for this long ([`IDLE_LIMIT`]).
     idle_limit: Duration,
 }
 
+/// Without the token: a transport printed in a log must not show it.
+impl std::fmt::Debug for FramesClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FramesClient")
+            .field("addr", &self.addr)
+            .field("idle_connections", &self.idle_connections())
+            .field("idle_limit", &self.idle_limit)
+            .finish_non_exhaustive()
+    }
+}
+
 impl FramesClient {
-    /// Connects to `addr` and says hello. `Ok(None)`: the server answered, but not with
-    /// frames (a server without them, or a TLS one); the caller keeps HTTP/2.
-    pub async fn connect(addr: &str) -> std::io::Result<Option<FramesClient>> {
+    /// Connects to `addr`, says hello and proves it holds `token`. `Ok(None)`: the server
+    /// answered, but not with frames (a server without them, or a TLS one); the caller keeps
+    /// HTTP/2. A server that refuses the token is an error (`PermissionDenied`).
+    pub async fn connect(addr: &str, token: &str) -> std::io::Result<Option<FramesClient>> {
         let c = FramesClient {
             addr: addr.to_string(),
+            token: token.to_string(),
             idle: Arc::default(),
             idle_limit: IDLE_LIMIT,
         };
@@ -52,7 +73,7 @@ impl FramesClient {
     }
 
     /// A new connection past the hello; `None` when the server does not speak frames.
-    async fn open(&self) -> std::io::Result<Option<TcpStream>> {
+    async fn open(&self) -> std::io::Result<Option<Conn>> {
         let timed_out = |what: &str| {
             std::io::Error::new(
                 std::io::ErrorKind::TimedOut,
@@ -66,21 +87,40 @@ impl FramesClient {
             .map_err(|_| timed_out("tcp connect error: connecting"))?
             .map_err(|e| std::io::Error::new(e.kind(), format!("tcp connect error: {e}")))?;
         s.set_nodelay(true)?;
-        let mut answer = [0u8; HELLO.len()];
+        let mut hello = [0u8; HELLO.len() + CHALLENGE];
         let said = tokio::time::timeout(CONNECT_TIMEOUT, async {
             s.write_all(HELLO).await?;
-            s.read_exact(&mut answer).await
+            s.read_exact(&mut hello).await
         })
         .await
         .map_err(|_| timed_out("control frames hello to"))?;
         match said {
-            Ok(_) if &answer == HELLO => Ok(Some(s)),
+            Ok(_) if &hello[..HELLO.len()] == HELLO => {}
             // Closed, or answered with something else: not a frames server.
-            Ok(_) => Ok(None),
-            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Ok(None),
-            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => Ok(None),
-            Err(e) => Err(e),
+            Ok(_) => return Ok(None),
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return Ok(None),
+            Err(e) => return Err(e),
         }
+        let tag = super::answer(&self.token, &hello[HELLO.len()..]);
+        let mut verdict = [0u8; 1];
+        tokio::time::timeout(CONNECT_TIMEOUT, async {
+            s.write_all(tag.as_ref()).await?;
+            s.read_exact(&mut verdict).await
+        })
+        .await
+        .map_err(|_| timed_out("control frames challenge from"))??;
+        if verdict[0] != ACCEPTED {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::PermissionDenied,
+                format!(
+                    "{} refused this cluster token for control frames; pass the head's token with --token-file or {}",
+                    self.addr,
+                    crate::auth::TOKEN_ENV
+                ),
+            ));
+        }
+        Ok(Some(BufReader::new(s)))
     }
 
     /// The same pool with another silence limit (tests shorten it).
@@ -94,11 +134,11 @@ impl FramesClient {
         self.idle.lock().map(|v| v.len()).unwrap_or(0)
     }
 
-    fn take(&self) -> Option<TcpStream> {
+    fn take(&self) -> Option<Conn> {
         self.idle.lock().ok()?.pop()
     }
 
-    fn give_back(&self, s: TcpStream) {
+    fn give_back(&self, s: Conn) {
         if let Ok(mut idle) = self.idle.lock() {
             if idle.len() < POOL {
                 idle.push(s);
@@ -141,11 +181,7 @@ impl FramesClient {
         Ok(resp)
     }
 
-    async fn exchange(
-        &self,
-        s: &mut TcpStream,
-        msg: &[u8],
-    ) -> std::io::Result<http::Response<Body>> {
+    async fn exchange(&self, s: &mut Conn, msg: &[u8]) -> std::io::Result<http::Response<Body>> {
         write_frame(s, Kind::Request, msg).await?;
         loop {
             let frame = tokio::time::timeout(self.idle_limit, read_frame(s))

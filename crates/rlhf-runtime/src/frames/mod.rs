@@ -15,8 +15,12 @@
 //! it would have read from HTTP/2. Streaming calls (batches) stay on HTTP/2.
 //!
 //! The wire: a connection starts with [`HELLO`] from the client, answered by the same 24
-//! bytes (a server that does not speak frames answers something else, and the client falls
-//! back to HTTP/2 for good). Then frames, `u32 LE length | u8 kind | payload`:
+//! bytes and a 32-byte random challenge (a server that does not speak frames answers
+//! something else, and the client falls back to HTTP/2 for good). The client proves it holds
+//! the cluster token: HMAC-SHA256 keyed with the token over the hello and the challenge. The
+//! server answers one byte, [`ACCEPTED`] or [`REFUSED`] (then closes), and reads no frame
+//! before that: a peer without the token cannot make it read or buffer anything more. Then
+//! frames, `u32 LE length | u8 kind | payload`:
 //! - [`Kind::Request`]: a `ControlRequest`, client to server, one call at a time per
 //!   connection (a client opens another connection for a call made while one is in flight);
 //! - [`Kind::Response`]: its `ControlResponse`;
@@ -25,8 +29,9 @@
 //!   a call that takes minutes (HTTP/2 keepalive pings did that before).
 //!
 //! Security: a plain-TCP cluster only; under TLS both sides keep HTTP/2 (see
-//! `crate::net::connect_direct` and [`server::serve`]). Every call carries the cluster token
-//! and is refused without it, as over HTTP/2.
+//! `crate::net::connect_direct` and [`server::serve`]). The connection is authenticated by
+//! the challenge above, and every call still carries the cluster token and is checked by the
+//! same interceptor as over HTTP/2.
 
 pub mod client;
 pub mod server;
@@ -45,6 +50,32 @@ pub use client::FramesClient;
 /// First bytes of a frames connection, both ways; as long as the HTTP/2 client preface, so a
 /// server reading a preface gets all of it at once and refuses it.
 pub const HELLO: &[u8; 24] = b"RLHF control frames v1\r\n";
+
+/// The server's challenge and the client's answer (an HMAC-SHA256 tag), in bytes.
+pub const CHALLENGE: usize = 32;
+
+/// The server's verdict on the client's answer.
+pub const ACCEPTED: u8 = 1;
+pub const REFUSED: u8 = 0;
+
+/// The client's answer to `challenge`: HMAC-SHA256 keyed with the cluster token over
+/// [`HELLO`] and the challenge.
+fn answer(token: &str, challenge: &[u8]) -> ring::hmac::Tag {
+    let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, token.as_bytes());
+    let mut ctx = ring::hmac::Context::with_key(&key);
+    ctx.update(HELLO);
+    ctx.update(challenge);
+    ctx.sign()
+}
+
+/// Whether `tag` answers `challenge` for `token` (in constant time).
+fn answered(token: &str, challenge: &[u8], tag: &[u8]) -> bool {
+    let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, token.as_bytes());
+    let mut msg = Vec::with_capacity(HELLO.len() + challenge.len());
+    msg.extend_from_slice(HELLO);
+    msg.extend_from_slice(challenge);
+    ring::hmac::verify(&key, &msg, tag).is_ok()
+}
 
 /// Largest frame payload: a gRPC message at its limit, plus room for headers.
 pub const MAX_FRAME: usize = rlhf_proto::MAX_MESSAGE_BYTES + (1 << 20);

@@ -15,23 +15,30 @@ use tokio_util::sync::CancellationToken;
 use tonic::service::Routes;
 use tower::ServiceExt;
 
+use std::sync::{Arc, Mutex};
+
+use ring::rand::{SecureRandom, SystemRandom};
+
 use super::{
-    decode, from_frame_headers, read_frame, to_frame_headers, write_frame, Kind, HELLO,
-    KEEPALIVE_EVERY,
+    decode, from_frame_headers, read_frame, to_frame_headers, write_frame, Kind, ACCEPTED,
+    CHALLENGE, HELLO, KEEPALIVE_EVERY, REFUSED,
 };
+use crate::auth::LogLimit;
 use crate::net::{self, ServerTls};
 
 /// A connection that has not said which protocol it speaks within this is closed.
 const FIRST_BYTES_WITHIN: Duration = Duration::from_secs(10);
 
 /// Serves `routes` on `listener` until `shutdown`: HTTP/2 (tonic) and control frames on the
-/// same port. With TLS, HTTP/2 only (frames carry no encryption).
+/// same port, frames only to clients that prove they hold `token`. With TLS, HTTP/2 only
+/// (frames carry no encryption).
 pub async fn serve(
     tls: &ServerTls,
     routes: Routes,
     listener: tokio::net::TcpListener,
     shutdown: CancellationToken,
     what: &str,
+    token: &str,
 ) -> Result<()> {
     let server_err = |e: tonic::transport::Error| {
         Error::internal(format!("{what} server: {}", net::error_chain(&e)))
@@ -48,6 +55,10 @@ pub async fn serve(
             .map_err(server_err);
     }
     let (h2_tx, h2_rx) = tokio::sync::mpsc::channel::<std::io::Result<TcpStream>>(64);
+    let auth = Arc::new(Auth {
+        token: token.to_string(),
+        log: Mutex::default(),
+    });
     let accept = {
         let (routes, shutdown) = (routes.clone(), shutdown.clone());
         async move {
@@ -65,9 +76,12 @@ pub async fn serve(
                     },
                 };
                 let (routes, shutdown, h2_tx) = (routes.clone(), shutdown.clone(), h2_tx.clone());
+                let auth = auth.clone();
                 tokio::spawn(async move {
                     match first_bytes(&s).await {
-                        Some(b) if b == HELLO[..4] => serve_frames(s, peer, routes, shutdown).await,
+                        Some(b) if b == HELLO[..4] => {
+                            serve_frames(s, peer, routes, shutdown, auth).await
+                        }
                         Some(_) => {
                             let _ = h2_tx.send(Ok(s)).await;
                         }
@@ -124,20 +138,17 @@ async fn serve_frames(
     peer: SocketAddr,
     routes: Routes,
     shutdown: CancellationToken,
+    auth: Arc<Auth>,
 ) {
-    let mut hello = [0u8; HELLO.len()];
-    let said = tokio::time::timeout(FIRST_BYTES_WITHIN, s.read_exact(&mut hello)).await;
-    if !matches!(said, Ok(Ok(_))) || &hello != HELLO {
-        tracing::debug!("{peer}: not a control frames hello; connection closed");
-        return;
-    }
-    if s.write_all(HELLO).await.is_err() {
+    if !authenticate(&mut s, peer, &auth).await {
         return;
     }
     let info = tonic::transport::server::TcpConnectInfo {
         local_addr: s.local_addr().ok(),
         remote_addr: Some(peer),
     };
+    // Reads buffered: a frame's header and payload in one read.
+    let mut s = tokio::io::BufReader::new(s);
     loop {
         let frame = tokio::select! {
             _ = shutdown.cancelled() => return,
@@ -168,6 +179,55 @@ async fn serve_frames(
     }
 }
 
+/// What the server checks a frames connection's answer against.
+struct Auth {
+    token: String,
+    /// Refusals logged one by one only up to a limit (a peer retrying with a wrong token).
+    log: Mutex<LogLimit>,
+}
+
+/// The hello and the token challenge (see the module doc of `super`); whether the client
+/// passed. Nothing past them is read from a client that did not.
+async fn authenticate(s: &mut TcpStream, peer: SocketAddr, auth: &Auth) -> bool {
+    let mut challenge = [0u8; CHALLENGE];
+    if SystemRandom::new().fill(&mut challenge).is_err() {
+        tracing::error!("no random bytes for a control frames challenge; connection closed");
+        return false;
+    }
+    let mut hello = [0u8; HELLO.len()];
+    let mut tag = [0u8; CHALLENGE];
+    let said = tokio::time::timeout(FIRST_BYTES_WITHIN, async {
+        s.read_exact(&mut hello).await?;
+        if &hello != HELLO {
+            return Ok(false);
+        }
+        s.write_all(HELLO).await?;
+        s.write_all(&challenge).await?;
+        s.read_exact(&mut tag).await?;
+        std::io::Result::Ok(true)
+    })
+    .await;
+    if !matches!(said, Ok(Ok(true))) {
+        tracing::debug!("{peer}: not a control frames hello; connection closed");
+        return false;
+    }
+    let ok = super::answered(&auth.token, &challenge, &tag);
+    let _ = s.write_all(&[if ok { ACCEPTED } else { REFUSED }]).await;
+    if !ok {
+        let (log, earlier) = match auth.log.lock() {
+            Ok(mut l) => l.admit(std::time::Instant::now()),
+            Err(_) => (true, None),
+        };
+        if let Some(n) = earlier {
+            tracing::warn!("{n} more control frames connections with a wrong cluster token were refused in the last minute (not logged one by one)");
+        }
+        if log {
+            tracing::warn!(peer = %peer, "refused a control frames connection: wrong cluster token");
+        }
+    }
+    ok
+}
+
 /// Runs one call through `routes`, saying it is alive every [`KEEPALIVE_EVERY`] while it
 /// runs; returns the encoded response. An error ends the connection (the call, if it
 /// started, is dropped with it, as HTTP/2 drops a reset stream's).
@@ -175,7 +235,7 @@ async fn call(
     routes: &Routes,
     info: &tonic::transport::server::TcpConnectInfo,
     payload: &[u8],
-    s: &mut TcpStream,
+    s: &mut tokio::io::BufReader<TcpStream>,
 ) -> std::io::Result<Vec<u8>> {
     let r = decode::<pb::ControlRequest>(payload, "request")?;
     let mut req = http::Request::new(tonic::body::Body::new(http_body_util::Full::new(r.body)));

@@ -22,7 +22,7 @@ async fn actor_server() -> (String, tokio_util::sync::DropGuard) {
     let routes = tonic::service::Routes::new(crate::actor::actor_service("a1", TOKEN));
     let s = stop.clone();
     tokio::spawn(async move {
-        server::serve(&ServerTls::default(), routes, listener, s, "actor")
+        server::serve(&ServerTls::default(), routes, listener, s, "actor", TOKEN)
             .await
             .unwrap()
     });
@@ -88,22 +88,48 @@ async fn unary_calls_go_as_frames_and_streams_stay_on_http2() {
 }
 
 #[tokio::test]
-async fn a_wrong_token_is_refused_over_frames_as_over_http2() {
+async fn a_wrong_token_is_refused_at_the_connection_and_on_each_call() {
     let (addr, _server) = actor_server().await;
-    for frames in [true, false] {
-        let t = transport(&addr, frames).await;
-        assert_eq!(t.frames().is_some(), frames);
+    // At the connection: the client cannot answer the challenge.
+    let e = FramesClient::connect(&addr, "not-the-token")
+        .await
+        .unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied, "{e}");
+    assert!(e.to_string().contains("--token-file"), "{e}");
+    // The driver's path then keeps HTTP/2, where the call is refused as before.
+    let mut o = ClientOptions::new("not-the-token");
+    o.control_frames = true;
+    let t = net::direct_transport(&addr, &o).await.unwrap();
+    assert!(t.frames().is_none());
+    // On each call: a connection made with the token, calls sent with another.
+    let t = transport(&addr, true).await;
+    let shown = format!("{:?}", t.frames().expect("frames with the right token"));
+    assert!(
+        !shown.contains(TOKEN),
+        "the token must not be printed: {shown}"
+    );
+    for t in [t, transport(&addr, false).await] {
         let e = actor(t, "not-the-token")
             .ping(pb::PingRequest::default())
             .await
             .unwrap_err();
-        assert_eq!(
-            e.code(),
-            tonic::Code::Unauthenticated,
-            "frames {frames}: {e}"
-        );
+        assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e}");
         assert!(e.message().contains("wrong cluster token"), "{e}");
     }
+    // A peer that fails the challenge is told so and cut off before any frame is read.
+    let mut raw = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    raw.write_all(HELLO).await.unwrap();
+    let mut hello = [0u8; HELLO.len() + CHALLENGE];
+    raw.read_exact(&mut hello).await.unwrap();
+    assert_eq!(&hello[..HELLO.len()], HELLO);
+    raw.write_all(&[0u8; CHALLENGE]).await.unwrap();
+    let mut rest = Vec::new();
+    raw.read_to_end(&mut rest).await.unwrap();
+    assert_eq!(
+        rest,
+        vec![REFUSED],
+        "the verdict, then the end of the connection"
+    );
     // A method the server lacks is the server's gRPC answer, not a broken connection.
     let t = transport(&addr, true).await;
     let e = RoleServiceClient::new(net::with_token(t, TOKEN).unwrap())
@@ -162,12 +188,18 @@ async fn a_long_call_is_kept_alive_and_a_silent_server_is_given_up() {
         let mut held = Vec::new();
         while let Ok((mut s, _)) = l.accept().await {
             let mut b = [0u8; HELLO.len()];
-            if s.read_exact(&mut b).await.is_ok() && s.write_all(HELLO).await.is_ok() {
+            let mut tag = [0u8; CHALLENGE];
+            let ok = s.read_exact(&mut b).await.is_ok()
+                && s.write_all(HELLO).await.is_ok()
+                && s.write_all(&[0u8; CHALLENGE]).await.is_ok()
+                && s.read_exact(&mut tag).await.is_ok()
+                && s.write_all(&[ACCEPTED]).await.is_ok();
+            if ok {
                 held.push(s);
             }
         }
     });
-    let f = FramesClient::connect(&silent)
+    let f = FramesClient::connect(&silent, TOKEN)
         .await
         .unwrap()
         .unwrap()
