@@ -188,6 +188,14 @@ impl LogLimit {
     pub const PER_WINDOW: u32 = 10;
     pub const WINDOW: std::time::Duration = std::time::Duration::from_secs(60);
 
+    /// [`LogLimit::admit`] now, for a limit shared between threads (a poisoned one logs).
+    pub fn admit_shared(limit: &std::sync::Mutex<LogLimit>) -> (bool, Option<u64>) {
+        match limit.lock() {
+            Ok(mut l) => l.admit(std::time::Instant::now()),
+            Err(_) => (true, None),
+        }
+    }
+
     /// Whether to log an event at `now`; with `Some(n)` first say that `n` were not logged
     /// in the window that ended.
     pub fn admit(&mut self, now: std::time::Instant) -> (bool, Option<u64>) {
@@ -235,10 +243,7 @@ impl tonic::service::Interceptor for CheckToken {
                     .map(|a| a.to_string())
                     .unwrap_or_else(|| "unknown peer".into());
                 let why = if other.is_none() { "missing" } else { "wrong" };
-                let (log, earlier) = match self.log.lock() {
-                    Ok(mut l) => l.admit(std::time::Instant::now()),
-                    Err(_) => (true, None),
-                };
+                let (log, earlier) = LogLimit::admit_shared(&self.log);
                 if let Some(n) = earlier {
                     tracing::warn!(service = self.service, "{n} more RPCs with a missing or wrong cluster token were rejected in the last minute (not logged one by one)");
                 }

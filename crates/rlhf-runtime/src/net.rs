@@ -220,7 +220,7 @@ pub async fn direct_transport(addr: &str, opts: &ClientOptions) -> Result<Transp
     let authority: http::uri::Authority = addr
         .parse()
         .map_err(|e| Error::invalid(format!("bad address '{addr}': {e}; expected HOST:PORT")))?;
-    let direct = with_backoff(addr, opts, || async {
+    let mut direct = with_backoff(addr, opts, || async {
         let tcp =
             tokio::time::timeout(Duration::from_secs(3), tokio::net::TcpStream::connect(addr))
                 .await
@@ -242,10 +242,14 @@ pub async fn direct_transport(addr: &str, opts: &ClientOptions) -> Result<Transp
                 tracing::debug!("connection to {peer} ended: {e}");
             }
         });
-        Ok::<_, Box<dyn std::error::Error + Send + Sync>>((send, authority.clone()))
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(crate::direct::Direct {
+            send,
+            authority: authority.clone(),
+            frames: None,
+        })
     })
     .await?;
-    let frames = if opts.control_frames {
+    direct.frames = if opts.control_frames {
         // The HTTP/2 connection is up, so the server is: a failure here only means no frames.
         match crate::frames::FramesClient::connect(addr, &opts.token).await {
             Ok(f) => f,
@@ -257,11 +261,7 @@ pub async fn direct_transport(addr: &str, opts: &ClientOptions) -> Result<Transp
     } else {
         None
     };
-    Ok(Transport::Direct(crate::direct::Direct {
-        send: direct.0,
-        authority: direct.1,
-        frames,
-    }))
+    Ok(Transport::Direct(direct))
 }
 
 /// Runs `attempt` with exponential backoff until `connect_timeout`, then fails naming the

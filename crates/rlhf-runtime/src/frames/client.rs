@@ -7,13 +7,8 @@ use std::time::Duration;
 use http_body_util::BodyExt;
 use prost::Message;
 use rlhf_proto::v1 as pb;
-use tokio::io::BufReader;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
-
-/// A connection past the hello: reads buffered (a frame's header and payload in one read),
-/// writes straight through (a frame is one write already).
-type Conn = BufReader<TcpStream>;
 use tonic::body::Body;
 
 use super::{
@@ -22,6 +17,10 @@ use super::{
 };
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// A connection past the hello: reads buffered (a frame's header and payload in one read),
+/// writes straight through (a frame is one write already).
+type Conn = BufReader<TcpStream>;
 
 /// Connections kept open for later calls; more are opened while calls overlap and closed
 /// when they come back to a full pool.

@@ -58,23 +58,24 @@ pub const CHALLENGE: usize = 32;
 pub const ACCEPTED: u8 = 1;
 pub const REFUSED: u8 = 0;
 
-/// The client's answer to `challenge`: HMAC-SHA256 keyed with the cluster token over
-/// [`HELLO`] and the challenge.
+/// What the client's answer signs: [`HELLO`], then the server's challenge.
+fn signed(challenge: &[u8]) -> Vec<u8> {
+    [HELLO.as_slice(), challenge].concat()
+}
+
+/// The client's answer to `challenge`: HMAC-SHA256 keyed with the cluster token.
 fn answer(token: &str, challenge: &[u8]) -> ring::hmac::Tag {
-    let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, token.as_bytes());
-    let mut ctx = ring::hmac::Context::with_key(&key);
-    ctx.update(HELLO);
-    ctx.update(challenge);
-    ctx.sign()
+    ring::hmac::sign(&crate::beat::hmac_key(token.as_bytes()), &signed(challenge))
 }
 
 /// Whether `tag` answers `challenge` for `token` (in constant time).
 fn answered(token: &str, challenge: &[u8], tag: &[u8]) -> bool {
-    let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, token.as_bytes());
-    let mut msg = Vec::with_capacity(HELLO.len() + challenge.len());
-    msg.extend_from_slice(HELLO);
-    msg.extend_from_slice(challenge);
-    ring::hmac::verify(&key, &msg, tag).is_ok()
+    ring::hmac::verify(
+        &crate::beat::hmac_key(token.as_bytes()),
+        &signed(challenge),
+        tag,
+    )
+    .is_ok()
 }
 
 /// Largest frame payload: a gRPC message at its limit, plus room for headers.

@@ -3,10 +3,12 @@
 //! (the HTTP/2 preface) to tonic's server, with the same routes behind both.
 
 use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use http_body_util::BodyExt;
 use prost::Message;
+use ring::rand::{SecureRandom, SystemRandom};
 use rlhf_core::{Error, Result};
 use rlhf_proto::v1 as pb;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -14,10 +16,6 @@ use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 use tonic::service::Routes;
 use tower::ServiceExt;
-
-use std::sync::{Arc, Mutex};
-
-use ring::rand::{SecureRandom, SystemRandom};
 
 use super::{
     decode, from_frame_headers, read_frame, to_frame_headers, write_frame, Kind, ACCEPTED,
@@ -43,7 +41,8 @@ pub async fn serve(
     let server_err = |e: tonic::transport::Error| {
         Error::internal(format!("{what} server: {}", net::error_chain(&e)))
     };
-    if tls.config()?.is_some() {
+    // `server()` reads and checks the certificate and key (both or neither).
+    if tls.cert.is_some() || tls.key.is_some() {
         return tls
             .server()?
             .add_routes(routes)
@@ -214,10 +213,7 @@ async fn authenticate(s: &mut TcpStream, peer: SocketAddr, auth: &Auth) -> bool 
     let ok = super::answered(&auth.token, &challenge, &tag);
     let _ = s.write_all(&[if ok { ACCEPTED } else { REFUSED }]).await;
     if !ok {
-        let (log, earlier) = match auth.log.lock() {
-            Ok(mut l) => l.admit(std::time::Instant::now()),
-            Err(_) => (true, None),
-        };
+        let (log, earlier) = LogLimit::admit_shared(&auth.log);
         if let Some(n) = earlier {
             tracing::warn!("{n} more control frames connections with a wrong cluster token were refused in the last minute (not logged one by one)");
         }
