@@ -1,5 +1,6 @@
 //! A decoder plus one head: causal LM (policy, reference), value (critic) or score (reward).
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor, Var};
@@ -12,7 +13,7 @@ pub use crate::image::ModelImage;
 pub use crate::load::{Batch, LoadOptions, ModelKind, ValueHeadInit};
 use crate::lora::AdapterSwitch;
 use crate::transformer::{Kernels, Linear, LoraSetup, Transformer};
-use crate::weights::{Init, ParamBuilder, ParamStore, WeightFiles};
+use crate::weights::{Deferred, Init, ParamBuilder, ParamStore, WeightFiles};
 
 mod outputs;
 
@@ -64,6 +65,14 @@ impl Model {
     /// generation_config.json).
     pub fn load(dir: impl AsRef<Path>, opts: &LoadOptions) -> Result<Self> {
         let dir = dir.as_ref();
+        let (config, files, generation_raw) = Self::open_dir(dir)?;
+        let model = Self::build(&config, Some(&files), opts)?;
+        Ok(model.with_source(dir, generation_raw))
+    }
+
+    /// An HF model directory's config, its weight files (mapped, not read) and its
+    /// generation config.
+    pub(crate) fn open_dir(dir: &Path) -> Result<(Config, WeightFiles, Option<Value>)> {
         if !dir.is_dir() {
             return Err(Error::MissingFile {
                 path: dir.to_path_buf(),
@@ -86,11 +95,15 @@ impl Model {
         } else {
             None
         };
-        let mut model = Self::build(&config, Some(&files), opts)?;
-        model.generation = GenerationConfig::from_hf(&config, generation_raw.as_ref());
-        model.generation_raw = generation_raw;
-        model.source_dir = Some(dir.to_path_buf());
-        Ok(model)
+        Ok((config, files, generation_raw))
+    }
+
+    /// This model as loaded from `dir`, with the generation config found there.
+    pub(crate) fn with_source(mut self, dir: &Path, generation_raw: Option<Value>) -> Self {
+        self.generation = GenerationConfig::from_hf(&self.config, generation_raw.as_ref());
+        self.generation_raw = generation_raw;
+        self.source_dir = Some(dir.to_path_buf());
+        self
     }
 
     /// A model with seeded random weights (normal(0, 0.02), unit norms): tests and benchmarks.
@@ -101,6 +114,18 @@ impl Model {
     }
 
     fn build(config: &Config, files: Option<&WeightFiles>, opts: &LoadOptions) -> Result<Self> {
+        Ok(Self::build_in(config, files, opts, false)?.0)
+    }
+
+    /// [`Model::build`]; with `defer`, the parameters found in `files` are only checked and
+    /// left there, each an empty placeholder in the model, and returned by name (a ZeRO-3
+    /// load reads its pieces of them: [`Model::load_zero3`]).
+    pub(crate) fn build_in(
+        config: &Config,
+        files: Option<&WeightFiles>,
+        opts: &LoadOptions,
+        defer: bool,
+    ) -> Result<(Self, BTreeMap<String, Deferred>)> {
         let fast = opts.fast.unwrap_or(!opts.trainable);
         if fast && opts.trainable {
             return Err(Error::InvalidArgument(
@@ -130,6 +155,9 @@ impl Model {
         }
         let kernels = Kernels::choose(&opts.device, compute, fast, opts.composite_ops);
         let mut pb = ParamBuilder::new(files, &opts.device, opts.dtype, opts.trainable, opts.seed);
+        if defer {
+            pb.defer_loading();
+        }
         let lora: Option<LoraSetup> = match &opts.lora {
             Some(cfg) => {
                 cfg.validate()?;
@@ -186,12 +214,13 @@ impl Model {
                 Head::Score(Linear::plain(w, None))
             }
         };
-        Ok(Self {
+        let (params, deferred) = pb.finish_deferred();
+        let model = Self {
             config: config.clone(),
             kind: opts.kind,
             body,
             head,
-            params: pb.finish(),
+            params,
             trainable: opts.trainable,
             dtype: opts.dtype,
             lora,
@@ -199,7 +228,8 @@ impl Model {
             generation: GenerationConfig::default(),
             source_dir: None,
             generation_raw: None,
-        })
+        };
+        Ok((model, deferred))
     }
 
     fn value_head(pb: &mut ParamBuilder, h: usize, opts: &LoadOptions) -> Result<Linear> {

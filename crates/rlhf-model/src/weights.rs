@@ -5,6 +5,7 @@
 //! detached view of the same storage, so no autograd graph is ever built for it.
 
 use std::collections::BTreeMap;
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use candle_core::safetensors::MmapedSafetensors;
@@ -118,6 +119,32 @@ impl WeightFiles {
         Ok(rlhf_types::f32s_from_le_bytes(view.data()))
     }
 
+    /// Elements `range` of tensor `name` (flattened), read straight out of the mapped file
+    /// into a 1-D host tensor in the file's dtype: a ZeRO-3 rank's piece, without the whole
+    /// tensor ever being copied (only the pages of the range are read).
+    pub(crate) fn read_range(&self, name: &str, range: Range<usize>) -> Result<Tensor> {
+        let view = self.st.get(name).map_err(|_| Error::MissingTensor {
+            name: name.to_string(),
+            location: self.location.clone(),
+        })?;
+        let dtype = DType::try_from(view.dtype())?;
+        let count: usize = view.shape().iter().product();
+        if range.start > range.end || range.end > count {
+            return Err(Error::InvalidArgument(format!(
+                "{name} in {} has {count} values, not the range {range:?}",
+                self.location
+            )));
+        }
+        let size = dtype.size_in_bytes();
+        let bytes = &view.data()[range.start * size..range.end * size];
+        Ok(Tensor::from_raw_buffer(
+            bytes,
+            dtype,
+            &[range.len()],
+            &Device::Cpu,
+        )?)
+    }
+
     /// Where the weights come from, for messages.
     pub fn location(&self) -> &str {
         &self.location
@@ -188,9 +215,20 @@ impl ParamStore {
     }
 }
 
+/// A parameter left in the checkpoint by a deferred build ([`ParamBuilder::defer_loading`]).
+#[derive(Debug, Clone)]
+pub(crate) struct Deferred {
+    pub shape: Vec<usize>,
+    /// Its name in the checkpoint (a value head may be stored under another).
+    pub src: String,
+}
+
 /// Builds the parameters of a model from a checkpoint or from a seeded random initialisation.
 pub(crate) struct ParamBuilder<'a> {
     files: Option<&'a WeightFiles>,
+    /// When deferred: the checkpoint's parameters, checked but not read, each standing in the
+    /// model as an empty placeholder (a ZeRO-3 load reads only its pieces afterwards).
+    deferred: Option<BTreeMap<String, Deferred>>,
     /// Whole tensors handed over in memory (a ZeRO-3 layer gathered from its shards): taken
     /// by name before anything else.
     given: Option<BTreeMap<String, Tensor>>,
@@ -213,6 +251,7 @@ impl<'a> ParamBuilder<'a> {
     ) -> Self {
         Self {
             files,
+            deferred: None,
             given: None,
             device: device.clone(),
             dtype,
@@ -238,6 +277,43 @@ impl<'a> ParamBuilder<'a> {
 
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// From now on, a parameter found in the checkpoint is only checked (present, its shape)
+    /// and stands in the model as an empty placeholder; [`ParamBuilder::finish_deferred`]
+    /// lists them. Parameters made here (a fresh value head) are built as usual.
+    pub fn defer_loading(&mut self) {
+        self.deferred = Some(BTreeMap::new());
+    }
+
+    /// Records `name` (stored as `src`) as deferred when loading is, returning its placeholder.
+    fn defer(&mut self, name: &str, src: &str, shape: &[usize]) -> Result<Option<Tensor>> {
+        let (Some(deferred), Some(files)) = (self.deferred.as_mut(), self.files) else {
+            return Ok(None);
+        };
+        let found = files.shape(src).ok_or_else(|| Error::MissingTensor {
+            name: src.to_string(),
+            location: files.location().to_string(),
+        })?;
+        if found != shape {
+            return Err(Error::ShapeMismatch {
+                name: src.to_string(),
+                expected: shape.to_vec(),
+                found,
+            });
+        }
+        deferred.insert(
+            name.to_string(),
+            Deferred {
+                shape: shape.to_vec(),
+                src: src.to_string(),
+            },
+        );
+        Ok(Some(self.placeholder()?))
+    }
+
+    fn placeholder(&self) -> Result<Tensor> {
+        Ok(Tensor::zeros(0, self.dtype(), &self.device)?)
     }
 
     /// From now on, parameters are a LoRA model's frozen base, kept in `dtype` (`Some`), or
@@ -284,6 +360,9 @@ impl<'a> ParamBuilder<'a> {
             }
             return self.register(name, t);
         }
+        if let Some(placeholder) = self.defer(name, name, shape)? {
+            return Ok(placeholder);
+        }
         // An f32 parameter trained on the CPU becomes its variable with a single copy out of
         // the file: the usual path makes a tensor and then the variable from it, and the
         // freed first copies stay in the process's heap.
@@ -316,6 +395,9 @@ impl<'a> ParamBuilder<'a> {
             name: src_name.to_string(),
             location: "a randomly initialised model".to_string(),
         })?;
+        if let Some(placeholder) = self.defer(name, src_name, shape)? {
+            return Ok(placeholder);
+        }
         let t = files
             .load(src_name, shape, &self.device)?
             .to_dtype(self.dtype())?;
@@ -324,6 +406,9 @@ impl<'a> ParamBuilder<'a> {
 
     /// The tensor the model computes with for an already registered parameter (tied weights).
     pub fn shared(&self, name: &str) -> Option<Tensor> {
+        if self.deferred.as_ref().is_some_and(|d| d.contains_key(name)) {
+            return self.placeholder().ok();
+        }
         let var = self.store.vars.get(name)?;
         Some(if self.store.base.contains(name) {
             var.as_tensor().detach()
@@ -377,8 +462,9 @@ impl<'a> ParamBuilder<'a> {
         Ok(Tensor::from_vec(data, shape, &self.device)?.to_dtype(self.dtype())?)
     }
 
-    pub fn finish(self) -> ParamStore {
-        self.store
+    /// The parameters built, and those deferred ([`ParamBuilder::defer_loading`]) by name.
+    pub fn finish_deferred(self) -> (ParamStore, BTreeMap<String, Deferred>) {
+        (self.store, self.deferred.unwrap_or_default())
     }
 }
 

@@ -343,15 +343,12 @@ pub fn load(
         model
             .load_adapter(dir)
             .with_ctx(|| format!("restoring the adapters from {}", dir.display()))?;
+    } else if model.zero3().is_some() {
+        // A ZeRO-3 model reads only its pieces of the saved model.
+        model
+            .load_zero3_weights(dir)
+            .with_ctx(|| format!("restoring the weights from {}", dir.display()))?;
     } else {
-        // A ZeRO-3 model keeps only its pieces: the whole saved model stays in host memory.
-        let host;
-        let opts = if model.zero3().is_some() {
-            host = opts.clone().with_device(candle_core::Device::Cpu);
-            &host
-        } else {
-            opts
-        };
         let saved = Model::load(dir, opts).with_ctx(|| format!("loading {}", dir.display()))?;
         model
             .set_weights(&saved.named_tensors())

@@ -193,28 +193,27 @@ impl TrainState {
         tokenizer_dir: Option<PathBuf>,
     ) -> Result<Self> {
         let zero3 = t.optimizer.zero_stage >= 3;
-        // ZeRO-3 loads the whole model in host memory and keeps only this rank's pieces on
-        // the device: the device never holds the whole model.
-        let first = if zero3 {
-            load_opts.clone().with_device(candle_core::Device::Cpu)
-        } else {
-            load_opts.clone()
-        };
-        let mut model = Model::load(dir, &first)
-            .with_ctx(|| format!("{}: loading {}", slot.label(), dir.display()))?;
         let (rank, world) = (slot.rank as usize, slot.world_size as usize);
         let mut pieces = None;
-        if zero3 {
-            // ZeRO-3: keep this rank's pieces only; the group's communicator is lent to the
-            // model for each update, save and load (`crate::zero::lend`).
-            model = model
-                .into_zero3_lent_on(rank, world, t.optimizer.offload_params, &load_opts.device)
-                .with_ctx(|| {
+        let model = if zero3 {
+            // ZeRO-3: each rank reads only its pieces of the parameters out of the files, so
+            // neither the device nor host memory ever holds the whole model; the group's
+            // communicator is lent to the model for each update, save and load
+            // (`crate::zero::lend`).
+            Model::load_zero3(dir, &load_opts, rank, world, t.optimizer.offload_params).with_ctx(
+                || {
                     format!(
-                        "{}: sharding the parameters (training.zero_stage 3)",
-                        slot.label()
+                        "{}: loading {} sharded (training.zero_stage 3)",
+                        slot.label(),
+                        dir.display()
                     )
-                })?;
+                },
+            )?
+        } else {
+            Model::load(dir, &load_opts)
+                .with_ctx(|| format!("{}: loading {}", slot.label(), dir.display()))?
+        };
+        if zero3 {
             let z = model
                 .zero3()
                 .ok_or_else(|| Error::internal("the sharded model has no ZeRO-3 state"))?;

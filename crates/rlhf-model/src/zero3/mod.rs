@@ -28,6 +28,7 @@
 //! moments): the device holds only what is gathered.
 
 mod comm;
+mod load;
 mod model;
 mod pass;
 mod prefetch;
@@ -91,6 +92,20 @@ struct Pass {
     edges: Vec<(usize, Var)>,
     /// Forward calls of the model in this pass.
     calls: usize,
+}
+
+/// Where a stage-3 model's pieces live and what it computes in.
+pub(crate) struct Placement {
+    /// Decoder layers, gathered one at a time.
+    pub num_layers: usize,
+    /// Pieces in host memory (`training.offload_params`), gathers onto `device`.
+    pub offload: bool,
+    /// Where the model computes (and its pieces live without `offload`).
+    pub device: Device,
+    /// The pieces' dtype (the trained parameters' dtype).
+    pub dtype: DType,
+    /// The dtype the model computes in.
+    pub compute: DType,
 }
 
 /// Where a stage-3 model's collectives go.
@@ -167,6 +182,36 @@ impl Zero3 {
         target: Option<&Device>,
         compute: DType,
     ) -> Result<Self> {
+        let first = vars
+            .first()
+            .map(|(_, v)| v.clone())
+            .ok_or_else(|| Error::InvalidArgument("a model without parameters".into()))?;
+        let params = vars
+            .iter()
+            .map(|(name, v)| (name.clone(), v.dims().to_vec()))
+            .collect();
+        let at = Placement {
+            num_layers,
+            offload,
+            device: target.unwrap_or(first.device()).clone(),
+            dtype: first.dtype(),
+            compute,
+        };
+        Self::from_source(params, at, comm, |k, _, mine| {
+            let flat = vars[k].1.as_tensor().detach().flatten_all()?;
+            Ok(flat.narrow(0, mine.start, mine.len())?.copy()?)
+        })
+    }
+
+    /// A stage-3 model over `params` (every parameter's name and whole shape, sorted by
+    /// name) whose pieces `piece` makes: for parameter `k`, named so, the flattened
+    /// elements `range` as a 1-D tensor (any dtype or device: it is converted and moved).
+    pub(crate) fn from_source(
+        params: Vec<(String, Vec<usize>)>,
+        at: Placement,
+        comm: Comm,
+        mut piece: impl FnMut(usize, &str, Range<usize>) -> Result<Tensor>,
+    ) -> Result<Self> {
         let (comm, rank, world) = match comm {
             Comm::Own(c) => {
                 let (rank, world) = (c.rank(), c.world_size());
@@ -179,44 +224,50 @@ impl Zero3 {
                 "ZeRO-3: cannot shard a model as rank {rank} of {world}"
             )));
         }
-        let first = vars
-            .first()
-            .map(|(_, v)| v.clone())
-            .ok_or_else(|| Error::InvalidArgument("a model without parameters".into()))?;
-        let sizes: Vec<usize> = vars.iter().map(|(_, v)| v.elem_count()).collect();
+        if params.is_empty() {
+            return Err(Error::InvalidArgument("a model without parameters".into()));
+        }
+        let sizes: Vec<usize> = params
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>())
+            .collect();
         let per_rank: Vec<Vec<Range<usize>>> =
             (0..world).map(|r| partition(&sizes, r, world)).collect();
-        let mut pieces = Vec::with_capacity(vars.len());
-        let mut layers = vec![Vec::new(); num_layers];
+        let mut pieces = Vec::with_capacity(params.len());
+        let mut layers = vec![Vec::new(); at.num_layers];
         let mut edges = Vec::new();
-        for (k, (name, var)) in vars.into_iter().enumerate() {
+        let home = if at.offload { &Device::Cpu } else { &at.device };
+        for (k, (name, shape)) in params.into_iter().enumerate() {
             let mine = per_rank[rank][k].clone();
-            let flat = var.as_tensor().detach().flatten_all()?;
-            let piece = flat.narrow(0, mine.start, mine.len())?.copy()?;
-            let piece = if var.rank() > 1 {
-                piece.reshape((1, mine.len()))?
+            let made = piece(k, &name, mine.clone())?;
+            if made.dims() != [mine.len()] {
+                return Err(Error::InvalidArgument(format!(
+                    "ZeRO-3: the piece of {name} has shape {:?}, not [{}]",
+                    made.dims(),
+                    mine.len()
+                )));
+            }
+            let made = if shape.len() > 1 {
+                made.reshape((1, mine.len()))?
             } else {
-                piece
+                made
             };
-            let piece = match (offload, target) {
-                (true, _) => piece.to_device(&Device::Cpu)?,
-                (false, Some(d)) => piece.to_device(d)?,
-                (false, None) => piece,
-            };
+            let made = made.to_dtype(at.dtype)?.to_device(home)?;
             match layer_of(&name) {
-                Some(i) if i < num_layers => layers[i].push(k),
+                Some(i) if i < at.num_layers => layers[i].push(k),
                 Some(i) => {
                     return Err(Error::InvalidArgument(format!(
-                        "{name} belongs to layer {i}, the model has {num_layers}"
+                        "{name} belongs to layer {i}, the model has {}",
+                        at.num_layers
                     )))
                 }
                 None => edges.push(k),
             }
             pieces.push(Piece {
                 name,
-                shape: var.dims().to_vec(),
+                shape,
                 ranges: per_rank.iter().map(|p| p[k].clone()).collect(),
-                var: Var::from_tensor(&piece)?,
+                var: Var::from_tensor(&made)?,
                 grad: None,
             });
         }
@@ -234,10 +285,10 @@ impl Zero3 {
             gather_failed: Default::default(),
             prefetched: Mutex::new(None),
             worker: Mutex::new(None),
-            device: target.unwrap_or(first.device()).clone(),
-            dtype: first.dtype(),
-            wire: match (first.dtype(), compute) {
-                (DType::F32, DType::BF16 | DType::F16) => compute,
+            device: at.device,
+            dtype: at.dtype,
+            wire: match (at.dtype, at.compute) {
+                (DType::F32, DType::BF16 | DType::F16) => at.compute,
                 _ => DType::F32,
             },
             rank,

@@ -70,7 +70,21 @@ impl Model {
         self.shard_zero3(Comm::Lent { rank, world }, offload_params, Some(device))
     }
 
-    fn shard_zero3(mut self, comm: Comm, offload: bool, target: Option<&Device>) -> Result<Self> {
+    fn shard_zero3(self, comm: Comm, offload: bool, target: Option<&Device>) -> Result<Self> {
+        self.check_shardable()?;
+        let z = Zero3::new(
+            self.params.vars(),
+            self.config.num_hidden_layers,
+            comm,
+            offload,
+            target,
+            self.body.compute_dtype(),
+        )?;
+        self.adopt_zero3(z)
+    }
+
+    /// Whether this model can be sharded (ZeRO stage 3): trainable, without LoRA, not yet.
+    pub(super) fn check_shardable(&self) -> Result<()> {
         if !self.is_trainable() {
             return Err(Error::InvalidArgument(
                 "ZeRO stage 3 shards a trained model's parameters; this model is frozen \
@@ -90,14 +104,12 @@ impl Model {
                 "this model is already sharded (ZeRO stage 3)".into(),
             ));
         }
-        let z = Arc::new(Zero3::new(
-            self.params.vars(),
-            self.config.num_hidden_layers,
-            comm,
-            offload,
-            target,
-            self.body.compute_dtype(),
-        )?);
+        Ok(())
+    }
+
+    /// This model computing with the sharded parameters `z` (its own become placeholders).
+    pub(super) fn adopt_zero3(mut self, z: Zero3) -> Result<Self> {
+        let z = Arc::new(z);
         self.params = ParamStore::from_vars(z.piece_vars()?);
         let empty = Tensor::zeros(0, z.dtype(), z.device())?;
         self.head = match &self.head {
