@@ -18,7 +18,7 @@ use crate::{as_bytes, as_bytes_mut, Communicator};
 use rlhf_types::Checksum;
 pub use rlhf_types::DType;
 
-fn check_len(name: &str, shape: &[usize], dtype: DType, len: usize) -> Result<()> {
+pub(crate) fn check_len(name: &str, shape: &[usize], dtype: DType, len: usize) -> Result<()> {
     let elems = shape
         .iter()
         .try_fold(1usize, |a, &d| a.checked_mul(d))
@@ -112,6 +112,29 @@ impl<'a> ParamMut<'a> {
     }
 }
 
+/// What a sync's manifest lists of a parameter: its name, shape and dtype. Every
+/// [`ParamView`] is one, and so is a [`crate::ParamMeta`], a parameter whose bytes come later.
+pub trait Listed {
+    /// Parameter name (checkpoint key).
+    fn listed_name(&self) -> &str;
+    /// Shape in elements.
+    fn listed_shape(&self) -> &[usize];
+    /// Element type tag.
+    fn listed_dtype(&self) -> DType;
+}
+
+impl<P: ParamView> Listed for P {
+    fn listed_name(&self) -> &str {
+        self.name()
+    }
+    fn listed_shape(&self) -> &[usize] {
+        self.shape()
+    }
+    fn listed_dtype(&self) -> DType {
+        self.dtype()
+    }
+}
+
 /// Read access shared by [`Param`] and [`ParamMut`], for [`checksum`].
 pub trait ParamView {
     /// Parameter name (checkpoint key).
@@ -154,12 +177,12 @@ impl ParamView for ParamMut<'_> {
     }
 }
 
-fn hash_meta<P: ParamView>(h: &mut Checksum, p: &P) {
-    h.update_u64(p.name().len() as u64);
-    h.update(p.name().as_bytes());
-    h.update_u64(p.dtype().tag());
-    h.update_u64(p.shape().len() as u64);
-    for &d in p.shape() {
+pub(crate) fn hash_meta<P: Listed + ?Sized>(h: &mut Checksum, p: &P) {
+    h.update_u64(p.listed_name().len() as u64);
+    h.update(p.listed_name().as_bytes());
+    h.update_u64(p.listed_dtype().tag());
+    h.update_u64(p.listed_shape().len() as u64);
+    for &d in p.listed_shape() {
         h.update_u64(d as u64);
     }
 }
@@ -177,7 +200,7 @@ pub fn checksum<P: ParamView>(params: &[P]) -> u64 {
     h.finish()
 }
 
-fn manifest_digest<P: ParamView>(params: &[P], bucket_bytes: usize) -> [u8; 16] {
+fn manifest_digest<P: Listed>(params: &[P], bucket_bytes: usize) -> [u8; 16] {
     let mut h = Checksum::new();
     h.update_u64(params.len() as u64);
     for p in params {
@@ -189,12 +212,17 @@ fn manifest_digest<P: ParamView>(params: &[P], bucket_bytes: usize) -> [u8; 16] 
     out
 }
 
-fn describe<P: ParamView>(p: &P) -> String {
-    format!("'{}' {} {:?}", p.name(), p.dtype().name(), p.shape())
+fn describe<P: Listed>(p: &P) -> String {
+    format!(
+        "'{}' {} {:?}",
+        p.listed_name(),
+        p.listed_dtype().name(),
+        p.listed_shape()
+    )
 }
 
 /// One line per parameter, plus a header line with the count and bucket size.
-fn manifest_text<P: ParamView>(params: &[P], bucket_bytes: usize) -> Vec<u8> {
+fn manifest_text<P: Listed>(params: &[P], bucket_bytes: usize) -> Vec<u8> {
     let mut s = format!("{} parameters, bucket_bytes {bucket_bytes}\n", params.len());
     for p in params {
         s.push_str(&describe(p));
@@ -300,10 +328,10 @@ impl BucketedSync {
     }
 
     /// Agrees on the parameter list across ranks; an error names the first difference.
-    fn check_manifest<C, P>(&self, comm: &mut C, root: usize, params: &[P]) -> Result<()>
+    pub(crate) fn check_manifest<C, P>(&self, comm: &mut C, root: usize, params: &[P]) -> Result<()>
     where
         C: Communicator + ?Sized,
-        P: ParamView,
+        P: Listed,
     {
         let mine = manifest_digest(params, self.bucket_bytes);
         let all = comm.all_gather(&mine)?;

@@ -43,6 +43,7 @@ mod error;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 mod scatter;
+mod send_stream;
 #[cfg(target_os = "linux")]
 pub mod shm;
 pub mod tcp;
@@ -50,13 +51,15 @@ pub mod tcp;
 use std::time::Duration;
 
 pub use bucket::{
-    all_reduce_f32_bucketed, checksum, BucketedSync, DType, Param, ParamMut, ParamView, SyncStats,
+    all_reduce_f32_bucketed, checksum, BucketedSync, DType, Listed, Param, ParamMut, ParamView,
+    SyncStats,
 };
 pub use error::{Error, ErrorKind, Op, Result};
 #[cfg(feature = "nccl")]
 pub use nccl::NcclCommunicator;
 pub use rlhf_types::Checksum;
 pub use scatter::ReduceScatterStream;
+pub use send_stream::{ParamMeta, SendStream};
 #[cfg(target_os = "linux")]
 pub use shm::{ShmCommunicator, ShmRendezvous};
 pub use tcp::{CommSecret, CommTls, TcpCommunicator, TcpRendezvous};

@@ -220,6 +220,27 @@ impl Groups {
         }
     }
 
+    /// Two groups' communicators at once ([`Groups::get`] each): a ZeRO-3 trainer gathers
+    /// through one while it sends through the other.
+    pub fn pair(
+        &mut self,
+        a: (CommGroup, usize),
+        b: (CommGroup, usize),
+    ) -> Result<(&mut dyn Communicator, &mut dyn Communicator)> {
+        if a.0 == b.0 {
+            return Err(Error::internal(format!(
+                "communicator group '{}' asked for twice at once",
+                a.0
+            )));
+        }
+        self.get(a.0, a.1)?;
+        self.get(b.0, b.1)?;
+        match self.joined.get_disjoint_mut([&a.0, &b.0]) {
+            [Some(x), Some(y)] => Ok((x.as_mut(), y.as_mut())),
+            _ => Err(Error::internal("a communicator group vanished")),
+        }
+    }
+
     /// Drops a group after a failure (a communicator refuses every op after an error).
     pub fn forget(&mut self, group: CommGroup) {
         self.joined.remove(&group);

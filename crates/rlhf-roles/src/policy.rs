@@ -121,23 +121,38 @@ impl Trainer {
         })
     }
 
-    /// Root side of the weight sync; `gathered`: a ZeRO-3 model's whole weights, gathered
-    /// from its group beforehand (they go by the host path).
+    /// Root side of the weight sync (of a model that is not sharded).
     pub fn send_weights(
         &mut self,
         comm: &mut dyn Communicator,
         version: u64,
         bucket_bytes: usize,
-        gathered: Option<Vec<(String, Tensor)>>,
     ) -> Result<(SyncStats, u64)> {
-        let out = weights::send_weights_from(
+        let out = weights::send_weights(&self.state.model, comm, bucket_bytes, &mut self.ipc)?;
+        self.state.version = version;
+        Ok(out)
+    }
+
+    /// Root side of the weight sync of a ZeRO-3 policy: its data-parallel group (`dp`)
+    /// gathers the whole weights a layer at a time and each is sent before the next is
+    /// gathered ([`weights::send_weights_sharded`], which says what the two errors mean).
+    pub fn send_weights_sharded(
+        &mut self,
+        dp: &mut dyn Communicator,
+        comm: &mut dyn Communicator,
+        version: u64,
+        bucket_bytes: usize,
+    ) -> Result<Result<(SyncStats, u64)>> {
+        let out = weights::send_weights_sharded(
             &self.state.model,
-            gathered.as_deref(),
+            dp,
             comm,
             bucket_bytes,
             &mut self.ipc,
         )?;
-        self.state.version = version;
+        if out.is_ok() {
+            self.state.version = version;
+        }
         Ok(out)
     }
 

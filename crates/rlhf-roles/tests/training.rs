@@ -324,7 +324,7 @@ fn weight_sync_makes_the_rollout_generate_like_the_trainer() {
             })
         })
         .collect();
-    let (_, sent) = trainer.send_weights(&mut c0, 5, 4096, None).unwrap();
+    let (_, sent) = trainer.send_weights(&mut c0, 5, 4096).unwrap();
     assert_eq!(sent, trained);
     let mut outs = Vec::new();
     for h in rollouts {

@@ -61,7 +61,7 @@ fn sync(
         })
         .collect();
     trainer.ipc.allow_cpu = cpu_ipc[0];
-    let (stats, sent) = trainer.send_weights(c0.as_mut(), 3, bucket, None).unwrap();
+    let (stats, sent) = trainer.send_weights(c0.as_mut(), 3, bucket).unwrap();
     assert!(stats.bytes > 0 && stats.params > 0);
     if trainer.ipc.last_was_ipc() == Some(true) {
         assert!(

@@ -203,8 +203,9 @@ fn a_refused_call_at_stage_3_does_not_leave_the_group_waiting() {
     assert!(ok.1.as_secs() < 20, "rank 0 waited {:?}", ok.1);
 }
 
-/// Two stage-3 trainer ranks gather their whole policy for a weight sync; rank 0 sends it
-/// to a rollout, which ends with the trained weights and the checksum of what was sent.
+/// Two stage-3 trainer ranks gather their whole policy for a weight sync, a layer at a time;
+/// rank 0 sends each as it comes to a rollout, which ends with the trained weights and the
+/// checksum of what was sent (that of the whole gathered weights).
 #[test]
 fn stage_3_trainer_ranks_gather_the_policy_for_the_weight_sync() {
     let mut cfg = config();
@@ -232,17 +233,25 @@ fn stage_3_trainer_ranks_gather_the_policy_for_the_weight_sync() {
             let mut t = trainer(&cfg, 1, 2);
             t.upd(&mut d1, &shard).unwrap();
             // Rank 1's part of the sync: the gathers only.
+            let z = t.state.model.zero3().unwrap().clone();
+            z.lend(&mut d1, |_| z.gather_all_for_others())
+                .unwrap()
+                .unwrap();
+            // Then the gather rank 0 compares with.
             let all = gathered(&t.state.model, &mut d1);
             assert!(!all.is_empty());
         })
     };
     let mut t = trainer(&cfg, 0, 2);
     t.upd(&mut d0, &rows(&batch, 0..4)).unwrap();
+    // Rank 0 sends each layer as the group gathers it.
+    let (stats, sent) = t
+        .send_weights_sharded(&mut d0, &mut w0, 9, 4096)
+        .unwrap()
+        .unwrap();
+    assert!(stats.buckets > 1, "{} buckets", stats.buckets);
     let z = t.state.model.zero3().unwrap().clone();
     let whole = z.lend(&mut d0, |_| z.gather_all()).unwrap().unwrap();
-    let (_, sent) = t
-        .send_weights(&mut w0, 9, 4096, Some(whole.clone()))
-        .unwrap();
     helper.join().unwrap();
     let (got, sum, version) = rollout_side.join().unwrap();
     assert_eq!((sum, version), (sent, 9));

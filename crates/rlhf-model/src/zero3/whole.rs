@@ -1,9 +1,8 @@
 //! Whole parameters of a ZeRO-3 model, outside its computations: every parameter gathered
-//! (a save, a weight sync, a checksum; exact `f32`, one decoder layer at a time), a rank's
+//! (a save, a weight sync, a checksum; exact `f32`, one decoder layer at a time, kept or
+//! handed out parameter by parameter in name order), a rank's
 //! part in a gather another rank keeps, and a whole tensor set into this rank's piece (a
 //! checkpoint load or a received sync).
-
-use std::collections::BTreeMap;
 
 use candle_core::{DType, Device, Tensor};
 
@@ -51,44 +50,114 @@ impl Zero3 {
         self.gather_all_to(&self.device)
     }
 
-    /// [`Zero3::gather_all`] into host memory: what a save, a weight sync and a checksum
-    /// take, so the device never holds the whole model.
+    /// [`Zero3::gather_all`] into host memory: what a save and a checksum take, so the device
+    /// never holds the whole model.
     pub fn gather_all_host(&self) -> Result<Vec<(String, Tensor)>> {
         self.gather_all_to(&Device::Cpu)
     }
 
-    /// This rank's part in another rank's [`Zero3::gather_all_host`]: the same collectives,
-    /// each gathered piece dropped at once, so this rank never holds more than one layer (a
-    /// save or a weight sync that rank 0 writes or sends).
+    /// This rank's part in another rank's [`Zero3::gather_all_host`] or
+    /// [`Zero3::gather_each_host`]: the same collectives, each gathered piece dropped at once,
+    /// so this rank never holds more than one layer (a save or a weight sync that rank 0
+    /// writes or sends).
     pub fn gather_all_for_others(&self) -> Result<()> {
-        self.gather_all_each(&Device::Cpu, |_| {})
+        self.gather_each(&Device::Cpu, |_, _| Ok(()))
+    }
+
+    /// Every parameter, whole, in host memory, handed to `take` one at a time in name order
+    /// (a collective): only the edges and one decoder layer are held at once, so a weight
+    /// sync sends each layer before the next is gathered. `take` failing stops nothing: the
+    /// remaining gathers still happen (the other ranks are in them), and the first error is
+    /// returned at the end.
+    pub fn gather_each_host(&self, take: impl FnMut(String, Tensor) -> Result<()>) -> Result<()> {
+        self.gather_each(&Device::Cpu, take)
+    }
+
+    /// The name and whole shape of every parameter, sorted by name: the order
+    /// [`Zero3::gather_each_host`] hands them out in.
+    pub fn param_shapes(&self) -> Result<Vec<(String, Vec<usize>)>> {
+        Ok(self
+            .lock()?
+            .pieces
+            .iter()
+            .map(|p| (p.name.clone(), p.shape.clone()))
+            .collect())
     }
 
     fn gather_all_to(&self, on: &Device) -> Result<Vec<(String, Tensor)>> {
-        let mut out = BTreeMap::new();
-        self.gather_all_each(on, |part| out.extend(part))?;
-        Ok(out.into_iter().collect())
+        let mut out = Vec::new();
+        self.gather_each(on, |name, t| {
+            out.push((name, t));
+            Ok(())
+        })?;
+        Ok(out)
     }
 
-    /// Gathers the edges, then each decoder layer, onto `on`, handing each part to `take`:
-    /// exact `f32` values whatever the model computes in.
-    fn gather_all_each(
+    /// Gathers the edges, then each decoder layer in the order of their parameters' names
+    /// (layer 10 before layer 2), onto `on`, exact `f32` values whatever the model computes
+    /// in, and hands every parameter to `take` sorted by name: the edges named before the
+    /// layers (`lm_head`, `model.embed_tokens`) first, those after (`model.norm`, a head)
+    /// last. Every whole-model gather makes these collectives in this order.
+    fn gather_each(
         &self,
         on: &Device,
-        mut take: impl FnMut(BTreeMap<String, Tensor>),
+        mut take: impl FnMut(String, Tensor) -> Result<()>,
     ) -> Result<()> {
-        let n = {
+        let mut failed = None;
+        let mut give = |name: String, t: Tensor| {
+            if failed.is_none() {
+                failed = take(name, t).err();
+            }
+        };
+        let (mut edges, n) = {
             let mut st = self.lock()?;
             let which = st.edges.clone();
-            take(
-                self.gather_to(&mut st, &which, false, on, DType::F32)?
-                    .tensors,
-            );
-            st.layers.len()
+            let edges = self.gather_to(&mut st, &which, false, on, DType::F32)?;
+            (edges.tensors, st.layers.len())
         };
-        for i in 0..n {
-            take(self.gather_layer_to(i, false, on, DType::F32)?.tensors);
+        let later = edges.split_off(LAYERS);
+        for (name, t) in edges {
+            give(name, t);
         }
-        Ok(())
+        for i in layer_order(n) {
+            for (name, t) in self.gather_layer_to(i, false, on, DType::F32)?.tensors {
+                give(name, t);
+            }
+        }
+        for (name, t) in later {
+            give(name, t);
+        }
+        failed.map_or(Ok(()), Err)
+    }
+}
+
+/// Where the decoder layers' parameter names begin.
+const LAYERS: &str = "model.layers.";
+
+/// Decoder layers `0..n` in the order their parameters' names sort in (`model.layers.10.*`
+/// before `model.layers.2.*`), each layer's names being contiguous in that order.
+fn layer_order(n: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by_key(|i| i.to_string());
+    order
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{layer_order, LAYERS};
+
+    #[test]
+    fn layers_come_in_the_order_of_their_names() {
+        let order = layer_order(12);
+        assert_eq!(order, [0, 1, 10, 11, 2, 3, 4, 5, 6, 7, 8, 9]);
+        let names: Vec<String> = order
+            .iter()
+            .map(|i| format!("{LAYERS}{i}.mlp.up_proj.weight"))
+            .collect();
+        let mut sorted = names.clone();
+        sorted.sort();
+        assert_eq!(names, sorted);
+        assert!("model.embed_tokens.weight" < LAYERS && "lm_head.weight" < LAYERS);
+        assert!("model.norm.weight" > "model.layers.99.x" && "score.weight" > LAYERS);
     }
 }

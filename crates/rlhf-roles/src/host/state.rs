@@ -5,7 +5,6 @@
 
 use std::path::Path;
 
-use candle_core::Tensor;
 use rlhf_core::CommGroup;
 use rlhf_proto::v1 as pb;
 
@@ -21,12 +20,11 @@ impl RoleHost {
         let label = self.label();
         let group = CommGroup::from_wire(req.group, "SyncWeightsRequest.group")?;
         let bucket = req.bucket_bytes as usize;
-        // ZeRO-3: every rank of the trainer's group gathers the whole weights first (one
-        // layer at a time); rank 0 sends them, the others only take part in the gathers
-        // (the driver calls them with the actor's data-parallel group).
-        let gathered = self.gather_for_sync(req.version, group == CommGroup::ActorDp, &label)?;
+        // ZeRO-3: every rank of the trainer's group gathers the whole weights (one layer at
+        // a time); rank 0 sends each layer as it comes, the others only take part in the
+        // gathers (the driver calls them with the actor's data-parallel group).
         if group == CommGroup::ActorDp {
-            let Some(g) = gathered else {
+            let Some(seconds) = self.gather_for_sync(req.version, &label)? else {
                 return Err(Error::invalid(format!(
                     "{label} SyncWeights: the actor's data-parallel group takes part in a sync only when the trainer's parameters are sharded (training.zero_stage 3)"
                 )));
@@ -35,29 +33,45 @@ impl RoleHost {
                 checksum: 0,
                 bytes: 0,
                 buckets: 0,
-                seconds: g.1,
+                seconds,
                 version: req.version,
                 cuda_ipc: false,
             });
         }
-        // The weights group has the trainer and at least one rollout rank: never a group
-        // of one made on the spot, so a missing JoinComm is reported.
-        let comm = self.groups.get(group, 2)?;
         let mut res = Err(Error::invalid(format!(
             "SyncWeights is served by actor_rollout ranks only, not by {label}"
         )));
         let mut cuda_ipc = None;
-        // A trainer sends; a rollout (without a trainer on this host) receives.
-        if let Some(t) = self.engines.iter_mut().find_map(|h| match &mut h.engine {
-            Engine::Trainer(t) => Some(t),
+        // A trainer sends; a rollout (without a trainer on this host) receives. The weights
+        // group has the trainer and at least one rollout rank: never a group of one made on
+        // the spot (world 2 below), so a missing JoinComm is reported.
+        if let Some((t, world)) = self.engines.iter_mut().find_map(|h| match &mut h.engine {
+            Engine::Trainer(t) => Some((t, h.spec.slot.world_size as usize)),
             _ => None,
         }) {
-            res = t.send_weights(comm, req.version, bucket, gathered.map(|g| g.0));
+            if t.state.model.zero3().is_some() {
+                let (dp, comm) = self.groups.pair((CommGroup::ActorDp, world), (group, 2))?;
+                res = match t.send_weights_sharded(dp, comm, req.version, bucket) {
+                    Ok(sent) => sent,
+                    Err(e) => {
+                        // The gathers broke, and with them the sync half sent.
+                        if is_collective(&e) {
+                            self.groups.forget(CommGroup::ActorDp);
+                            self.groups.forget(group);
+                        }
+                        return Err(e).with_ctx(|| format!("{label} SyncWeights"));
+                    }
+                };
+            } else {
+                let comm = self.groups.get(group, 2)?;
+                res = t.send_weights(comm, req.version, bucket);
+            }
             cuda_ipc = t.ipc.last_was_ipc();
         } else if let Some(r) = self.engines.iter_mut().find_map(|h| match &mut h.engine {
             Engine::Rollout(r) => Some(r),
             _ => None,
         }) {
+            let comm = self.groups.get(group, 2)?;
             res = r.recv_weights(comm, req.version, bucket);
             cuda_ipc = r.ipc.last_was_ipc();
         }
@@ -75,16 +89,11 @@ impl RoleHost {
         })
     }
 
-    /// A ZeRO-3 trainer's whole weights, gathered from its data-parallel group for a weight
-    /// sync, with the seconds it took (`None`: not a ZeRO-3 trainer). Every rank of the group
-    /// calls this; a `helper` (a rank that only gathers) keeps none of them and counts the
-    /// sync's version as its own.
-    fn gather_for_sync(
-        &mut self,
-        version: u64,
-        helper: bool,
-        label: &str,
-    ) -> Result<Option<(Gathered, f64)>> {
+    /// A ZeRO-3 trainer rank's part in the gathers of a weight sync that rank 0 of its
+    /// data-parallel group sends: the same collectives, each gathered layer dropped at once.
+    /// Returns the seconds it took (`None`: not a ZeRO-3 trainer); the rank counts the sync's
+    /// version as its own.
+    fn gather_for_sync(&mut self, version: u64, label: &str) -> Result<Option<f64>> {
         let Some((t, world)) = self.engines.iter_mut().find_map(|h| match &mut h.engine {
             Engine::Trainer(t) => Some((t, h.spec.slot.world_size as usize)),
             _ => None,
@@ -97,27 +106,19 @@ impl RoleHost {
         };
         let start = std::time::Instant::now();
         let comm = self.groups.get(CommGroup::ActorDp, world)?;
-        // A helper drops each gathered layer at once: only rank 0 holds the whole policy.
-        let res = crate::zero::lend(&model, comm, |_| {
-            if helper {
-                z.gather_all_for_others()?;
-                Ok(Vec::new())
-            } else {
-                Ok(z.gather_all_host()?)
-            }
-        })
-        .with_ctx(|| {
-            format!("{label} SyncWeights: gathering the sharded weights (training.zero_stage 3)")
-        });
+        let res =
+            crate::zero::lend(&model, comm, |_| Ok(z.gather_all_for_others()?)).with_ctx(|| {
+                format!(
+                    "{label} SyncWeights: gathering the sharded weights (training.zero_stage 3)"
+                )
+            });
         if matches!(&res, Err(e) if is_collective(e)) {
             self.groups.forget(CommGroup::ActorDp);
         }
-        let gathered = res?;
-        if helper {
-            // Rank 0 counts the version once its send went through.
-            t.state.version = version;
-        }
-        Ok(Some((gathered, start.elapsed().as_secs_f64())))
+        res?;
+        // Rank 0 counts the version once its send went through.
+        t.state.version = version;
+        Ok(Some(start.elapsed().as_secs_f64()))
     }
 
     /// Checksum and version of the first engine with a model (rule and HTTP rewards: 0).
@@ -188,9 +189,6 @@ impl RoleHost {
         .with_ctx(|| format!("{label} LoadCheckpoint"))
     }
 }
-
-/// A ZeRO-3 model's whole weights by name, in its parameter order.
-type Gathered = Vec<(String, Tensor)>;
 
 /// The data-parallel group of a trained role: whose communicator its updates, and a ZeRO-3
 /// model's gathers, go through.

@@ -8,7 +8,9 @@ pub mod ipc;
 use std::time::Instant;
 
 use candle_core::{DType, Tensor};
-use rlhf_collective::{checksum, BucketedSync, Communicator, Param, ParamMut, SyncStats};
+use rlhf_collective::{
+    checksum, BucketedSync, Communicator, Param, ParamMeta, ParamMut, ParamView, SyncStats,
+};
 use rlhf_model::Model;
 
 use crate::error::{Ctx, Result};
@@ -74,19 +76,6 @@ pub fn send_weights(
     bucket_bytes: usize,
     st: &mut ipc::IpcState,
 ) -> Result<(SyncStats, u64)> {
-    send_weights_from(model, None, comm, bucket_bytes, st)
-}
-
-/// [`send_weights`] of `gathered`, a ZeRO-3 model's whole weights gathered from its group
-/// (`Zero3::gather_all_host`, the model's parameter order), when given: they go by the host path
-/// (a sharded model offers no CUDA IPC, so the ranks agree on that).
-pub fn send_weights_from(
-    model: &Model,
-    gathered: Option<&[(String, Tensor)]>,
-    comm: &mut dyn Communicator,
-    bucket_bytes: usize,
-    st: &mut ipc::IpcState,
-) -> Result<(SyncStats, u64)> {
     if let Some(wire) = ipc::negotiate(model, comm, st)? {
         let bucket = match bucket_bytes {
             0 => ipc::DEFAULT_BUCKET_BYTES,
@@ -96,15 +85,82 @@ pub fn send_weights_from(
             return Ok(out);
         }
     }
-    let params = match gathered {
-        Some(g) => to_host(g)?,
-        None => host_params(model)?,
-    };
+    let params = host_params(model)?;
     let views = views(&params)?;
     let stats = bucketed(bucket_bytes)?
         .send(comm, &views)
         .ctx("sending weights")?;
     Ok((stats, checksum(&views)))
+}
+
+/// The root side of the weight sync of a ZeRO-3 model, from rank 0 of its data-parallel
+/// group (`dp`, lent to the model): the group gathers the whole weights a decoder layer at a
+/// time and each parameter is sent as soon as it is gathered, so rank 0 holds the edges
+/// (embeddings, heads) and one layer, never the whole policy. The other ranks of the group
+/// take part in the same gathers ([`rlhf_model::zero3::Zero3::gather_all_for_others`]). By the
+/// host path (a sharded model offers no CUDA IPC, so the ranks agree on that). The same wire
+/// and checksum as [`send_weights`].
+///
+/// The outer error: the gathers failed (the group is broken, and so is the half-sent sync);
+/// the inner one: the sync failed, after this rank took part in every gather all the same.
+pub fn send_weights_sharded(
+    model: &Model,
+    dp: &mut dyn Communicator,
+    comm: &mut dyn Communicator,
+    bucket_bytes: usize,
+    st: &mut ipc::IpcState,
+) -> Result<Result<(SyncStats, u64)>> {
+    let z = model.zero3().ok_or_else(|| {
+        crate::Error::internal("a sharded weight sync of a model that is not sharded")
+    })?;
+    let params: Vec<ParamMeta> = z
+        .param_shapes()?
+        .into_iter()
+        .map(|(name, shape)| ParamMeta::new(name, &shape, rlhf_collective::DType::F32))
+        .collect();
+    let sync = bucketed(bucket_bytes);
+    let mut failed = None;
+    let mut stream = match ipc::negotiate(model, comm, st) {
+        Ok(None) => match sync {
+            Ok(sync) => sync
+                .send_stream(comm, params)
+                .ctx("sending weights")
+                .map(Some),
+            Err(e) => Err(e),
+        },
+        Ok(Some(_)) => Err(crate::Error::internal(
+            "the ranks agreed on CUDA IPC for a sharded model's sync",
+        )),
+        Err(e) => Err(e),
+    }
+    .unwrap_or_else(|e| {
+        failed = Some(e);
+        None
+    });
+    crate::zero::lend(model, dp, |_| {
+        Ok(z.gather_each_host(|name, t| {
+            let Some(s) = stream.as_mut() else {
+                // The sync failed: the gathers go on for the other ranks' sake.
+                return Ok(());
+            };
+            let data = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+            let sent =
+                Param::f32(name.clone(), t.dims(), &data).and_then(|p| s.push(&name, p.data()));
+            if let Err(e) = sent {
+                failed = Some(crate::Error::from(e).context("sending weights"));
+                stream = None;
+            }
+            Ok(())
+        })?)
+    })
+    .ctx("gathering the sharded weights (training.zero_stage 3)")?;
+    Ok(match (failed, stream) {
+        (Some(e), _) => Err(e),
+        (None, Some(s)) => s.finish().ctx("sending weights"),
+        (None, None) => Err(crate::Error::internal(
+            "the sharded weight sync lost its stream",
+        )),
+    })
 }
 
 /// Receiver side: fills every parameter from rank 0 and installs them in `model`.
