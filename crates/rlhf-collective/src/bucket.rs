@@ -190,14 +190,34 @@ pub(crate) fn hash_meta<P: Listed + ?Sized>(h: &mut Checksum, p: &P) {
 /// Checksum of a parameter list: names, dtypes, shapes and bytes, in order.
 /// Equal on trainer and rollout after a successful sync.
 pub fn checksum<P: ParamView>(params: &[P]) -> u64 {
-    let mut h = Checksum::new();
-    h.update_u64(params.len() as u64);
+    let mut h = ChecksumStream::new(params.len());
     for p in params {
-        hash_meta(&mut h, p);
-        h.update_u64(p.data().len() as u64);
-        h.update(p.data());
+        h.add(p);
     }
     h.finish()
+}
+
+/// [`checksum`] of a list of `count` parameters given one at a time, so that they need not
+/// exist at once (a ZeRO-3 model's, gathered a layer at a time).
+pub struct ChecksumStream(Checksum);
+
+impl ChecksumStream {
+    pub fn new(count: usize) -> Self {
+        let mut h = Checksum::new();
+        h.update_u64(count as u64);
+        Self(h)
+    }
+
+    /// The next parameter of the list.
+    pub fn add<P: ParamView>(&mut self, p: &P) {
+        hash_meta(&mut self.0, p);
+        self.0.update_u64(p.data().len() as u64);
+        self.0.update(p.data());
+    }
+
+    pub fn finish(self) -> u64 {
+        self.0.finish()
+    }
 }
 
 fn manifest_digest<P: Listed>(params: &[P], bucket_bytes: usize) -> [u8; 16] {

@@ -51,8 +51,8 @@ pub mod tcp;
 use std::time::Duration;
 
 pub use bucket::{
-    all_reduce_f32_bucketed, checksum, BucketedSync, DType, Listed, Param, ParamMut, ParamView,
-    SyncStats,
+    all_reduce_f32_bucketed, checksum, BucketedSync, ChecksumStream, DType, Listed, Param,
+    ParamMut, ParamView, SyncStats,
 };
 pub use error::{Error, ErrorKind, Op, Result};
 #[cfg(feature = "nccl")]

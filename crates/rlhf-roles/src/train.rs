@@ -283,7 +283,7 @@ impl TrainState {
         let s = checkpoint::load(&self.model, &mut self.optim, dir, &self.load_opts)?;
         self.version = s.weights_version;
         match self.model.zero3() {
-            Some(z) => crate::weights::tensors_checksum(&z.gather_all_host()?),
+            Some(z) => crate::weights::sharded_checksum(z),
             None => self.checksum(),
         }
     }

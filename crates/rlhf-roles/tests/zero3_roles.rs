@@ -237,9 +237,11 @@ fn stage_3_trainer_ranks_gather_the_policy_for_the_weight_sync() {
             z.lend(&mut d1, |_| z.gather_all_for_others())
                 .unwrap()
                 .unwrap();
-            // Then the gather rank 0 compares with.
+            // Then the gather rank 0 compares with, and the checksum of the whole weights.
             let all = gathered(&t.state.model, &mut d1);
             assert!(!all.is_empty());
+            let sum = z.lend(&mut d1, |_| rlhf_roles::weights::sharded_checksum(&z));
+            sum.unwrap().unwrap()
         })
     };
     let mut t = trainer(&cfg, 0, 2);
@@ -252,7 +254,17 @@ fn stage_3_trainer_ranks_gather_the_policy_for_the_weight_sync() {
     assert!(stats.buckets > 1, "{} buckets", stats.buckets);
     let z = t.state.model.zero3().unwrap().clone();
     let whole = z.lend(&mut d0, |_| z.gather_all()).unwrap().unwrap();
-    helper.join().unwrap();
+    // The checksum of the whole weights, hashed a layer at a time as the group gathers them.
+    let hashed = z
+        .lend(&mut d0, |_| rlhf_roles::weights::sharded_checksum(&z))
+        .unwrap()
+        .unwrap();
+    let helper_hashed = helper.join().unwrap();
+    assert_eq!(
+        hashed,
+        rlhf_roles::weights::tensors_checksum(&whole).unwrap()
+    );
+    assert_eq!(helper_hashed, hashed);
     let (got, sum, version) = rollout_side.join().unwrap();
     assert_eq!((sum, version), (sent, 9));
     assert_eq!(sent, rlhf_roles::weights::tensors_checksum(&whole).unwrap());
