@@ -194,29 +194,48 @@ pub fn checksum<P: ParamView>(params: &[P]) -> u64 {
     for p in params {
         h.add(p);
     }
-    h.finish()
+    h.hash.finish()
 }
 
 /// [`checksum`] of a list of `count` parameters given one at a time, so that they need not
 /// exist at once (a ZeRO-3 model's, gathered a layer at a time).
-pub struct ChecksumStream(Checksum);
+pub struct ChecksumStream {
+    hash: Checksum,
+    count: usize,
+    added: usize,
+}
 
 impl ChecksumStream {
     pub fn new(count: usize) -> Self {
-        let mut h = Checksum::new();
-        h.update_u64(count as u64);
-        Self(h)
+        let mut hash = Checksum::new();
+        hash.update_u64(count as u64);
+        Self {
+            hash,
+            count,
+            added: 0,
+        }
     }
 
     /// The next parameter of the list.
     pub fn add<P: ParamView>(&mut self, p: &P) {
-        hash_meta(&mut self.0, p);
-        self.0.update_u64(p.data().len() as u64);
-        self.0.update(p.data());
+        hash_meta(&mut self.hash, p);
+        self.hash.update_u64(p.data().len() as u64);
+        self.hash.update(p.data());
+        self.added += 1;
     }
 
-    pub fn finish(self) -> u64 {
-        self.0.finish()
+    /// The checksum, once the `count` parameters announced were added.
+    pub fn finish(self) -> Result<u64> {
+        if self.added != self.count {
+            return Err(Error::InvalidArgument {
+                op: Op::WeightSync,
+                detail: format!(
+                    "a checksum of {} parameters was given {}",
+                    self.count, self.added
+                ),
+            });
+        }
+        Ok(self.hash.finish())
     }
 }
 

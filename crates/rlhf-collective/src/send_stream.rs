@@ -233,6 +233,25 @@ mod tests {
     }
 
     #[test]
+    fn a_checksum_stream_is_the_checksum_and_counts_its_parameters() {
+        let sent = values();
+        let views: Vec<Param<'_>> = sent
+            .iter()
+            .map(|(n, s, v)| Param::f32(n.clone(), s, v).unwrap())
+            .collect();
+        let mut h = crate::ChecksumStream::new(views.len());
+        views.iter().for_each(|p| h.add(p));
+        assert_eq!(h.finish().unwrap(), checksum(&views));
+        let mut short = crate::ChecksumStream::new(views.len());
+        short.add(&views[0]);
+        let err = short.finish().unwrap_err().to_string();
+        assert!(
+            err.contains("3 parameters") && err.contains("given 1"),
+            "{err}"
+        );
+    }
+
+    #[test]
     fn pushing_out_of_order_a_wrong_length_or_too_few_is_refused() {
         let mut comm = TcpCommunicator::single(CommConfig::default());
         let metas = || {

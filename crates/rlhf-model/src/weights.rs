@@ -119,6 +119,21 @@ impl WeightFiles {
         Ok(rlhf_types::f32s_from_le_bytes(view.data()))
     }
 
+    /// The dtype tensor `name` is stored in, when it is one a model can hold.
+    pub(crate) fn dtype(&self, name: &str) -> Result<DType> {
+        let view = self.st.get(name).map_err(|_| Error::MissingTensor {
+            name: name.to_string(),
+            location: self.location.clone(),
+        })?;
+        DType::try_from(view.dtype()).map_err(|_| {
+            Error::InvalidArgument(format!(
+                "{name} in {} is stored as {:?}, which no model parameter can be",
+                self.location,
+                view.dtype()
+            ))
+        })
+    }
+
     /// Elements `range` of tensor `name` (flattened), read straight out of the mapped file
     /// into a 1-D host tensor in the file's dtype: a ZeRO-3 rank's piece, without the whole
     /// tensor ever being copied (only the pages of the range are read).
@@ -127,7 +142,7 @@ impl WeightFiles {
             name: name.to_string(),
             location: self.location.clone(),
         })?;
-        let dtype = DType::try_from(view.dtype())?;
+        let dtype = self.dtype(name)?;
         let count: usize = view.shape().iter().product();
         if range.start > range.end || range.end > count {
             return Err(Error::InvalidArgument(format!(

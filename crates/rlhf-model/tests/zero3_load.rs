@@ -183,6 +183,37 @@ fn restoring_weights_reads_the_pieces_and_a_bad_checkpoint_changes_nothing() {
     assert!(err.contains(&name), "names the tensor: {err}");
     assert_eq!(values(&model), before, "nothing was set");
 
+    // One tensor stored in a dtype no parameter can have (bool), the right shape: the last
+    // one sorted, so the check must come before any set.
+    let mut named = later.named_tensors();
+    let (name, t) = named.pop().unwrap();
+    let bools = vec![1u8; t.elem_count()];
+    let mut views = vec![(
+        name.clone(),
+        safetensors::tensor::TensorView::new(safetensors::Dtype::BOOL, t.dims().to_vec(), &bools)
+            .unwrap(),
+    )];
+    let rest: Vec<(String, Vec<u8>, Vec<usize>)> = named
+        .iter()
+        .map(|(n, t)| {
+            let v: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+            let bytes = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+            (n.clone(), bytes, t.dims().to_vec())
+        })
+        .collect();
+    for (n, bytes, shape) in &rest {
+        let view =
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes);
+        views.push((n.clone(), view.unwrap()));
+    }
+    safetensors::tensor::serialize_to_file(views, None, &file).unwrap();
+    let err = model.load_zero3_weights(&second).unwrap_err().to_string();
+    assert!(
+        err.contains(&name) && err.contains("BOOL"),
+        "names the tensor and its dtype: {err}"
+    );
+    assert_eq!(values(&model), before, "nothing was set");
+
     // The whole checkpoint again: this rank's pieces of it.
     rlhf_model::weights::save_safetensors(&later.named_tensors(), &file).unwrap();
     model.load_zero3_weights(&second).unwrap();

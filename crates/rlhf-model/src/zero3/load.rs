@@ -95,7 +95,8 @@ impl Model {
 }
 
 impl Zero3 {
-    /// Sets this rank's piece of every parameter from `files`, after checking them all.
+    /// Sets this rank's piece of every parameter from `files`, after checking them all
+    /// (present, their shape, a dtype a parameter can have).
     fn load_pieces(&self, files: &WeightFiles) -> Result<()> {
         let st = self.lock()?;
         for p in &st.pieces {
@@ -110,6 +111,7 @@ impl Zero3 {
                     found,
                 });
             }
+            files.dtype(&p.name)?;
         }
         for p in &st.pieces {
             let mine = p.ranges[self.rank].clone();

@@ -2,7 +2,7 @@
 //! (a save, a weight sync, a checksum; exact `f32`, one decoder layer at a time, kept or
 //! handed out parameter by parameter in name order), a rank's
 //! part in a gather another rank keeps, and a whole tensor set into this rank's piece (a
-//! checkpoint load or a received sync).
+//! received sync; a checkpoint's weights are read piece by piece: `load.rs`).
 
 use candle_core::{DType, Device, Tensor};
 
@@ -50,8 +50,8 @@ impl Zero3 {
         self.gather_all_to(&self.device)
     }
 
-    /// [`Zero3::gather_all`] into host memory: what a save and a checksum take, so the device
-    /// never holds the whole model.
+    /// [`Zero3::gather_all`] into host memory: what a save takes, so the device never holds
+    /// the whole model.
     pub fn gather_all_host(&self) -> Result<Vec<(String, Tensor)>> {
         self.gather_all_to(&Device::Cpu)
     }

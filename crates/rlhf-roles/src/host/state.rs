@@ -1,5 +1,6 @@
 //! The calls of a role process that reach past one batch: the trainer → rollout weight sync
-//! (a ZeRO-3 trainer's ranks gather the whole policy for it first), the weights' checksum,
+//! (a ZeRO-3 trainer's ranks gather the policy a layer at a time, rank 0 sending each as it
+//! comes), the weights' checksum,
 //! and checkpoints of the trainable engine, with its data-parallel group's communicator
 //! lent to a sharded model.
 
@@ -50,18 +51,37 @@ impl RoleHost {
             _ => None,
         }) {
             if t.state.model.zero3().is_some() {
-                let (dp, comm) = self.groups.pair((CommGroup::ActorDp, world), (group, 2))?;
-                res = match t.send_weights_sharded(dp, comm, req.version, bucket) {
-                    Ok(sent) => sent,
+                let dp = (CommGroup::ActorDp, world);
+                let (dp_comm, comm) = match self.groups.pair(dp, (group, 2)) {
+                    Ok(pair) => pair,
                     Err(e) => {
-                        // The gathers broke, and with them the sync half sent.
-                        if is_collective(&e) {
-                            self.groups.forget(CommGroup::ActorDp);
-                            self.groups.forget(group);
+                        // No weights group (or no data-parallel one): the other trainer
+                        // ranks are gathering all the same, so take part before failing.
+                        if let Ok(c) = self.groups.get(dp.0, dp.1) {
+                            let model = t.state.model.clone();
+                            if let Err(g) = crate::weights::gather_for_others(&model, c) {
+                                tracing::warn!("{label} SyncWeights: {g}");
+                                self.groups.forget(dp.0);
+                            }
                         }
                         return Err(e).with_ctx(|| format!("{label} SyncWeights"));
                     }
                 };
+                match t.send_weights_sharded(dp_comm, comm, req.version, bucket) {
+                    Ok(sent) => {
+                        if sent.is_err() {
+                            // The receivers may be mid-sync: the weights group is done.
+                            self.groups.forget(group);
+                        }
+                        res = sent;
+                    }
+                    Err(e) => {
+                        // A gather failed: the group is broken, and the sync half sent.
+                        self.groups.forget(dp.0);
+                        self.groups.forget(group);
+                        return Err(e).with_ctx(|| format!("{label} SyncWeights"));
+                    }
+                }
             } else {
                 let comm = self.groups.get(group, 2)?;
                 res = t.send_weights(comm, req.version, bucket);
@@ -90,9 +110,8 @@ impl RoleHost {
     }
 
     /// A ZeRO-3 trainer rank's part in the gathers of a weight sync that rank 0 of its
-    /// data-parallel group sends: the same collectives, each gathered layer dropped at once.
-    /// Returns the seconds it took (`None`: not a ZeRO-3 trainer); the rank counts the sync's
-    /// version as its own.
+    /// data-parallel group sends ([`crate::weights::gather_for_others`]). Returns the seconds
+    /// it took (`None`: not a ZeRO-3 trainer); the rank counts the sync's version as its own.
     fn gather_for_sync(&mut self, version: u64, label: &str) -> Result<Option<f64>> {
         let Some((t, world)) = self.engines.iter_mut().find_map(|h| match &mut h.engine {
             Engine::Trainer(t) => Some((t, h.spec.slot.world_size as usize)),
@@ -101,18 +120,15 @@ impl RoleHost {
             return Ok(None);
         };
         let model = t.state.model.clone();
-        let Some(z) = model.zero3() else {
+        if model.zero3().is_none() {
             return Ok(None);
-        };
+        }
         let start = std::time::Instant::now();
         let comm = self.groups.get(CommGroup::ActorDp, world)?;
-        let res =
-            crate::zero::lend(&model, comm, |_| Ok(z.gather_all_for_others()?)).with_ctx(|| {
-                format!(
-                    "{label} SyncWeights: gathering the sharded weights (training.zero_stage 3)"
-                )
-            });
-        if matches!(&res, Err(e) if is_collective(e)) {
+        let res = crate::weights::gather_for_others(&model, comm)
+            .with_ctx(|| format!("{label} SyncWeights"));
+        if res.is_err() {
+            // A gather failed: the group is broken.
             self.groups.forget(CommGroup::ActorDp);
         }
         res?;

@@ -10,7 +10,7 @@ use std::time::Instant;
 use candle_core::{DType, Tensor};
 use rlhf_collective::{
     checksum, BucketedSync, ChecksumStream, Communicator, Param, ParamMeta, ParamMut, ParamView,
-    SyncStats,
+    SendStream, SyncStats,
 };
 use rlhf_model::Model;
 
@@ -50,7 +50,7 @@ fn views(params: &[HostParam]) -> Result<Vec<Param<'_>>> {
 /// `rlhf_collective::checksum` over the model's parameters.
 ///
 /// A ZeRO-3 model's is of this rank's pieces (no collective); its whole weights' checksum is
-/// that of `Zero3::gather_all`.
+/// [`sharded_checksum`]'s.
 pub fn weights_checksum(model: &Model) -> Result<u64> {
     tensors_checksum(&model.named_tensors())
 }
@@ -73,7 +73,7 @@ pub fn sharded_checksum(z: &rlhf_model::zero3::Zero3) -> Result<u64> {
         h.add(&p);
         Ok(())
     })?;
-    Ok(h.finish())
+    Ok(h.finish()?)
 }
 
 fn bucketed(bucket_bytes: usize) -> Result<BucketedSync> {
@@ -117,8 +117,10 @@ pub fn send_weights(
 /// host path (a sharded model offers no CUDA IPC, so the ranks agree on that). The same wire
 /// and checksum as [`send_weights`].
 ///
-/// The outer error: the gathers failed (the group is broken, and so is the half-sent sync);
-/// the inner one: the sync failed, after this rank took part in every gather all the same.
+/// The outer error: a gather failed (the group is broken, and so is the half-sent sync); the
+/// inner one: the sync failed, after this rank took part in every gather all the same, so
+/// the rest of the group is not left waiting (the receivers may be, mid-sync: the weights
+/// group is not to be used again).
 pub fn send_weights_sharded(
     model: &Model,
     dp: &mut dyn Communicator,
@@ -129,41 +131,23 @@ pub fn send_weights_sharded(
     let z = model.zero3().ok_or_else(|| {
         crate::Error::internal("a sharded weight sync of a model that is not sharded")
     })?;
-    let params: Vec<ParamMeta> = z
-        .param_shapes()?
-        .into_iter()
-        .map(|(name, shape)| ParamMeta::new(name, &shape, rlhf_collective::DType::F32))
-        .collect();
-    let sync = bucketed(bucket_bytes);
     let mut failed = None;
-    let mut stream = match ipc::negotiate(model, comm, st) {
-        Ok(None) => match sync {
-            Ok(sync) => sync
-                .send_stream(comm, params)
-                .ctx("sending weights")
-                .map(Some),
-            Err(e) => Err(e),
-        },
-        Ok(Some(_)) => Err(crate::Error::internal(
-            "the ranks agreed on CUDA IPC for a sharded model's sync",
-        )),
-        Err(e) => Err(e),
-    }
-    .unwrap_or_else(|e| {
-        failed = Some(e);
-        None
-    });
+    let mut stream = start_sharded_sync(model, z, comm, bucket_bytes, st)
+        .map_err(|e| failed = Some(e))
+        .ok();
     crate::zero::lend(model, dp, |_| {
         Ok(z.gather_each_host(|name, t| {
             let Some(s) = stream.as_mut() else {
                 // The sync failed: the gathers go on for the other ranks' sake.
                 return Ok(());
             };
-            let data = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-            let sent =
-                Param::f32(name.clone(), t.dims(), &data).and_then(|p| s.push(&name, p.data()));
+            let sent = (|| -> Result<()> {
+                let data = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                let p = Param::f32(name.clone(), t.dims(), &data)?;
+                s.push(&name, p.data()).ctx("sending weights")
+            })();
             if let Err(e) = sent {
-                failed = Some(crate::Error::from(e).context("sending weights"));
+                failed = Some(e);
                 stream = None;
             }
             Ok(())
@@ -177,6 +161,41 @@ pub fn send_weights_sharded(
             "the sharded weight sync lost its stream",
         )),
     })
+}
+
+/// The start of [`send_weights_sharded`]'s sync: the path agreed (the host's) and the
+/// manifest checked with the receivers.
+fn start_sharded_sync<'c>(
+    model: &Model,
+    z: &rlhf_model::zero3::Zero3,
+    comm: &'c mut (dyn Communicator + 'c),
+    bucket_bytes: usize,
+    st: &mut ipc::IpcState,
+) -> Result<SendStream<'c, dyn Communicator + 'c>> {
+    let params: Vec<ParamMeta> = z
+        .param_shapes()?
+        .into_iter()
+        .map(|(name, shape)| ParamMeta::new(name, &shape, rlhf_collective::DType::F32))
+        .collect();
+    let sync = bucketed(bucket_bytes)?;
+    if ipc::negotiate(model, comm, st)?.is_some() {
+        return Err(crate::Error::internal(
+            "the ranks agreed on CUDA IPC for a sharded model's sync",
+        ));
+    }
+    sync.send_stream(comm, params).ctx("sending weights")
+}
+
+/// A ZeRO-3 trainer rank's part in the gathers of a weight sync (or of a save) that another
+/// rank of its data-parallel group (`dp`) keeps: the same collectives, each gathered layer
+/// dropped at once. Also what rank 0 does when it cannot send at all, so the other ranks are
+/// not left waiting in their gathers.
+pub fn gather_for_others(model: &Model, dp: &mut dyn Communicator) -> Result<()> {
+    let z = model
+        .zero3()
+        .ok_or_else(|| crate::Error::internal("sharded gathers of a model that is not sharded"))?;
+    crate::zero::lend(model, dp, |_| Ok(z.gather_all_for_others()?))
+        .ctx("gathering the sharded weights (training.zero_stage 3)")
 }
 
 /// Receiver side: fills every parameter from rank 0 and installs them in `model`.
