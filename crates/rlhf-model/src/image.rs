@@ -1,6 +1,8 @@
 //! A model's HF directory (or a LoRA model's PEFT adapter) captured at one instant, so a
 //! checkpoint can be written by another thread while the next optimizer steps change the
-//! live parameters: [`Model::image`] captures it, [`ModelImage::write`] writes it.
+//! live parameters: [`Model::image`] captures it, [`ModelImage::write`] writes it. A ZeRO-3
+//! model's weights can instead be written to a file as its group gathers them
+//! ([`Model::image_streamed`]), which the image then moves into place.
 
 use std::path::{Path, PathBuf};
 
@@ -17,6 +19,9 @@ pub struct ModelImage {
     /// Copies, in parameter order.
     pub tensors: Vec<(String, Tensor)>,
     pub(crate) tokenizer_dir: Option<PathBuf>,
+    /// The model's safetensors file, already written ([`Model::image_streamed`]): moved into
+    /// the directory instead of `tensors` (then empty).
+    pub(crate) written: Option<PathBuf>,
 }
 
 /// What an image is written as.
@@ -39,7 +44,11 @@ impl ModelImage {
         match &self.kind {
             ImageKind::Model { config, generation } => {
                 write_json(&dir.join("config.json"), config)?;
-                save_safetensors(&self.tensors, &dir.join(crate::weights::SAFETENSORS_FILE))?;
+                let file = dir.join(crate::weights::SAFETENSORS_FILE);
+                match &self.written {
+                    Some(src) => move_file(src, &file)?,
+                    None => save_safetensors(&self.tensors, &file)?,
+                }
                 write_json(&dir.join("generation_config.json"), generation)?;
             }
             ImageKind::Adapter {
@@ -91,9 +100,71 @@ impl Model {
                 },
                 tensors,
                 tokenizer_dir: tokenizer_dir.map(Path::to_path_buf),
+                written: None,
             });
         }
         self.full_image(tensors, self.dtype(), tokenizer_dir)
+    }
+
+    /// [`Model::image`] of a ZeRO-3 model, its weights written to `file` as the group gathers
+    /// them (a collective: the other ranks take part with
+    /// [`crate::zero3::Zero3::gather_all_for_others`]), so this rank holds one layer at a
+    /// time, not the whole model; the image moves `file` into the directory it writes.
+    /// Returns the image and the checksum of the weights written
+    /// ([`rlhf_collective::checksum`] of them as `f32`, in name order). A model with LoRA
+    /// adapters (whose image is its adapters) or one not sharded is refused.
+    pub fn image_streamed(
+        &self,
+        tokenizer_dir: Option<&Path>,
+        file: &Path,
+    ) -> Result<(ModelImage, u64)> {
+        let z = match (self.zero3(), &self.lora) {
+            (Some(z), None) => z,
+            _ => {
+                return Err(Error::InvalidArgument(
+                    "a streamed image is of a ZeRO-3 model without LoRA adapters".into(),
+                ))
+            }
+        };
+        let list = z.param_shapes()?;
+        let mut hash = rlhf_collective::ChecksumStream::new(list.len());
+        // A failed write stops the writing, not the gathers: the other ranks are in them.
+        let mut failed = None;
+        let mut out = crate::SafetensorsWriter::create(file, list, &[])
+            .map_err(|e| failed = Some(e))
+            .ok();
+        z.gather_each_host(|name, t| {
+            let Some(w) = out.as_mut() else {
+                return Ok(());
+            };
+            let written = (|| -> Result<()> {
+                let data = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                let p = rlhf_collective::Param::f32(name.clone(), t.dims(), &data)
+                    .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+                hash.add(&p);
+                w.push_f32(&name, &data)
+            })();
+            if let Err(e) = written {
+                failed = Some(e);
+                out = None;
+            }
+            Ok(())
+        })?;
+        match (failed, out) {
+            (Some(e), _) => return Err(e),
+            (None, Some(w)) => w.finish()?,
+            (None, None) => {
+                return Err(Error::InvalidArgument(
+                    "the streamed image lost its file".into(),
+                ))
+            }
+        }
+        let sum = hash
+            .finish()
+            .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+        let mut image = self.full_image(Vec::new(), self.dtype(), tokenizer_dir)?;
+        image.written = Some(file.to_path_buf());
+        Ok((image, sum))
     }
 
     /// An HF model directory's image holding `tensors` (HF names, all in `dtype`).
@@ -112,9 +183,16 @@ impl Model {
         let mut extra: Vec<(&str, Value)> = vec![("torch_dtype", json!(dtype_name))];
         if let Head::Score(h) = &self.head {
             // The saved head's rows (a ZeRO-3 model's own head is an empty placeholder).
+            let sharded = match self.zero3() {
+                Some(z) => z.param_shapes()?,
+                None => Vec::new(),
+            };
             let n = match tensors.iter().find(|(name, _)| name == "score.weight") {
                 Some((_, w)) => w.dim(0)?,
-                None => h.w.dim(0)?,
+                None => match sharded.iter().find(|(name, _)| name == "score.weight") {
+                    Some((_, shape)) => shape.first().copied().unwrap_or(0),
+                    None => h.w.dim(0)?,
+                },
             };
             extra.push(("num_labels", json!(n)));
             extra.push(("id2label", labels_map(n, false)));
@@ -141,7 +219,20 @@ impl Model {
             },
             tensors,
             tokenizer_dir: tokenizer_dir.map(Path::to_path_buf),
+            written: None,
         })
+    }
+}
+
+/// Moves `src` to `dst`: a rename, or a copy across file systems.
+fn move_file(src: &Path, dst: &Path) -> Result<()> {
+    match std::fs::rename(src, dst) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::CrossesDevices => {
+            std::fs::copy(src, dst).map_err(|e| Error::io(dst, e))?;
+            std::fs::remove_file(src).map_err(|e| Error::io(src, e))
+        }
+        Err(e) => Err(Error::io(src, e)),
     }
 }
 

@@ -65,6 +65,7 @@ pub mod ops;
 #[doc(hidden)]
 pub mod profile;
 mod replay;
+pub mod safetensors_writer;
 pub mod tokenizer;
 pub mod train;
 pub mod transformer;
@@ -80,6 +81,7 @@ pub use lora::LoraConfig;
 pub use lora_model::DropoutPass;
 pub use model::{Batch, LoadOptions, Model, ModelImage, ModelKind, ValueHeadInit};
 pub use ops::{entropy_from_logits, lm_head_log_probs, log_probs_from_logits, masked_mean};
+pub use safetensors_writer::SafetensorsWriter;
 pub use tokenizer::{ChatMessage, Tokenizer};
 pub use train::{
     partition, shard_span, AdamW, AdamWConfig, GradAccumulator, Gradients, LrSchedule, LrScheduler,

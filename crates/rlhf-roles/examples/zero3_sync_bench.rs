@@ -1,7 +1,10 @@
 //! Host memory of rank 0 of a ZeRO-3 trainer group during a weight sync to a rollout:
 //! sending each parameter as the group gathers it ([`weights::send_weights_sharded`]) against
 //! gathering the whole policy first and then sending it (what rank 0 did before: the
-//! gathered tensors plus their host copy for the send, two whole `f32` copies).
+//! gathered tensors plus their host copy for the send, two whole `f32` copies); and during a
+//! checkpoint's model save: written to a file as the group gathers it
+//! ([`Model::image_streamed`]) against the whole model captured in memory and then written
+//! ([`Model::image`]). The saved model's checksum must be the same both ways.
 //!
 //! Three real processes' worth of ranks in two: process A is rank 0 of the data-parallel
 //! group and the sync's root; process B holds rank 1 of the group (its part in the gathers)
@@ -63,6 +66,25 @@ fn root(variant: &str, dir: &Path, dp_addr: &str, sync_addr: &str) -> Result<(),
     let before = status_mib("VmRSS:")?;
     let start = Instant::now();
     let sum = match variant {
+        "save-whole" | "save-streamed" => {
+            // A checkpoint's model: captured (gathered) and written.
+            let out = tempfile::tempdir_in(dir.parent().ok_or("no parent")?)?;
+            let z = model.zero3().ok_or("not sharded")?;
+            let image = if variant == "save-whole" {
+                z.lend(&mut dp, |_| model.image(None))??
+            } else {
+                let file = out.path().join("spilled.safetensors");
+                z.lend(&mut dp, |_| model.image_streamed(None, &file))??.0
+            };
+            image.write(&out.path().join("model"))?;
+            drop(image);
+            // The peak and time of the save, before the check below loads the saved model.
+            let (peak, seconds) = (status_mib("VmHWM:")?, start.elapsed().as_secs_f64());
+            let saved = Model::load(out.path().join("model"), &trainer_opts())?;
+            let sum = weights::weights_checksum(&saved)?;
+            println!("{} {seconds} {sum}", peak - before);
+            return Ok(());
+        }
         "streamed" => {
             let mut st = IpcState::default();
             weights::send_weights_sharded(&model, &mut dp, &mut sync, BUCKET, &mut st)??.1
@@ -96,8 +118,19 @@ fn root(variant: &str, dir: &Path, dp_addr: &str, sync_addr: &str) -> Result<(),
     Ok(())
 }
 
-/// Rank 1 of the group and the rollout: prints the rollout's checksum.
-fn others(dir: &Path, dp_addr: &str, sync_addr: &str) -> Result<(), BoxError> {
+/// Rank 1 of the group and the rollout: prints the rollout's checksum (for a save, rank 1
+/// only takes part in the gathers and prints 0).
+fn others(variant: &str, dir: &Path, dp_addr: &str, sync_addr: &str) -> Result<(), BoxError> {
+    if variant.starts_with("save") {
+        let model = Model::load_zero3(dir, &trainer_opts(), 1, 2, false)?;
+        let mut dp = TcpCommunicator::connect(1, 2, dp_addr, CommConfig::default())?;
+        // The root accepts the second group too: connect to it and leave it idle.
+        let _sync = TcpCommunicator::connect(1, 2, sync_addr, CommConfig::default())?;
+        let z = model.zero3().ok_or("not sharded")?;
+        z.lend(&mut dp, |_| z.gather_all_for_others())??;
+        println!("0");
+        return Ok(());
+    }
     let (dir2, sync_addr) = (dir.to_path_buf(), sync_addr.to_string());
     let rollout = std::thread::spawn(move || -> Result<u64, BoxError> {
         let frozen = LoadOptions {
@@ -135,7 +168,7 @@ fn main() -> Result<(), BoxError> {
         };
         return match side {
             "root" => root(variant, Path::new(dir), dp, sync),
-            _ => others(Path::new(dir), dp, sync),
+            _ => others(variant, Path::new(dir), dp, sync),
         };
     }
     if let Some(a) = std::env::args().nth(1) {
@@ -154,12 +187,15 @@ fn main() -> Result<(), BoxError> {
         params as f64 * 4.0 / 1048576.0
     );
     println!(
-        "\n{:>9} {:>22} {:>9} {:>9}",
+        "\n{:>13} {:>22} {:>9} {:>9}",
         "variant", "rank 0 transient MiB", "seconds", "vs whole"
     );
     let mut base: Option<(f64, u64)> = None;
     let exe = std::env::current_exe()?;
-    for variant in ["whole", "streamed"] {
+    for variant in ["whole", "streamed", "save-whole", "save-streamed"] {
+        if variant == "save-whole" {
+            base = None;
+        }
         let (dp, sync) = (free_addr()?, free_addr()?);
         let spawn = |side: &str| {
             Command::new(&exe)
@@ -187,7 +223,7 @@ fn main() -> Result<(), BoxError> {
         let (transient, seconds, sum): (f64, f64, u64) =
             (transient.parse()?, seconds.parse()?, sum.parse()?);
         let received: u64 = String::from_utf8(b.stdout)?.trim().parse()?;
-        if received != sum {
+        if received != sum && !variant.starts_with("save") {
             return Err(format!(
                 "{variant}: the rollout's checksum {received} is not rank 0's {sum}"
             )
@@ -205,7 +241,7 @@ fn main() -> Result<(), BoxError> {
                 format!("{:.3}x", transient / t)
             }
         };
-        println!("{variant:>9} {transient:>22.0} {seconds:>9.2} {ratio:>9}");
+        println!("{variant:>13} {transient:>22.0} {seconds:>9.2} {ratio:>9}");
     }
     Ok(())
 }

@@ -322,7 +322,9 @@ impl RoleService for RoleServer {
         req: Request<pb::SaveCheckpointRequest>,
     ) -> Result<Response<pb::SaveCheckpointResponse>, Status> {
         let req = req.into_inner();
-        crate::host::checkpoint_dir(&req.dir).map_err(Status::from)?;
+        let dir = crate::host::checkpoint_dir(&req.dir)
+            .map_err(Status::from)?
+            .to_path_buf();
         let push = match req.snapshot {
             Some(t) if !t.address.is_empty() => {
                 rlhf_runtime::head::validate::name(&t.job_id, "SnapshotTarget.job_id", false)?;
@@ -333,7 +335,10 @@ impl RoleService for RoleServer {
             }
             _ => None,
         };
-        let image = self.compute.run(|a| a.capture_checkpoint()).await?;
+        let image = self
+            .compute
+            .run(move |a| a.capture_checkpoint(Some(&dir)))
+            .await?;
         if req.background {
             self.saves.start(req.dir, image, push).await;
             return Ok(Response::new(pb::SaveCheckpointResponse::default()));

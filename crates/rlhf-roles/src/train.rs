@@ -263,7 +263,9 @@ impl TrainState {
     /// Copies the checkpoint out; [`checkpoint::Image::write`] writes it.
     /// The checkpoint image, copied out for a writer thread: with a sharded optimizer
     /// (`zero_stage` 1 or 2) this rank's shard, and the weights on rank 0 only.
-    pub fn capture_checkpoint(&self) -> Result<checkpoint::Image> {
+    /// With `dir` (the checkpoint part it will be written to), a ZeRO-3 model's rank 0
+    /// writes the weights beside it as the group gathers them ([`checkpoint::spill_dir`]).
+    pub fn capture_checkpoint(&self, dir: Option<&Path>) -> Result<checkpoint::Image> {
         let state = RoleState {
             role: self.who.role,
             scheduler_step: self.optim.steps() as u64,
@@ -274,6 +276,7 @@ impl TrainState {
             &self.optim,
             state,
             self.tokenizer_dir.as_deref(),
+            dir,
         )
     }
 
@@ -290,8 +293,12 @@ impl TrainState {
 
     /// [`TrainState::capture_checkpoint`] with the data-parallel group's communicator, which a
     /// ZeRO-3 model borrows to gather its weights (every rank of the group calls this).
-    pub fn capture_checkpoint_in(&self, comm: &mut dyn Communicator) -> Result<checkpoint::Image> {
-        crate::zero::lend(&self.model, comm, |_| self.capture_checkpoint())
+    pub fn capture_checkpoint_in(
+        &self,
+        comm: &mut dyn Communicator,
+        dir: Option<&Path>,
+    ) -> Result<checkpoint::Image> {
+        crate::zero::lend(&self.model, comm, |_| self.capture_checkpoint(dir))
     }
 
     /// [`TrainState::load_checkpoint`] with the data-parallel group's communicator: a ZeRO-3

@@ -472,7 +472,7 @@ fn a_reward_model_learns_the_pairs_and_loads_as_the_reward_role() {
     // Saved as an HF sequence classifier, the reward role scores the same.
     let dir = tempfile::tempdir().unwrap();
     t.state
-        .capture_checkpoint()
+        .capture_checkpoint(None)
         .unwrap()
         .write(dir.path())
         .unwrap();

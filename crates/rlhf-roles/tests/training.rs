@@ -191,7 +191,7 @@ fn captured_checkpoint_is_a_snapshot() {
         .iter()
         .map(|(_, t)| t.flatten_all().unwrap().to_vec1::<f32>().unwrap())
         .collect();
-    let image = a.state.capture_checkpoint().unwrap();
+    let image = a.state.capture_checkpoint(None).unwrap();
     for step in 2..4 {
         let mut bb = batch.clone();
         bb.meta.insert("step".into(), serde_json::json!(step));
@@ -230,7 +230,7 @@ fn checkpoint_round_trip_resumes_bit_identically() {
     let dir = tempfile::tempdir().unwrap();
     let files = a
         .state
-        .capture_checkpoint()
+        .capture_checkpoint(None)
         .unwrap()
         .write(dir.path())
         .unwrap();

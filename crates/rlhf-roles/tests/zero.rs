@@ -75,19 +75,29 @@ fn train_ranks(
                 }
                 // Plain: rank 0 saves it all; sharded: every rank saves its shard (and, at
                 // stage 3, takes part in gathering the weights rank 0 writes).
+                // Stage 3's rank 0 writes the weights beside `dir` as the group gathers them,
+                // and the image moves the file into place.
+                let mut saved = None;
                 if let Some(dir) = save.filter(|_| rank == 0 || t.state.optim.opt.shard().is_some())
                 {
-                    let image = t.state.capture_checkpoint_in(&mut c).unwrap();
+                    let image = t.state.capture_checkpoint_in(&mut c, Some(&dir)).unwrap();
+                    saved = Some(image.checksum().unwrap());
                     image.write(&dir).unwrap();
+                    let spill = rlhf_roles::checkpoint::spill_dir(&dir);
+                    assert!(!spill.exists(), "{} is left", spill.display());
                 }
                 let weights = match t.state.model.zero3() {
-                    Some(z) => z
-                        .lend(&mut c, |_| z.gather_all())
-                        .unwrap()
-                        .unwrap()
-                        .into_iter()
-                        .map(|(n, x)| (n, x.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
-                        .collect(),
+                    Some(z) => {
+                        let whole = z.lend(&mut c, |_| z.gather_all()).unwrap().unwrap();
+                        if let (0, Some(sum)) = (rank, saved) {
+                            let want = rlhf_roles::weights::tensors_checksum(&whole).unwrap();
+                            assert_eq!(sum, want, "the saved weights' checksum");
+                        }
+                        whole
+                            .into_iter()
+                            .map(|(n, x)| (n, x.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
+                            .collect()
+                    }
                     None => params(&t.state.model),
                 };
                 (weights, t.state.optim.opt.owned_len())

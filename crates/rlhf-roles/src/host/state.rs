@@ -184,12 +184,14 @@ impl RoleHost {
 
     /// The trainable engine's checkpoint, copied out for a writer thread (this rank's
     /// shard of a sharded optimizer, see `crate::checkpoint`).
-    pub fn capture_checkpoint(&mut self) -> Result<crate::checkpoint::Image> {
+    /// `dir`: the checkpoint part it will be written to (see
+    /// [`crate::train::TrainState::capture_checkpoint`]).
+    pub fn capture_checkpoint(&mut self, dir: Option<&Path>) -> Result<crate::checkpoint::Image> {
         let label = self.label();
         let (state, comm) = self.trainable_in_group("SaveCheckpoint")?;
         match comm {
-            Some(c) => state.capture_checkpoint_in(c),
-            None => state.capture_checkpoint(),
+            Some(c) => state.capture_checkpoint_in(c, dir),
+            None => state.capture_checkpoint(dir),
         }
         .with_ctx(|| format!("{label} SaveCheckpoint"))
     }
