@@ -52,20 +52,6 @@ fn config(model: &str) -> Result<Config, BoxError> {
     })
 }
 
-/// Peak resident memory of this process, MiB.
-fn peak_rss_mib() -> Result<f64, BoxError> {
-    let status = std::fs::read_to_string("/proc/self/status")?;
-    let kib: f64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .ok_or("no VmHWM in /proc/self/status")?
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()?;
-    Ok(kib / 1024.0)
-}
-
 /// `cpu` or `cuda` (cuda:0).
 fn device(name: &str) -> Result<Device, BoxError> {
     match name {
@@ -225,7 +211,7 @@ fn child(spec: &str) -> Result<(), BoxError> {
     println!(
         "RESULT {} {} {:.6}",
         warm[warm.len() / 2],
-        peak_rss_mib()?,
+        rlhf_model::profile::status_mib("VmHWM:")?,
         sum
     );
     Ok(())

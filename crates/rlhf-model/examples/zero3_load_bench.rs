@@ -17,6 +17,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::Instant;
 
+use rlhf_model::profile::{reset_peak, status_mib};
 use rlhf_model::{Config, DType, Device, LoadOptions, Model, ModelKind};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -34,23 +35,6 @@ const VARIANTS: &[(&str, &str)] = &[
     ),
     ("restore-pieces", "load-pieces, then load_zero3_weights"),
 ];
-
-/// `(VmHWM, VmRSS)` of this process, MiB.
-fn memory_mib() -> Result<(f64, f64), BoxError> {
-    let status = std::fs::read_to_string("/proc/self/status")?;
-    let field = |key: &str| -> Result<f64, BoxError> {
-        let kib: f64 = status
-            .lines()
-            .find_map(|l| l.strip_prefix(key))
-            .ok_or_else(|| format!("no {key} in /proc/self/status"))?
-            .trim()
-            .trim_end_matches("kB")
-            .trim()
-            .parse()?;
-        Ok(kib / 1024.0)
-    };
-    Ok((field("VmHWM:")?, field("VmRSS:")?))
-}
 
 fn opts() -> LoadOptions {
     LoadOptions {
@@ -88,7 +72,7 @@ fn child(spec: &str) -> Result<(), BoxError> {
     match variant {
         "restore-whole" | "restore-pieces" => {
             // Only the restore's own peak counts: the peak is reset after the first load.
-            std::fs::write("/proc/self/clear_refs", "5")?;
+            reset_peak()?;
             let start = Instant::now();
             if variant == "restore-whole" {
                 let saved = Model::load(dir, &o)?;
@@ -100,7 +84,7 @@ fn child(spec: &str) -> Result<(), BoxError> {
         }
         _ => {}
     }
-    let (peak, _) = memory_mib()?;
+    let peak = status_mib("VmHWM:")?;
     let held = model.zero3().ok_or("not sharded")?.sizes()?.0;
     println!("{peak} {seconds} {} {held}", checksum(&model)?);
     Ok(())

@@ -236,3 +236,26 @@ pub fn parts(dev: &Device, dtype: DType, s: PartsShape, repeats: usize) -> Resul
     })?);
     Ok(out)
 }
+
+/// A field of this process's `/proc/self/status` in MiB (`VmHWM:`, the peak resident set;
+/// `VmRSS:`, the current one): the memory numbers of the benches.
+pub fn status_mib(key: &str) -> std::io::Result<f64> {
+    let status = std::fs::read_to_string("/proc/self/status")?;
+    let bad = || std::io::Error::other(format!("no number for {key} in /proc/self/status"));
+    let kib: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix(key))
+        .ok_or_else(bad)?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .map_err(|_| bad())?;
+    Ok(kib / 1024.0)
+}
+
+/// Resets this process's peak resident set (`VmHWM`) to the current one, so a later peak
+/// is of what follows.
+pub fn reset_peak() -> std::io::Result<()> {
+    std::fs::write("/proc/self/clear_refs", "5")
+}

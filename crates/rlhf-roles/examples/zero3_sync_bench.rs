@@ -23,6 +23,7 @@ use std::process::{Command, Stdio};
 use std::time::Instant;
 
 use rlhf_collective::{BucketedSync, CommConfig, Param, TcpCommunicator, TcpRendezvous};
+use rlhf_model::profile::{reset_peak, status_mib};
 use rlhf_model::{Config, Device, LoadOptions, Model, ModelKind};
 use rlhf_roles::weights::{self, ipc::IpcState};
 
@@ -31,19 +32,6 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// Set in the children: `SIDE VARIANT DIR DP_ADDR SYNC_ADDR`.
 const CHILD: &str = "RLHF_ZERO3_SYNC_BENCH_CHILD";
 const BUCKET: usize = 32 << 20;
-
-fn status_mib(key: &str) -> Result<f64, BoxError> {
-    let status = std::fs::read_to_string("/proc/self/status")?;
-    let kib: f64 = status
-        .lines()
-        .find_map(|l| l.strip_prefix(key))
-        .ok_or_else(|| format!("no {key} in /proc/self/status"))?
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()?;
-    Ok(kib / 1024.0)
-}
 
 fn trainer_opts() -> LoadOptions {
     LoadOptions {
@@ -62,7 +50,7 @@ fn root(variant: &str, dir: &Path, dp_addr: &str, sync_addr: &str) -> Result<(),
     let mut sync = TcpRendezvous::bind(sync_addr)?.accept(2, cfg)?;
     rlhf_roles::mem::release_freed();
     // The peak from here on: what the sync itself adds.
-    std::fs::write("/proc/self/clear_refs", "5")?;
+    reset_peak()?;
     let before = status_mib("VmRSS:")?;
     let start = Instant::now();
     let sum = match variant {
