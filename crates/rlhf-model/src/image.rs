@@ -226,13 +226,20 @@ impl Model {
 
 /// Moves `src` to `dst`: a rename, or a copy across file systems.
 fn move_file(src: &Path, dst: &Path) -> Result<()> {
+    let failed = |e: std::io::Error| {
+        Error::InvalidArgument(format!(
+            "moving {} to {}: {e}",
+            src.display(),
+            dst.display()
+        ))
+    };
     match std::fs::rename(src, dst) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::CrossesDevices => {
-            std::fs::copy(src, dst).map_err(|e| Error::io(dst, e))?;
-            std::fs::remove_file(src).map_err(|e| Error::io(src, e))
+            std::fs::copy(src, dst).map_err(failed)?;
+            std::fs::remove_file(src).map_err(failed)
         }
-        Err(e) => Err(Error::io(src, e)),
+        Err(e) => Err(failed(e)),
     }
 }
 

@@ -1,9 +1,11 @@
 //! A safetensors file written one tensor at a time: the header (every name, dtype, shape and
 //! offset, listed up front) first, then each tensor's bytes in the listed order as they come.
 //! A ZeRO-3 model's save streams its whole weights through it a layer at a time as the group
-//! gathers them, so the rank that writes never holds the whole model. The file is the one
-//! [`crate::weights::save_safetensors`] would write of the same tensors, up to the order of
-//! the data (offsets follow the listed order), which readers do not depend on.
+//! gathers them, so the rank that writes never holds the whole model. The file holds what
+//! [`crate::weights::save_safetensors`] would write of the same tensors (the same header
+//! entries and metadata, the same data), though not byte for byte: the data follows the
+//! listed order and the header's keys are in serde_json's order, which readers do not
+//! depend on.
 
 use std::fs::File;
 use std::io::{BufWriter, Write};

@@ -43,20 +43,11 @@ pub const OPTIMIZER_SHARDS_FILE: &str = "optimizer_shards.json";
 pub struct Image {
     /// The weights (`None` on ranks other than 0 of a sharded group: rank 0 saves them).
     model: Option<rlhf_model::ModelImage>,
-    /// A ZeRO-3 model's weights written already ([`spill_dir`]): the directory holding the
-    /// file the image moves into place, and the weights' checksum.
-    spilled: Option<(std::path::PathBuf, u64)>,
+    /// A ZeRO-3 model's weights written already: the directory holding the file the image
+    /// moves into place, and the weights' checksum ([`crate::spill`]).
+    spilled: Option<crate::spill::Spill>,
     optim: OptimImage,
     state: RoleState,
-}
-
-/// Where rank 0 of a ZeRO-3 group writes the model of the checkpoint part `dir` while its
-/// group gathers it (`dir.model-spill` beside it), before the image moves the file into the
-/// checkpoint: the whole model never waits in memory for the writer.
-pub fn spill_dir(dir: &Path) -> std::path::PathBuf {
-    let mut name = dir.file_name().unwrap_or_default().to_os_string();
-    name.push(".model-spill");
-    dir.with_file_name(name)
 }
 
 /// The optimizer part of an image: the whole state, or this rank's shard.
@@ -113,7 +104,8 @@ pub fn shard_dir(dir: &Path, rank: usize) -> std::path::PathBuf {
 /// Copies the weights (unless `with_model` is false), the optimizer state (whole, or this
 /// rank's shard when it is sharded) and the role state out of the engine. With `dir` (the
 /// checkpoint part the image will be written to), a ZeRO-3 model's rank 0 writes the
-/// weights to [`spill_dir`] as the group gathers them instead of keeping them in memory.
+/// weights beside it as the group gathers them instead of keeping them in memory
+/// ([`crate::spill`]).
 pub fn capture(
     model: &Model,
     optim: &Optim,
@@ -147,9 +139,8 @@ pub fn capture(
     let mut spilled = None;
     let model = match (model.zero3(), dir) {
         (Some(_), Some(dir)) if with_model && model.lora().is_none() => {
-            let spill = spill_dir(dir);
-            let (image, sum) = spill_model(model, tok, &spill)?;
-            spilled = Some((spill, sum));
+            let (image, spill) = crate::spill::write_model(model, tok, dir)?;
+            spilled = Some(spill);
             Some(image)
         }
         _ if with_model => Some(model.image(tok).ctx("copying the weights out")?),
@@ -168,42 +159,12 @@ pub fn capture(
     })
 }
 
-/// Rank 0's part of a ZeRO-3 save with a place to write to: the weights written to
-/// `spill/model.safetensors` as the group gathers them (what an interrupted save left there
-/// is removed first). Every rank of the group takes part in the gathers even when the
-/// writing fails ([`rlhf_model::Model::image_streamed`]).
-fn spill_model(
-    model: &Model,
-    tok: Option<&Path>,
-    spill: &Path,
-) -> Result<(rlhf_model::ModelImage, u64)> {
-    let prepared = (|| -> std::io::Result<()> {
-        if spill.exists() {
-            std::fs::remove_dir_all(spill)?;
-        }
-        std::fs::create_dir_all(spill)
-    })();
-    if let Err(e) = prepared {
-        if let Some(z) = model.zero3() {
-            // The other ranks are gathering: take part before failing.
-            let _ = z.gather_all_for_others();
-        }
-        return Err(Error::internal(format!(
-            "preparing {}: {e}",
-            spill.display()
-        )));
-    }
-    model
-        .image_streamed(tok, &spill.join(rlhf_model::weights::SAFETENSORS_FILE))
-        .with_ctx(|| format!("writing the gathered weights to {}", spill.display()))
-}
-
 impl Image {
     /// The weights' checksum, as [`crate::weights::weights_checksum`] computes it on the
     /// live model at the instant of the capture (0 for a shard without the weights).
     pub fn checksum(&self) -> Result<u64> {
         match (&self.spilled, &self.model) {
-            (Some((_, sum)), _) => Ok(*sum),
+            (Some(spill), _) => Ok(spill.checksum()),
             (None, Some(m)) => crate::weights::tensors_checksum(&m.tensors),
             (None, None) => Ok(0),
         }
@@ -236,10 +197,11 @@ impl Image {
                 .write(&staging)
                 .with_ctx(|| format!("saving the model to {}", staging.display()))?;
         }
-        if let Some((spill, _)) = &self.spilled {
+        if let Some(spill) = &self.spilled {
             // Its file was moved into the staging directory: nothing is left in it.
-            std::fs::remove_dir_all(spill)
-                .map_err(|e| Error::internal(format!("removing {}: {e}", spill.display())))?;
+            let d = spill.dir();
+            std::fs::remove_dir_all(d)
+                .map_err(|e| Error::internal(format!("removing {}: {e}", d.display())))?;
         }
         match &self.optim {
             OptimImage::Whole(tensors, step) => {

@@ -26,6 +26,7 @@ pub mod restore;
 pub mod reward;
 pub mod saves;
 pub mod server;
+pub mod spill;
 pub mod stages;
 pub mod train;
 pub mod weights;

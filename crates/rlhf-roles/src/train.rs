@@ -264,7 +264,7 @@ impl TrainState {
     /// The checkpoint image, copied out for a writer thread: with a sharded optimizer
     /// (`zero_stage` 1 or 2) this rank's shard, and the weights on rank 0 only.
     /// With `dir` (the checkpoint part it will be written to), a ZeRO-3 model's rank 0
-    /// writes the weights beside it as the group gathers them ([`checkpoint::spill_dir`]).
+    /// writes the weights beside it as the group gathers them ([`crate::spill`]).
     pub fn capture_checkpoint(&self, dir: Option<&Path>) -> Result<checkpoint::Image> {
         let state = RoleState {
             role: self.who.role,

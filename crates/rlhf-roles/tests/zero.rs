@@ -83,8 +83,8 @@ fn train_ranks(
                     let image = t.state.capture_checkpoint_in(&mut c, Some(&dir)).unwrap();
                     saved = Some(image.checksum().unwrap());
                     image.write(&dir).unwrap();
-                    let spill = rlhf_roles::checkpoint::spill_dir(&dir);
-                    assert!(!spill.exists(), "{} is left", spill.display());
+                    let left = rlhf_roles::spill::spills(&dir);
+                    assert!(left.is_empty(), "{left:?} are left");
                 }
                 let weights = match t.state.model.zero3() {
                     Some(z) => {
