@@ -81,12 +81,17 @@ impl WeightFiles {
         self.st.get(name).ok().map(|v| v.shape().to_vec())
     }
 
-    /// Loads one tensor after checking its shape.
-    pub fn load(&self, name: &str, expected: &[usize], device: &Device) -> Result<Tensor> {
-        let found = self.shape(name).ok_or_else(|| Error::MissingTensor {
+    /// Tensor `name`'s view in the mapped files.
+    fn view(&self, name: &str) -> Result<safetensors::tensor::TensorView<'_>> {
+        self.st.get(name).map_err(|_| Error::MissingTensor {
             name: name.to_string(),
             location: self.location.clone(),
-        })?;
+        })
+    }
+
+    /// Checks that tensor `name` is there with shape `expected`.
+    pub(crate) fn check_shape(&self, name: &str, expected: &[usize]) -> Result<()> {
+        let found = self.view(name)?.shape().to_vec();
         if found != expected {
             return Err(Error::ShapeMismatch {
                 name: name.to_string(),
@@ -94,6 +99,12 @@ impl WeightFiles {
                 found,
             });
         }
+        Ok(())
+    }
+
+    /// Loads one tensor after checking its shape.
+    pub fn load(&self, name: &str, expected: &[usize], device: &Device) -> Result<Tensor> {
+        self.check_shape(name, expected)?;
         Ok(self.st.load(name, device)?)
     }
 
@@ -101,17 +112,8 @@ impl WeightFiles {
     /// another dtype): one copy, where [`WeightFiles::load`] and a trainable parameter made
     /// from it take two.
     fn load_f32(&self, name: &str, expected: &[usize]) -> Result<Option<Vec<f32>>> {
-        let view = self.st.get(name).map_err(|_| Error::MissingTensor {
-            name: name.to_string(),
-            location: self.location.clone(),
-        })?;
-        if view.shape() != expected {
-            return Err(Error::ShapeMismatch {
-                name: name.to_string(),
-                expected: expected.to_vec(),
-                found: view.shape().to_vec(),
-            });
-        }
+        self.check_shape(name, expected)?;
+        let view = self.view(name)?;
         if view.dtype() != safetensors::Dtype::F32 {
             return Ok(None);
         }
@@ -121,15 +123,11 @@ impl WeightFiles {
 
     /// The dtype tensor `name` is stored in, when it is one a model can hold.
     pub(crate) fn dtype(&self, name: &str) -> Result<DType> {
-        let view = self.st.get(name).map_err(|_| Error::MissingTensor {
-            name: name.to_string(),
-            location: self.location.clone(),
-        })?;
-        DType::try_from(view.dtype()).map_err(|_| {
+        let stored = self.view(name)?.dtype();
+        DType::try_from(stored).map_err(|_| {
             Error::InvalidArgument(format!(
-                "{name} in {} is stored as {:?}, which no model parameter can be",
-                self.location,
-                view.dtype()
+                "{name} in {} is stored as {stored:?}, which no model parameter can be",
+                self.location
             ))
         })
     }
@@ -138,10 +136,7 @@ impl WeightFiles {
     /// into a 1-D host tensor in the file's dtype: a ZeRO-3 rank's piece, without the whole
     /// tensor ever being copied (only the pages of the range are read).
     pub(crate) fn read_range(&self, name: &str, range: Range<usize>) -> Result<Tensor> {
-        let view = self.st.get(name).map_err(|_| Error::MissingTensor {
-            name: name.to_string(),
-            location: self.location.clone(),
-        })?;
+        let view = self.view(name)?;
         let dtype = self.dtype(name)?;
         let count: usize = view.shape().iter().product();
         if range.start > range.end || range.end > count {
@@ -306,17 +301,7 @@ impl<'a> ParamBuilder<'a> {
         let (Some(deferred), Some(files)) = (self.deferred.as_mut(), self.files) else {
             return Ok(None);
         };
-        let found = files.shape(src).ok_or_else(|| Error::MissingTensor {
-            name: src.to_string(),
-            location: files.location().to_string(),
-        })?;
-        if found != shape {
-            return Err(Error::ShapeMismatch {
-                name: src.to_string(),
-                expected: shape.to_vec(),
-                found,
-            });
-        }
+        files.check_shape(src, shape)?;
         deferred.insert(
             name.to_string(),
             Deferred {

@@ -72,10 +72,7 @@ impl Model {
                 at,
                 Comm::Lent { rank, world },
                 |k, _, range| match &sources[k] {
-                    Source::Made(v) => {
-                        let flat = v.as_tensor().detach().flatten_all()?;
-                        Ok(flat.narrow(0, range.start, range.len())?.copy()?)
-                    }
+                    Source::Made(v) => super::cut(v, range),
                     Source::File(d) => files.read_range(&d.src, range),
                 },
             )?;
@@ -100,17 +97,7 @@ impl Zero3 {
     fn load_pieces(&self, files: &WeightFiles) -> Result<()> {
         let st = self.lock()?;
         for p in &st.pieces {
-            let found = files.shape(&p.name).ok_or_else(|| Error::MissingTensor {
-                name: p.name.clone(),
-                location: files.location().to_string(),
-            })?;
-            if found != p.shape {
-                return Err(Error::ShapeMismatch {
-                    name: p.name.clone(),
-                    expected: p.shape.clone(),
-                    found,
-                });
-            }
+            files.check_shape(&p.name, &p.shape)?;
             files.dtype(&p.name)?;
         }
         for p in &st.pieces {

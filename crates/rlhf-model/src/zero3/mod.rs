@@ -159,6 +159,12 @@ pub fn zero_loss(loss: &Tensor) -> Result<Tensor> {
     Ok(loss.mul(&zero)?)
 }
 
+/// Elements `range` of parameter `var`, flattened: a rank's piece of it, a copy of its own.
+fn cut(var: &Var, range: Range<usize>) -> Result<Tensor> {
+    let flat = var.as_tensor().detach().flatten_all()?;
+    Ok(flat.narrow(0, range.start, range.len())?.copy()?)
+}
+
 /// The decoder layer a parameter belongs to, from its HF name.
 fn layer_of(name: &str) -> Option<usize> {
     name.strip_prefix("model.layers.")?
@@ -197,10 +203,7 @@ impl Zero3 {
             dtype: first.dtype(),
             compute,
         };
-        Self::from_source(params, at, comm, |k, _, mine| {
-            let flat = vars[k].1.as_tensor().detach().flatten_all()?;
-            Ok(flat.narrow(0, mine.start, mine.len())?.copy()?)
-        })
+        Self::from_source(params, at, comm, |k, _, mine| cut(&vars[k].1, mine))
     }
 
     /// A stage-3 model over `params` (every parameter's name and whole shape, sorted by
