@@ -1,4 +1,4 @@
-//! Bucketed trainer → rollout weight sync and the weight checksum.
+//! Bucketed trainer → rollout weight sync (its checksum: `checksum.rs`).
 //!
 //! Both sides list the same parameters in the same order (names, dtypes, shapes).
 //! A sync first checks that the lists agree on every rank (one 16-byte all-gather of
@@ -135,7 +135,7 @@ impl<P: ParamView> Listed for P {
     }
 }
 
-/// Read access shared by [`Param`] and [`ParamMut`], for [`checksum`].
+/// Read access shared by [`Param`] and [`ParamMut`], for [`crate::checksum()`].
 pub trait ParamView {
     /// Parameter name (checkpoint key).
     fn name(&self) -> &str;
@@ -184,58 +184,6 @@ pub(crate) fn hash_meta<P: Listed + ?Sized>(h: &mut Checksum, p: &P) {
     h.update_u64(p.listed_shape().len() as u64);
     for &d in p.listed_shape() {
         h.update_u64(d as u64);
-    }
-}
-
-/// Checksum of a parameter list: names, dtypes, shapes and bytes, in order.
-/// Equal on trainer and rollout after a successful sync.
-pub fn checksum<P: ParamView>(params: &[P]) -> u64 {
-    let mut h = ChecksumStream::new(params.len());
-    for p in params {
-        h.add(p);
-    }
-    h.hash.finish()
-}
-
-/// [`checksum`] of a list of `count` parameters given one at a time, so that they need not
-/// exist at once (a ZeRO-3 model's, gathered a layer at a time).
-pub struct ChecksumStream {
-    hash: Checksum,
-    count: usize,
-    added: usize,
-}
-
-impl ChecksumStream {
-    pub fn new(count: usize) -> Self {
-        let mut hash = Checksum::new();
-        hash.update_u64(count as u64);
-        Self {
-            hash,
-            count,
-            added: 0,
-        }
-    }
-
-    /// The next parameter of the list.
-    pub fn add<P: ParamView>(&mut self, p: &P) {
-        hash_meta(&mut self.hash, p);
-        self.hash.update_u64(p.data().len() as u64);
-        self.hash.update(p.data());
-        self.added += 1;
-    }
-
-    /// The checksum, once the `count` parameters announced were added.
-    pub fn finish(self) -> Result<u64> {
-        if self.added != self.count {
-            return Err(Error::InvalidArgument {
-                op: Op::WeightSync,
-                detail: format!(
-                    "a checksum of {} parameters was given {}",
-                    self.count, self.added
-                ),
-            });
-        }
-        Ok(self.hash.finish())
     }
 }
 
@@ -527,6 +475,7 @@ pub fn all_reduce_f32_bucketed<C: Communicator + ?Sized>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::checksum;
 
     #[test]
     fn plan_covers_every_byte_once_in_order() {

@@ -39,6 +39,7 @@
 compile_error!("rlhf-collective sends native-endian numbers and assumes a little-endian host");
 
 mod bucket;
+mod checksum;
 mod error;
 #[cfg(feature = "nccl")]
 pub mod nccl;
@@ -51,9 +52,9 @@ pub mod tcp;
 use std::time::Duration;
 
 pub use bucket::{
-    all_reduce_f32_bucketed, checksum, BucketedSync, ChecksumStream, DType, Listed, Param,
-    ParamMut, ParamView, SyncStats,
+    all_reduce_f32_bucketed, BucketedSync, DType, Listed, Param, ParamMut, ParamView, SyncStats,
 };
+pub use checksum::{checksum, ChecksumStream};
 pub use error::{Error, ErrorKind, Op, Result};
 #[cfg(feature = "nccl")]
 pub use nccl::NcclCommunicator;

@@ -9,9 +9,8 @@
 
 use std::time::Instant;
 
-use rlhf_types::Checksum;
-
-use crate::bucket::{check_len, hash_meta, BucketedSync, DType, Listed, SyncStats};
+use crate::bucket::{check_len, BucketedSync, DType, Listed, SyncStats};
+use crate::checksum::ChecksumStream;
 use crate::error::{Error, Op, Result};
 use crate::Communicator;
 
@@ -57,7 +56,7 @@ pub struct SendStream<'c, C: Communicator + ?Sized> {
     next: usize,
     /// The bytes of the bucket being filled.
     buf: Vec<u8>,
-    hash: Checksum,
+    hash: ChecksumStream,
     bytes: u64,
     buckets: usize,
     start: Instant,
@@ -74,8 +73,7 @@ impl BucketedSync {
         let start = Instant::now();
         let root = comm.rank();
         self.check_manifest(comm, root, &params)?;
-        let mut hash = Checksum::new();
-        hash.update_u64(params.len() as u64);
+        let hash = ChecksumStream::new(params.len());
         Ok(SendStream {
             comm,
             bucket_bytes: self.bucket_bytes(),
@@ -113,9 +111,7 @@ impl<C: Communicator + ?Sized> SendStream<'_, C> {
             )));
         }
         check_len(name, &p.shape, p.dtype, data.len())?;
-        hash_meta(&mut self.hash, p);
-        self.hash.update_u64(data.len() as u64);
-        self.hash.update(data);
+        self.hash.add_listed(p, data);
         self.next += 1;
         self.bytes += data.len() as u64;
         let mut rest = data;
@@ -165,7 +161,7 @@ impl<C: Communicator + ?Sized> SendStream<'_, C> {
             buckets: self.buckets,
             elapsed: self.start.elapsed(),
         };
-        Ok((stats, self.hash.finish()))
+        Ok((stats, self.hash.finish()?))
     }
 }
 
