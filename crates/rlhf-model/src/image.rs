@@ -137,13 +137,8 @@ impl Model {
             let Some(w) = out.as_mut() else {
                 return Ok(());
             };
-            let written = (|| -> Result<()> {
-                let data = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-                let p = rlhf_collective::Param::f32(name.clone(), t.dims(), &data)
-                    .map_err(|e| Error::InvalidArgument(e.to_string()))?;
-                hash.add(&p);
-                w.push_f32(&name, &data)
-            })();
+            let written = crate::zero3::hash_param(&mut hash, &name, &t)
+                .and_then(|data| w.push_f32(&name, &data));
             if let Err(e) = written {
                 failed = Some(e);
                 out = None;

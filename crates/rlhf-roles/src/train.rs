@@ -286,7 +286,7 @@ impl TrainState {
         let s = checkpoint::load(&self.model, &mut self.optim, dir, &self.load_opts)?;
         self.version = s.weights_version;
         match self.model.zero3() {
-            Some(z) => crate::weights::sharded_checksum(z),
+            Some(z) => Ok(z.gathered_checksum()?),
             None => self.checksum(),
         }
     }

@@ -240,7 +240,7 @@ fn stage_3_trainer_ranks_gather_the_policy_for_the_weight_sync() {
             // Then the gather rank 0 compares with, and the checksum of the whole weights.
             let all = gathered(&t.state.model, &mut d1);
             assert!(!all.is_empty());
-            let sum = z.lend(&mut d1, |_| rlhf_roles::weights::sharded_checksum(&z));
+            let sum = z.lend(&mut d1, |_| z.gathered_checksum());
             sum.unwrap().unwrap()
         })
     };
@@ -255,10 +255,7 @@ fn stage_3_trainer_ranks_gather_the_policy_for_the_weight_sync() {
     let z = t.state.model.zero3().unwrap().clone();
     let whole = z.lend(&mut d0, |_| z.gather_all()).unwrap().unwrap();
     // The checksum of the whole weights, hashed a layer at a time as the group gathers them.
-    let hashed = z
-        .lend(&mut d0, |_| rlhf_roles::weights::sharded_checksum(&z))
-        .unwrap()
-        .unwrap();
+    let hashed = z.lend(&mut d0, |_| z.gathered_checksum()).unwrap().unwrap();
     let helper_hashed = helper.join().unwrap();
     assert_eq!(
         hashed,

@@ -38,6 +38,7 @@ mod wire;
 pub use comm::Lent;
 use comm::Slot;
 pub(crate) use model::Parts;
+pub(crate) use whole::hash_param;
 use wire::{wire_bytes, Whole};
 
 use std::collections::BTreeMap;

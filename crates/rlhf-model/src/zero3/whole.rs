@@ -73,6 +73,17 @@ impl Zero3 {
         self.gather_each(&Device::Cpu, take)
     }
 
+    /// `rlhf_collective::checksum` of the whole weights as `f32`, in name order (that of
+    /// [`Zero3::gather_all_host`]'s tensors), hashed a decoder layer at a time as the group
+    /// gathers them (a collective; the group's communicator lent), so no rank holds the
+    /// whole model.
+    pub fn gathered_checksum(&self) -> Result<u64> {
+        let mut hash = rlhf_collective::ChecksumStream::new(self.param_shapes()?.len());
+        self.gather_each_host(|name, t| hash_param(&mut hash, &name, &t).map(drop))?;
+        hash.finish()
+            .map_err(|e| Error::InvalidArgument(e.to_string()))
+    }
+
     /// The name and whole shape of every parameter, sorted by name: the order
     /// [`Zero3::gather_each_host`] hands them out in.
     pub fn param_shapes(&self) -> Result<Vec<(String, Vec<usize>)>> {
@@ -129,6 +140,20 @@ impl Zero3 {
         }
         failed.map_or(Ok(()), Err)
     }
+}
+
+/// Hashes gathered parameter `name` into `hash` as `rlhf_collective::checksum` does (its
+/// `f32` values, name and shape), and returns the values.
+pub(crate) fn hash_param(
+    hash: &mut rlhf_collective::ChecksumStream,
+    name: &str,
+    t: &Tensor,
+) -> Result<Vec<f32>> {
+    let data = crate::train::host_f32(t)?;
+    let p = rlhf_collective::Param::f32(name.to_string(), t.dims(), &data)
+        .map_err(|e| Error::InvalidArgument(e.to_string()))?;
+    hash.add(&p);
+    Ok(data)
 }
 
 /// Where the decoder layers' parameter names begin.

@@ -9,8 +9,8 @@ use std::time::Instant;
 
 use candle_core::{DType, Tensor};
 use rlhf_collective::{
-    checksum, BucketedSync, ChecksumStream, Communicator, Param, ParamMeta, ParamMut, ParamView,
-    SendStream, SyncStats,
+    checksum, BucketedSync, Communicator, Param, ParamMeta, ParamMut, ParamView, SendStream,
+    SyncStats,
 };
 use rlhf_model::Model;
 
@@ -50,7 +50,7 @@ fn views(params: &[HostParam]) -> Result<Vec<Param<'_>>> {
 /// `rlhf_collective::checksum` over the model's parameters.
 ///
 /// A ZeRO-3 model's is of this rank's pieces (no collective); its whole weights' checksum is
-/// [`sharded_checksum`]'s.
+/// `Zero3::gathered_checksum`'s.
 pub fn weights_checksum(model: &Model) -> Result<u64> {
     tensors_checksum(&model.named_tensors())
 }
@@ -59,21 +59,6 @@ pub fn weights_checksum(model: &Model) -> Result<u64> {
 pub fn tensors_checksum(tensors: &[(String, Tensor)]) -> Result<u64> {
     let params = to_host(tensors)?;
     Ok(checksum(&views(&params)?))
-}
-
-/// [`tensors_checksum`] of a ZeRO-3 model's whole weights, gathered from its group (lent to
-/// it; every rank of the group calls this) a decoder layer at a time and hashed as they come,
-/// so no rank holds the whole model.
-pub fn sharded_checksum(z: &rlhf_model::zero3::Zero3) -> Result<u64> {
-    let mut h = ChecksumStream::new(z.param_shapes()?.len());
-    z.gather_each_host(|name, t| {
-        let data = t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
-        let p = Param::f32(name, t.dims(), &data)
-            .map_err(|e| rlhf_model::Error::InvalidArgument(e.to_string()))?;
-        h.add(&p);
-        Ok(())
-    })?;
-    Ok(h.finish()?)
 }
 
 fn bucketed(bucket_bytes: usize) -> Result<BucketedSync> {
