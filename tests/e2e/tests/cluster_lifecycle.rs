@@ -237,21 +237,21 @@ fn a_planted_token_is_refused_and_state_dirs_are_private() -> Result<()> {
     std::fs::write(&token, "0123456789abcdef")?;
     std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o666))?;
     let head = |state: &std::path::Path| {
-        std::process::Command::new(rlhf_e2e::bin("rlhf-head"))
-            .args([
-                "start",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--no-dashboard",
-            ])
-            .arg("--state-dir")
-            .arg(state)
-            .env_remove("RLHF_TOKEN")
-            .output()
+        let mut cmd = std::process::Command::new(rlhf_e2e::bin("rlhf-head"));
+        cmd.args([
+            "start",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--no-dashboard",
+        ])
+        .arg("--state-dir")
+        .arg(state)
+        .env_remove("RLHF_TOKEN");
+        cmd
     };
-    let out = head(&state)?;
+    let out = head(&state).output()?;
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -270,20 +270,7 @@ fn a_planted_token_is_refused_and_state_dirs_are_private() -> Result<()> {
 
     // A fresh state directory is created 0700, whatever the umask.
     let fresh = dir.path().join("fresh/state");
-    let mut child = std::process::Command::new(rlhf_e2e::bin("rlhf-head"))
-        .args([
-            "start",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--no-dashboard",
-        ])
-        .arg("--state-dir")
-        .arg(&fresh)
-        .env_remove("RLHF_TOKEN")
-        .stderr(std::process::Stdio::null())
-        .spawn()?;
+    let mut child = head(&fresh).stderr(std::process::Stdio::null()).spawn()?;
     let ok = rlhf_e2e::wait_for(Duration::from_secs(20), "head.json", || {
         Ok(fresh.join("head.json").exists().then_some(()))
     });
