@@ -124,7 +124,16 @@ impl Model {
                 )));
             }
         }
-        let want: BTreeSet<String> = self.vars().into_iter().map(|(n, _)| n).collect();
+        // The whole shapes (a ZeRO-3 model's variables are this rank's pieces).
+        let shapes: std::collections::BTreeMap<String, Vec<usize>> = match self.zero3() {
+            Some(z) => z.param_shapes()?.into_iter().collect(),
+            None => self
+                .vars()
+                .into_iter()
+                .map(|(n, v)| (n, v.dims().to_vec()))
+                .collect(),
+        };
+        let want: BTreeSet<String> = shapes.keys().cloned().collect();
         let mut tensors = Vec::with_capacity(saved.len());
         for (name, t) in saved {
             let internal = lora::internal_name(&name).filter(|n| want.contains(*n));
@@ -135,10 +144,10 @@ impl Model {
                     file.display()
                 )));
             };
-            if let Some(var) = self.params.get(internal).filter(|v| v.dims() != t.dims()) {
+            if let Some(shape) = shapes.get(internal).filter(|s| s.as_slice() != t.dims()) {
                 return Err(Error::ShapeMismatch {
                     name: format!("{name} (in {})", file.display()),
-                    expected: var.dims().to_vec(),
+                    expected: shape.clone(),
                     found: t.dims().to_vec(),
                 });
             }
@@ -158,6 +167,28 @@ impl Model {
     /// embedding, the first and last layers and the final norm, rounded to bf16 first so the
     /// same base held in f32 or bf16 gives the same value.
     pub fn base_fingerprint(&self) -> Result<String> {
+        if let Some(f) = &self.fingerprint {
+            return Ok(f.clone());
+        }
+        self.fingerprint_from(|name, n| self.first_values(name, n))
+    }
+
+    /// The first (at most) `n` values of parameter `name`, flattened, if it is here.
+    pub(crate) fn first_values(&self, name: &str, n: usize) -> Result<Option<Tensor>> {
+        let Some(var) = self.params.get(name) else {
+            return Ok(None);
+        };
+        let flat = var.as_tensor().detach().flatten_all()?;
+        let n = flat.dim(0)?.min(n);
+        Ok(Some(flat.narrow(0, 0, n)?))
+    }
+
+    /// [`Model::base_fingerprint`] over samples that `first` gives: the first (at most) `n`
+    /// values of a parameter, flattened (`None`: the model has no such parameter).
+    pub(crate) fn fingerprint_from(
+        &self,
+        mut first: impl FnMut(&str, usize) -> Result<Option<Tensor>>,
+    ) -> Result<String> {
         let c = self.config();
         let mut h = rlhf_types::Checksum::new();
         for v in [
@@ -178,13 +209,10 @@ impl Model {
             "model.norm.weight".to_string(),
         ];
         for name in &names {
-            let Some(var) = self.params.get(name) else {
+            let Some(sample) = first(name, 4096)? else {
                 continue;
             };
-            let flat = var.as_tensor().detach().flatten_all()?;
-            let n = flat.dim(0)?.min(4096);
-            let sample = flat
-                .narrow(0, 0, n)?
+            let sample = sample
                 .to_dtype(DType::BF16)?
                 .to_dtype(DType::F32)?
                 .to_vec1::<f32>()?;
@@ -199,6 +227,14 @@ impl Model {
     /// Every tensor of the model as a full HF model: each adapted weight becomes
     /// `W + s B A` and the adapters are gone. A full model's tensors unchanged.
     pub fn merged_tensors(&self) -> Result<Vec<(String, Tensor)>> {
+        if self.zero3().is_some() {
+            return Err(Error::InvalidArgument(
+                "merging the adapters of a model sharded with ZeRO stage 3: each rank holds \
+                 pieces of the base only; merge the saved adapter onto its base instead \
+                 (rlhf merge-lora)"
+                    .into(),
+            ));
+        }
         let scale = self.lora().map(LoraConfig::scale).unwrap_or(1.0);
         let vars = self.params.vars();
         let get = |n: &str| {

@@ -39,6 +39,9 @@ pub struct Model {
     pub(crate) generation: GenerationConfig,
     pub(crate) source_dir: Option<PathBuf>,
     pub(crate) generation_raw: Option<Value>,
+    /// A sharded LoRA model's [`Model::base_fingerprint`], taken from the whole base before
+    /// it was cut into pieces (ZeRO stage 3).
+    pub(crate) fingerprint: Option<String>,
 }
 
 /// Names of known value-head tensors, in order of preference: (weight, bias).
@@ -228,6 +231,7 @@ impl Model {
             generation: GenerationConfig::default(),
             source_dir: None,
             generation_raw: None,
+            fingerprint: None,
         };
         Ok((model, deferred))
     }

@@ -183,12 +183,17 @@ pub struct ParamStore {
 }
 
 impl ParamStore {
-    /// A store of trainable variables (a ZeRO-3 model's pieces).
-    pub(crate) fn from_vars(vars: Vec<(String, Var)>) -> Self {
-        Self {
-            vars: vars.into_iter().collect(),
-            base: Default::default(),
+    /// A ZeRO-3 model's pieces, each with whether it trains (those that do not are a LoRA
+    /// model's frozen base).
+    pub(crate) fn from_pieces(pieces: Vec<(String, Var, bool)>) -> Self {
+        let mut store = Self::default();
+        for (name, var, trains) in pieces {
+            if !trains {
+                store.base.insert(name.clone());
+            }
+            store.vars.insert(name, var);
         }
+        store
     }
 
     /// All parameters, sorted by name.
@@ -231,6 +236,8 @@ pub(crate) struct Deferred {
     pub shape: Vec<usize>,
     /// Its name in the checkpoint (a value head may be stored under another).
     pub src: String,
+    /// A LoRA model's frozen base parameter, and the dtype it is kept in.
+    pub frozen: Option<DType>,
 }
 
 /// Builds the parameters of a model from a checkpoint or from a seeded random initialisation.
@@ -272,8 +279,9 @@ impl<'a> ParamBuilder<'a> {
         }
     }
 
-    /// A builder that takes every parameter from `tensors` (all of them must be there): a
-    /// trainable one becomes a variable of its own, a frozen one is used as it is.
+    /// A builder that takes every parameter from `tensors` (all of them must be there, a
+    /// LoRA adapter's too): a trainable one becomes a variable of its own, a frozen one is
+    /// used as it is.
     pub fn from_tensors(
         tensors: BTreeMap<String, Tensor>,
         device: &Device,
@@ -307,6 +315,7 @@ impl<'a> ParamBuilder<'a> {
             Deferred {
                 shape: shape.to_vec(),
                 src: src.to_string(),
+                frozen: self.base,
             },
         );
         Ok(Some(self.placeholder()?))
@@ -385,6 +394,9 @@ impl<'a> ParamBuilder<'a> {
 
     /// A freshly initialised parameter, even when the checkpoint has one of that name.
     pub fn fresh(&mut self, name: &str, shape: &[usize], init: Init) -> Result<Tensor> {
+        if self.given.is_some() {
+            return self.get(name, shape, init);
+        }
         let t = self.random(shape, init)?;
         self.register(name, t)
     }

@@ -6,56 +6,12 @@
 
 mod common;
 
-use std::collections::BTreeMap;
-
+use common::sharding::{adamw, group, host, loss, max_diff, mine, rows, Weights, CLIP, STEPS};
 use common::tiny_config;
 use rlhf_collective::{CommConfig, Communicator, TcpCommunicator};
 use rlhf_model::{
-    AdamW, AdamWConfig, Batch, Config, DType, Device, Family, Gradients, LoadOptions, Model,
-    ModelKind, Tensor,
+    AdamW, Batch, Config, DType, Device, Family, Gradients, LoadOptions, Model, ModelKind,
 };
-
-/// `n` connected TCP communicators, rank order.
-fn group(n: usize) -> Vec<TcpCommunicator> {
-    TcpCommunicator::loopback_group(n, CommConfig::default()).unwrap()
-}
-
-/// Four rows of different lengths; rank `r` of `world` trains on rows `r, r + world, ...`.
-fn rows() -> Vec<Vec<u32>> {
-    vec![
-        vec![5, 9, 12, 3, 40, 17],
-        vec![7, 8, 1, 33, 20, 11, 2, 60],
-        vec![14, 15, 16],
-        vec![21, 22, 23, 24, 25],
-    ]
-}
-
-fn mine(rank: usize, world: usize) -> Vec<Vec<u32>> {
-    rows().into_iter().skip(rank).step_by(world).collect()
-}
-
-/// The loss of `seqs` as a share of the whole batch's: the sum over their rows, divided by
-/// the batch's row count, so the ranks' losses add up to the one-rank loss.
-fn loss(model: &Model, seqs: &[Vec<u32>]) -> Tensor {
-    let batch = Batch::left_padded(seqs, 0, model.device()).unwrap();
-    let n = rows().len() as f64;
-    let am = batch.attention_mask.to_dtype(DType::F32).unwrap();
-    let t = am.dim(1).unwrap();
-    match model.kind() {
-        ModelKind::CausalLm => {
-            // Entry t predicts token t + 1: scored where both are real tokens.
-            let m = (am.narrow(1, 0, t - 1).unwrap() * am.narrow(1, 1, t - 1).unwrap()).unwrap();
-            let (lp, ent) = model.log_probs_and_entropy(&batch, 0.9, true).unwrap();
-            let per = (lp + (ent.unwrap() * 0.1).unwrap()).unwrap();
-            ((per * m).unwrap().sum_all().unwrap() / n).unwrap()
-        }
-        _ => {
-            let v = model.values(&batch).unwrap();
-            let d = (v - 0.5).unwrap().sqr().unwrap();
-            ((d * am).unwrap().sum_all().unwrap() / n).unwrap()
-        }
-    }
-}
 
 fn opts(kind: ModelKind) -> LoadOptions {
     opts_on(kind, &Device::Cpu)
@@ -70,30 +26,6 @@ fn opts_on(kind: ModelKind, device: &Device) -> LoadOptions {
         logits_chunk: Some(5),
         ..LoadOptions::default()
     }
-}
-
-fn adamw() -> AdamWConfig {
-    AdamWConfig {
-        lr: 0.01,
-        weight_decay: 0.1,
-        ..AdamWConfig::default()
-    }
-}
-
-const STEPS: usize = 3;
-/// The gradient is clipped to this norm: the tiny models' first gradients are above it.
-const CLIP: f64 = 0.5;
-
-type Weights = BTreeMap<String, Vec<f32>>;
-
-fn host(named: Vec<(String, Tensor)>) -> Weights {
-    named
-        .into_iter()
-        .map(|(n, t)| {
-            let t = t.to_device(&Device::Cpu).unwrap().flatten_all().unwrap();
-            (n, t.to_vec1::<f32>().unwrap())
-        })
-        .collect()
 }
 
 /// One unsharded model on the whole batch: its weights after the steps, and the gradient
@@ -215,24 +147,6 @@ fn sharded_on(
         })
         .collect();
     handles.into_iter().map(|h| h.join().unwrap()).collect()
-}
-
-fn max_diff(a: &Weights, b: &Weights) -> (f64, String) {
-    assert_eq!(
-        a.keys().collect::<Vec<_>>(),
-        b.keys().collect::<Vec<_>>(),
-        "the same parameters"
-    );
-    let mut worst = (0.0, String::new());
-    for (name, x) in a {
-        for (p, q) in x.iter().zip(&b[name]) {
-            let d = f64::from((p - q).abs());
-            if d > worst.0 {
-                worst = (d, name.clone());
-            }
-        }
-    }
-    worst
 }
 
 /// A Qwen2 config (q/k/v biases) with tied embeddings: the LM head is the embedding matrix.
@@ -481,19 +395,13 @@ fn refused(r: rlhf_model::Result<Model>) -> String {
 
 /// What cannot be sharded is refused with the reason, and a second sharding too.
 #[test]
-fn stage_3_refuses_frozen_lora_and_already_sharded_models() {
+fn stage_3_refuses_frozen_and_already_sharded_models() {
     let cfg = tiny_config(Family::Llama);
     let single =
         || Box::new(TcpCommunicator::single(CommConfig::default())) as Box<dyn Communicator>;
     let frozen = Model::random(&cfg, &LoadOptions::default()).unwrap();
     let e = refused(frozen.into_zero3(single()));
     assert!(e.contains("frozen"), "{e}");
-    let lora = LoadOptions {
-        lora: Some(rlhf_model::LoraConfig::new(2, 4.0, &["q_proj"])),
-        ..opts(ModelKind::CausalLm)
-    };
-    let e = refused(Model::random(&cfg, &lora).unwrap().into_zero3(single()));
-    assert!(e.contains("LoRA") && e.contains("zero_stage 2"), "{e}");
     let z = Model::random(&cfg, &opts(ModelKind::CausalLm))
         .unwrap()
         .into_zero3(single())

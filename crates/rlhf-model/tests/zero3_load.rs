@@ -23,9 +23,11 @@ fn opts(kind: ModelKind) -> LoadOptions {
     }
 }
 
-/// A model's variables (its pieces, when sharded): name, shape and values.
+/// A model's parameters (its pieces, when sharded; a LoRA model's frozen base too): name,
+/// shape and values.
 fn pieces(model: &Model) -> Vec<(String, Vec<usize>, Vec<f32>)> {
     model
+        .params()
         .vars()
         .into_iter()
         .map(|(name, v)| {
@@ -39,17 +41,33 @@ fn pieces(model: &Model) -> Vec<(String, Vec<usize>, Vec<f32>)> {
 /// For 1, 2 and 3 ranks, every rank's pieces read from `dir` are those sharding the whole
 /// loaded model gives; returns how many pieces were compared.
 fn same_pieces_as_sharding_the_whole(dir: &Path, kind: ModelKind) -> usize {
-    let o = opts(kind);
+    same_pieces_with(dir, &opts(kind))
+}
+
+/// [`same_pieces_as_sharding_the_whole`] loading with `o` (LoRA adapters: the frozen base's
+/// pieces and the adapters', whose trained ones alone are the variables, and the base's
+/// fingerprint, read from samples of the files, that of the whole base).
+fn same_pieces_with(dir: &Path, o: &LoadOptions) -> usize {
     let mut compared = 0;
     for world in 1..=3 {
         for rank in 0..world {
-            let read = Model::load_zero3(dir, &o, rank, world, false).unwrap();
-            let cut = Model::load(dir, &o)
+            let read = Model::load_zero3(dir, o, rank, world, false).unwrap();
+            let cut = Model::load(dir, o)
                 .unwrap()
                 .into_zero3_lent(rank, world, false)
                 .unwrap();
             let (read_z, cut_z) = (read.zero3().unwrap(), cut.zero3().unwrap());
             assert_eq!(read_z.rank_world(), (rank, world));
+            let names = |m: &Model| m.vars().into_iter().map(|(n, _)| n).collect::<Vec<_>>();
+            assert_eq!(names(&read), names(&cut), "the same variables");
+            if o.lora.is_some() {
+                let whole = Model::load(dir, o).unwrap().base_fingerprint().unwrap();
+                assert_eq!(read.base_fingerprint().unwrap(), whole);
+                assert_eq!(cut.base_fingerprint().unwrap(), whole);
+                assert!(names(&read)
+                    .iter()
+                    .all(|n| n.contains("lora_") || n.starts_with("score")));
+            }
             assert_eq!(read_z.sizes().unwrap(), cut_z.sizes().unwrap());
             let (a, b) = (pieces(&read), pieces(&cut));
             assert_eq!(a.len(), b.len(), "{}: the same parameters", dir.display());
@@ -74,6 +92,19 @@ fn a_sharded_load_reads_the_pieces_sharding_the_whole_model_gives() {
     n += same_pieces_as_sharding_the_whole(&fixture("tiny-llama-reward"), ModelKind::Value);
     n += same_pieces_as_sharding_the_whole(&fixture("tiny-llama-reward"), ModelKind::Reward);
     assert!(n > 100, "compared {n} pieces");
+    // LoRA: a policy's adapters over its frozen base, and a critic's over a reward model's,
+    // whose score head (read from the files) trains in full.
+    let lora = |kind| LoadOptions {
+        lora: Some(rlhf_model::LoraConfig::new(
+            4,
+            8.0,
+            &["q_proj", "v_proj", "down_proj"],
+        )),
+        ..opts(kind)
+    };
+    let m = same_pieces_with(&fixture("tiny-llama"), &lora(ModelKind::CausalLm));
+    let v = same_pieces_with(&fixture("tiny-llama-reward"), &lora(ModelKind::Value));
+    assert!(m > 100 && v > 100, "compared {m} and {v} LoRA pieces");
 
     // A bf16 checkpoint (as HF models ship): each piece converted to f32 as a whole load is.
     let tmp = tempfile::tempdir().unwrap();
@@ -228,9 +259,10 @@ fn restoring_weights_reads_the_pieces_and_a_bad_checkpoint_changes_nothing() {
     assert!(err.contains("model.safetensors"), "names the file: {err}");
 }
 
-/// What cannot be sharded is refused as sharding a whole model is: a frozen model, LoRA.
+/// What cannot be sharded is refused as sharding a whole model is: a frozen model, a rank
+/// outside the group.
 #[test]
-fn a_sharded_load_refuses_frozen_and_lora_models() {
+fn a_sharded_load_refuses_frozen_models_and_ranks_outside_the_group() {
     let dir = fixture("tiny-llama");
     let frozen = LoadOptions {
         trainable: false,
@@ -238,12 +270,6 @@ fn a_sharded_load_refuses_frozen_and_lora_models() {
     };
     let err = Model::load_zero3(&dir, &frozen, 0, 2, false).err().unwrap();
     assert!(err.to_string().contains("trainable: true"), "{err}");
-    let lora = LoadOptions {
-        lora: Some(rlhf_model::LoraConfig::new(4, 8.0, &["q_proj"])),
-        ..opts(ModelKind::CausalLm)
-    };
-    let err = Model::load_zero3(&dir, &lora, 0, 2, false).err().unwrap();
-    assert!(err.to_string().contains("LoRA"), "{err}");
     let err = Model::load_zero3(&dir, &opts(ModelKind::CausalLm), 2, 2, false)
         .err()
         .unwrap();

@@ -73,6 +73,9 @@ pub struct Transformer {
     /// empty placeholders, `layers` is empty, and each call works on a shell made by
     /// [`Transformer::with_edges`].
     zero3: Option<std::sync::Arc<crate::zero3::Zero3>>,
+    /// A sharded LoRA model's adapters config and switch: each gathered layer is built with
+    /// them.
+    sharded_lora: Option<LoraSetup>,
 }
 
 /// Standard deviation of randomly initialised weights (HF's `initializer_range` default).
@@ -131,12 +134,18 @@ impl Transformer {
             compute,
             checkpoint,
             zero3: None,
+            sharded_lora: None,
         })
     }
 
     /// This decoder with its parameters in `z` (ZeRO stage 3): the whole tensors it held are
     /// dropped here, and kept only as `z`'s pieces.
-    pub(crate) fn into_sharded(mut self, z: std::sync::Arc<crate::zero3::Zero3>) -> Result<Self> {
+    /// A LoRA model's layers are built with `lora`'s adapters (its switch shared).
+    pub(crate) fn into_sharded(
+        mut self,
+        z: std::sync::Arc<crate::zero3::Zero3>,
+        lora: Option<LoraSetup>,
+    ) -> Result<Self> {
         let from = self.embed_tokens.device().clone();
         if !from.same_device(z.device()) {
             // Loaded in host memory, computing on the sharded model's device: the rotary
@@ -145,11 +154,13 @@ impl Transformer {
             self.inv_freq = self.inv_freq.to_device(z.device())?;
             self.kernels = Kernels::choose(z.device(), self.compute, false, self.composite_ops);
         }
-        let empty = Tensor::zeros(0, z.dtype(), z.device())?;
+        // In the dtype of the weights it stands for (a LoRA base's: the compute dtype).
+        let empty = Tensor::zeros(0, self.embed_tokens.dtype(), z.device())?;
         self.embed_tokens = empty.clone();
         self.norm = empty;
         self.layers.clear();
         self.zero3 = Some(z);
+        self.sharded_lora = lora;
         Ok(self)
     }
 
@@ -172,6 +183,7 @@ impl Transformer {
             compute: self.compute,
             checkpoint: self.checkpoint,
             zero3: self.zero3.clone(),
+            sharded_lora: self.sharded_lora.clone(),
         }
     }
 
@@ -268,6 +280,12 @@ impl Transformer {
         let eps = self.cfg.rms_norm_eps;
         let kernels = self.kernels;
         if let Some(z) = &self.zero3 {
+            if z.in_pass() && cache.is_none() && !xs.track_op() {
+                // A LoRA model's embeddings are frozen, so its first layer's input has no
+                // graph, and the layers' backwards (attached to their inputs) would never
+                // run: the input becomes a variable of its own, whose gradient is dropped.
+                xs = candle_core::Var::from_tensor(&xs)?.as_tensor().clone();
+            }
             for i in 0..num_layers {
                 let slot = cache.as_mut().map(|c| &mut c.layers[i]);
                 xs = self.sharded_layer(z, i, &xs, &rope, &mask, slot)?;
@@ -300,7 +318,8 @@ impl Transformer {
         slot: Option<&mut Option<(Tensor, Tensor)>>,
     ) -> Result<Tensor> {
         let (eps, kernels) = (self.cfg.rms_norm_eps, self.kernels);
-        let layer = gathered_layer(&self.cfg, z, i, z.gather_layer(i, false)?.tensors)?;
+        let lora = self.sharded_lora.as_ref();
+        let layer = gathered_layer(&self.cfg, z, i, z.gather_layer(i, false)?.tensors, lora)?;
         // The next layer's gather overlaps this one's compute.
         if i + 1 < self.cfg.num_hidden_layers {
             z.prefetch_layer(i + 1, false)?;
@@ -313,6 +332,7 @@ impl Transformer {
             return Ok(out);
         }
         let (z, cfg, rope, mask) = (z.clone(), self.cfg.clone(), rope.clone(), mask.clone());
+        let lora = self.sharded_lora.clone();
         crate::replay::attach1("zero3-decoder-layer", xs, &out, move |x, g| {
             let run = || -> Result<Option<Tensor>> {
                 let gathered = z.gather_layer(i, true)?;
@@ -320,7 +340,7 @@ impl Transformer {
                 if i > 0 {
                     z.prefetch_layer(i - 1, true)?;
                 }
-                let layer = gathered_layer(&cfg, &z, i, gathered.tensors)?;
+                let layer = gathered_layer(&cfg, &z, i, gathered.tensors, lora.as_ref())?;
                 let x = candle_core::Var::from_tensor(&x.detach())?;
                 let y = layer.forward(x.as_tensor(), &rope, &mask, None, eps, kernels)?;
                 let mut grads = (y * g.detach())?.sum_all()?.backward()?;
@@ -343,15 +363,16 @@ impl Transformer {
 }
 
 /// Decoder layer `i` of a ZeRO-3 model built from its gathered parameters (variables or plain
-/// tensors, used as they are).
+/// tensors, used as they are), with `lora`'s adapters (gathered too) on a LoRA model.
 fn gathered_layer(
     cfg: &Config,
     z: &crate::zero3::Zero3,
     i: usize,
     tensors: std::collections::BTreeMap<String, Tensor>,
+    lora: Option<&LoraSetup>,
 ) -> Result<Layer> {
     let mut pb = ParamBuilder::from_tensors(tensors, z.device(), z.dtype(), false);
-    Layer::load(cfg, &mut pb, i, None)
+    Layer::load(cfg, &mut pb, i, lora)
 }
 
 /// Additive mask `[B, 1, 1, T, S]`: a query at absolute position `past + i` sees key `j` when

@@ -39,8 +39,29 @@ impl Model {
         let (config, files, generation_raw) = Self::open_dir(dir)?;
         let host = opts.clone().with_device(Device::Cpu);
         let (model, deferred) = Self::build_in(&config, Some(&files), &host, true)?;
-        let model = model.with_source(dir, generation_raw);
+        let mut model = model.with_source(dir, generation_raw);
         model.check_shardable()?;
+        // A LoRA model's frozen base: the deferred parameters loaded as base, and any made.
+        let mut frozen: BTreeMap<String, candle_core::DType> = deferred
+            .iter()
+            .filter_map(|(name, d)| Some((name.clone(), d.frozen?)))
+            .collect();
+        for (name, var) in model.params.vars() {
+            if model.params.is_base(&name) {
+                frozen.insert(name, var.dtype());
+            }
+        }
+        if model.lora.is_some() {
+            // Of the base in the files, the pages of a few samples only.
+            let fingerprint = model.fingerprint_from(|name, n| match deferred.get(name) {
+                Some(d) => {
+                    let len = d.shape.iter().product::<usize>().min(n);
+                    files.read_range(&d.src, 0..len).map(Some)
+                }
+                None => model.first_values(name, n),
+            })?;
+            model.fingerprint = Some(fingerprint);
+        }
         let mut sources: BTreeMap<String, Source> = deferred
             .into_iter()
             .map(|(name, d)| (name, Source::File(d)))
@@ -65,6 +86,7 @@ impl Model {
             device: opts.device.clone(),
             dtype: model.dtype(),
             compute: model.body.compute_dtype(),
+            frozen,
         };
         let z =
             Zero3::from_source(
@@ -72,7 +94,7 @@ impl Model {
                 at,
                 Comm::Lent { rank, world },
                 |k, _, range| match &sources[k] {
-                    Source::Made(v) => super::cut(v, range),
+                    Source::Made(v) => super::shard::cut(v, range),
                     Source::File(d) => files.read_range(&d.src, range),
                 },
             )?;
@@ -96,11 +118,12 @@ impl Zero3 {
     /// (present, their shape, a dtype a parameter can have).
     fn load_pieces(&self, files: &WeightFiles) -> Result<()> {
         let st = self.lock()?;
-        for p in &st.pieces {
+        let trained = || st.pieces.iter().filter(|p| p.trainable);
+        for p in trained() {
             files.check_shape(&p.name, &p.shape)?;
             files.dtype(&p.name)?;
         }
-        for p in &st.pieces {
+        for p in trained() {
             let mine = p.ranges[self.rank].clone();
             if mine.is_empty() {
                 // Nothing of it here (and casting an empty tensor on a CUDA device fails).

@@ -26,12 +26,20 @@
 //! over the pieces (2/world), the gathered edges for the call, and one or two gathered layers.
 //! With `offload_params` the pieces live in host memory (and so do their gradients and AdamW's
 //! moments): the device holds only what is gathered.
+//!
+//! A LoRA model's frozen base is sharded too (the point of stage 3 with LoRA: a 7B base split
+//! over the ranks): its pieces are kept in the compute dtype, gathered with each layer for the
+//! computations, and never differentiated. The adapters (and a value or score head) are the
+//! pieces that train, partitioned apart from the base, so the optimizer's layout over them is
+//! that of stages 1 and 2 over the same adapters, and their whole-model gathers (saves, syncs,
+//! checksums) are of them alone.
 
 mod comm;
 mod load;
 mod model;
 mod pass;
 mod prefetch;
+mod shard;
 mod whole;
 mod wire;
 
@@ -50,7 +58,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use rlhf_collective::{Communicator, ReduceOp};
 
 use crate::error::{Error, Result};
-use crate::train::{host_f32 as host, partition};
+use crate::train::host_f32 as host;
 
 /// One parameter: its whole shape and this rank's piece of it.
 struct Piece {
@@ -63,6 +71,10 @@ struct Piece {
     var: Var,
     /// This rank's piece of the group's summed gradient, since [`Zero3::take_grads`].
     grad: Option<Vec<f32>>,
+    /// Whether it trains: false for a LoRA model's frozen base, whose pieces are kept in the
+    /// compute dtype, gathered for the computations, and never differentiated, saved or
+    /// synced.
+    trainable: bool,
 }
 
 /// Whole parameters gathered from the group's pieces.
@@ -107,6 +119,9 @@ pub(crate) struct Placement {
     pub dtype: DType,
     /// The dtype the model computes in.
     pub compute: DType,
+    /// A LoRA model's frozen base: those parameters, and the dtype their pieces are kept in
+    /// (empty for a full model).
+    pub frozen: BTreeMap<String, DType>,
 }
 
 /// Where a stage-3 model's collectives go.
@@ -137,6 +152,8 @@ pub struct Zero3 {
     worker: Mutex<Option<prefetch::Worker>>,
     device: Device,
     dtype: DType,
+    /// Whether some parameters are frozen (a LoRA model's base).
+    has_frozen: bool,
     /// What a computation's gathers send: the model's compute dtype when that is 16-bit
     /// (`training.bf16`), half the bytes of the `f32` pieces, and exact, since every use
     /// casts the weights to the compute dtype first; `f32` otherwise. Whole-model gathers
@@ -160,146 +177,18 @@ pub fn zero_loss(loss: &Tensor) -> Result<Tensor> {
     Ok(loss.mul(&zero)?)
 }
 
-/// Elements `range` of parameter `var`, flattened: a rank's piece of it, a copy of its own.
-fn cut(var: &Var, range: Range<usize>) -> Result<Tensor> {
-    let flat = var.as_tensor().detach().flatten_all()?;
-    Ok(flat.narrow(0, range.start, range.len())?.copy()?)
-}
-
-/// The decoder layer a parameter belongs to, from its HF name.
-fn layer_of(name: &str) -> Option<usize> {
-    name.strip_prefix("model.layers.")?
-        .split('.')
-        .next()?
-        .parse()
-        .ok()
+impl State {
+    /// Those of the parameters `which` that train.
+    fn trained(&self, which: &[usize]) -> Vec<usize> {
+        which
+            .iter()
+            .copied()
+            .filter(|&k| self.pieces[k].trainable)
+            .collect()
+    }
 }
 
 impl Zero3 {
-    /// Cuts `vars` (every parameter of a model, sorted by name) into this rank's pieces and
-    /// keeps those; `num_layers` decoder layers are gathered one at a time, onto `target`
-    /// when given (the vars' device otherwise), where the pieces live too.
-    /// With `offload`, the pieces (and so the optimizer's moments and the summed gradients)
-    /// live in host memory, and only what a computation gathers is on the model's device.
-    pub(crate) fn new(
-        vars: Vec<(String, Var)>,
-        num_layers: usize,
-        comm: Comm,
-        offload: bool,
-        target: Option<&Device>,
-        compute: DType,
-    ) -> Result<Self> {
-        let first = vars
-            .first()
-            .map(|(_, v)| v.clone())
-            .ok_or_else(|| Error::InvalidArgument("a model without parameters".into()))?;
-        let params = vars
-            .iter()
-            .map(|(name, v)| (name.clone(), v.dims().to_vec()))
-            .collect();
-        let at = Placement {
-            num_layers,
-            offload,
-            device: target.unwrap_or(first.device()).clone(),
-            dtype: first.dtype(),
-            compute,
-        };
-        Self::from_source(params, at, comm, |k, _, mine| cut(&vars[k].1, mine))
-    }
-
-    /// A stage-3 model over `params` (every parameter's name and whole shape, sorted by
-    /// name) whose pieces `piece` makes: for parameter `k`, named so, the flattened
-    /// elements `range` as a 1-D tensor (any dtype or device: it is converted and moved).
-    pub(crate) fn from_source(
-        params: Vec<(String, Vec<usize>)>,
-        at: Placement,
-        comm: Comm,
-        mut piece: impl FnMut(usize, &str, Range<usize>) -> Result<Tensor>,
-    ) -> Result<Self> {
-        let (comm, rank, world) = match comm {
-            Comm::Own(c) => {
-                let (rank, world) = (c.rank(), c.world_size());
-                (Slot::Owned(c), rank, world)
-            }
-            Comm::Lent { rank, world } => (Slot::Unbound, rank, world),
-        };
-        if world == 0 || rank >= world {
-            return Err(Error::InvalidArgument(format!(
-                "ZeRO-3: cannot shard a model as rank {rank} of {world}"
-            )));
-        }
-        if params.is_empty() {
-            return Err(Error::InvalidArgument("a model without parameters".into()));
-        }
-        let sizes: Vec<usize> = params
-            .iter()
-            .map(|(_, s)| s.iter().product::<usize>())
-            .collect();
-        let per_rank: Vec<Vec<Range<usize>>> =
-            (0..world).map(|r| partition(&sizes, r, world)).collect();
-        let mut pieces = Vec::with_capacity(params.len());
-        let mut layers = vec![Vec::new(); at.num_layers];
-        let mut edges = Vec::new();
-        let home = if at.offload { &Device::Cpu } else { &at.device };
-        for (k, (name, shape)) in params.into_iter().enumerate() {
-            let mine = per_rank[rank][k].clone();
-            let made = piece(k, &name, mine.clone())?;
-            if made.dims() != [mine.len()] {
-                return Err(Error::InvalidArgument(format!(
-                    "ZeRO-3: the piece of {name} has shape {:?}, not [{}]",
-                    made.dims(),
-                    mine.len()
-                )));
-            }
-            let made = if shape.len() > 1 {
-                made.reshape((1, mine.len()))?
-            } else {
-                made
-            };
-            let made = made.to_dtype(at.dtype)?.to_device(home)?;
-            match layer_of(&name) {
-                Some(i) if i < at.num_layers => layers[i].push(k),
-                Some(i) => {
-                    return Err(Error::InvalidArgument(format!(
-                        "{name} belongs to layer {i}, the model has {}",
-                        at.num_layers
-                    )))
-                }
-                None => edges.push(k),
-            }
-            pieces.push(Piece {
-                name,
-                shape,
-                ranges: per_rank.iter().map(|p| p[k].clone()).collect(),
-                var: Var::from_tensor(&made)?,
-                grad: None,
-            });
-        }
-        Ok(Self {
-            state: Mutex::new(State {
-                comm,
-                pieces,
-                layers,
-                edges,
-                pass: None,
-            }),
-            training: Default::default(),
-            calls: Default::default(),
-            taken: Default::default(),
-            gather_failed: Default::default(),
-            prefetched: Mutex::new(None),
-            worker: Mutex::new(None),
-            device: at.device,
-            dtype: at.dtype,
-            wire: match (at.dtype, at.compute) {
-                (DType::F32, DType::BF16 | DType::F16) => at.compute,
-                _ => DType::F32,
-            },
-            rank,
-            world,
-        })
-    }
-
     fn lock(&self) -> Result<MutexGuard<'_, State>> {
         self.state
             .lock()
@@ -331,13 +220,14 @@ impl Zero3 {
         self.dtype
     }
 
-    /// This rank's pieces, by parameter name: the model's variables.
-    pub(crate) fn piece_vars(&self) -> Result<Vec<(String, Var)>> {
+    /// This rank's pieces, by parameter name, and whether each trains (the model's
+    /// variables are those that do).
+    pub(crate) fn piece_vars(&self) -> Result<Vec<(String, Var, bool)>> {
         Ok(self
             .lock()?
             .pieces
             .iter()
-            .map(|p| (p.name.clone(), p.var.clone()))
+            .map(|p| (p.name.clone(), p.var.clone(), p.trainable))
             .collect())
     }
 
@@ -401,15 +291,18 @@ impl Zero3 {
                 at[r] += n;
             }
             let shape = p.shape.as_slice();
+            // Only what trains becomes a variable: a frozen base stays out of the graph.
+            let as_var = vars && p.trainable;
+            let dtype = p.var.dtype();
             let t = match full {
-                Whole::F32(v) if self.dtype == DType::F32 && vars => {
+                Whole::F32(v) if dtype == DType::F32 && as_var => {
                     let var = Var::from_vec(v, shape, on)?;
                     out.vars.push((p.name.clone(), var.clone()));
                     var.as_tensor().clone()
                 }
                 full => {
-                    let t = full.into_tensor(shape, on)?.to_dtype(self.dtype)?;
-                    if vars {
+                    let t = full.into_tensor(shape, on)?.to_dtype(dtype)?;
+                    if as_var {
                         let var = Var::from_tensor(&t)?;
                         out.vars.push((p.name.clone(), var.clone()));
                         var.as_tensor().clone()
@@ -490,17 +383,26 @@ impl Zero3 {
 
     /// Decoder layer `i`'s whole parameters (a collective), as variables with `vars`.
     pub(crate) fn gather_layer(&self, i: usize, vars: bool) -> Result<Gathered> {
-        self.gather_layer_to(i, vars, &self.device, self.wire)
+        self.gather_layer_to(i, vars, &self.device, self.wire, false)
     }
 
-    /// [`Zero3::gather_layer`] onto `on`, sent as `wire`. A layer gathered ahead
-    /// ([`prefetch`], as the computation's values) is on the model's device and moves (its
-    /// collective happened already).
-    fn gather_layer_to(&self, i: usize, vars: bool, on: &Device, wire: DType) -> Result<Gathered> {
+    /// [`Zero3::gather_layer`] onto `on`, sent as `wire`; with `trained`, only the
+    /// parameters that train (a whole-model gather: a LoRA model's adapters). A layer
+    /// gathered ahead ([`prefetch`], as the computation's values) is on the model's device
+    /// and moves (its collective happened already).
+    fn gather_layer_to(
+        &self,
+        i: usize,
+        vars: bool,
+        on: &Device,
+        wire: DType,
+        trained: bool,
+    ) -> Result<Gathered> {
         if !vars {
             self.taken.fetch_add(1, Relaxed);
         }
-        if let Some(mut g) = self.take_prefetched(i, vars, wire == self.wire)? {
+        let same = wire == self.wire && !(trained && self.has_frozen);
+        if let Some(mut g) = self.take_prefetched(i, vars, same)? {
             for t in g.tensors.values_mut() {
                 *t = t.to_device(on)?;
             }
@@ -511,17 +413,24 @@ impl Zero3 {
             st.layers.get(i).cloned().ok_or_else(|| {
                 Error::InvalidArgument(format!("ZeRO-3: no layer {i} in this model"))
             })?;
+        let which = if trained { st.trained(&which) } else { which };
         self.gather_to(&mut st, &which, vars, on, wire)
     }
 
     /// Reduce-scatters layer `i`'s whole weight gradients, in the order of its gathered
-    /// variables ([`Zero3::gather_layer`]; `None`: no gradient, zeros).
+    /// variables ([`Zero3::gather_layer`]: the parameters that train; `None`: no gradient,
+    /// zeros).
     pub(crate) fn scatter_layer(&self, i: usize, grads: Vec<Option<Tensor>>) -> Result<()> {
         let mut st = self.lock()?;
         let which =
             st.layers.get(i).cloned().ok_or_else(|| {
                 Error::InvalidArgument(format!("ZeRO-3: no layer {i} in this model"))
             })?;
+        let which = st.trained(&which);
+        if which.is_empty() {
+            // Nothing of this layer trains, on any rank (they hold the same model).
+            return Ok(());
+        }
         if grads.len() != which.len() {
             return Err(Error::InvalidArgument(format!(
                 "ZeRO-3: {} gradients for the {} parameters of layer {i}",
@@ -543,10 +452,11 @@ impl Zero3 {
         let which = st.edges.clone();
         let training = st.pass.is_some();
         let out = self.gather(&mut st, &which, training)?;
+        let trained = st.trained(&which);
         if let Some(pass) = st.pass.as_mut() {
-            // Gathered as variables, in `which`'s order.
+            // Those that train gathered as variables, in `which`'s order.
             let vars = out.vars.into_iter().map(|(_, v)| v);
-            pass.edges.extend(which.iter().copied().zip(vars));
+            pass.edges.extend(trained.into_iter().zip(vars));
             pass.calls += 1;
         }
         Ok(out.tensors)
@@ -565,20 +475,5 @@ impl Zero3 {
             self.gather_layer(i, false)?;
         }
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::layer_of;
-
-    #[test]
-    fn parameters_belong_to_their_layer_or_to_the_edges() {
-        assert_eq!(layer_of("model.layers.12.mlp.up_proj.weight"), Some(12));
-        assert_eq!(layer_of("model.layers.0.input_layernorm.weight"), Some(0));
-        assert_eq!(layer_of("model.embed_tokens.weight"), None);
-        assert_eq!(layer_of("model.norm.weight"), None);
-        assert_eq!(layer_of("lm_head.weight"), None);
-        assert_eq!(layer_of("model.layers.x.mlp"), None);
     }
 }

@@ -39,7 +39,9 @@ impl Model {
     /// [`crate::zero3`]): every rank keeps only its piece of each parameter, and from now on
     /// [`Model::vars`] are those pieces, so an AdamW over them is the sharded optimizer. Every
     /// rank of the group must call it on the same model (the same weights, as loaded from one
-    /// checkpoint or seed). Only a trainable model without LoRA adapters can be sharded.
+    /// checkpoint or seed). Only a trainable model can be sharded. A LoRA model's frozen base
+    /// is sharded too (its pieces in the compute dtype, gathered for each computation); only
+    /// its adapters (and a value or score head) train, and their pieces are the variables.
     pub fn into_zero3(self, comm: Box<dyn Communicator>) -> Result<Self> {
         self.shard_zero3(Comm::Own(comm), false, None)
     }
@@ -70,8 +72,19 @@ impl Model {
         self.shard_zero3(Comm::Lent { rank, world }, offload_params, Some(device))
     }
 
-    fn shard_zero3(self, comm: Comm, offload: bool, target: Option<&Device>) -> Result<Self> {
+    fn shard_zero3(mut self, comm: Comm, offload: bool, target: Option<&Device>) -> Result<Self> {
         self.check_shardable()?;
+        if self.lora.is_some() {
+            // Taken from the whole base while it is still here.
+            self.fingerprint = Some(self.base_fingerprint()?);
+        }
+        let frozen = self
+            .params
+            .vars()
+            .into_iter()
+            .filter(|(name, _)| self.params.is_base(name))
+            .map(|(name, _)| name)
+            .collect();
         let z = Zero3::new(
             self.params.vars(),
             self.config.num_hidden_layers,
@@ -79,23 +92,17 @@ impl Model {
             offload,
             target,
             self.body.compute_dtype(),
+            &frozen,
         )?;
         self.adopt_zero3(z)
     }
 
-    /// Whether this model can be sharded (ZeRO stage 3): trainable, without LoRA, not yet.
+    /// Whether this model can be sharded (ZeRO stage 3): trainable, not yet.
     pub(super) fn check_shardable(&self) -> Result<()> {
         if !self.is_trainable() {
             return Err(Error::InvalidArgument(
                 "ZeRO stage 3 shards a trained model's parameters; this model is frozen \
                  (load it with trainable: true)"
-                    .into(),
-            ));
-        }
-        if self.lora.is_some() {
-            return Err(Error::InvalidArgument(
-                "ZeRO stage 3 with LoRA adapters is not built: the adapters are small, so use \
-                 zero_stage 2 (or 0) with LoRA"
                     .into(),
             ));
         }
@@ -110,7 +117,7 @@ impl Model {
     /// This model computing with the sharded parameters `z` (its own become placeholders).
     pub(super) fn adopt_zero3(mut self, z: Zero3) -> Result<Self> {
         let z = Arc::new(z);
-        self.params = ParamStore::from_vars(z.piece_vars()?);
+        self.params = ParamStore::from_pieces(z.piece_vars()?);
         let empty = Tensor::zeros(0, z.dtype(), z.device())?;
         self.head = match &self.head {
             Head::Lm(_) => Head::Lm(empty),
@@ -120,7 +127,7 @@ impl Model {
             )),
             Head::Score(_) => Head::Score(Linear::plain(empty, None)),
         };
-        self.body = self.body.into_sharded(z)?;
+        self.body = self.body.into_sharded(z, self.lora.clone())?;
         Ok(self)
     }
 

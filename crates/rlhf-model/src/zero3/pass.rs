@@ -69,7 +69,7 @@ impl Zero3 {
         // The layers' backwards lock the state: it must be free while candle runs.
         let store = loss.backward()?;
         let mut st = self.lock()?;
-        let which = st.edges.clone();
+        let which = st.trained(&st.edges);
         let mut sums: Vec<Option<Tensor>> = vec![None; which.len()];
         for (k, var) in &pending {
             if let (Some(j), Some(g)) = (
@@ -93,7 +93,7 @@ impl Zero3 {
     pub fn take_grads(&self) -> Result<Gradients> {
         let mut st = self.lock()?;
         let mut out = BTreeMap::new();
-        for p in st.pieces.iter_mut() {
+        for p in st.pieces.iter_mut().filter(|p| p.trainable) {
             let n = p.var.elem_count();
             let g = p.grad.take().unwrap_or_else(|| vec![0.0; n]);
             let t = Tensor::from_vec(g, p.var.shape(), p.var.device())?.to_dtype(p.var.dtype())?;

@@ -3,6 +3,10 @@
 //! handed out parameter by parameter in name order), a rank's
 //! part in a gather another rank keeps, and a whole tensor set into this rank's piece (a
 //! received sync; a checkpoint's weights are read piece by piece: `load.rs`).
+//!
+//! "Every parameter" here is every parameter that trains: a LoRA model's frozen base is
+//! never saved, synced or checked with its adapters, so its whole-model gathers are of the
+//! adapters (and any value or score head) only, as its [`crate::Model::vars`] are.
 
 use candle_core::{DType, Device, Tensor};
 
@@ -17,7 +21,7 @@ impl Zero3 {
         let p = st
             .pieces
             .iter()
-            .find(|p| p.name == name)
+            .find(|p| p.name == name && p.trainable)
             .ok_or_else(|| Error::MissingTensor {
                 name: name.to_string(),
                 location: "this model's parameters".to_string(),
@@ -91,6 +95,7 @@ impl Zero3 {
             .lock()?
             .pieces
             .iter()
+            .filter(|p| p.trainable)
             .map(|p| (p.name.clone(), p.shape.clone()))
             .collect())
     }
@@ -122,7 +127,7 @@ impl Zero3 {
         };
         let (mut edges, n) = {
             let mut st = self.lock()?;
-            let which = st.edges.clone();
+            let which = st.trained(&st.edges);
             let edges = self.gather_to(&mut st, &which, false, on, DType::F32)?;
             (edges.tensors, st.layers.len())
         };
@@ -131,7 +136,10 @@ impl Zero3 {
             give(name, t);
         }
         for i in layer_order(n) {
-            for (name, t) in self.gather_layer_to(i, false, on, DType::F32)?.tensors {
+            for (name, t) in self
+                .gather_layer_to(i, false, on, DType::F32, true)?
+                .tensors
+            {
                 give(name, t);
             }
         }

@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 
 pub mod grad;
+pub mod sharding;
 
 use rlhf_model::{Batch, Config, Device, Family, Tensor};
 
