@@ -3,11 +3,14 @@
 # for two models, the tiny one (models/tiny) and a ~57M-parameter Llama made here with random
 # weights (hidden 768, 8 layers, the tiny tokenizer), each with the whole AdamW state per rank
 # (zero_stage 0), the moments sharded (1), moments and summed gradients sharded (2), the
-# parameters sharded too (3: a layer gathered at a time), and LoRA rank 8 (stage 0). Two micro-batches per step, so gradients accumulate. Rounds alternate the
+# parameters sharded too (3: a layer gathered at a time), LoRA rank 8 (stage 0) and LoRA
+# rank 8 at stage 3 (the frozen base sharded too). Two micro-batches per step, so gradients
+# accumulate. Rounds alternate the
 # variants to spread machine noise. Prints per model and variant the median step time, its
 # ratio to stage 0, and the peak resident memory of the largest process of the run (a trainer
 # rank: the ranks are alike, and the head holds no model), with its ratio to stage 0. Stages 1
-# to 3 must log the losses of stage 0 (float rounding apart).
+# to 3 must log the losses of stage 0 (float rounding apart), and LoRA at stage 3 those of
+# LoRA at stage 0.
 # Usage: scripts/zero_bench.sh [STEPS] [ROUNDS]   (defaults 6 and 2)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -58,7 +61,7 @@ with open(f"{d}/model.safetensors", "wb") as f:
 print(f"made {d}: {off / 4 / 1e6:.1f}M parameters")
 PY
 
-variants=(zero0 zero1 zero2 zero3 lora8)
+variants=(zero0 zero1 zero2 zero3 lora8 lora8z3)
 args_of() {
   case $1 in
     zero0) echo training.zero_stage=0 ;;
@@ -66,6 +69,7 @@ args_of() {
     zero2) echo training.zero_stage=2 ;;
     zero3) echo training.zero_stage=3 ;;
     lora8) echo actor_rollout.lora.rank=8 actor_rollout.lora.alpha=16 ;;
+    lora8z3) echo actor_rollout.lora.rank=8 actor_rollout.lora.alpha=16 training.zero_stage=3 ;;
   esac
 }
 for model in tiny m57; do
@@ -96,8 +100,9 @@ out, rounds, variants = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
 for model in ["tiny", "m57"]:
     runs = {v: [[json.loads(l) for l in open(f"{out}/{model}.{v}.{i}.jsonl")]
                 for i in range(1, rounds + 1)] for v in variants}
-    for v in ["zero1", "zero2", "zero3"]:
-        for a, b in zip(runs["zero0"], runs[v]):
+    for base, v in [("zero0", "zero1"), ("zero0", "zero2"), ("zero0", "zero3"),
+                    ("lora8", "lora8z3")]:
+        for a, b in zip(runs[base], runs[v]):
             for x, y in zip(a, b):
                 u, w = x["train/loss"], y["train/loss"]
                 assert abs(u - w) <= 1e-4 * (1 + abs(u)), f"{model} {v}: loss {w} vs {u}"
@@ -107,7 +112,8 @@ for model in ["tiny", "m57"]:
                   for i in range(1, rounds + 1)) / 1024 for v in variants}
     print(f"{model}: 2 trainer ranks, 8 rows per step in 2 micro-batches per rank")
     for v in variants:
-        print(f"  {v:6s} median step {step[v]:8.4f} s ({step[v] / step['zero0']:.3f}x)   "
+        print(f"  {v:7s} median step {step[v]:8.4f} s ({step[v] / step['zero0']:.3f}x)   "
               f"peak RSS per rank {rss[v]:7.0f} MiB ({rss[v] / rss['zero0']:.3f}x)")
-print("stages 1 to 3 logged the losses of stage 0 at every step")
+print("stages 1 to 3 logged the losses of stage 0 at every step, LoRA at stage 3 those of "
+      "LoRA at stage 0")
 PY

@@ -111,7 +111,8 @@ training_keys! {
     /// holds an accumulated whole one); 3, the parameters too: each rank keeps its 1/N of
     /// every weight, gathers a decoder layer just before its forward and again before its
     /// backward (which reduce-scatters the layer's gradients at once) and drops it after
-    /// (without LoRA; a colocated PPO policy then needs actor_rollout.hybrid_engine=false).
+    /// (with LoRA the frozen base is sharded too and only the adapters train; a colocated PPO
+    /// policy needs actor_rollout.hybrid_engine=false).
     zero_stage: u32 = 0,
     /// Keep a trained role's AdamW moments in host memory and step them there: the device
     /// holds the parameters and gradients only (8 bytes per trained parameter less); each

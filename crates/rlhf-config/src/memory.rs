@@ -196,10 +196,12 @@ impl PpoConfig {
                 }
                 None => (trained(p), p),
             };
-            // ZeRO stage 3 (no LoRA): each rank holds its share of the weights and of the
-            // summed gradient, plus what a pass gathers whole: the `edges` (embeddings, final
-            // norm, LM, value or score head) for the call and one decoder layer, each with its
-            // gradient during the backward.
+            // ZeRO stage 3: each rank holds its share of the weights and of the summed
+            // gradient, plus what a pass gathers whole: the `edges` (embeddings, final norm,
+            // LM, value or score head) for the call and one decoder layer, each with its
+            // gradient during the backward. With LoRA (`tp` parameters train, `head` of them
+            // outside the layers) the frozen base is sharded too, at `b` bytes, and only the
+            // adapters and the head have gradients.
             let heads = if arch.tie_word_embeddings { 1 } else { 2 };
             let lm_edges =
                 mul(&[heads, arch.vocab_size, arch.hidden_size]).saturating_add(arch.hidden_size);
@@ -207,28 +209,44 @@ impl PpoConfig {
             let value_edges = mul(&[arch.vocab_size, arch.hidden_size])
                 .saturating_add(mul(&[arch.hidden_size, 2]))
                 .saturating_add(1);
-            let zero3 = |p: u64, edges: u64| -> Option<(u64, u64)> {
+            let zero3 = |p: u64, edges: u64, lora: Option<(u64, u64)>| -> Option<(u64, u64)> {
                 if t.zero_stage < 3 || shards <= 1 {
                     return None;
                 }
-                let layer = p.saturating_sub(edges) / arch.num_hidden_layers.max(1);
+                let layers = arch.num_hidden_layers.max(1);
+                let layer = p.saturating_sub(edges) / layers;
                 let whole = edges.saturating_add(layer);
+                // What trains, whole while gathered: everything, or a layer's adapters and
+                // the head.
+                let (tp, whole_trained) = match lora {
+                    Some((tp, head)) => (tp, tp.saturating_sub(head) / layers + head),
+                    None => (p, whole),
+                };
                 // `offload_params`: the pieces and their summed gradients are in host memory.
-                let (pieces, piece_grads) = if t.offload_params {
-                    (0, 0)
-                } else {
-                    (trained(p).div_ceil(shards), mul(&[p, 4]).div_ceil(shards))
+                let (pieces, piece_grads) = match (t.offload_params, lora) {
+                    (true, _) => (0, 0),
+                    (false, None) => (trained(p).div_ceil(shards), mul(&[p, 4]).div_ceil(shards)),
+                    (false, Some(_)) => (
+                        mul(&[p, b]).saturating_add(trained(tp)).div_ceil(shards),
+                        mul(&[tp, 4]).div_ceil(shards),
+                    ),
+                };
+                let gathered = match lora {
+                    Some(_) => mul(&[whole, b]).saturating_add(trained(whole_trained)),
+                    None => trained(whole),
                 };
                 Some((
-                    pieces.saturating_add(trained(whole)),
-                    piece_grads.saturating_add(mul(&[whole, 4])),
+                    pieces.saturating_add(gathered),
+                    piece_grads.saturating_add(mul(&[whole_trained, 4])),
                 ))
             };
             match role {
                 RoleKind::ActorRollout => {
                     let p = arch.lm_params();
                     let (weights, tp) = split(p, &a.lora, 0);
-                    let (weights, grads) = zero3(p, lm_edges).unwrap_or((weights, gradients(tp)));
+                    let lora = a.lora.is_on().then_some((tp, 0));
+                    let (weights, grads) =
+                        zero3(p, lm_edges, lora).unwrap_or((weights, gradients(tp)));
                     rows.push(MemoryRow {
                         label: "actor_rollout/train".into(),
                         role,
@@ -301,8 +319,9 @@ impl PpoConfig {
                     let p = arch.value_params();
                     let head = arch.hidden_size.saturating_add(1);
                     let (weights, tp) = split(p, &self.critic.lora, head);
+                    let lora = self.critic.lora.is_on().then_some((tp, head));
                     let (weights, grads) =
-                        zero3(p, value_edges).unwrap_or((weights, gradients(tp)));
+                        zero3(p, value_edges, lora).unwrap_or((weights, gradients(tp)));
                     rows.push(MemoryRow {
                         label: RoleKind::Critic.to_string(),
                         role,
@@ -319,7 +338,7 @@ impl PpoConfig {
                     // A reward model in training: trained like the critic (no LoRA here).
                     let p = arch.value_params();
                     let (weights, grads) =
-                        zero3(p, value_edges).unwrap_or((trained(p), gradients(p)));
+                        zero3(p, value_edges, None).unwrap_or((trained(p), gradients(p)));
                     rows.push(MemoryRow {
                         label: RoleKind::Reward.to_string(),
                         role,

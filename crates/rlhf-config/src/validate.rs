@@ -373,8 +373,8 @@ fn lora_dropout_problem(
 }
 
 /// `training.zero_stage` of every role the job trains: 0 to 3, and 3 (parameters sharded
-/// too) only where it is built: without LoRA, and for the policy of a PPO job not under the
-/// hybrid engine (whose rollout would generate with the sharded weights).
+/// too, a LoRA model's frozen base included) for the policy of a PPO job only when not under
+/// the hybrid engine (whose rollout would generate with the sharded weights).
 fn zero_problems(cfg: &PpoConfig) -> Vec<String> {
     let trained: &[RoleKind] = match cfg.trainer {
         TrainerKind::Ppo => &[RoleKind::ActorRollout, RoleKind::Critic],
@@ -384,13 +384,6 @@ fn zero_problems(cfg: &PpoConfig) -> Vec<String> {
     let mut e = Vec::new();
     for &role in trained {
         let z = cfg.resolved(role).zero_stage;
-        let lora = match role {
-            RoleKind::ActorRollout => {
-                Some(("actor_rollout.lora.rank", cfg.actor_rollout.lora.rank))
-            }
-            RoleKind::Critic => Some(("critic.lora.rank", cfg.critic.lora.rank)),
-            _ => None,
-        };
         if z > 3 {
             e.push(format!(
                 "{role}: training.zero_stage {z} is not a ZeRO stage: use 3 (parameters, gradients and AdamW state sharded across the role's data-parallel ranks), 2 (gradients and AdamW state), 1 (AdamW state only) or 0"
@@ -407,12 +400,6 @@ fn zero_problems(cfg: &PpoConfig) -> Vec<String> {
             e.push(format!(
                 "{role}: training.zero_stage 3 shards the policy's weights across the trainer ranks, and the hybrid engine (resource_pool.colocate with actor_rollout.hybrid_engine) generates with the trainer's own weights; set actor_rollout.hybrid_engine=false (the rollout keeps a copy of its own on the same devices, synced after every update) or use zero_stage 2"
             ));
-        } else if let (3, Some((key, rank))) = (z, lora) {
-            if rank > 0 {
-                e.push(format!(
-                    "{key} is {rank} with training.zero_stage 3: ZeRO-3 with LoRA adapters is not built; the adapters are small, so use zero_stage 2 (or 0) with LoRA, or set {key}=0"
-                ));
-            }
         }
     }
     e

@@ -479,3 +479,45 @@ fn zero_stage_3_shares_the_weights_and_the_gradients() {
     assert!(off.weights > 0 && off.weights < z3.weights - share / 2);
     assert!(off.gradients > 0 && off.gradients < z3.gradients);
 }
+
+/// Stage 3 with LoRA (the seeds' 7B on two 40 GB cards): the frozen bf16 base is sharded too,
+/// so each of two ranks holds half of it plus a gathered layer and the edges, where stage 2
+/// holds all of it; the adapters' gradients and AdamW state stay small and sharded.
+#[test]
+fn zero_stage_3_with_lora_shares_the_frozen_base() {
+    let at = |stage: &str| {
+        let o: Vec<String> = [
+            "trainer=sft",
+            "resource_pool.actor_rollout=2",
+            "actor_rollout.num_gpus_for_train=2",
+            "actor_rollout.num_gpus_for_infer=0",
+            stage,
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        let cfg = load(&configs(), "ppo_qwen25_7b_lora", &o).unwrap();
+        row(&cfg, "actor_rollout/train")
+    };
+    let (z2, z3) = (at("training.zero_stage=2"), at("training.zero_stage=3"));
+    // 7.6 B bf16 parameters: 15.2 GB whole, 7.6 GB a rank.
+    let base = z2.params * 2;
+    assert!(z2.weights > base, "{} vs {base}", z2.weights);
+    assert!(
+        z3.weights > base / 2 && z3.weights < base / 2 + base / 5,
+        "{} vs half of {base}",
+        z3.weights
+    );
+    assert_eq!(
+        z3.optimizer, z2.optimizer,
+        "AdamW over the adapters, sharded"
+    );
+    assert!(
+        z3.gradients <= z2.gradients,
+        "{} vs {}",
+        z3.gradients,
+        z2.gradients
+    );
+    // The adapters are a small share: their gradients are far below the base.
+    assert!(z3.gradients < base / 20, "{}", z3.gradients);
+}

@@ -222,7 +222,7 @@ impl TrainState {
                 "{}: parameters, gradients and AdamW state sharded (training.zero_stage 3), rank {rank} of {world}: {held} of {total} parameter elements",
                 slot.label()
             );
-            pieces = Some(total);
+            pieces = Some(z.trained_len()?);
         }
         let optim = Optim::new(
             model.vars(),

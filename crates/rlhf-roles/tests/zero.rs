@@ -43,6 +43,26 @@ fn train_ranks(
     micro: u32,
     save: Option<&std::path::Path>,
 ) -> Vec<(Params, usize)> {
+    train_ranks_with(stage, cuts, micro, save, |_| {})
+}
+
+/// LoRA adapters on three modules, with dropout (SFT's, drawn from the seed, step and rows).
+fn lora_on(cfg: &mut rlhf_config::PpoConfig) {
+    let l = &mut cfg.actor_rollout.lora;
+    l.rank = 4;
+    l.alpha = 8.0;
+    l.dropout = 0.1;
+    l.target_modules = vec!["q_proj".into(), "v_proj".into(), "down_proj".into()];
+}
+
+/// [`train_ranks`] with `tune` applied to every rank's config.
+fn train_ranks_with(
+    stage: u32,
+    cuts: &[usize],
+    micro: u32,
+    save: Option<&std::path::Path>,
+    tune: fn(&mut rlhf_config::PpoConfig),
+) -> Vec<(Params, usize)> {
     let (seq, mask) = seqs(&LENS, 5);
     let world = cuts.len() - 1;
     let comms = group(world);
@@ -58,6 +78,7 @@ fn train_ranks(
                 cfg.training.weight_decay = 0.01;
                 cfg.training.micro_batch_size = micro;
                 cfg.training.clip_grad = 0.5;
+                tune(&mut cfg);
                 let s = spec(
                     &cfg,
                     RoleKind::ActorRollout,
@@ -177,6 +198,74 @@ fn zero_stage_3_ends_with_the_weights_of_one_unsharded_rank() {
             let dir = dir.clone();
             std::thread::spawn(move || {
                 let mut cfg = stage_config(TrainerKind::Sft);
+                cfg.training.zero_stage = 3;
+                let s = spec(
+                    &cfg,
+                    RoleKind::ActorRollout,
+                    RolePart::Train,
+                    rank as u32,
+                    2,
+                );
+                let mut t = SftTrainer::new(&s, &candle_core::Device::Cpu).unwrap();
+                let got = t.state.load_checkpoint_in(&dir, &mut c).unwrap();
+                (got, t.state.optim.opt.steps())
+            })
+        })
+        .collect();
+    for h in handles {
+        assert_eq!(h.join().unwrap(), (want, 3 * 2));
+    }
+}
+
+/// `training.zero_stage: 3` with LoRA (dropout on): the frozen base is sharded too, and two
+/// ranks with 5 and 3 rows end three steps with the adapters stage 2 gives on the same split
+/// (whose optimizer layout over the adapters is the same: every rank owns as many elements).
+/// Their checkpoint is a PEFT adapter plus the optimizer shards: one plain LoRA rank resumes
+/// it with rank 0's adapters, and two stage-3 ranks load it back and answer its checksum.
+#[test]
+fn zero_stage_3_with_lora_trains_saves_and_resumes_like_stage_2() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("zero3-lora");
+    let stage2 = train_ranks_with(2, &[0, 5, 8], 2, None, lora_on);
+    let stage3 = train_ranks_with(3, &[0, 5, 8], 2, Some(&dir), lora_on);
+    for (rank, (z2, z3)) in stage2.iter().zip(&stage3).enumerate() {
+        assert_eq!(z3.1, z2.1, "rank {rank}: AdamW owns the same elements");
+        assert_eq!(z3.0.len(), z2.0.len(), "rank {rank}: the same parameters");
+        assert!(
+            z3.0.iter().all(|(n, _)| n.contains(".lora_")),
+            "adapters only"
+        );
+        let (diff, name) = max_rel_diff(&z3.0, &z2.0);
+        assert!(
+            diff < 2e-3,
+            "rank {rank}: stage 3 vs 2 differ by {diff} at {name}"
+        );
+    }
+    assert!(dir.join("adapter_model.safetensors").is_file());
+    assert!(
+        !dir.join("model.safetensors").exists(),
+        "the base is not saved"
+    );
+    let mut cfg = stage_config(TrainerKind::Sft);
+    lora_on(&mut cfg);
+    let s = spec(&cfg, RoleKind::ActorRollout, RolePart::Train, 0, 1);
+    let mut t = SftTrainer::new(&s, &candle_core::Device::Cpu).unwrap();
+    let untrained = params(&t.state.model);
+    assert!(
+        max_rel_diff(&untrained, &stage3[0].0).0 > 1e-2,
+        "training moved the adapters"
+    );
+    let want = t.state.load_checkpoint(&dir).unwrap();
+    assert_eq!(t.state.optim.opt.steps(), 3 * 2);
+    let (diff, name) = max_rel_diff(&params(&t.state.model), &stage3[0].0);
+    assert!(diff == 0.0, "{diff} at {name}");
+    let handles: Vec<_> = group(2)
+        .into_iter()
+        .enumerate()
+        .map(|(rank, mut c)| {
+            let (dir, cfg) = (dir.clone(), cfg.clone());
+            std::thread::spawn(move || {
+                let mut cfg = cfg;
                 cfg.training.zero_stage = 3;
                 let s = spec(
                     &cfg,

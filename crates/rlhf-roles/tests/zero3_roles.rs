@@ -45,6 +45,8 @@ fn gathered(model: &rlhf_model::Model, comm: &mut dyn Communicator) -> Params {
 /// updates), and the policy and critic weights after two updates of each.
 struct PpoRank {
     log_probs: Vec<f32>,
+    /// With LoRA: the reference log-probs, the actor's base with its adapters off.
+    reference: Vec<f32>,
     values: Vec<f32>,
     policy: Params,
     critic: Params,
@@ -75,10 +77,18 @@ fn ppo_batch(cfg: &rlhf_config::PpoConfig) -> DataBatch {
 }
 
 /// PPO's trained roles at ZeRO `stage`, rank r on rows `cuts[r]..cuts[r + 1]`, with 2-row
-/// micro-batches: log-probs and values, then two actor and two critic updates.
-fn ppo_ranks(stage: u32, cuts: &[usize]) -> Vec<PpoRank> {
+/// micro-batches: log-probs and values, then two actor and two critic updates. With `lora`,
+/// both train LoRA adapters, and the reference log-probs come from the actor's base.
+fn ppo_ranks(stage: u32, cuts: &[usize], lora: bool) -> Vec<PpoRank> {
     let mut cfg = config();
     cfg.training.zero_stage = stage;
+    if lora {
+        for l in [&mut cfg.actor_rollout.lora, &mut cfg.critic.lora] {
+            l.rank = 4;
+            l.alpha = 8.0;
+            l.target_modules = vec!["q_proj".into(), "v_proj".into(), "down_proj".into()];
+        }
+    }
     let batch = ppo_batch(&config());
     let world = cuts.len() - 1;
     let handles: Vec<_> = group(world)
@@ -103,6 +113,23 @@ fn ppo_ranks(stage: u32, cuts: &[usize]) -> Vec<PpoRank> {
                     values_of(&c, &shard)
                 })
                 .unwrap();
+                let reference = if lora {
+                    let model = t.state.model.clone();
+                    let s = spec(
+                        &cfg,
+                        RoleKind::Ref,
+                        RolePart::Whole,
+                        rank as u32,
+                        world as u32,
+                    );
+                    let r = rlhf_roles::RefPolicy::sharing(&s, model.clone()).unwrap();
+                    let out = zero::lockstep(&model, &mut ca, planned, "ref", || {
+                        log_probs_of(&r, &shard)
+                    });
+                    f32s(&out.unwrap(), "log_probs")
+                } else {
+                    Vec::new()
+                };
                 for step in 1..=2u64 {
                     let mut s = shard.clone();
                     s.meta.insert("step".into(), serde_json::json!(step));
@@ -111,6 +138,7 @@ fn ppo_ranks(stage: u32, cuts: &[usize]) -> Vec<PpoRank> {
                 }
                 PpoRank {
                     log_probs: f32s(&lp, "log_probs"),
+                    reference,
                     values: f32s(&values, "values"),
                     policy: gathered(&t.state.model, &mut ca),
                     critic: gathered(&c.state.model, &mut cc),
@@ -136,9 +164,59 @@ fn close(a: &[f32], b: &[f32], tol: f32, what: &str) {
 #[test]
 fn ppo_policy_and_critic_at_stage_3_compute_and_train_like_plain_data_parallel() {
     let cuts = [0, 5, 8];
-    let plain = ppo_ranks(0, &cuts);
-    let zero3 = ppo_ranks(3, &cuts);
-    for (rank, (p, z)) in plain.iter().zip(&zero3).enumerate() {
+    let plain = ppo_ranks(0, &cuts, false);
+    let zero3 = ppo_ranks(3, &cuts, false);
+    same_ppo_ranks(&plain, &zero3);
+    // The updates moved the weights: the comparison above is not of two untouched models.
+    let start = params(&trainer(&config(), 0, 1).state.model);
+    assert!(max_rel_diff(&plain[0].policy, &start).0 > 1e-2);
+}
+
+/// Stage 3 with LoRA on the actor and the critic (the 7B-on-two-cards setup): the
+/// frozen bases are sharded too, and two ranks with 5 and 3 rows answer the log-probs, the
+/// values and the reference log-probs (the actor's base, adapters off) that plain data
+/// parallelism gives, and end two updates of each with its adapters and value head.
+#[test]
+fn ppo_with_lora_at_stage_3_computes_and_trains_like_plain_data_parallel() {
+    let cuts = [0, 5, 8];
+    let plain = ppo_ranks(0, &cuts, true);
+    let zero3 = ppo_ranks(3, &cuts, true);
+    same_ppo_ranks(&plain, &zero3);
+    for r in &zero3 {
+        assert_eq!(r.reference.len(), r.log_probs.len());
+        // Only the adapters (and the critic's value head) train, and they moved.
+        for (what, trained) in [("policy", &r.policy), ("critic", &r.critic)] {
+            assert!(trained
+                .iter()
+                .all(|(n, _)| n.contains("lora_") || n.starts_with("score")));
+            let moved = trained
+                .iter()
+                .filter(|(n, _)| n.contains("lora_B"))
+                .flat_map(|(_, v)| v)
+                .fold(0f32, |m, x| m.max(x.abs()));
+            assert!(moved > 1e-3, "{what}: the adapters moved by {moved}");
+        }
+    }
+    // Before any update the adapters (B = 0) change nothing: the reference, computed with
+    // them off, is the policy's log-probs bit for bit.
+    let d = plain[0]
+        .reference
+        .iter()
+        .zip(&plain[0].log_probs)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(d == 0.0, "the reference is {d} off the untrained policy");
+}
+
+/// Stage 3's ranks against plain data parallelism's, rank by rank.
+fn same_ppo_ranks(plain: &[PpoRank], zero3: &[PpoRank]) {
+    for (rank, (p, z)) in plain.iter().zip(zero3).enumerate() {
+        close(
+            &z.reference,
+            &p.reference,
+            1e-5,
+            &format!("rank {rank} reference log-probs"),
+        );
         close(
             &z.log_probs,
             &p.log_probs,
@@ -150,6 +228,7 @@ fn ppo_policy_and_critic_at_stage_3_compute_and_train_like_plain_data_parallel()
             ("policy", &z.policy, &p.policy),
             ("critic", &z.critic, &p.critic),
         ] {
+            assert_eq!(a.len(), b.len(), "rank {rank} {what}: the same parameters");
             let (d, name) = max_rel_diff(a, b);
             assert!(
                 d < 1e-4,
@@ -157,9 +236,6 @@ fn ppo_policy_and_critic_at_stage_3_compute_and_train_like_plain_data_parallel()
             );
         }
     }
-    // The updates moved the weights: the comparison above is not of two untouched models.
-    let start = params(&trainer(&config(), 0, 1).state.model);
-    assert!(max_rel_diff(&plain[0].policy, &start).0 > 1e-2);
 }
 
 /// A lockstep call that a rank refuses before its first model call (a request of the wrong
@@ -208,8 +284,25 @@ fn a_refused_call_at_stage_3_does_not_leave_the_group_waiting() {
 /// checksum of what was sent (that of the whole gathered weights).
 #[test]
 fn stage_3_trainer_ranks_gather_the_policy_for_the_weight_sync() {
+    sync_from_stage_3(false);
+}
+
+/// The same with LoRA: the trainer ranks gather only the adapters (their frozen base is
+/// sharded and never changes), and a rollout holding the base receives them.
+#[test]
+fn stage_3_trainer_ranks_with_lora_sync_only_the_adapters() {
+    sync_from_stage_3(true);
+}
+
+fn sync_from_stage_3(lora: bool) {
     let mut cfg = config();
     cfg.training.zero_stage = 3;
+    if lora {
+        let l = &mut cfg.actor_rollout.lora;
+        l.rank = 4;
+        l.alpha = 8.0;
+        l.target_modules = vec!["q_proj".into(), "up_proj".into()];
+    }
     let batch = ppo_batch(&config());
     let mut dp = group(2);
     let mut weights = group(2);
@@ -269,6 +362,8 @@ fn stage_3_trainer_ranks_gather_the_policy_for_the_weight_sync() {
         .into_iter()
         .map(|(n, x)| (n, x.flatten_all().unwrap().to_vec1::<f32>().unwrap()))
         .collect();
+    assert_eq!(got.len(), whole.len(), "every parameter sent");
+    assert_eq!(whole.iter().all(|(n, _)| n.contains(".lora_")), lora);
     let (d, name) = max_rel_diff(&got, &whole);
     assert!(d == 0.0, "the rollout's weights differ by {d} at {name}");
     // And they are the trained ones, not the checkpoint the rollout loaded.

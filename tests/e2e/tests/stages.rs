@@ -328,6 +328,51 @@ fn ppo_with_zero_stages_2_and_3_over_shared_memory_logs_the_metrics_of_plain_dat
     Ok(())
 }
 
+/// `zero_stage: 3` with LoRA on PPO's policy and critic across real processes (the seeds'
+/// LoRA plus ZeRO-3 setup): two actor trainer ranks and two critic ranks each keep half of
+/// the frozen base and of the adapters, the reference log-probs come from the actor's base
+/// with its adapters off, and each weight sync sends the adapters gathered from both ranks.
+/// Stopped after a step and resumed from its checkpoint (PEFT adapters and optimizer shards),
+/// the run logs the metrics of LoRA with plain data parallelism at every step.
+#[test]
+fn ppo_with_lora_at_zero_stage_3_logs_the_metrics_of_plain_data_parallel_and_resumes() -> Result<()>
+{
+    let dir = tempfile::tempdir()?;
+    let shape = [
+        "resource_pool.actor_rollout=3",
+        "actor_rollout.num_gpus_for_train=2",
+        "resource_pool.critic=2",
+        "training.train_iters=2",
+        "checkpoint.save_steps=1",
+        "actor_rollout.lora.rank=8",
+        "actor_rollout.lora.alpha=16",
+        "critic.lora.rank=8",
+        "critic.lora.alpha=16",
+    ];
+    let plain = dir.path().join("plain");
+    let mut c = stage_cmd("ppo_tiny", &plain, &shape);
+    c.args(["--comm-backend", "tcp"]);
+    run("ppo-lora-plain", dir.path(), c)?;
+    let zero3 = dir.path().join("zero3");
+    let mut a = stage_cmd("ppo_tiny", &zero3, &shape);
+    a.arg("training.zero_stage=3").args(["--stop-after", "1"]);
+    run("ppo-lora-zero-3-first", dir.path(), a)?;
+    let mut b = stage_cmd("ppo_tiny", &zero3, &shape);
+    b.arg("training.zero_stage=3").args(["--resume", "latest"]);
+    let out = run("ppo-lora-zero-3-resumed", dir.path(), b)?;
+    assert!(out.contains("global_step_1"), "{out}");
+    let p = jsonl(&plain.join("metrics.jsonl"))?;
+    assert_eq!(p.len(), 2, "metrics lines");
+    assert!(p[0]["actor/grad_norm"].as_f64().is_some_and(|g| g > 0.0));
+    assert!(p[0]["critic/grad_norm"].as_f64().is_some_and(|g| g > 0.0));
+    assert_same_steps(&p, &jsonl(&zero3.join("metrics.jsonl"))?);
+    // The checkpoint holds the adapters, not the base.
+    let actor = zero3.join("ckpt/global_step_2/actor");
+    assert!(actor.join("adapter_model.safetensors").is_file());
+    assert!(!actor.join("model.safetensors").exists());
+    Ok(())
+}
+
 /// `zero_stage: 3` for DPO and reward models across real processes: two trainer ranks each
 /// keep half of every weight, the chosen and rejected sides go through one model call per
 /// pass, and the held-out scoring (`eval/*`, a stage-3 inference call on both ranks) and

@@ -231,7 +231,20 @@ impl Zero3 {
             .collect())
     }
 
-    /// Elements of this rank's pieces, and of the whole parameters.
+    /// Elements of the whole parameters that train (all of them but a LoRA model's frozen
+    /// base): what the optimizer over the pieces is a share of ([`crate::AdamW::new_pieces`]).
+    pub fn trained_len(&self) -> Result<usize> {
+        Ok(self
+            .lock()?
+            .pieces
+            .iter()
+            .filter(|p| p.trainable)
+            .map(|p| p.shape.iter().product::<usize>())
+            .sum())
+    }
+
+    /// Elements of this rank's pieces, and of the whole parameters (a LoRA model's frozen
+    /// base included).
     pub fn sizes(&self) -> Result<(usize, usize)> {
         let st = self.lock()?;
         let mine = st.pieces.iter().map(|p| p.var.elem_count()).sum();
