@@ -256,3 +256,90 @@ fn a_saved_adapter_restores_into_the_pieces_of_a_sharded_model() {
         h.join().unwrap();
     }
 }
+
+/// Under `training.bf16` the frozen base's pieces are kept in bf16 (no f32 copy of the base
+/// anywhere), a computation gathers bf16, and a sharded LoRA model computes exactly what one
+/// unsharded LoRA model does: its log-probs and its reference log-probs (adapters off) are
+/// bit-equal, and its gradient norm is the unsharded one's (summed in another order).
+#[test]
+fn stage_3_with_lora_in_bf16_keeps_a_bf16_base_and_computes_what_one_unsharded_model_does() {
+    let cfg = tiny_config(Family::Qwen2);
+    let o = LoadOptions {
+        compute_dtype: Some(rlhf_model::DType::BF16),
+        ..opts(ModelKind::CausalLm, &["q_proj", "o_proj", "up_proj"])
+    };
+    // Adapters that change the outputs (B starts at zero): the same on both sides.
+    let adapters = |model: &Model| -> Vec<(String, Tensor)> {
+        model
+            .vars()
+            .into_iter()
+            .filter(|(n, _)| n.contains("lora_B"))
+            .map(|(n, _)| {
+                let shape = match model.zero3() {
+                    Some(z) => z.param_shapes().unwrap().into_iter().find(|(m, _)| *m == n),
+                    None => model
+                        .vars()
+                        .into_iter()
+                        .find(|(m, _)| *m == n)
+                        .map(|(m, v)| (m, v.dims().to_vec())),
+                }
+                .unwrap()
+                .1;
+                let k: usize = shape.iter().product();
+                let v: Vec<f32> = (0..k).map(|i| ((i % 7) as f32 - 3.0) * 0.01).collect();
+                (n, Tensor::from_vec(v, shape, &Device::Cpu).unwrap())
+            })
+            .collect()
+    };
+    let lp = |model: &Model| -> Vec<f32> {
+        let batch = Batch::left_padded(&rows(), 0, &Device::Cpu).unwrap();
+        let t = model.token_log_probs(&batch, 1.0).unwrap();
+        let t = t.to_dtype(rlhf_model::DType::F32).unwrap();
+        t.flatten_all().unwrap().to_vec1().unwrap()
+    };
+    let plain = Model::random(&cfg, &o).unwrap();
+    plain.set_weights(&adapters(&plain)).unwrap();
+    let (want, want_ref) = (lp(&plain), base_log_probs(&plain));
+    assert_ne!(want, want_ref, "the adapters change the log-probs");
+    let vars = plain.vars();
+    let g = Gradients::backward(&loss(&plain, &rows()), &vars).unwrap();
+    let want_norm = g.global_norm().unwrap();
+    let handles: Vec<_> = group(2)
+        .into_iter()
+        .enumerate()
+        .map(|(rank, comm)| {
+            let (cfg, o) = (cfg.clone(), o.clone());
+            std::thread::spawn(move || {
+                let model = Model::random(&cfg, &o)
+                    .unwrap()
+                    .into_zero3(Box::new(comm))
+                    .unwrap();
+                let z = model.zero3().unwrap().clone();
+                assert_eq!(z.wire_dtype(), rlhf_model::DType::BF16);
+                for (name, piece) in model.params().vars() {
+                    let want = if model.params().is_base(&name) {
+                        rlhf_model::DType::BF16
+                    } else {
+                        rlhf_model::DType::F32
+                    };
+                    assert_eq!(piece.dtype(), want, "{name}");
+                }
+                model.set_weights(&adapters(&model)).unwrap();
+                let (got, got_ref) = (lp(&model), base_log_probs(&model));
+                z.begin_pass().unwrap();
+                z.backward(&loss(&model, &mine(rank, 2))).unwrap();
+                (got, got_ref, z.grad_norm().unwrap())
+            })
+        })
+        .collect();
+    for h in handles {
+        let (got, got_ref, norm) = h.join().unwrap();
+        assert_eq!(got, want, "bf16 log-probs of the sharded LoRA model");
+        assert_eq!(got_ref, want_ref, "bf16 reference log-probs");
+        let rel = (norm - want_norm).abs() / want_norm;
+        assert!(
+            rel < 1e-2,
+            "gradient norm {norm} against {want_norm} unsharded"
+        );
+    }
+}

@@ -189,3 +189,50 @@ fn a_gpu_placed_role_refuses_to_start_without_the_cuda_feature() {
     host.add(spec(&cfg, RoleKind::Ref, RolePart::Whole, 0, 1))
         .unwrap();
 }
+
+/// The reference of a LoRA actor at ZeRO stage 3, served through the host by the trainer's
+/// sharded model with its adapters off: every call gathers the whole model, so the host
+/// plans as many as the reference's micro-batches take (8 rows in 2-row micro-batches: 4),
+/// not one per row, and answers the log-probs of the base.
+#[test]
+fn a_reference_sharing_a_stage_3_lora_trainer_makes_one_call_per_micro_batch() {
+    let mut cfg = config();
+    cfg.training.zero_stage = 3;
+    cfg.training.micro_batch_size = 2;
+    let l = &mut cfg.actor_rollout.lora;
+    l.rank = 4;
+    l.alpha = 8.0;
+    l.target_modules = vec!["q_proj".into(), "v_proj".into()];
+    let mut host = RoleHost::new(RoleKind::ActorRollout, "127.0.0.1");
+    let train = spec(&cfg, RoleKind::ActorRollout, RolePart::Train, 0, 1);
+    host.add(train.clone()).unwrap();
+    let shared = spec(&cfg, RoleKind::Ref, RolePart::Whole, 0, 1);
+    host.add_sharing(shared, train.slot).unwrap();
+    let model = host.engines[0].engine.model().unwrap().clone();
+    let z = model.zero3().expect("sharded").clone();
+    let seqs = sequences(&[3, 5, 1, 4, 2, 5, 3, 4], 11);
+    let mut wire = typed::<calls::LogProbsRequest>(&seqs)
+        .unwrap()
+        .to_batch()
+        .unwrap();
+    calls::set_target(&mut wire, RoleKind::Ref, RolePart::Whole);
+    let before = z.calls();
+    let got = host.batch(BatchCall::ComputeLogProbs, &wire).unwrap();
+    assert_eq!(
+        z.calls() - before,
+        4,
+        "model calls for 8 rows in micro-batches of 2"
+    );
+    // The base's log-probs: a reference loaded on its own from the same checkpoint.
+    let want = log_probs_of(&reference(&config()), &seqs).unwrap();
+    let (got, want) = (
+        got.tensors["log_probs"].to_f32().unwrap(),
+        want.tensors["log_probs"].to_f32().unwrap(),
+    );
+    let worst = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    assert!(worst < 1e-5, "reference log-probs {worst} off the base's");
+}

@@ -55,8 +55,10 @@ impl Model {
             // Of the base in the files, the pages of a few samples only.
             let fingerprint = model.fingerprint_from(|name, n| match deferred.get(name) {
                 Some(d) => {
+                    // Rounded through the dtype the whole load keeps it in, as there.
                     let len = d.shape.iter().product::<usize>().min(n);
-                    files.read_range(&d.src, 0..len).map(Some)
+                    let t = files.read_range(&d.src, 0..len)?;
+                    Ok(Some(t.to_dtype(d.frozen.unwrap_or(model.dtype()))?))
                 }
                 None => model.first_values(name, n),
             })?;

@@ -387,6 +387,7 @@ impl RoleHost {
         let rank = self.engines[i].spec.slot.rank;
         let world = self.engines[i].spec.slot.world_size as usize;
         let kind = self.engines[i].spec.slot.kind;
+        let micro = self.engines[i].spec.micro_batch_rows;
         let engine = &mut self.engines[i].engine;
         let unserved = || Error::internal("routed to an engine without the capability");
         let infer = |engine: &Engine| -> Result<DataBatch> {
@@ -420,10 +421,9 @@ impl RoleHost {
                     None => infer(engine)?,
                     // ZeRO-3: the model gathers from its data-parallel group at every call.
                     Some(model) => {
-                        let micro = engine
-                            .train_state()
-                            .map_or(1, |s| s.settings.micro_batch_rows)
-                            .max(1);
+                        // The calls the rows take: every engine computes in micro-batches of
+                        // its spec's rows (a reference sharing a LoRA trainer's model too).
+                        let micro = micro.max(1);
                         let planned = batch.len()?.div_ceil(micro);
                         let group = dp_group(kind);
                         let comm = self.groups.get(group, world)?;
