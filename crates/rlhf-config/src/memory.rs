@@ -31,6 +31,15 @@
 //! gradients `4·A`, optimizer `8·A`; a reference served by the LoRA actor's trainers (its
 //! base, adapters off) holds nothing of its own.
 //!
+//! ZeRO stages 1 and 2 divide the optimizer (and, for 2, the summed gradient) by the `N`
+//! data-parallel ranks. Stage 3 divides the weights and the summed gradient too, and adds
+//! what a pass holds whole (`E` the edge parameters: embeddings, final norm, heads; `Ly`
+//! one layer's): the edges and a layer at the trained-weight terms (the frozen base's at
+//! `b` with LoRA) and their f32 gradients (of what trains), the next layer gathered ahead,
+//! the all-gather's buffer of every rank's pieces as sent (`(E + Ly)·b`) and the
+//! reduce-scatter's f32 buffer of what trains. Held against the measured peak of two
+//! stage-3 ranks, with and without LoRA, in rlhf-roles' `memory_estimate_zero3*` tests.
+//!
 //! These are rough upper-ish bounds for planning, not allocator-exact numbers.
 
 use std::collections::BTreeMap;
@@ -209,6 +218,8 @@ impl PpoConfig {
             let value_edges = mul(&[arch.vocab_size, arch.hidden_size])
                 .saturating_add(mul(&[arch.hidden_size, 2]))
                 .saturating_add(1);
+            // The trained head of a LoRA role (outside the layers).
+            let lora_head = |lora: Option<(u64, u64)>| lora.map_or(0, |(_, head)| head);
             let zero3 = |p: u64, edges: u64, lora: Option<(u64, u64)>| -> Option<(u64, u64)> {
                 if t.zero_stage < 3 || shards <= 1 {
                     return None;
@@ -231,13 +242,29 @@ impl PpoConfig {
                         mul(&[tp, 4]).div_ceil(shards),
                     ),
                 };
-                let gathered = match lora {
-                    Some(_) => mul(&[whole, b]).saturating_add(trained(whole_trained)),
-                    None => trained(whole),
+                // Gathered whole for a pass: the edges and a layer, and the layer after it
+                // gathered ahead (the prefetch).
+                let (gathered, ahead) = match lora {
+                    Some(_) => (
+                        mul(&[whole, b]).saturating_add(trained(whole_trained)),
+                        mul(&[layer, b])
+                            .saturating_add(trained(whole_trained.saturating_sub(lora_head(lora)))),
+                    ),
+                    None => (trained(whole), trained(layer)),
                 };
+                // Transients of the collectives (zero3/mod.rs): an all-gather holds every
+                // rank's pieces as sent (`b` bytes a value) while it decodes them into whole
+                // tensors, and a reduce-scatter a whole f32 buffer of what trains.
+                let sent = mul(&[whole, b]);
+                let scatter = mul(&[whole_trained, 4]);
                 Some((
-                    pieces.saturating_add(gathered),
-                    piece_grads.saturating_add(mul(&[whole_trained, 4])),
+                    pieces
+                        .saturating_add(gathered)
+                        .saturating_add(ahead)
+                        .saturating_add(sent),
+                    piece_grads
+                        .saturating_add(mul(&[whole_trained, 4]))
+                        .saturating_add(scatter),
                 ))
             };
             match role {

@@ -7,6 +7,8 @@ use rlhf_config::PpoConfig;
 use rlhf_core::batch::{DataBatch, TensorData};
 use rlhf_roles::weights::host_params;
 
+pub mod peak;
+
 pub fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("../rlhf-model/tests/fixtures")
