@@ -8,7 +8,7 @@
 #   model_bench, gpu_parity, zero3_bench  the rlhf-model examples (scripts/gpu_bench.sh, parity,
 #                                         ZeRO-3 against plain data parallelism)
 #   weight_ipc_bench                      the CUDA IPC weight sync between two processes
-#   tests/{gradients,memory_paths,generation,reference,zero3}
+#   tests/{gradients,memory_paths,generation,reference,zero3,zero3_lora}
 #                                         rlhf-model's integration tests, which also run on cuda:0
 # and copies them, stripped, into gpu-bin/ (git-ignored) with gpu-bin/BUILD_ROOT, this
 # checkout's path: the tests find their fixtures under the CARGO_MANIFEST_DIR baked in at
@@ -24,7 +24,7 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)"
 cd "$ROOT"
 LIMIT=$((64 * 1024 * 1024))
-TESTS=(gradients memory_paths generation reference zero3)
+TESTS=(gradients memory_paths generation reference zero3 zero3_lora)
 
 log() { echo "gpu-build.sh: $*" >&2; }
 die() { echo "gpu-build.sh: error: $*" >&2; exit 1; }

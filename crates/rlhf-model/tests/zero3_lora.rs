@@ -132,9 +132,20 @@ fn sharded(cfg: &Config, o: &LoadOptions, world: usize, init: &Weights) -> Vec<R
 /// The exactness of the issue for stage 3 with LoRA: the adapters of every rank, with 1, 2
 /// and 4 ranks, end as one unsharded LoRA model's (a policy with adapters on every linear
 /// module, and a critic with adapters on two, whose value head trains in full); the gradient
-/// norms, the reference log-probs and the base fingerprint are the same.
+/// norms, the reference log-probs and the base fingerprint are the same. On every device
+/// present (cuda:0 in scripts/gpu-check.sh).
 #[test]
 fn stage_3_with_lora_trains_the_adapters_as_one_unsharded_model() {
+    for device in common::devices() {
+        lora_exactness_on(&device);
+    }
+}
+
+fn lora_exactness_on(device: &Device) {
+    let on = |o: LoadOptions| LoadOptions {
+        device: device.clone(),
+        ..o
+    };
     let all = [
         "q_proj",
         "k_proj",
@@ -148,12 +159,12 @@ fn stage_3_with_lora_trains_the_adapters_as_one_unsharded_model() {
         (
             "llama policy",
             tiny_config(Family::Llama),
-            opts(ModelKind::CausalLm, &all),
+            on(opts(ModelKind::CausalLm, &all)),
         ),
         (
             "qwen2 critic",
             tiny_config(Family::Qwen2),
-            opts(ModelKind::Value, &["q_proj", "v_proj"]),
+            on(opts(ModelKind::Value, &["q_proj", "v_proj"])),
         ),
     ] {
         let (want, init) = unsharded(&cfg, &o);
@@ -170,7 +181,7 @@ fn stage_3_with_lora_trains_the_adapters_as_one_unsharded_model() {
         );
         for world in [1, 2, 4] {
             for (rank, run) in sharded(&cfg, &o, world, &init).iter().enumerate() {
-                let at = format!("{what} rank {rank} of {world}");
+                let at = format!("{what} on {device:?}, rank {rank} of {world}");
                 let (d, name) = max_diff(&run.weights, &want.weights);
                 assert!(d < 1e-4, "{at}: {d} off at {name}");
                 for (a, b) in run.norms.iter().zip(&want.norms) {
