@@ -6,7 +6,9 @@
 
 mod common;
 
-use common::sharding::{adamw, group, host, loss, max_diff, mine, rows, Weights, CLIP, STEPS};
+use common::sharding::{
+    adamw, group, host, loss, max_diff, mine, rows, train_whole, Weights, CLIP, STEPS,
+};
 use common::tiny_config;
 use rlhf_collective::{CommConfig, Communicator, TcpCommunicator};
 use rlhf_model::{
@@ -36,14 +38,7 @@ fn unsharded(cfg: &Config, kind: ModelKind) -> (Weights, Vec<f64>) {
 
 fn unsharded_on(cfg: &Config, kind: ModelKind, device: &Device) -> (Weights, Vec<f64>) {
     let model = Model::random(cfg, &opts_on(kind, device)).unwrap();
-    let vars = model.vars();
-    let mut opt = AdamW::new(vars.clone(), adamw()).unwrap();
-    let mut norms = Vec::new();
-    for _ in 0..STEPS {
-        let mut g = Gradients::backward(&loss(&model, &rows()), &vars).unwrap();
-        norms.push(g.clip_global_norm(CLIP).unwrap());
-        opt.step(&g).unwrap();
-    }
+    let norms = train_whole(&model);
     (host(model.named_tensors()), norms)
 }
 

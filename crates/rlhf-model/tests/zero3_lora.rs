@@ -8,7 +8,9 @@
 
 mod common;
 
-use common::sharding::{adamw, group, host, loss, max_diff, mine, rows, Weights, CLIP, STEPS};
+use common::sharding::{
+    adamw, group, host, loss, max_diff, mine, rows, train_whole, Weights, CLIP, STEPS,
+};
 use common::tiny_config;
 use rlhf_model::{
     partition, AdamW, Batch, Config, Device, Family, Gradients, LoadOptions, LoraConfig, Model,
@@ -50,17 +52,24 @@ struct Run {
     fingerprint: String,
 }
 
+/// A LoRA model of `o` sharded over the group of `comm`, and its ZeRO-3 state.
+fn sharded_model(
+    cfg: &Config,
+    o: &LoadOptions,
+    comm: rlhf_collective::TcpCommunicator,
+) -> (Model, std::sync::Arc<rlhf_model::zero3::Zero3>) {
+    let model = Model::random(cfg, o)
+        .unwrap()
+        .into_zero3(Box::new(comm))
+        .unwrap();
+    let z = model.zero3().unwrap().clone();
+    (model, z)
+}
+
 fn unsharded(cfg: &Config, o: &LoadOptions) -> (Run, Weights) {
     let model = Model::random(cfg, o).unwrap();
-    let vars = model.vars();
     let init = host(model.named_tensors());
-    let mut opt = AdamW::new(vars.clone(), adamw()).unwrap();
-    let mut norms = Vec::new();
-    for _ in 0..STEPS {
-        let mut g = Gradients::backward(&loss(&model, &rows()), &vars).unwrap();
-        norms.push(g.clip_global_norm(CLIP).unwrap());
-        opt.step(&g).unwrap();
-    }
+    let norms = train_whole(&model);
     let run = Run {
         weights: host(model.named_tensors()),
         norms,
@@ -80,11 +89,7 @@ fn sharded(cfg: &Config, o: &LoadOptions, world: usize, init: &Weights) -> Vec<R
         .map(|(rank, comm)| {
             let (cfg, o, init) = (cfg.clone(), o.clone(), init.clone());
             std::thread::spawn(move || {
-                let model = Model::random(&cfg, &o)
-                    .unwrap()
-                    .into_zero3(Box::new(comm))
-                    .unwrap();
-                let z = model.zero3().unwrap().clone();
+                let (model, z) = sharded_model(&cfg, &o, comm);
                 // The variables are the adapters' pieces, laid out as stage 1 and 2 lay out
                 // AdamW's moments over the adapters.
                 let vars = model.vars();
@@ -146,20 +151,12 @@ fn lora_exactness_on(device: &Device) {
         device: device.clone(),
         ..o
     };
-    let all = [
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "o_proj",
-        "gate_proj",
-        "up_proj",
-        "down_proj",
-    ];
+    let all = rlhf_model::lora::LINEAR_MODULES;
     for (what, cfg, o) in [
         (
             "llama policy",
             tiny_config(Family::Llama),
-            on(opts(ModelKind::CausalLm, &all)),
+            on(opts(ModelKind::CausalLm, all)),
         ),
         (
             "qwen2 critic",
@@ -244,11 +241,7 @@ fn a_saved_adapter_restores_into_the_pieces_of_a_sharded_model() {
                 want.clone(),
             );
             std::thread::spawn(move || {
-                let model = Model::random(&cfg, &o)
-                    .unwrap()
-                    .into_zero3(Box::new(comm))
-                    .unwrap();
-                let z = model.zero3().unwrap().clone();
+                let (model, z) = sharded_model(&cfg, &o, comm);
                 let before = host(z.gather_all_host().unwrap());
                 let err = model.load_adapter(&other).unwrap_err().to_string();
                 assert!(err.contains("another base model"), "{err}");
@@ -321,11 +314,7 @@ fn stage_3_with_lora_in_bf16_keeps_a_bf16_base_and_computes_what_one_unsharded_m
         .map(|(rank, comm)| {
             let (cfg, o) = (cfg.clone(), o.clone());
             std::thread::spawn(move || {
-                let model = Model::random(&cfg, &o)
-                    .unwrap()
-                    .into_zero3(Box::new(comm))
-                    .unwrap();
-                let z = model.zero3().unwrap().clone();
+                let (model, z) = sharded_model(&cfg, &o, comm);
                 assert_eq!(z.wire_dtype(), rlhf_model::DType::BF16);
                 for (name, piece) in model.params().vars() {
                     let want = if model.params().is_base(&name) {

@@ -79,14 +79,7 @@ fn train_ranks_with(
                 cfg.training.micro_batch_size = micro;
                 cfg.training.clip_grad = 0.5;
                 tune(&mut cfg);
-                let s = spec(
-                    &cfg,
-                    RoleKind::ActorRollout,
-                    RolePart::Train,
-                    rank as u32,
-                    world as u32,
-                );
-                let mut t = SftTrainer::new(&s, &candle_core::Device::Cpu).unwrap();
+                let mut t = sft_trainer(&cfg, rank, world);
                 assert_eq!(t.state.optim.opt.shard().is_some(), stage >= 1 && world > 1);
                 assert_eq!(t.state.model.zero3().is_some(), stage == 3);
                 for step in 1..=3 {
@@ -191,22 +184,20 @@ fn zero_stage_3_ends_with_the_weights_of_one_unsharded_rank() {
     let tmp = tempfile::tempdir().unwrap();
     let (dir, want) = sharded_like_one_rank(3, tmp.path());
     assert!(dir.join("model.safetensors").is_file());
+    resumes_on_two_stage_3_ranks(&dir, &stage_config(TrainerKind::Sft), want);
+}
+
+/// Two SFT ranks of `cfg` at stage 3 load the checkpoint in `dir`: each answers `want`, its
+/// checksum, and holds its 3 x 2 optimizer steps.
+fn resumes_on_two_stage_3_ranks(dir: &std::path::Path, cfg: &rlhf_config::PpoConfig, want: u64) {
     let handles: Vec<_> = group(2)
         .into_iter()
         .enumerate()
         .map(|(rank, mut c)| {
-            let dir = dir.clone();
+            let (dir, mut cfg) = (dir.to_path_buf(), cfg.clone());
             std::thread::spawn(move || {
-                let mut cfg = stage_config(TrainerKind::Sft);
                 cfg.training.zero_stage = 3;
-                let s = spec(
-                    &cfg,
-                    RoleKind::ActorRollout,
-                    RolePart::Train,
-                    rank as u32,
-                    2,
-                );
-                let mut t = SftTrainer::new(&s, &candle_core::Device::Cpu).unwrap();
+                let mut t = sft_trainer(&cfg, rank, 2);
                 let got = t.state.load_checkpoint_in(&dir, &mut c).unwrap();
                 (got, t.state.optim.opt.steps())
             })
@@ -259,30 +250,7 @@ fn zero_stage_3_with_lora_trains_saves_and_resumes_like_stage_2() {
     assert_eq!(t.state.optim.opt.steps(), 3 * 2);
     let (diff, name) = max_rel_diff(&params(&t.state.model), &stage3[0].0);
     assert!(diff == 0.0, "{diff} at {name}");
-    let handles: Vec<_> = group(2)
-        .into_iter()
-        .enumerate()
-        .map(|(rank, mut c)| {
-            let (dir, cfg) = (dir.clone(), cfg.clone());
-            std::thread::spawn(move || {
-                let mut cfg = cfg;
-                cfg.training.zero_stage = 3;
-                let s = spec(
-                    &cfg,
-                    RoleKind::ActorRollout,
-                    RolePart::Train,
-                    rank as u32,
-                    2,
-                );
-                let mut t = SftTrainer::new(&s, &candle_core::Device::Cpu).unwrap();
-                let got = t.state.load_checkpoint_in(&dir, &mut c).unwrap();
-                (got, t.state.optim.opt.steps())
-            })
-        })
-        .collect();
-    for h in handles {
-        assert_eq!(h.join().unwrap(), (want, 3 * 2));
-    }
+    resumes_on_two_stage_3_ranks(&dir, &cfg, want);
 }
 
 /// `training.zero_stage: 1`: two SFT ranks that each keep half of the AdamW state end every
@@ -406,14 +374,7 @@ fn zero_stage_3_fails_together_on_nan_weights() {
             std::thread::spawn(move || {
                 let mut cfg = stage_config(TrainerKind::Sft);
                 cfg.training.zero_stage = 3;
-                let s = spec(
-                    &cfg,
-                    RoleKind::ActorRollout,
-                    RolePart::Train,
-                    rank as u32,
-                    2,
-                );
-                let mut t = SftTrainer::new(&s, &candle_core::Device::Cpu).unwrap();
+                let mut t = sft_trainer(&cfg, rank, 2);
                 let z = t.state.model.zero3().unwrap().clone();
                 let whole = z.lend(&mut c, |_| z.gather_all()).unwrap().unwrap();
                 if rank == 1 {

@@ -12,6 +12,14 @@ use anyhow::Result;
 use rlhf_e2e::{assert_same_steps, bin, jsonl, output_overrides, repo_root, Proc};
 use serde_json::Value;
 
+/// PPO with two actor trainer ranks (and a rollout rank) and two critic ranks, two steps.
+const PPO_TWO_RANKS: [&str; 4] = [
+    "resource_pool.actor_rollout=3",
+    "actor_rollout.num_gpus_for_train=2",
+    "resource_pool.critic=2",
+    "training.train_iters=2",
+];
+
 fn stage_cmd(config: &str, out: &Path, extra: &[&str]) -> Command {
     let mut cmd = Command::new(bin("rlhf-head"));
     cmd.current_dir(repo_root())
@@ -281,13 +289,7 @@ fn zero_stages_1_to_3_train_like_plain_data_parallel_and_resume() -> Result<()> 
 fn ppo_with_zero_stages_2_and_3_over_shared_memory_logs_the_metrics_of_plain_data_parallel_over_tcp(
 ) -> Result<()> {
     let dir = tempfile::tempdir()?;
-    let shape = [
-        "resource_pool.actor_rollout=3",
-        "actor_rollout.num_gpus_for_train=2",
-        "resource_pool.critic=2",
-        "training.train_iters=2",
-        "checkpoint.save_steps=0",
-    ];
+    let shape = [&PPO_TWO_RANKS[..], &["checkpoint.save_steps=0"]].concat();
     // Plain data parallelism over TCP, asked for; the ZeRO runs take the default, shared
     // memory (every rank on this one node): for two ranks every sum is the same either way.
     let plain = dir.path().join("plain");
@@ -338,17 +340,14 @@ fn ppo_with_zero_stages_2_and_3_over_shared_memory_logs_the_metrics_of_plain_dat
 fn ppo_with_lora_at_zero_stage_3_logs_the_metrics_of_plain_data_parallel_and_resumes() -> Result<()>
 {
     let dir = tempfile::tempdir()?;
-    let shape = [
-        "resource_pool.actor_rollout=3",
-        "actor_rollout.num_gpus_for_train=2",
-        "resource_pool.critic=2",
-        "training.train_iters=2",
+    let lora = [
         "checkpoint.save_steps=1",
         "actor_rollout.lora.rank=8",
         "actor_rollout.lora.alpha=16",
         "critic.lora.rank=8",
         "critic.lora.alpha=16",
     ];
+    let shape = [&PPO_TWO_RANKS[..], &lora].concat();
     let plain = dir.path().join("plain");
     let mut c = stage_cmd("ppo_tiny", &plain, &shape);
     c.args(["--comm-backend", "tcp"]);

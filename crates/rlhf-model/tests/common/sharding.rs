@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 
 use rlhf_collective::{CommConfig, TcpCommunicator};
-use rlhf_model::{AdamWConfig, Batch, DType, Device, Model, ModelKind, Tensor};
+use rlhf_model::{AdamW, AdamWConfig, Batch, DType, Device, Gradients, Model, ModelKind, Tensor};
 
 /// `n` connected TCP communicators, rank order.
 pub fn group(n: usize) -> Vec<TcpCommunicator> {
@@ -89,4 +89,18 @@ pub fn max_diff(a: &Weights, b: &Weights) -> (f64, String) {
         }
     }
     worst
+}
+
+/// [`STEPS`] clipped AdamW steps of one unsharded `model` on the whole batch: the gradient
+/// norm of each.
+pub fn train_whole(model: &Model) -> Vec<f64> {
+    let vars = model.vars();
+    let mut opt = AdamW::new(vars.clone(), adamw()).unwrap();
+    let mut norms = Vec::new();
+    for _ in 0..STEPS {
+        let mut g = Gradients::backward(&loss(model, &rows()), &vars).unwrap();
+        norms.push(g.clip_global_norm(CLIP).unwrap());
+        opt.step(&g).unwrap();
+    }
+    norms
 }

@@ -322,3 +322,15 @@ pub fn stage_config(trainer: rlhf_config::TrainerKind) -> PpoConfig {
 }
 
 pub const LENS: [usize; 8] = [5, 4, 5, 3, 1, 2, 4, 2];
+
+/// SFT trainer rank `rank` of `world` of `cfg`'s actor, on the CPU.
+pub fn sft_trainer(cfg: &PpoConfig, rank: usize, world: usize) -> rlhf_roles::SftTrainer {
+    let s = spec(
+        cfg,
+        rlhf_core::RoleKind::ActorRollout,
+        rlhf_core::RolePart::Train,
+        rank as u32,
+        world as u32,
+    );
+    rlhf_roles::SftTrainer::new(&s, &candle_core::Device::Cpu).unwrap()
+}

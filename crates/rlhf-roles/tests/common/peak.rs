@@ -10,10 +10,8 @@ use std::path::Path;
 
 use rlhf_config::{MemoryRow, PpoConfig, TrainerKind};
 use rlhf_core::calls::{Mat, Sequences, SftUpdateRequest};
-use rlhf_core::{RoleKind, RolePart};
-use rlhf_roles::SftTrainer;
 
-use super::{config, group, spec, Lcg, P, R};
+use super::{config, group, Lcg, P, R};
 
 pub const HIDDEN: usize = 512;
 pub const LAYERS: usize = 6;
@@ -145,14 +143,7 @@ pub fn sft_peak(world: usize, tune: fn(&mut PpoConfig)) -> (MemoryRow, u64) {
         .map(|(rank, mut comm)| {
             let (cfg, loaded, reset) = (cfg.clone(), loaded.clone(), reset.clone());
             std::thread::spawn(move || {
-                let s = spec(
-                    &cfg,
-                    RoleKind::ActorRollout,
-                    RolePart::Train,
-                    rank as u32,
-                    world as u32,
-                );
-                let mut t = SftTrainer::new(&s, &candle_core::Device::Cpu).unwrap();
+                let mut t = super::sft_trainer(&cfg, rank, world);
                 loaded.wait();
                 reset.wait();
                 let rows = 4;
