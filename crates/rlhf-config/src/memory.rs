@@ -218,8 +218,6 @@ impl PpoConfig {
             let value_edges = mul(&[arch.vocab_size, arch.hidden_size])
                 .saturating_add(mul(&[arch.hidden_size, 2]))
                 .saturating_add(1);
-            // The trained head of a LoRA role (outside the layers).
-            let lora_head = |lora: Option<(u64, u64)>| lora.map_or(0, |(_, head)| head);
             let zero3 = |p: u64, edges: u64, lora: Option<(u64, u64)>| -> Option<(u64, u64)> {
                 if t.zero_stage < 3 || shards <= 1 {
                     return None;
@@ -227,31 +225,29 @@ impl PpoConfig {
                 let layers = arch.num_hidden_layers.max(1);
                 let layer = p.saturating_sub(edges) / layers;
                 let whole = edges.saturating_add(layer);
-                // What trains, whole while gathered: everything, or a layer's adapters and
-                // the head.
-                let (tp, whole_trained) = match lora {
-                    Some((tp, head)) => (tp, tp.saturating_sub(head) / layers + head),
-                    None => (p, whole),
+                // What trains (`tp`, of it a layer's and the edges'), and the bytes a frozen
+                // parameter takes: everything trains, or a layer's adapters and the head over
+                // a base held at `b` bytes.
+                let (tp, frozen, layer_trained, edges_trained) = match lora {
+                    Some((tp, head)) => (tp, b, tp.saturating_sub(head) / layers, head),
+                    None => (p, 0, layer, edges),
                 };
+                let whole_trained = layer_trained.saturating_add(edges_trained);
                 // `offload_params`: the pieces and their summed gradients are in host memory.
-                let (pieces, piece_grads) = match (t.offload_params, lora) {
-                    (true, _) => (0, 0),
-                    (false, None) => (trained(p).div_ceil(shards), mul(&[p, 4]).div_ceil(shards)),
-                    (false, Some(_)) => (
-                        mul(&[p, b]).saturating_add(trained(tp)).div_ceil(shards),
+                let (pieces, piece_grads) = if t.offload_params {
+                    (0, 0)
+                } else {
+                    (
+                        mul(&[p, frozen])
+                            .saturating_add(trained(tp))
+                            .div_ceil(shards),
                         mul(&[tp, 4]).div_ceil(shards),
-                    ),
+                    )
                 };
                 // Gathered whole for a pass: the edges and a layer, and the layer after it
                 // gathered ahead (the prefetch).
-                let (gathered, ahead) = match lora {
-                    Some(_) => (
-                        mul(&[whole, b]).saturating_add(trained(whole_trained)),
-                        mul(&[layer, b])
-                            .saturating_add(trained(whole_trained.saturating_sub(lora_head(lora)))),
-                    ),
-                    None => (trained(whole), trained(layer)),
-                };
+                let gathered = mul(&[whole, frozen]).saturating_add(trained(whole_trained));
+                let ahead = mul(&[layer, frozen]).saturating_add(trained(layer_trained));
                 // Transients of the collectives (zero3/mod.rs): an all-gather holds every
                 // rank's pieces as sent (`b` bytes a value) while it decodes them into whole
                 // tensors, and a reduce-scatter a whole f32 buffer of what trains.

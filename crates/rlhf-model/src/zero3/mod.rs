@@ -234,12 +234,10 @@ impl Zero3 {
     /// Elements of the whole parameters that train (all of them but a LoRA model's frozen
     /// base): what the optimizer over the pieces is a share of ([`crate::AdamW::new_pieces`]).
     pub fn trained_len(&self) -> Result<usize> {
-        Ok(self
-            .lock()?
-            .pieces
+        let shapes = self.param_shapes()?;
+        Ok(shapes
             .iter()
-            .filter(|p| p.trainable)
-            .map(|p| p.shape.iter().product::<usize>())
+            .map(|(_, s)| s.iter().product::<usize>())
             .sum())
     }
 
