@@ -18,7 +18,7 @@ pub use batch::{DataBatch, TensorData};
 pub use error::{Error, FailureKind, Result};
 pub use outcome::{JobFailure, JobOutcome};
 pub use resources::Resources;
-pub use role::{CommBackend, CommGroup, DeviceSpec, RoleKind, RolePart, RoleSlot};
+pub use role::{BatchRoute, CommBackend, CommGroup, DeviceSpec, RoleKind, RolePart, RoleSlot};
 
 /// Milliseconds since the Unix epoch, for timestamps that cross the wire or the state store.
 pub fn unix_ms() -> i64 {

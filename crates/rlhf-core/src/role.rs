@@ -205,6 +205,24 @@ names!(CommBackend, "communicator backend" {
     Shm = "shm",
 });
 
+/// How experience batches go between the driver and a role process (`--batch-path`; chosen
+/// per role process when not given: shm on the same host, else frames, else stream).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BatchRoute {
+    /// A segment of the sender's shared memory (same host only).
+    Shm,
+    /// Raw control frames over TCP beside the call (a plain-TCP cluster).
+    Frames,
+    /// A gRPC stream of chunks over HTTP/2 (always possible).
+    Stream,
+}
+
+names!(BatchRoute, "batch path" {
+    Shm = "shm",
+    Frames = "frames",
+    Stream = "stream",
+});
+
 /// The device a role rank computes on. The driver resolves it from the placement: a rank on
 /// a GPU bundle gets `Cuda { ordinal: 0 }` (the worker makes the bundle's GPU the only
 /// visible one), a CPU bundle gets `Cpu`.

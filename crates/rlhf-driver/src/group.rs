@@ -9,10 +9,11 @@ use futures::future::try_join_all;
 use futures::StreamExt;
 use rlhf_core::batch::{Assembler, DataBatch};
 use rlhf_core::calls::{self, RoleCall, Wire};
-use rlhf_core::{CommGroup, Error, FailureKind, Result, RoleKind, RolePart};
+use rlhf_core::{BatchRoute, CommGroup, Error, FailureKind, Result, RoleKind, RolePart};
 use rlhf_proto::v1 as pb;
 use rlhf_proto::v1::role_service_client::RoleServiceClient;
 pub use rlhf_proto::BatchCall;
+use rlhf_runtime::frames::FramedBatch;
 use rlhf_runtime::net::AuthChannel;
 use rlhf_runtime::shared_batch;
 use tonic::Streaming;
@@ -34,23 +35,77 @@ pub struct Member {
 }
 
 /// How batches reach one member: through shared memory while that works (same host), else
-/// streamed over gRPC. Untried (0) until the first call, which settles it (one log line per
-/// member).
+/// as raw control frames over TCP where its connection speaks them, else streamed over
+/// gRPC; or the path `--batch-path` asked for. Untried until the first call, which settles
+/// it (one log line per member).
 #[derive(Clone, Debug, Default)]
-pub struct BatchPath(Arc<AtomicU8>);
+pub struct BatchPath {
+    state: Arc<AtomicU8>,
+    /// The member's connection speaks control frames ([`FramedBatch`]).
+    framed: bool,
+    /// `--batch-path`.
+    forced: Option<BatchRoute>,
+}
 
 const PATH_SHARED: u8 = 1;
 const PATH_STREAM: u8 = 2;
 
 impl BatchPath {
+    /// Untried, chosen per call as the type doc says; `framed`: the member's connection
+    /// speaks control frames.
+    pub fn new(framed: bool) -> Self {
+        Self {
+            state: Arc::default(),
+            framed,
+            forced: None,
+        }
+    }
+
+    /// Always `route` (`--batch-path`); frames on a connection without them is refused.
+    pub fn forced(framed: bool, route: BatchRoute, member: &str) -> Result<Self> {
+        if route == BatchRoute::Frames && !framed {
+            return Err(Error::invalid(format!(
+                "--batch-path frames: role process {member} does not speak control frames (a TLS cluster keeps HTTP/2); use --batch-path stream or leave the flag out"
+            )));
+        }
+        Ok(Self {
+            forced: Some(route),
+            ..Self::new(framed)
+        })
+    }
+
     fn shared_allowed(&self) -> bool {
-        self.0.load(Ordering::Relaxed) != PATH_STREAM
+        match self.forced {
+            None => self.state.load(Ordering::Relaxed) != PATH_STREAM,
+            Some(r) => r == BatchRoute::Shm,
+        }
+    }
+
+    /// Whether batches that do not go through shared memory go as control frames.
+    pub fn is_framed(&self) -> bool {
+        match self.forced {
+            None => self.framed,
+            Some(r) => r == BatchRoute::Frames,
+        }
     }
 
     fn settle(&self, member: &Member, path: u8, why: &str) {
-        if self.0.swap(path, Ordering::Relaxed) != path {
+        if self.state.swap(path, Ordering::Relaxed) != path {
+            let why = match self.forced {
+                Some(r) => format!("asked for with --batch-path {r}"),
+                None => why.to_string(),
+            };
             let how = if path == PATH_SHARED {
-                "through shared memory (same host)".to_string()
+                format!(
+                    "through shared memory ({})",
+                    if self.forced.is_some() {
+                        &why
+                    } else {
+                        "same host"
+                    }
+                )
+            } else if self.is_framed() {
+                format!("as raw control frames over TCP ({why})")
             } else {
                 format!("streamed over gRPC ({why})")
             };
@@ -58,34 +113,61 @@ impl BatchPath {
         }
     }
 
+    /// Shared memory failed for `why`: from now on the other path, unless shared memory
+    /// was asked for.
+    fn fall_back(&self, member: &Member, why: &str) -> Result<()> {
+        if self.forced == Some(BatchRoute::Shm) {
+            return Err(Error::invalid(format!(
+                "--batch-path shm: batches cannot reach actor {} through shared memory ({why}); leave the flag out to pick the path per role process",
+                member.actor_id
+            )));
+        }
+        self.settle(member, PATH_STREAM, why);
+        Ok(())
+    }
+
     /// Whether batches to this member have gone through shared memory.
     pub fn is_shared(&self) -> bool {
-        self.0.load(Ordering::Relaxed) == PATH_SHARED
+        self.state.load(Ordering::Relaxed) == PATH_SHARED
     }
 }
 
-/// One batch call with the request already a stream of chunks; the answer's stream.
-async fn send<S>(
+/// One batch call with the request already a stream of chunks (or a request carrying a
+/// [`FramedBatch`]); the answer.
+async fn send<R>(
     member: &Member,
     call: BatchCall,
-    stream: S,
-) -> std::result::Result<Streaming<pb::BatchChunk>, tonic::Status>
+    req: R,
+) -> std::result::Result<tonic::Response<Streaming<pb::BatchChunk>>, tonic::Status>
 where
-    S: futures::Stream<Item = pb::BatchChunk> + Send + 'static,
+    R: tonic::IntoStreamingRequest<Message = pb::BatchChunk>,
 {
     let mut c = member.client.clone();
-    let resp = match call {
-        BatchCall::Generate => c.generate(stream).await,
-        BatchCall::ComputeLogProbs => c.compute_log_probs(stream).await,
-        BatchCall::ComputeValues => c.compute_values(stream).await,
-        BatchCall::ComputeScores => c.compute_scores(stream).await,
-        BatchCall::UpdateActor => c.update_actor(stream).await,
-        BatchCall::UpdateCritic => c.update_critic(stream).await,
-        BatchCall::UpdateSft => c.update_sft(stream).await,
-        BatchCall::UpdatePreference => c.update_preference(stream).await,
-        BatchCall::UpdateRewardModel => c.update_reward_model(stream).await,
-    }?;
-    Ok(resp.into_inner())
+    match call {
+        BatchCall::Generate => c.generate(req).await,
+        BatchCall::ComputeLogProbs => c.compute_log_probs(req).await,
+        BatchCall::ComputeValues => c.compute_values(req).await,
+        BatchCall::ComputeScores => c.compute_scores(req).await,
+        BatchCall::UpdateActor => c.update_actor(req).await,
+        BatchCall::UpdateCritic => c.update_critic(req).await,
+        BatchCall::UpdateSft => c.update_sft(req).await,
+        BatchCall::UpdatePreference => c.update_preference(req).await,
+        BatchCall::UpdateRewardModel => c.update_reward_model(req).await,
+    }
+}
+
+/// The batch as raw control frames beside the call, the answer the same way.
+async fn call_framed(member: &Member, call: BatchCall, batch: &DataBatch) -> Result<DataBatch> {
+    let mut req = tonic::Request::new(futures::stream::empty::<pb::BatchChunk>());
+    req.extensions_mut().insert(FramedBatch(batch.clone()));
+    let mut resp = send(member, call, req).await.map_err(Error::from)?;
+    FramedBatch::take(resp.extensions_mut()).ok_or_else(|| {
+        Error::internal(format!(
+            "{} on actor {} answered a framed batch without one",
+            call.name(),
+            member.actor_id
+        ))
+    })
 }
 
 /// The answer's first chunk: the shared-memory reference, or the first of a stream.
@@ -123,7 +205,7 @@ async fn call_shared(
     {
         Ok(f) => f,
         Err(e) => {
-            member.batches.settle(member, PATH_STREAM, &e.to_string());
+            member.batches.fall_back(member, &e.to_string())?;
             return Ok(None);
         }
     };
@@ -137,9 +219,9 @@ async fn call_shared(
         .filter_map(|()| std::future::ready(None)),
     );
     let mut answer = match send(member, call, stream).await {
-        Ok(s) => s,
+        Ok(s) => s.into_inner(),
         Err(s) if shared_batch::is_unreachable(&s) => {
-            member.batches.settle(member, PATH_STREAM, s.message());
+            member.batches.fall_back(member, s.message())?;
             return Ok(None);
         }
         Err(s) => return Err(Error::from(s)),
@@ -173,8 +255,17 @@ pub async fn call_batch(
                 return Ok(out);
             }
         }
+        if member.batches.forced.is_some() {
+            member.batches.settle(member, PATH_STREAM, "");
+        }
+        if member.batches.is_framed() {
+            return call_framed(member, call, batch).await;
+        }
         let stream = rlhf_runtime::batch_stream(batch)?;
-        let mut s = send(member, call, stream).await.map_err(Error::from)?;
+        let mut s = send(member, call, stream)
+            .await
+            .map_err(Error::from)?
+            .into_inner();
         let first = first_chunk(call, &mut s).await?;
         read_streamed(first, s).await
     };

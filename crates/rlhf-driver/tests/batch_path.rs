@@ -1,35 +1,46 @@
 //! How the driver's batch calls pick their path, against a real gRPC server: a member that
 //! cannot read this process's shared memory (a role on another host) answers the first
-//! shared-memory request with the "unreachable" mark; the driver then streams that batch
-//! and every later one to it, and the answers are the batches themselves (nothing lost,
-//! nothing sent twice to the role's compute).
+//! shared-memory request with the "unreachable" mark; the driver then sends that batch and
+//! every later one to it as raw control frames where the member's server speaks them (else
+//! streamed), and the answers are the batches themselves (nothing lost, nothing sent twice
+//! to the role's compute).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use rlhf_core::batch::{encode_chunks, Assembler, DataBatch, TensorData, CHUNK_BYTES};
-use rlhf_driver::group::{call_batch, BatchCall, Member};
+use rlhf_core::BatchRoute;
+use rlhf_driver::group::{call_batch, BatchCall, BatchPath, Member};
 use rlhf_proto::v1 as pb;
 use rlhf_proto::v1::role_service_client::RoleServiceClient;
 use rlhf_proto::v1::role_service_server::{RoleService, RoleServiceServer};
+use rlhf_runtime::frames::FramedBatch;
 use rlhf_runtime::shared_batch::{unreachable_status, Unreachable};
 use tonic::{Request, Response, Status, Streaming};
 
 type Chunks = std::pin::Pin<Box<dyn futures::Stream<Item = Result<pb::BatchChunk, Status>> + Send>>;
 
-/// A role on "another host": refuses shared-memory batches, echoes streamed ones.
+/// A role on "another host": refuses shared-memory batches, echoes streamed and framed
+/// ones.
 #[derive(Default)]
 struct FarRole {
     refused: AtomicUsize,
     streamed: AtomicUsize,
+    framed: AtomicUsize,
 }
 
 impl FarRole {
     async fn echo(
         &self,
-        req: Request<Streaming<pb::BatchChunk>>,
+        mut req: Request<Streaming<pb::BatchChunk>>,
     ) -> Result<Response<Chunks>, Status> {
+        if let Some(b) = FramedBatch::take(req.extensions_mut()) {
+            self.framed.fetch_add(1, Ordering::SeqCst);
+            let mut resp: Response<Chunks> = Response::new(Box::pin(futures::stream::empty()));
+            resp.extensions_mut().insert(FramedBatch(b));
+            return Ok(resp);
+        }
         let mut s = req.into_inner();
         let mut asm = Assembler::new(1 << 30);
         while let Some(c) = s.message().await? {
@@ -117,7 +128,7 @@ async fn a_member_that_cannot_read_shared_memory_gets_every_batch_streamed() {
         pid: 0,
         log_file: String::new(),
         client: RoleServiceClient::new(rlhf_runtime::net::connect_direct(&addr, &o).await.unwrap()),
-        batches: Default::default(),
+        batches: BatchPath::new(false),
     };
     let v: Vec<f32> = (0..3 << 18).map(|i| i as f32).collect();
     let b = DataBatch::new().with_tensor(
@@ -136,6 +147,99 @@ async fn a_member_that_cannot_read_shared_memory_gets_every_batch_streamed() {
         assert_eq!(out, b);
         assert_eq!(role.refused.load(Ordering::SeqCst), 1);
         assert_eq!(role.streamed.load(Ordering::SeqCst), n + 1);
+        assert!(!member.batches.is_shared());
+    }
+    // Asked for shared memory (`--batch-path shm`), such a member is an error naming the
+    // flag, not a silent fallback; frames on a connection without them is refused up front.
+    let forced = Member {
+        batches: BatchPath::forced(false, BatchRoute::Shm, "far").unwrap(),
+        ..member.clone()
+    };
+    let e = call_batch(
+        &forced,
+        BatchCall::ComputeValues,
+        &b,
+        Duration::from_secs(20),
+    )
+    .await
+    .unwrap_err();
+    assert!(e.to_string().contains("--batch-path shm"), "{e}");
+    assert_eq!(role.refused.load(Ordering::SeqCst), 2);
+    let e = BatchPath::forced(false, BatchRoute::Frames, "far").unwrap_err();
+    assert!(
+        e.to_string().contains("does not speak control frames"),
+        "{e}"
+    );
+    // `--batch-path stream`: no shared-memory attempt at all.
+    let streamed = Member {
+        batches: BatchPath::forced(false, BatchRoute::Stream, "far").unwrap(),
+        ..member
+    };
+    let out = call_batch(
+        &streamed,
+        BatchCall::ComputeValues,
+        &b,
+        Duration::from_secs(20),
+    )
+    .await
+    .unwrap();
+    assert_eq!(out, b);
+    assert_eq!(role.refused.load(Ordering::SeqCst), 2);
+    assert_eq!(role.streamed.load(Ordering::SeqCst), 3);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_on_another_host_gets_every_batch_as_raw_frames() {
+    let role = Arc::new(FarRole::default());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let _stop = stop.clone().drop_guard();
+    let routes = tonic::service::Routes::new(RoleServiceServer::new(Far(role.clone())));
+    tokio::spawn(async move {
+        rlhf_runtime::frames::server::serve(
+            &Default::default(),
+            routes,
+            listener,
+            stop,
+            "role",
+            "t",
+        )
+        .await
+    });
+    let o = rlhf_runtime::net::ClientOptions::new("t");
+    let (ch, framed) = rlhf_runtime::net::connect_direct_framed(&addr, &o)
+        .await
+        .unwrap();
+    assert!(framed, "a role process's server speaks control frames");
+    let member = Member {
+        actor_id: "far".into(),
+        node_id: "n".into(),
+        address: addr.clone(),
+        pid: 0,
+        log_file: String::new(),
+        client: RoleServiceClient::new(ch),
+        batches: BatchPath::new(framed),
+    };
+    let v: Vec<f32> = (0..3 << 18).map(|i| i as f32).collect();
+    let b = DataBatch::new()
+        .with_tensor(
+            "values",
+            TensorData::from_f32(vec![3, 1 << 18], &v).unwrap(),
+        )
+        .with_column("prompt", (0..3).map(|i| serde_json::json!(i)).collect());
+    for (n, call) in [BatchCall::ComputeValues, BatchCall::UpdateCritic]
+        .into_iter()
+        .enumerate()
+    {
+        let out = call_batch(&member, call, &b, Duration::from_secs(20))
+            .await
+            .unwrap();
+        assert_eq!(out, b);
+        assert!(out.tensors["values"].data.is_view(), "received in place");
+        assert_eq!(role.refused.load(Ordering::SeqCst), 1);
+        assert_eq!(role.framed.load(Ordering::SeqCst), n + 1);
+        assert_eq!(role.streamed.load(Ordering::SeqCst), 0);
         assert!(!member.batches.is_shared());
     }
 }

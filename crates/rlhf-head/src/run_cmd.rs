@@ -66,6 +66,12 @@ pub(crate) struct RunArgs {
     /// when not given).
     #[arg(long)]
     pub(crate) weight_sync_backend: Option<rlhf_core::CommBackend>,
+    /// How experience batches go between the driver and the role processes (shm, frames,
+    /// stream). Chosen per role process by default: shm (shared memory) on the driver's
+    /// host, else frames (raw TCP beside the call), else stream (gRPC over HTTP/2, the one
+    /// path under TLS).
+    #[arg(long)]
+    pub(crate) batch_path: Option<rlhf_core::BatchRoute>,
     /// Embedded mode only: `rlhf-worker` binary for the local worker (default: next to
     /// this one).
     #[arg(long)]
@@ -320,6 +326,7 @@ pub(crate) async fn run(args: RunArgs) -> Result<()> {
     opts.start_timeout = Duration::from_secs_f64(args.start_timeout.max(1.0));
     opts.comm_backend = args.comm_backend;
     opts.weight_sync_backend = args.weight_sync_backend;
+    opts.batch_path = args.batch_path;
     let ckpt_dir = PathBuf::from(&opts.config.checkpoint.dir);
     let result = rlhf_driver::run(head_client, opts, shutdown.clone()).await;
     // A job the head started runs from a bundle in its job directory: say how it ended

@@ -19,6 +19,7 @@ use rlhf_proto::v1::role_service_server::{RoleService, RoleServiceServer};
 use rlhf_proto::MAX_MESSAGE_BYTES;
 use rlhf_runtime::actor::MAX_BATCH_BYTES;
 use rlhf_runtime::auth::CheckToken;
+use rlhf_runtime::frames::FramedBatch;
 use rlhf_runtime::net;
 use rlhf_runtime::shared_batch;
 use tokio::sync::{mpsc, oneshot};
@@ -118,8 +119,22 @@ impl RoleServer {
     async fn batch(
         &self,
         call: BatchCall,
-        req: Request<Streaming<pb::BatchChunk>>,
+        mut req: Request<Streaming<pb::BatchChunk>>,
     ) -> Result<Response<ChunkStream>, Status> {
+        if let Some(batch) = FramedBatch::take(req.extensions_mut()) {
+            // Over control frames: the answer goes back the same way.
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| {
+                tracing::info!(
+                    "{FRAMED_LOG} (the driver is on another host, or --batch-path frames)"
+                )
+            });
+            let out = self.compute.run(move |a| a.batch(call, &batch)).await?;
+            let mut resp: Response<ChunkStream> =
+                Response::new(Box::pin(tokio_stream::iter(Vec::new())));
+            resp.extensions_mut().insert(FramedBatch(out));
+            return Ok(resp);
+        }
         let mut stream = req.into_inner();
         let first = stream
             .message()
@@ -187,6 +202,9 @@ impl RoleServer {
         }
     }
 }
+
+/// What a role process logs, once, when its first batch arrives as control frames.
+pub const FRAMED_LOG: &str = "batches arrive as raw control frames over TCP";
 
 /// An answer streamed in `chunks`.
 fn streamed(chunks: Vec<pb::BatchChunk>) -> Response<ChunkStream> {

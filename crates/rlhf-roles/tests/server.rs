@@ -210,6 +210,21 @@ async fn generate_and_log_probs_over_grpc() {
     assert!(rlhf_runtime::shared_batch::is_unreachable(&err), "{err}");
     drop(req);
 
+    // The same call as raw control frames (a driver on another host): the answer comes back
+    // the same way, beside the response, equal to the streamed one; no chunk is streamed.
+    let mut framed = tonic::Request::new(futures::stream::empty::<pb::BatchChunk>());
+    framed
+        .extensions_mut()
+        .insert(rlhf_runtime::frames::FramedBatch(wire::<GenerateRequest>(
+            &prompts,
+        )));
+    let mut resp = c.generate(framed).await.unwrap();
+    let framed_out = rlhf_runtime::frames::FramedBatch::take(resp.extensions_mut())
+        .expect("a framed request is answered with a framed batch");
+    assert!(resp.into_inner().message().await.unwrap().is_none());
+    assert!(framed_out.tensors["responses"].data.is_view());
+    assert_eq!(framed_out, out);
+
     let bad_batch = DataBatch::new()
         .with_tensor(
             "prompt_ids",
@@ -219,16 +234,26 @@ async fn generate_and_log_probs_over_grpc() {
             "prompt_mask",
             TensorData::from_i64(vec![1, 3], &[1, 1, 1]).unwrap(),
         );
-    let err = c
-        .generate(rlhf_runtime::batch_stream(&wire::<GenerateRequest>(&bad_batch)).unwrap())
-        .await
-        .unwrap_err();
-    assert_eq!(err.code(), tonic::Code::InvalidArgument);
-    assert!(
-        err.message()
-            .contains("'prompt_ids' has shape [1, 3], expected [1, 32]"),
-        "{err}"
-    );
+    let mut framed = tonic::Request::new(futures::stream::empty::<pb::BatchChunk>());
+    framed
+        .extensions_mut()
+        .insert(rlhf_runtime::frames::FramedBatch(wire::<GenerateRequest>(
+            &bad_batch,
+        )));
+    // Streamed and framed, the role's refusal reaches the caller the same way.
+    for err in [
+        c.generate(rlhf_runtime::batch_stream(&wire::<GenerateRequest>(&bad_batch)).unwrap())
+            .await
+            .unwrap_err(),
+        c.generate(framed).await.unwrap_err(),
+    ] {
+        assert_eq!(err.code(), tonic::Code::InvalidArgument);
+        assert!(
+            err.message()
+                .contains("'prompt_ids' has shape [1, 3], expected [1, 32]"),
+            "{err}"
+        );
+    }
 
     // Trainer rank: ComputeLogProbs on the generated sequences.
     let addr = start("actor_rollout", &shutdown).await;

@@ -58,8 +58,31 @@ impl ActorService for TestActor {
 
     async fn put_batch(
         &self,
-        req: Request<tonic::Streaming<pb::BatchChunk>>,
+        mut req: Request<tonic::Streaming<pb::BatchChunk>>,
     ) -> std::result::Result<Response<pb::PutBatchResponse>, Status> {
+        if let Some(batch) = crate::frames::FramedBatch::take(req.extensions_mut()) {
+            // Over control frames: views of the received buffer, hashed in one pass.
+            let (rows, bytes, checksum) = tokio::task::spawn_blocking(move || {
+                let bytes = rlhf_core::batch::encode_header(&batch)?.len() as u64
+                    + batch
+                        .tensors
+                        .values()
+                        .map(|t| t.data.len() as u64)
+                        .sum::<u64>();
+                rlhf_core::Result::Ok((
+                    batch.len()? as u64,
+                    bytes,
+                    rlhf_core::batch::checksum(&batch),
+                ))
+            })
+            .await
+            .map_err(|e| Status::internal(format!("framed batch reader: {e}")))??;
+            return Ok(Response::new(pb::PutBatchResponse {
+                rows,
+                bytes,
+                checksum,
+            }));
+        }
         let mut stream = req.into_inner();
         let mut asm = rlhf_core::batch::Assembler::new(MAX_BATCH_BYTES);
         while let Some(chunk) = stream.message().await? {

@@ -8,7 +8,8 @@
 //! with it. So `crate::net::connect_direct` hands those out (plain TCP; a TLS cluster keeps
 //! tonic's channel), and everything that must survive a peer's restart (workers and drivers
 //! to the head) keeps the reconnecting channel. On such a connection the unary calls travel
-//! as control frames (`crate::frames`) where the server speaks them.
+//! as control frames (`crate::frames`) where the server speaks them, and so do batch calls
+//! whose request carries its batch as a `crate::frames::FramedBatch`.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -76,6 +77,20 @@ impl tower::Service<http::Request<Body>> for Transport {
     }
 
     fn call(&mut self, req: http::Request<Body>) -> Self::Future {
+        if self.frames().is_none()
+            && req
+                .extensions()
+                .get::<crate::frames::FramedBatch>()
+                .is_some()
+        {
+            // Over HTTP/2 the call would arrive with no batch at all.
+            let path = req.uri().path().to_string();
+            return Box::pin(async move {
+                Err(Box::new(tonic::Status::internal(format!(
+                    "{path}: a framed batch needs a control frames connection; stream the batch instead"
+                ))) as BoxError)
+            });
+        }
         match self {
             Transport::Channel(c) => {
                 let f = tower::Service::call(c, req);
@@ -83,7 +98,8 @@ impl tower::Service<http::Request<Body>> for Transport {
             }
             Transport::Direct(d) => {
                 if let Some(f) = &d.frames {
-                    if rlhf_proto::is_unary(req.uri().path()) {
+                    let framed = req.extensions().get::<crate::frames::FramedBatch>();
+                    if framed.is_some() || rlhf_proto::is_unary(req.uri().path()) {
                         return Box::pin(f.clone().call(req));
                     }
                 }

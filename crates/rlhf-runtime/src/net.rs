@@ -203,10 +203,21 @@ pub async fn connect(addr: &str, opts: &ClientOptions) -> Result<AuthChannel> {
 /// never reconnected; unary calls go as control frames when the server speaks them
 /// (`crate::frames`). Over TLS, the same as [`connect`].
 pub async fn connect_direct(addr: &str, opts: &ClientOptions) -> Result<AuthChannel> {
+    Ok(connect_direct_framed(addr, opts).await?.0)
+}
+
+/// [`connect_direct`], and whether the connection speaks control frames (so batch calls
+/// may carry their batch as a `crate::frames::FramedBatch`).
+pub async fn connect_direct_framed(
+    addr: &str,
+    opts: &ClientOptions,
+) -> Result<(AuthChannel, bool)> {
     if opts.tls_ca.is_some() {
-        return connect(addr, opts).await;
+        return Ok((connect(addr, opts).await?, false));
     }
-    with_token(direct_transport(addr, opts).await?, &opts.token)
+    let t = direct_transport(addr, opts).await?;
+    let framed = t.frames().is_some();
+    Ok((with_token(t, &opts.token)?, framed))
 }
 
 /// A transport with the cluster token added to every request.

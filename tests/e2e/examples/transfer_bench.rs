@@ -2,9 +2,12 @@
 //! (the process is this program serving the built-in test actor, as a worker would), each
 //! path next to its own baseline measured in the same run on the same bytes:
 //!
-//! - streamed over gRPC (encode, stream, decode and checksum on the actor) vs a tuned raw
-//!   TCP copy between the same two processes (the communicator's socket buffers, the
-//!   connection made before timing, a reused receive buffer): goal >= 0.9;
+//! - streamed over gRPC (encode, stream, decode and checksum on the actor), and as raw
+//!   control frames beside the call (`rlhf_runtime::frames::batch`: the tensors written from
+//!   where they live, read into a pooled buffer and viewed in place, checksummed on the
+//!   actor), each vs a tuned raw TCP copy between the same two processes (the
+//!   communicator's socket buffers, the connection made before timing, a reused receive
+//!   buffer): goal >= 0.9 (what goes between hosts);
 //! - through shared memory on this host (the batch written once into a sealed memory file,
 //!   mapped and checksummed by the actor; `rlhf_runtime::shared_batch`) vs a `memcpy` of
 //!   the same bytes in this process: goal >= 0.5.
@@ -22,6 +25,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use rlhf_core::batch::{self, DataBatch, TensorData};
 use rlhf_proto::v1::actor_service_client::ActorServiceClient;
+use rlhf_runtime::frames::FramedBatch;
 use rlhf_runtime::net::{self, ClientOptions};
 use rlhf_runtime::shared_batch::SharedFile;
 use tonic::codegen::tokio_stream;
@@ -44,6 +48,17 @@ fn cpu_seconds(pid: u32) -> Result<f64> {
     // SAFETY: sysconf has no preconditions.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
     Ok(ticks / hz)
+}
+
+/// How a batch goes to the actor process.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Path {
+    /// A gRPC stream of chunks over HTTP/2.
+    Streamed,
+    /// A sealed memory file on this host.
+    Shared,
+    /// Raw control frames beside the call.
+    Framed,
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -203,18 +218,27 @@ fn main() -> Result<()> {
     let actor_pid = actor.0.id();
     let mut client =
         rt.block_on(async { anyhow::Ok(ActorServiceClient::new(net::connect(&addr, &o).await?)) })?;
+    // The connection a driver makes to a role process: control frames where it speaks them.
+    let mut direct = rt.block_on(async {
+        let (ch, framed) = net::connect_direct_framed(&addr, &o).await?;
+        anyhow::ensure!(framed, "the actor process does not speak control frames");
+        anyhow::Ok(ActorServiceClient::new(ch))
+    })?;
     println!(
         "chunk size {} KiB, {reps} repetitions per size, medians",
         chunk >> 10
     );
 
-    // `shared`: through a sealed memory file instead of the stream.
-    let mut put = |b: &DataBatch, sum: u64, shared: bool| -> Result<f64> {
+    let mut put = |b: &DataBatch, sum: u64, path: Path| -> Result<f64> {
         rt.block_on(async {
             let t = Instant::now();
-            let r = if shared {
+            let r = if path == Path::Shared {
                 let f = SharedFile::write(b)?;
                 client.put_batch(tokio_stream::iter([f.chunk()])).await?
+            } else if path == Path::Framed {
+                let mut req = tonic::Request::new(tokio_stream::empty());
+                req.extensions_mut().insert(FramedBatch(b.clone()));
+                direct.put_batch(req).await?
             } else if chunk == batch::CHUNK_BYTES {
                 client.put_batch(rlhf_runtime::batch_stream(b)?).await?
             } else {
@@ -230,8 +254,9 @@ fn main() -> Result<()> {
     };
     // Warm up the connection, the actor's allocator and both paths.
     let warm = make_batch(8)?;
-    put(&warm, batch::checksum(&warm), false)?;
-    put(&warm, batch::checksum(&warm), true)?;
+    for path in [Path::Streamed, Path::Shared, Path::Framed] {
+        put(&warm, batch::checksum(&warm), path)?;
+    }
 
     for mib in sizes {
         let b = make_batch(mib)?;
@@ -270,23 +295,26 @@ fn main() -> Result<()> {
 
         let mut memcpy_dst = vec![0u8; bytes];
         let (mut raw, mut grpc, mut memcpy, mut shm) = (vec![], vec![], vec![], vec![]);
+        let mut framed = vec![];
         let (mut raw_cpu, mut client_cpu, mut actor_cpu) = (0.0, 0.0, 0.0);
         for _ in 0..reps {
             let r0 = cpu_seconds(std::process::id())? + cpu_seconds(actor_pid)?;
             raw.push(raw_link.copy(&wire)?);
             raw_cpu += cpu_seconds(std::process::id())? + cpu_seconds(actor_pid)? - r0;
             let (c0, a0) = (cpu_seconds(std::process::id())?, cpu_seconds(actor_pid)?);
-            grpc.push(put(&b, sum, false)?);
+            grpc.push(put(&b, sum, Path::Streamed)?);
             client_cpu += cpu_seconds(std::process::id())? - c0;
             actor_cpu += cpu_seconds(actor_pid)? - a0;
             let t = Instant::now();
             memcpy_dst.copy_from_slice(&wire);
             std::hint::black_box(&memcpy_dst);
             memcpy.push(t.elapsed().as_secs_f64());
-            shm.push(put(&b, sum, true)?);
+            shm.push(put(&b, sum, Path::Shared)?);
+            framed.push(put(&b, sum, Path::Framed)?);
         }
         let (raw_m, grpc_m) = (median(&mut raw), median(&mut grpc));
         let (memcpy_m, shm_m) = (median(&mut memcpy), median(&mut shm));
+        let framed_m = median(&mut framed);
         let gbps = |s: f64| bytes as f64 / s / 1e9;
         let verdict = |r: f64, goal: f64| if r >= goal { "met" } else { "NOT met" };
         println!("batch {mib} MiB ({bytes} bytes) to the actor process, medians of {reps}:");
@@ -298,6 +326,15 @@ fn main() -> Result<()> {
             gbps(raw_m),
             raw_m / grpc_m,
             verdict(raw_m / grpc_m, 0.9)
+        );
+        println!(
+            "  raw control frames {:8.1} ms {:6.2} GB/s; tuned raw TCP copy between the processes {:8.1} ms {:6.2} GB/s; ratio {:.2} (goal >= 0.9: {})",
+            framed_m * 1e3,
+            gbps(framed_m),
+            raw_m * 1e3,
+            gbps(raw_m),
+            raw_m / framed_m,
+            verdict(raw_m / framed_m, 0.9)
         );
         println!(
             "  shared memory      {:8.1} ms {:6.2} GB/s; memcpy in one process {:8.1} ms {:6.2} GB/s; ratio {:.2} (goal >= 0.5: {})",

@@ -144,6 +144,8 @@ fn scenario(tag: &str, hosts: Hosts) -> Result<()> {
         .to_string();
     let job = dir.path().join("job");
     let ppo_started = Instant::now();
+    // Batches as between real hosts: these "hosts" share one kernel, so shared memory
+    // would reach the roles; the flag makes every batch take the cross-host path.
     run_ok(
         hosts
             .on_host(0, &head_bin)
@@ -151,11 +153,25 @@ fn scenario(tag: &str, hosts: Hosts) -> Result<()> {
             .args(["run", "--address", &head_addr, "--config-name", "ppo_tiny"])
             .args(["training.train_iters=2", "checkpoint.save_steps=0"])
             .args(rlhf_e2e::output_overrides(&job))
+            .args(["--batch-path", "frames"])
             .arg("--token-file")
             .arg(state.join("head/token"))
             .env_remove("RLHF_TOKEN"),
         "rlhf-head run across hosts",
     )?;
+    // The line rlhf_roles::server::FRAMED_LOG, in each role process's log.
+    let framed = walk(&state)
+        .into_iter()
+        .filter(|p| p.extension().is_some_and(|e| e == "log"))
+        .filter(|p| {
+            std::fs::read_to_string(p)
+                .is_ok_and(|t| t.contains("batches arrive as raw control frames over TCP"))
+        })
+        .count();
+    assert!(
+        framed >= 4,
+        "every role process gets its batches as frames: {framed} role logs say so"
+    );
     let lines = std::fs::read_to_string(job.join("metrics.jsonl"))?;
     assert_eq!(lines.lines().count(), 2, "{lines}");
     let s = status()?;

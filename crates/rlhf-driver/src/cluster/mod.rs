@@ -6,13 +6,15 @@ use std::time::Duration;
 
 use futures::future::try_join_all;
 use rlhf_config::{PpoConfig, RoleSpec};
-use rlhf_core::{CommBackend, CommGroup, Error, FailureKind, Result, RoleKind, RolePart, RoleSlot};
+use rlhf_core::{
+    BatchRoute, CommBackend, CommGroup, Error, FailureKind, Result, RoleKind, RolePart, RoleSlot,
+};
 use rlhf_proto::v1 as pb;
 use rlhf_proto::v1::head_service_client::HeadServiceClient;
 use rlhf_proto::v1::role_service_client::RoleServiceClient;
 use rlhf_runtime::net::{self, AuthChannel, ClientOptions};
 
-use crate::group::{CallError, GroupId, Member, WorkerGroup};
+use crate::group::{BatchPath, CallError, GroupId, Member, WorkerGroup};
 
 mod teardown;
 pub use teardown::{diagnose, release, shutdown, Launched};
@@ -90,6 +92,8 @@ pub struct LaunchOptions {
     pub client: ClientOptions,
     /// How long to wait for devices and for each actor to start.
     pub start_timeout: Duration,
+    /// `--batch-path`: one path for every batch; `None` picks per role process.
+    pub batch_path: Option<BatchRoute>,
 }
 
 struct PartSpec {
@@ -270,7 +274,7 @@ pub async fn launch(
             let info = it
                 .next()
                 .ok_or_else(|| Error::internal("fewer actors than ranks"))?;
-            let ch = net::connect_direct(&info.address, &opts.client).await?;
+            let (ch, framed) = net::connect_direct_framed(&info.address, &opts.client).await?;
             members.push(Member {
                 actor_id: info.actor_id.clone(),
                 node_id: info.node_id.clone(),
@@ -280,7 +284,10 @@ pub async fn launch(
                 client: RoleServiceClient::new(ch)
                     .max_decoding_message_size(rlhf_proto::MAX_MESSAGE_BYTES)
                     .max_encoding_message_size(rlhf_proto::MAX_MESSAGE_BYTES),
-                batches: Default::default(),
+                batches: match opts.batch_path {
+                    Some(r) => BatchPath::forced(framed, r, &info.actor_id)?,
+                    None => BatchPath::new(framed),
+                },
             });
         }
         groups.push(WorkerGroup {

@@ -45,6 +45,9 @@ pub struct DriverOptions {
     pub comm_backend: Option<CommBackend>,
     /// The trainer → rollout weights backend; `None` chooses (see `SyncPath::choose`).
     pub weight_sync_backend: Option<CommBackend>,
+    /// How batches go to role processes (`--batch-path`); `None` chooses per process
+    /// (see `group::BatchPath`).
+    pub batch_path: Option<rlhf_core::BatchRoute>,
     /// Bound on every role call (a generation, an update, ...).
     pub call_timeout: Duration,
     /// Bound on placement and actor start-up (model loading included).
@@ -64,6 +67,7 @@ impl DriverOptions {
             client,
             comm_backend: None,
             weight_sync_backend: None,
+            batch_path: None,
             call_timeout: Duration::from_secs(3600),
             start_timeout: Duration::from_secs(600),
             stop_after: None,
@@ -219,6 +223,7 @@ async fn place(
         job_id: opts.job_id.clone(),
         client: opts.client.clone(),
         start_timeout: opts.start_timeout,
+        batch_path: opts.batch_path,
     };
     let started = Instant::now();
     let mut made = cluster::Launched::default();

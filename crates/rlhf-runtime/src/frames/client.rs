@@ -1,5 +1,6 @@
 //! The client side of control frames: a small pool of connections to one role or actor
-//! process; a call takes one (or opens one), runs on the caller's task and gives it back.
+//! process; a call (unary, or a batch call with a [`FramedBatch`]) takes one (or opens one),
+//! runs on the caller's task and gives it back.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -11,9 +12,12 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 use tonic::body::Body;
 
+use super::batch::{
+    encoded_len, read_batch, write_batch, FramedBatch, MAX_ANSWER_BYTES, MAX_REQUEST_BYTES,
+};
 use super::{
-    decode, from_frame_headers, read_frame, to_frame_headers, write_frame, Kind, ACCEPTED,
-    CHALLENGE, HELLO, IDLE_LIMIT,
+    batch_payload, decode, from_frame_headers, read_frame, split_batch_payload, to_frame_headers,
+    write_frame, Kind, ACCEPTED, CHALLENGE, HELLO, IDLE_LIMIT,
 };
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -145,8 +149,10 @@ impl FramesClient {
         }
     }
 
-    /// Sends one unary gRPC call and returns its response as HTTP/2 would have. A connection
-    /// that fails is `Unavailable`, as a broken HTTP/2 connection is.
+    /// Sends one unary gRPC call, or a batch call whose request carries a [`FramedBatch`]
+    /// (the answer batch then comes back in the response's extensions), and returns its
+    /// response as HTTP/2 would have. A connection that fails is `Unavailable`, as a broken
+    /// HTTP/2 connection is.
     pub async fn call(self, req: http::Request<Body>) -> Result<http::Response<Body>, BoxError> {
         let path = req.uri().path().to_string();
         let addr = self.addr.clone();
@@ -158,14 +164,38 @@ impl FramesClient {
     }
 
     async fn call_inner(self, req: http::Request<Body>) -> Result<http::Response<Body>, BoxError> {
-        let (parts, body) = req.into_parts();
-        let body = body.collect().await?.to_bytes();
+        let (mut parts, body) = req.into_parts();
+        // A batch call with its batch beside it: the message stream is empty.
+        let framed = FramedBatch::take(&mut parts.extensions);
+        let body = match framed {
+            Some(_) => Default::default(),
+            None => body.collect().await?.to_bytes(),
+        };
         let msg = pb::ControlRequest {
             path: parts.uri.path().to_string(),
             headers: to_frame_headers(&parts.headers),
             body,
-        }
-        .encode_to_vec();
+        };
+        let sent = match &framed {
+            Some(_) if rlhf_proto::is_unary(parts.uri.path()) => {
+                return Err(format!(
+                    "{} is not a batch call: a framed batch goes only with one",
+                    parts.uri.path()
+                )
+                .into());
+            }
+            Some(b) => {
+                let (head, len) = encoded_len(b)?;
+                if len > MAX_REQUEST_BYTES {
+                    return Err(format!(
+                        "a batch of {len} bytes is over the {MAX_REQUEST_BYTES}-byte limit of a call; split it"
+                    )
+                    .into());
+                }
+                Some((head, len))
+            }
+            None => None,
+        };
         let mut s = match self.take() {
             Some(s) => s,
             None => self.open().await?.ok_or_else(|| {
@@ -175,13 +205,21 @@ impl FramesClient {
                 )
             })?,
         };
-        let resp = self.exchange(&mut s, &msg).await?;
+        match (&framed, sent) {
+            (Some(b), Some((head, len))) => {
+                write_frame(&mut s, Kind::Batch, &batch_payload(len, &msg)).await?;
+                write_batch(&mut s, &head, b, self.idle_limit).await?;
+            }
+            _ => write_frame(&mut s, Kind::Request, &msg.encode_to_vec()).await?,
+        }
+        let resp = self.answer(&mut s).await?;
         self.give_back(s);
         Ok(resp)
     }
 
-    async fn exchange(&self, s: &mut Conn, msg: &[u8]) -> std::io::Result<http::Response<Body>> {
-        write_frame(s, Kind::Request, msg).await?;
+    /// Reads the call's answer: a response frame, or a batch answer and its batch (then in
+    /// the response's extensions as a [`FramedBatch`]), skipping keepalives.
+    async fn answer(&self, s: &mut Conn) -> std::io::Result<http::Response<Body>> {
         loop {
             let frame = tokio::time::timeout(self.idle_limit, read_frame(s))
                 .await
@@ -205,10 +243,16 @@ impl FramesClient {
                 Some((Kind::Response, payload)) => {
                     return response(decode::<pb::ControlResponse>(&payload, "response")?)
                 }
-                Some((Kind::Request, _)) => {
-                    return Err(super::invalid(
-                        "the server sent a request frame".to_string(),
-                    ))
+                Some((Kind::BatchAnswer, payload)) => {
+                    let (len, msg) = split_batch_payload(&payload)?;
+                    let r = decode::<pb::ControlResponse>(msg, "batch answer")?;
+                    let b = read_batch(s, len, MAX_ANSWER_BYTES, self.idle_limit).await?;
+                    let mut resp = response(r)?;
+                    resp.extensions_mut().insert(FramedBatch(b));
+                    return Ok(resp);
+                }
+                Some((kind @ (Kind::Request | Kind::Batch), _)) => {
+                    return Err(super::invalid(format!("the server sent a {kind:?} frame")))
                 }
             }
         }

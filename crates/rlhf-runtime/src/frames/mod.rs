@@ -1,5 +1,5 @@
-//! Control frames: the unary gRPC calls to role and actor processes, carried over plain TCP
-//! frames instead of HTTP/2.
+//! Control frames: the unary gRPC calls to role and actor processes (and their batch calls,
+//! [`batch`]), carried over plain TCP frames instead of HTTP/2.
 //!
 //! Why: a no-op call through HTTP/2 took 120–135 µs here against a ~50 µs raw TCP echo, and
 //! the difference was user-space work in h2 and hyper on both sides (about 58 µs of the
@@ -12,7 +12,8 @@
 //! proto/rlhf/v1/control.proto): path, headers, the length-prefixed gRPC body, trailers. So
 //! the server dispatches it into the same tonic services, behind the same token check
 //! (`authorization` is one of the headers), and the client hands tonic the same response
-//! it would have read from HTTP/2. Streaming calls (batches) stay on HTTP/2.
+//! it would have read from HTTP/2. Batch calls travel as frames only when the client puts
+//! the batch beside the call ([`FramedBatch`]); otherwise they stream over HTTP/2.
 //!
 //! The wire: a connection starts with [`HELLO`] from the client, answered by the same 24
 //! bytes and a 32-byte random challenge (a server that does not speak frames answers
@@ -26,13 +27,19 @@
 //! - [`Kind::Response`]: its `ControlResponse`;
 //! - [`Kind::Keepalive`]: empty, server to client every [`KEEPALIVE_EVERY`] while a call
 //!   runs, so a client finds a stopped or vanished server within [`IDLE_LIMIT`] even during
-//!   a call that takes minutes (HTTP/2 keepalive pings did that before).
+//!   a call that takes minutes (HTTP/2 keepalive pings did that before);
+//! - [`Kind::Batch`]: a batch call, client to server: `u64 LE length | ControlRequest` (an
+//!   empty body), then that many raw bytes of the request batch's encoding ([`batch`]);
+//! - [`Kind::BatchAnswer`]: its answer when it is a batch: `u64 LE length |
+//!   ControlResponse`, then the answer's encoding. A batch call answered otherwise (an
+//!   error, or a unary answer such as `PutBatch`'s) gets a [`Kind::Response`].
 //!
 //! Security: a plain-TCP cluster only; under TLS both sides keep HTTP/2 (see
 //! `crate::net::connect_direct` and [`server::serve`]). The connection is authenticated by
 //! the challenge above, and every call still carries the cluster token and is checked by the
 //! same interceptor as over HTTP/2.
 
+pub mod batch;
 pub mod client;
 pub mod server;
 #[cfg(test)]
@@ -45,6 +52,7 @@ use prost::Message;
 use rlhf_proto::v1 as pb;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
+pub use batch::FramedBatch;
 pub use client::FramesClient;
 
 /// First bytes of a frames connection, both ways; as long as the HTTP/2 client preface, so a
@@ -94,6 +102,8 @@ pub enum Kind {
     Request = 1,
     Response = 2,
     Keepalive = 3,
+    Batch = 4,
+    BatchAnswer = 5,
 }
 
 impl Kind {
@@ -102,6 +112,8 @@ impl Kind {
             1 => Ok(Kind::Request),
             2 => Ok(Kind::Response),
             3 => Ok(Kind::Keepalive),
+            4 => Ok(Kind::Batch),
+            5 => Ok(Kind::BatchAnswer),
             other => Err(invalid(format!("unknown control frame kind {other}"))),
         }
     }
@@ -173,6 +185,19 @@ fn from_frame_headers(h: Vec<pb::FrameHeader>) -> std::io::Result<http::HeaderMa
         map.append(name, value);
     }
     Ok(map)
+}
+
+/// A batch frame's payload: the raw batch's length, then the call or answer message.
+fn batch_payload(len: u64, msg: &impl Message) -> Vec<u8> {
+    [&len.to_le_bytes()[..], &msg.encode_to_vec()].concat()
+}
+
+/// The raw batch's length and the message of a batch frame's payload.
+fn split_batch_payload(payload: &[u8]) -> std::io::Result<(u64, &[u8])> {
+    let (len, rest) = payload
+        .split_first_chunk::<8>()
+        .ok_or_else(|| invalid("a batch frame shorter than its length".to_string()))?;
+    Ok((u64::from_le_bytes(*len), rest))
 }
 
 fn decode<M: Message + Default>(payload: &[u8], what: &str) -> std::io::Result<M> {

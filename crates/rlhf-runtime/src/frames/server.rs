@@ -9,7 +9,7 @@ use std::time::Duration;
 use http_body_util::BodyExt;
 use prost::Message;
 use ring::rand::{SecureRandom, SystemRandom};
-use rlhf_core::{Error, Result};
+use rlhf_core::{DataBatch, Error, Result};
 use rlhf_proto::v1 as pb;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -17,9 +17,10 @@ use tokio_util::sync::CancellationToken;
 use tonic::service::Routes;
 use tower::ServiceExt;
 
+use super::batch::{encoded_len, read_batch, write_batch, FramedBatch, MAX_REQUEST_BYTES};
 use super::{
-    decode, from_frame_headers, read_frame, to_frame_headers, write_frame, Kind, ACCEPTED,
-    CHALLENGE, HELLO, KEEPALIVE_EVERY, REFUSED,
+    batch_payload, decode, from_frame_headers, read_frame, split_batch_payload, to_frame_headers,
+    write_frame, Kind, ACCEPTED, CHALLENGE, HELLO, IDLE_LIMIT, KEEPALIVE_EVERY, REFUSED,
 };
 use crate::auth::LogLimit;
 use crate::net::{self, ServerTls};
@@ -130,8 +131,8 @@ async fn first_bytes(s: &TcpStream) -> Option<[u8; 4]> {
     }
 }
 
-/// One frames connection: the hello, then calls one at a time until the client closes or
-/// the server shuts down.
+/// One frames connection: the hello, then calls one at a time (unary, or batch calls with
+/// their batch) until the client closes or the server shuts down.
 async fn serve_frames(
     mut s: TcpStream,
     peer: SocketAddr,
@@ -153,8 +154,21 @@ async fn serve_frames(
             _ = shutdown.cancelled() => return,
             f = read_frame(&mut s) => f,
         };
-        let payload = match frame {
-            Ok(Some((Kind::Request, p))) => p,
+        let (req, framed) = match frame {
+            Ok(Some((Kind::Request, p))) => match decode::<pb::ControlRequest>(&p, "request") {
+                Ok(r) => (r, None),
+                Err(e) => {
+                    tracing::debug!("{peer}: {e}; connection closed");
+                    return;
+                }
+            },
+            Ok(Some((Kind::Batch, p))) => match read_batch_call(&p, &mut s).await {
+                Ok((r, b)) => (r, Some(b)),
+                Err(e) => {
+                    tracing::debug!("{peer}: {e}; connection closed");
+                    return;
+                }
+            },
             Ok(None) => return,
             Ok(Some((kind, _))) => {
                 tracing::debug!("{peer}: unexpected {kind:?} control frame; connection closed");
@@ -165,17 +179,44 @@ async fn serve_frames(
                 return;
             }
         };
-        let answer = match call(&routes, &info, &payload, &mut s).await {
+        let answer = match call(&routes, &info, req, framed, &mut s).await {
             Ok(a) => a,
             Err(e) => {
                 tracing::debug!("{peer}: {e}; connection closed");
                 return;
             }
         };
-        if write_frame(&mut s, Kind::Response, &answer).await.is_err() {
+        let sent = match answer {
+            Answer::Response(r) => write_frame(&mut s, Kind::Response, &r).await,
+            Answer::Batch(r, b) => send_batch_answer(&mut s, &r, &b).await,
+        };
+        if let Err(e) = sent {
+            tracing::debug!("{peer}: {e} sending an answer; connection closed");
             return;
         }
     }
+}
+
+/// A batch call's message and its batch, read after its frame.
+async fn read_batch_call(
+    payload: &[u8],
+    s: &mut tokio::io::BufReader<TcpStream>,
+) -> std::io::Result<(pb::ControlRequest, DataBatch)> {
+    let (len, msg) = split_batch_payload(payload)?;
+    let r = decode::<pb::ControlRequest>(msg, "batch call")?;
+    let b = read_batch(s, len, MAX_REQUEST_BYTES, IDLE_LIMIT).await?;
+    Ok((r, b))
+}
+
+/// A batch answer frame and the batch's bytes after it.
+async fn send_batch_answer(
+    s: &mut tokio::io::BufReader<TcpStream>,
+    r: &pb::ControlResponse,
+    b: &DataBatch,
+) -> std::io::Result<()> {
+    let (head, len) = encoded_len(b).map_err(|e| super::invalid(e.to_string()))?;
+    write_frame(s, Kind::BatchAnswer, &batch_payload(len, r)).await?;
+    write_batch(s, &head, b, IDLE_LIMIT).await
 }
 
 /// What the server checks a frames connection's answer against.
@@ -224,16 +265,22 @@ async fn authenticate(s: &mut TcpStream, peer: SocketAddr, auth: &Auth) -> bool 
     ok
 }
 
-/// Runs one call through `routes`, saying it is alive every [`KEEPALIVE_EVERY`] while it
-/// runs; returns the encoded response. An error ends the connection (the call, if it
-/// started, is dropped with it, as HTTP/2 drops a reset stream's).
+/// What a call answers: a response message, or a response and a batch to send after it.
+enum Answer {
+    Response(Vec<u8>),
+    Batch(pb::ControlResponse, DataBatch),
+}
+
+/// Runs one call through `routes` (with `framed` as the request's [`FramedBatch`]), saying it
+/// is alive every [`KEEPALIVE_EVERY`] while it runs. An error ends the connection (the call,
+/// if it started, is dropped with it, as HTTP/2 drops a reset stream's).
 async fn call(
     routes: &Routes,
     info: &tonic::transport::server::TcpConnectInfo,
-    payload: &[u8],
+    r: pb::ControlRequest,
+    framed: Option<DataBatch>,
     s: &mut tokio::io::BufReader<TcpStream>,
-) -> std::io::Result<Vec<u8>> {
-    let r = decode::<pb::ControlRequest>(payload, "request")?;
+) -> std::io::Result<Answer> {
     let mut req = http::Request::new(tonic::body::Body::new(http_body_util::Full::new(r.body)));
     *req.method_mut() = http::Method::POST;
     *req.version_mut() = http::Version::HTTP_2;
@@ -243,12 +290,15 @@ async fn call(
         .map_err(|e| super::invalid(format!("control frame path {:?}: {e}", r.path)))?;
     *req.headers_mut() = from_frame_headers(r.headers)?;
     req.extensions_mut().insert(info.clone());
+    if let Some(b) = framed {
+        req.extensions_mut().insert(FramedBatch(b));
+    }
     let answer = async {
         let resp = match routes.clone().oneshot(req).await {
             Ok(r) => r,
             Err(never) => match never {},
         };
-        let (parts, body) = resp.into_parts();
+        let (mut parts, body) = resp.into_parts();
         let (body, trailers) = match body.collect().await {
             Ok(c) => {
                 let trailers = c.trailers().map(to_frame_headers).unwrap_or_default();
@@ -266,13 +316,16 @@ async fn call(
                 ),
             ),
         };
-        pb::ControlResponse {
+        let msg = pb::ControlResponse {
             status: parts.status.as_u16() as u32,
             headers: to_frame_headers(&parts.headers),
             body,
             trailers,
+        };
+        match FramedBatch::take(&mut parts.extensions) {
+            Some(b) => Answer::Batch(msg, b),
+            None => Answer::Response(msg.encode_to_vec()),
         }
-        .encode_to_vec()
     };
     tokio::pin!(answer);
     let mut alive = tokio::time::interval_at(

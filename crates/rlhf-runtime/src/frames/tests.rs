@@ -257,3 +257,58 @@ async fn frames_over_the_limit_or_of_unknown_kind_are_refused() {
     drop(a);
     assert!(read_frame(&mut b).await.unwrap().is_none());
 }
+
+/// A `PutBatch` request carrying `batch` beside the call.
+fn framed_put(batch: &rlhf_core::DataBatch) -> tonic::Request<tokio_stream::Empty<pb::BatchChunk>> {
+    let mut req = tonic::Request::new(tokio_stream::empty());
+    req.extensions_mut().insert(FramedBatch(batch.clone()));
+    req
+}
+
+#[tokio::test]
+async fn a_batch_goes_beside_its_call_as_raw_frames() {
+    let (addr, _server) = actor_server().await;
+    let t = transport(&addr, true).await;
+    let frames = t.frames().expect("the server speaks frames").clone();
+    let mut c = actor(t, TOKEN);
+    let v: Vec<f32> = (0..3 << 18).map(|i| i as f32).collect();
+    let batch = rlhf_core::DataBatch::new()
+        .with_tensor(
+            "x",
+            rlhf_core::TensorData::from_f32(vec![3, 1 << 18], &v).unwrap(),
+        )
+        .with_column("prompt", (0..3).map(|i| serde_json::json!(i)).collect());
+    // Twice on one connection: the second call reuses it.
+    for _ in 0..2 {
+        let put = c.put_batch(framed_put(&batch)).await.unwrap().into_inner();
+        assert_eq!(put.rows, 3);
+        assert_eq!(put.checksum, rlhf_core::batch::checksum(&batch));
+        assert_eq!(
+            put.bytes,
+            rlhf_core::batch::encode(&batch).unwrap().len() as u64
+        );
+        assert_eq!(frames.idle_connections(), 1);
+    }
+    // Still behind the token check of every call.
+    let t = transport(&addr, true).await;
+    let e = actor(t, "not-the-token")
+        .put_batch(framed_put(&batch))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e}");
+    // Without frames the call would arrive with no batch: refused before it is sent.
+    let e = actor(transport(&addr, false).await, TOKEN)
+        .put_batch(framed_put(&batch))
+        .await
+        .unwrap_err();
+    assert!(
+        e.message()
+            .contains("a framed batch needs a control frames connection"),
+        "{e}"
+    );
+    // A unary call cannot carry one: refused before it is sent.
+    let mut req = tonic::Request::new(pb::PingRequest::default());
+    req.extensions_mut().insert(FramedBatch(batch.clone()));
+    let e = c.ping(req).await.unwrap_err();
+    assert!(e.message().contains("is not a batch call"), "{e}");
+}
