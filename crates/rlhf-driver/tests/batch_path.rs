@@ -110,6 +110,34 @@ far_role! {
     }
 }
 
+/// A member at `addr` through `client`.
+fn member(addr: &str, client: rlhf_runtime::net::AuthChannel, batches: BatchPath) -> Member {
+    Member {
+        actor_id: "far".into(),
+        node_id: "n".into(),
+        address: addr.to_string(),
+        pid: 0,
+        log_file: String::new(),
+        client: RoleServiceClient::new(client),
+        batches,
+    }
+}
+
+/// 3 MiB of values and a column.
+fn far_batch() -> DataBatch {
+    let v: Vec<f32> = (0..3 << 18).map(|i| i as f32).collect();
+    DataBatch::new()
+        .with_tensor(
+            "values",
+            TensorData::from_f32(vec![3, 1 << 18], &v).unwrap(),
+        )
+        .with_column("prompt", (0..3).map(|i| serde_json::json!(i)).collect())
+}
+
+async fn call(m: &Member, call: BatchCall, b: &DataBatch) -> rlhf_core::Result<DataBatch> {
+    call_batch(m, call, b, Duration::from_secs(20)).await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_that_cannot_read_shared_memory_gets_every_batch_streamed() {
     let role = Arc::new(FarRole::default());
@@ -121,29 +149,16 @@ async fn a_member_that_cannot_read_shared_memory_gets_every_batch_streamed() {
             .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
     );
     let o = rlhf_runtime::net::ClientOptions::new("t");
-    let member = Member {
-        actor_id: "far".into(),
-        node_id: "n".into(),
-        address: addr.clone(),
-        pid: 0,
-        log_file: String::new(),
-        client: RoleServiceClient::new(rlhf_runtime::net::connect_direct(&addr, &o).await.unwrap()),
-        batches: BatchPath::new(false),
-    };
-    let v: Vec<f32> = (0..3 << 18).map(|i| i as f32).collect();
-    let b = DataBatch::new().with_tensor(
-        "values",
-        TensorData::from_f32(vec![3, 1 << 18], &v).unwrap(),
-    );
+    let ch = rlhf_runtime::net::connect_direct(&addr, &o).await.unwrap();
+    let member = member(&addr, ch, BatchPath::new(false));
+    let b = far_batch();
     // The first call is refused once and streamed; the path is then settled: the second
     // makes no shared-memory attempt.
-    for (n, call) in [BatchCall::ComputeValues, BatchCall::UpdateCritic]
+    for (n, c) in [BatchCall::ComputeValues, BatchCall::UpdateCritic]
         .into_iter()
         .enumerate()
     {
-        let out = call_batch(&member, call, &b, Duration::from_secs(20))
-            .await
-            .unwrap();
+        let out = call(&member, c, &b).await.unwrap();
         assert_eq!(out, b);
         assert_eq!(role.refused.load(Ordering::SeqCst), 1);
         assert_eq!(role.streamed.load(Ordering::SeqCst), n + 1);
@@ -155,14 +170,9 @@ async fn a_member_that_cannot_read_shared_memory_gets_every_batch_streamed() {
         batches: BatchPath::forced(false, BatchRoute::Shm, "far").unwrap(),
         ..member.clone()
     };
-    let e = call_batch(
-        &forced,
-        BatchCall::ComputeValues,
-        &b,
-        Duration::from_secs(20),
-    )
-    .await
-    .unwrap_err();
+    let e = call(&forced, BatchCall::ComputeValues, &b)
+        .await
+        .unwrap_err();
     assert!(e.to_string().contains("--batch-path shm"), "{e}");
     assert_eq!(role.refused.load(Ordering::SeqCst), 2);
     let e = BatchPath::forced(false, BatchRoute::Frames, "far").unwrap_err();
@@ -175,14 +185,7 @@ async fn a_member_that_cannot_read_shared_memory_gets_every_batch_streamed() {
         batches: BatchPath::forced(false, BatchRoute::Stream, "far").unwrap(),
         ..member
     };
-    let out = call_batch(
-        &streamed,
-        BatchCall::ComputeValues,
-        &b,
-        Duration::from_secs(20),
-    )
-    .await
-    .unwrap();
+    let out = call(&streamed, BatchCall::ComputeValues, &b).await.unwrap();
     assert_eq!(out, b);
     assert_eq!(role.refused.load(Ordering::SeqCst), 2);
     assert_eq!(role.streamed.load(Ordering::SeqCst), 3);
@@ -228,13 +231,11 @@ async fn a_member_on_another_host_gets_every_batch_as_raw_frames() {
             TensorData::from_f32(vec![3, 1 << 18], &v).unwrap(),
         )
         .with_column("prompt", (0..3).map(|i| serde_json::json!(i)).collect());
-    for (n, call) in [BatchCall::ComputeValues, BatchCall::UpdateCritic]
+    for (n, c) in [BatchCall::ComputeValues, BatchCall::UpdateCritic]
         .into_iter()
         .enumerate()
     {
-        let out = call_batch(&member, call, &b, Duration::from_secs(20))
-            .await
-            .unwrap();
+        let out = call(&member, c, &b).await.unwrap();
         assert_eq!(out, b);
         assert!(out.tensors["values"].data.is_view(), "received in place");
         assert_eq!(role.refused.load(Ordering::SeqCst), 1);
