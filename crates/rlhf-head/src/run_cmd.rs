@@ -155,6 +155,9 @@ struct Embedded {
     token: String,
 }
 
+/// How long the embedded head waits before it calls its own worker's node dead.
+const EMBEDDED_DEAD_AFTER: Duration = Duration::from_secs(120);
+
 async fn start_embedded(cfg: &PpoConfig, exe: PathBuf) -> Result<Embedded> {
     let state_dir = std::env::temp_dir().join(format!("rlhf-run-{}", std::process::id()));
     std::fs::create_dir_all(&state_dir)
@@ -165,8 +168,13 @@ async fn start_embedded(cfg: &PpoConfig, exe: PathBuf) -> Result<Embedded> {
     opts.host = "127.0.0.1".into();
     opts.port = 0;
     opts.dashboard = None;
-    // Role processes load models while their node heartbeats; be generous on a busy laptop.
-    opts.dead_threshold = Duration::from_secs(10);
+    // The only node is the worker task of this very process: it cannot die without the head,
+    // and its role processes are watched by the worker itself, not by heartbeats. A silence
+    // verdict could only come from this process being starved (a busy laptop, a loaded test
+    // machine: seen to fail a run at placement, the node marked dead and registered again
+    // under a new id while an actor was being started on it), so the threshold only guards
+    // against a worker task that hangs.
+    opts.dead_threshold = EMBEDDED_DEAD_AFTER;
     let head = head::start(
         opts,
         Arc::new(rlhf_runtime::clock::SystemClock),
