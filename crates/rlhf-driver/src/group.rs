@@ -18,8 +18,8 @@ use rlhf_runtime::net::AuthChannel;
 use rlhf_runtime::shared_batch;
 use tonic::Streaming;
 
-/// Largest batch a role answer may be.
-const MAX_ANSWER_BYTES: u64 = 8 << 30;
+// The largest batch a role answer may be, streamed or framed.
+use rlhf_runtime::frames::batch::MAX_ANSWER_BYTES;
 
 /// One role process.
 #[derive(Clone, Debug)]
@@ -65,7 +65,7 @@ impl BatchPath {
     pub fn forced(framed: bool, route: BatchRoute, member: &str) -> Result<Self> {
         if route == BatchRoute::Frames && !framed {
             return Err(Error::invalid(format!(
-                "--batch-path frames: role process {member} does not speak control frames (a TLS cluster keeps HTTP/2); use --batch-path stream or leave the flag out"
+                "--batch-path frames: role process {member} does not speak control frames (a TLS cluster keeps HTTP/2, and a connection whose frames hello failed falls back to it: the driver's debug log says why); use --batch-path stream or leave the flag out"
             )));
         }
         Ok(Self {

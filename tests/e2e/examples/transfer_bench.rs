@@ -16,7 +16,7 @@
 //! Also prints the in-process cost of encoding into chunks and of reassembling them.
 //!
 //! Run: `cargo build --release --workspace --bins --examples`, then
-//! `target/release/examples/transfer_bench [--sizes 64,256 --reps 3 --chunk-kib 1024]`.
+//! `target/release/examples/transfer_bench [--sizes 64,256 --reps 5 --chunk-kib 1024]`.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -204,7 +204,7 @@ fn main() -> Result<()> {
         .split(',')
         .map(|s| s.trim().parse().context("--sizes takes MiB like 64,256"))
         .collect::<Result<_>>()?;
-    let reps: usize = arg("--reps").map_or(Ok(3), |s| s.parse())?;
+    let reps: usize = arg("--reps").map_or(Ok(5), |s| s.parse())?;
     let chunk = arg("--chunk-kib").map_or(Ok(batch::CHUNK_BYTES), |s| {
         s.parse::<usize>().map(|k| k << 10)
     })?;

@@ -84,13 +84,14 @@ fn stalled(what: &str, limit: Duration) -> std::io::Error {
 
 /// Reads a `len`-byte batch encoding into a pooled buffer and decodes it as views of it.
 /// `len` is checked against `max` before anything is allocated; each piece must arrive
-/// within `limit`.
+/// within `limit`. The outer error leaves the stream out of step (close it); the inner one,
+/// bytes that are not a batch, leaves it in step (the call can be answered).
 pub(super) async fn read_batch<R: AsyncReadExt + Unpin>(
     r: &mut R,
     len: u64,
     max: u64,
     limit: Duration,
-) -> std::io::Result<DataBatch> {
+) -> std::io::Result<std::result::Result<DataBatch, String>> {
     read_into(r, len, max, limit, global()).await
 }
 
@@ -100,7 +101,7 @@ async fn read_into<R: AsyncReadExt + Unpin>(
     max: u64,
     limit: Duration,
     pool: &'static BufferPool,
-) -> std::io::Result<DataBatch> {
+) -> std::io::Result<std::result::Result<DataBatch, String>> {
     if len > max {
         return Err(super::invalid(format!(
             "a framed batch of {len} bytes is over the {max}-byte limit"
@@ -120,7 +121,7 @@ async fn read_into<R: AsyncReadExt + Unpin>(
         len,
         pool,
     });
-    decode_view(region, 0).map_err(|e| super::invalid(e.to_string()))
+    Ok(decode_view(region, 0).map_err(|e| e.to_string()))
 }
 
 /// A received encoding: the tensors of the batch decoded from it are views of it; when the
@@ -147,7 +148,10 @@ impl Drop for Received {
 
 /// Buffers kept for the next batches: at most this many,
 const POOL_BUFFERS: usize = 4;
-/// and none idle longer than this (their memory goes back to the system).
+/// none bigger than this (a bigger batch pays its page faults, and its memory goes back
+/// to the system as soon as the batch is dropped),
+const POOL_MAX_BUFFER: usize = 1 << 30;
+/// and none found idle longer than this at the next batch (dropped then).
 const POOL_IDLE: Duration = Duration::from_secs(60);
 /// Smallest buffer made.
 const MIN_BUFFER: usize = 1 << 20;
@@ -179,7 +183,8 @@ impl BufferPool {
             let best = p
                 .iter()
                 .enumerate()
-                .filter(|(_, (b, _))| b.len() >= len)
+                // Not a buffer far bigger than the batch: a view kept would pin all of it.
+                .filter(|(_, (b, _))| b.len() >= len && b.len() <= buffer_size(len) * 2)
                 .min_by_key(|(_, (b, _))| b.len())
                 .map(|(i, _)| i);
             if let Some(i) = best {
@@ -191,6 +196,9 @@ impl BufferPool {
     }
 
     fn give_back(&self, b: Box<[u8]>) {
+        if b.len() > POOL_MAX_BUFFER {
+            return;
+        }
         if let Ok(mut p) = self.0.lock() {
             p.retain(|(_, t)| t.elapsed() <= POOL_IDLE);
             p.push((b, Instant::now()));
@@ -233,7 +241,7 @@ mod tests {
             read_into(&mut r, len, u64::MAX, limit, pool)
         );
         sent.unwrap();
-        got.unwrap()
+        got.unwrap().unwrap()
     }
 
     #[tokio::test]
@@ -289,7 +297,8 @@ mod tests {
         w.write_all(&[7u8; 64]).await.unwrap();
         let e = read_into(&mut r, 64, u64::MAX, limit, pool)
             .await
+            .unwrap()
             .unwrap_err();
-        assert!(e.to_string().contains("malformed batch encoding"), "{e}");
+        assert!(e.contains("malformed batch encoding"), "{e}");
     }
 }

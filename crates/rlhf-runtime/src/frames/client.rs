@@ -156,11 +156,18 @@ impl FramesClient {
     pub async fn call(self, req: http::Request<Body>) -> Result<http::Response<Body>, BoxError> {
         let path = req.uri().path().to_string();
         let addr = self.addr.clone();
-        self.call_inner(req).await.map_err(|e| {
-            Box::new(tonic::Status::unavailable(format!(
-                "control call {path} to {addr}: {e}"
-            ))) as BoxError
-        })
+        self.call_inner(req)
+            .await
+            .map_err(|e| match e.downcast::<tonic::Status>() {
+                // Refused for what it is (a batch over a limit, a misuse): not worth a retry.
+                Ok(s) => Box::new(tonic::Status::new(
+                    s.code(),
+                    format!("control call {path} to {addr}: {}", s.message()),
+                )) as BoxError,
+                Err(e) => Box::new(tonic::Status::unavailable(format!(
+                    "control call {path} to {addr}: {e}"
+                ))) as BoxError,
+            })
     }
 
     async fn call_inner(self, req: http::Request<Body>) -> Result<http::Response<Body>, BoxError> {
@@ -178,19 +185,17 @@ impl FramesClient {
         };
         let sent = match &framed {
             Some(_) if rlhf_proto::is_unary(parts.uri.path()) => {
-                return Err(format!(
+                return Err(Box::new(tonic::Status::invalid_argument(format!(
                     "{} is not a batch call: a framed batch goes only with one",
                     parts.uri.path()
-                )
-                .into());
+                ))));
             }
             Some(b) => {
                 let (head, len) = encoded_len(b)?;
                 if len > MAX_REQUEST_BYTES {
-                    return Err(format!(
-                        "a batch of {len} bytes is over the {MAX_REQUEST_BYTES}-byte limit of a call; split it"
-                    )
-                    .into());
+                    return Err(Box::new(tonic::Status::resource_exhausted(format!(
+                        "a batch of {len} bytes is over the {MAX_REQUEST_BYTES}-byte limit of a call; split it (more ranks, or smaller rollout/micro batches)"
+                    ))));
                 }
                 Some((head, len))
             }
@@ -219,7 +224,7 @@ impl FramesClient {
 
     /// Reads the call's answer: a response frame, or a batch answer and its batch (then in
     /// the response's extensions as a [`FramedBatch`]), skipping keepalives.
-    async fn answer(&self, s: &mut Conn) -> std::io::Result<http::Response<Body>> {
+    async fn answer(&self, s: &mut Conn) -> Result<http::Response<Body>, BoxError> {
         loop {
             let frame = tokio::time::timeout(self.idle_limit, read_frame(s))
                 .await
@@ -237,22 +242,33 @@ impl FramesClient {
                     return Err(std::io::Error::new(
                         std::io::ErrorKind::UnexpectedEof,
                         "the server closed the connection during the call",
-                    ))
+                    )
+                    .into())
                 }
                 Some((Kind::Keepalive, _)) => continue,
                 Some((Kind::Response, payload)) => {
-                    return response(decode::<pb::ControlResponse>(&payload, "response")?)
+                    return Ok(response(decode::<pb::ControlResponse>(
+                        &payload, "response",
+                    )?)?)
                 }
                 Some((Kind::BatchAnswer, payload)) => {
                     let (len, msg) = split_batch_payload(&payload)?;
+                    if len > MAX_ANSWER_BYTES {
+                        // The server checks this too; the connection is dropped either way.
+                        return Err(Box::new(tonic::Status::resource_exhausted(format!(
+                            "an answer of {len} bytes is over the {MAX_ANSWER_BYTES}-byte limit; split the batch (more ranks, or smaller rollout/micro batches)"
+                        ))));
+                    }
                     let r = decode::<pb::ControlResponse>(msg, "batch answer")?;
-                    let b = read_batch(s, len, MAX_ANSWER_BYTES, self.idle_limit).await?;
+                    let b = read_batch(s, len, MAX_ANSWER_BYTES, self.idle_limit)
+                        .await?
+                        .map_err(|e| format!("the answer batch: {e}"))?;
                     let mut resp = response(r)?;
                     resp.extensions_mut().insert(FramedBatch(b));
                     return Ok(resp);
                 }
                 Some((kind @ (Kind::Request | Kind::Batch), _)) => {
-                    return Err(super::invalid(format!("the server sent a {kind:?} frame")))
+                    return Err(super::invalid(format!("the server sent a {kind:?} frame")).into())
                 }
             }
         }

@@ -17,7 +17,9 @@ use tokio_util::sync::CancellationToken;
 use tonic::service::Routes;
 use tower::ServiceExt;
 
-use super::batch::{encoded_len, read_batch, write_batch, FramedBatch, MAX_REQUEST_BYTES};
+use super::batch::{
+    encoded_len, read_batch, write_batch, FramedBatch, MAX_ANSWER_BYTES, MAX_REQUEST_BYTES,
+};
 use super::{
     batch_payload, decode, from_frame_headers, read_frame, split_batch_payload, to_frame_headers,
     write_frame, Kind, ACCEPTED, CHALLENGE, HELLO, IDLE_LIMIT, KEEPALIVE_EVERY, REFUSED,
@@ -163,9 +165,23 @@ async fn serve_frames(
                 }
             },
             Ok(Some((Kind::Batch, p))) => match read_batch_call(&p, &mut s).await {
-                Ok((r, b)) => (r, Some(b)),
+                Ok((r, Ok(b))) => (r, Some(b)),
+                // Every byte was read: the stream is in step, the call gets its answer.
+                Ok((r, Err(e))) => {
+                    let refused = status_response(tonic::Status::invalid_argument(format!(
+                        "{}: the framed batch: {e}",
+                        r.path
+                    )));
+                    if write_frame(&mut s, Kind::Response, &refused.encode_to_vec())
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                    continue;
+                }
                 Err(e) => {
-                    tracing::debug!("{peer}: {e}; connection closed");
+                    tracing::warn!("{peer}: {e} receiving a framed batch; connection closed");
                     return;
                 }
             },
@@ -201,7 +217,7 @@ async fn serve_frames(
 async fn read_batch_call(
     payload: &[u8],
     s: &mut tokio::io::BufReader<TcpStream>,
-) -> std::io::Result<(pb::ControlRequest, DataBatch)> {
+) -> std::io::Result<(pb::ControlRequest, std::result::Result<DataBatch, String>)> {
     let (len, msg) = split_batch_payload(payload)?;
     let r = decode::<pb::ControlRequest>(msg, "batch call")?;
     let b = read_batch(s, len, MAX_REQUEST_BYTES, IDLE_LIMIT).await?;
@@ -215,6 +231,12 @@ async fn send_batch_answer(
     b: &DataBatch,
 ) -> std::io::Result<()> {
     let (head, len) = encoded_len(b).map_err(|e| super::invalid(e.to_string()))?;
+    if len > MAX_ANSWER_BYTES {
+        let refused = status_response(tonic::Status::resource_exhausted(format!(
+            "an answer of {len} bytes is over the {MAX_ANSWER_BYTES}-byte limit of a framed answer; split the batch (more ranks, or smaller rollout/micro batches)"
+        )));
+        return write_frame(s, Kind::Response, &refused.encode_to_vec()).await;
+    }
     write_frame(s, Kind::BatchAnswer, &batch_payload(len, r)).await?;
     write_batch(s, &head, b, IDLE_LIMIT).await
 }
@@ -263,6 +285,17 @@ async fn authenticate(s: &mut TcpStream, peer: SocketAddr, auth: &Auth) -> bool 
         }
     }
     ok
+}
+
+/// A call's answer that is only a gRPC status (trailers-only, as tonic sends an error).
+fn status_response(st: tonic::Status) -> pb::ControlResponse {
+    let parts = st.into_http::<()>().into_parts().0;
+    pb::ControlResponse {
+        status: parts.status.as_u16() as u32,
+        headers: to_frame_headers(&parts.headers),
+        body: Default::default(),
+        trailers: Vec::new(),
+    }
 }
 
 /// What a call answers: a response message, or a response and a batch to send after it.

@@ -311,4 +311,66 @@ async fn a_batch_goes_beside_its_call_as_raw_frames() {
     req.extensions_mut().insert(FramedBatch(batch.clone()));
     let e = c.ping(req).await.unwrap_err();
     assert!(e.message().contains("is not a batch call"), "{e}");
+    assert_eq!(
+        e.code(),
+        tonic::Code::InvalidArgument,
+        "not a retryable failure"
+    );
+}
+
+#[tokio::test]
+async fn bytes_that_are_not_a_batch_get_an_answer_and_the_connection_stays_in_step() {
+    let (addr, _server) = actor_server().await;
+    let mut raw = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    raw.write_all(HELLO).await.unwrap();
+    let mut hello = [0u8; HELLO.len() + CHALLENGE];
+    raw.read_exact(&mut hello).await.unwrap();
+    let tag = super::answer(TOKEN, &hello[HELLO.len()..]);
+    raw.write_all(tag.as_ref()).await.unwrap();
+    let mut verdict = [0u8; 1];
+    raw.read_exact(&mut verdict).await.unwrap();
+    assert_eq!(verdict[0], ACCEPTED);
+    let call = |path: &str| pb::ControlRequest {
+        path: path.into(),
+        headers: vec![pb::FrameHeader {
+            name: "authorization".into(),
+            value: format!("Bearer {TOKEN}").into_bytes(),
+        }],
+        body: Default::default(),
+    };
+    // 64 bytes announced and sent, none of them a batch encoding.
+    let put = call("/rlhf.v1.ActorService/PutBatch");
+    write_frame(&mut raw, Kind::Batch, &batch_payload(64, &put))
+        .await
+        .unwrap();
+    raw.write_all(&[7u8; 64]).await.unwrap();
+    let (kind, payload) = read_frame(&mut raw).await.unwrap().unwrap();
+    assert_eq!(kind, Kind::Response);
+    let r = pb::ControlResponse::decode(&payload[..]).unwrap();
+    let st = tonic::Status::from_header_map(&from_frame_headers(r.headers).unwrap()).unwrap();
+    assert_eq!(st.code(), tonic::Code::InvalidArgument, "{st:?}");
+    assert!(st.message().contains("malformed batch encoding"), "{st:?}");
+    // The next call on the same connection is read from the right byte.
+    let mut ping = call("/rlhf.v1.ActorService/Ping");
+    ping.body = {
+        let msg = pb::PingRequest {
+            payload: b"x".to_vec(),
+        }
+        .encode_to_vec();
+        let mut b = vec![0u8];
+        b.extend_from_slice(&(msg.len() as u32).to_be_bytes());
+        b.extend_from_slice(&msg);
+        b.into()
+    };
+    write_frame(&mut raw, Kind::Request, &ping.encode_to_vec())
+        .await
+        .unwrap();
+    let (kind, payload) = read_frame(&mut raw).await.unwrap().unwrap();
+    assert_eq!(kind, Kind::Response);
+    let r = pb::ControlResponse::decode(&payload[..]).unwrap();
+    let pong = pb::PingResponse::decode(&r.body[5..]).unwrap();
+    assert_eq!(
+        (pong.payload.as_slice(), pong.actor_id.as_str()),
+        (&b"x"[..], "a1")
+    );
 }
