@@ -13,13 +13,12 @@ use rlhf_core::{BatchRoute, CommGroup, Error, FailureKind, Result, RoleKind, Rol
 use rlhf_proto::v1 as pb;
 use rlhf_proto::v1::role_service_client::RoleServiceClient;
 pub use rlhf_proto::BatchCall;
+// MAX_ANSWER_BYTES: the largest batch a role answer may be, streamed or framed.
+use rlhf_runtime::frames::batch::MAX_ANSWER_BYTES;
 use rlhf_runtime::frames::FramedBatch;
 use rlhf_runtime::net::AuthChannel;
 use rlhf_runtime::shared_batch;
 use tonic::Streaming;
-
-// The largest batch a role answer may be, streamed or framed.
-use rlhf_runtime::frames::batch::MAX_ANSWER_BYTES;
 
 /// One role process.
 #[derive(Clone, Debug)]
@@ -93,17 +92,11 @@ impl BatchPath {
         if self.state.swap(path, Ordering::Relaxed) != path {
             let why = match self.forced {
                 Some(r) => format!("asked for with --batch-path {r}"),
+                None if path == PATH_SHARED => "same host".to_string(),
                 None => why.to_string(),
             };
             let how = if path == PATH_SHARED {
-                format!(
-                    "through shared memory ({})",
-                    if self.forced.is_some() {
-                        &why
-                    } else {
-                        "same host"
-                    }
-                )
+                format!("through shared memory ({why})")
             } else if self.is_framed() {
                 format!("as raw control frames over TCP ({why})")
             } else {

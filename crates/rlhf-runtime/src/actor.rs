@@ -63,12 +63,7 @@ impl ActorService for TestActor {
         if let Some(batch) = crate::frames::FramedBatch::take(req.extensions_mut()) {
             // Over control frames: views of the received buffer, hashed in one pass.
             let (rows, bytes, checksum) = tokio::task::spawn_blocking(move || {
-                let bytes = rlhf_core::batch::encode_header(&batch)?.len() as u64
-                    + batch
-                        .tensors
-                        .values()
-                        .map(|t| t.data.len() as u64)
-                        .sum::<u64>();
+                let (_, bytes) = rlhf_core::batch::encode_header_sized(&batch)?;
                 rlhf_core::Result::Ok((
                     batch.len()? as u64,
                     bytes,

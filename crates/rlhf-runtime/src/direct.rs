@@ -77,12 +77,11 @@ impl tower::Service<http::Request<Body>> for Transport {
     }
 
     fn call(&mut self, req: http::Request<Body>) -> Self::Future {
-        if self.frames().is_none()
-            && req
-                .extensions()
-                .get::<crate::frames::FramedBatch>()
-                .is_some()
-        {
+        let framed = req
+            .extensions()
+            .get::<crate::frames::FramedBatch>()
+            .is_some();
+        if framed && self.frames().is_none() {
             // Over HTTP/2 the call would arrive with no batch at all.
             let path = req.uri().path().to_string();
             return Box::pin(async move {
@@ -98,8 +97,7 @@ impl tower::Service<http::Request<Body>> for Transport {
             }
             Transport::Direct(d) => {
                 if let Some(f) = &d.frames {
-                    let framed = req.extensions().get::<crate::frames::FramedBatch>();
-                    if framed.is_some() || rlhf_proto::is_unary(req.uri().path()) {
+                    if framed || rlhf_proto::is_unary(req.uri().path()) {
                         return Box::pin(f.clone().call(req));
                     }
                 }

@@ -16,8 +16,8 @@ use crate::{Error, Result};
 
 pub use rlhf_types::DType;
 pub use wire::{
-    checksum, decode, decode_view, encode, encode_chunks, encode_header, to_chunks, Assembler,
-    CHUNK_BYTES,
+    checksum, decode, decode_view, encode, encode_chunks, encode_header, encode_header_sized,
+    to_chunks, Assembler, CHUNK_BYTES,
 };
 
 mod wire;

@@ -63,6 +63,14 @@ pub fn encode_header(b: &DataBatch) -> Result<Vec<u8>> {
     Ok(out)
 }
 
+/// [`encode_header`] and the length of the whole encoding (header and tensor bytes), for
+/// senders that write the tensors from where they live.
+pub fn encode_header_sized(b: &DataBatch) -> Result<(Vec<u8>, u64)> {
+    let head = encode_header(b)?;
+    let total = head.len() as u64 + b.tensors.values().map(|t| t.data.len() as u64).sum::<u64>();
+    Ok((head, total))
+}
+
 /// Encoding: "RLHB", u32 version, u64 header length, JSON header, then each tensor's bytes
 /// in header order (name order). All integers little-endian.
 pub fn encode(b: &DataBatch) -> Result<Vec<u8>> {
@@ -79,8 +87,8 @@ pub fn encode(b: &DataBatch) -> Result<Vec<u8>> {
 /// that straddle the header or a tensor boundary are copied. Same bytes as
 /// `to_chunks(encode(b)?, chunk_bytes)`, without the two whole-batch copies.
 pub fn encode_chunks(b: &DataBatch, chunk_bytes: usize) -> Result<Vec<pb::BatchChunk>> {
-    let head = Bytes::from(encode_header(b)?);
-    let total = head.len() as u64 + b.tensors.values().map(|t| t.data.len() as u64).sum::<u64>();
+    let (head, total) = encode_header_sized(b)?;
+    let head = Bytes::from(head);
     let segments = std::iter::once(head).chain(b.tensors.values().map(|t| t.data.to_bytes()));
     Ok(chunk_segments(segments, total, chunk_bytes))
 }

@@ -20,8 +20,8 @@
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use rlhf_core::batch::{decode_view, encode_header, SharedRegion};
-use rlhf_core::{DataBatch, Result};
+use rlhf_core::batch::{decode_view, SharedRegion};
+use rlhf_core::DataBatch;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 /// A batch that travels beside a gRPC call over control frames: in a request's extensions,
@@ -61,18 +61,6 @@ pub(super) async fn write_batch<W: AsyncWriteExt + Unpin>(
         }
     }
     w.flush().await
-}
-
-/// The encoding's header and its total length, for [`write_batch`] and the frame before it.
-pub(super) fn encoded_len(batch: &DataBatch) -> Result<(Vec<u8>, u64)> {
-    let head = encode_header(batch)?;
-    let len = head.len() as u64
-        + batch
-            .tensors
-            .values()
-            .map(|t| t.data.len() as u64)
-            .sum::<u64>();
-    Ok((head, len))
 }
 
 fn stalled(what: &str, limit: Duration) -> std::io::Error {
@@ -233,7 +221,7 @@ mod tests {
     /// Writes `b` as the sender does and reads it into `pool`.
     async fn round_trip(b: &DataBatch, pool: &'static BufferPool) -> DataBatch {
         let (mut w, mut r) = tokio::io::duplex(1 << 16);
-        let (head, len) = encoded_len(b).unwrap();
+        let (head, len) = rlhf_core::batch::encode_header_sized(b).unwrap();
         assert_eq!(len as usize, encode(b).unwrap().len());
         let limit = Duration::from_secs(5);
         let (sent, got) = tokio::join!(

@@ -12,13 +12,12 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 use tonic::body::Body;
 
-use super::batch::{
-    encoded_len, read_batch, write_batch, FramedBatch, MAX_ANSWER_BYTES, MAX_REQUEST_BYTES,
-};
+use super::batch::{read_batch, write_batch, FramedBatch, MAX_ANSWER_BYTES, MAX_REQUEST_BYTES};
 use super::{
     batch_payload, decode, from_frame_headers, read_frame, split_batch_payload, to_frame_headers,
     write_frame, Kind, ACCEPTED, CHALLENGE, HELLO, IDLE_LIMIT,
 };
+use rlhf_core::batch::encode_header_sized;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -173,7 +172,25 @@ impl FramesClient {
     async fn call_inner(self, req: http::Request<Body>) -> Result<http::Response<Body>, BoxError> {
         let (mut parts, body) = req.into_parts();
         // A batch call with its batch beside it: the message stream is empty.
-        let framed = FramedBatch::take(&mut parts.extensions);
+        // The batch, its encoding's header and length.
+        let framed = match FramedBatch::take(&mut parts.extensions) {
+            Some(_) if rlhf_proto::is_unary(parts.uri.path()) => {
+                return Err(Box::new(tonic::Status::invalid_argument(format!(
+                    "{} is not a batch call: a framed batch goes only with one",
+                    parts.uri.path()
+                ))));
+            }
+            Some(b) => {
+                let (head, len) = encode_header_sized(&b)?;
+                if len > MAX_REQUEST_BYTES {
+                    return Err(Box::new(tonic::Status::resource_exhausted(format!(
+                        "a batch of {len} bytes is over the {MAX_REQUEST_BYTES}-byte limit of a call; split it (more ranks, or smaller rollout/micro batches)"
+                    ))));
+                }
+                Some((b, head, len))
+            }
+            None => None,
+        };
         let body = match framed {
             Some(_) => Default::default(),
             None => body.collect().await?.to_bytes(),
@@ -182,24 +199,6 @@ impl FramesClient {
             path: parts.uri.path().to_string(),
             headers: to_frame_headers(&parts.headers),
             body,
-        };
-        let sent = match &framed {
-            Some(_) if rlhf_proto::is_unary(parts.uri.path()) => {
-                return Err(Box::new(tonic::Status::invalid_argument(format!(
-                    "{} is not a batch call: a framed batch goes only with one",
-                    parts.uri.path()
-                ))));
-            }
-            Some(b) => {
-                let (head, len) = encoded_len(b)?;
-                if len > MAX_REQUEST_BYTES {
-                    return Err(Box::new(tonic::Status::resource_exhausted(format!(
-                        "a batch of {len} bytes is over the {MAX_REQUEST_BYTES}-byte limit of a call; split it (more ranks, or smaller rollout/micro batches)"
-                    ))));
-                }
-                Some((head, len))
-            }
-            None => None,
         };
         let mut s = match self.take() {
             Some(s) => s,
@@ -210,12 +209,12 @@ impl FramesClient {
                 )
             })?,
         };
-        match (&framed, sent) {
-            (Some(b), Some((head, len))) => {
-                write_frame(&mut s, Kind::Batch, &batch_payload(len, &msg)).await?;
-                write_batch(&mut s, &head, b, self.idle_limit).await?;
+        match &framed {
+            Some((b, head, len)) => {
+                write_frame(&mut s, Kind::Batch, &batch_payload(*len, &msg)).await?;
+                write_batch(&mut s, head, b, self.idle_limit).await?;
             }
-            _ => write_frame(&mut s, Kind::Request, &msg.encode_to_vec()).await?,
+            None => write_frame(&mut s, Kind::Request, &msg.encode_to_vec()).await?,
         }
         let resp = self.answer(&mut s).await?;
         self.give_back(s);

@@ -17,15 +17,14 @@ use tokio_util::sync::CancellationToken;
 use tonic::service::Routes;
 use tower::ServiceExt;
 
-use super::batch::{
-    encoded_len, read_batch, write_batch, FramedBatch, MAX_ANSWER_BYTES, MAX_REQUEST_BYTES,
-};
+use super::batch::{read_batch, write_batch, FramedBatch, MAX_ANSWER_BYTES, MAX_REQUEST_BYTES};
 use super::{
     batch_payload, decode, from_frame_headers, read_frame, split_batch_payload, to_frame_headers,
     write_frame, Kind, ACCEPTED, CHALLENGE, HELLO, IDLE_LIMIT, KEEPALIVE_EVERY, REFUSED,
 };
 use crate::auth::LogLimit;
 use crate::net::{self, ServerTls};
+use rlhf_core::batch::encode_header_sized;
 
 /// A connection that has not said which protocol it speaks within this is closed.
 const FIRST_BYTES_WITHIN: Duration = Duration::from_secs(10);
@@ -168,14 +167,11 @@ async fn serve_frames(
                 Ok((r, Ok(b))) => (r, Some(b)),
                 // Every byte was read: the stream is in step, the call gets its answer.
                 Ok((r, Err(e))) => {
-                    let refused = status_response(tonic::Status::invalid_argument(format!(
+                    let refused = tonic::Status::invalid_argument(format!(
                         "{}: the framed batch: {e}",
                         r.path
-                    )));
-                    if write_frame(&mut s, Kind::Response, &refused.encode_to_vec())
-                        .await
-                        .is_err()
-                    {
+                    ));
+                    if write_status(&mut s, refused).await.is_err() {
                         return;
                     }
                     continue;
@@ -230,12 +226,12 @@ async fn send_batch_answer(
     r: &pb::ControlResponse,
     b: &DataBatch,
 ) -> std::io::Result<()> {
-    let (head, len) = encoded_len(b).map_err(|e| super::invalid(e.to_string()))?;
+    let (head, len) = encode_header_sized(b).map_err(|e| super::invalid(e.to_string()))?;
     if len > MAX_ANSWER_BYTES {
-        let refused = status_response(tonic::Status::resource_exhausted(format!(
+        return write_status(s, tonic::Status::resource_exhausted(format!(
             "an answer of {len} bytes is over the {MAX_ANSWER_BYTES}-byte limit of a framed answer; split the batch (more ranks, or smaller rollout/micro batches)"
-        )));
-        return write_frame(s, Kind::Response, &refused.encode_to_vec()).await;
+        )))
+        .await;
     }
     write_frame(s, Kind::BatchAnswer, &batch_payload(len, r)).await?;
     write_batch(s, &head, b, IDLE_LIMIT).await
@@ -287,15 +283,19 @@ async fn authenticate(s: &mut TcpStream, peer: SocketAddr, auth: &Auth) -> bool 
     ok
 }
 
-/// A call's answer that is only a gRPC status (trailers-only, as tonic sends an error).
-fn status_response(st: tonic::Status) -> pb::ControlResponse {
+/// Answers a call with only a gRPC status (trailers-only, as tonic sends an error).
+async fn write_status(
+    s: &mut tokio::io::BufReader<TcpStream>,
+    st: tonic::Status,
+) -> std::io::Result<()> {
     let parts = st.into_http::<()>().into_parts().0;
-    pb::ControlResponse {
+    let r = pb::ControlResponse {
         status: parts.status.as_u16() as u32,
         headers: to_frame_headers(&parts.headers),
         body: Default::default(),
         trailers: Vec::new(),
-    }
+    };
+    write_frame(s, Kind::Response, &r.encode_to_vec()).await
 }
 
 /// What a call answers: a response message, or a response and a batch to send after it.

@@ -31,7 +31,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use rand::RngCore;
-use rlhf_core::batch::encode_header;
+use rlhf_core::batch::encode_header_sized;
 use rlhf_core::{DataBatch, Error, Result};
 use rlhf_proto::v1 as pb;
 
@@ -195,8 +195,9 @@ impl std::fmt::Debug for SharedFile {
 impl SharedFile {
     /// Copies `batch`'s encoding into a free segment.
     pub fn write(batch: &DataBatch) -> Result<Self> {
-        let head = encode_header(batch)?;
-        let len = head.len() + batch.tensors.values().map(|t| t.data.len()).sum::<usize>();
+        let (head, len) = encode_header_sized(batch)?;
+        let len = usize::try_from(len)
+            .map_err(|_| Error::invalid(format!("a batch of {len} bytes does not fit")))?;
         let seg = take_segment(len)?;
         // SAFETY: the mapping is writable and `take_segment` moved the lease to WRITING:
         // no reader looks at the data area until the lease says `written` below.
