@@ -38,8 +38,10 @@ pub struct JoinSpec {
 enum Pending {
     Tcp(TcpRendezvous),
     Shm(ShmRendezvous),
+    /// The unique id made for the group, for rank 0's own join when the id went to the
+    /// head's KV store instead of back to the driver.
     #[cfg(feature = "nccl")]
-    Nccl,
+    Nccl(Vec<u8>),
 }
 
 /// The groups this process belongs to, by name.
@@ -81,7 +83,7 @@ impl Groups {
             #[cfg(feature = "nccl")]
             {
                 let id = rlhf_collective::nccl::unique_id()?;
-                self.pending.insert(group, Pending::Nccl);
+                self.pending.insert(group, Pending::Nccl(id.to_vec()));
                 return Ok(Prepared {
                     address: String::new(),
                     unique_id: id.to_vec(),
@@ -136,7 +138,7 @@ impl Groups {
         }
         let pending = self.pending.remove(&spec.group);
         let comm: Box<dyn Communicator> = if spec.backend == CommBackend::Nccl {
-            self.join_nccl(spec, &config)?
+            self.join_nccl(spec, &config, pending)?
         } else if spec.world_size == 1 {
             Box::new(TcpCommunicator::single(config))
         } else if spec.rank == 0 {
@@ -182,18 +184,40 @@ impl Groups {
     }
 
     #[cfg(feature = "nccl")]
-    fn join_nccl(&mut self, spec: &JoinSpec, config: &CommConfig) -> Result<Box<dyn Communicator>> {
+    fn join_nccl(
+        &mut self,
+        spec: &JoinSpec,
+        config: &CommConfig,
+        pending: Option<Pending>,
+    ) -> Result<Box<dyn Communicator>> {
+        // Rank 0 made the id; the request carries it only when the driver relayed it.
+        let id = match pending {
+            Some(Pending::Nccl(id)) if spec.unique_id.is_empty() => id,
+            _ => spec.unique_id.clone(),
+        };
+        if id.is_empty() {
+            return Err(Error::invalid(format!(
+                "JoinComm for NCCL group '{}' rank {}: no unique id; pass rank 0's PrepareComm \
+                 unique_id, or the kv_key it was published under",
+                spec.group, spec.rank
+            )));
+        }
         Ok(Box::new(rlhf_collective::NcclCommunicator::new(
             spec.rank,
             spec.world_size,
             self.cuda_device,
-            &spec.unique_id,
+            &id,
             config,
         )?))
     }
 
     #[cfg(not(feature = "nccl"))]
-    fn join_nccl(&mut self, _: &JoinSpec, _: &CommConfig) -> Result<Box<dyn Communicator>> {
+    fn join_nccl(
+        &mut self,
+        _: &JoinSpec,
+        _: &CommConfig,
+        _: Option<Pending>,
+    ) -> Result<Box<dyn Communicator>> {
         Err(Error::invalid(
             "communicator backend 'nccl' requested but this build is without the nccl feature",
         ))

@@ -17,7 +17,7 @@ use rlhf_core::batch::{encode, to_chunks, Assembler, DataBatch, CHUNK_BYTES};
 use rlhf_proto::v1 as pb;
 use rlhf_proto::v1::role_service_server::{RoleService, RoleServiceServer};
 use rlhf_proto::MAX_MESSAGE_BYTES;
-use rlhf_runtime::actor::MAX_BATCH_BYTES;
+use rlhf_runtime::actor::{HEAD_ADDRESS_ENV, MAX_BATCH_BYTES};
 use rlhf_runtime::auth::CheckToken;
 use rlhf_runtime::frames::FramedBatch;
 use rlhf_runtime::net;
@@ -27,7 +27,12 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::host::{BatchCall, RoleHost};
+use crate::rendezvous::HeadKv;
 use crate::saves::{Push, Saves};
+
+/// Logged once by a role process whose communicator rendezvous came from the head's KV
+/// store (the end-to-end tests look for it).
+pub const KV_RENDEZVOUS_LOG: &str = "communicator rendezvous read from the head's KV store";
 
 type Job = Box<dyn FnOnce(&mut RoleHost) + Send>;
 
@@ -98,16 +103,19 @@ pub struct RoleServer {
     saves: Saves,
     /// Token and TLS for reaching workers (checkpoint snapshots).
     client: net::ClientOptions,
+    /// The head's KV store, for communicator rendezvous (none when served without a head).
+    kv: Option<HeadKv>,
 }
 
 type ChunkStream = Pin<Box<dyn futures::Stream<Item = Result<pb::BatchChunk, Status>> + Send>>;
 
 impl RoleServer {
-    pub fn new(compute: Compute, client: net::ClientOptions) -> Self {
+    pub fn new(compute: Compute, client: net::ClientOptions, kv: Option<HeadKv>) -> Self {
         Self {
             compute,
             saves: Saves::default(),
             client,
+            kv,
         }
     }
 
@@ -230,19 +238,59 @@ impl RoleService for RoleServer {
         req: Request<pb::PrepareCommRequest>,
     ) -> Result<Response<pb::PrepareCommResponse>, Status> {
         let req = req.into_inner();
+        let key = req.kv_key.clone();
         let p = self.compute.run(move |a| a.prepare_comm(&req)).await?;
-        Ok(Response::new(pb::PrepareCommResponse {
-            address: p.address,
-            unique_id: p.unique_id,
-        }))
+        match &self.kv {
+            Some(kv) if !key.is_empty() => {
+                kv.publish(&key, &p).await?;
+                Ok(Response::new(pb::PrepareCommResponse {
+                    published: true,
+                    ..Default::default()
+                }))
+            }
+            // No head to publish to: the driver relays the rendezvous.
+            _ => Ok(Response::new(pb::PrepareCommResponse {
+                address: p.address,
+                unique_id: p.unique_id,
+                published: false,
+            })),
+        }
     }
 
     async fn join_comm(
         &self,
         req: Request<pb::JoinCommRequest>,
     ) -> Result<Response<pb::JoinCommResponse>, Status> {
-        let req = req.into_inner();
-        self.compute.run(move |a| a.join_comm(&req)).await?;
+        let mut req = req.into_inner();
+        let (key, rank) = (req.kv_key.clone(), req.rank);
+        if !key.is_empty() && rank != 0 && req.address.is_empty() && req.unique_id.is_empty() {
+            let Some(kv) = &self.kv else {
+                return Err(Status::failed_precondition(format!(
+                    "JoinComm rank {rank}: rank 0's rendezvous is in the head's KV store \
+                     ('{key}') but this role process has no head address \
+                     (RLHF_HEAD_ADDRESS); pass the address or unique id in the request"
+                )));
+            };
+            let started = std::time::Instant::now();
+            let p = kv
+                .fetch(&key, Duration::from_millis(req.timeout_ms))
+                .await?;
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| tracing::info!("{KV_RENDEZVOUS_LOG} ('{key}')"));
+            (req.address, req.unique_id) = (p.address, p.unique_id);
+            // One deadline for the whole join: what the wait used is gone from the join's.
+            if req.timeout_ms > 0 {
+                let used = started.elapsed().as_millis() as u64;
+                req.timeout_ms = req.timeout_ms.saturating_sub(used).max(1);
+            }
+        }
+        let joined = self.compute.run(move |a| a.join_comm(&req)).await;
+        if rank == 0 && !key.is_empty() {
+            if let Some(kv) = &self.kv {
+                kv.forget(&key).await;
+            }
+        }
+        joined?;
         Ok(Response::new(pb::JoinCommResponse {}))
     }
 
@@ -431,6 +479,9 @@ pub struct ServeOptions {
     pub token: String,
     /// TLS identity (the worker's); plain TCP without one.
     pub tls: net::ServerTls,
+    /// The head (host:port), whose KV store carries communicator rendezvous; `None` serves
+    /// without one (the driver then relays them).
+    pub head_address: Option<String>,
 }
 
 impl ServeOptions {
@@ -460,8 +511,12 @@ pub async fn serve(
         );
     }
     let compute = Compute::spawn(role_host)?;
+    let kv = match &opts.head_address {
+        Some(a) if !a.is_empty() => Some(HeadKv::new(a, &opts.client())?),
+        _ => None,
+    };
     let role = tonic::service::interceptor::InterceptedService::new(
-        RoleServiceServer::new(RoleServer::new(compute, opts.client()))
+        RoleServiceServer::new(RoleServer::new(compute, opts.client(), kv))
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES),
         CheckToken::new(&opts.token, "role"),
@@ -492,6 +547,8 @@ pub async fn run(
             host: opts.host,
             token: opts.token,
             tls: opts.tls,
+            // The worker names its head to every process it starts.
+            head_address: std::env::var(HEAD_ADDRESS_ENV).ok(),
         },
         listener,
         shutdown,

@@ -42,6 +42,7 @@ async fn start(kind: &str, shutdown: &CancellationToken) -> String {
         host: "127.0.0.1".into(),
         token: TOKEN.into(),
         tls: Default::default(),
+        head_address: None,
     };
     tokio::spawn(rlhf_roles::serve(opts, listener, shutdown.clone()));
     addr
@@ -355,6 +356,7 @@ async fn update_and_sync_weights_over_grpc() {
         .prepare_comm(pb::PrepareCommRequest {
             group: pb::CommGroup::Weights as i32,
             backend: pb::CommBackend::Tcp as i32,
+            kv_key: String::new(),
         })
         .await
         .unwrap()
@@ -369,6 +371,7 @@ async fn update_and_sync_weights_over_grpc() {
         unique_id: vec![],
         timeout_ms: 20_000,
         secret: vec![3; 32],
+        kv_key: String::new(),
     };
     let (a, b) = tokio::join!(t.join_comm(join(0)), g.join_comm(join(1)));
     a.unwrap();
@@ -377,6 +380,7 @@ async fn update_and_sync_weights_over_grpc() {
         .prepare_comm(pb::PrepareCommRequest {
             group: pb::CommGroup::Weights as i32,
             backend: pb::CommBackend::Nccl as i32,
+            kv_key: String::new(),
         })
         .await;
     if !cfg!(feature = "nccl") {

@@ -21,6 +21,9 @@ pub const ACTOR_KINDS: &[&str] = &["test"];
 /// Largest streamed batch an actor accepts.
 pub const MAX_BATCH_BYTES: u64 = 4 << 30;
 
+/// The variable a worker names its head's address in, for every process it starts.
+pub const HEAD_ADDRESS_ENV: &str = "RLHF_HEAD_ADDRESS";
+
 #[derive(Clone, Debug)]
 pub struct ActorOptions {
     pub actor_id: String,

@@ -159,18 +159,25 @@ fn scenario(tag: &str, hosts: Hosts) -> Result<()> {
             .env_remove("RLHF_TOKEN"),
         "rlhf-head run across hosts",
     )?;
+    let logs_saying = |line: &str| {
+        walk(&state)
+            .into_iter()
+            .filter(|p| p.extension().is_some_and(|e| e == "log"))
+            .filter(|p| std::fs::read_to_string(p).is_ok_and(|t| t.contains(line)))
+            .count()
+    };
     // The line rlhf_roles::server::FRAMED_LOG, in each role process's log.
-    let framed = walk(&state)
-        .into_iter()
-        .filter(|p| p.extension().is_some_and(|e| e == "log"))
-        .filter(|p| {
-            std::fs::read_to_string(p)
-                .is_ok_and(|t| t.contains("batches arrive as raw control frames over TCP"))
-        })
-        .count();
+    let framed = logs_saying("batches arrive as raw control frames over TCP");
     assert!(
         framed >= 4,
         "every role process gets its batches as frames: {framed} role logs say so"
+    );
+    // rlhf_roles::KV_RENDEZVOUS_LOG: the rollout (rank 1 of the weights group) met the
+    // trainer through the head's KV store.
+    let met = logs_saying("communicator rendezvous read from the head's KV store");
+    assert!(
+        met >= 1,
+        "no role process read a rendezvous from the head's KV store"
     );
     let lines = std::fs::read_to_string(job.join("metrics.jsonl"))?;
     assert_eq!(lines.lines().count(), 2, "{lines}");

@@ -411,6 +411,12 @@ async fn init_groups(
 }
 
 /// Forms a communicator group over `group`'s members (rank = position).
+///
+/// Rank 0 prepares the group and publishes its rendezvous (address or NCCL unique id) in
+/// the head's KV store under a fresh key; the other ranks read it from there while they
+/// join. A rank 0 served without a head answers the rendezvous instead, and the driver
+/// hands it on. Either way the driver makes the group's secret and gives it to each rank
+/// in its JoinComm (it never goes to the store).
 pub async fn join_comm(
     group: &WorkerGroup,
     name: CommGroup,
@@ -421,11 +427,14 @@ pub async fn join_comm(
         return Ok(());
     };
     let mut c = first.client.clone();
+    // Fresh per forming: a key is published once, and rank 0 deletes it after its join.
+    let kv_key = format!("comm/{name}/{:016x}", rand::random::<u64>());
     let prep = tokio::time::timeout(
         timeout,
         c.prepare_comm(pb::PrepareCommRequest {
             group: pb::CommGroup::from(name) as i32,
             backend: pb::CommBackend::from(backend) as i32,
+            kv_key: kv_key.clone(),
         }),
     )
     .await
@@ -440,6 +449,11 @@ pub async fn join_comm(
     })?
     .map_err(|s| group.err(0, Error::from(s)))?
     .into_inner();
+    let kv_key = if prep.published {
+        kv_key
+    } else {
+        String::new()
+    };
     let world = group.len() as u32;
     // A fresh secret per communicator: only the ranks this call reaches can join it.
     let secret: [u8; 32] = rand::random();
@@ -454,6 +468,7 @@ pub async fn join_comm(
                 unique_id: prep.unique_id.clone(),
                 timeout_ms: timeout.as_millis() as u64,
                 secret: secret.to_vec(),
+                kv_key: kv_key.clone(),
             };
             async move { c.join_comm(req).await }
         })

@@ -435,6 +435,15 @@ impl HeadService for Head {
         }
     }
 
+    async fn kv_delete(
+        &self,
+        req: Request<pb::KvDeleteRequest>,
+    ) -> std::result::Result<Response<pb::KvDeleteResponse>, Status> {
+        let key = req.into_inner().key;
+        let deleted = self.lock().kv_delete(&key)?;
+        Ok(Response::new(pb::KvDeleteResponse { deleted }))
+    }
+
     async fn shutdown(
         &self,
         req: Request<pb::ShutdownRequest>,

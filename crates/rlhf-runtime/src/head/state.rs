@@ -562,6 +562,17 @@ impl HeadState {
         self.kv.insert(key.to_string(), value);
         Ok(true)
     }
+
+    /// Removes `key`; false when it was not there.
+    pub fn kv_delete(&mut self, key: &str) -> Result<bool> {
+        if self.kv.remove(key).is_none() {
+            return Ok(false);
+        }
+        if let Some(st) = &self.store {
+            st.delete(store::KV, key)?;
+        }
+        Ok(true)
+    }
 }
 
 #[cfg(test)]

@@ -173,6 +173,9 @@ fn state_survives_restart_and_reregistration_reconciles_actors() {
             .unwrap();
         s.kv_put("nccl/id", b"abc".to_vec(), true).unwrap();
         assert!(!s.kv_put("nccl/id", b"zzz".to_vec(), false).unwrap());
+        s.kv_put("comm/done", b"x".to_vec(), false).unwrap();
+        assert!(s.kv_delete("comm/done").unwrap());
+        assert!(!s.kv_delete("comm/done").unwrap());
         // Reserved, never started: a node registering again does not know it yet, so it
         // stays Pending; only a head restart (its CreateActor is gone) ends it.
         let starting = s.reserve_actor(ActorSpec::default()).unwrap().actor_id;
@@ -195,6 +198,10 @@ fn state_survives_restart_and_reregistration_reconciles_actors() {
     assert_eq!(s.nodes.len(), 1);
     assert_eq!(s.pgs.len(), 1);
     assert_eq!(s.kv["nccl/id"], b"abc");
+    assert!(
+        !s.kv.contains_key("comm/done"),
+        "a deleted key stays deleted"
+    );
     // Grace period: not dead right after the restart.
     assert!(s.check_health(51_000, 5_000).unwrap().is_empty());
     let live = vec![live(&kept, "a:9", 11)];

@@ -201,7 +201,7 @@ impl Agent {
             // The token travels in the environment, never on a command line.
             .env(TOKEN_ENV, &self.opts.client.token)
             .env("RLHF_ACTOR_ID", actor_id)
-            .env("RLHF_HEAD_ADDRESS", &self.opts.head_address)
+            .env(crate::actor::HEAD_ADDRESS_ENV, &self.opts.head_address)
             .env("CUDA_VISIBLE_DEVICES", join(&gpu_ids))
             .env("ASCEND_RT_VISIBLE_DEVICES", join(&npu_ids))
             .stdin(std::process::Stdio::null())
