@@ -44,20 +44,72 @@ pub const MAX_ANSWER_BYTES: u64 = 8 << 30;
 /// Bytes moved per socket read or write, each under its own deadline.
 const PIECE: usize = 4 << 20;
 
+/// The slowest a whole batch may move, bytes per second, beyond one piece's limit: a peer
+/// that keeps every piece just inside its limit (4 MiB per 30 s) would otherwise hold a
+/// 4 GiB batch for hours. 8 MiB/s is a fraction of any link a cluster trains over.
+const MIN_RATE: f64 = (8u64 << 20) as f64;
+
+/// The deadlines of one batch's transfer: each piece within `limit`, and the whole within
+/// `limit` plus its size at [`MIN_RATE`].
+#[derive(Debug, Clone, Copy)]
+struct Pace {
+    limit: Duration,
+    start: Instant,
+    whole: Duration,
+    len: u64,
+}
+
+impl Pace {
+    fn new(limit: Duration, len: u64, min_rate: f64) -> Self {
+        Self {
+            limit,
+            start: Instant::now(),
+            whole: limit + Duration::from_secs_f64(len as f64 / min_rate),
+            len,
+        }
+    }
+
+    /// Moves one piece by `io` under both deadlines; `done` bytes moved before it.
+    async fn piece<F, T>(&self, what: &str, done: usize, io: F) -> std::io::Result<T>
+    where
+        F: std::future::Future<Output = std::io::Result<T>>,
+    {
+        let left = self.whole.saturating_sub(self.start.elapsed());
+        match tokio::time::timeout(self.limit.min(left), io).await {
+            Ok(r) => r,
+            Err(_) if left < self.limit => Err(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "a batch of {} bytes too slow: {done} bytes {what} in {:?}, the most it \
+                     may take is {:?} (at least {} MiB/s; the link or the peer is overloaded)",
+                    self.len,
+                    self.start.elapsed(),
+                    self.whole,
+                    MIN_RATE as u64 >> 20
+                ),
+            )),
+            Err(_) => Err(stalled(what, self.limit)),
+        }
+    }
+}
+
 /// Writes `batch`'s encoding: the header, then every tensor's bytes from its own storage.
-/// Each piece must leave within `limit` (a reader that stopped reading fails the call).
+/// Each piece must leave within `limit` (a reader that stopped reading fails the call), and
+/// the whole encoding at no less than [`MIN_RATE`].
 pub(super) async fn write_batch<W: AsyncWriteExt + Unpin>(
     w: &mut W,
     head: &[u8],
     batch: &DataBatch,
     limit: Duration,
 ) -> std::io::Result<()> {
+    let len = head.len() + batch.tensors.values().map(|t| t.data.len()).sum::<usize>();
+    let pace = Pace::new(limit, len as u64, MIN_RATE);
     let pieces = std::iter::once(head).chain(batch.tensors.values().map(|t| &t.data[..]));
+    let mut done = 0;
     for bytes in pieces {
         for piece in bytes.chunks(PIECE) {
-            tokio::time::timeout(limit, w.write_all(piece))
-                .await
-                .map_err(|_| stalled("sent", limit))??;
+            pace.piece("sent", done, w.write_all(piece)).await?;
+            done += piece.len();
         }
     }
     w.flush().await
@@ -80,14 +132,14 @@ pub(super) async fn read_batch<R: AsyncReadExt + Unpin>(
     max: u64,
     limit: Duration,
 ) -> std::io::Result<std::result::Result<DataBatch, String>> {
-    read_into(r, len, max, limit, global()).await
+    read_into(r, len, max, Pace::new(limit, len, MIN_RATE), global()).await
 }
 
 async fn read_into<R: AsyncReadExt + Unpin>(
     r: &mut R,
     len: u64,
     max: u64,
-    limit: Duration,
+    pace: Pace,
     pool: &'static BufferPool,
 ) -> std::io::Result<std::result::Result<DataBatch, String>> {
     if len > max {
@@ -98,11 +150,10 @@ async fn read_into<R: AsyncReadExt + Unpin>(
     let len = usize::try_from(len)
         .map_err(|_| super::invalid(format!("a framed batch of {len} bytes does not fit")))?;
     let mut buf = pool.take(len);
-    for piece in buf[..len].chunks_mut(PIECE) {
+    for (i, piece) in buf[..len].chunks_mut(PIECE).enumerate() {
         // A failed read drops the buffer: whatever it holds is not a batch.
-        tokio::time::timeout(limit, r.read_exact(piece))
-            .await
-            .map_err(|_| stalled("received", limit))??;
+        pace.piece("received", i * PIECE, r.read_exact(piece))
+            .await?;
     }
     let region: Arc<dyn SharedRegion> = Arc::new(Received {
         buf: Some(buf),
@@ -139,7 +190,8 @@ const POOL_BUFFERS: usize = 4;
 /// none bigger than this (a bigger batch pays its page faults, and its memory goes back
 /// to the system as soon as the batch is dropped),
 const POOL_MAX_BUFFER: usize = 1 << 30;
-/// and none found idle longer than this at the next batch (dropped then).
+/// and none idle longer than this (dropped by the next batch, or by the sweeper thread
+/// within a quarter of this).
 const POOL_IDLE: Duration = Duration::from_secs(60);
 /// Smallest buffer made.
 const MIN_BUFFER: usize = 1 << 20;
@@ -149,10 +201,25 @@ const MIN_BUFFER: usize = 1 << 20;
 #[derive(Default)]
 struct BufferPool(Mutex<Vec<(Box<[u8]>, Instant)>>);
 
-/// The pool every framed batch of this process is received into.
+/// The pool every framed batch of this process is received into. A thread drops its idle
+/// buffers, so a process that stops receiving batches gives their memory back (up to 4 GiB)
+/// without waiting for a next batch that may never come.
 fn global() -> &'static BufferPool {
     static POOL: OnceLock<BufferPool> = OnceLock::new();
-    POOL.get_or_init(BufferPool::default)
+    POOL.get_or_init(|| {
+        let spawned = std::thread::Builder::new()
+            .name("rlhf-batch-pool".into())
+            .spawn(|| loop {
+                std::thread::sleep(POOL_IDLE / 4);
+                if let Some(p) = POOL.get() {
+                    p.sweep();
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::warn!("no sweeper for idle batch buffers ({e}); the next batch drops them");
+        }
+        BufferPool::default()
+    })
 }
 
 /// Rounds a size up to a quarter step of its power of two (at most 19 % unused), so
@@ -181,6 +248,13 @@ impl BufferPool {
         }
         // Zeroed by the allocator (fresh pages from the system): no pass over them here.
         vec![0u8; buffer_size(len)].into_boxed_slice()
+    }
+
+    /// Drops the buffers idle longer than [`POOL_IDLE`].
+    fn sweep(&self) {
+        if let Ok(mut p) = self.0.lock() {
+            p.retain(|(_, t)| t.elapsed() <= POOL_IDLE);
+        }
     }
 
     fn give_back(&self, b: Box<[u8]>) {
@@ -218,6 +292,10 @@ mod tests {
             .with_column("prompt", vec![serde_json::json!("p")])
     }
 
+    fn pace(limit: Duration, len: u64) -> Pace {
+        Pace::new(limit, len, MIN_RATE)
+    }
+
     /// Writes `b` as the sender does and reads it into `pool`.
     async fn round_trip(b: &DataBatch, pool: &'static BufferPool) -> DataBatch {
         let (mut w, mut r) = tokio::io::duplex(1 << 16);
@@ -226,7 +304,7 @@ mod tests {
         let limit = Duration::from_secs(5);
         let (sent, got) = tokio::join!(
             write_batch(&mut w, &head, b, limit),
-            read_into(&mut r, len, u64::MAX, limit, pool)
+            read_into(&mut r, len, u64::MAX, pace(limit, len), pool)
         );
         sent.unwrap();
         got.unwrap().unwrap()
@@ -264,7 +342,7 @@ mod tests {
         let pool = POOL.get_or_init(BufferPool::default);
         let (mut w, mut r) = tokio::io::duplex(1 << 16);
         let limit = Duration::from_millis(200);
-        let e = read_into(&mut r, 10 << 30, 8 << 30, limit, pool)
+        let e = read_into(&mut r, 10 << 30, 8 << 30, pace(limit, 10 << 30), pool)
             .await
             .unwrap_err();
         assert!(
@@ -275,18 +353,81 @@ mod tests {
         let b = encode(&batch(1000, 0.0)).unwrap();
         w.write_all(&b[..b.len() / 2]).await.unwrap();
         let t = Instant::now();
-        let e = read_into(&mut r, b.len() as u64, u64::MAX, limit, pool)
-            .await
-            .unwrap_err();
+        let e = read_into(
+            &mut r,
+            b.len() as u64,
+            u64::MAX,
+            pace(limit, b.len() as u64),
+            pool,
+        )
+        .await
+        .unwrap_err();
         assert_eq!(e.kind(), std::io::ErrorKind::TimedOut, "{e}");
         assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
         // Bytes that are not a batch encoding are refused by the decoder's checks.
         let (mut w, mut r) = tokio::io::duplex(1 << 16);
         w.write_all(&[7u8; 64]).await.unwrap();
-        let e = read_into(&mut r, 64, u64::MAX, limit, pool)
+        let e = read_into(&mut r, 64, u64::MAX, pace(limit, 64), pool)
             .await
             .unwrap()
             .unwrap_err();
         assert!(e.contains("malformed batch encoding"), "{e}");
+    }
+
+    #[test]
+    fn the_sweeper_drops_only_idle_buffers() {
+        let pool = BufferPool::default();
+        pool.give_back(vec![0u8; MIN_BUFFER].into_boxed_slice());
+        let Some(then) = Instant::now().checked_sub(POOL_IDLE + Duration::from_secs(1)) else {
+            return; // a clock too young to hold an idle buffer
+        };
+        pool.0
+            .lock()
+            .unwrap()
+            .push((vec![0u8; MIN_BUFFER].into_boxed_slice(), then));
+        assert_eq!(pool.len(), 2);
+        pool.sweep();
+        assert_eq!(
+            pool.len(),
+            1,
+            "the idle buffer is dropped, the fresh one kept"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_batch_trickled_inside_each_pieces_limit_still_ends_at_the_rate_floor() {
+        static POOL: OnceLock<BufferPool> = OnceLock::new();
+        let pool = POOL.get_or_init(BufferPool::default);
+        // 3 pieces; each arrives within the 2 s piece limit (one per 1.5 s), but the whole
+        // may take 2 s + 12 MiB at 16 MiB/s = 2.75 s: the third piece is cut off there.
+        let len = 3 * PIECE;
+        let (mut w, mut r) = tokio::io::duplex(PIECE);
+        let trickle = tokio::spawn(async move {
+            for _ in 0..3 {
+                tokio::time::sleep(Duration::from_millis(1500)).await;
+                if w.write_all(&vec![0u8; PIECE]).await.is_err() {
+                    return;
+                }
+            }
+        });
+        let limit = Duration::from_secs(2);
+        let t = Instant::now();
+        let e = read_into(
+            &mut r,
+            len as u64,
+            u64::MAX,
+            Pace::new(limit, len as u64, (16u64 << 20) as f64),
+            pool,
+        )
+        .await
+        .unwrap_err();
+        let took = t.elapsed();
+        assert_eq!(e.kind(), std::io::ErrorKind::TimedOut, "{e}");
+        assert!(e.to_string().contains("too slow"), "{e}");
+        assert!(
+            took >= Duration::from_millis(2700) && took < Duration::from_secs(6),
+            "{took:?}"
+        );
+        trickle.abort();
     }
 }

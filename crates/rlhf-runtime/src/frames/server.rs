@@ -163,7 +163,11 @@ async fn serve_frames(
                     return;
                 }
             },
-            Ok(Some((Kind::Batch, p))) => match read_batch_call(&p, &mut s).await {
+            Ok(Some((Kind::Batch, p))) => match tokio::select! {
+                // A batch half read is of no use to a server going away.
+                _ = shutdown.cancelled() => return,
+                r = read_batch_call(&p, &mut s) => r,
+            } {
                 Ok((r, Ok(b))) => (r, Some(b)),
                 // Every byte was read: the stream is in step, the call gets its answer.
                 Ok((r, Err(e))) => {

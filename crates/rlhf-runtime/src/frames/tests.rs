@@ -318,10 +318,9 @@ async fn a_batch_goes_beside_its_call_as_raw_frames() {
     );
 }
 
-#[tokio::test]
-async fn bytes_that_are_not_a_batch_get_an_answer_and_the_connection_stays_in_step() {
-    let (addr, _server) = actor_server().await;
-    let mut raw = tokio::net::TcpStream::connect(&addr).await.unwrap();
+/// A raw connection past the hello and the token challenge, as a frames client makes it.
+async fn raw_frames(addr: &str) -> tokio::net::TcpStream {
+    let mut raw = tokio::net::TcpStream::connect(addr).await.unwrap();
     raw.write_all(HELLO).await.unwrap();
     let mut hello = [0u8; HELLO.len() + CHALLENGE];
     raw.read_exact(&mut hello).await.unwrap();
@@ -330,14 +329,25 @@ async fn bytes_that_are_not_a_batch_get_an_answer_and_the_connection_stays_in_st
     let mut verdict = [0u8; 1];
     raw.read_exact(&mut verdict).await.unwrap();
     assert_eq!(verdict[0], ACCEPTED);
-    let call = |path: &str| pb::ControlRequest {
+    raw
+}
+
+/// A call to `path` with the token and an empty body.
+fn call(path: &str) -> pb::ControlRequest {
+    pb::ControlRequest {
         path: path.into(),
         headers: vec![pb::FrameHeader {
             name: "authorization".into(),
             value: format!("Bearer {TOKEN}").into_bytes(),
         }],
         body: Default::default(),
-    };
+    }
+}
+
+#[tokio::test]
+async fn bytes_that_are_not_a_batch_get_an_answer_and_the_connection_stays_in_step() {
+    let (addr, _server) = actor_server().await;
+    let mut raw = raw_frames(&addr).await;
     // 64 bytes announced and sent, none of them a batch encoding.
     let put = call("/rlhf.v1.ActorService/PutBatch");
     write_frame(&mut raw, Kind::Batch, &batch_payload(64, &put))
@@ -373,4 +383,24 @@ async fn bytes_that_are_not_a_batch_get_an_answer_and_the_connection_stays_in_st
         (pong.payload.as_slice(), pong.actor_id.as_str()),
         (&b"x"[..], "a1")
     );
+}
+
+#[tokio::test]
+async fn a_server_shutting_down_drops_a_batch_it_is_reading_at_once() {
+    let (addr, server) = actor_server().await;
+    let mut raw = raw_frames(&addr).await;
+    // 1 MiB announced, 100 bytes sent: the server waits for the rest...
+    let put = call("/rlhf.v1.ActorService/PutBatch");
+    write_frame(&mut raw, Kind::Batch, &batch_payload(1 << 20, &put))
+        .await
+        .unwrap();
+    raw.write_all(&[7u8; 100]).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // ...until it shuts down: then it closes the connection, not after the piece's 30 s.
+    drop(server);
+    let mut b = [0u8; 64];
+    let closed = tokio::time::timeout(Duration::from_secs(5), raw.read(&mut b))
+        .await
+        .expect("the connection outlived the server's shutdown");
+    assert!(matches!(closed, Ok(0) | Err(_)), "{closed:?}");
 }
