@@ -8,6 +8,7 @@ use rlhf_core::batch::{DataBatch, TensorData};
 use rlhf_roles::weights::host_params;
 
 pub mod peak;
+pub mod serve;
 
 pub fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
