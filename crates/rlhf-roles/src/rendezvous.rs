@@ -26,7 +26,7 @@ use crate::comm::Prepared;
 pub const KEY_PREFIX: &str = "comm/";
 
 /// The longest a rank waits for rank 0's rendezvous when the join names no deadline.
-const DEFAULT_WAIT: Duration = Duration::from_secs(60);
+pub const DEFAULT_WAIT: Duration = Duration::from_secs(60);
 
 /// Bound on a single publish or delete call to the head.
 const CALL_TIMEOUT: Duration = Duration::from_secs(10);
@@ -61,9 +61,12 @@ impl HeadKv {
         Status::new(
             s.code(),
             format!(
-                "{what} the communicator rendezvous '{key}' on the head at {} failed: {}",
+                "{what} the communicator rendezvous '{key}' on the head at {} ({} from the \
+                 worker) failed: {}; check that this host reaches the head, and on a TLS \
+                 cluster that the worker's --tls-domain names the head's certificate",
                 self.address,
-                s.message()
+                rlhf_runtime::actor::HEAD_ADDRESS_ENV,
+                net::error_chain(s)
             ),
         )
     }
@@ -127,8 +130,9 @@ impl HeadKv {
             .map_err(|s| {
                 if s.code() == tonic::Code::DeadlineExceeded {
                     Status::deadline_exceeded(format!(
-                        "rank 0 did not publish the communicator rendezvous '{key}' within \
-                         {wait:?} (did its PrepareComm fail, or is it on another head?)"
+                        "rank 0's communicator rendezvous '{key}' was not in the head's KV \
+                         store within {wait:?}: rank 0's PrepareComm failed, or its join \
+                         already ended (see rank 0's error)"
                     ))
                 } else {
                     self.unreachable("reading", key, &s)

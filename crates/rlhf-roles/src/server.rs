@@ -9,6 +9,7 @@
 //! (de)serialize and wait on a oneshot. A panic on that thread ends the process with the
 //! message on stderr, so the worker sees an exit instead of a hang.
 
+use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::time::Duration;
@@ -17,17 +18,17 @@ use rlhf_core::batch::{encode, to_chunks, Assembler, DataBatch, CHUNK_BYTES};
 use rlhf_proto::v1 as pb;
 use rlhf_proto::v1::role_service_server::{RoleService, RoleServiceServer};
 use rlhf_proto::MAX_MESSAGE_BYTES;
-use rlhf_runtime::actor::{HEAD_ADDRESS_ENV, MAX_BATCH_BYTES};
+use rlhf_runtime::actor::{HEAD_ADDRESS_ENV, HEAD_TLS_DOMAIN_ENV, MAX_BATCH_BYTES};
 use rlhf_runtime::auth::CheckToken;
 use rlhf_runtime::frames::FramedBatch;
 use rlhf_runtime::net;
 use rlhf_runtime::shared_batch;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
-use tonic::{Request, Response, Status, Streaming};
+use tonic::{Code, Request, Response, Status, Streaming};
 
 use crate::host::{BatchCall, RoleHost};
-use crate::rendezvous::HeadKv;
+use crate::rendezvous::{self, HeadKv};
 use crate::saves::{Push, Saves};
 
 /// Logged once by a role process whose communicator rendezvous came from the head's KV
@@ -105,6 +106,9 @@ pub struct RoleServer {
     client: net::ClientOptions,
     /// The head's KV store, for communicator rendezvous (none when served without a head).
     kv: Option<HeadKv>,
+    /// The key this process published each group's rendezvous under (wire group number),
+    /// until its join is over or the group is prepared again.
+    published: std::sync::Mutex<HashMap<i32, String>>,
 }
 
 type ChunkStream = Pin<Box<dyn futures::Stream<Item = Result<pb::BatchChunk, Status>> + Send>>;
@@ -116,7 +120,17 @@ impl RoleServer {
             saves: Saves::default(),
             client,
             kv,
+            published: Default::default(),
         }
+    }
+
+    fn lock_published(&self) -> std::sync::MutexGuard<'_, HashMap<i32, String>> {
+        // A panic elsewhere cannot leave the map half written: take it as it is.
+        self.published.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn take_published(&self, group: i32) -> Option<String> {
+        self.lock_published().remove(&group)
     }
 
     async fn load_from_disk(&self, dir: &str) -> Result<u64, Status> {
@@ -238,23 +252,34 @@ impl RoleService for RoleServer {
         req: Request<pb::PrepareCommRequest>,
     ) -> Result<Response<pb::PrepareCommResponse>, Status> {
         let req = req.into_inner();
-        let key = req.kv_key.clone();
+        let (key, group) = (req.kv_key.clone(), req.group);
         let p = self.compute.run(move |a| a.prepare_comm(&req)).await?;
-        match &self.kv {
-            Some(kv) if !key.is_empty() => {
-                kv.publish(&key, &p).await?;
-                Ok(Response::new(pb::PrepareCommResponse {
-                    published: true,
-                    ..Default::default()
-                }))
+        if let Some(kv) = self.kv.as_ref().filter(|_| !key.is_empty()) {
+            // A group prepared again replaces its rendezvous: the old key is of no use.
+            if let Some(old) = self.take_published(group) {
+                kv.forget(&old).await;
             }
-            // No head to publish to: the driver relays the rendezvous.
-            _ => Ok(Response::new(pb::PrepareCommResponse {
-                address: p.address,
-                unique_id: p.unique_id,
-                published: false,
-            })),
+            match kv.publish(&key, &p).await {
+                Ok(()) => {
+                    self.lock_published().insert(group, key);
+                    return Ok(Response::new(pb::PrepareCommResponse {
+                        published: true,
+                        ..Default::default()
+                    }));
+                }
+                // The head cannot be reached from here: the driver can still relay it.
+                Err(e) if matches!(e.code(), Code::Unavailable | Code::DeadlineExceeded) => {
+                    tracing::warn!("{}; the driver relays the rendezvous instead", e.message())
+                }
+                Err(e) => return Err(e),
+            }
         }
+        // No head to publish to: the driver relays the rendezvous.
+        Ok(Response::new(pb::PrepareCommResponse {
+            address: p.address,
+            unique_id: p.unique_id,
+            published: false,
+        }))
     }
 
     async fn join_comm(
@@ -271,26 +296,37 @@ impl RoleService for RoleServer {
                      (RLHF_HEAD_ADDRESS); pass the address or unique id in the request"
                 )));
             };
+            // One deadline for the whole join: what the wait used is gone from the join's.
+            let total = match req.timeout_ms {
+                0 => rendezvous::DEFAULT_WAIT,
+                ms => Duration::from_millis(ms),
+            };
             let started = std::time::Instant::now();
-            let p = kv
-                .fetch(&key, Duration::from_millis(req.timeout_ms))
-                .await?;
+            let p = kv.fetch(&key, total).await?;
             static SAID: std::sync::Once = std::sync::Once::new();
             SAID.call_once(|| tracing::info!("{KV_RENDEZVOUS_LOG} ('{key}')"));
             (req.address, req.unique_id) = (p.address, p.unique_id);
-            // One deadline for the whole join: what the wait used is gone from the join's.
-            if req.timeout_ms > 0 {
-                let used = started.elapsed().as_millis() as u64;
-                req.timeout_ms = req.timeout_ms.saturating_sub(used).max(1);
-            }
+            let left = total.saturating_sub(started.elapsed());
+            req.timeout_ms = (left.as_millis() as u64).max(1);
         }
-        let joined = self.compute.run(move |a| a.join_comm(&req)).await;
-        if rank == 0 && !key.is_empty() {
-            if let Some(kv) = &self.kv {
-                kv.forget(&key).await;
+        // Rank 0 deletes the key it published for this group once its join is over. In a
+        // task of its own: a driver that gives up on the call (another rank failed) drops
+        // this handler, and the delete must not go with it.
+        let mine = if rank == 0 {
+            self.take_published(req.group)
+        } else {
+            None
+        };
+        let (compute, kv) = (self.compute.clone(), self.kv.clone());
+        let join = tokio::spawn(async move {
+            let joined = compute.run(move |a| a.join_comm(&req)).await;
+            if let (Some(kv), Some(k)) = (kv, mine) {
+                kv.forget(&k).await;
             }
-        }
-        joined?;
+            joined
+        });
+        join.await
+            .map_err(|e| Status::internal(format!("the join task failed: {e}")))??;
         Ok(Response::new(pb::JoinCommResponse {}))
     }
 
@@ -482,6 +518,9 @@ pub struct ServeOptions {
     /// The head (host:port), whose KV store carries communicator rendezvous; `None` serves
     /// without one (the driver then relays them).
     pub head_address: Option<String>,
+    /// The name the head's TLS certificate is checked against, when it is not the host of
+    /// `head_address` (the worker's `--tls-domain`).
+    pub head_tls_domain: Option<String>,
 }
 
 impl ServeOptions {
@@ -512,7 +551,11 @@ pub async fn serve(
     }
     let compute = Compute::spawn(role_host)?;
     let kv = match &opts.head_address {
-        Some(a) if !a.is_empty() => Some(HeadKv::new(a, &opts.client())?),
+        Some(a) if !a.is_empty() => {
+            let mut client = opts.client();
+            client.tls_domain = opts.head_tls_domain.clone();
+            Some(HeadKv::new(a, &client)?)
+        }
         _ => None,
     };
     let role = tonic::service::interceptor::InterceptedService::new(
@@ -549,6 +592,9 @@ pub async fn run(
             tls: opts.tls,
             // The worker names its head to every process it starts.
             head_address: std::env::var(HEAD_ADDRESS_ENV).ok(),
+            head_tls_domain: std::env::var(HEAD_TLS_DOMAIN_ENV)
+                .ok()
+                .filter(|d| !d.is_empty()),
         },
         listener,
         shutdown,

@@ -1,7 +1,8 @@
 //! A communicator's rendezvous through the head's KV store, with a real head and real role
 //! servers over gRPC: rank 0 publishes it, the other ranks read it while they join, rank 0
-//! deletes it afterwards; a key nobody publishes fails the join at its deadline; a role
-//! process without a head answers the rendezvous to the driver as before.
+//! deletes it afterwards (and when the group is prepared again); a key nobody publishes
+//! fails the join at its deadline; a role process without a head, or whose head cannot be
+//! reached, answers the rendezvous to the driver as before.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -45,6 +46,7 @@ async fn start_role(
         token: TOKEN.into(),
         tls: Default::default(),
         head_address: head.map(str::to_string),
+        head_tls_domain: None,
     };
     tokio::spawn(rlhf_roles::serve(opts, listener, shutdown.clone()));
     let ch = rlhf_runtime::net::connect_direct(&addr, &ClientOptions::new(TOKEN))
@@ -144,6 +146,24 @@ async fn ranks_meet_through_the_heads_kv_store() {
     assert_eq!(e.code(), tonic::Code::DeadlineExceeded, "{e:?}");
     assert!(e.message().contains("comm/weights/never"), "{e:?}");
     assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+    // A group prepared again under a new key: the old key goes, the new one stays.
+    r2.prepare_comm(prepare("comm/weights/old")).await.unwrap();
+    r2.prepare_comm(prepare("comm/weights/new")).await.unwrap();
+    let found = |k: &'static str| {
+        let mut h = h.clone();
+        async move {
+            h.kv_get(pb::KvGetRequest { key: k.into() })
+                .await
+                .unwrap()
+                .into_inner()
+                .found
+        }
+    };
+    assert!(
+        !found("comm/weights/old").await,
+        "a replaced rendezvous stays"
+    );
+    assert!(found("comm/weights/new").await);
     // Keys outside the communicators' namespace are refused, both ways.
     for e in [
         r0.prepare_comm(prepare("jobs/x")).await.unwrap_err(),
@@ -167,6 +187,20 @@ async fn without_a_head_the_driver_gets_the_rendezvous() {
         .into_inner();
     assert!(!p.published);
     assert!(p.address.starts_with("127.0.0.1:"), "{p:?}");
+    // A head named but not reachable (nothing listens there): the driver relays instead.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dead_head = closed.local_addr().unwrap().to_string();
+    drop(closed);
+    let mut lost = start_role(Some(&dead_head), &shutdown).await;
+    let p2 = lost
+        .prepare_comm(prepare("comm/weights/2"))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        !p2.published && p2.address.starts_with("127.0.0.1:"),
+        "{p2:?}"
+    );
     // A rank told to read the store it cannot reach says so, and what to pass instead.
     let e = r1
         .join_comm(join(1, 2, "comm/weights/1", 2_000))

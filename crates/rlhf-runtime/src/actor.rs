@@ -23,6 +23,9 @@ pub const MAX_BATCH_BYTES: u64 = 4 << 30;
 
 /// The variable a worker names its head's address in, for every process it starts.
 pub const HEAD_ADDRESS_ENV: &str = "RLHF_HEAD_ADDRESS";
+/// And the name its TLS certificate is checked against, when the worker was given one
+/// (`--tls-domain`).
+pub const HEAD_TLS_DOMAIN_ENV: &str = "RLHF_HEAD_TLS_DOMAIN";
 
 #[derive(Clone, Debug)]
 pub struct ActorOptions {

@@ -410,6 +410,9 @@ async fn init_groups(
     Ok(out)
 }
 
+/// How much longer than the ranks' own join deadline the driver waits for their answers.
+const JOIN_SLACK: Duration = Duration::from_secs(5);
+
 /// Forms a communicator group over `group`'s members (rank = position).
 ///
 /// Rank 0 prepares the group and publishes its rendezvous (address or NCCL unique id) in
@@ -457,8 +460,10 @@ pub async fn join_comm(
     let world = group.len() as u32;
     // A fresh secret per communicator: only the ranks this call reaches can join it.
     let secret: [u8; 32] = rand::random();
+    // Each rank's own deadline is `timeout`; the driver waits a little longer, so a rank's
+    // precise error (which rank, which wait) reaches the user instead of a bare timeout.
     group
-        .unary(timeout, "JoinComm", |rank, mut c| {
+        .unary(timeout + JOIN_SLACK, "JoinComm", |rank, mut c| {
             let req = pb::JoinCommRequest {
                 group: pb::CommGroup::from(name) as i32,
                 backend: pb::CommBackend::from(backend) as i32,

@@ -40,6 +40,7 @@ pub async fn start(kind: &str, shutdown: &CancellationToken) -> String {
         token: TOKEN.into(),
         tls: Default::default(),
         head_address: None,
+        head_tls_domain: None,
     };
     tokio::spawn(rlhf_roles::serve(opts, listener, shutdown.clone()));
     addr

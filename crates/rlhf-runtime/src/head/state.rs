@@ -556,23 +556,33 @@ impl HeadState {
         if !overwrite && self.kv.contains_key(key) {
             return Ok(false);
         }
-        if let Some(st) = &self.store {
+        if let Some(st) = self.store.as_ref().filter(|_| durable(key)) {
             st.put_raw(store::KV, key, &value)?;
         }
         self.kv.insert(key.to_string(), value);
         Ok(true)
     }
 
-    /// Removes `key`; false when it was not there.
+    /// Removes `key`; false when it was not there. The stored copy goes first, so a key
+    /// whose delete failed is still there after a restart, as it is now.
     pub fn kv_delete(&mut self, key: &str) -> Result<bool> {
-        if self.kv.remove(key).is_none() {
+        if !self.kv.contains_key(key) {
             return Ok(false);
         }
-        if let Some(st) = &self.store {
+        if let Some(st) = self.store.as_ref().filter(|_| durable(key)) {
             st.delete(store::KV, key)?;
         }
+        self.kv.remove(key);
         Ok(true)
     }
+}
+
+/// Whether a KV key is written to the state database. Communicator rendezvous
+/// (`comm/...`) live only while a group forms and are worthless after a head restart (the
+/// ranks' listeners are gone with the attempt): kept in memory only, so a key whose group
+/// never finished forming cannot outlive the head, and no commit is paid for them.
+fn durable(key: &str) -> bool {
+    !key.starts_with("comm/")
 }
 
 #[cfg(test)]

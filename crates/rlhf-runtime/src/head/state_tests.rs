@@ -173,9 +173,12 @@ fn state_survives_restart_and_reregistration_reconciles_actors() {
             .unwrap();
         s.kv_put("nccl/id", b"abc".to_vec(), true).unwrap();
         assert!(!s.kv_put("nccl/id", b"zzz".to_vec(), false).unwrap());
-        s.kv_put("comm/done", b"x".to_vec(), false).unwrap();
-        assert!(s.kv_delete("comm/done").unwrap());
-        assert!(!s.kv_delete("comm/done").unwrap());
+        s.kv_put("keys/done", b"x".to_vec(), false).unwrap();
+        assert!(s.kv_delete("keys/done").unwrap());
+        assert!(!s.kv_delete("keys/done").unwrap());
+        // A communicator rendezvous is kept in memory only.
+        s.kv_put("comm/weights/1", b"x".to_vec(), false).unwrap();
+        assert_eq!(s.kv["comm/weights/1"], b"x");
         // Reserved, never started: a node registering again does not know it yet, so it
         // stays Pending; only a head restart (its CreateActor is gone) ends it.
         let starting = s.reserve_actor(ActorSpec::default()).unwrap().actor_id;

@@ -202,6 +202,10 @@ impl Agent {
             .env(TOKEN_ENV, &self.opts.client.token)
             .env("RLHF_ACTOR_ID", actor_id)
             .env(crate::actor::HEAD_ADDRESS_ENV, &self.opts.head_address)
+            .env(
+                crate::actor::HEAD_TLS_DOMAIN_ENV,
+                self.opts.client.tls_domain.as_deref().unwrap_or_default(),
+            )
             .env("CUDA_VISIBLE_DEVICES", join(&gpu_ids))
             .env("ASCEND_RT_VISIBLE_DEVICES", join(&npu_ids))
             .stdin(std::process::Stdio::null())
