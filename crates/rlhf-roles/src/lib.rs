@@ -39,6 +39,7 @@ pub use engine::{Engine, Generate, LogProbs, Score, Values};
 pub use error::{Error, Result};
 pub use host::{BatchCall, RoleHost};
 pub use policy::{RefPolicy, Rollout, Trainer};
+pub use rendezvous::KV_RENDEZVOUS_LOG;
 pub use reward::{HttpReward, Reward, Rule};
-pub use server::{run, serve, ServeOptions, KV_RENDEZVOUS_LOG};
+pub use server::{run, serve, ServeOptions};
 pub use stages::{PreferenceTrainer, RewardModelTrainer, SftTrainer};

@@ -11,15 +11,23 @@
 //! A role process started without a head (`RLHF_HEAD_ADDRESS` unset, as in tests that
 //! serve a role directly) answers the rendezvous to the driver as before.
 
-use std::time::Duration;
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use prost::Message;
+use rlhf_core::CommGroup;
 use rlhf_proto::v1 as pb;
 use rlhf_proto::v1::head_service_client::HeadServiceClient;
 use rlhf_runtime::net::{self, AuthChannel};
-use tonic::Status;
+use tonic::{Code, Status};
 
 use crate::comm::Prepared;
+
+/// Logged once by a role process whose communicator rendezvous came from the head's KV
+/// store (the end-to-end tests look for it).
+pub const KV_RENDEZVOUS_LOG: &str = "communicator rendezvous read from the head's KV store";
 
 /// Keys a role process publishes under start with this (no other key of the store can be
 /// written or deleted through PrepareComm / JoinComm).
@@ -107,10 +115,9 @@ impl HeadKv {
         Ok(())
     }
 
-    /// Ranks other than 0: waits up to `wait` (0 = 60 s) for rank 0's rendezvous.
+    /// Ranks other than 0: waits up to `wait` for rank 0's rendezvous.
     pub async fn fetch(&self, key: &str, wait: Duration) -> Result<Prepared, Status> {
         check_key(key, "JoinCommRequest.kv_key")?;
-        let wait = if wait.is_zero() { DEFAULT_WAIT } else { wait };
         let mut c = self.client.clone();
         let req = pb::KvWaitRequest {
             key: key.to_string(),
@@ -169,6 +176,118 @@ impl HeadKv {
                 self.address
             ),
         }
+    }
+}
+
+/// The rendezvous side of PrepareComm and JoinComm in one role process: the head's store
+/// (if any) and the key rank 0 published each group under, until its join is over or the
+/// group is prepared again. The RPC handlers only hand requests through.
+pub struct Rendezvous {
+    kv: Option<HeadKv>,
+    published: Mutex<HashMap<CommGroup, String>>,
+}
+
+impl Rendezvous {
+    /// `kv` is `None` for a role process served without a head: every rendezvous is then
+    /// answered for the driver to relay.
+    pub fn new(kv: Option<HeadKv>) -> Self {
+        Self {
+            kv,
+            published: Mutex::default(),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<CommGroup, String>> {
+        // A panic elsewhere cannot leave the map half written: take it as it is.
+        self.published.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Rank 0, once `group` is prepared as `p`: publishes it under `key` when the driver
+    /// named one and a head is there; otherwise (or when the head cannot be reached)
+    /// answers it for the driver to relay.
+    pub async fn publish_or_relay(
+        &self,
+        group: CommGroup,
+        key: &str,
+        p: Prepared,
+    ) -> Result<pb::PrepareCommResponse, Status> {
+        if let Some(kv) = self.kv.as_ref().filter(|_| !key.is_empty()) {
+            // A group prepared again replaces its rendezvous: the old key is of no use.
+            let old = self.lock().remove(&group);
+            if let Some(old) = old {
+                kv.forget(&old).await;
+            }
+            match kv.publish(key, &p).await {
+                Ok(()) => {
+                    self.lock().insert(group, key.to_string());
+                    return Ok(pb::PrepareCommResponse {
+                        published: true,
+                        ..Default::default()
+                    });
+                }
+                // The head cannot be reached from here: the driver can still relay it.
+                Err(e) if matches!(e.code(), Code::Unavailable | Code::DeadlineExceeded) => {
+                    tracing::warn!("{}; the driver relays the rendezvous instead", e.message())
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(pb::PrepareCommResponse {
+            address: p.address,
+            unique_id: p.unique_id,
+            published: false,
+        })
+    }
+
+    /// Joins `req`'s group through `join` (the compute thread's JoinComm). A rank other
+    /// than 0 given only a key reads rank 0's rendezvous from the store first, inside the
+    /// join's one deadline. Rank 0 deletes the key it published once `join` is over,
+    /// failed or not, in a task of its own: a driver that gives up on the call (another
+    /// rank failed) drops the handler, and the delete must not go with it.
+    pub async fn join<F, Fut>(&self, mut req: pb::JoinCommRequest, join: F) -> Result<(), Status>
+    where
+        F: FnOnce(pb::JoinCommRequest) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<(), Status>> + Send,
+    {
+        let group = CommGroup::from_wire(req.group, "JoinCommRequest.group")?;
+        let (key, rank) = (req.kv_key.clone(), req.rank);
+        if !key.is_empty() && rank != 0 && req.address.is_empty() && req.unique_id.is_empty() {
+            let Some(kv) = &self.kv else {
+                return Err(Status::failed_precondition(format!(
+                    "JoinComm rank {rank}: rank 0's rendezvous is in the head's KV store \
+                     ('{key}') but this role process has no head address \
+                     ({}); pass the address or unique id in the request",
+                    rlhf_runtime::actor::HEAD_ADDRESS_ENV
+                )));
+            };
+            // One deadline for the whole join: what the wait used is gone from the join's.
+            let total = match req.timeout_ms {
+                0 => DEFAULT_WAIT,
+                ms => Duration::from_millis(ms),
+            };
+            let started = Instant::now();
+            let p = kv.fetch(&key, total).await?;
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| tracing::info!("{KV_RENDEZVOUS_LOG} ('{key}')"));
+            (req.address, req.unique_id) = (p.address, p.unique_id);
+            let left = total.saturating_sub(started.elapsed());
+            req.timeout_ms = (left.as_millis() as u64).max(1);
+        }
+        let mine = if rank == 0 {
+            self.lock().remove(&group)
+        } else {
+            None
+        };
+        let kv = self.kv.clone();
+        tokio::spawn(async move {
+            let joined = join(req).await;
+            if let (Some(kv), Some(k)) = (kv, mine) {
+                kv.forget(&k).await;
+            }
+            joined
+        })
+        .await
+        .map_err(|e| Status::internal(format!("the join task failed: {e}")))?
     }
 }
 

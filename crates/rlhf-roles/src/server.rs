@@ -9,12 +9,12 @@
 //! (de)serialize and wait on a oneshot. A panic on that thread ends the process with the
 //! message on stderr, so the worker sees an exit instead of a hang.
 
-use std::collections::HashMap;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::time::Duration;
 
 use rlhf_core::batch::{encode, to_chunks, Assembler, DataBatch, CHUNK_BYTES};
+use rlhf_core::CommGroup;
 use rlhf_proto::v1 as pb;
 use rlhf_proto::v1::role_service_server::{RoleService, RoleServiceServer};
 use rlhf_proto::MAX_MESSAGE_BYTES;
@@ -25,15 +25,11 @@ use rlhf_runtime::net;
 use rlhf_runtime::shared_batch;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
-use tonic::{Code, Request, Response, Status, Streaming};
+use tonic::{Request, Response, Status, Streaming};
 
 use crate::host::{BatchCall, RoleHost};
-use crate::rendezvous::{self, HeadKv};
+use crate::rendezvous::{HeadKv, Rendezvous};
 use crate::saves::{Push, Saves};
-
-/// Logged once by a role process whose communicator rendezvous came from the head's KV
-/// store (the end-to-end tests look for it).
-pub const KV_RENDEZVOUS_LOG: &str = "communicator rendezvous read from the head's KV store";
 
 type Job = Box<dyn FnOnce(&mut RoleHost) + Send>;
 
@@ -104,11 +100,9 @@ pub struct RoleServer {
     saves: Saves,
     /// Token and TLS for reaching workers (checkpoint snapshots).
     client: net::ClientOptions,
-    /// The head's KV store, for communicator rendezvous (none when served without a head).
-    kv: Option<HeadKv>,
-    /// The key this process published each group's rendezvous under (wire group number),
-    /// until its join is over or the group is prepared again.
-    published: std::sync::Mutex<HashMap<i32, String>>,
+    /// Communicator rendezvous through the head's KV store (relayed when served without
+    /// a head).
+    rendezvous: Rendezvous,
 }
 
 type ChunkStream = Pin<Box<dyn futures::Stream<Item = Result<pb::BatchChunk, Status>> + Send>>;
@@ -119,18 +113,8 @@ impl RoleServer {
             compute,
             saves: Saves::default(),
             client,
-            kv,
-            published: Default::default(),
+            rendezvous: Rendezvous::new(kv),
         }
-    }
-
-    fn lock_published(&self) -> std::sync::MutexGuard<'_, HashMap<i32, String>> {
-        // A panic elsewhere cannot leave the map half written: take it as it is.
-        self.published.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn take_published(&self, group: i32) -> Option<String> {
-        self.lock_published().remove(&group)
     }
 
     async fn load_from_disk(&self, dir: &str) -> Result<u64, Status> {
@@ -252,81 +236,23 @@ impl RoleService for RoleServer {
         req: Request<pb::PrepareCommRequest>,
     ) -> Result<Response<pb::PrepareCommResponse>, Status> {
         let req = req.into_inner();
-        let (key, group) = (req.kv_key.clone(), req.group);
+        let key = req.kv_key.clone();
+        let group = CommGroup::from_wire(req.group, "PrepareCommRequest.group")?;
         let p = self.compute.run(move |a| a.prepare_comm(&req)).await?;
-        if let Some(kv) = self.kv.as_ref().filter(|_| !key.is_empty()) {
-            // A group prepared again replaces its rendezvous: the old key is of no use.
-            if let Some(old) = self.take_published(group) {
-                kv.forget(&old).await;
-            }
-            match kv.publish(&key, &p).await {
-                Ok(()) => {
-                    self.lock_published().insert(group, key);
-                    return Ok(Response::new(pb::PrepareCommResponse {
-                        published: true,
-                        ..Default::default()
-                    }));
-                }
-                // The head cannot be reached from here: the driver can still relay it.
-                Err(e) if matches!(e.code(), Code::Unavailable | Code::DeadlineExceeded) => {
-                    tracing::warn!("{}; the driver relays the rendezvous instead", e.message())
-                }
-                Err(e) => return Err(e),
-            }
-        }
-        // No head to publish to: the driver relays the rendezvous.
-        Ok(Response::new(pb::PrepareCommResponse {
-            address: p.address,
-            unique_id: p.unique_id,
-            published: false,
-        }))
+        let out = self.rendezvous.publish_or_relay(group, &key, p).await?;
+        Ok(Response::new(out))
     }
 
     async fn join_comm(
         &self,
         req: Request<pb::JoinCommRequest>,
     ) -> Result<Response<pb::JoinCommResponse>, Status> {
-        let mut req = req.into_inner();
-        let (key, rank) = (req.kv_key.clone(), req.rank);
-        if !key.is_empty() && rank != 0 && req.address.is_empty() && req.unique_id.is_empty() {
-            let Some(kv) = &self.kv else {
-                return Err(Status::failed_precondition(format!(
-                    "JoinComm rank {rank}: rank 0's rendezvous is in the head's KV store \
-                     ('{key}') but this role process has no head address \
-                     (RLHF_HEAD_ADDRESS); pass the address or unique id in the request"
-                )));
-            };
-            // One deadline for the whole join: what the wait used is gone from the join's.
-            let total = match req.timeout_ms {
-                0 => rendezvous::DEFAULT_WAIT,
-                ms => Duration::from_millis(ms),
-            };
-            let started = std::time::Instant::now();
-            let p = kv.fetch(&key, total).await?;
-            static SAID: std::sync::Once = std::sync::Once::new();
-            SAID.call_once(|| tracing::info!("{KV_RENDEZVOUS_LOG} ('{key}')"));
-            (req.address, req.unique_id) = (p.address, p.unique_id);
-            let left = total.saturating_sub(started.elapsed());
-            req.timeout_ms = (left.as_millis() as u64).max(1);
-        }
-        // Rank 0 deletes the key it published for this group once its join is over. In a
-        // task of its own: a driver that gives up on the call (another rank failed) drops
-        // this handler, and the delete must not go with it.
-        let mine = if rank == 0 {
-            self.take_published(req.group)
-        } else {
-            None
-        };
-        let (compute, kv) = (self.compute.clone(), self.kv.clone());
-        let join = tokio::spawn(async move {
-            let joined = compute.run(move |a| a.join_comm(&req)).await;
-            if let (Some(kv), Some(k)) = (kv, mine) {
-                kv.forget(&k).await;
-            }
-            joined
-        });
-        join.await
-            .map_err(|e| Status::internal(format!("the join task failed: {e}")))??;
+        let compute = self.compute.clone();
+        self.rendezvous
+            .join(req.into_inner(), move |req| async move {
+                compute.run(move |a| a.join_comm(&req)).await
+            })
+            .await?;
         Ok(Response::new(pb::JoinCommResponse {}))
     }
 
