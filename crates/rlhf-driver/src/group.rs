@@ -64,7 +64,7 @@ impl BatchPath {
     pub fn forced(framed: bool, route: BatchRoute, member: &str) -> Result<Self> {
         if route == BatchRoute::Frames && !framed {
             return Err(Error::invalid(format!(
-                "--batch-path frames: role process {member} does not speak control frames (a TLS cluster keeps HTTP/2, and a connection whose frames hello failed falls back to it: the driver's debug log says why); use --batch-path stream or leave the flag out"
+                "--batch-path frames: role process {member} does not speak control frames (a connection whose frames hello or TLS handshake failed falls back to HTTP/2: the driver's debug log says why); use --batch-path stream or leave the flag out"
             )));
         }
         Ok(Self {

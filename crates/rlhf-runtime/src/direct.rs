@@ -5,8 +5,8 @@
 //! connection (it makes the channel shareable and reconnecting), which costs two more task
 //! wake-ups per call; on a small VM that is a good part of a control call's round trip. The
 //! driver's calls to role processes need neither: a role process's address lives and dies
-//! with it. So `crate::net::connect_direct` hands those out (plain TCP; a TLS cluster keeps
-//! tonic's channel), and everything that must survive a peer's restart (workers and drivers
+//! with it. So `crate::net::connect_direct` hands those out (over TLS on a TLS cluster,
+//! `crate::tls`), and everything that must survive a peer's restart (workers and drivers
 //! to the head) keeps the reconnecting channel. On such a connection the unary calls travel
 //! as control frames (`crate::frames`) where the server speaks them, and so do batch calls
 //! whose request carries its batch as a `crate::frames::FramedBatch`.
@@ -29,6 +29,8 @@ type BoxFuture = Pin<Box<dyn Future<Output = Result<http::Response<Body>, BoxErr
 pub struct Direct {
     pub(crate) send: SendRequest<Body>,
     pub(crate) authority: Authority,
+    /// `https` over TLS (`crate::tls`), `http` otherwise.
+    pub(crate) scheme: Scheme,
     pub(crate) frames: Option<crate::frames::FramesClient>,
 }
 
@@ -104,7 +106,7 @@ impl tower::Service<http::Request<Body>> for Transport {
                 // tonic's clients send the path alone; HTTP/2 needs scheme and authority.
                 let (mut parts, body) = req.into_parts();
                 let mut uri = parts.uri.into_parts();
-                uri.scheme = Some(Scheme::HTTP);
+                uri.scheme = Some(d.scheme.clone());
                 uri.authority = Some(d.authority.clone());
                 parts.uri = match http::Uri::from_parts(uri) {
                     Ok(u) => u,

@@ -20,6 +20,7 @@ pub mod resources;
 pub mod shared_batch;
 pub mod snapshot;
 pub mod status;
+pub mod tls;
 pub mod worker;
 
 /// A DataBatch as a gRPC request stream of chunks well under the message limit.

@@ -132,7 +132,7 @@ fn read(p: &PathBuf, flag: &str) -> Result<Vec<u8>> {
 
 /// Reads a PEM file and checks it holds a block of `kind` (the TLS stack only says
 /// "transport error" about a file that is not one).
-fn read_pem(p: &PathBuf, flag: &str, kind: &str) -> Result<Vec<u8>> {
+pub(crate) fn read_pem(p: &PathBuf, flag: &str, kind: &str) -> Result<Vec<u8>> {
     let bytes = read(p, flag)?;
     let text = String::from_utf8_lossy(&bytes);
     let found = text
@@ -145,6 +145,16 @@ fn read_pem(p: &PathBuf, flag: &str, kind: &str) -> Result<Vec<u8>> {
         )));
     }
     Ok(bytes)
+}
+
+/// The name a server's certificate must carry: `--tls-domain`, or the address's host.
+pub(crate) fn tls_domain(addr: &str, opts: &ClientOptions) -> String {
+    opts.tls_domain.clone().unwrap_or_else(|| {
+        addr.rsplit_once(':')
+            .map(|(h, _)| h)
+            .unwrap_or(addr)
+            .to_string()
+    })
 }
 
 fn endpoint(addr: &str, opts: &ClientOptions) -> Result<Endpoint> {
@@ -165,12 +175,7 @@ fn endpoint(addr: &str, opts: &ClientOptions) -> Result<Endpoint> {
         .keep_alive_timeout(Duration::from_secs(20));
     if let Some(ca) = &opts.tls_ca {
         let pem = read_pem(ca, "--tls-ca", "CERTIFICATE")?;
-        let domain = opts.tls_domain.clone().unwrap_or_else(|| {
-            addr.rsplit_once(':')
-                .map(|(h, _)| h)
-                .unwrap_or(addr)
-                .to_string()
-        });
+        let domain = tls_domain(addr, opts);
         ep = ep
             .tls_config(
                 ClientTlsConfig::new()
@@ -201,7 +206,7 @@ pub async fn connect(addr: &str, opts: &ClientOptions) -> Result<AuthChannel> {
 /// Connects as [`connect`] does, to a peer whose address dies with it (a role process): one
 /// HTTP/2 connection used directly, without tonic's buffer task (see `crate::direct`), and
 /// never reconnected; unary calls go as control frames when the server speaks them
-/// (`crate::frames`). Over TLS, the same as [`connect`].
+/// (`crate::frames`). Over TLS when the options name a CA (`crate::tls`).
 pub async fn connect_direct(addr: &str, opts: &ClientOptions) -> Result<AuthChannel> {
     Ok(connect_direct_framed(addr, opts).await?.0)
 }
@@ -212,9 +217,6 @@ pub async fn connect_direct_framed(
     addr: &str,
     opts: &ClientOptions,
 ) -> Result<(AuthChannel, bool)> {
-    if opts.tls_ca.is_some() {
-        return Ok((connect(addr, opts).await?, false));
-    }
     let t = direct_transport(addr, opts).await?;
     let framed = t.frames().is_some();
     Ok((with_token(t, &opts.token)?, framed))
@@ -225,18 +227,23 @@ pub fn with_token(t: Transport, token: &str) -> Result<AuthChannel> {
     Ok(InterceptedService::new(t, AddToken::new(token)?))
 }
 
-/// The plain-TCP transport of [`connect_direct`], before the token is added: benches and
-/// tests look at it (whether unary calls go as frames) and shape it.
+/// The transport of [`connect_direct`], before the token is added: benches and tests look
+/// at it (whether unary calls go as frames) and shape it.
 pub async fn direct_transport(addr: &str, opts: &ClientOptions) -> Result<Transport> {
     let authority: http::uri::Authority = addr
         .parse()
         .map_err(|e| Error::invalid(format!("bad address '{addr}': {e}; expected HOST:PORT")))?;
+    let tls = crate::tls::Connector::new(addr, opts, crate::tls::ALPN_H2)?;
     let mut direct = with_backoff(addr, opts, || async {
         let tcp =
             tokio::time::timeout(Duration::from_secs(3), tokio::net::TcpStream::connect(addr))
                 .await
                 .map_err(|_| "tcp connect error: timed out after 3 s")??;
         tcp.set_nodelay(true)?;
+        let io = match &tls {
+            Some(c) => c.connect(tcp).await?,
+            None => crate::tls::Io::Plain(tcp),
+        };
         let (send, conn) =
             hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
                 .timer(hyper_util::rt::TokioTimer::new())
@@ -245,7 +252,7 @@ pub async fn direct_transport(addr: &str, opts: &ClientOptions) -> Result<Transp
                 .max_frame_size(MAX_FRAME)
                 .keep_alive_interval(opts.keepalive)
                 .keep_alive_timeout(Duration::from_secs(20))
-                .handshake(hyper_util::rt::TokioIo::new(tcp))
+                .handshake(hyper_util::rt::TokioIo::new(io))
                 .await?;
         let peer = addr.to_string();
         tokio::spawn(async move {
@@ -256,13 +263,19 @@ pub async fn direct_transport(addr: &str, opts: &ClientOptions) -> Result<Transp
         Ok::<_, Box<dyn std::error::Error + Send + Sync>>(crate::direct::Direct {
             send,
             authority: authority.clone(),
+            scheme: if tls.is_some() {
+                http::uri::Scheme::HTTPS
+            } else {
+                http::uri::Scheme::HTTP
+            },
             frames: None,
         })
     })
     .await?;
     direct.frames = if opts.control_frames {
         // The HTTP/2 connection is up, so the server is: a failure here only means no frames.
-        match crate::frames::FramesClient::connect(addr, &opts.token).await {
+        let tls = crate::tls::Connector::new(addr, opts, crate::tls::ALPN_FRAMES)?;
+        match crate::frames::FramesClient::connect(addr, &opts.token, tls).await {
             Ok(f) => f,
             Err(e) => {
                 tracing::debug!("no control frames to {addr} ({e}); unary calls use HTTP/2");

@@ -15,8 +15,12 @@
 //! Each size runs `--reps` times, alternating the paths, and the medians are compared.
 //! Also prints the in-process cost of encoding into chunks and of reassembling them.
 //!
+//! `--tls`: the actor serves with a certificate made for the run and the gRPC stream and the
+//! frames both go inside TLS (as on a TLS cluster); the raw copy stays plain, so its ratio
+//! shows what encryption costs, and the frames are compared with the stream in TLS too.
+//!
 //! Run: `cargo build --release --workspace --bins --examples`, then
-//! `target/release/examples/transfer_bench [--sizes 64,256 --reps 5 --chunk-kib 1024]`.
+//! `target/release/examples/transfer_bench [--sizes 64,256 --reps 5 --chunk-kib 1024 --tls]`.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -135,7 +139,7 @@ impl RawLink {
 /// The actor process: this same program, serving the built-in test actor (the code a
 /// worker runs for `kind: "test"`), so the bench needs no head or worker; and the raw
 /// copy's receiver, whose address goes to `READY.raw`.
-fn serve_actor(ready_file: &str, token: &str) -> Result<()> {
+fn serve_actor(ready_file: &str, token: &str, tls: net::ServerTls) -> Result<()> {
     let raw = TcpListener::bind("127.0.0.1:0")?;
     let raw_ready = format!("{ready_file}.raw");
     std::fs::write(format!("{raw_ready}.tmp"), raw.local_addr()?.to_string())?;
@@ -149,7 +153,7 @@ fn serve_actor(ready_file: &str, token: &str) -> Result<()> {
             ready_file: ready_file.into(),
             host: "127.0.0.1".into(),
             token: token.into(),
-            tls: Default::default(),
+            tls,
         },
         tokio_util::sync::CancellationToken::new(),
     ))?;
@@ -166,18 +170,17 @@ impl Drop for Child {
     }
 }
 
-/// The actor process, its RPC address and its raw copy receiver's address.
-fn spawn_actor(token: &str) -> Result<(Child, String, String)> {
+/// The actor process (serving with `tls`'s certificate and key, if any), its RPC address
+/// and its raw copy receiver's address.
+fn spawn_actor(token: &str, tls: &net::ServerTls) -> Result<(Child, String, String)> {
     let dir = tempfile::tempdir()?;
     let ready = dir.path().join("actor.ready");
-    let child = Child(
-        std::process::Command::new(std::env::current_exe()?)
-            .arg("--serve-actor")
-            .arg(&ready)
-            .arg(token)
-            .spawn()
-            .context("starting the actor process")?,
-    );
+    let mut cmd = std::process::Command::new(std::env::current_exe()?);
+    cmd.arg("--serve-actor").arg(&ready).arg(token);
+    if let (Some(c), Some(k)) = (&tls.cert, &tls.key) {
+        cmd.arg(c).arg(k);
+    }
+    let child = Child(cmd.spawn().context("starting the actor process")?);
     let t = Instant::now();
     loop {
         let raw = std::fs::read_to_string(ready.with_extension("ready.raw"));
@@ -197,7 +200,20 @@ fn main() -> Result<()> {
     if let (Some("--serve-actor"), Some(ready), Some(token)) =
         (args.get(1).map(String::as_str), args.get(2), args.get(3))
     {
-        return serve_actor(ready, token);
+        let tls = net::ServerTls {
+            cert: args.get(4).map(Into::into),
+            key: args.get(5).map(Into::into),
+            ca: None,
+        };
+        return serve_actor(ready, token, tls);
+    }
+    let tls_dir = tempfile::tempdir()?;
+    let mut tls = net::ServerTls::default();
+    let mut o = ClientOptions::new("transfer-bench-token");
+    if args.iter().any(|a| a == "--tls") {
+        let (cert, key, ca) = rlhf_e2e::node_cert(tls_dir.path())?;
+        (tls.cert, tls.key) = (Some(cert), Some(key));
+        o.tls_ca = Some(ca);
     }
     let sizes: Vec<usize> = arg("--sizes")
         .unwrap_or_else(|| "64,256".into())
@@ -211,9 +227,8 @@ fn main() -> Result<()> {
     anyhow::ensure!(reps > 0, "--reps must be at least 1");
 
     let rt = tokio::runtime::Runtime::new()?;
-    let token = "transfer-bench-token".to_string();
-    let o = ClientOptions::new(token.clone());
-    let (actor, addr, raw_addr) = spawn_actor(&token)?;
+    let token = o.token.clone();
+    let (actor, addr, raw_addr) = spawn_actor(&token, &tls)?;
     let mut raw_link = RawLink::connect(&raw_addr)?;
     let actor_pid = actor.0.id();
     let mut client =
@@ -224,9 +239,19 @@ fn main() -> Result<()> {
         anyhow::ensure!(framed, "the actor process does not speak control frames");
         anyhow::Ok(ActorServiceClient::new(ch))
     })?;
+    let inside = if o.tls_ca.is_some() {
+        " inside TLS"
+    } else {
+        ""
+    };
     println!(
-        "chunk size {} KiB, {reps} repetitions per size, medians",
-        chunk >> 10
+        "chunk size {} KiB, {reps} repetitions per size, medians{}",
+        chunk >> 10,
+        if inside.is_empty() {
+            ""
+        } else {
+            "; the gRPC stream and the frames inside TLS, the raw copy plain"
+        }
     );
 
     let mut put = |b: &DataBatch, sum: u64, path: Path| -> Result<f64> {
@@ -319,7 +344,7 @@ fn main() -> Result<()> {
         let verdict = |r: f64, goal: f64| if r >= goal { "met" } else { "NOT met" };
         println!("batch {mib} MiB ({bytes} bytes) to the actor process, medians of {reps}:");
         println!(
-            "  streamed over gRPC {:8.1} ms {:6.2} GB/s; tuned raw TCP copy between the processes {:8.1} ms {:6.2} GB/s; ratio {:.2} (goal >= 0.9: {})",
+            "  streamed over gRPC{inside} {:8.1} ms {:6.2} GB/s; tuned raw TCP copy between the processes {:8.1} ms {:6.2} GB/s; ratio {:.2} (goal >= 0.9: {})",
             grpc_m * 1e3,
             gbps(grpc_m),
             raw_m * 1e3,
@@ -328,13 +353,14 @@ fn main() -> Result<()> {
             verdict(raw_m / grpc_m, 0.9)
         );
         println!(
-            "  raw control frames {:8.1} ms {:6.2} GB/s; tuned raw TCP copy between the processes {:8.1} ms {:6.2} GB/s; ratio {:.2} (goal >= 0.9: {})",
+            "  raw control frames{inside} {:8.1} ms {:6.2} GB/s; tuned raw TCP copy between the processes {:8.1} ms {:6.2} GB/s; ratio {:.2} (goal >= 0.9: {}); {:.2}x the gRPC stream's speed",
             framed_m * 1e3,
             gbps(framed_m),
             raw_m * 1e3,
             gbps(raw_m),
             raw_m / framed_m,
-            verdict(raw_m / framed_m, 0.9)
+            verdict(raw_m / framed_m, 0.9),
+            grpc_m / framed_m
         );
         println!(
             "  shared memory      {:8.1} ms {:6.2} GB/s; memcpy in one process {:8.1} ms {:6.2} GB/s; ratio {:.2} (goal >= 0.5: {})",

@@ -309,6 +309,60 @@ pub fn skip(tmp_dir: &str, test: &str, reason: &str) {
     }
 }
 
+/// A fresh CA: its certificate (PEM) and the issuer that signs with it.
+pub fn make_ca() -> Result<(String, rcgen::Issuer<'static, rcgen::KeyPair>)> {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+    let key = KeyPair::generate()?;
+    let mut params = CertificateParams::new(Vec::<String>::new())?;
+    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let cert = params.self_signed(&key)?;
+    Ok((cert.pem(), Issuer::new(params, key)))
+}
+
+/// A CA, and a certificate for localhost and 127.0.0.1 signed by it, as PEM files in `dir`:
+/// (certificate, key, CA).
+pub fn node_cert(dir: &Path) -> Result<(PathBuf, PathBuf, PathBuf)> {
+    let (ca_pem, issuer) = make_ca()?;
+    let key = rcgen::KeyPair::generate()?;
+    let params =
+        rcgen::CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()])?;
+    let cert = params.signed_by(&key, &issuer)?;
+    let (cert_p, key_p, ca_p) = (
+        dir.join("node.crt"),
+        dir.join("node.key"),
+        dir.join("ca.crt"),
+    );
+    std::fs::write(&cert_p, cert.pem())?;
+    std::fs::write(&key_p, key.serialize_pem())?;
+    std::fs::write(&ca_p, &ca_pem)?;
+    Ok((cert_p, key_p, ca_p))
+}
+
+/// Every file under `dir`, recursively.
+pub fn files_under(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    if let Ok(rd) = std::fs::read_dir(dir) {
+        for e in rd.flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                out.extend(files_under(&p));
+            } else {
+                out.push(p);
+            }
+        }
+    }
+    out
+}
+
+/// How many `.log` files under `dir` contain `line`.
+pub fn logs_saying(dir: &Path, line: &str) -> usize {
+    files_under(dir)
+        .into_iter()
+        .filter(|p| p.extension().is_some_and(|e| e == "log"))
+        .filter(|p| std::fs::read_to_string(p).is_ok_and(|t| t.contains(line)))
+        .count()
+}
+
 /// Nodes in state ALIVE in a `status --format json` document.
 pub fn count_alive(status: &Value) -> usize {
     status["nodes"]

@@ -9,7 +9,6 @@
 //! RLHF_MULTINODE_MODE=loopback turns them off; another always uses loopback addresses.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -159,13 +158,7 @@ fn scenario(tag: &str, hosts: Hosts) -> Result<()> {
             .env_remove("RLHF_TOKEN"),
         "rlhf-head run across hosts",
     )?;
-    let logs_saying = |line: &str| {
-        walk(&state)
-            .into_iter()
-            .filter(|p| p.extension().is_some_and(|e| e == "log"))
-            .filter(|p| std::fs::read_to_string(p).is_ok_and(|t| t.contains(line)))
-            .count()
-    };
+    let logs_saying = |line: &str| rlhf_e2e::logs_saying(&state, line);
     // The line rlhf_roles::server::FRAMED_LOG, in each role process's log.
     let framed = logs_saying("batches arrive as raw control frames over TCP");
     assert!(
@@ -289,7 +282,7 @@ fn scenario(tag: &str, hosts: Hosts) -> Result<()> {
     for pid in before {
         assert!(!pid_alive(pid), "pid {pid} outlived stop-cluster.sh");
     }
-    let pid_files: Vec<_> = walk(&state)
+    let pid_files: Vec<_> = rlhf_e2e::files_under(&state)
         .into_iter()
         .filter(|p| p.extension().is_some_and(|e| e == "pid"))
         .collect();
@@ -301,21 +294,6 @@ fn scenario(tag: &str, hosts: Hosts) -> Result<()> {
         death_ms - kill_ms
     );
     Ok(())
-}
-
-fn walk(dir: &Path) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    if let Ok(rd) = std::fs::read_dir(dir) {
-        for e in rd.flatten() {
-            let p = e.path();
-            if p.is_dir() {
-                out.extend(walk(&p));
-            } else {
-                out.push(p);
-            }
-        }
-    }
-    out
 }
 
 /// Hosts in network namespaces: the head on one host, three workers on three others, a

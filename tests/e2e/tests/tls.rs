@@ -8,36 +8,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use anyhow::Result;
-use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
 use rlhf_e2e::{bin, wait_for, Cluster, Proc};
-
-fn make_ca() -> Result<(String, Issuer<'static, KeyPair>)> {
-    let key = KeyPair::generate()?;
-    let mut params = CertificateParams::new(Vec::<String>::new())?;
-    params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    let cert = params.self_signed(&key)?;
-    Ok((cert.pem(), Issuer::new(params, key)))
-}
-
-/// A CA, and a certificate for localhost and 127.0.0.1 signed by it, as PEM files:
-/// (certificate, key, CA).
-fn node_cert(
-    dir: &std::path::Path,
-) -> Result<(std::path::PathBuf, std::path::PathBuf, std::path::PathBuf)> {
-    let (ca_pem, issuer) = make_ca()?;
-    let key = KeyPair::generate()?;
-    let params = CertificateParams::new(vec!["localhost".to_string(), "127.0.0.1".to_string()])?;
-    let cert = params.signed_by(&key, &issuer)?;
-    let (cert_p, key_p, ca_p) = (
-        dir.join("node.crt"),
-        dir.join("node.key"),
-        dir.join("ca.crt"),
-    );
-    std::fs::write(&cert_p, cert.pem())?;
-    std::fs::write(&key_p, key.serialize_pem())?;
-    std::fs::write(&ca_p, &ca_pem)?;
-    Ok((cert_p, key_p, ca_p))
-}
 
 fn status_with(c: &Cluster, ca: Option<&std::path::Path>) -> Result<std::process::Output> {
     let mut cmd = Command::new(bin("rlhf-head"));
@@ -61,8 +32,8 @@ fn status_with(c: &Cluster, ca: Option<&std::path::Path>) -> Result<std::process
 #[test]
 fn tls_head_is_verified_by_joining_nodes() -> Result<()> {
     let dir = tempfile::tempdir()?;
-    let (cert_p, key_p, ca_p) = node_cert(dir.path())?;
-    let (other_ca, _) = make_ca()?;
+    let (cert_p, key_p, ca_p) = rlhf_e2e::node_cert(dir.path())?;
+    let (other_ca, _) = rlhf_e2e::make_ca()?;
     let other_p = dir.path().join("other-ca.crt");
     std::fs::write(&other_p, other_ca)?;
 
@@ -129,7 +100,7 @@ fn tls_head_is_verified_by_joining_nodes() -> Result<()> {
 #[test]
 fn ppo_tiny_runs_to_the_end_on_a_tls_cluster() -> Result<()> {
     let dir = tempfile::tempdir()?;
-    let (cert_p, key_p, ca_p) = node_cert(dir.path())?;
+    let (cert_p, key_p, ca_p) = rlhf_e2e::node_cert(dir.path())?;
     let (cert_s, key_s, ca_s) = (
         cert_p.display().to_string(),
         key_p.display().to_string(),
@@ -161,7 +132,10 @@ fn ppo_tiny_runs_to_the_end_on_a_tls_cluster() -> Result<()> {
     })?;
     let out_dir = c.dir.path().join("job");
     let mut run = rlhf_e2e::ppo_run_cmd(&out_dir, &["training.train_iters=2"]);
+    // Batches as between hosts (one host here would take shared memory): raw control
+    // frames, inside TLS.
     run.args(["--address", &c.address(), "--tls-ca", &ca_s])
+        .args(["--batch-path", "frames"])
         .arg("--token-file")
         .arg(c.token_file());
     let mut p = Proc::spawn("tls-run", c.dir.path(), &mut run)?;
@@ -169,5 +143,11 @@ fn ppo_tiny_runs_to_the_end_on_a_tls_cluster() -> Result<()> {
     assert!(st.success(), "{}", p.output());
     let metrics = std::fs::read_to_string(out_dir.join("metrics.jsonl"))?;
     assert_eq!(metrics.lines().count(), 2, "{metrics}");
+    // The line rlhf_roles::server::FRAMED_LOG, in each role process's log.
+    let framed = rlhf_e2e::logs_saying(c.dir.path(), "batches arrive as raw control frames");
+    assert!(
+        framed >= 4,
+        "every role process gets its batches as frames inside TLS: {framed} role logs say so"
+    );
     Ok(())
 }

@@ -10,6 +10,8 @@ use prost::Message;
 use rlhf_proto::v1 as pb;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
+
+use crate::tls::{Connector, Io};
 use tonic::body::Body;
 
 use super::batch::{read_batch, write_batch, FramedBatch, MAX_ANSWER_BYTES, MAX_REQUEST_BYTES};
@@ -23,7 +25,7 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// A connection past the hello: reads buffered (a frame's header and payload in one read),
 /// writes straight through (a frame is one write already).
-type Conn = BufReader<TcpStream>;
+type Conn = BufReader<Io>;
 
 /// Connections kept open for later calls; more are opened while calls overlap and closed
 /// when they come back to a full pool.
@@ -38,6 +40,8 @@ pub struct FramesClient {
     addr: String,
     /// The cluster token, to answer each new connection's challenge.
     token: String,
+    /// TLS on a TLS cluster (offering only control frames).
+    tls: Option<Connector>,
     idle: Arc<Mutex<Vec<Conn>>>,
     /// A call fails when the server sends nothing for this long ([`IDLE_LIMIT`]).
     idle_limit: Duration,
@@ -55,13 +59,19 @@ impl std::fmt::Debug for FramesClient {
 }
 
 impl FramesClient {
-    /// Connects to `addr`, says hello and proves it holds `token`. `Ok(None)`: the server
-    /// answered, but not with frames (a server without them, or a TLS one); the caller keeps
-    /// HTTP/2. A server that refuses the token is an error (`PermissionDenied`).
-    pub async fn connect(addr: &str, token: &str) -> std::io::Result<Option<FramesClient>> {
+    /// Connects to `addr` (through `tls` on a TLS cluster), says hello and proves it holds
+    /// `token`. `Ok(None)`: the server answered, but not with frames (a server without them);
+    /// the caller keeps HTTP/2. A server that refuses the token is an error
+    /// (`PermissionDenied`).
+    pub async fn connect(
+        addr: &str,
+        token: &str,
+        tls: Option<Connector>,
+    ) -> std::io::Result<Option<FramesClient>> {
         let c = FramesClient {
             addr: addr.to_string(),
             token: token.to_string(),
+            tls,
             idle: Arc::default(),
             idle_limit: IDLE_LIMIT,
         };
@@ -84,14 +94,27 @@ impl FramesClient {
         };
         // "tcp connect error" is what `net::never_sent` looks for: such a call is safe to
         // send again.
-        let mut s = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(&self.addr))
+        let tcp = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(&self.addr))
             .await
             .map_err(|_| timed_out("tcp connect error: connecting"))?
             .map_err(|e| std::io::Error::new(e.kind(), format!("tcp connect error: {e}")))?;
-        s.set_nodelay(true)?;
+        tcp.set_nodelay(true)?;
+        let mut s = match &self.tls {
+            None => Io::Plain(tcp),
+            Some(c) => match c.connect(tcp).await {
+                Ok(s) => s,
+                // No common protocol (a server without frames), or no handshake at all: the
+                // HTTP/2 connection, made with the same certificates, says which.
+                Err(e) => {
+                    tracing::debug!("TLS for control frames to {}: {e}", self.addr);
+                    return Ok(None);
+                }
+            },
+        };
         let mut hello = [0u8; HELLO.len() + CHALLENGE];
         let said = tokio::time::timeout(CONNECT_TIMEOUT, async {
             s.write_all(HELLO).await?;
+            s.flush().await?;
             s.read_exact(&mut hello).await
         })
         .await
@@ -108,6 +131,7 @@ impl FramesClient {
         let mut verdict = [0u8; 1];
         tokio::time::timeout(CONNECT_TIMEOUT, async {
             s.write_all(tag.as_ref()).await?;
+            s.flush().await?;
             s.read_exact(&mut verdict).await
         })
         .await

@@ -34,8 +34,8 @@
 //!   ControlResponse`, then the answer's encoding. A batch call answered otherwise (an
 //!   error, or a unary answer such as `PutBatch`'s) gets a [`Kind::Response`].
 //!
-//! Security: a plain-TCP cluster only; under TLS both sides keep HTTP/2 (see
-//! `crate::net::connect_direct` and [`server::serve`]). The connection is authenticated by
+//! Security: on a TLS cluster the connection is TLS first, frames chosen by ALPN
+//! (`crate::tls`), and all of the above runs inside it. The connection is authenticated by
 //! the challenge above, and every call still carries the cluster token and is checked by the
 //! same interceptor as over HTTP/2.
 
@@ -44,6 +44,8 @@ pub mod client;
 pub mod server;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tls_tests;
 
 use std::time::Duration;
 
@@ -123,7 +125,7 @@ fn invalid(msg: String) -> std::io::Error {
     std::io::Error::new(std::io::ErrorKind::InvalidData, msg)
 }
 
-/// Writes one frame in one write.
+/// Writes one frame in one write, and flushes it (a TLS stream may hold it otherwise).
 pub async fn write_frame<W: AsyncWriteExt + Unpin>(
     w: &mut W,
     kind: Kind,
@@ -139,7 +141,8 @@ pub async fn write_frame<W: AsyncWriteExt + Unpin>(
     buf.extend_from_slice(&(payload.len() as u32).to_le_bytes());
     buf.push(kind as u8);
     buf.extend_from_slice(payload);
-    w.write_all(&buf).await
+    w.write_all(&buf).await?;
+    w.flush().await
 }
 
 /// Reads one frame; `None` at a clean end of the connection before a frame starts.

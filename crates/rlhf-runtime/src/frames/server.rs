@@ -1,6 +1,8 @@
-//! The server side of control frames: one listener for both protocols. Each accepted
-//! connection's first bytes say which: [`HELLO`] goes to the frames loop, anything else
-//! (the HTTP/2 preface) to tonic's server, with the same routes behind both.
+//! The server side of control frames: one listener for both protocols. On a plain cluster
+//! each accepted connection's first bytes say which: [`HELLO`] goes to the frames loop,
+//! anything else (the HTTP/2 preface) to tonic's server, with the same routes behind both.
+//! On a TLS cluster the handshake comes first, and the protocol the client chose in it
+//! (ALPN, `crate::tls`) says which.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -24,14 +26,15 @@ use super::{
 };
 use crate::auth::LogLimit;
 use crate::net::{self, ServerTls};
+use crate::tls::Io;
 use rlhf_core::batch::encode_header_sized;
 
 /// A connection that has not said which protocol it speaks within this is closed.
 const FIRST_BYTES_WITHIN: Duration = Duration::from_secs(10);
 
 /// Serves `routes` on `listener` until `shutdown`: HTTP/2 (tonic) and control frames on the
-/// same port, frames only to clients that prove they hold `token`. With TLS, HTTP/2 only
-/// (frames carry no encryption).
+/// same port, frames only to clients that prove they hold `token`; both inside TLS when
+/// `tls` names a certificate.
 pub async fn serve(
     tls: &ServerTls,
     routes: Routes,
@@ -43,19 +46,9 @@ pub async fn serve(
     let server_err = |e: tonic::transport::Error| {
         Error::internal(format!("{what} server: {}", net::error_chain(&e)))
     };
-    // `server()` reads and checks the certificate and key (both or neither).
-    if tls.cert.is_some() || tls.key.is_some() {
-        return tls
-            .server()?
-            .add_routes(routes)
-            .serve_with_incoming_shutdown(
-                tokio_stream::wrappers::TcpListenerStream::new(listener),
-                shutdown.cancelled_owned(),
-            )
-            .await
-            .map_err(server_err);
-    }
-    let (h2_tx, h2_rx) = tokio::sync::mpsc::channel::<std::io::Result<TcpStream>>(64);
+    // Reads and checks the certificate and key (both or neither) before serving.
+    let acceptor = crate::tls::acceptor(tls)?;
+    let (h2_tx, h2_rx) = tokio::sync::mpsc::channel::<std::io::Result<Io>>(64);
     let auth = Arc::new(Auth {
         token: token.to_string(),
         log: Mutex::default(),
@@ -77,16 +70,29 @@ pub async fn serve(
                     },
                 };
                 let (routes, shutdown, h2_tx) = (routes.clone(), shutdown.clone(), h2_tx.clone());
-                let auth = auth.clone();
+                let (auth, acceptor) = (auth.clone(), acceptor.clone());
                 tokio::spawn(async move {
-                    match first_bytes(&s).await {
-                        Some(b) if b == HELLO[..4] => {
-                            serve_frames(s, peer, routes, shutdown, auth).await
-                        }
-                        Some(_) => {
-                            let _ = h2_tx.send(Ok(s)).await;
-                        }
-                        None => tracing::debug!("{peer} said nothing; connection closed"),
+                    let _ = s.set_nodelay(true);
+                    let (s, frames) = match &acceptor {
+                        Some(a) => match crate::tls::accept(a, s).await {
+                            Ok(c) => c,
+                            Err(e) => {
+                                tracing::debug!("{peer}: TLS handshake: {e}; connection closed");
+                                return;
+                            }
+                        },
+                        None => match first_bytes(&s).await {
+                            Some(b) => (Io::Plain(s), b == HELLO[..4]),
+                            None => {
+                                tracing::debug!("{peer} said nothing; connection closed");
+                                return;
+                            }
+                        },
+                    };
+                    if frames {
+                        serve_frames(s, peer, routes, shutdown, auth).await
+                    } else {
+                        let _ = h2_tx.send(Ok(s)).await;
                     }
                 });
             }
@@ -135,7 +141,7 @@ async fn first_bytes(s: &TcpStream) -> Option<[u8; 4]> {
 /// One frames connection: the hello, then calls one at a time (unary, or batch calls with
 /// their batch) until the client closes or the server shuts down.
 async fn serve_frames(
-    mut s: TcpStream,
+    mut s: Io,
     peer: SocketAddr,
     routes: Routes,
     shutdown: CancellationToken,
@@ -145,7 +151,7 @@ async fn serve_frames(
         return;
     }
     let info = tonic::transport::server::TcpConnectInfo {
-        local_addr: s.local_addr().ok(),
+        local_addr: s.tcp().local_addr().ok(),
         remote_addr: Some(peer),
     };
     // Reads buffered: a frame's header and payload in one read.
@@ -216,7 +222,7 @@ async fn serve_frames(
 /// A batch call's message and its batch, read after its frame.
 async fn read_batch_call(
     payload: &[u8],
-    s: &mut tokio::io::BufReader<TcpStream>,
+    s: &mut tokio::io::BufReader<Io>,
 ) -> std::io::Result<(pb::ControlRequest, std::result::Result<DataBatch, String>)> {
     let (len, msg) = split_batch_payload(payload)?;
     let r = decode::<pb::ControlRequest>(msg, "batch call")?;
@@ -226,7 +232,7 @@ async fn read_batch_call(
 
 /// A batch answer frame and the batch's bytes after it.
 async fn send_batch_answer(
-    s: &mut tokio::io::BufReader<TcpStream>,
+    s: &mut tokio::io::BufReader<Io>,
     r: &pb::ControlResponse,
     b: &DataBatch,
 ) -> std::io::Result<()> {
@@ -250,7 +256,7 @@ struct Auth {
 
 /// The hello and the token challenge (see the module doc of `super`); whether the client
 /// passed. Nothing past them is read from a client that did not.
-async fn authenticate(s: &mut TcpStream, peer: SocketAddr, auth: &Auth) -> bool {
+async fn authenticate(s: &mut Io, peer: SocketAddr, auth: &Auth) -> bool {
     let mut challenge = [0u8; CHALLENGE];
     if SystemRandom::new().fill(&mut challenge).is_err() {
         tracing::error!("no random bytes for a control frames challenge; connection closed");
@@ -265,6 +271,7 @@ async fn authenticate(s: &mut TcpStream, peer: SocketAddr, auth: &Auth) -> bool 
         }
         s.write_all(HELLO).await?;
         s.write_all(&challenge).await?;
+        s.flush().await?;
         s.read_exact(&mut tag).await?;
         std::io::Result::Ok(true)
     })
@@ -275,6 +282,7 @@ async fn authenticate(s: &mut TcpStream, peer: SocketAddr, auth: &Auth) -> bool 
     }
     let ok = super::answered(&auth.token, &challenge, &tag);
     let _ = s.write_all(&[if ok { ACCEPTED } else { REFUSED }]).await;
+    let _ = s.flush().await;
     if !ok {
         let (log, earlier) = LogLimit::admit_shared(&auth.log);
         if let Some(n) = earlier {
@@ -288,10 +296,7 @@ async fn authenticate(s: &mut TcpStream, peer: SocketAddr, auth: &Auth) -> bool 
 }
 
 /// Answers a call with only a gRPC status (trailers-only, as tonic sends an error).
-async fn write_status(
-    s: &mut tokio::io::BufReader<TcpStream>,
-    st: tonic::Status,
-) -> std::io::Result<()> {
+async fn write_status(s: &mut tokio::io::BufReader<Io>, st: tonic::Status) -> std::io::Result<()> {
     let parts = st.into_http::<()>().into_parts().0;
     let r = pb::ControlResponse {
         status: parts.status.as_u16() as u32,
@@ -316,7 +321,7 @@ async fn call(
     info: &tonic::transport::server::TcpConnectInfo,
     r: pb::ControlRequest,
     framed: Option<DataBatch>,
-    s: &mut tokio::io::BufReader<TcpStream>,
+    s: &mut tokio::io::BufReader<Io>,
 ) -> std::io::Result<Answer> {
     let mut req = http::Request::new(tonic::body::Body::new(http_body_util::Full::new(r.body)));
     *req.method_mut() = http::Method::POST;

@@ -91,7 +91,7 @@ async fn unary_calls_go_as_frames_and_streams_stay_on_http2() {
 async fn a_wrong_token_is_refused_at_the_connection_and_on_each_call() {
     let (addr, _server) = actor_server().await;
     // At the connection: the client cannot answer the challenge.
-    let e = FramesClient::connect(&addr, "not-the-token")
+    let e = FramesClient::connect(&addr, "not-the-token", None)
         .await
         .unwrap_err();
     assert_eq!(e.kind(), std::io::ErrorKind::PermissionDenied, "{e}");
@@ -199,7 +199,7 @@ async fn a_long_call_is_kept_alive_and_a_silent_server_is_given_up() {
             }
         }
     });
-    let f = FramesClient::connect(&silent, TOKEN)
+    let f = FramesClient::connect(&silent, TOKEN, None)
         .await
         .unwrap()
         .unwrap()
