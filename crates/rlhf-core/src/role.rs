@@ -211,7 +211,7 @@ names!(CommBackend, "communicator backend" {
 pub enum BatchRoute {
     /// A segment of the sender's shared memory (same host only).
     Shm,
-    /// Raw control frames over TCP beside the call (a plain-TCP cluster).
+    /// Raw control frames over TCP beside the call (inside TLS on a TLS cluster).
     Frames,
     /// A gRPC stream of chunks over HTTP/2 (always possible).
     Stream,

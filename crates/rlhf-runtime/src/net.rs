@@ -37,6 +37,22 @@ pub fn server_builder() -> tonic::transport::Server {
         .tcp_keepalive(Some(Duration::from_secs(60)))
 }
 
+/// Socket settings for a connection a server of this crate accepted itself (tonic sets
+/// them only on connections it accepts): no Nagle delay, and TCP keepalive probes after
+/// 60 s of silence (every 10 s, 6 times), so an idle connection from a peer that vanished
+/// is closed within about two minutes instead of held forever.
+pub(crate) fn tune_accepted(s: &tokio::net::TcpStream) {
+    use nix::sys::socket::{setsockopt, sockopt};
+    let _ = s.set_nodelay(true);
+    let set = setsockopt(s, sockopt::KeepAlive, &true)
+        .and_then(|()| setsockopt(s, sockopt::TcpKeepIdle, &60))
+        .and_then(|()| setsockopt(s, sockopt::TcpKeepInterval, &10))
+        .and_then(|()| setsockopt(s, sockopt::TcpKeepCount, &6));
+    if let Err(e) = set {
+        tracing::debug!("TCP keepalive on an accepted connection: {e}");
+    }
+}
+
 /// How a client reaches a server of this cluster.
 #[derive(Clone, Debug)]
 pub struct ClientOptions {
@@ -277,8 +293,12 @@ pub async fn direct_transport(addr: &str, opts: &ClientOptions) -> Result<Transp
         let tls = crate::tls::Connector::new(addr, opts, crate::tls::ALPN_FRAMES)?;
         match crate::frames::FramesClient::connect(addr, &opts.token, tls).await {
             Ok(f) => f,
+            // The server is up but frames failed (a wrong token, a TLS handshake that did
+            // not finish): worth a line, since every call to it then pays HTTP/2.
             Err(e) => {
-                tracing::debug!("no control frames to {addr} ({e}); unary calls use HTTP/2");
+                tracing::warn!(
+                    "no control frames to {addr} ({e}); its calls and batches use HTTP/2"
+                );
                 None
             }
         }

@@ -10,8 +10,9 @@
 //! run inside the encrypted stream. A client that offers only frames to a server that does
 //! not speak them fails the handshake (no common protocol) and keeps HTTP/2.
 //!
-//! Same certificates, same checks as tonic's: the server presents `--tls-cert`, the client
-//! verifies it against `--tls-ca` under `--tls-domain` (or the address's host).
+//! The same certificates and checks as tonic's: the server presents `--tls-cert`, the client
+//! verifies it against `--tls-ca` under `--tls-domain` (or the address's host); every
+//! handshake has [`HANDSHAKE_WITHIN`] to finish.
 
 use std::io;
 use std::net::IpAddr;
@@ -148,6 +149,17 @@ pub async fn accept(a: &tokio_rustls::TlsAcceptor, tcp: TcpStream) -> io::Result
         })??;
     let frames = s.get_ref().1.alpn_protocol() == Some(ALPN_FRAMES);
     Ok((Io::Tls(Box::new(s.into())), frames))
+}
+
+/// Whether a client's handshake failed because the server offered none of its protocols
+/// (a server that does not speak control frames refuses a client that offers only them).
+pub fn no_common_protocol(e: &io::Error) -> bool {
+    matches!(
+        e.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>()),
+        Some(rustls::Error::AlertReceived(
+            rustls::AlertDescription::NoApplicationProtocol
+        )) | Some(rustls::Error::NoApplicationProtocol)
+    )
 }
 
 /// A connection of the cluster, plain or TLS, either end.

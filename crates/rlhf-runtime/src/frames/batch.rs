@@ -49,7 +49,7 @@ const PIECE: usize = 4 << 20;
 /// 4 GiB batch for hours; at this floor it gets about an hour. Low on purpose: the driver
 /// sends to every rank at once over one link, so a rank's share of a 1 Gbit/s link with a
 /// hundred ranks is about this much.
-const MIN_RATE: f64 = (1u64 << 20) as f64;
+pub(super) const MIN_RATE: f64 = (1u64 << 20) as f64;
 
 /// The deadlines of one batch's transfer: each piece within `limit`, and the whole within
 /// `limit` plus its size at [`MIN_RATE`].
@@ -117,7 +117,9 @@ pub(super) async fn write_batch<W: AsyncWriteExt + Unpin>(
             done += piece.len();
         }
     }
-    w.flush().await
+    // Under TLS the last records may still wait in the session's buffer for a peer that
+    // stopped reading: the flush keeps the same deadlines.
+    pace.piece("sent", done, w.flush()).await
 }
 
 fn stalled(what: &str, limit: Duration) -> std::io::Error {
@@ -432,5 +434,59 @@ mod tests {
         assert!(e.to_string().contains("too slow"), "{e}");
         assert_eq!(t.elapsed(), Duration::from_millis(2750), "{e}");
         trickle.abort();
+    }
+
+    /// Takes every write, never finishes a flush: a TLS session whose peer stopped reading
+    /// with the last records still buffered.
+    struct StuckFlush;
+
+    impl tokio::io::AsyncWrite for StuckFlush {
+        fn poll_write(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+            buf: &[u8],
+        ) -> std::task::Poll<std::io::Result<usize>> {
+            std::task::Poll::Ready(Ok(buf.len()))
+        }
+        fn poll_flush(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            std::task::Poll::Pending
+        }
+        fn poll_shutdown(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            std::task::Poll::Pending
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_batch_and_a_frame_whose_flush_never_ends_fail_at_their_deadline() {
+        let b = batch(1000, 1.0);
+        let (head, _) = rlhf_core::batch::encode_header_sized(&b).unwrap();
+        let limit = Duration::from_secs(2);
+        let t = tokio::time::Instant::now();
+        // Without a deadline of its own the write would wait forever: the hour says so.
+        let e = tokio::time::timeout(
+            Duration::from_secs(3600),
+            write_batch(&mut StuckFlush, &head, &b, limit),
+        )
+        .await
+        .expect("the write waits on the flush with no deadline")
+        .unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::TimedOut, "{e}");
+        assert_eq!(t.elapsed(), limit, "{e}");
+        let t = tokio::time::Instant::now();
+        let e = tokio::time::timeout(
+            Duration::from_secs(3600),
+            super::super::write_frame(&mut StuckFlush, super::super::Kind::Request, b"x"),
+        )
+        .await
+        .expect("the frame waits on the flush with no deadline")
+        .unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::TimedOut, "{e}");
+        assert!(t.elapsed() >= super::super::IDLE_LIMIT, "{:?}", t.elapsed());
     }
 }

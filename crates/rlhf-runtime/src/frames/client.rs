@@ -103,11 +103,16 @@ impl FramesClient {
             None => Io::Plain(tcp),
             Some(c) => match c.connect(tcp).await {
                 Ok(s) => s,
-                // No common protocol (a server without frames), or no handshake at all: the
-                // HTTP/2 connection, made with the same certificates, says which.
+                // The server offered no control frames in the handshake: it does not speak
+                // them (HTTP/2 only).
+                Err(e) if crate::tls::no_common_protocol(&e) => return Ok(None),
+                // Nothing was sent: a call may go again ("tcp connect error" is what
+                // `net::never_sent` looks for).
                 Err(e) => {
-                    tracing::debug!("TLS for control frames to {}: {e}", self.addr);
-                    return Ok(None);
+                    return Err(std::io::Error::new(
+                        e.kind(),
+                        format!("tcp connect error: TLS handshake for control frames: {e}"),
+                    ))
                 }
             },
         };

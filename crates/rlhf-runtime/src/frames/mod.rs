@@ -1,5 +1,5 @@
 //! Control frames: the unary gRPC calls to role and actor processes (and their batch calls,
-//! [`batch`]), carried over plain TCP frames instead of HTTP/2.
+//! [`batch`]), carried over TCP frames instead of HTTP/2 (inside TLS on a TLS cluster).
 //!
 //! Why: a no-op call through HTTP/2 took 120–135 µs here against a ~50 µs raw TCP echo, and
 //! the difference was user-space work in h2 and hyper on both sides (about 58 µs of the
@@ -125,8 +125,30 @@ fn invalid(msg: String) -> std::io::Error {
     std::io::Error::new(std::io::ErrorKind::InvalidData, msg)
 }
 
-/// Writes one frame in one write, and flushes it (a TLS stream may hold it otherwise).
+/// Writes one frame in one write, and flushes it (a TLS stream may hold it otherwise), within
+/// [`IDLE_LIMIT`] plus its size at the batches' rate floor (a peer that stopped reading
+/// fails the write, it does not hang it).
 pub async fn write_frame<W: AsyncWriteExt + Unpin>(
+    w: &mut W,
+    kind: Kind,
+    payload: &[u8],
+) -> std::io::Result<()> {
+    let within = IDLE_LIMIT + Duration::from_secs_f64(payload.len() as f64 / batch::MIN_RATE);
+    tokio::time::timeout(within, write_frame_now(w, kind, payload))
+        .await
+        .map_err(|_| {
+            std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "a control frame of {} bytes was not sent within {within:?} (the peer \
+                     stopped reading or is unreachable)",
+                    payload.len()
+                ),
+            )
+        })?
+}
+
+async fn write_frame_now<W: AsyncWriteExt + Unpin>(
     w: &mut W,
     kind: Kind,
     payload: &[u8],
@@ -150,9 +172,13 @@ pub async fn read_frame<R: AsyncReadExt + Unpin>(
     r: &mut R,
 ) -> std::io::Result<Option<(Kind, Bytes)>> {
     let mut head = [0u8; 5];
-    // The first byte tells a clean close (EOF here) from one cut inside a frame.
-    if r.read(&mut head[..1]).await? == 0 {
-        return Ok(None);
+    // The first byte tells a clean close (EOF here) from one cut inside a frame. A TLS peer
+    // that closes without close_notify reads as an unexpected EOF here: a close all the same.
+    match r.read(&mut head[..1]).await {
+        Ok(0) => return Ok(None),
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+        Ok(_) => {}
+        Err(e) => return Err(e),
     }
     r.read_exact(&mut head[1..]).await?;
     let len = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize;

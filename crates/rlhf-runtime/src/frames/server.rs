@@ -72,7 +72,7 @@ pub async fn serve(
                 let (routes, shutdown, h2_tx) = (routes.clone(), shutdown.clone(), h2_tx.clone());
                 let (auth, acceptor) = (auth.clone(), acceptor.clone());
                 tokio::spawn(async move {
-                    let _ = s.set_nodelay(true);
+                    net::tune_accepted(&s);
                     let (s, frames) = match &acceptor {
                         Some(a) => match crate::tls::accept(a, s).await {
                             Ok(c) => c,
@@ -281,8 +281,16 @@ async fn authenticate(s: &mut Io, peer: SocketAddr, auth: &Auth) -> bool {
         return false;
     }
     let ok = super::answered(&auth.token, &challenge, &tag);
-    let _ = s.write_all(&[if ok { ACCEPTED } else { REFUSED }]).await;
-    let _ = s.flush().await;
+    let verdict = [if ok { ACCEPTED } else { REFUSED }];
+    let told = tokio::time::timeout(FIRST_BYTES_WITHIN, async {
+        s.write_all(&verdict).await?;
+        s.flush().await
+    })
+    .await;
+    if !matches!(told, Ok(Ok(()))) {
+        tracing::debug!("{peer}: the control frames verdict could not be sent; connection closed");
+        return false;
+    }
     if !ok {
         let (log, earlier) = LogLimit::admit_shared(&auth.log);
         if let Some(n) = earlier {

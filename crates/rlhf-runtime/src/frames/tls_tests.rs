@@ -93,7 +93,23 @@ async fn on_a_tls_cluster_frames_and_http2_both_run_inside_tls() {
         .unwrap()
         .into_inner();
     assert_eq!(r.payload, b"over tls");
-    assert_eq!(frames.idle_connections(), 1, "the ping went as a frame");
+    // Calls that overlap each take a frames connection (each its own TLS handshake); over
+    // HTTP/2 they would share one and the pool would stay at one.
+    let calls = (0..4u8).map(|i| {
+        let mut c = c.clone();
+        async move {
+            c.sleep(pb::SleepRequest { ms: 100 }).await.unwrap();
+            c.ping(pb::PingRequest { payload: vec![i] }).await.unwrap()
+        }
+    });
+    for (i, a) in futures::future::join_all(calls)
+        .await
+        .into_iter()
+        .enumerate()
+    {
+        assert_eq!(a.into_inner().payload, vec![i as u8]);
+    }
+    assert_eq!(frames.idle_connections(), 4, "the calls went as frames");
 
     // A batch beside its call, as raw frames inside TLS (4 MB: many TLS records).
     let b = batch(1000);
@@ -137,7 +153,7 @@ async fn on_a_tls_cluster_frames_and_http2_both_run_inside_tls() {
 #[tokio::test]
 async fn a_tls_server_serves_nothing_in_the_clear_nor_to_a_client_of_another_ca() {
     let dir = tempfile::tempdir().unwrap();
-    let (tls, _ca) = certs(dir.path(), "role");
+    let (tls, ca) = certs(dir.path(), "role");
     let (_, other_ca) = certs(dir.path(), "other");
     let (addr, _server) = actor_server(&tls).await;
 
@@ -158,6 +174,15 @@ async fn a_tls_server_serves_nothing_in_the_clear_nor_to_a_client_of_another_ca(
         .await
         .unwrap_err();
     assert!(e.to_string().contains(&addr), "{e}");
+    assert!(e.to_string().contains("invalid peer certificate"), "{e}");
+    // Nor one expecting another name than the certificate's, on either protocol.
+    let mut o = options(Some(&ca), TOKEN);
+    o.tls_domain = Some("elsewhere.example".into());
+    let e = net::direct_transport(&addr, &o).await.unwrap_err();
+    assert!(e.to_string().contains("not valid for name"), "{e}");
+    let c = crate::tls::Connector::new(&addr, &o, crate::tls::ALPN_FRAMES).unwrap();
+    let e = FramesClient::connect(&addr, TOKEN, c).await.unwrap_err();
+    assert!(e.to_string().contains("not valid for name"), "{e}");
 
     // A frames hello in the clear gets no hello back: the server wants a TLS handshake.
     let mut raw = tokio::net::TcpStream::connect(&addr).await.unwrap();
