@@ -124,29 +124,27 @@ impl Connector {
     /// The handshake over `tcp`, within [`HANDSHAKE_WITHIN`].
     pub async fn connect(&self, tcp: TcpStream) -> io::Result<Io> {
         let c = tokio_rustls::TlsConnector::from(self.config.clone());
-        let s = tokio::time::timeout(HANDSHAKE_WITHIN, c.connect(self.name.clone(), tcp))
-            .await
-            .map_err(|_| {
-                io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    format!("TLS handshake timed out after {HANDSHAKE_WITHIN:?}"),
-                )
-            })??;
+        let s = handshake(c.connect(self.name.clone(), tcp)).await?;
         Ok(Io::Tls(Box::new(s.into())))
     }
 }
 
-/// The handshake on an accepted connection, within [`HANDSHAKE_WITHIN`]; the stream and
-/// whether the client chose control frames.
-pub async fn accept(a: &tokio_rustls::TlsAcceptor, tcp: TcpStream) -> io::Result<(Io, bool)> {
-    let s = tokio::time::timeout(HANDSHAKE_WITHIN, a.accept(tcp))
+/// `h`, a handshake, within [`HANDSHAKE_WITHIN`].
+async fn handshake<T>(h: impl std::future::Future<Output = io::Result<T>>) -> io::Result<T> {
+    tokio::time::timeout(HANDSHAKE_WITHIN, h)
         .await
         .map_err(|_| {
             io::Error::new(
                 io::ErrorKind::TimedOut,
                 format!("TLS handshake timed out after {HANDSHAKE_WITHIN:?}"),
             )
-        })??;
+        })?
+}
+
+/// The handshake on an accepted connection, within [`HANDSHAKE_WITHIN`]; the stream and
+/// whether the client chose control frames.
+pub async fn accept(a: &tokio_rustls::TlsAcceptor, tcp: TcpStream) -> io::Result<(Io, bool)> {
+    let s = handshake(a.accept(tcp)).await?;
     let frames = s.get_ref().1.alpn_protocol() == Some(ALPN_FRAMES);
     Ok((Io::Tls(Box::new(s.into())), frames))
 }

@@ -237,3 +237,24 @@ async fn a_tls_server_without_frames_keeps_the_client_on_http2() {
         .into_inner();
     assert_eq!(r.payload, b"h2");
 }
+
+#[tokio::test]
+async fn a_client_silent_in_the_handshake_is_dropped_at_its_deadline() {
+    let dir = tempfile::tempdir().unwrap();
+    let (tls, _) = certs(dir.path(), "role");
+    let (addr, _server) = actor_server(&tls).await;
+    let mut raw = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let t0 = Instant::now();
+    let mut got = Vec::new();
+    let read = tokio::time::timeout(
+        crate::tls::HANDSHAKE_WITHIN + Duration::from_secs(10),
+        raw.read_to_end(&mut got),
+    )
+    .await;
+    assert!(read.is_ok(), "the server kept a silent connection open");
+    assert!(
+        t0.elapsed() >= crate::tls::HANDSHAKE_WITHIN - Duration::from_secs(1),
+        "closed after {:?}, before the handshake's deadline",
+        t0.elapsed()
+    );
+}
