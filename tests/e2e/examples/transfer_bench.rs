@@ -7,7 +7,8 @@
 //!   where they live, read into a pooled buffer and viewed in place, checksummed on the
 //!   actor), each vs a tuned raw TCP copy between the same two processes (the
 //!   communicator's socket buffers, the connection made before timing, a reused receive
-//!   buffer): goal >= 0.9 (what goes between hosts);
+//!   buffer): goal >= 0.9 (what goes between hosts); and, for the frames, the same raw copy
+//!   whose receiver then does what the actor does with a batch (views it, checksums it);
 //! - through shared memory on this host (the batch written once into a sealed memory file,
 //!   mapped and checksummed by the actor; `rlhf_runtime::shared_batch`) vs a `memcpy` of
 //!   the same bytes in this process: goal >= 0.5.
@@ -96,9 +97,23 @@ fn make_batch(mib: usize) -> Result<DataBatch> {
         ))
 }
 
+/// Checks the raw copy's receiver runs on what it received, when asked to: the same work as
+/// the frames receiver does after reading (decode as views of the buffer, checksum).
+struct Received(Vec<u8>);
+
+impl batch::SharedRegion for Received {
+    fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+/// Set in the length word: the receiver views and checksums the batch before answering.
+const CHECK: u64 = 1 << 63;
+
 /// The receiving end of the raw copy, in the actor process: one connection with the
 /// communicator's socket settings; each copy is a length, then that many bytes read into a
-/// buffer reused across copies, answered with one byte.
+/// buffer reused across copies, answered with 8 bytes (the batch's checksum when the length
+/// word asked for it, else 0).
 fn serve_raw(l: TcpListener) -> Result<()> {
     let (mut s, _) = l.accept()?;
     rlhf_collective::tcp::tune_stream(&s, &rlhf_collective::CommConfig::default());
@@ -108,9 +123,20 @@ fn serve_raw(l: TcpListener) -> Result<()> {
         if s.read_exact(&mut len).is_err() {
             return Ok(());
         }
-        buf.resize(u64::from_le_bytes(len) as usize, 0);
+        let len = u64::from_le_bytes(len);
+        buf.resize((len & !CHECK) as usize, 0);
         s.read_exact(&mut buf)?;
-        s.write_all(&[1])?;
+        let mut sum = 0;
+        if len & CHECK != 0 {
+            let region = std::sync::Arc::new(Received(std::mem::take(&mut buf)));
+            let b = batch::decode_view(region.clone(), 0)?;
+            sum = batch::checksum(&b);
+            drop(b);
+            buf = std::sync::Arc::try_unwrap(region)
+                .map_err(|_| anyhow::anyhow!("a view of the received batch outlived it"))?
+                .0;
+        }
+        s.write_all(&sum.to_le_bytes())?;
     }
 }
 
@@ -124,15 +150,18 @@ impl RawLink {
         Ok(Self(s))
     }
 
-    /// One copy of `src` to the actor process, until its answer byte.
-    fn copy(&mut self, src: &[u8]) -> Result<f64> {
+    /// One copy of `src` to the actor process, until its answer (the checksum it computed
+    /// when `check`).
+    fn copy(&mut self, src: &[u8], check: bool) -> Result<(f64, u64)> {
         let t = Instant::now();
-        self.0.write_all(&(src.len() as u64).to_le_bytes())?;
+        let flag = if check { CHECK } else { 0 };
+        self.0.write_all(&(src.len() as u64 | flag).to_le_bytes())?;
         for c in src.chunks(rlhf_collective::CommConfig::default().chunk_bytes) {
             self.0.write_all(c)?;
         }
-        self.0.read_exact(&mut [0u8])?;
-        Ok(t.elapsed().as_secs_f64())
+        let mut sum = [0u8; 8];
+        self.0.read_exact(&mut sum)?;
+        Ok((t.elapsed().as_secs_f64(), u64::from_le_bytes(sum)))
     }
 }
 
@@ -288,7 +317,11 @@ fn main() -> Result<()> {
         let sum = batch::checksum(&b);
         let wire = batch::encode(&b)?;
         let bytes = wire.len();
-        raw_link.copy(&wire)?;
+        raw_link.copy(&wire, false)?;
+        anyhow::ensure!(
+            raw_link.copy(&wire, true)?.1 == sum,
+            "the raw copy's receiver saw another batch"
+        );
 
         // In-process stages, for where the time goes.
         let t = Instant::now();
@@ -320,11 +353,11 @@ fn main() -> Result<()> {
 
         let mut memcpy_dst = vec![0u8; bytes];
         let (mut raw, mut grpc, mut memcpy, mut shm) = (vec![], vec![], vec![], vec![]);
-        let mut framed = vec![];
+        let (mut framed, mut raw_checked) = (vec![], vec![]);
         let (mut raw_cpu, mut client_cpu, mut actor_cpu) = (0.0, 0.0, 0.0);
         for _ in 0..reps {
             let r0 = cpu_seconds(std::process::id())? + cpu_seconds(actor_pid)?;
-            raw.push(raw_link.copy(&wire)?);
+            raw.push(raw_link.copy(&wire, false)?.0);
             raw_cpu += cpu_seconds(std::process::id())? + cpu_seconds(actor_pid)? - r0;
             let (c0, a0) = (cpu_seconds(std::process::id())?, cpu_seconds(actor_pid)?);
             grpc.push(put(&b, sum, Path::Streamed)?);
@@ -336,10 +369,11 @@ fn main() -> Result<()> {
             memcpy.push(t.elapsed().as_secs_f64());
             shm.push(put(&b, sum, Path::Shared)?);
             framed.push(put(&b, sum, Path::Framed)?);
+            raw_checked.push(raw_link.copy(&wire, true)?.0);
         }
         let (raw_m, grpc_m) = (median(&mut raw), median(&mut grpc));
         let (memcpy_m, shm_m) = (median(&mut memcpy), median(&mut shm));
-        let framed_m = median(&mut framed);
+        let (framed_m, checked_m) = (median(&mut framed), median(&mut raw_checked));
         let gbps = |s: f64| bytes as f64 / s / 1e9;
         let verdict = |r: f64, goal: f64| if r >= goal { "met" } else { "NOT met" };
         println!("batch {mib} MiB ({bytes} bytes) to the actor process, medians of {reps}:");
@@ -361,6 +395,12 @@ fn main() -> Result<()> {
             raw_m / framed_m,
             verdict(raw_m / framed_m, 0.9),
             grpc_m / framed_m
+        );
+        println!(
+            "  the same raw copy, then viewed and checksummed by the receiver as the actor does {:8.1} ms {:6.2} GB/s; frames' ratio to it {:.2}",
+            checked_m * 1e3,
+            gbps(checked_m),
+            checked_m / framed_m
         );
         println!(
             "  shared memory      {:8.1} ms {:6.2} GB/s; memcpy in one process {:8.1} ms {:6.2} GB/s; ratio {:.2} (goal >= 0.5: {})",
