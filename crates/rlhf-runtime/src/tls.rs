@@ -122,9 +122,15 @@ impl Connector {
     }
 
     /// The handshake over `tcp`, within [`HANDSHAKE_WITHIN`].
+    /// A server that completes the handshake without choosing the one protocol offered (no
+    /// ALPN configured) is refused as one without a common protocol.
     pub async fn connect(&self, tcp: TcpStream) -> io::Result<Io> {
         let c = tokio_rustls::TlsConnector::from(self.config.clone());
         let s = handshake(c.connect(self.name.clone(), tcp)).await?;
+        let offered = self.config.alpn_protocols.first().map(Vec::as_slice);
+        if s.get_ref().1.alpn_protocol() != offered {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, NoCommonProtocol));
+        }
         Ok(Io::Tls(Box::new(s.into())))
     }
 }
@@ -149,15 +155,29 @@ pub async fn accept(a: &tokio_rustls::TlsAcceptor, tcp: TcpStream) -> io::Result
     Ok((Io::Tls(Box::new(s.into())), frames))
 }
 
+/// The server chose no protocol in the handshake, though it completed it.
+#[derive(Debug)]
+struct NoCommonProtocol;
+
+impl std::fmt::Display for NoCommonProtocol {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the server chose none of the offered protocols (ALPN)")
+    }
+}
+
+impl std::error::Error for NoCommonProtocol {}
+
 /// Whether a client's handshake failed because the server offered none of its protocols
 /// (a server that does not speak control frames refuses a client that offers only them).
 pub fn no_common_protocol(e: &io::Error) -> bool {
-    matches!(
-        e.get_ref().and_then(|i| i.downcast_ref::<rustls::Error>()),
-        Some(rustls::Error::AlertReceived(
-            rustls::AlertDescription::NoApplicationProtocol
-        )) | Some(rustls::Error::NoApplicationProtocol)
-    )
+    let inner = e.get_ref();
+    inner.is_some_and(|i| i.is::<NoCommonProtocol>())
+        || matches!(
+            inner.and_then(|i| i.downcast_ref::<rustls::Error>()),
+            Some(rustls::Error::AlertReceived(
+                rustls::AlertDescription::NoApplicationProtocol
+            )) | Some(rustls::Error::NoApplicationProtocol)
+        )
 }
 
 /// A connection of the cluster, plain or TLS, either end.

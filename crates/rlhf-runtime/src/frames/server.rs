@@ -382,6 +382,8 @@ async fn call(
         tokio::time::Instant::now() + KEEPALIVE_EVERY,
         KEEPALIVE_EVERY,
     );
+    // After a slow keepalive write, the next one a whole period later, not a burst.
+    alive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             a = &mut answer => return Ok(a),

@@ -226,6 +226,15 @@ async fn a_tls_server_without_frames_keeps_the_client_on_http2() {
     let _guard = stop.drop_guard();
 
     let o = options(Some(&ca), TOKEN);
+    // The frames client itself reads the refusal as "no frames" (not as an error).
+    let c = crate::tls::Connector::new(&addr, &o, crate::tls::ALPN_FRAMES).unwrap();
+    assert!(
+        FramesClient::connect(&addr, TOKEN, c)
+            .await
+            .unwrap()
+            .is_none(),
+        "no common protocol: no frames"
+    );
     let t = net::direct_transport(&addr, &o).await.unwrap();
     assert!(t.frames().is_none(), "no common protocol: no frames");
     let r = ActorServiceClient::new(net::with_token(t, TOKEN).unwrap())
