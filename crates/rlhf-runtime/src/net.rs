@@ -94,20 +94,26 @@ pub struct ServerTls {
 }
 
 impl ServerTls {
-    pub fn config(&self) -> Result<Option<ServerTlsConfig>> {
+    /// `--tls-cert` and `--tls-key`: both, or neither (no TLS).
+    pub fn identity_files(&self) -> Result<Option<(&PathBuf, &PathBuf)>> {
         match (&self.cert, &self.key) {
             (None, None) => Ok(None),
-            (Some(c), Some(k)) => {
-                let cert = read_pem(c, "--tls-cert", "CERTIFICATE")?;
-                let key = read_pem(k, "--tls-key", "PRIVATE KEY")?;
-                Ok(Some(
-                    ServerTlsConfig::new().identity(Identity::from_pem(cert, key)),
-                ))
-            }
+            (Some(c), Some(k)) => Ok(Some((c, k))),
             _ => Err(Error::invalid(
                 "--tls-cert and --tls-key must be given together",
             )),
         }
+    }
+
+    pub fn config(&self) -> Result<Option<ServerTlsConfig>> {
+        let Some((c, k)) = self.identity_files()? else {
+            return Ok(None);
+        };
+        let cert = read_pem(c, "--tls-cert", "CERTIFICATE")?;
+        let key = read_pem(k, "--tls-key", "PRIVATE KEY")?;
+        Ok(Some(
+            ServerTlsConfig::new().identity(Identity::from_pem(cert, key)),
+        ))
     }
 }
 
@@ -290,7 +296,7 @@ pub async fn direct_transport(addr: &str, opts: &ClientOptions) -> Result<Transp
     .await?;
     direct.frames = if opts.control_frames {
         // The HTTP/2 connection is up, so the server is: a failure here only means no frames.
-        let tls = crate::tls::Connector::new(addr, opts, crate::tls::ALPN_FRAMES)?;
+        let tls = tls.map(|c| c.offering(crate::tls::ALPN_FRAMES));
         match crate::frames::FramesClient::connect(addr, &opts.token, tls).await {
             Ok(f) => f,
             // The server is up but frames failed (a wrong token, a TLS handshake that did

@@ -44,14 +44,8 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
 
 /// The server side: `--tls-cert`/`--tls-key`, offering HTTP/2 and control frames.
 pub fn acceptor(tls: &ServerTls) -> Result<Option<tokio_rustls::TlsAcceptor>> {
-    let (cert, key) = match (&tls.cert, &tls.key) {
-        (None, None) => return Ok(None),
-        (Some(c), Some(k)) => (c, k),
-        _ => {
-            return Err(Error::invalid(
-                "--tls-cert and --tls-key must be given together",
-            ))
-        }
+    let Some((cert, key)) = tls.identity_files()? else {
+        return Ok(None);
     };
     let certs =
         CertificateDer::pem_slice_iter(&crate::net::read_pem(cert, "--tls-cert", "CERTIFICATE")?)
@@ -121,7 +115,18 @@ impl Connector {
         }))
     }
 
+    /// The same server and checks, offering `alpn` instead (no second read of the CA).
+    pub fn offering(&self, alpn: &[u8]) -> Connector {
+        let mut config = (*self.config).clone();
+        config.alpn_protocols = vec![alpn.to_vec()];
+        Connector {
+            config: Arc::new(config),
+            name: self.name.clone(),
+        }
+    }
+
     /// The handshake over `tcp`, within [`HANDSHAKE_WITHIN`].
+    ///
     /// A server that completes the handshake without choosing the one protocol offered (no
     /// ALPN configured) is refused as one without a common protocol.
     pub async fn connect(&self, tcp: TcpStream) -> io::Result<Io> {
