@@ -155,13 +155,33 @@ struct Embedded {
     token: String,
 }
 
+/// A new, empty directory under `parent` for an embedded run's head and worker state:
+/// `rlhf-run-<pid>-<n>`, the first `n` whose directory does not exist yet. A failed run
+/// keeps its directory (its logs are there), and process ids come round again: a run that
+/// reused one would open the old head's database and see the old worker as a live node for
+/// the head's grace period (memory snapshots were pushed to it, and lost).
+fn fresh_state_dir(parent: &Path) -> Result<PathBuf> {
+    let pid = std::process::id();
+    for n in 0..10_000u32 {
+        let dir = parent.join(format!("rlhf-run-{pid}-{n}"));
+        match std::fs::create_dir(&dir) {
+            Ok(()) => return Ok(dir),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(Error::io(format!("creating {}", dir.display()), e)),
+        }
+    }
+    Err(Error::invalid(format!(
+        "{} holds 10000 directories rlhf-run-{pid}-*: remove the old embedded runs' state \
+         (their logs) there",
+        parent.display()
+    )))
+}
+
 /// How long the embedded head waits before it calls its own worker's node dead.
 const EMBEDDED_DEAD_AFTER: Duration = Duration::from_secs(120);
 
 async fn start_embedded(cfg: &PpoConfig, exe: PathBuf) -> Result<Embedded> {
-    let state_dir = std::env::temp_dir().join(format!("rlhf-run-{}", std::process::id()));
-    std::fs::create_dir_all(&state_dir)
-        .map_err(|e| Error::io(format!("creating {}", state_dir.display()), e))?;
+    let state_dir = fresh_state_dir(&std::env::temp_dir())?;
     let token = auth::generate_token();
     let shutdown = CancellationToken::new();
     let mut opts = HeadOptions::new(state_dir.join("head"), token.clone());
@@ -537,4 +557,32 @@ fn missing_files(cfg: &PpoConfig) -> (Vec<String>, Vec<String>) {
 fn hub_id(path: &Path) -> Option<&str> {
     path.to_str()
         .filter(|s| rlhf_config::spec::is_repo_id_not_dir(s))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_embedded_run_never_opens_the_state_a_previous_run_left() {
+        let parent = tempfile::tempdir().unwrap();
+        // A failed run of a process that had this process id kept its state (and its logs).
+        let old = parent
+            .path()
+            .join(format!("rlhf-run-{}-0", std::process::id()));
+        std::fs::create_dir_all(old.join("head")).unwrap();
+        std::fs::write(old.join("head").join("head.redb"), b"old nodes").unwrap();
+        let a = fresh_state_dir(parent.path()).unwrap();
+        let b = fresh_state_dir(parent.path()).unwrap();
+        for d in [&a, &b] {
+            assert_ne!(d, &old);
+            assert!(d.starts_with(parent.path()), "{}", d.display());
+            assert_eq!(std::fs::read_dir(d).unwrap().count(), 0, "{}", d.display());
+        }
+        assert_ne!(a, b);
+        assert!(
+            old.join("head").join("head.redb").is_file(),
+            "left as it was"
+        );
+    }
 }
