@@ -80,6 +80,7 @@ pub fn node_to_proto(n: &NodeRecord, available: &Resources) -> pb::NodeInfo {
         state: match n.state {
             NodeState::Alive => pb::NodeState::Alive,
             NodeState::Dead => pb::NodeState::Dead,
+            NodeState::Rejoining => pb::NodeState::Rejoining,
         } as i32,
         last_heartbeat_ms: n.last_heartbeat_ms,
         registered_ms: n.registered_ms,

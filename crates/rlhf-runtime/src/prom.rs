@@ -211,7 +211,7 @@ pub fn render(
     let mut reg = Registry::with_prefix("rlhf");
     let nodes = by_state(
         s.nodes.iter().map(|n| status::node_state(n.state)),
-        &["ALIVE", "DEAD"],
+        &["ALIVE", "DEAD", "REJOINING"],
     );
     gauge_family(
         &mut reg,

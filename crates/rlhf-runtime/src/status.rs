@@ -19,6 +19,7 @@ pub(crate) fn node_state(v: i32) -> &'static str {
     match pb::NodeState::try_from(v) {
         Ok(pb::NodeState::Alive) => "ALIVE",
         Ok(pb::NodeState::Dead) => "DEAD",
+        Ok(pb::NodeState::Rejoining) => "REJOINING",
         _ => "UNKNOWN",
     }
 }
@@ -161,16 +162,39 @@ pub fn to_text(s: &pb::ClusterStatusResponse) -> String {
         .iter()
         .filter(|n| n.state == pb::NodeState::Alive as i32)
         .collect();
+    let rejoining: Vec<_> = s
+        .nodes
+        .iter()
+        .filter(|n| n.state == pb::NodeState::Rejoining as i32)
+        .collect();
     let dead: Vec<_> = s
         .nodes
         .iter()
-        .filter(|n| n.state != pb::NodeState::Alive as i32)
+        .filter(|n| {
+            n.state != pb::NodeState::Alive as i32 && n.state != pb::NodeState::Rejoining as i32
+        })
         .collect();
     let _ = writeln!(o, "Active:");
     if alive.is_empty() {
         let _ = writeln!(o, " (no active nodes)");
     }
     for n in &alive {
+        let _ = writeln!(
+            o,
+            " 1 {} {} ({}) [{}]",
+            n.node_id,
+            n.hostname,
+            n.address,
+            res(&n.total).display()
+        );
+    }
+    if !rejoining.is_empty() {
+        let _ = writeln!(
+            o,
+            "Rejoining (the head restarted; nothing is placed on these until their workers register again):"
+        );
+    }
+    for n in &rejoining {
         let _ = writeln!(
             o,
             " 1 {} {} ({}) [{}]",
@@ -360,6 +384,7 @@ mod tests {
                 node("n1", pb::NodeState::Alive, 6.0),
                 node("n2", pb::NodeState::Alive, 8.0),
                 node("n3", pb::NodeState::Dead, 8.0),
+                node("n4", pb::NodeState::Rejoining, 8.0),
             ],
             protocol_version: 1,
             ..Default::default()
@@ -367,12 +392,16 @@ mod tests {
         let t = to_text(&s);
         assert!(t.contains(" 2/16 GPU"), "{t}");
         assert!(t.contains("n3 h (a:1): no heartbeat for 6.0s"), "{t}");
+        let (rejoining, dead) = (t.find("Rejoining (").unwrap(), t.find("Dead:").unwrap());
+        let n4 = t.find(" 1 n4 h (a:1) [GPU: 8]").unwrap();
+        assert!(rejoining < n4 && n4 < dead, "n4 listed as rejoining:\n{t}");
         assert!(t.contains("Jobs\n") && t.contains(" (none)"), "{t}");
         let j = to_json(&s);
         assert_eq!(j["jobs"].as_array().unwrap().len(), 0);
         assert_eq!(j["resources"]["used"]["GPU"], 2.0);
-        assert_eq!(j["nodes"].as_array().unwrap().len(), 3);
+        assert_eq!(j["nodes"].as_array().unwrap().len(), 4);
         assert_eq!(j["nodes"][2]["state"], "DEAD");
+        assert_eq!(j["nodes"][3]["state"], "REJOINING");
     }
 
     #[test]

@@ -107,6 +107,101 @@ fn restarted_head_gets_its_state_back_and_workers_reregister() -> Result<()> {
     Ok(())
 }
 
+/// A worker that dies while the head is down: the restarted head lists its node REJOINING,
+/// not ALIVE, and places nothing on it (a placement that needs it fails naming it), while
+/// the worker that comes back is ALIVE and placed on at once; when the dead threshold passes
+/// the lost node is DEAD, saying it did not register again.
+#[test]
+fn a_worker_lost_while_the_head_was_down_is_not_placed_on() -> Result<()> {
+    let mut c = Cluster::start(&["--dead-after-ms", "20000", "--heartbeat-ms", "200"])?;
+    c.add_worker(r#"{"GPU": 1}"#)?;
+    c.add_worker(r#"{"GPU": 1}"#)?;
+    let before = c.wait_alive_nodes(2, Duration::from_secs(30))?;
+    // Registrations reach the head's disk with its next group commit; a durable write
+    // queued after them is answered once they are on disk too.
+    rt().block_on(async {
+        head_client(&c)
+            .await?
+            .kv_put(pb::KvPutRequest {
+                key: "flush".into(),
+                value: b"1".to_vec(),
+                overwrite: true,
+            })
+            .await?;
+        anyhow::Ok(())
+    })?;
+    let lost_log = c.workers[1].output();
+    let head = c.head.as_mut().unwrap();
+    head.signal(Signal::SIGKILL);
+    head.wait_exit(Duration::from_secs(5))?;
+    c.workers[1].signal(Signal::SIGKILL);
+    c.workers[1].wait_exit(Duration::from_secs(5))?;
+    c.start_head()?;
+    let after = c.wait_alive_nodes(1, Duration::from_secs(15))?;
+    let state = |s: &serde_json::Value, state: &str| -> Vec<String> {
+        s["nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|n| n["state"] == state)
+            .map(|n| n["node_id"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let rejoining = state(&after, "REJOINING");
+    assert_eq!(
+        rejoining.len(),
+        1,
+        "{after}\n(the lost worker's log: {lost_log})"
+    );
+    let lost = &rejoining[0];
+    assert_eq!(state(&before, "ALIVE").len(), 2);
+    assert!(state(&before, "ALIVE").contains(lost));
+    rt().block_on(async {
+        let mut h = head_client(&c).await?;
+        let e = h
+            .create_placement_group(pg_req(
+                "both",
+                pb::PlacementStrategy::StrictSpread,
+                2,
+                1.0,
+                0,
+            ))
+            .await
+            .unwrap_err();
+        assert!(
+            e.message().contains(lost.as_str()) && e.message().contains("registers again"),
+            "{e}"
+        );
+        // The node that came back is placed on.
+        h.create_placement_group(pg_req("one", pb::PlacementStrategy::Pack, 1, 1.0, 0))
+            .await?;
+        anyhow::Ok(())
+    })?;
+    let t = Instant::now();
+    let s = wait_for(Duration::from_secs(60), "the lost node marked dead", || {
+        let s = c.status()?;
+        Ok(state(&s, "DEAD").contains(lost).then_some(s))
+    })?;
+    let node = s["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["node_id"] == lost.as_str())
+        .unwrap();
+    assert!(
+        node["death_reason"]
+            .as_str()
+            .unwrap()
+            .contains("did not register again"),
+        "{node}"
+    );
+    println!(
+        "marked dead {:.1} s after the check",
+        t.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
 #[test]
 fn port_in_use_is_a_clear_error() -> Result<()> {
     let l = std::net::TcpListener::bind("127.0.0.1:0")?;

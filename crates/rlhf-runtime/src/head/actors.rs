@@ -106,7 +106,7 @@ impl Head {
             .lock()
             .nodes
             .values()
-            .filter(|n| n.state == state::NodeState::Alive)
+            .filter(|n| n.state.up())
             .map(|n| n.address.clone())
             .collect();
         let calls = addrs.into_iter().filter_map(|a| {

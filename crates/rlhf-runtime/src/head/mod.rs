@@ -8,6 +8,7 @@ mod job_state;
 pub mod jobs;
 mod liveness;
 mod options;
+mod records;
 mod start;
 pub mod state;
 pub mod store;

@@ -5,119 +5,17 @@
 use std::collections::BTreeMap;
 
 use rlhf_core::{Error, FailureKind, Resources, Result};
-use serde::{Deserialize, Serialize};
 
+pub use super::records::*;
 use super::store::{self, Store};
 use crate::placement::{self, NodeCapacity, Strategy};
-
-/// What a node says of itself when it registers.
-#[derive(Debug, Clone)]
-pub struct NewNode {
-    pub hostname: String,
-    pub address: String,
-    pub total: Resources,
-    /// Its worker runs CUDA roles (`RegisterNodeRequest.cuda_roles`).
-    pub cuda_roles: bool,
-}
 
 /// The resource CUDA roles are placed on.
 const GPU: &str = "GPU";
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum NodeState {
-    Alive,
-    Dead,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct NodeRecord {
-    pub node_id: String,
-    pub hostname: String,
-    pub address: String,
-    pub total: Resources,
-    pub state: NodeState,
-    #[serde(skip)]
-    pub last_heartbeat_ms: i64,
-    pub registered_ms: i64,
-    pub death_reason: String,
-    pub death_ms: i64,
-    /// The node's worker can run roles on CUDA GPUs (`RegisterNodeRequest.cuda_roles`).
-    #[serde(default)]
-    pub cuda_roles: bool,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum PgState {
-    Pending,
-    Created,
-    Removed,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct PgRecord {
-    pub pg_id: String,
-    pub name: String,
-    pub strategy: Strategy,
-    pub bundles: Vec<Resources>,
-    pub bundle_nodes: Vec<String>,
-    pub state: PgState,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum ActorState {
-    Pending,
-    Alive,
-    Dead,
-}
-
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct ActorSpec {
-    pub name: String,
-    pub role: String,
-    pub kind: String,
-    pub args: Vec<String>,
-    pub env: BTreeMap<String, String>,
-    pub resources: Resources,
-    /// Empty when the actor reserves its own resources.
-    pub pg_id: String,
-    pub bundle_index: usize,
-}
-
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct ActorExit {
-    pub exit_code: i32,
-    pub signal: i32,
-    pub log_tail: Vec<String>,
-    pub reason: String,
-}
-
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct ActorRecord {
-    pub actor_id: String,
-    pub spec: ActorSpec,
-    pub node_id: String,
-    pub address: String,
-    pub state: ActorState,
-    pub pid: i32,
-    pub reason: String,
-    pub exit: Option<ActorExit>,
-    pub devices: Vec<u32>,
-    pub log_file: String,
-    /// Resident memory as the worker last sampled it; held in memory only (a sample every
-    /// few seconds is not worth a database write).
-    #[serde(skip)]
-    pub rss_bytes: u64,
-}
-
-/// What a worker says about an actor it is running (at registration).
-#[derive(Debug, Clone)]
-pub struct LiveActor {
-    pub actor_id: String,
-    pub address: String,
-    pub pid: i32,
-    pub devices: Vec<u32>,
-    pub log_file: String,
-}
+/// How a rejoining node shows in placement errors.
+const REJOINING: &str =
+    "not placeable until its worker registers again (the head restarted; it gets the dead threshold to do so)";
 
 pub struct HeadState {
     pub nodes: BTreeMap<String, NodeRecord>,
@@ -143,11 +41,14 @@ impl HeadState {
         }
     }
 
-    /// Loads the previous state; every node alive before the restart gets a fresh grace
-    /// period from `now_ms` to send its next heartbeat.
+    /// Loads the previous state; every node alive before the restart is rejoining, with a
+    /// fresh grace period from `now_ms` to register again (placement skips it until then).
     pub fn open(store: Store, now_ms: i64) -> Result<Self> {
         let mut s = Self::in_memory();
         for mut n in store.load::<NodeRecord>(store::NODES)? {
+            if n.state.up() {
+                n.state = NodeState::Rejoining;
+            }
             n.last_heartbeat_ms = now_ms;
             s.nodes.insert(n.node_id.clone(), n);
         }
@@ -210,14 +111,22 @@ impl HeadState {
     }
 
     /// What placement may use on each alive node. For CUDA roles, the GPUs of a node whose
-    /// worker cannot run them are left out, and its label says why (placement errors show it).
+    /// worker cannot run them are left out, and its label says why (placement errors show it);
+    /// a rejoining node offers nothing until it registers again, and says so.
     fn capacities(&self, cuda_roles: bool) -> Vec<NodeCapacity> {
         self.nodes
             .values()
-            .filter(|n| n.state == NodeState::Alive)
+            .filter(|n| n.state.up())
             .map(|n| {
-                let mut available = self.available(&n.node_id);
                 let mut label = format!("{} {}", n.hostname, n.address);
+                if n.state == NodeState::Rejoining {
+                    return NodeCapacity {
+                        node_id: n.node_id.clone(),
+                        label: format!("{label}; {REJOINING}"),
+                        available: Resources::new(),
+                    };
+                }
+                let mut available = self.available(&n.node_id);
                 let gpus = available.get(GPU);
                 if cuda_roles && !n.cuda_roles && gpus > 0.0 {
                     available.0.remove(GPU);
@@ -339,7 +248,8 @@ impl HeadState {
         Ok((id, ops))
     }
 
-    /// Records a heartbeat; false when the node must register again (unknown or dead).
+    /// Records a heartbeat; false when the node must register again (unknown, dead, or
+    /// rejoining after a head restart).
     pub fn heartbeat(&mut self, node_id: &str, now_ms: i64) -> bool {
         match self.nodes.get_mut(node_id) {
             Some(n) if n.state == NodeState::Alive => {
@@ -355,20 +265,27 @@ impl HeadState {
         let dead: Vec<String> = self
             .nodes
             .values()
-            .filter(|n| n.state == NodeState::Alive && now_ms - n.last_heartbeat_ms > threshold_ms)
+            .filter(|n| n.state.up() && now_ms - n.last_heartbeat_ms > threshold_ms)
             .map(|n| n.node_id.clone())
             .collect();
         for id in &dead {
             let silent = {
                 let n = self.nodes.get_mut(id).expect("listed above");
                 let silent = now_ms - n.last_heartbeat_ms;
+                n.death_reason = if n.state == NodeState::Rejoining {
+                    format!(
+                        "did not register again within {:.1}s (the dead threshold) of the head's restart",
+                        threshold_ms as f64 / 1000.0
+                    )
+                } else {
+                    format!(
+                        "no heartbeat for {:.1}s (threshold {:.1}s)",
+                        silent as f64 / 1000.0,
+                        threshold_ms as f64 / 1000.0
+                    )
+                };
                 n.state = NodeState::Dead;
                 n.death_ms = now_ms;
-                n.death_reason = format!(
-                    "no heartbeat for {:.1}s (threshold {:.1}s)",
-                    silent as f64 / 1000.0,
-                    threshold_ms as f64 / 1000.0
-                );
                 silent
             };
             tracing::warn!(node = %id, silent_ms = silent, "node marked dead: missed heartbeats");
@@ -462,14 +379,26 @@ impl HeadState {
                     p.bundles.len()
                 ))
             })?;
-            if self.nodes.get(node).map(|n| n.state) != Some(NodeState::Alive) {
-                return Err(Error::new(
-                    FailureKind::Unavailable,
-                    format!(
-                        "node {node} holding bundle {} of {} is dead",
-                        spec.bundle_index, spec.pg_id
-                    ),
-                ));
+            match self.nodes.get(node).map(|n| n.state) {
+                Some(NodeState::Alive) => {}
+                Some(NodeState::Rejoining) => {
+                    return Err(Error::new(
+                        FailureKind::Unavailable,
+                        format!(
+                            "node {node} holding bundle {} of {} has not registered again since the head restarted; retry once it has (or it is marked dead)",
+                            spec.bundle_index, spec.pg_id
+                        ),
+                    ))
+                }
+                _ => {
+                    return Err(Error::new(
+                        FailureKind::Unavailable,
+                        format!(
+                            "node {node} holding bundle {} of {} is dead",
+                            spec.bundle_index, spec.pg_id
+                        ),
+                    ))
+                }
             }
             if spec.resources.is_empty() {
                 spec.resources = p.bundles[spec.bundle_index].clone();

@@ -205,8 +205,21 @@ fn state_survives_restart_and_reregistration_reconciles_actors() {
         !s.kv.contains_key("comm/done"),
         "a deleted key stays deleted"
     );
-    // Grace period: not dead right after the restart.
+    // Grace period: not dead right after the restart, but rejoining: the node may have died
+    // while the head was down, so nothing is placed on it until its worker registers again,
+    // and a beat from it is answered "register again".
     assert!(s.check_health(51_000, 5_000).unwrap().is_empty());
+    assert_eq!(s.nodes[&node].state, NodeState::Rejoining);
+    let one_gpu = || vec![Resources::new().with("GPU", 1.0)];
+    let e = s
+        .create_pg("new", Strategy::Pack, one_gpu(), false)
+        .unwrap_err();
+    assert_eq!(e.kind(), FailureKind::InsufficientResources);
+    assert!(
+        e.to_string().contains(&node) && e.to_string().contains("registers again"),
+        "{e}"
+    );
+    assert!(!s.heartbeat(&node, 51_000));
     let live = vec![live(&kept, "a:9", 11)];
     s.register(
         Some(node.clone()),
@@ -226,6 +239,57 @@ fn state_survives_restart_and_reregistration_reconciles_actors() {
     assert!(s.actors[&lost].reason.contains("not running"));
     assert_eq!(s.actors[&starting].state, ActorState::Dead);
     assert!(s.actors[&starting].reason.contains("head restarted"));
+    assert_eq!(s.nodes[&node].state, NodeState::Alive);
+    s.create_pg("new", Strategy::Pack, one_gpu(), false)
+        .unwrap();
+}
+
+#[test]
+fn a_node_that_does_not_register_again_after_a_head_restart_is_marked_dead() {
+    let dir = tempfile::tempdir().unwrap();
+    let (back, gone) = {
+        let mut s = HeadState::open(Store::open(dir.path()).unwrap(), 0).unwrap();
+        (gpu_node(&mut s, 1.0, 0), gpu_node(&mut s, 1.0, 0))
+    };
+    let mut s = HeadState::open(Store::open(dir.path()).unwrap(), 10_000).unwrap();
+    for n in [&back, &gone] {
+        assert_eq!(s.nodes[n].state, NodeState::Rejoining);
+    }
+    s.register(
+        Some(back.clone()),
+        NewNode {
+            hostname: "h".into(),
+            address: "127.0.0.1:1".into(),
+            total: Resources::new().with("GPU", 1.0).with("CPU", 4.0),
+            cuda_roles: true,
+        },
+        vec![],
+        11_000,
+    )
+    .unwrap();
+    assert!(s.check_health(14_000, 5_000).unwrap().is_empty());
+    // SPREAD over two nodes: only the one that came back offers anything.
+    let two = vec![Resources::new().with("GPU", 1.0); 2];
+    let e = s
+        .create_pg("g", Strategy::StrictSpread, two.clone(), false)
+        .unwrap_err();
+    assert!(e.to_string().contains(&gone), "{e}");
+    assert!(s.heartbeat(&back, 15_500));
+    assert_eq!(s.check_health(15_500, 5_000).unwrap(), vec![gone.clone()]);
+    assert_eq!(s.nodes[&gone].state, NodeState::Dead);
+    assert!(
+        s.nodes[&gone]
+            .death_reason
+            .contains("did not register again"),
+        "{}",
+        s.nodes[&gone].death_reason
+    );
+    assert_eq!(s.nodes[&back].state, NodeState::Alive);
+    // The state on disk says the same after one more restart: dead stays dead.
+    drop(s);
+    let s = HeadState::open(Store::open(dir.path()).unwrap(), 20_000).unwrap();
+    assert_eq!(s.nodes[&gone].state, NodeState::Dead);
+    assert_eq!(s.nodes[&back].state, NodeState::Rejoining);
 }
 
 #[test]
