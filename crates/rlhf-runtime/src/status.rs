@@ -178,7 +178,7 @@ pub fn to_text(s: &pb::ClusterStatusResponse) -> String {
     if alive.is_empty() {
         let _ = writeln!(o, " (no active nodes)");
     }
-    for n in &alive {
+    let up_line = |o: &mut String, n: &pb::NodeInfo| {
         let _ = writeln!(
             o,
             " 1 {} {} ({}) [{}]",
@@ -187,6 +187,9 @@ pub fn to_text(s: &pb::ClusterStatusResponse) -> String {
             n.address,
             res(&n.total).display()
         );
+    };
+    for n in &alive {
+        up_line(&mut o, n);
     }
     if !rejoining.is_empty() {
         let _ = writeln!(
@@ -195,14 +198,7 @@ pub fn to_text(s: &pb::ClusterStatusResponse) -> String {
         );
     }
     for n in &rejoining {
-        let _ = writeln!(
-            o,
-            " 1 {} {} ({}) [{}]",
-            n.node_id,
-            n.hostname,
-            n.address,
-            res(&n.total).display()
-        );
+        up_line(&mut o, n);
     }
     let _ = writeln!(o, "Dead:");
     if dead.is_empty() {
