@@ -418,6 +418,16 @@ pub(crate) async fn check(args: CheckArgs) -> Result<()> {
                 .await
                 .map_err(Error::from)?
                 .into_inner();
+            let rejoining = s
+                .nodes
+                .iter()
+                .filter(|n| n.state == pb::NodeState::Rejoining as i32)
+                .count();
+            if rejoining > 0 {
+                println!(
+                    "note: {rejoining} node(s) have not registered again since the head restarted and are left out; check again once `rlhf-head status` lists them ALIVE\n"
+                );
+            }
             s.nodes
                 .iter()
                 .filter(|n| n.state == pb::NodeState::Alive as i32)

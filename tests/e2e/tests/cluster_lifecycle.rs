@@ -169,7 +169,7 @@ fn a_worker_lost_while_the_head_was_down_is_not_placed_on() -> Result<()> {
             .await
             .unwrap_err();
         assert!(
-            e.message().contains(lost.as_str()) && e.message().contains("registers again"),
+            e.message().contains(lost.as_str()) && e.message().contains("register again"),
             "{e}"
         );
         // The node that came back is placed on.

@@ -17,7 +17,21 @@ impl Head {
         spec: state::ActorSpec,
         timeout: Duration,
     ) -> Result<pb::ActorInfo> {
-        let rec = self.lock().reserve_actor(spec)?;
+        // An actor in a group on a node that has not registered again since a head restart
+        // waits for it (within the call's deadline), as a placement waits for resources.
+        let deadline = tokio::time::Instant::now() + timeout;
+        let rec = loop {
+            let r = self.lock().reserve_actor(spec.clone());
+            match r {
+                Err(_)
+                    if tokio::time::Instant::now() < deadline
+                        && self.lock().bundle_node_rejoining(&spec) =>
+                {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                r => break r?,
+            }
+        };
         let address = self
             .lock()
             .nodes

@@ -13,9 +13,9 @@ use crate::placement::{self, NodeCapacity, Strategy};
 /// The resource CUDA roles are placed on.
 const GPU: &str = "GPU";
 
-/// How a rejoining node shows in placement errors.
+/// Why rejoining nodes are left out, in placement errors.
 const REJOINING: &str =
-    "not placeable until its worker registers again (the head restarted; it gets the dead threshold to do so)";
+    "not placeable until their workers register again (the head restarted; they get the dead threshold to do so)";
 
 pub struct HeadState {
     pub nodes: BTreeMap<String, NodeRecord>,
@@ -111,21 +111,15 @@ impl HeadState {
     }
 
     /// What placement may use on each alive node. For CUDA roles, the GPUs of a node whose
-    /// worker cannot run them are left out, and its label says why (placement errors show it);
-    /// a rejoining node offers nothing until it registers again, and says so.
+    /// worker cannot run them are left out, and its label says why (placement errors show it).
+    /// Rejoining nodes are no candidates at all (not even for a request of no resources);
+    /// [`Self::placement_error`] names them.
     fn capacities(&self, cuda_roles: bool) -> Vec<NodeCapacity> {
         self.nodes
             .values()
-            .filter(|n| n.state.up())
+            .filter(|n| n.state == NodeState::Alive)
             .map(|n| {
                 let mut label = format!("{} {}", n.hostname, n.address);
-                if n.state == NodeState::Rejoining {
-                    return NodeCapacity {
-                        node_id: n.node_id.clone(),
-                        label: format!("{label}; {REJOINING}"),
-                        available: Resources::new(),
-                    };
-                }
                 let mut available = self.available(&n.node_id);
                 let gpus = available.get(GPU);
                 if cuda_roles && !n.cuda_roles && gpus > 0.0 {
@@ -269,9 +263,10 @@ impl HeadState {
             .map(|n| n.node_id.clone())
             .collect();
         for id in &dead {
-            let silent = {
+            let (silent, rejoining) = {
                 let n = self.nodes.get_mut(id).expect("listed above");
                 let silent = now_ms - n.last_heartbeat_ms;
+                let rejoining = n.state == NodeState::Rejoining;
                 n.death_reason = if n.state == NodeState::Rejoining {
                     format!(
                         "did not register again within {:.1}s (the dead threshold) of the head's restart",
@@ -286,11 +281,16 @@ impl HeadState {
                 };
                 n.state = NodeState::Dead;
                 n.death_ms = now_ms;
-                silent
+                (silent, rejoining)
             };
-            tracing::warn!(node = %id, silent_ms = silent, "node marked dead: missed heartbeats");
+            let why = if rejoining {
+                "did not register again after the head restarted"
+            } else {
+                "no heartbeat"
+            };
+            tracing::warn!(node = %id, silent_ms = silent, "node marked dead: {why}");
             self.save_node(id)?;
-            self.mark_node_actors_dead(id, &format!("node {id} died (no heartbeat)"))?;
+            self.mark_node_actors_dead(id, &format!("node {id} died ({why})"))?;
         }
         Ok(dead)
     }
@@ -322,6 +322,33 @@ impl HeadState {
         Ok(())
     }
 
+    /// A placement failure, naming the rejoining nodes it could not use when there are any.
+    fn placement_error(&self, e: Error) -> Error {
+        let rejoining: Vec<String> = self
+            .nodes
+            .values()
+            .filter(|n| n.state == NodeState::Rejoining)
+            .map(|n| format!("{} ({} {})", n.node_id, n.hostname, n.address))
+            .collect();
+        if rejoining.is_empty() || e.kind() != FailureKind::InsufficientResources {
+            return e;
+        }
+        Error::new(
+            e.kind(),
+            format!("{e}; left out: {} {REJOINING}", rejoining.join(", ")),
+        )
+    }
+
+    /// Whether an actor of `spec` waits for its placement group's node to register again
+    /// after a head restart (a reservation now fails; one after it does may succeed).
+    pub fn bundle_node_rejoining(&self, spec: &ActorSpec) -> bool {
+        self.pgs
+            .get(&spec.pg_id)
+            .and_then(|p| p.bundle_nodes.get(spec.bundle_index))
+            .and_then(|node| self.nodes.get(node))
+            .is_some_and(|n| n.state == NodeState::Rejoining)
+    }
+
     /// Tries to reserve a placement group now: all bundles or none. With `cuda_roles` the
     /// bundles host CUDA roles, and GPUs count only on nodes whose worker can run them.
     pub fn create_pg(
@@ -332,7 +359,8 @@ impl HeadState {
         cuda_roles: bool,
     ) -> Result<PgRecord> {
         let caps = self.capacities(cuda_roles);
-        let chosen = placement::place(&caps, &bundles, strategy)?;
+        let chosen =
+            placement::place(&caps, &bundles, strategy).map_err(|e| self.placement_error(e))?;
         let rec = PgRecord {
             pg_id: short_id("pg-"),
             name: name.to_string(),
@@ -360,8 +388,8 @@ impl HeadState {
     pub fn reserve_actor(&mut self, mut spec: ActorSpec) -> Result<ActorRecord> {
         let node_id = if spec.pg_id.is_empty() {
             let caps = self.capacities(false);
-            let i =
-                placement::place(&caps, std::slice::from_ref(&spec.resources), Strategy::Pack)?[0];
+            let i = placement::place(&caps, std::slice::from_ref(&spec.resources), Strategy::Pack)
+                .map_err(|e| self.placement_error(e))?[0];
             caps[i].node_id.clone()
         } else {
             let p = self

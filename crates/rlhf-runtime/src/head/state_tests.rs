@@ -216,7 +216,7 @@ fn state_survives_restart_and_reregistration_reconciles_actors() {
         .unwrap_err();
     assert_eq!(e.kind(), FailureKind::InsufficientResources);
     assert!(
-        e.to_string().contains(&node) && e.to_string().contains("registers again"),
+        e.to_string().contains(&node) && e.to_string().contains("register again"),
         "{e}"
     );
     assert!(!s.heartbeat(&node, 51_000));
@@ -247,33 +247,47 @@ fn state_survives_restart_and_reregistration_reconciles_actors() {
 #[test]
 fn a_node_that_does_not_register_again_after_a_head_restart_is_marked_dead() {
     let dir = tempfile::tempdir().unwrap();
-    let (back, gone) = {
-        let mut s = HeadState::open(Store::open(dir.path()).unwrap(), 0).unwrap();
-        (gpu_node(&mut s, 1.0, 0), gpu_node(&mut s, 1.0, 0))
+    // Ids in this order, so that a node list walked in id order meets the lost one first.
+    let (gone, back) = ("node-a-gone".to_string(), "node-b-back".to_string());
+    let node = || NewNode {
+        hostname: "h".into(),
+        address: "127.0.0.1:1".into(),
+        total: Resources::new().with("GPU", 1.0).with("CPU", 4.0),
+        cuda_roles: true,
     };
+    {
+        let mut s = HeadState::open(Store::open(dir.path()).unwrap(), 0).unwrap();
+        for id in [&gone, &back] {
+            s.register(Some(id.clone()), node(), vec![], 0).unwrap();
+        }
+    }
     let mut s = HeadState::open(Store::open(dir.path()).unwrap(), 10_000).unwrap();
     for n in [&back, &gone] {
         assert_eq!(s.nodes[n].state, NodeState::Rejoining);
     }
-    s.register(
-        Some(back.clone()),
-        NewNode {
-            hostname: "h".into(),
-            address: "127.0.0.1:1".into(),
-            total: Resources::new().with("GPU", 1.0).with("CPU", 4.0),
-            cuda_roles: true,
-        },
-        vec![],
-        11_000,
-    )
-    .unwrap();
+    // Not even an actor that asks for nothing lands on a rejoining node.
+    let e = s.reserve_actor(ActorSpec::default()).unwrap_err();
+    assert!(
+        e.to_string().contains(&gone) && e.to_string().contains("register again"),
+        "{e}"
+    );
+    s.register(Some(back.clone()), node(), vec![], 11_000)
+        .unwrap();
     assert!(s.check_health(14_000, 5_000).unwrap().is_empty());
-    // SPREAD over two nodes: only the one that came back offers anything.
+    for _ in 0..3 {
+        assert_eq!(s.reserve_actor(ActorSpec::default()).unwrap().node_id, back);
+    }
+    // STRICT_SPREAD over two nodes: only the one that came back offers anything, and the
+    // error names the other.
     let two = vec![Resources::new().with("GPU", 1.0); 2];
     let e = s
-        .create_pg("g", Strategy::StrictSpread, two.clone(), false)
+        .create_pg("g", Strategy::StrictSpread, two, false)
         .unwrap_err();
-    assert!(e.to_string().contains(&gone), "{e}");
+    assert_eq!(e.kind(), FailureKind::InsufficientResources);
+    assert!(
+        e.to_string().contains(&gone) && e.to_string().contains("register again"),
+        "{e}"
+    );
     assert!(s.heartbeat(&back, 15_500));
     assert_eq!(s.check_health(15_500, 5_000).unwrap(), vec![gone.clone()]);
     assert_eq!(s.nodes[&gone].state, NodeState::Dead);
@@ -290,6 +304,46 @@ fn a_node_that_does_not_register_again_after_a_head_restart_is_marked_dead() {
     let s = HeadState::open(Store::open(dir.path()).unwrap(), 20_000).unwrap();
     assert_eq!(s.nodes[&gone].state, NodeState::Dead);
     assert_eq!(s.nodes[&back].state, NodeState::Rejoining);
+}
+
+#[test]
+fn an_actor_in_a_group_waits_for_its_node_to_register_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let node = {
+        let mut s = HeadState::open(Store::open(dir.path()).unwrap(), 0).unwrap();
+        let node = gpu_node(&mut s, 1.0, 0);
+        s.create_pg(
+            "g",
+            Strategy::Pack,
+            vec![Resources::new().with("GPU", 1.0)],
+            false,
+        )
+        .unwrap();
+        node
+    };
+    let mut s = HeadState::open(Store::open(dir.path()).unwrap(), 10_000).unwrap();
+    let pg_id = s.pgs.keys().next().unwrap().clone();
+    let spec = ActorSpec {
+        pg_id,
+        ..ActorSpec::default()
+    };
+    assert!(s.bundle_node_rejoining(&spec));
+    let e = s.reserve_actor(spec.clone()).unwrap_err();
+    assert!(e.to_string().contains("has not registered again"), "{e}");
+    s.register(
+        Some(node.clone()),
+        NewNode {
+            hostname: "h".into(),
+            address: "127.0.0.1:1".into(),
+            total: Resources::new().with("GPU", 1.0).with("CPU", 4.0),
+            cuda_roles: true,
+        },
+        vec![],
+        11_000,
+    )
+    .unwrap();
+    assert!(!s.bundle_node_rejoining(&spec));
+    assert_eq!(s.reserve_actor(spec).unwrap().node_id, node);
 }
 
 #[test]
