@@ -119,8 +119,8 @@ impl HeadState {
             .values()
             .filter(|n| n.state == NodeState::Alive)
             .map(|n| {
-                let mut label = format!("{} {}", n.hostname, n.address);
                 let mut available = self.available(&n.node_id);
+                let mut label = format!("{} {}", n.hostname, n.address);
                 let gpus = available.get(GPU);
                 if cuda_roles && !n.cuda_roles && gpus > 0.0 {
                     available.0.remove(GPU);
@@ -267,7 +267,7 @@ impl HeadState {
                 let n = self.nodes.get_mut(id).expect("listed above");
                 let silent = now_ms - n.last_heartbeat_ms;
                 let rejoining = n.state == NodeState::Rejoining;
-                n.death_reason = if n.state == NodeState::Rejoining {
+                n.death_reason = if rejoining {
                     format!(
                         "did not register again within {:.1}s (the dead threshold) of the head's restart",
                         threshold_ms as f64 / 1000.0
@@ -407,26 +407,21 @@ impl HeadState {
                     p.bundles.len()
                 ))
             })?;
-            match self.nodes.get(node).map(|n| n.state) {
-                Some(NodeState::Alive) => {}
-                Some(NodeState::Rejoining) => {
-                    return Err(Error::new(
-                        FailureKind::Unavailable,
-                        format!(
-                            "node {node} holding bundle {} of {} has not registered again since the head restarted; retry once it has (or it is marked dead)",
-                            spec.bundle_index, spec.pg_id
-                        ),
-                    ))
-                }
-                _ => {
-                    return Err(Error::new(
-                        FailureKind::Unavailable,
-                        format!(
-                            "node {node} holding bundle {} of {} is dead",
-                            spec.bundle_index, spec.pg_id
-                        ),
-                    ))
-                }
+            let unusable = match self.nodes.get(node).map(|n| n.state) {
+                Some(NodeState::Alive) => None,
+                Some(NodeState::Rejoining) => Some(
+                    "has not registered again since the head restarted; retry once it has (or it is marked dead)",
+                ),
+                _ => Some("is dead"),
+            };
+            if let Some(why) = unusable {
+                return Err(Error::new(
+                    FailureKind::Unavailable,
+                    format!(
+                        "node {node} holding bundle {} of {} {why}",
+                        spec.bundle_index, spec.pg_id
+                    ),
+                ));
             }
             if spec.resources.is_empty() {
                 spec.resources = p.bundles[spec.bundle_index].clone();

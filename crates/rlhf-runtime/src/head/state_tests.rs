@@ -2,19 +2,18 @@
 
 use super::*;
 
+/// A node with `gpus` GPUs and 4 CPUs, as it registers.
+fn new_gpu_node(gpus: f64) -> NewNode {
+    NewNode {
+        hostname: "h".into(),
+        address: "127.0.0.1:1".into(),
+        total: Resources::new().with("GPU", gpus).with("CPU", 4.0),
+        cuda_roles: true,
+    }
+}
+
 fn gpu_node(s: &mut HeadState, gpus: f64, now: i64) -> String {
-    s.register(
-        None,
-        NewNode {
-            hostname: "h".into(),
-            address: "127.0.0.1:1".into(),
-            total: Resources::new().with("GPU", gpus).with("CPU", 4.0),
-            cuda_roles: true,
-        },
-        vec![],
-        now,
-    )
-    .unwrap()
+    s.register(None, new_gpu_node(gpus), vec![], now).unwrap()
 }
 
 fn live(actor_id: &str, address: &str, pid: i32) -> LiveActor {
@@ -249,12 +248,7 @@ fn a_node_that_does_not_register_again_after_a_head_restart_is_marked_dead() {
     let dir = tempfile::tempdir().unwrap();
     // Ids in this order, so that a node list walked in id order meets the lost one first.
     let (gone, back) = ("node-a-gone".to_string(), "node-b-back".to_string());
-    let node = || NewNode {
-        hostname: "h".into(),
-        address: "127.0.0.1:1".into(),
-        total: Resources::new().with("GPU", 1.0).with("CPU", 4.0),
-        cuda_roles: true,
-    };
+    let node = || new_gpu_node(1.0);
     {
         let mut s = HeadState::open(Store::open(dir.path()).unwrap(), 0).unwrap();
         for id in [&gone, &back] {
@@ -330,18 +324,8 @@ fn an_actor_in_a_group_waits_for_its_node_to_register_again() {
     assert!(s.bundle_node_rejoining(&spec));
     let e = s.reserve_actor(spec.clone()).unwrap_err();
     assert!(e.to_string().contains("has not registered again"), "{e}");
-    s.register(
-        Some(node.clone()),
-        NewNode {
-            hostname: "h".into(),
-            address: "127.0.0.1:1".into(),
-            total: Resources::new().with("GPU", 1.0).with("CPU", 4.0),
-            cuda_roles: true,
-        },
-        vec![],
-        11_000,
-    )
-    .unwrap();
+    s.register(Some(node.clone()), new_gpu_node(1.0), vec![], 11_000)
+        .unwrap();
     assert!(!s.bundle_node_rejoining(&spec));
     assert_eq!(s.reserve_actor(spec).unwrap().node_id, node);
 }
