@@ -180,8 +180,7 @@ fn fresh_state_dir(parent: &Path) -> Result<PathBuf> {
 /// How long the embedded head waits before it calls its own worker's node dead.
 const EMBEDDED_DEAD_AFTER: Duration = Duration::from_secs(120);
 
-async fn start_embedded(cfg: &PpoConfig, exe: PathBuf) -> Result<Embedded> {
-    let state_dir = fresh_state_dir(&std::env::temp_dir())?;
+async fn start_embedded(cfg: &PpoConfig, exe: PathBuf, state_dir: PathBuf) -> Result<Embedded> {
     let token = auth::generate_token();
     let shutdown = CancellationToken::new();
     let mut opts = HeadOptions::new(state_dir.join("head"), token.clone());
@@ -321,8 +320,22 @@ pub(crate) async fn run(args: RunArgs) -> Result<()> {
     let shutdown = CancellationToken::new();
     rlhf_runtime::cancel_on_signals(shutdown.clone());
     let mut embedded = None;
-    let (head_client, client_opts) = match &args.conn.address {
-        Some(_) => {
+    // Warnings (the driver's, and the embedded head's and worker's) on stderr, between the
+    // progress lines; everything at `info` in the embedded run's state directory, which a
+    // failed run keeps.
+    let state_dir = match &args.conn.address {
+        Some(_) => None,
+        None => Some(fresh_state_dir(&std::env::temp_dir())?),
+    };
+    let _log = rlhf_runtime::logging::init_with(
+        "warn",
+        state_dir
+            .as_ref()
+            .map(|d| d.join("logs").join("run.log"))
+            .as_deref(),
+    );
+    let (head_client, client_opts) = match state_dir {
+        None => {
             let c = crate::client(&args.conn).await?;
             // Role actors: the head's token and CA, the default connect timeout.
             let (_, head_opts) = crate::head_connection(&args.conn)?;
@@ -330,9 +343,9 @@ pub(crate) async fn run(args: RunArgs) -> Result<()> {
             o.tls_ca = head_opts.tls_ca;
             (c, o)
         }
-        None => {
+        Some(state_dir) => {
             let exe = worker_exe(args.worker_exe.as_deref())?;
-            let e = start_embedded(&cfg, exe).await?;
+            let e = start_embedded(&cfg, exe, state_dir).await?;
             let o = ClientOptions::new(e.token.clone());
             let ch = net::connect(&e.head.addr.to_string(), &o).await?;
             let mut c =

@@ -235,7 +235,11 @@ impl HeadService for Head {
             .as_ref()
             .map(convert::exit_from_proto)
             .unwrap_or_default();
-        tracing::warn!(actor = %r.actor_id, node = %r.node_id, code = exit.exit_code, signal = exit.signal, "actor exited: {}", exit.reason);
+        if exit.reason == crate::worker::STOPPED_ON_REQUEST {
+            tracing::info!(actor = %r.actor_id, node = %r.node_id, "actor exited: {}", exit.reason);
+        } else {
+            tracing::warn!(actor = %r.actor_id, node = %r.node_id, code = exit.exit_code, signal = exit.signal, "actor exited: {}", exit.reason);
+        }
         self.lock()
             .actor_died(&r.actor_id, exit.reason.clone(), Some(exit))?;
         Ok(Response::new(pb::ReportActorExitResponse {}))

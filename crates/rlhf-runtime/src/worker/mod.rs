@@ -84,10 +84,13 @@ fn signal_name(sig: i32) -> String {
         .unwrap_or_else(|_| format!("signal {sig}"))
 }
 
+/// The exit reason of a role process stopped by its job or the head: no failure.
+pub const STOPPED_ON_REQUEST: &str = "stopped on request";
+
 /// Human reason for an exit, with the usual cause of a SIGKILL named.
 pub fn exit_reason(code: Option<i32>, signal: Option<i32>, stop_requested: bool) -> String {
     if stop_requested {
-        return "stopped on request".into();
+        return STOPPED_ON_REQUEST.into();
     }
     match (code, signal) {
         (Some(0), _) => "exited normally (code 0)".into(),
