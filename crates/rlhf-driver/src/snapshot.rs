@@ -6,10 +6,13 @@
 //! so the copy survives N's death; on a one-node cluster it is N's own worker, which
 //! survives the role processes. A part (`actor`, `critic`) is offered to a restart only when
 //! every one of its savers pushed (a sharded optimizer needs every rank's shard); otherwise
-//! that part loads from disk. The workers drop a job's older snapshots when the driver
-//! commits a newer checkpoint, and all of them when the job ends.
+//! that part loads from disk. A worker a push failed to is not chosen again while the roles
+//! stay placed (the next one in order is, or the saver's own): one checkpoint pays for a
+//! worker that went away, not every one after it. The workers drop a job's older snapshots
+//! when the driver commits a newer checkpoint, and all of them when the job ends.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rlhf_proto::v1 as pb;
@@ -26,6 +29,9 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(10);
 #[derive(Debug, Clone, Default)]
 pub struct Peers {
     workers: BTreeMap<String, String>,
+    /// The workers (addresses) a push failed to since the roles were placed; shared by the
+    /// clones each checkpoint's plan takes, so the next checkpoint leaves them out.
+    failed: Arc<Mutex<BTreeSet<String>>>,
 }
 
 impl Peers {
@@ -49,7 +55,10 @@ impl Peers {
             .filter(|n| n.state == pb::NodeState::Alive as i32 && !n.address.is_empty())
             .map(|n| (n.node_id, n.address))
             .collect();
-        Ok(Self { workers })
+        Ok(Self {
+            workers,
+            failed: Arc::default(),
+        })
     }
 
     /// Whether the worker at `address` is on an alive node.
@@ -58,15 +67,29 @@ impl Peers {
     }
 
     /// The worker that holds the copy of a saver on `node`: the next alive node's (in node
-    /// id order, wrapping), or its own when it is the only one.
+    /// id order, wrapping), or its own when it is the only one; a worker a push failed to
+    /// is skipped, and with none left there is no holder (the part loads from disk).
     pub fn holder_for(&self, node: &str) -> Option<(&str, &str)> {
+        let failed = self.failed.lock().unwrap_or_else(|e| e.into_inner());
+        let usable = |a: &String| !failed.contains(a);
         let next = self
             .workers
             .range::<str, _>((std::ops::Bound::Excluded(node), std::ops::Bound::Unbounded))
             .chain(self.workers.iter())
-            .find(|(id, _)| id.as_str() != node)
-            .or_else(|| self.workers.get_key_value(node));
+            .find(|(id, a)| id.as_str() != node && usable(a))
+            .or_else(|| self.workers.get_key_value(node).filter(|(_, a)| usable(a)));
         next.map(|(id, a)| (id.as_str(), a.as_str()))
+    }
+
+    /// A push to the worker at `address` failed for `why`: later checkpoints of this
+    /// placement push elsewhere (said once per worker).
+    pub fn push_failed(&self, address: &str, why: &str) {
+        let mut failed = self.failed.lock().unwrap_or_else(|e| e.into_inner());
+        if !address.is_empty() && failed.insert(address.to_string()) {
+            tracing::warn!(
+                "the worker at {address} did not take a memory snapshot ({why}); this job's next checkpoints push their snapshots to another worker, or to none while the roles stay placed"
+            );
+        }
     }
 }
 
@@ -213,6 +236,9 @@ pub async fn commit(
     for (part, answers) in parts {
         let mut whole = !answers.is_empty();
         for (address, a) in answers {
+            if !a.snapshot_error.is_empty() {
+                plan.peers.push_failed(address, &a.snapshot_error);
+            }
             if !a.snapshot_error.is_empty() || a.snapshot_part.is_empty() {
                 tracing::warn!(
                     "the memory snapshot of {part} at step {step} is incomplete ({}); a restart reads {part} from disk",
@@ -262,6 +288,7 @@ mod tests {
                 .iter()
                 .map(|i| (i.to_string(), format!("{i}:1")))
                 .collect(),
+            failed: Arc::default(),
         }
     }
 
@@ -304,6 +331,7 @@ mod tests {
                 .iter()
                 .map(|d| (format!("node-{d}"), format!("{d}:1")))
                 .collect(),
+            ..Default::default()
         };
         let s = rec.source("j", 4, "actor", &all).unwrap();
         let names: Vec<&str> = s.parts.iter().map(|p| p.part.as_str()).collect();
@@ -314,5 +342,38 @@ mod tests {
         let mut fewer = all.clone();
         fewer.workers.remove("node-actor.rank-1");
         assert!(rec.source("j", 4, "actor", &fewer).is_none());
+    }
+
+    /// A checkpoint whose push to a worker failed: the plan of the next checkpoint (a clone
+    /// of the same placement's peers) holds that node's savers elsewhere, then on their own
+    /// worker, then nowhere; a saver without a target is no failure of anybody's.
+    #[tokio::test]
+    async fn a_worker_a_push_failed_to_is_not_chosen_again() {
+        let placed = peers(&["a", "b", "c"]);
+        let plan = Plan {
+            job_id: "j".into(),
+            client: ClientOptions::new("t"),
+            peers: placed.clone(),
+        };
+        let failed = |e: &str| pb::SaveCheckpointResponse {
+            snapshot_part: "actor".into(),
+            snapshot_error: e.into(),
+            ..Default::default()
+        };
+        let st = TrainerState::new("ppo", 2, Default::default(), 1, "j");
+        let answers = vec![
+            ("b:1".to_string(), failed("cannot reach b:1")),
+            (String::new(), pb::SaveCheckpointResponse::default()),
+        ];
+        let rec = commit(&plan, &st, &[("actor".into(), answers)]).await;
+        assert!(rec.complete.is_empty() && rec.dirs.is_empty());
+        assert_eq!(placed.holder_for("a"), Some(("c", "c:1")), "b is skipped");
+        assert_eq!(placed.holder_for("c"), Some(("a", "a:1")));
+        placed.push_failed("c:1", "refused");
+        assert_eq!(placed.holder_for("a"), Some(("a", "a:1")), "its own worker");
+        placed.push_failed("a:1", "refused");
+        assert_eq!(placed.holder_for("a"), None, "nobody left: disk only");
+        // A new placement asks the head again and starts with every worker.
+        assert_eq!(peers(&["a", "b"]).holder_for("a"), Some(("b", "b:1")));
     }
 }

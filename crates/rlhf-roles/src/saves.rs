@@ -21,6 +21,10 @@ use crate::error::Error;
 /// Bound on pushing one snapshot to a peer worker.
 const PUSH_TIMEOUT: Duration = Duration::from_secs(1800);
 
+/// Bound on reaching that worker: the head listed it alive when the roles were placed, so it
+/// answers at once or is gone (the save waits for the push, and the next save for this one).
+const PUSH_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// What a finished save reports.
 #[derive(Debug, Clone)]
 pub struct Saved {
@@ -68,10 +72,12 @@ impl Push {
             part: part.clone(),
         };
         let address = &self.target.address;
+        let mut client = self.client.clone();
+        client.connect_timeout = client.connect_timeout.min(PUSH_CONNECT_TIMEOUT);
         // On a blocking thread of the runtime, so the runtime can drive the call.
         let sent = tokio::runtime::Handle::current().block_on(rlhf_runtime::snapshot::push_dir(
             address,
-            &self.client,
+            &client,
             key,
             written,
             PUSH_TIMEOUT,
