@@ -36,7 +36,8 @@ pub struct Member {
 /// How batches reach one member: through shared memory while that works (same host), else
 /// as raw control frames over TCP where its connection speaks them, else streamed over
 /// gRPC; or the path `--batch-path` asked for. Untried until the first call, which settles
-/// it (one log line per member).
+/// it (one log line per member); a member whose address is surely another host's makes no
+/// shared-memory attempt at all.
 #[derive(Clone, Debug, Default)]
 pub struct BatchPath {
     state: Arc<AtomicU8>,
@@ -48,6 +49,8 @@ pub struct BatchPath {
 
 const PATH_SHARED: u8 = 1;
 const PATH_STREAM: u8 = 2;
+/// Not through shared memory (another host), not yet said.
+const PATH_REMOTE: u8 = 3;
 
 impl BatchPath {
     /// Untried, chosen per call as the type doc says; `framed`: the member's connection
@@ -58,6 +61,16 @@ impl BatchPath {
             framed,
             forced: None,
         }
+    }
+
+    /// [`BatchPath::new`] for the member at `address`: one on another host
+    /// ([`shared_batch::on_another_host`]) never gets a batch through shared memory.
+    pub fn for_address(framed: bool, address: &str) -> Self {
+        let p = Self::new(framed);
+        if shared_batch::on_another_host(address) {
+            p.state.store(PATH_REMOTE, Ordering::Relaxed);
+        }
+        p
     }
 
     /// Always `route` (`--batch-path`); frames on a connection without them is refused.
@@ -75,7 +88,10 @@ impl BatchPath {
 
     fn shared_allowed(&self) -> bool {
         match self.forced {
-            None => self.state.load(Ordering::Relaxed) != PATH_STREAM,
+            None => !matches!(
+                self.state.load(Ordering::Relaxed),
+                PATH_STREAM | PATH_REMOTE
+            ),
             Some(r) => r == BatchRoute::Shm,
         }
     }
@@ -250,6 +266,9 @@ pub async fn call_batch(
         }
         if member.batches.forced.is_some() {
             member.batches.settle(member, PATH_STREAM, "");
+        } else if member.batches.state.load(Ordering::Relaxed) == PATH_REMOTE {
+            let why = format!("{} is another host's address", member.address);
+            member.batches.settle(member, PATH_STREAM, &why);
         }
         if member.batches.is_framed() {
             return call_framed(member, call, batch).await;

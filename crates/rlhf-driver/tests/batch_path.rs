@@ -191,6 +191,39 @@ async fn a_member_that_cannot_read_shared_memory_gets_every_batch_streamed() {
     assert_eq!(role.streamed.load(Ordering::SeqCst), 3);
 }
 
+/// A member whose address is another host's (TEST-NET-1 here, the connection itself local)
+/// is never offered shared memory, not even the first batch: nothing is refused, all is
+/// streamed. Its loopback twin still makes the one attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_at_another_hosts_address_gets_no_shared_memory_attempt() {
+    let role = Arc::new(FarRole::default());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(RoleServiceServer::new(Far(role.clone())))
+            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+    );
+    let o = rlhf_runtime::net::ClientOptions::new("t");
+    let ch = rlhf_runtime::net::connect_direct(&addr, &o).await.unwrap();
+    let far = "192.0.2.1:9";
+    let remote = member(far, ch.clone(), BatchPath::for_address(false, far));
+    let b = far_batch();
+    for n in 1..=2 {
+        let out = call(&remote, BatchCall::ComputeValues, &b).await.unwrap();
+        assert_eq!(out, b);
+        assert_eq!(role.refused.load(Ordering::SeqCst), 0, "no attempt");
+        assert_eq!(role.streamed.load(Ordering::SeqCst), n);
+    }
+    let near = member(&addr, ch, BatchPath::for_address(false, &addr));
+    call(&near, BatchCall::ComputeValues, &b).await.unwrap();
+    assert_eq!(
+        role.refused.load(Ordering::SeqCst),
+        1,
+        "loopback: one attempt"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_on_another_host_gets_every_batch_as_raw_frames() {
     let role = Arc::new(FarRole::default());

@@ -286,7 +286,7 @@ pub async fn launch(
                     .max_encoding_message_size(rlhf_proto::MAX_MESSAGE_BYTES),
                 batches: match opts.batch_path {
                     Some(r) => BatchPath::forced(framed, r, &info.actor_id)?,
-                    None => BatchPath::new(framed),
+                    None => BatchPath::for_address(framed, &info.address),
                 },
             });
         }

@@ -284,6 +284,25 @@ pub fn unreachable_status(u: &Unreachable) -> tonic::Status {
     s
 }
 
+/// Whether the peer at `address` (`IP:PORT`) is surely on another host: its IP is neither a
+/// loopback address nor one this host can bind to. A name, or an address this process
+/// cannot judge, is not (the first batch then tries shared memory, and the receiver's
+/// refusal settles it).
+pub fn on_another_host(address: &str) -> bool {
+    let Ok(addr) = address.parse::<std::net::SocketAddr>() else {
+        return false;
+    };
+    let ip = addr.ip();
+    if ip.is_loopback() || ip.is_unspecified() {
+        return false;
+    }
+    // Binding succeeds only to an address of one of this host's interfaces.
+    match std::net::UdpSocket::bind((ip, 0)) {
+        Ok(_) => false,
+        Err(e) => e.kind() == std::io::ErrorKind::AddrNotAvailable,
+    }
+}
+
 /// Whether `s` is a receiver's [`unreachable_status`].
 pub fn is_unreachable(s: &tonic::Status) -> bool {
     s.code() == tonic::Code::FailedPrecondition && s.metadata().get(UNREACHABLE_KEY).is_some()

@@ -120,3 +120,27 @@ fn segment_sizes_round_up_by_at_most_a_quarter() {
         assert_eq!(s % PAGE, 0);
     }
 }
+
+/// Loopback and this host's own addresses may share memory; an address of no interface
+/// here (TEST-NET-1, documentation only) is surely another host's; a name is not judged.
+#[test]
+fn an_address_of_no_interface_here_is_another_hosts() {
+    assert!(!on_another_host("127.0.0.1:9"));
+    assert!(!on_another_host("[::1]:9"));
+    assert!(!on_another_host("head.example:9"), "names are not judged");
+    assert!(on_another_host("192.0.2.1:9"));
+    assert!(on_another_host("[2001:db8::1]:9") || !ipv6_configured());
+    // One of this host's own non-loopback addresses, where it has one: the one a socket
+    // bound to all interfaces gets a route from (no packet is sent).
+    let probe = std::net::UdpSocket::bind("0.0.0.0:0").unwrap();
+    if probe.connect("192.0.2.1:9").is_ok() {
+        let own = probe.local_addr().unwrap();
+        if !own.ip().is_unspecified() {
+            assert!(!on_another_host(&format!("{}:9", own.ip())), "{own}");
+        }
+    }
+}
+
+fn ipv6_configured() -> bool {
+    std::net::UdpSocket::bind("[::1]:0").is_ok()
+}
