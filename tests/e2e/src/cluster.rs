@@ -148,21 +148,26 @@ impl Cluster {
         cmd
     }
 
+    /// The command of [`Cluster::status`], for a caller that adds flags (`--tls-ca`).
+    pub fn status_cmd(&self) -> Command {
+        let mut cmd = Command::new(bin("rlhf-head"));
+        cmd.args([
+            "status",
+            "--format",
+            "json",
+            "--connect-timeout",
+            "2",
+            "--address",
+            &self.address(),
+        ])
+        .arg("--token-file")
+        .arg(self.token_file());
+        cmd
+    }
+
     /// `rlhf-head status --format json`.
     pub fn status(&self) -> Result<Value> {
-        let out = Command::new(bin("rlhf-head"))
-            .args([
-                "status",
-                "--format",
-                "json",
-                "--connect-timeout",
-                "2",
-                "--address",
-                &self.address(),
-            ])
-            .arg("--token-file")
-            .arg(self.token_file())
-            .output()?;
+        let out = self.status_cmd().output()?;
         if !out.status.success() {
             bail!("status failed: {}", String::from_utf8_lossy(&out.stderr));
         }

@@ -4,25 +4,13 @@
 //! start; ppo_tiny runs to the end with the driver talking TLS to the head and to every
 //! role process.
 
-use std::process::Command;
 use std::time::Duration;
 
 use anyhow::Result;
-use rlhf_e2e::{bin, wait_for, Cluster, Proc};
+use rlhf_e2e::{wait_for, Cluster, Proc};
 
 fn status_with(c: &Cluster, ca: Option<&std::path::Path>) -> Result<std::process::Output> {
-    let mut cmd = Command::new(bin("rlhf-head"));
-    cmd.args([
-        "status",
-        "--format",
-        "json",
-        "--connect-timeout",
-        "2",
-        "--address",
-        &c.address(),
-        "--token-file",
-    ])
-    .arg(c.token_file());
+    let mut cmd = c.status_cmd();
     if let Some(ca) = ca {
         cmd.arg("--tls-ca").arg(ca);
     }
