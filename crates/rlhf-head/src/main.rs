@@ -1,6 +1,7 @@
 //! `rlhf-head`: start a head node, show cluster status, stop the cluster, run PPO jobs
 //! (in the foreground, or submitted to a running head).
 
+mod check_cmd;
 mod jobs_cli;
 mod run_cmd;
 
@@ -124,7 +125,7 @@ enum Cmd {
     Run(run_cmd::RunArgs),
     /// Validate a job config, print the resolved config, the placement plan and the memory
     /// estimate; run nothing.
-    Check(run_cmd::CheckArgs),
+    Check(check_cmd::CheckArgs),
     /// Submit a PPO job to a running head, which runs its driver in the background
     /// (like `ray job submit`); follow it with `rlhf-head job logs -f ID`.
     Submit(jobs_cli::SubmitArgs),
@@ -327,7 +328,7 @@ async fn run(cli: Cli) -> Result<()> {
             Ok(())
         }
         Cmd::Run(args) => run_cmd::run(args).await,
-        Cmd::Check(args) => run_cmd::check(args).await,
+        Cmd::Check(args) => check_cmd::check(args).await,
         Cmd::Submit(args) => jobs_cli::submit(args).await,
         Cmd::Job { cmd } => jobs_cli::job(cmd).await,
     }

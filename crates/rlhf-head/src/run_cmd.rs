@@ -1,4 +1,4 @@
-//! `rlhf-head run` and `rlhf-head check`: the PPO job from the command line.
+//! `rlhf-head run`: the PPO job from the command line.
 //!
 //! `run` without `--address` is the embedded default: a head and a worker inside this
 //! process on 127.0.0.1 (the worker spawns the role processes from the `rlhf-worker` binary
@@ -81,15 +81,6 @@ pub(crate) struct RunArgs {
     pub(crate) job_id: Option<String>,
 }
 
-#[derive(clap::Args, Clone)]
-pub(crate) struct CheckArgs {
-    #[command(flatten)]
-    pub(crate) config: JobConfigArgs,
-    /// Also check the fit against this running cluster's free resources.
-    #[arg(long)]
-    pub(crate) address: Option<String>,
-}
-
 /// Loads the job config from a bundle or from `--config-dir/--config-name` + overrides, with
 /// every path made absolute against the current directory.
 pub(crate) fn load_config(args: &JobConfigArgs) -> Result<PpoConfig> {
@@ -121,7 +112,7 @@ fn job_id() -> String {
 }
 
 /// Devices of the pool's resource the job needs in total.
-fn devices_needed(cfg: &PpoConfig) -> f64 {
+pub(crate) fn devices_needed(cfg: &PpoConfig) -> f64 {
     RoleKind::ALL
         .iter()
         .filter(|r| cfg.role_enabled(**r))
@@ -412,174 +403,6 @@ pub(crate) async fn run(args: RunArgs) -> Result<()> {
             Err(Error::new(e.kind(), format!("{e}{hint}")))
         }
     }
-}
-
-pub(crate) async fn check(args: CheckArgs) -> Result<()> {
-    let cfg = load_config(&args.config)?;
-    let nodes: Vec<(String, std::collections::BTreeMap<String, f64>)> = match &args.address {
-        Some(a) => {
-            let conn = Connect {
-                address: Some(a.clone()),
-                token_file: None,
-                tls_ca: None,
-                connect_timeout: 10.0,
-                state_dir: None,
-            };
-            let mut c = crate::client(&conn).await?;
-            let s = c
-                .cluster_status(pb::ClusterStatusRequest {})
-                .await
-                .map_err(Error::from)?
-                .into_inner();
-            let rejoining = s
-                .nodes
-                .iter()
-                .filter(|n| n.state == pb::NodeState::Rejoining as i32)
-                .count();
-            if rejoining > 0 {
-                println!(
-                    "note: {rejoining} node(s) have not registered again since the head restarted and are left out; check again once `rlhf-head status` lists them ALIVE\n"
-                );
-            }
-            s.nodes
-                .iter()
-                .filter(|n| n.state == pb::NodeState::Alive as i32)
-                .map(|n| {
-                    (
-                        n.hostname.clone(),
-                        n.available
-                            .clone()
-                            .unwrap_or_default()
-                            .amounts
-                            .into_iter()
-                            .collect(),
-                    )
-                })
-                .collect()
-        }
-        None => {
-            // No cluster named: check against one node that has exactly what the pool asks.
-            let r = cfg.resource_pool.device.resource().to_string();
-            vec![(
-                "(the pool as configured)".to_string(),
-                [(r, devices_needed(&cfg))].into_iter().collect(),
-            )]
-        }
-    };
-    print!("{}", cfg.check_report(&nodes));
-    let (missing, hub) = missing_files(&cfg);
-    println!("\n# files the run reads");
-    if missing.is_empty() && hub.is_empty() {
-        println!("all present (data, models, tokenizer)");
-    }
-    for m in &missing {
-        println!("missing: {m}");
-    }
-    for h in &hub {
-        println!("hub: {h}");
-    }
-    Ok(())
-}
-
-/// What `run` would fail to read from this machine: the dataset, each role's model
-/// directory, the tokenizer, the fixed responses. `check` lists them instead of failing (a
-/// plan for a cluster whose nodes hold the models is still worth seeing). Models named by a
-/// Hugging Face repo id are looked up in this machine's HF cache without downloading: the
-/// second list says, per id, whether it is cached or will be downloaded when the run starts
-/// (each node resolves through its own cache); offline, an uncached id is missing.
-fn missing_files(cfg: &PpoConfig) -> (Vec<String>, Vec<String>) {
-    let mut out = Vec::new();
-    let hub = rlhf_hub::Hub::from_env();
-    // (spec, what is needed, the keys that name it), one entry per spec and need.
-    let mut ids: Vec<(String, rlhf_hub::Need, Vec<String>)> = Vec::new();
-    let mut by_id = |spec: &str, need: rlhf_hub::Need, key: String| match ids
-        .iter_mut()
-        .find(|(s, n, _)| s == spec && *n == need)
-    {
-        Some((_, _, keys)) => keys.push(key),
-        None => ids.push((spec.to_string(), need, vec![key])),
-    };
-    if !Path::new(&cfg.data.path).is_file() {
-        out.push(format!("data.path {} is not a file", cfg.data.path));
-    }
-    if let Some(p) = cfg.data.eval_path.as_deref().filter(|p| !p.is_empty()) {
-        if !Path::new(p).is_file() {
-            out.push(format!("data.eval_path {p} is not a file"));
-        }
-    }
-    for role in RoleKind::ALL {
-        if cfg.role_enabled(role) && cfg.role_model(role).is_some() {
-            match rlhf_config::spec::model_dir(cfg, role) {
-                Err(e) => out.push(e.to_string()),
-                Ok(dir) => {
-                    if let Some(id) = hub_id(&dir) {
-                        by_id(id, rlhf_hub::Need::Model, format!("{role}.model"));
-                    }
-                }
-            }
-        }
-    }
-    let actor = rlhf_config::spec::model_dir(cfg, RoleKind::ActorRollout).ok();
-    if let Some(t) = rlhf_config::spec::tokenizer_dir(cfg, actor.as_deref()) {
-        if let Some(id) = hub_id(&t) {
-            by_id(id, rlhf_hub::Need::Tokenizer, "tokenizer".into());
-        } else if !t.join("tokenizer.json").is_file() {
-            out.push(format!(
-                "tokenizer: {} has no tokenizer.json (training.tokenizer_name_or_path)",
-                t.display()
-            ));
-        }
-    }
-    if let Some(f) = cfg
-        .actor_rollout
-        .fixed_responses_file
-        .as_deref()
-        .filter(|f| !f.is_empty())
-    {
-        if !Path::new(f).is_file() {
-            out.push(format!(
-                "actor_rollout.fixed_responses_file {f} is not a file"
-            ));
-        }
-    }
-    let mut notes = Vec::new();
-    for (spec, need, keys) in ids {
-        let keys = keys.join(", ");
-        match hub.locate(&spec, need) {
-            Ok(rlhf_hub::Located::Cached { dir, .. }) => notes.push(format!(
-                "{keys}: {spec} is in this machine's Hugging Face cache ({})",
-                dir.display()
-            )),
-            Ok(rlhf_hub::Located::NotCached { cache, why, .. }) if hub.is_online() => {
-                notes.push(format!(
-                    "{keys}: {spec} is not in this machine's Hugging Face cache at {} ({why}); \
-                     each role process downloads it from {} into its node's cache when the \
-                     run starts",
-                    cache.display(),
-                    hub.endpoint()
-                ))
-            }
-            Ok(rlhf_hub::Located::NotCached { repo, cache, why }) => {
-                let e = rlhf_hub::Error::NotCached {
-                    repo: Box::new(repo),
-                    cache,
-                    why,
-                    download_error: None,
-                };
-                out.push(format!("{keys}: {e}"));
-            }
-            Ok(rlhf_hub::Located::Directory(_)) => {}
-            Err(e) => out.push(format!("{keys}: {e}")),
-        }
-    }
-    (out, notes)
-}
-
-/// The Hub repo id a model or tokenizer path is, when it is one (and no such directory
-/// exists here).
-fn hub_id(path: &Path) -> Option<&str> {
-    path.to_str()
-        .filter(|s| rlhf_config::spec::is_repo_id_not_dir(s))
 }
 
 #[cfg(test)]
