@@ -134,12 +134,9 @@ fn far_batch() -> DataBatch {
         .with_column("prompt", (0..3).map(|i| serde_json::json!(i)).collect())
 }
 
-async fn call(m: &Member, call: BatchCall, b: &DataBatch) -> rlhf_core::Result<DataBatch> {
-    call_batch(m, call, b, Duration::from_secs(20)).await
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_member_that_cannot_read_shared_memory_gets_every_batch_streamed() {
+/// A [`FarRole`] served over gRPC (HTTP/2 only) on loopback: the role, its address and a
+/// connection to it.
+async fn far_role() -> (Arc<FarRole>, String, rlhf_runtime::net::AuthChannel) {
     let role = Arc::new(FarRole::default());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap().to_string();
@@ -150,6 +147,16 @@ async fn a_member_that_cannot_read_shared_memory_gets_every_batch_streamed() {
     );
     let o = rlhf_runtime::net::ClientOptions::new("t");
     let ch = rlhf_runtime::net::connect_direct(&addr, &o).await.unwrap();
+    (role, addr, ch)
+}
+
+async fn call(m: &Member, call: BatchCall, b: &DataBatch) -> rlhf_core::Result<DataBatch> {
+    call_batch(m, call, b, Duration::from_secs(20)).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_that_cannot_read_shared_memory_gets_every_batch_streamed() {
+    let (role, addr, ch) = far_role().await;
     let member = member(&addr, ch, BatchPath::new(false));
     let b = far_batch();
     // The first call is refused once and streamed; the path is then settled: the second
@@ -196,16 +203,7 @@ async fn a_member_that_cannot_read_shared_memory_gets_every_batch_streamed() {
 /// streamed. Its loopback twin still makes the one attempt.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_member_at_another_hosts_address_gets_no_shared_memory_attempt() {
-    let role = Arc::new(FarRole::default());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(RoleServiceServer::new(Far(role.clone())))
-            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
-    );
-    let o = rlhf_runtime::net::ClientOptions::new("t");
-    let ch = rlhf_runtime::net::connect_direct(&addr, &o).await.unwrap();
+    let (role, addr, ch) = far_role().await;
     let far = "192.0.2.1:9";
     let remote = member(far, ch.clone(), BatchPath::for_address(false, far));
     let b = far_batch();
