@@ -169,6 +169,24 @@ fn fresh_state_dir(parent: &Path) -> Result<PathBuf> {
 }
 
 /// How long the embedded head waits before it calls its own worker's node dead.
+/// What an embedded run leaves of its state directory: nothing when it succeeded or failed
+/// before a role process ran; else all of it (the head's and the run's log, the role
+/// processes' logs that explain the failure), and the role logs' directory is returned.
+fn leave_state(state_dir: &Path, failed: bool) -> Option<PathBuf> {
+    let logs = state_dir.join("worker").join("logs");
+    let ran = std::fs::read_dir(&logs).is_ok_and(|mut d| d.next().is_some());
+    if failed && ran {
+        return Some(logs);
+    }
+    if let Err(e) = std::fs::remove_dir_all(state_dir) {
+        tracing::warn!(
+            "removing the run's state directory {}: {e}",
+            state_dir.display()
+        );
+    }
+    None
+}
+
 const EMBEDDED_DEAD_AFTER: Duration = Duration::from_secs(120);
 
 async fn start_embedded(cfg: &PpoConfig, exe: PathBuf, state_dir: PathBuf) -> Result<Embedded> {
@@ -335,13 +353,24 @@ pub(crate) async fn run(args: RunArgs) -> Result<()> {
             (c, o)
         }
         Some(state_dir) => {
-            let exe = worker_exe(args.worker_exe.as_deref())?;
-            let e = start_embedded(&cfg, exe, state_dir).await?;
-            let o = ClientOptions::new(e.token.clone());
-            let ch = net::connect(&e.head.addr.to_string(), &o).await?;
-            let mut c =
-                HeadServiceClient::new(ch).max_decoding_message_size(rlhf_proto::MAX_MESSAGE_BYTES);
-            wait_for_nodes(&mut c, 1, Duration::from_secs(30)).await?;
+            let started = async {
+                let exe = worker_exe(args.worker_exe.as_deref())?;
+                let e = start_embedded(&cfg, exe, state_dir.clone()).await?;
+                let o = ClientOptions::new(e.token.clone());
+                let ch = net::connect(&e.head.addr.to_string(), &o).await?;
+                let mut c = HeadServiceClient::new(ch)
+                    .max_decoding_message_size(rlhf_proto::MAX_MESSAGE_BYTES);
+                wait_for_nodes(&mut c, 1, Duration::from_secs(30)).await?;
+                Ok::<_, Error>((e, c, o))
+            };
+            let (e, c, o) = match started.await {
+                Ok(v) => v,
+                Err(err) => {
+                    // Its reasons were on stderr; no role process ran.
+                    leave_state(&state_dir, false);
+                    return Err(err);
+                }
+            };
             eprintln!(
                 "embedded cluster: head {} + local worker (logs under {})",
                 e.head.addr,
@@ -378,13 +407,12 @@ pub(crate) async fn run(args: RunArgs) -> Result<()> {
             );
         }
     }
+    let mut role_logs = None;
     if let Some(e) = embedded {
         e.shutdown.cancel();
         let _ = tokio::time::timeout(Duration::from_secs(15), e.worker).await;
         e.head.wait().await;
-        if result.is_ok() {
-            let _ = std::fs::remove_dir_all(&e.state_dir);
-        }
+        role_logs = leave_state(&e.state_dir, result.is_err());
     }
     match result {
         Ok(s) => {
@@ -392,7 +420,7 @@ pub(crate) async fn run(args: RunArgs) -> Result<()> {
             Ok(())
         }
         Err(RunError { error: e, .. }) => {
-            let hint = if rlhf_driver::checkpoint::list(&ckpt_dir).is_empty() {
+            let mut hint = if rlhf_driver::checkpoint::list(&ckpt_dir).is_empty() {
                 String::new()
             } else {
                 format!(
@@ -400,6 +428,12 @@ pub(crate) async fn run(args: RunArgs) -> Result<()> {
                     ckpt_dir.display()
                 )
             };
+            if let Some(logs) = role_logs {
+                hint.push_str(&format!(
+                    "\nthe role processes' logs are under {}",
+                    logs.display()
+                ));
+            }
             Err(Error::new(e.kind(), format!("{e}{hint}")))
         }
     }
@@ -408,6 +442,30 @@ pub(crate) async fn run(args: RunArgs) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A run that succeeded, or failed before any role process wrote a log, leaves nothing;
+    /// one that failed after role processes ran keeps its state and names the logs.
+    #[test]
+    fn a_failed_embedded_run_keeps_its_state_only_when_role_processes_ran() {
+        let parent = tempfile::tempdir().unwrap();
+        let make = |roles: bool| {
+            let d = fresh_state_dir(parent.path()).unwrap();
+            std::fs::create_dir_all(d.join("head")).unwrap();
+            std::fs::create_dir_all(d.join("worker/logs")).unwrap();
+            if roles {
+                std::fs::write(d.join("worker/logs/actor-1.log"), b"trace").unwrap();
+            }
+            d
+        };
+        for (roles, failed) in [(false, false), (true, false), (false, true)] {
+            let d = make(roles);
+            assert_eq!(leave_state(&d, failed), None);
+            assert!(!d.exists(), "roles {roles}, failed {failed}");
+        }
+        let d = make(true);
+        assert_eq!(leave_state(&d, true), Some(d.join("worker/logs")));
+        assert!(d.join("worker/logs/actor-1.log").is_file() && d.join("head").is_dir());
+    }
 
     #[test]
     fn an_embedded_run_never_opens_the_state_a_previous_run_left() {

@@ -484,6 +484,9 @@ fn every_bad_input_gets_a_clear_error_and_no_panic() -> Result<()> {
                         "{name}: exit ok={ok}, expected {want:?} in:\n{err}"
                     ));
                 }
+                if let Some(left) = litter(&err) {
+                    failures.push(format!("{name}: {left}"));
+                }
             }
             Err(e) => failures.push(format!("{name}: {e}")),
         }
@@ -496,4 +499,28 @@ fn every_bad_input_gets_a_clear_error_and_no_panic() -> Result<()> {
         failures.join("\n---\n")
     );
     Ok(())
+}
+
+/// What a failed embedded run wrongly leaves behind: its state directory (named at start,
+/// "logs under DIR") must be gone unless the error names the role processes' logs in it.
+fn litter(err: &str) -> Option<String> {
+    let dir = err
+        .split("(logs under ")
+        .nth(1)?
+        .split(')')
+        .next()?
+        .to_string();
+    let kept = err
+        .split("the role processes' logs are under ")
+        .nth(1)
+        .and_then(|l| l.lines().next());
+    match kept {
+        Some(logs) if !logs.starts_with(&dir) || !std::path::Path::new(logs).is_dir() => Some(
+            format!("the error names role logs at {logs}, not a directory under {dir}"),
+        ),
+        Some(_) => None,
+        None => std::path::Path::new(&dir).exists().then(|| {
+            format!("the state directory {dir} of a run that started no role process was left")
+        }),
+    }
 }
