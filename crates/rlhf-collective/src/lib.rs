@@ -51,6 +51,26 @@ pub mod tcp;
 
 use std::time::Duration;
 
+/// Largest all_gather block accepted from a peer (64 GiB), on every backend: an absurd
+/// length (a corrupt stream, a foreign program) is an early, clear error, not an allocation
+/// that aborts the process.
+pub(crate) const MAX_BLOCK: u64 = 1 << 36;
+
+/// [`MAX_BLOCK`] checked for the block `len` that rank `peer` announced to `rank` in `op`.
+pub(crate) fn check_block(op: Op, rank: usize, peer: usize, len: u64) -> Result<usize> {
+    if len > MAX_BLOCK {
+        return Err(Error::Mismatch {
+            op,
+            rank,
+            peer: Some(peer),
+            detail: format!(
+                "peer announced a block of {len} bytes (at most {MAX_BLOCK}): corrupt stream or foreign program"
+            ),
+        });
+    }
+    Ok(len as usize)
+}
+
 pub use bucket::{
     all_reduce_f32_bucketed, BucketedSync, DType, Listed, Param, ParamMut, ParamView, SyncStats,
 };
@@ -282,6 +302,20 @@ pub fn as_bytes_mut<T: Plain>(s: &mut [T]) -> &mut [u8] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A gathered block's announced length is bounded the same on every backend: the bound
+    /// passes, one byte more is a mismatch naming the peer, not an allocation.
+    #[test]
+    fn an_absurd_block_length_is_a_mismatch_naming_the_peer() {
+        assert_eq!(
+            check_block(Op::AllGather, 0, 1, MAX_BLOCK).unwrap(),
+            1 << 36
+        );
+        let e = check_block(Op::AllGather, 0, 3, u64::MAX).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Mismatch);
+        assert!(e.to_string().contains("announced a block"), "{e}");
+        assert_eq!(e.peer(), Some(3));
+    }
 
     #[test]
     fn communicator_is_object_safe_and_bytes_views_roundtrip() {

@@ -329,6 +329,11 @@ fn rendezvous_errors_are_clear() {
     let e = TcpCommunicator::init(2, 2, "127.0.0.1:1", config(100)).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidArgument);
     assert!(e.to_string().contains("rank 2"), "{e}");
+    // A world no job has (a JoinComm field): refused before any per-rank table is made.
+    let rv = TcpRendezvous::bind("127.0.0.1:0").unwrap();
+    let e = rv.accept(u32::MAX as usize, config(100)).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+    assert!(e.to_string().contains("at most 65536 ranks"), "{e}");
 
     // Disagreeing world sizes.
     let rv = TcpRendezvous::bind("127.0.0.1:0").unwrap();

@@ -437,12 +437,20 @@ impl RoleSpec {
     }
 
     pub fn from_json(s: &str) -> Result<Self> {
-        serde_json::from_str(s).map_err(|e| {
+        let spec: Self = serde_json::from_str(s).map_err(|e| {
             invalid(format!(
                 "InitRole spec is not a RoleSpec of this version ({e}); are the driver and the \
                  worker the same release?"
             ))
-        })
+        })?;
+        // Every engine splits its rows by this; the driver sends micro_batch_size, at least 1.
+        if spec.micro_batch_rows == 0 {
+            return Err(invalid(
+                "InitRole spec: micro_batch_rows is 0; it must be at least 1 (the role's micro_batch_size)"
+                    .into(),
+            ));
+        }
+        Ok(spec)
     }
 }
 
@@ -577,5 +585,14 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("same release"), "{err}");
+        // A spec no engine can split rows by (it would panic the role process's compute
+        // thread at its first batch) is refused at InitRole.
+        let mut zero =
+            RoleSpec::resolve(&cfg, slot(RoleKind::Critic, RolePart::Whole, 0, 1)).unwrap();
+        zero.micro_batch_rows = 0;
+        let err = RoleSpec::from_json(&zero.to_json())
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("micro_batch_rows is 0"), "{err}");
     }
 }

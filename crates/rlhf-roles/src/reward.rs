@@ -243,7 +243,7 @@ impl Score for Reward {
                 let (ids, mask) = sequences("ComputeScores", &req.seq, *shapes, model.device())?;
                 let mut out = Vec::with_capacity(b);
                 let all: Vec<usize> = (0..b).collect();
-                for idx in all.chunks(*micro) {
+                for idx in all.chunks((*micro).max(1)) {
                     let batch =
                         Batch::from_mask(convert::rows(&ids, idx)?, convert::rows(&mask, idx)?)?;
                     let s = model.scores(&batch)?;

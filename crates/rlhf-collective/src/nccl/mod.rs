@@ -425,12 +425,13 @@ impl NcclCommunicator {
         let lens = self.gather_fixed(op, &(data.len() as u64).to_le_bytes())?;
         let lens: Vec<usize> = lens
             .chunks_exact(8)
-            .map(|c| {
+            .enumerate()
+            .map(|(peer, c)| {
                 let mut a = [0u8; 8];
                 a.copy_from_slice(c);
-                u64::from_le_bytes(a) as usize
+                crate::check_block(op, self.rank, peer, u64::from_le_bytes(a))
             })
-            .collect();
+            .collect::<Result<_>>()?;
         let max = lens.iter().copied().max().unwrap_or(0);
         if max == 0 {
             return Ok(vec![Vec::new(); self.world]);

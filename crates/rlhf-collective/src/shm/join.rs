@@ -24,7 +24,7 @@ fn transcript(nonce: &[u8], world: usize, rank: usize) -> Vec<u8> {
 
 /// Rank 0's segment between PrepareComm (made, address published) and JoinComm.
 pub struct ShmRendezvous {
-    map: Mapping,
+    pub(super) map: Mapping,
     address: String,
 }
 
@@ -149,9 +149,15 @@ impl ShmCommunicator {
         let h = map.header();
         let slots = h.slots.load(Ordering::Relaxed) as usize;
         let slot_bytes = h.slot_bytes.load(Ordering::Relaxed) as usize;
+        // The header is another process's word: a size that is zero or overflows is no
+        // segment of ours either.
+        let expected = SLOTS
+            .checked_mul(slot_bytes)
+            .and_then(|d| d.checked_add(DATA_OFFSET));
         if h.magic.load(Ordering::Acquire) != MAGIC
             || slots != SLOTS
-            || map.len() != DATA_OFFSET + SLOTS * slot_bytes
+            || slot_bytes == 0
+            || expected != Some(map.len())
         {
             return Err(unavailable(format!(
                 "{path} is not a shared-memory segment of this version of rlhf-collective"

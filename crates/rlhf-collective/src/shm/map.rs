@@ -90,11 +90,16 @@ impl Mapping {
 
     /// The first byte of slot `i` of `slot_bytes`.
     pub(super) fn slot(&self, i: usize, slot_bytes: usize) -> *mut u8 {
-        let at = super::DATA_OFFSET + i * slot_bytes;
-        assert!(
-            at + slot_bytes <= self.len,
-            "slot {i} is outside the segment"
-        );
+        let end = i
+            .checked_mul(slot_bytes)
+            .and_then(|o| o.checked_add(super::DATA_OFFSET))
+            .and_then(|at| Some((at, at.checked_add(slot_bytes)?)));
+        // Checked when the segment was created or joined (its length is DATA_OFFSET plus
+        // SLOTS slots); a failure here is a bug of this crate, not input.
+        let at = match end {
+            Some((at, end)) if end <= self.len => at,
+            _ => panic!("slot {i} of {slot_bytes} bytes is outside the segment"),
+        };
         // SAFETY: `at + slot_bytes <= len`, so the offset stays inside the mapping.
         unsafe { self.ptr.as_ptr().add(at) }
     }

@@ -380,7 +380,8 @@ impl ShmCommunicator {
             } else {
                 let mut len = [0u8; 8];
                 self.recv(op, &mut [&mut len], r)?;
-                let mut v = vec![0u8; u64::from_le_bytes(len) as usize];
+                let n = crate::check_block(op, self.rank, r, u64::from_le_bytes(len))?;
+                let mut v = vec![0u8; n];
                 self.recv(op, &mut [&mut v], r)?;
                 out.push(v);
             }

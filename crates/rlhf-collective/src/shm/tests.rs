@@ -230,4 +230,19 @@ fn bad_addresses_are_explained() {
         .err()
         .expect("too many ranks");
     assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+    // A segment whose header announces a slot size that is zero, or whose slots would not
+    // fit in the address space (the header is another process's word), is no segment of
+    // ours: refused at join, not a division by zero or an overflowed offset later.
+    for bad in [0u64, 1 << 62, u64::MAX / 3 + 1] {
+        let rv = ShmRendezvous::create(64).unwrap();
+        rv.map.header().slot_bytes.store(bad, Ordering::Relaxed);
+        let e = ShmCommunicator::connect(1, 2, rv.address(), cfg(None))
+            .err()
+            .expect("must fail");
+        assert!(
+            e.to_string()
+                .contains("not a shared-memory segment of this version"),
+            "{bad}: {e}"
+        );
+    }
 }

@@ -184,6 +184,10 @@ pub(super) fn mismatch(op: Op, rank: usize, peer: Option<usize>, detail: String)
     }
 }
 
+/// Most ranks of one TCP communicator: far above any job's, and small enough that the
+/// per-rank tables a rendezvous allocates from a JoinComm request stay small.
+pub const MAX_WORLD: usize = 1 << 16;
+
 pub(super) fn check_args(rank: usize, world: usize, config: &CommConfig) -> Result<()> {
     let bad = |detail: String| {
         Err(Error::InvalidArgument {
@@ -199,8 +203,10 @@ pub(super) fn check_args(rank: usize, world: usize, config: &CommConfig) -> Resu
             "rank {rank} is out of range for world_size {world} (ranks are 0..{world})"
         ));
     }
-    if world > u32::MAX as usize {
-        return bad(format!("world_size {world} is too large"));
+    if world > MAX_WORLD {
+        return bad(format!(
+            "world_size {world} is too large: a TCP communicator has at most {MAX_WORLD} ranks"
+        ));
     }
     if config.timeout.is_zero() {
         return bad("CommConfig::timeout must be greater than zero".into());

@@ -112,9 +112,6 @@ const HDR_LEN: usize = 32;
 /// they always fit in the kernel socket buffers, so two ranks writing to each
 /// other at once cannot deadlock, and small ops skip a thread spawn.
 const INLINE_SEND: usize = 32 << 10;
-/// Largest all_gather block accepted from a peer (64 GiB); blocks are read as they arrive,
-/// so this only turns an absurd length into an early, clear error.
-const MAX_BLOCK: u64 = 1 << 36;
 const BACKEND: &str = "tcp";
 
 /// One end of a ring connection.
@@ -419,16 +416,9 @@ impl Payload<'_, '_> {
 fn recv_block(ctx: &Ctx<'_>, link: &Link) -> Result<Vec<u8>> {
     let mut len = [0u8; 8];
     read_exact(ctx, link, &mut len)?;
-    let len = u64::from_le_bytes(len);
-    if len > MAX_BLOCK {
-        return Err(mismatch(
-            ctx.op,
-            ctx.rank,
-            Some(link.peer),
-            format!("peer announced a block of {len} bytes (at most {MAX_BLOCK}): corrupt stream or foreign program"),
-        ));
-    }
-    let len = len as usize;
+    // Blocks are read as they arrive, so the bound only turns an absurd length into an
+    // early, clear error.
+    let len = crate::check_block(ctx.op, ctx.rank, link.peer, u64::from_le_bytes(len))?;
     let step = ctx.config.chunk_bytes.max(1);
     let mut v = Vec::with_capacity(len.min(step));
     while v.len() < len {
