@@ -105,7 +105,8 @@ impl PpoConfig {
             .map(|(_, n, share)| f64::from(*n) * share)
             .sum::<f64>()
             .ceil() as u32;
-        let available: u32 = free.iter().map(|(_, n)| n).sum();
+        // Saturating: a node may announce any amount up to the head's bound.
+        let available = free.iter().fold(0u32, |a, (_, n)| a.saturating_add(*n));
         let needs: Vec<String> = roles
             .iter()
             .filter(|(_, n, _)| *n > 0)

@@ -64,7 +64,10 @@ pub async fn fetch(
             src.step
         )));
     }
-    let bytes: u64 = src.parts.iter().map(|p| p.bytes).sum();
+    let bytes = src
+        .parts
+        .iter()
+        .fold(0u64, |a, p| a.saturating_add(p.bytes));
     let root = rlhf_runtime::snapshot::restore_root(bytes).join(format!(
         "rlhf-restore-{}-{}",
         std::process::id(),

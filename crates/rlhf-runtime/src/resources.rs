@@ -141,8 +141,26 @@ pub fn detect_devices(
     Devices { gpus, npus }
 }
 
-/// Detected resources, overridden key by key with `overrides`. When GPU/NPU counts are
-/// overridden beyond what was detected, device indices 0..n are assumed.
+/// Most GPUs or NPUs one node may offer: each is an entry of the worker's device table.
+pub const MAX_DEVICES: f64 = 1024.0;
+
+/// Checks the device counts of `--resources` (`flag`) before a worker builds its device
+/// table from them.
+pub fn check_overrides(flag: &str, overrides: &Resources) -> rlhf_core::Result<()> {
+    for key in ["GPU", "NPU"] {
+        let n = overrides.get(key);
+        if n > MAX_DEVICES {
+            return Err(rlhf_core::Error::invalid(format!(
+                "{flag}: \"{key}\": {n} is more devices than a node can offer (at most {MAX_DEVICES})"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Detected resources, overridden key by key with `overrides` (checked by
+/// [`check_overrides`]). When GPU/NPU counts are overridden beyond what was detected, device
+/// indices 0..n are assumed.
 pub fn node_resources(overrides: &Resources) -> (Resources, Devices) {
     let mut devices = detect_devices(|k| std::env::var(k).ok(), nvidia_smi_count);
     let mut r = Resources::new();
@@ -163,8 +181,9 @@ pub fn node_resources(overrides: &Resources) -> (Resources, Devices) {
     for (key, list) in [("GPU", &mut devices.gpus), ("NPU", &mut devices.npus)] {
         let want = r.get(key).floor() as usize;
         if want > list.len() {
-            let start = list.iter().max().map(|m| m + 1).unwrap_or(0);
-            list.extend(start..start + (want - list.len()) as u32);
+            let start = list.iter().max().map_or(0, |m| m.saturating_add(1));
+            let more = want - list.len();
+            list.extend((0..more).map(|i| start.saturating_add(i as u32)));
         }
         list.truncate(want);
     }
@@ -209,6 +228,10 @@ mod tests {
         assert_eq!(r.get("my_accel"), 2.0);
         assert_eq!(d.gpus.len(), 3);
         assert!(r.get("memory") > 0.0);
+        let absurd = Resources::new().with("GPU", 4294967296.0);
+        let e = check_overrides("--resources", &absurd).unwrap_err();
+        assert!(e.to_string().contains("at most 1024"), "{e}");
+        assert!(check_overrides("--resources", &o).is_ok());
     }
 
     #[test]

@@ -398,7 +398,7 @@ pub fn restore_root(bytes: u64) -> PathBuf {
     let room = nix::sys::statvfs::statvfs(shm)
         .map(|s| s.blocks_available().saturating_mul(s.fragment_size()))
         .unwrap_or(0);
-    if room > bytes + bytes / 4 {
+    if room > bytes.saturating_add(bytes / 4) {
         shm.to_path_buf()
     } else {
         std::env::temp_dir()

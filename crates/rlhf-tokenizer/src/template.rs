@@ -91,9 +91,16 @@ fn strftime_now(fmt: &str) -> String {
         .replace("%B", FULL[mi])
 }
 
+/// Widest `tojson(indent=...)` honoured; wider is written with this one.
+const MAX_INDENT: usize = 64;
+
 /// Python `json.dumps(x, ensure_ascii=False, indent=indent)` as transformers' `tojson`.
 fn tojson(value: JValue, kwargs: Kwargs) -> std::result::Result<String, minijinja::Error> {
-    let indent: Option<usize> = kwargs.get("indent")?;
+    // Bounded: the template may come from a downloaded tokenizer_config.json, and an
+    // indent of 2^63 would ask for that many spaces.
+    let indent: Option<usize> = kwargs
+        .get::<Option<usize>>("indent")?
+        .map(|n| n.min(MAX_INDENT));
     let _: Option<bool> = kwargs.get("sort_keys")?;
     let _: Option<JValue> = kwargs.get("separators")?;
     let v = serde_json::to_value(&value)
@@ -314,6 +321,11 @@ mod tests {
             out,
             "{\"a\": 1, \"b\": \"x<y\"}|{\n  \"a\": 1,\n  \"b\": \"x<y\"\n}"
         );
+        // An indent no JSON needs (a downloaded template's) is written 64 wide, not asked
+        // of the allocator.
+        let t = "{{ messages[0] | tojson(indent=9223372036854775807) }}";
+        let out = render_chat_template(t, &json!([{"a": 1}]), false, &[]).unwrap();
+        assert_eq!(out, format!("{{\n{}\"a\": 1\n}}", " ".repeat(64)));
     }
 
     #[test]

@@ -155,6 +155,7 @@ async fn run(cli: Cli) -> Result<()> {
                 Some(r) => Resources::parse_json("--resources", &r)?,
                 None => Resources::new(),
             };
+            rlhf_runtime::resources::check_overrides("--resources", &overrides)?;
             let state_dir = state_dir.unwrap_or_else(rlhf_runtime::default_state_dir);
             rlhf_runtime::prepare_state_dir(&state_dir)?;
             let _guard = rlhf_runtime::logging::init(Some(

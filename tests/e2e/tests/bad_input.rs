@@ -441,6 +441,12 @@ fn every_bad_input_gets_a_clear_error_and_no_panic() -> Result<()> {
             "malformed JSON",
         ),
         (
+            "more devices than a node has",
+            Bin::Worker,
+            join(&["--resources", r#"{"GPU": 4294967296}"#]),
+            "more devices than a node can offer",
+        ),
+        (
             "resources cut short",
             Bin::Worker,
             join(&["--resources", "{"]),

@@ -35,10 +35,13 @@ pub struct TensorData {
 
 impl TensorData {
     pub fn new(dtype: DType, shape: Vec<usize>, data: Vec<u8>) -> Result<Self> {
-        let want = shape.iter().product::<usize>() * dtype.size();
-        if data.len() != want {
+        let want = shape
+            .iter()
+            .try_fold(dtype.size(), |a, &d| a.checked_mul(d));
+        if want != Some(data.len()) {
             return Err(Error::invalid(format!(
-                "tensor of shape {shape:?} and dtype {dtype:?} needs {want} bytes, got {}",
+                "tensor of shape {shape:?} and dtype {dtype:?} needs {} bytes, got {}",
+                want.map_or_else(|| "more than usize::MAX".to_string(), |w| w.to_string()),
                 data.len()
             )));
         }
@@ -98,8 +101,12 @@ impl TensorData {
         self.shape.first().copied().unwrap_or(0)
     }
 
+    /// Saturating: a tensor of no rows may announce any row shape (its data is empty).
     fn row_bytes(&self) -> usize {
-        self.shape.iter().skip(1).product::<usize>() * self.dtype.size()
+        self.shape
+            .iter()
+            .skip(1)
+            .fold(self.dtype.size(), |a, &d| a.saturating_mul(d))
     }
 
     fn slice_rows(&self, start: usize, end: usize) -> TensorData {

@@ -417,3 +417,19 @@ fn headers_that_lie_are_refused_before_allocating() {
     assert_eq!(*got.tensors["a"].data, vec![3]);
     assert_eq!(sum, checksum(&got));
 }
+
+/// A tensor of no rows may carry any row shape, even one whose row size overflows (the wire
+/// accepts it: its bytes are 0): selecting it stays empty, no overflow; a shape whose size
+/// overflows is refused.
+#[test]
+fn a_rowless_tensor_with_a_huge_row_shape_selects_empty() {
+    let t = TensorData::new(DType::F32, vec![0, 1 << 33, 1 << 33], vec![]).unwrap();
+    let b = DataBatch::new().with_tensor("x", t);
+    let picked = b.select(&[]).unwrap();
+    assert_eq!(picked.tensors["x"].rows(), 0);
+    assert!(picked.tensors["x"].data.is_empty());
+    // As the wire decoder does: the size is computed from the first dimension on.
+    assert!(TensorData::new(DType::F32, vec![1 << 33, 1 << 33, 0], vec![]).is_err());
+    let e = TensorData::new(DType::F32, vec![2, 1 << 62], vec![]).unwrap_err();
+    assert!(e.to_string().contains("more than usize::MAX"), "{e}");
+}

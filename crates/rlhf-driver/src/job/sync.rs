@@ -199,7 +199,10 @@ impl Loop<'_> {
         let receivers = answers.len().saturating_sub(1) as u64;
         Ok(Synced {
             secs,
-            bytes: answers.first().map_or(0, |a| a.bytes) * receivers,
+            bytes: answers
+                .first()
+                .map_or(0, |a| a.bytes)
+                .saturating_mul(receivers),
             cuda_ipc: answers.first().is_some_and(|a| a.cuda_ipc),
         })
     }

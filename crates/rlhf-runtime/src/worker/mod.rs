@@ -3,12 +3,16 @@
 //! WorkerService the head calls to start and stop actors, and supervises those actor
 //! processes, reporting each exit (code, signal, last log lines) to the head.
 
+mod exits;
 mod heartbeat;
 pub mod snapshots;
 mod usage;
 
+use exits::{check_actor_id, log_tail};
+pub use exits::{exit_reason, STOPPED_ON_REQUEST};
+
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -69,38 +73,6 @@ struct Agent {
 #[derive(Clone)]
 struct WorkerSvc(Arc<Agent>);
 
-fn log_tail(path: &Path, n: usize) -> Vec<String> {
-    let text = std::fs::read_to_string(path).unwrap_or_default();
-    let lines: Vec<&str> = text.lines().collect();
-    lines[lines.len().saturating_sub(n)..]
-        .iter()
-        .map(|s| s.to_string())
-        .collect()
-}
-
-fn signal_name(sig: i32) -> String {
-    nix::sys::signal::Signal::try_from(sig)
-        .map(|s| s.as_str().to_string())
-        .unwrap_or_else(|_| format!("signal {sig}"))
-}
-
-/// The exit reason of a role process stopped by its job or the head: no failure.
-pub const STOPPED_ON_REQUEST: &str = "stopped on request";
-
-/// Human reason for an exit, with the usual cause of a SIGKILL named.
-pub fn exit_reason(code: Option<i32>, signal: Option<i32>, stop_requested: bool) -> String {
-    if stop_requested {
-        return STOPPED_ON_REQUEST.into();
-    }
-    match (code, signal) {
-        (Some(0), _) => "exited normally (code 0)".into(),
-        (Some(c), _) => format!("exited with code {c}"),
-        (None, Some(9)) => "killed by SIGKILL (often the kernel OOM killer; check `dmesg`)".into(),
-        (None, Some(s)) => format!("killed by {}", signal_name(s)),
-        _ => "exited for an unknown reason".into(),
-    }
-}
-
 impl Agent {
     fn take_devices(&self, amount: f64, key: &str) -> Result<Grant> {
         let mut pools = crate::lock(&self.free);
@@ -134,6 +106,8 @@ impl Agent {
     ) -> Result<pb::ActorInfo> {
         // The head checked it too; a worker trusts no caller with its process environment.
         crate::head::validate::actor_env(spec.env.keys(), "ActorSpec.env")?;
+        // It names the actor's log and ready files under the state directory.
+        check_actor_id(&actor_id)?;
         let domain = convert::spec_from_proto(&spec);
         let gpus = self.take_devices(domain.resources.get("GPU"), "GPU")?;
         let npus = match self.take_devices(domain.resources.get("NPU"), "NPU") {
@@ -586,18 +560,5 @@ pub async fn probe_cuda_roles(exe: &std::path::Path) -> bool {
             tracing::warn!(exe = %exe.display(), result = ?other.map(|r| r.map(|o| o.status)), "could not ask the worker executable for its capabilities; assuming it cannot run CUDA roles");
             false
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn exit_reasons_are_specific() {
-        assert_eq!(exit_reason(Some(3), None, false), "exited with code 3");
-        assert!(exit_reason(None, Some(9), false).contains("OOM"));
-        assert_eq!(exit_reason(None, Some(15), false), "killed by SIGTERM");
-        assert_eq!(exit_reason(None, Some(15), true), "stopped on request");
     }
 }

@@ -70,7 +70,7 @@ impl Store {
     pub fn admit(&self, job: &str, bytes: u64) -> Result<()> {
         let inner = crate::lock(&self.inner);
         let own = inner.jobs.get(job).map_or(0, Job::bytes);
-        if own + bytes > self.cap {
+        if own.saturating_add(bytes) > self.cap {
             return Err(self.full(job, own, bytes));
         }
         Ok(())
@@ -100,7 +100,7 @@ impl Store {
             .and_then(|p| p.get(&key.part))
             .map_or(0, |f| f.bytes());
         let own = inner.jobs.get(&key.job_id).map_or(0, Job::bytes) - old;
-        if own + bytes > self.cap {
+        if own.saturating_add(bytes) > self.cap {
             // Evicting other jobs would not make room: refuse before touching them.
             return Err(self.full(&key.job_id, own, bytes));
         }
@@ -283,6 +283,8 @@ mod tests {
         assert!(e.to_string().contains("--snapshot-memory-gb"), "{e}");
         assert!(s.admit("mine", 700).is_err());
         assert!(s.admit("mine", 600).is_ok());
+        // A push announcing an absurd size (a peer's u64) is refused, not wrapped below the cap.
+        assert!(s.admit("mine", u64::MAX).is_err());
         assert_eq!(s.steps("mine").0, vec![2]);
         assert_eq!(s.steps("newer").0, vec![2], "a refused push evicts nobody");
     }
