@@ -319,6 +319,29 @@ fn stop_and_signals_leave_no_orphans() -> Result<()> {
     Ok(())
 }
 
+/// A head told to stop (SIGTERM) while workers beat over their gRPC streams (no UDP, as
+/// where datagrams are blocked) exits within seconds: it ends those streams itself. It used
+/// to wait for them forever, and only SIGKILL ended it. The workers stay up and find the
+/// head gone.
+#[test]
+fn a_signalled_head_exits_while_workers_stream_heartbeats() -> Result<()> {
+    let mut c = Cluster::start(&["--no-udp-heartbeats"])?;
+    c.add_worker(r#"{"CPU": 1}"#)?;
+    c.add_worker(r#"{"CPU": 1}"#)?;
+    c.wait_alive_nodes(2, Duration::from_secs(30))?;
+    // A few beats on the streams first.
+    std::thread::sleep(Duration::from_secs(2));
+    let head = c.head.as_mut().unwrap();
+    head.signal(Signal::SIGTERM);
+    let st = head.wait_exit(Duration::from_secs(20))?;
+    assert!(st.success(), "{st}: {}", head.output());
+    assert!(c
+        .workers
+        .iter_mut()
+        .all(|w| w.child.try_wait().ok().flatten().is_none()));
+    Ok(())
+}
+
 /// A token planted in the state directory (world-writable, as a shared /tmp allows) is not
 /// adopted: the head and the worker refuse to start and say how to fix it; the state
 /// directory a head creates is private.

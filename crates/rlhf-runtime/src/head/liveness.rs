@@ -295,11 +295,13 @@ fn answer(known: bool, udp_confirmed: bool) -> Result<pb::HeartbeatResponse, Sta
 }
 
 /// Serves one node's stream, whose first message was answered by the registry (`attached`
-/// is None when the node must register again).
+/// is None when the node must register again). It ends when the head shuts down, so the
+/// server's graceful stop does not wait for the nodes' streams, which never end by themselves.
 pub fn serve(
     mut inbound: Streaming<pb::HeartbeatRequest>,
     attached: Option<(Arc<Slot>, CancellationToken)>,
     clock: Arc<dyn Clock>,
+    shutdown: CancellationToken,
 ) -> BeatStream {
     let (tx, rx) = tokio::sync::mpsc::channel(2);
     let Some((slot, superseded)) = attached else {
@@ -316,6 +318,7 @@ pub fn serve(
                     break;
                 }
                 _ = superseded.cancelled() => break,
+                _ = shutdown.cancelled() => break,
                 _ = slot.udp_first.notified() => {
                     let _ = tx.send(answer(true, true)).await;
                 }

@@ -222,6 +222,7 @@ impl HeadService for Head {
             inbound,
             attached,
             self.0.clock.clone(),
+            self.0.shutdown.clone(),
         )))
     }
 

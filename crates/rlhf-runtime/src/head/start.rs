@@ -48,6 +48,9 @@ fn local_head_address(host: &str, addr: SocketAddr) -> String {
     }
 }
 
+/// How long a stopping head waits for open calls to end.
+const DRAIN: Duration = Duration::from_secs(5);
+
 /// Builds, binds and serves the head. Port 0 picks a free port (see `HeadHandle::addr`).
 pub async fn start(
     opts: HeadOptions,
@@ -164,11 +167,24 @@ pub async fn start(
     let sd = shutdown.clone();
     let router = builder.layer(RpcTimerLayer(rpc)).add_service(svc);
     let server = tokio::spawn(async move {
-        if let Err(e) = router
-            .serve_with_incoming_shutdown(incoming, sd.cancelled_owned())
-            .await
-        {
-            tracing::error!("head server: {}", net::error_chain(&e));
+        let serve = router.serve_with_incoming_shutdown(incoming, sd.clone().cancelled_owned());
+        tokio::pin!(serve);
+        // The graceful stop waits for every open call; one that does not end (a client's
+        // stream) gets DRAIN after the shutdown, then the server is dropped.
+        let served = tokio::select! {
+            r = &mut serve => Some(r),
+            _ = async {
+                sd.cancelled().await;
+                tokio::time::sleep(DRAIN).await;
+            } => None,
+        };
+        match served {
+            Some(Err(e)) => tracing::error!("head server: {}", net::error_chain(&e)),
+            Some(Ok(())) => {}
+            None => tracing::warn!(
+                "calls still open {} s after the shutdown were cut off",
+                DRAIN.as_secs()
+            ),
         }
         // Drivers would lose their head: stop them, so none is left running unwatched.
         jobs.shutdown().await;
