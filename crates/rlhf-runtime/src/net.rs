@@ -194,7 +194,10 @@ fn endpoint(addr: &str, opts: &ClientOptions) -> Result<Endpoint> {
         // Same frame size as the servers, for batches that stream back (role outputs).
         .max_frame_size(Some(MAX_FRAME))
         .http2_keep_alive_interval(opts.keepalive)
-        .keep_alive_timeout(Duration::from_secs(20));
+        .keep_alive_timeout(Duration::from_secs(20))
+        // A peer whose host vanished without a reset is found by the kernel too, also
+        // while no HTTP/2 ping is running yet (during the TLS handshake).
+        .tcp_keepalive(Some(Duration::from_secs(60)));
     if let Some(ca) = &opts.tls_ca {
         let pem = read_pem(ca, "--tls-ca", "CERTIFICATE")?;
         let domain = tls_domain(addr, opts);
@@ -202,7 +205,11 @@ fn endpoint(addr: &str, opts: &ClientOptions) -> Result<Endpoint> {
             .tls_config(
                 ClientTlsConfig::new()
                     .ca_certificate(Certificate::from_pem(pem))
-                    .domain_name(domain),
+                    .domain_name(domain)
+                    // tonic waits for a handshake without limit: a peer that accepts the
+                    // connection and then says nothing would hold the connect (and every
+                    // reconnect of a cached channel) forever.
+                    .timeout(crate::tls::HANDSHAKE_WITHIN),
             )
             .map_err(|e| Error::invalid(format!("TLS configuration for {addr}: {e}")))?;
     }

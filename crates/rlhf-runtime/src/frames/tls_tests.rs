@@ -267,3 +267,36 @@ async fn a_client_silent_in_the_handshake_is_dropped_at_its_deadline() {
         t0.elapsed()
     );
 }
+
+/// A peer that accepts the connection and then says nothing (a frozen host): tonic's TLS
+/// channel gives up its handshake after `tls::HANDSHAKE_WITHIN` and the connect fails
+/// naming the address, instead of waiting forever.
+#[tokio::test]
+async fn a_silent_peer_fails_a_tls_channel_connect_instead_of_holding_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, ca) = certs(dir.path(), "silent");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let held = tokio::spawn(async move {
+        let mut socks = Vec::new();
+        while let Ok((s, _)) = listener.accept().await {
+            socks.push(s);
+        }
+    });
+    let mut o = ClientOptions::new(TOKEN);
+    o.tls_ca = Some(ca);
+    o.connect_timeout = Duration::from_secs(1);
+    let t = Instant::now();
+    let e = tokio::time::timeout(Duration::from_secs(30), net::connect(&addr, &o))
+        .await
+        .expect("the connect must end by itself")
+        .err()
+        .expect("a silent peer is no server");
+    assert!(
+        t.elapsed() < crate::tls::HANDSHAKE_WITHIN * 2,
+        "{:?}",
+        t.elapsed()
+    );
+    assert!(e.to_string().contains(&addr), "{e}");
+    held.abort();
+}
