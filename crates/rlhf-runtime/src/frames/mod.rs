@@ -180,7 +180,21 @@ pub async fn read_frame<R: AsyncReadExt + Unpin>(
         Ok(_) => {}
         Err(e) => return Err(e),
     }
-    r.read_exact(&mut head[1..]).await?;
+    // Once a frame has begun, the rest comes within IDLE_LIMIT plus its size at the batches'
+    // rate floor, as a frame is written: a peer that stops mid-frame (stopped, not dead,
+    // so TCP keepalive does not end it) does not hold this reader for ever.
+    let cut = |what: &str, within: Duration| {
+        std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!(
+                "the peer stopped inside a control frame: its {what} did not arrive within {:.0} s",
+                within.as_secs_f64()
+            ),
+        )
+    };
+    tokio::time::timeout(IDLE_LIMIT, r.read_exact(&mut head[1..]))
+        .await
+        .map_err(|_| cut("header", IDLE_LIMIT))??;
     let len = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize;
     let kind = Kind::from_byte(head[4])?;
     if len > MAX_FRAME {
@@ -189,7 +203,10 @@ pub async fn read_frame<R: AsyncReadExt + Unpin>(
         )));
     }
     let mut payload = vec![0u8; len];
-    r.read_exact(&mut payload).await?;
+    let within = IDLE_LIMIT + Duration::from_secs_f64(len as f64 / batch::MIN_RATE);
+    tokio::time::timeout(within, r.read_exact(&mut payload))
+        .await
+        .map_err(|_| cut("payload", within))??;
     Ok(Some((kind, Bytes::from(payload))))
 }
 

@@ -258,6 +258,29 @@ async fn frames_over_the_limit_or_of_unknown_kind_are_refused() {
     assert!(read_frame(&mut b).await.unwrap().is_none());
 }
 
+/// A peer that stops inside a frame (alive, so no keepalive ends the connection) is cut off:
+/// within IDLE_LIMIT for the rest of the header, and that plus the payload's time at the
+/// rate floor for the payload. The clock is tokio's, paused.
+#[tokio::test(start_paused = true)]
+async fn a_peer_that_stops_inside_a_frame_is_cut_off() {
+    let (mut a, mut b) = tokio::io::duplex(64);
+    a.write_all(&[3, 0]).await.unwrap();
+    let t = tokio::time::Instant::now();
+    let e = read_frame(&mut b).await.unwrap_err();
+    assert_eq!(e.kind(), std::io::ErrorKind::TimedOut);
+    assert!(e.to_string().contains("header did not arrive"), "{e}");
+    assert_eq!(t.elapsed(), IDLE_LIMIT);
+    let (mut a, mut b) = tokio::io::duplex(64);
+    let mut head = Vec::from(10u32.to_le_bytes());
+    head.push(Kind::Request as u8);
+    a.write_all(&head).await.unwrap();
+    a.write_all(b"abc").await.unwrap();
+    let e = read_frame(&mut b).await.unwrap_err();
+    assert!(e.to_string().contains("payload did not arrive"), "{e}");
+    // Kept open to the end: the cut is the deadline's, not an end of the stream.
+    drop(a);
+}
+
 /// A `PutBatch` request carrying `batch` beside the call.
 fn framed_put(batch: &rlhf_core::DataBatch) -> tonic::Request<tokio_stream::Empty<pb::BatchChunk>> {
     let mut req = tonic::Request::new(tokio_stream::empty());
