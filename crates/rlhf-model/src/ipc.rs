@@ -254,13 +254,20 @@ impl Mapped {
     pub fn open(device: &Device, handle: &Handle, bytes: usize) -> Result<Mapped> {
         match device {
             #[cfg(feature = "cuda")]
-            Device::Cuda(d) => Ok(Mapped {
-                mem: MappedMem::Cuda(
-                    crate::kernels::cuda_ipc::Import::open(d, handle)?,
-                    d.clone(),
-                ),
-                bytes,
-            }),
+            Device::Cuda(d) => {
+                let mem = crate::kernels::cuda_ipc::Import::open(d, handle)?;
+                // Every read is checked against `bytes`, so `bytes` must be true.
+                let have = mem.bytes()?;
+                if have < bytes {
+                    return Err(ipc(format!(
+                        "the region holds {have} bytes, {bytes} were announced"
+                    )));
+                }
+                Ok(Mapped {
+                    mem: MappedMem::Cuda(mem, d.clone()),
+                    bytes,
+                })
+            }
             Device::Cpu => {
                 let mem = lock(host_regions())?
                     .get(handle)

@@ -120,6 +120,19 @@ impl Import {
     pub(crate) fn ptr(&self) -> u64 {
         self.ptr
     }
+
+    /// Bytes of the allocation behind the mapping, as the driver knows it (what the
+    /// exporting process announced is checked against it).
+    pub(crate) fn bytes(&self) -> CResult<usize> {
+        bind(&self.dev)?;
+        let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+        // SAFETY: both out-pointers are valid; `ptr` is this mapping's, open until drop.
+        check(
+            unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, self.ptr) },
+            "cannot query the size of the trainer's GPU memory",
+        )?;
+        Ok(size.saturating_sub((self.ptr - base) as usize))
+    }
 }
 
 impl Drop for Import {
