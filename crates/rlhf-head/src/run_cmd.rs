@@ -330,8 +330,8 @@ pub(crate) async fn run(args: RunArgs) -> Result<()> {
     rlhf_runtime::cancel_on_signals(shutdown.clone());
     let mut embedded = None;
     // Warnings (the driver's, and the embedded head's and worker's) on stderr, between the
-    // progress lines; everything at `info` in the embedded run's state directory, which a
-    // failed run keeps.
+    // progress lines; everything at `info` in the embedded run's state directory, which
+    // stays only after a failure once role processes ran (`leave_state`).
     let state_dir = match &args.conn.address {
         Some(_) => None,
         None => Some(fresh_state_dir(&std::env::temp_dir())?),
