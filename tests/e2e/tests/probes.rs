@@ -2,8 +2,9 @@
 //! TCP port that any process of the cluster listens on (the head, the worker agent, each
 //! role process, the driver; found through /proc, not through what the cluster says about
 //! itself) is probed with a raw socket that knows no token: a gRPC preface, an HTTP request,
-//! a collective JOIN hello claiming rank 1, and garbage. No probe gets more than a protocol
-//! greeting or refusal, and the job still finishes every step.
+//! a collective JOIN hello claiming rank 1 (and one announcing a 65,535-byte address), and
+//! garbage. No probe gets more than a protocol greeting or refusal, and the job still
+//! finishes every step.
 
 use std::collections::BTreeSet;
 use std::io::{Read, Write};
@@ -148,7 +149,10 @@ fn raw_sockets_get_nothing_of_value_and_the_job_finishes() -> Result<()> {
     // The head, the worker agent and five role servers at least.
     assert!(ports.len() >= 7, "listening ports found: {ports:?}");
 
-    let payloads: [(&str, Vec<u8>); 4] = [
+    let mut huge_address = join_hello_as_rank_1();
+    huge_address.truncate(17);
+    huge_address.extend_from_slice(&u16::MAX.to_le_bytes());
+    let payloads: [(&str, Vec<u8>); 5] = [
         (
             "gRPC preface",
             b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00".to_vec(),
@@ -158,6 +162,10 @@ fn raw_sockets_get_nothing_of_value_and_the_job_finishes() -> Result<()> {
             b"GET /api/status HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".to_vec(),
         ),
         ("collective hello", join_hello_as_rank_1()),
+        (
+            "collective hello announcing a 65,535-byte address",
+            huge_address,
+        ),
         (
             "garbage",
             (0..4096u32).map(|i| (i * 7919 % 251) as u8).collect(),

@@ -99,10 +99,26 @@ pub(super) fn send_hello(
         .map_err(|e| io(e, "sending the authentication tag"))
 }
 
-pub(super) fn read_str(mut s: &Conn) -> io::Result<String> {
+/// Longest listener address a hello may carry: a DNS name (253 bytes) with a port fits.
+pub(super) const MAX_HELLO_ADDR: usize = 512;
+
+pub(super) fn read_str(s: &Conn) -> io::Result<String> {
+    read_str_max(s, usize::from(u16::MAX))
+}
+
+/// Reads a length-prefixed string, refusing one announced longer than `max` bytes before
+/// reading it.
+fn read_str_max(mut s: &Conn, max: usize) -> io::Result<String> {
     let mut len = [0u8; 2];
     s.read_exact(&mut len)?;
-    let mut b = vec![0u8; u16::from_le_bytes(len) as usize];
+    let len = usize::from(u16::from_le_bytes(len));
+    if len > max {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("it announces a {len}-byte address (at most {max})"),
+        ));
+    }
+    let mut b = vec![0u8; len];
     s.read_exact(&mut b)?;
     String::from_utf8(b).map_err(|_| io::Error::new(io::ErrorKind::InvalidData, "non-UTF-8 text"))
 }
@@ -116,7 +132,7 @@ pub(super) fn read_hello(mut s: &Conn) -> io::Result<Option<Hello>> {
     }
     let rank = u32::from_le_bytes([head[9], head[10], head[11], head[12]]) as usize;
     let world = u32::from_le_bytes([head[13], head[14], head[15], head[16]]) as usize;
-    let addr = read_str(s)?;
+    let addr = read_str_max(s, MAX_HELLO_ADDR)?;
     let mut flag = [0u8; 1];
     s.read_exact(&mut flag)?;
     let nonce = match flag[0] {

@@ -3,9 +3,11 @@
 //! Every connection is checked before it is trusted (the hello's bytes: `hello.rs`); strays
 //! are dropped.
 
+use std::collections::VecDeque;
 use std::io::{self, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use super::conn::Conn;
@@ -75,14 +77,12 @@ impl TcpRendezvous {
         let mut joined: Vec<Option<(Conn, String)>> = (0..n).map(|_| None).collect();
         let mut missing = n - 1;
         let result = (|| {
+            let never = AtomicBool::new(false);
+            let mut gate = HelloGate::new(&self.listener, &config, 0)?;
             while missing > 0 {
-                let never = AtomicBool::new(false);
-                let (stream, hello) = accept_hello(
-                    &self.listener,
+                let (stream, hello) = gate.next(
                     deadline,
                     &never,
-                    &config,
-                    0,
                     || {
                         let left: Vec<String> = (1..n)
                             .filter(|r| joined[*r].is_none())
@@ -316,81 +316,200 @@ fn connect_retry(
     }
 }
 
-/// Accepts connections until one sends a hello and, with a secret, authenticates; the others
-/// are dropped and logged, and the wait goes on.
-fn accept_hello(
-    listener: &TcpListener,
-    deadline: Instant,
-    stop: &AtomicBool,
-    config: &CommConfig,
+/// The whole handshake of one accepted connection (TLS, hello, authentication) must end
+/// within this, however its bytes trickle in: a peer that dribbles is cut off then.
+pub(super) const HANDSHAKE_LIMIT: Duration = Duration::from_secs(5);
+/// Handshakes in flight at once; one more evicts the oldest (a real rank's handshake takes
+/// well under a millisecond, so only a flood of strangers is ever evicted).
+const MAX_PENDING: usize = 64;
+
+/// What a handshake thread reports: the authenticated connection, or why it was dropped.
+type Verdict = std::result::Result<(Conn, Hello), String>;
+
+/// A handshake in flight: its socket (to cut it off) and when its time is up.
+struct Pending {
+    id: u64,
+    tcp: TcpStream,
+    peer: String,
+    until: Instant,
+}
+
+/// Accepts connections and runs each one's handshake on its own thread, so a stranger that
+/// connects first and then dribbles bytes holds nothing but its own thread, and only for
+/// [`HANDSHAKE_LIMIT`]. [`HelloGate::next`] returns the next connection that sent a hello
+/// and, with a secret, authenticated; the others are dropped and logged. Dropping the gate
+/// cuts off every handshake still in flight.
+struct HelloGate<'a> {
+    listener: &'a TcpListener,
+    config: &'a CommConfig,
     rank: usize,
-    who_is_missing: impl Fn() -> String,
-) -> Result<(Conn, Hello)> {
-    listener
-        .set_nonblocking(true)
-        .map_err(|e| io_err(Op::Rendezvous, rank, None, "configuring the listener", e))?;
-    let mut dropped = 0u32;
-    loop {
-        match listener.accept() {
-            Ok((s, _)) => {
-                let _ = s.set_nonblocking(false);
-                tune(&s, config);
-                // A stray connection must not hold up the rendezvous for long.
-                set_io_timeout(&s, remaining(deadline).min(Duration::from_secs(5)));
-                let peer = s
-                    .peer_addr()
-                    .map_or_else(|_| "an unknown address".to_string(), |a| a.to_string());
-                let why = match Conn::accept(s, config.tls.as_ref()) {
-                    Err(e) => format!("TLS handshake: {e}"),
-                    Ok(s) => match read_hello(&s) {
-                        Ok(Some(h)) => match authenticate(&s, &h, config) {
-                            Ok(()) => {
-                                set_io_timeout(&s.tcp, config.timeout);
-                                return Ok((s, h));
-                            }
-                            Err(why) => why,
-                        },
-                        Ok(None) => "not a collective hello".to_string(),
-                        Err(e) => format!("reading its hello: {e}"),
-                    },
+    tx: mpsc::Sender<(u64, Verdict)>,
+    rx: mpsc::Receiver<(u64, Verdict)>,
+    pending: VecDeque<Pending>,
+    next_id: u64,
+    dropped: u32,
+}
+
+impl<'a> HelloGate<'a> {
+    fn new(listener: &'a TcpListener, config: &'a CommConfig, rank: usize) -> Result<Self> {
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| io_err(Op::Rendezvous, rank, None, "configuring the listener", e))?;
+        let (tx, rx) = mpsc::channel();
+        Ok(Self {
+            listener,
+            config,
+            rank,
+            tx,
+            rx,
+            pending: VecDeque::new(),
+            next_id: 0,
+            dropped: 0,
+        })
+    }
+
+    fn drop_one(&mut self, peer: &str, why: &str) {
+        self.dropped += 1;
+        if self.dropped <= MAX_LOGGED_DROPS {
+            tracing::warn!(
+                "collective rendezvous, rank {}: dropped a connection from {peer}: {why}{}",
+                self.rank,
+                if self.dropped == MAX_LOGGED_DROPS {
+                    " (further drops in this wait are not logged)"
+                } else {
+                    ""
+                }
+            );
+        }
+    }
+
+    /// Cuts off a handshake: its thread's blocked read or write fails at once.
+    fn cut(&mut self, index: usize, why: &str) {
+        if let Some(p) = self.pending.remove(index) {
+            let _ = p.tcp.shutdown(Shutdown::Both);
+            self.drop_one(&p.peer, why);
+        }
+    }
+
+    fn start(&mut self, s: TcpStream) {
+        let _ = s.set_nonblocking(false);
+        tune(&s, self.config);
+        let until = Instant::now() + HANDSHAKE_LIMIT;
+        set_io_timeout(&s, HANDSHAKE_LIMIT);
+        let peer = s
+            .peer_addr()
+            .map_or_else(|_| "an unknown address".to_string(), |a| a.to_string());
+        let Ok(handle) = s.try_clone() else {
+            self.drop_one(
+                &peer,
+                "cannot watch the connection (out of file descriptors?)",
+            );
+            return;
+        };
+        if self.pending.len() >= MAX_PENDING {
+            self.cut(0, "evicted: too many handshakes in flight at once");
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        let (tx, config) = (self.tx.clone(), self.config.clone());
+        let spawned = std::thread::Builder::new()
+            .name("rendezvous-hello".into())
+            .spawn(move || {
+                let verdict = handshake(s, &config);
+                let _ = tx.send((id, verdict));
+            });
+        match spawned {
+            Ok(_) => self.pending.push_back(Pending {
+                id,
+                tcp: handle,
+                peer,
+                until,
+            }),
+            Err(e) => self.drop_one(&peer, &format!("cannot start its handshake thread: {e}")),
+        }
+    }
+
+    /// Waits for the next authenticated hello until `deadline` (or until `stop` is set).
+    fn next(
+        &mut self,
+        deadline: Instant,
+        stop: &AtomicBool,
+        who_is_missing: impl Fn() -> String,
+    ) -> Result<(Conn, Hello)> {
+        let rank = self.rank;
+        loop {
+            while let Ok((id, verdict)) = self.rx.try_recv() {
+                let Some(i) = self.pending.iter().position(|p| p.id == id) else {
+                    continue; // cut off already (and counted then)
                 };
-                dropped += 1;
-                if dropped <= MAX_LOGGED_DROPS {
-                    tracing::warn!(
-                        "collective rendezvous, rank {rank}: dropped a connection from {peer}: {why}{}",
-                        if dropped == MAX_LOGGED_DROPS { " (further drops in this wait are not logged)" } else { "" }
-                    );
+                let p = self.pending.remove(i).expect("index from position");
+                match verdict {
+                    Ok((s, h)) => {
+                        set_io_timeout(&s.tcp, self.config.timeout);
+                        return Ok((s, h));
+                    }
+                    Err(why) => self.drop_one(&p.peer, &why),
                 }
             }
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                if stop.load(Ordering::Relaxed) {
-                    return Err(Error::Unavailable {
-                        backend: "tcp",
-                        reason: format!("rank {rank}: the rendezvous was abandoned"),
-                    });
+            let now = Instant::now();
+            while self.pending.front().is_some_and(|p| p.until <= now) {
+                self.cut(
+                    0,
+                    &format!("no complete hello within {}s", HANDSHAKE_LIMIT.as_secs()),
+                );
+            }
+            match self.listener.accept() {
+                Ok((s, _)) => self.start(s),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    if stop.load(Ordering::Relaxed) {
+                        return Err(Error::Unavailable {
+                            backend: "tcp",
+                            reason: format!("rank {rank}: the rendezvous was abandoned"),
+                        });
+                    }
+                    if now >= deadline {
+                        return Err(Error::Timeout {
+                            op: Op::Rendezvous,
+                            rank,
+                            peer: None,
+                            timeout: self.config.timeout,
+                            detail: who_is_missing(),
+                        });
+                    }
+                    std::thread::sleep(Duration::from_millis(2));
                 }
-                if Instant::now() >= deadline {
-                    return Err(Error::Timeout {
-                        op: Op::Rendezvous,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    return Err(io_err(
+                        Op::Rendezvous,
                         rank,
-                        peer: None,
-                        timeout: config.timeout,
-                        detail: who_is_missing(),
-                    });
+                        None,
+                        "accepting a connection",
+                        e,
+                    ))
                 }
-                std::thread::sleep(Duration::from_millis(2));
-            }
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => {
-                return Err(io_err(
-                    Op::Rendezvous,
-                    rank,
-                    None,
-                    "accepting a connection",
-                    e,
-                ))
             }
         }
+    }
+}
+
+impl Drop for HelloGate<'_> {
+    fn drop(&mut self) {
+        for p in self.pending.drain(..) {
+            let _ = p.tcp.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+/// One accepted connection's handshake, on its own thread: TLS, the hello, authentication.
+fn handshake(s: TcpStream, config: &CommConfig) -> Verdict {
+    match Conn::accept(s, config.tls.as_ref()) {
+        Err(e) => Err(format!("TLS handshake: {e}")),
+        Ok(s) => match read_hello(&s) {
+            Ok(Some(h)) => authenticate(&s, &h, config).map(|()| (s, h)),
+            Ok(None) => Err("not a collective hello".to_string()),
+            Err(e) => Err(format!("reading its hello: {e}")),
+        },
     }
 }
 
@@ -451,8 +570,9 @@ fn accept_ring(
     config: &CommConfig,
 ) -> Result<Link> {
     let prev = (rank + n - 1) % n;
+    let mut gate = HelloGate::new(listener, config, rank)?;
     loop {
-        let (s, h) = accept_hello(listener, deadline, stop, config, rank, || {
+        let (s, h) = gate.next(deadline, stop, || {
             format!("; rank {prev} never connected its ring link")
         })?;
         if h.kind == KIND_RING && h.rank == prev && h.world == n {
