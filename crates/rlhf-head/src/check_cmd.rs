@@ -4,6 +4,7 @@
 //! without downloading.
 
 use std::path::Path;
+use std::time::Duration;
 
 use rlhf_config::{PpoConfig, RoleKind};
 use rlhf_core::{Error, Result};
@@ -29,7 +30,7 @@ pub(crate) async fn check(args: CheckArgs) -> Result<()> {
                 address: Some(a.clone()),
                 token_file: None,
                 tls_ca: None,
-                connect_timeout: 10.0,
+                connect_timeout: Duration::from_secs(10),
                 state_dir: None,
             };
             let mut c = crate::client(&conn).await?;

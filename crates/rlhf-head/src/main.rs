@@ -42,8 +42,8 @@ pub(crate) struct Connect {
     #[arg(long)]
     pub(crate) tls_ca: Option<PathBuf>,
     /// Seconds to keep retrying an unreachable head.
-    #[arg(long, default_value_t = 10.0)]
-    pub(crate) connect_timeout: f64,
+    #[arg(long, default_value = "10", value_parser = rlhf_runtime::args::parse_seconds)]
+    pub(crate) connect_timeout: Duration,
     #[arg(long, env = "RLHF_STATE_DIR")]
     pub(crate) state_dir: Option<PathBuf>,
 }
@@ -187,7 +187,7 @@ pub(crate) fn head_connection(conn: &Connect) -> Result<(String, ClientOptions)>
     )?;
     let mut opts = ClientOptions::new(token);
     opts.tls_ca = conn.tls_ca.clone();
-    opts.connect_timeout = Duration::from_secs_f64(conn.connect_timeout.max(0.0));
+    opts.connect_timeout = conn.connect_timeout;
     Ok((address, opts))
 }
 

@@ -51,11 +51,11 @@ pub(crate) struct RunArgs {
     #[arg(long)]
     pub(crate) stop_after: Option<u64>,
     /// Seconds any single role call (generation, update, ...) may take.
-    #[arg(long, default_value_t = 3600.0)]
-    pub(crate) call_timeout: f64,
+    #[arg(long, default_value = "3600", value_parser = rlhf_runtime::args::parse_seconds)]
+    pub(crate) call_timeout: Duration,
     /// Seconds to wait for devices and for the role processes to start.
-    #[arg(long, default_value_t = 600.0)]
-    pub(crate) start_timeout: f64,
+    #[arg(long, default_value = "600", value_parser = rlhf_runtime::args::parse_seconds)]
+    pub(crate) start_timeout: Duration,
     /// Collective backend of the data-parallel groups (tcp, shm, nccl; nccl needs GPUs and
     /// a build with it). Chosen by default: shm for a group whose ranks are all on one node,
     /// else tcp.
@@ -383,8 +383,8 @@ pub(crate) async fn run(args: RunArgs) -> Result<()> {
     let mut opts = DriverOptions::new(cfg, args.job_id.clone().unwrap_or_else(job_id), client_opts);
     opts.resume = args.resume.clone();
     opts.stop_after = args.stop_after;
-    opts.call_timeout = Duration::from_secs_f64(args.call_timeout.max(1.0));
-    opts.start_timeout = Duration::from_secs_f64(args.start_timeout.max(1.0));
+    opts.call_timeout = args.call_timeout.max(Duration::from_secs(1));
+    opts.start_timeout = args.start_timeout.max(Duration::from_secs(1));
     opts.comm_backend = args.comm_backend;
     opts.weight_sync_backend = args.weight_sync_backend;
     opts.batch_path = args.batch_path;

@@ -3,6 +3,7 @@
 //! server, and the clients, auth and TLS they share. Binaries are thin shells over this.
 
 pub mod actor;
+pub mod args;
 pub mod auth;
 pub mod beat;
 pub mod clock;

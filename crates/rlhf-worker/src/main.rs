@@ -57,8 +57,8 @@ enum Cmd {
         #[arg(long, default_value_t = 0)]
         port: u16,
         /// Seconds to keep retrying an unreachable head before giving up.
-        #[arg(long, default_value_t = 30.0)]
-        connect_timeout: f64,
+        #[arg(long, default_value = "30", value_parser = rlhf_runtime::args::parse_seconds)]
+        connect_timeout: Duration,
         #[arg(long, env = "RLHF_STATE_DIR")]
         state_dir: Option<PathBuf>,
         /// Memory for other nodes' checkpoint snapshots (jobs with
@@ -168,7 +168,7 @@ async fn run(cli: Cli) -> Result<()> {
             let mut client = ClientOptions::new(token);
             client.tls_ca = tls_ca.clone();
             client.tls_domain = tls_domain;
-            client.connect_timeout = Duration::from_secs_f64(connect_timeout.max(0.0));
+            client.connect_timeout = connect_timeout;
             let hostname = nix::unistd::gethostname()
                 .ok()
                 .and_then(|h| h.into_string().ok())

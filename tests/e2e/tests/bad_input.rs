@@ -166,6 +166,30 @@ fn every_bad_input_gets_a_clear_error_and_no_panic() -> Result<()> {
             s(&["run", "--config-name", "ppo_tiny", "--call-timeout", "abc"]),
             "invalid value 'abc'",
         ),
+        (
+            "infinite call timeout",
+            Bin::Head,
+            s(&["run", "--config-name", "ppo_tiny", "--call-timeout", "inf"]),
+            "--call-timeout <CALL_TIMEOUT>': inf seconds is out of range",
+        ),
+        (
+            "start timeout past 2^64 seconds",
+            Bin::Head,
+            s(&["run", "--config-name", "ppo_tiny", "--start-timeout", "1e20"]),
+            "1e20 seconds is out of range",
+        ),
+        (
+            "status connect timeout past 2^64 seconds",
+            Bin::Head,
+            s(&["status", "--connect-timeout", "18446744073709551616"]),
+            "--connect-timeout <CONNECT_TIMEOUT>': 18446744073709551616 seconds is out of range",
+        ),
+        (
+            "worker connect timeout infinite",
+            Bin::Worker,
+            s(&["join", "--address", "127.0.0.1:1", "--connect-timeout", "inf"]),
+            "inf seconds is out of range: give a number from 0 to",
+        ),
         // Datasets, tokenizers, checkpoints (the run stops before or right after placement).
         (
             "missing dataset",
