@@ -4,6 +4,9 @@
 //! checked before anything is loaded from it. Checkpoints are written and read through here:
 //! a crash mid-save leaves the previous checkpoint as it was, and a file changed after the
 //! save (a zeroed weight file, a truncated copy) is refused by name instead of loaded.
+//! A manifest names only plain files of its own directory, and every file of the directory
+//! must be listed: a manifest cannot point a load at `/proc`, a device, a FIFO or a link.
+//! Who wrote a checkpoint is `seal.rs`'s concern.
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -17,6 +20,51 @@ use crate::{Error, Result};
 
 /// The manifest's file name inside a published directory.
 pub const MANIFEST_FILE: &str = "manifest.json";
+/// Largest manifest read (a directory of a few thousand files fits in far less).
+pub const MAX_MANIFEST_BYTES: u64 = 16 << 20;
+
+/// Opens `path` for reading only if it is a regular file, without following a link and
+/// without blocking on a FIFO or a device.
+pub fn open_regular(path: &Path) -> std::io::Result<File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)?;
+    if !f.metadata()?.is_file() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a regular file",
+        ));
+    }
+    Ok(f)
+}
+
+/// Reads a regular file (see [`open_regular`]) of at most `max` bytes.
+pub fn read_regular(path: &Path, max: u64) -> Result<Vec<u8>> {
+    let f = open_regular(path).map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
+    let mut out = Vec::new();
+    f.take(max + 1)
+        .read_to_end(&mut out)
+        .map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
+    if out.len() as u64 > max {
+        return Err(Error::invalid(format!(
+            "{} is larger than {max} bytes",
+            path.display()
+        )));
+    }
+    Ok(out)
+}
+
+/// Whether `name` is a plain file name a manifest may list: not empty, no path separator,
+/// not `.` or `..`, not the manifest itself.
+fn plain_name(name: &str) -> bool {
+    !name.is_empty()
+        && name != "."
+        && name != ".."
+        && name != MANIFEST_FILE
+        && !name.contains(['/', '\\', '\0'])
+}
 
 /// Flushes a file or directory to stable storage.
 pub fn sync_path(path: &Path) -> Result<()> {
@@ -72,6 +120,10 @@ pub struct FileEntry {
     pub bytes: u64,
     /// `rlhf_types::Checksum` of the content, as 16 hex digits.
     pub checksum: String,
+    /// SHA-256 of the content (manifests written before it existed have none): what a
+    /// signed checkpoint relies on, since the checksum above is not collision resistant.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sha256: Option<String>,
 }
 
 /// Every regular file of a directory (not recursing), with its size and content hash.
@@ -80,9 +132,11 @@ pub struct Manifest {
     pub files: BTreeMap<String, FileEntry>,
 }
 
-fn hash_file(path: &Path) -> std::io::Result<(u64, u64)> {
-    let mut f = File::open(path)?;
+/// Size, checksum and SHA-256 of a regular file, in one pass.
+fn hash_file(path: &Path) -> std::io::Result<(u64, u64, String)> {
+    let mut f = open_regular(path)?;
     let mut sum = Checksum::new();
+    let mut sha = ring::digest::Context::new(&ring::digest::SHA256);
     let mut buf = vec![0u8; 1 << 20];
     let mut n = 0u64;
     loop {
@@ -91,9 +145,16 @@ fn hash_file(path: &Path) -> std::io::Result<(u64, u64)> {
             break;
         }
         sum.update(&buf[..k]);
+        sha.update(&buf[..k]);
         n += k as u64;
     }
-    Ok((n, sum.finish()))
+    let sha: String = sha
+        .finish()
+        .as_ref()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    Ok((n, sum.finish(), sha))
 }
 
 impl Manifest {
@@ -106,27 +167,30 @@ impl Manifest {
             let entry = entry.map_err(|e| Error::io(format!("listing {}", dir.display()), e))?;
             let name = entry.file_name().to_string_lossy().into_owned();
             let path = entry.path();
-            if name == MANIFEST_FILE || !path.is_file() {
+            let is_file = entry.file_type().is_ok_and(|t| t.is_file());
+            if name == MANIFEST_FILE || !is_file {
                 continue;
             }
-            let (bytes, sum) = hash_file(&path)
+            let (bytes, sum, sha) = hash_file(&path)
                 .map_err(|e| Error::io(format!("reading {}", path.display()), e))?;
             files.insert(
                 name,
                 FileEntry {
                     bytes,
                     checksum: format!("{sum:016x}"),
+                    sha256: Some(sha),
                 },
             );
         }
         Ok(Self { files })
     }
 
-    /// Checks that every file the manifest of `dir` lists is there with its size and
-    /// content. The error names the first file that differs.
+    /// Checks that every file the manifest of `dir` lists is there, a regular file of `dir`
+    /// with its size and content, and that `dir` holds no other file. The error names the
+    /// first file that differs, never the size or hash it has.
     pub fn verify(dir: &Path) -> Result<Self> {
         let path = dir.join(MANIFEST_FILE);
-        let text = std::fs::read_to_string(&path).map_err(|e| {
+        let text = read_regular(&path, MAX_MANIFEST_BYTES).map_err(|e| {
             Error::invalid(format!(
                 "{} is not a complete checkpoint: cannot read {MANIFEST_FILE} ({e}); it was \
                  interrupted while saving, or written by an older version: resume from \
@@ -134,24 +198,49 @@ impl Manifest {
                 dir.display()
             ))
         })?;
-        let m: Manifest = serde_json::from_str(&text)
+        let m: Manifest = serde_json::from_slice(&text)
             .map_err(|e| Error::invalid(format!("{} is damaged: {e}", path.display())))?;
+        if let Some(bad) = m.files.keys().find(|n| !plain_name(n)) {
+            return Err(Error::invalid(format!(
+                "{} lists {bad:?}, which is not a plain file name of that directory; the \
+                 manifest was not written by a save: resume from another checkpoint",
+                path.display()
+            )));
+        }
+        let rd = std::fs::read_dir(dir)
+            .map_err(|e| Error::io(format!("listing {}", dir.display()), e))?;
+        for entry in rd {
+            let entry = entry.map_err(|e| Error::io(format!("listing {}", dir.display()), e))?;
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let is_dir = entry.file_type().is_ok_and(|t| t.is_dir());
+            if !is_dir && name != MANIFEST_FILE && !m.files.contains_key(&name) {
+                return Err(Error::invalid(format!(
+                    "checkpoint directory {} holds {name:?}, which its manifest does not list \
+                     (added after the save): remove it or resume from another checkpoint",
+                    dir.display()
+                )));
+            }
+        }
         for (name, want) in &m.files {
             let file = dir.join(name);
-            let (bytes, sum) = hash_file(&file).map_err(|e| {
+            let (bytes, sum, sha) = hash_file(&file).map_err(|e| {
                 Error::invalid(format!(
-                    "checkpoint file {} is missing or unreadable ({e}); the checkpoint is damaged",
+                    "checkpoint file {} is missing, unreadable or not a regular file ({e}); \
+                     the checkpoint is damaged",
                     file.display()
                 ))
             })?;
-            let got = format!("{sum:016x}");
-            if bytes != want.bytes || got != want.checksum {
+            let sha_differs = want.sha256.as_ref().is_some_and(|w| *w != sha);
+            if bytes != want.bytes || format!("{sum:016x}") != want.checksum || sha_differs {
+                let what = if bytes != want.bytes {
+                    "size"
+                } else {
+                    "content"
+                };
                 return Err(Error::invalid(format!(
-                    "checkpoint file {} changed after it was saved ({bytes} bytes, checksum \
-                     {got}; the manifest says {} bytes, {}); resume from another checkpoint",
-                    file.display(),
-                    want.bytes,
-                    want.checksum
+                    "checkpoint file {} changed after it was saved (its {what} differs from \
+                     the manifest); resume from another checkpoint",
+                    file.display()
                 )));
             }
         }
@@ -170,7 +259,7 @@ pub fn publish_dir(dir: &Path) -> Result<Manifest> {
         let path = entry
             .map_err(|e| Error::io(format!("listing {}", staging.display()), e))?
             .path();
-        if path.is_file() {
+        if path.symlink_metadata().is_ok_and(|m| m.is_file()) {
             sync_path(&path)?;
         }
     }
@@ -257,5 +346,82 @@ mod tests {
             .filter(|n| n.to_string_lossy().contains(".tmp-"))
             .collect();
         assert!(left.is_empty(), "{left:?}");
+    }
+
+    /// What an attacker who can write a checkpoint directory tried: manifest names outside
+    /// the directory, a device, a FIFO and a link in it, a file the manifest does not list.
+    /// Each is refused at once, by name, without reading what it points at.
+    #[test]
+    fn manifests_name_only_regular_files_of_their_directory() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("actor");
+        std::fs::create_dir_all(staging_dir(&dir)).unwrap();
+        std::fs::write(staging_dir(&dir).join("model.safetensors"), [3u8; 100]).unwrap();
+        let good = publish_dir(&dir).unwrap();
+        assert!(good.files["model.safetensors"].sha256.is_some());
+        let with = |name: &str| {
+            let mut m = good.clone();
+            m.files.insert(
+                name.to_string(),
+                FileEntry {
+                    bytes: 0,
+                    checksum: "0".repeat(16),
+                    sha256: None,
+                },
+            );
+            std::fs::write(dir.join(MANIFEST_FILE), serde_json::to_string(&m).unwrap()).unwrap();
+        };
+        for bad in [
+            "../../../../../../proc/self/environ",
+            "/dev/zero",
+            "..",
+            "a/b",
+            "",
+        ] {
+            with(bad);
+            let t = std::time::Instant::now();
+            let e = Manifest::verify(&dir).unwrap_err().to_string();
+            assert!(e.contains("not a plain file name"), "{bad}: {e}");
+            assert!(t.elapsed() < std::time::Duration::from_secs(1));
+        }
+        // A FIFO listed by a plain name: refused without blocking on it.
+        let fifo = dir.join("pipe");
+        let c = std::ffi::CString::new(fifo.to_str().unwrap()).unwrap();
+        // SAFETY: `c` is a NUL-terminated path that outlives the call.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        with("pipe");
+        let e = Manifest::verify(&dir).unwrap_err().to_string();
+        assert!(
+            e.contains("pipe") && e.contains("not a regular file"),
+            "{e}"
+        );
+        std::fs::remove_file(&fifo).unwrap();
+        // A link to a file elsewhere, listed: refused (a link is not followed).
+        std::os::unix::fs::symlink("/etc/hostname", dir.join("link")).unwrap();
+        with("link");
+        let e = Manifest::verify(&dir).unwrap_err().to_string();
+        assert!(
+            e.contains("link") && e.contains("not a regular file"),
+            "{e}"
+        );
+        // The same link, unlisted: the directory holds a file its manifest does not list.
+        std::fs::write(
+            dir.join(MANIFEST_FILE),
+            serde_json::to_string(&good).unwrap(),
+        )
+        .unwrap();
+        let e = Manifest::verify(&dir).unwrap_err().to_string();
+        assert!(e.contains("\"link\"") && e.contains("does not list"), "{e}");
+        std::fs::remove_file(dir.join("link")).unwrap();
+        Manifest::verify(&dir).unwrap();
+        // Content changed: the error names the file, not the hash the new content has.
+        std::fs::write(dir.join("model.safetensors"), [4u8; 100]).unwrap();
+        let e = Manifest::verify(&dir).unwrap_err().to_string();
+        let (_, sum, sha) = hash_file(&dir.join("model.safetensors")).unwrap();
+        assert!(e.contains("content differs"), "{e}");
+        assert!(
+            !e.contains(&format!("{sum:016x}")) && !e.contains(&sha),
+            "{e}"
+        );
     }
 }

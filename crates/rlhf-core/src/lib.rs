@@ -12,6 +12,7 @@ pub mod outcome;
 pub mod placement;
 pub mod resources;
 pub mod role;
+pub mod seal;
 mod tensor_bytes;
 
 pub use batch::{DataBatch, TensorData};

@@ -6,15 +6,19 @@
 //!   global_step_N/
 //!     actor/        HF model dir + optimizer.safetensors + role_state.json
 //!     critic/       same, with the value head (when the estimator uses a critic)
-//!     trainer_state.json   step, data cursor, KL controller, seeds (written last)
+//!     checkpoint.hmac      the signature of trainer_state.json (rlhf_core::seal)
+//!     trainer_state.json   step, data cursor, KL controller, seeds, the digest of every
+//!                          manifest below (written last)
 //! ```
 //! A checkpoint counts only once `trainer_state.json` exists, so a crash while saving
-//! leaves the previous one as `latest`.
+//! leaves the previous one as `latest`. A resume checks the signature with the run's
+//! checkpoint key unless told to trust the directory (`--trust-checkpoint`).
 
 use std::path::{Path, PathBuf};
 
 use rlhf_algo::KlController;
 use rlhf_config::data::DataCursor;
+use rlhf_core::seal::{self, CheckpointKey};
 use rlhf_core::{durable, Error, Result};
 use serde::{Deserialize, Serialize};
 
@@ -46,7 +50,23 @@ pub struct TrainerState {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reward_checksum: Option<u64>,
     pub saved_unix_ms: u64,
+    /// SHA-256 of every manifest below the step directory, by relative path: what the
+    /// signature binds besides this file.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub manifests: std::collections::BTreeMap<String, String>,
 }
+
+/// How a resume treats the checkpoint's signature.
+#[derive(Debug, Clone, Copy)]
+pub enum Seal<'a> {
+    /// Refuse a checkpoint not signed with this key.
+    Verify(&'a CheckpointKey),
+    /// `--trust-checkpoint`: load it unsigned; the manifests still catch accidents.
+    Trust,
+}
+
+/// Largest trainer state read.
+const MAX_STATE_BYTES: u64 = 256 << 20;
 
 fn ppo() -> String {
     "ppo".into()
@@ -71,6 +91,7 @@ impl TrainerState {
             actor_checksum: 0,
             critic_checksum: None,
             reward_checksum: None,
+            manifests: Default::default(),
             saved_unix_ms: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map(|d| d.as_millis() as u64)
@@ -103,14 +124,18 @@ pub fn step_dir(root: &Path, step: u64) -> PathBuf {
     root.join(format!("global_step_{step}"))
 }
 
-/// Writes the state file (atomically, fsynced) and then moves `latest` to this step; the
-/// role directories were published whole before.
-pub fn commit(root: &Path, state: &TrainerState) -> Result<PathBuf> {
+/// Records the digest of every manifest the role directories were published with, signs the
+/// state with `key`, writes the signature and then the state file (atomically, fsynced), and
+/// then moves `latest` to this step.
+pub fn commit(root: &Path, state: &TrainerState, key: &CheckpointKey) -> Result<PathBuf> {
     let dir = step_dir(root, state.global_step);
     std::fs::create_dir_all(&dir)
         .map_err(|e| Error::io(format!("creating {}", dir.display()), e))?;
-    let text = serde_json::to_string_pretty(state)
+    let mut state = state.clone();
+    state.manifests = seal::manifest_digests(&dir)?;
+    let text = serde_json::to_string_pretty(&state)
         .map_err(|e| Error::internal(format!("serializing trainer state: {e}")))?;
+    seal::sign(&dir, text.as_bytes(), key)?;
     durable::write_atomic(&dir.join(STATE_FILE), text.as_bytes())?;
     durable::write_atomic(
         &root.join(LATEST_FILE),
@@ -152,8 +177,8 @@ pub fn prune(root: &Path, keep: u32) -> Result<Vec<PathBuf>> {
 }
 
 /// Resolves `--resume`: `latest` (the newest complete checkpoint under `root`) or a path to
-/// a `global_step_N` directory.
-pub fn resolve(root: &Path, spec: &str) -> Result<(PathBuf, TrainerState)> {
+/// a `global_step_N` directory, and checks its signature as `seal` says.
+pub fn resolve(root: &Path, spec: &str, seal: Seal<'_>) -> Result<(PathBuf, TrainerState)> {
     let dir = if spec == "latest" {
         let latest = root.join(LATEST_FILE);
         let step = std::fs::read_to_string(&latest)
@@ -175,13 +200,16 @@ pub fn resolve(root: &Path, spec: &str) -> Result<(PathBuf, TrainerState)> {
         PathBuf::from(spec)
     };
     let state_path = dir.join(STATE_FILE);
-    let text = std::fs::read_to_string(&state_path).map_err(|_| {
+    let text = durable::read_regular(&state_path, MAX_STATE_BYTES).map_err(|_| {
         Error::invalid(format!(
             "--resume {spec}: {} not found; pass `latest` or a global_step_N directory under checkpoint.dir",
             state_path.display()
         ))
     })?;
-    let state: TrainerState = serde_json::from_str(&text)
+    if let Seal::Verify(key) = seal {
+        seal::verify(&dir, STATE_FILE, &text, key)?;
+    }
+    let state: TrainerState = serde_json::from_slice(&text)
         .map_err(|e| Error::invalid(format!("{}: {e}", state_path.display())))?;
     if state.format != FORMAT {
         return Err(Error::invalid(format!(
@@ -190,12 +218,19 @@ pub fn resolve(root: &Path, spec: &str) -> Result<(PathBuf, TrainerState)> {
             state.format
         )));
     }
+    if let Seal::Verify(_) = seal {
+        seal::check_manifests(&dir, &state.manifests)?;
+    }
     Ok((dir, state))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn key() -> CheckpointKey {
+        CheckpointKey::from_secret(b"cluster token", "the cluster token")
+    }
 
     fn state(step: u64) -> TrainerState {
         let mut s = TrainerState::new("ppo", step, DataCursor::default(), 7, "job");
@@ -207,7 +242,7 @@ mod tests {
     fn commit_list_prune_and_resolve() {
         let d = tempfile::tempdir().unwrap();
         for s in [2, 4, 6] {
-            commit(d.path(), &state(s)).unwrap();
+            commit(d.path(), &state(s), &key()).unwrap();
         }
         // An incomplete save (no state file) never counts.
         std::fs::create_dir_all(step_dir(d.path(), 8).join("actor")).unwrap();
@@ -215,7 +250,7 @@ mod tests {
             list(d.path()).iter().map(|(n, _)| *n).collect::<Vec<_>>(),
             vec![2, 4, 6]
         );
-        let (dir, st) = resolve(d.path(), "latest").unwrap();
+        let (dir, st) = resolve(d.path(), "latest", Seal::Verify(&key())).unwrap();
         assert_eq!(st.global_step, 6);
         assert_eq!(st.kl_ctl, Some(KlController::Fixed { value: 0.1 }));
         assert!(dir.ends_with("global_step_6"));
@@ -225,11 +260,17 @@ mod tests {
         let json = serde_json::to_string(&bare).unwrap();
         assert!(!json.contains("kl_ctl"), "{json}");
         assert_eq!(serde_json::from_str::<TrainerState>(&json).unwrap(), bare);
+        assert!(!json.contains("manifests"), "{json}");
         // A state from before the algorithm was recorded is PPO's.
         let old = json.replace("\"algorithm\":\"ppo\",", "");
         assert!(!old.contains("algorithm"), "{old}");
         assert_eq!(serde_json::from_str::<TrainerState>(&old).unwrap(), bare);
-        let (_, st) = resolve(d.path(), step_dir(d.path(), 4).to_str().unwrap()).unwrap();
+        let (_, st) = resolve(
+            d.path(),
+            step_dir(d.path(), 4).to_str().unwrap(),
+            Seal::Verify(&key()),
+        )
+        .unwrap();
         assert_eq!(st.global_step, 4);
         let removed = prune(d.path(), 2).unwrap();
         assert_eq!(removed.len(), 1);
@@ -240,14 +281,86 @@ mod tests {
     #[test]
     fn resume_errors_name_the_fix() {
         let d = tempfile::tempdir().unwrap();
-        let e = resolve(d.path(), "latest").unwrap_err().to_string();
+        let e = resolve(d.path(), "latest", Seal::Trust)
+            .unwrap_err()
+            .to_string();
         assert!(
             e.contains("checkpoint.dir") && e.contains("without --resume"),
             "{e}"
         );
-        let e = resolve(d.path(), "/nonexistent/global_step_3")
+        let e = resolve(d.path(), "/nonexistent/global_step_3", Seal::Trust)
             .unwrap_err()
             .to_string();
         assert!(e.contains("trainer_state.json"), "{e}");
+    }
+
+    #[test]
+    fn a_tampered_or_foreign_checkpoint_is_refused_unless_trusted() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = step_dir(d.path(), 3);
+        let part = dir.join("actor");
+        std::fs::create_dir_all(durable::staging_dir(&part)).unwrap();
+        std::fs::write(
+            durable::staging_dir(&part).join("model.safetensors"),
+            [1u8; 64],
+        )
+        .unwrap();
+        durable::publish_dir(&part).unwrap();
+        commit(d.path(), &state(3), &key()).unwrap();
+        let (_, st) = resolve(d.path(), "latest", Seal::Verify(&key())).unwrap();
+        assert_eq!(st.manifests.len(), 1, "{:?}", st.manifests);
+
+        // Another cluster's key: refused, naming the way out.
+        let other = CheckpointKey::from_secret(b"another token", "key file k");
+        let e = resolve(d.path(), "latest", Seal::Verify(&other))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("another checkpoint key") && e.contains("--trust-checkpoint"),
+            "{e}"
+        );
+
+        // The step moved forward by hand: the signature no longer matches.
+        let path = dir.join(STATE_FILE);
+        let good = std::fs::read_to_string(&path).unwrap();
+        std::fs::write(
+            &path,
+            good.replace("\"global_step\": 3", "\"global_step\": 30"),
+        )
+        .unwrap();
+        let e = resolve(d.path(), "latest", Seal::Verify(&key()))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("changed after it was signed"), "{e}");
+        let (_, st) = resolve(d.path(), "latest", Seal::Trust).unwrap();
+        assert_eq!(st.global_step, 30, "trusted as it is");
+        std::fs::write(&path, &good).unwrap();
+
+        // Weights replaced and their manifest rewritten to match (what a writer of the
+        // directory can do without the key): the manifest's digest gives it away.
+        std::fs::write(part.join("model.safetensors"), [2u8; 64]).unwrap();
+        std::fs::remove_file(part.join(durable::MANIFEST_FILE)).unwrap();
+        let m = durable::Manifest::of_dir(&part).unwrap();
+        std::fs::write(
+            part.join(durable::MANIFEST_FILE),
+            serde_json::to_string(&m).unwrap(),
+        )
+        .unwrap();
+        durable::Manifest::verify(&part).unwrap();
+        let e = resolve(d.path(), "latest", Seal::Verify(&key()))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("actor/manifest.json changed after the checkpoint was signed"),
+            "{e}"
+        );
+
+        // Signature removed: unsigned, refused unless trusted.
+        std::fs::remove_file(dir.join(seal::MAC_FILE)).unwrap();
+        let e = resolve(d.path(), "latest", Seal::Verify(&key()))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("is not signed"), "{e}");
+        resolve(d.path(), "latest", Seal::Trust).unwrap();
     }
 }

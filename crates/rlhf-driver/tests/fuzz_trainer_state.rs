@@ -1,9 +1,11 @@
 //! Fuzzing of the trainer-state reader with proptest: a checkpoint whose
 //! `trainer_state.json` (or `latest_checkpointed_iteration.txt`) was damaged resolves to an
-//! error that names the file, never a panic. Cases: `RLHF_FUZZ_CASES` (default 64).
+//! error that names the file, never a panic, whether its signature is checked (a damaged
+//! file no longer matches it) or trusted (the parser sees the damage). Cases: `RLHF_FUZZ_CASES` (default 64).
 
 use proptest::prelude::*;
-use rlhf_driver::checkpoint::{self, TrainerState, LATEST_FILE, STATE_FILE};
+use rlhf_core::seal::CheckpointKey;
+use rlhf_driver::checkpoint::{self, Seal, TrainerState, LATEST_FILE, STATE_FILE};
 
 fn cases() -> u32 {
     std::env::var("RLHF_FUZZ_CASES")
@@ -24,7 +26,8 @@ proptest! {
         let root = tempfile::tempdir().unwrap();
         let mut st = TrainerState::new("ppo", 3, Default::default(), 7, "job");
         st.kl_ctl = Some(rlhf_algo::KlController::Fixed { value: 0.1 });
-        let dir = checkpoint::commit(root.path(), &st).unwrap();
+        let key = CheckpointKey::from_secret(b"token", "the cluster token");
+        let dir = checkpoint::commit(root.path(), &st, &key).unwrap();
         let path = dir.join(STATE_FILE);
         let mut bytes = std::fs::read(&path).unwrap();
         for (at, v) in flips {
@@ -38,10 +41,12 @@ proptest! {
         if let Some(l) = latest {
             std::fs::write(root.path().join(LATEST_FILE), l).unwrap();
         }
-        if let Err(e) = checkpoint::resolve(root.path(), "latest") {
-            // The error says where: the checkpoint directory or the file in it.
-            let e = e.to_string();
-            prop_assert!(e.contains(&root.path().display().to_string()), "{}", e);
+        for seal in [Seal::Verify(&key), Seal::Trust] {
+            if let Err(e) = checkpoint::resolve(root.path(), "latest", seal) {
+                // The error says where: the checkpoint directory or the file in it.
+                let e = e.to_string();
+                prop_assert!(e.contains(&root.path().display().to_string()), "{}", e);
+            }
         }
     }
 }

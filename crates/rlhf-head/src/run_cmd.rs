@@ -79,6 +79,61 @@ pub(crate) struct RunArgs {
     /// Job id (set by the head for submitted jobs).
     #[arg(long, hide = true)]
     pub(crate) job_id: Option<String>,
+    /// File holding the key checkpoints are signed with and a resume verifies [default: the
+    /// cluster token; for an embedded run, `checkpoint-key` in the state directory, made on
+    /// first use].
+    #[arg(long)]
+    pub(crate) checkpoint_key_file: Option<PathBuf>,
+    /// Resume from a checkpoint without checking its signature (one written by another
+    /// cluster or an older version, or copied from elsewhere). Its files are still checked
+    /// against their manifests, which catches accidents but not someone who could write the
+    /// directory: use it only for checkpoints you trust.
+    #[arg(long)]
+    pub(crate) trust_checkpoint: bool,
+}
+
+/// The checkpoint key: `--checkpoint-key-file`, else the cluster token (`None` here: the
+/// driver derives it), else, for an embedded run whose token lives only as long as it does,
+/// a key kept in this user's state directory (made on first use, mode 0600).
+fn checkpoint_key(
+    args: &RunArgs,
+    embedded: bool,
+) -> Result<Option<rlhf_core::seal::CheckpointKey>> {
+    use rlhf_core::seal::CheckpointKey;
+    if let Some(p) = &args.checkpoint_key_file {
+        let k = auth::read_token_file(p, auth::TokenFile::Given)
+            .map_err(|e| Error::invalid(format!("--checkpoint-key-file: {e}")))?;
+        if k.len() < 16 {
+            return Err(Error::invalid(format!(
+                "--checkpoint-key-file {}: the key is {} bytes; use at least 16 (e.g. `openssl rand -hex 32 > {}`)",
+                p.display(),
+                k.len(),
+                p.display()
+            )));
+        }
+        return Ok(Some(CheckpointKey::from_secret(
+            k.as_bytes(),
+            p.display().to_string(),
+        )));
+    }
+    if !embedded {
+        return Ok(None);
+    }
+    let dir = args
+        .conn
+        .state_dir
+        .clone()
+        .unwrap_or_else(rlhf_runtime::default_state_dir);
+    rlhf_runtime::prepare_state_dir(&dir)?;
+    let path = dir.join("checkpoint-key");
+    if path.symlink_metadata().is_err() {
+        auth::write_token_file(&path, &auth::generate_token())?;
+    }
+    let k = auth::read_token_file(&path, auth::TokenFile::Found)?;
+    Ok(Some(CheckpointKey::from_secret(
+        k.as_bytes(),
+        path.display().to_string(),
+    )))
 }
 
 /// Loads the job config from a bundle or from `--config-dir/--config-name` + overrides, with
@@ -325,6 +380,7 @@ fn print_summary(s: &JobSummary, logging: &rlhf_config::LoggingConfig) {
 
 pub(crate) async fn run(args: RunArgs) -> Result<()> {
     let cfg = load_config(&args.config)?;
+    let checkpoint_key = checkpoint_key(&args, args.conn.address.is_none())?;
     let logging = cfg.logging.clone();
     let shutdown = CancellationToken::new();
     rlhf_runtime::cancel_on_signals(shutdown.clone());
@@ -388,6 +444,8 @@ pub(crate) async fn run(args: RunArgs) -> Result<()> {
     opts.comm_backend = args.comm_backend;
     opts.weight_sync_backend = args.weight_sync_backend;
     opts.batch_path = args.batch_path;
+    opts.trust_checkpoint = args.trust_checkpoint;
+    opts.checkpoint_key = checkpoint_key;
     let ckpt_dir = PathBuf::from(&opts.config.checkpoint.dir);
     let result = rlhf_driver::run(head_client, opts, shutdown.clone()).await;
     // A job the head started runs from a bundle in its job directory: say how it ended

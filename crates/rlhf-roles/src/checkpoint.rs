@@ -296,6 +296,18 @@ fn load_shards(opt: &mut rlhf_model::AdamW, dir: &Path) -> Result<()> {
         if a >= b {
             continue;
         }
+        // Names inside the step directory only: a shard index cannot point a load elsewhere.
+        let inside = !e.file.is_empty()
+            && Path::new(&e.file)
+                .components()
+                .all(|c| matches!(c, std::path::Component::Normal(_)));
+        if !inside {
+            return Err(Error::invalid(format!(
+                "{}: shard file {:?} is not a path inside the checkpoint step directory; the index was not written by a save",
+                path.display(),
+                e.file
+            )));
+        }
         let file = root.join(&e.file);
         let shard_dir = file.parent().unwrap_or(root);
         if shard_dir != dir {

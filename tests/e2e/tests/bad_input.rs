@@ -56,7 +56,8 @@ fn every_bad_input_gets_a_clear_error_and_no_panic() -> Result<()> {
         v
     };
     let good_token = p("good-token");
-    let cases: Vec<(&str, Bin, Vec<String>, &str)> = vec![
+    let cases: Vec<(&str, Bin, Vec<String>, &str)> =
+        vec![
         // Job configs and overrides.
         (
             "negative integer",
@@ -262,6 +263,26 @@ fn every_bad_input_gets_a_clear_error_and_no_panic() -> Result<()> {
                 v
             },
             "trainer_state.json",
+        ),
+        (
+            "resume a checkpoint another cluster signed",
+            Bin::Head,
+            {
+                let mut v = s(&["run", "--config-name", "ppo_tiny", "--resume", "latest"]);
+                v.push(format!("checkpoint.dir={}", p("ck-foreign")));
+                v
+            },
+            "was signed with another checkpoint key",
+        ),
+        (
+            "trusted checkpoint whose manifest names a file outside it",
+            Bin::Head,
+            {
+                let mut v = run_tiny(&[format!("checkpoint.dir={}", p("ck-escape"))]);
+                v.extend(s(&["--resume", "latest", "--trust-checkpoint"]));
+                v
+            },
+            "\"../../../../../../proc/self/environ\", which is not a plain file name",
         ),
         // Model directories.
         (

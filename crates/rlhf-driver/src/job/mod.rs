@@ -56,6 +56,11 @@ pub struct DriverOptions {
     pub stop_after: Option<u64>,
     /// Reporters besides the console and the JSONL files (a tracker, a test's recorder).
     pub reporters: Vec<Box<dyn Reporter>>,
+    /// The key checkpoints are signed with and a resume verifies (`--checkpoint-key-file`);
+    /// `None`: derived from the cluster token in `client`.
+    pub checkpoint_key: Option<rlhf_core::seal::CheckpointKey>,
+    /// Resume from a checkpoint without checking its signature (`--trust-checkpoint`).
+    pub trust_checkpoint: bool,
 }
 
 impl DriverOptions {
@@ -72,6 +77,27 @@ impl DriverOptions {
             start_timeout: Duration::from_secs(600),
             stop_after: None,
             reporters: Vec::new(),
+            checkpoint_key: None,
+            trust_checkpoint: false,
+        }
+    }
+
+    /// The key this run signs its checkpoints with.
+    pub fn checkpoint_key(&self) -> rlhf_core::seal::CheckpointKey {
+        self.checkpoint_key.clone().unwrap_or_else(|| {
+            rlhf_core::seal::CheckpointKey::from_secret(
+                self.client.token.as_bytes(),
+                "the cluster token",
+            )
+        })
+    }
+
+    /// How a resume or a restart treats a checkpoint's signature, given [`Self::checkpoint_key`].
+    pub(crate) fn seal<'k>(&self, key: &'k rlhf_core::seal::CheckpointKey) -> checkpoint::Seal<'k> {
+        if self.trust_checkpoint {
+            checkpoint::Seal::Trust
+        } else {
+            checkpoint::Seal::Verify(key)
         }
     }
 }
@@ -208,7 +234,20 @@ fn resume_point(
         .resume
         .clone()
         .or_else(|| cfg.checkpoint.resume.clone().filter(|s| !s.is_empty()));
-    spec.map(|s| checkpoint::resolve(ckpt_root, &s)).transpose()
+    let key = opts.checkpoint_key();
+    let Some(spec) = spec else {
+        return Ok(None);
+    };
+    let (dir, state) = checkpoint::resolve(ckpt_root, &spec, opts.seal(&key))?;
+    if opts.trust_checkpoint {
+        tracing::warn!(
+            "--trust-checkpoint: resuming from {} without checking its signature; its files are \
+             still checked against their manifests, but whoever could write the directory \
+             could have rewritten those too",
+            dir.display()
+        );
+    }
+    Ok(Some((dir, state)))
 }
 
 /// Places every role of the job on the cluster and reports it; a failed or stopped launch
@@ -324,28 +363,17 @@ impl Loop<'_> {
                 carry.snapshot_source(job, st.global_step, "actor", &self.roles.peers),
                 carry.snapshot_source(job, st.global_step, "critic", &self.roles.peers),
             );
+            // Loading reads files: under the call timeout, as every other role call.
+            let tl = self.opts.call_timeout;
             let (actor, critic) = tokio::try_join!(
-                sync::load_part(&self.roles.train, t, dir, "actor", source_a),
-                sync::load_part(&self.roles.critic, t, dir, "critic", source_c),
+                sync::load_part(&self.roles.train, tl, dir, "actor", source_a),
+                sync::load_part(&self.roles.critic, tl, dir, "critic", source_c),
             )?;
             sync::loaded_from(self.report, "actor", &actor)?;
             sync::loaded_from(self.report, "critic", &critic)?;
             // The weights every rank loaded are the ones the checkpoint recorded.
-            let expect = [
-                ("actor", Some(st.actor_checksum).filter(|&c| c != 0), &actor),
-                ("critic", st.critic_checksum, &critic),
-            ];
-            for (part, want, answers) in expect {
-                let Some(want) = want else { continue };
-                if let Some(got) = answers.iter().find(|a| a.weights_checksum != want) {
-                    return Err(Failed::Other(Error::invalid(format!(
-                        "{}: the loaded weights have checksum {:016x}, but {} recorded {want:016x} at the save; the checkpoint is damaged, resume from another one",
-                        dir.join(part).display(),
-                        got.weights_checksum,
-                        checkpoint::STATE_FILE
-                    ))));
-                }
-            }
+            sync::check_loaded(dir, "actor", st.checksum("actor"), &actor)?;
+            sync::check_loaded(dir, "critic", st.checksum("critic"), &critic)?;
         }
         if self.sync_weights(start_step).await?.cuda_ipc {
             // The roles found every rank of the sync on a GPU of this node.

@@ -123,6 +123,7 @@ pub(super) struct Attempter<'x, I> {
 pub(super) async fn with_restarts(
     cfg: &PpoConfig,
     ckpt_root: &Path,
+    seal: checkpoint::Seal<'_>,
     resumed: ResumePoint,
     report: &mut Reporters,
     shutdown: &CancellationToken,
@@ -134,7 +135,7 @@ pub(super) async fn with_restarts(
         ..Carry::default()
     };
     let out = restart_loop(
-        cfg, ckpt_root, resumed, report, shutdown, attempts, &mut carry,
+        cfg, ckpt_root, seal, resumed, report, shutdown, attempts, &mut carry,
     )
     .await;
     // However the job ends (done, failed, stopped), the workers drop its memory snapshots.
@@ -146,6 +147,7 @@ pub(super) async fn with_restarts(
 async fn restart_loop(
     cfg: &PpoConfig,
     ckpt_root: &Path,
+    seal: checkpoint::Seal<'_>,
     mut resumed: ResumePoint,
     report: &mut Reporters,
     shutdown: &CancellationToken,
@@ -165,7 +167,7 @@ async fn restart_loop(
         restarts += 1;
         // The newest checkpoint this run wrote or resumed from; none: from the start.
         resumed = match &carry.last_checkpoint {
-            Some(dir) => Some(restart_point(ckpt_root, dir, carry)?),
+            Some(dir) => Some(restart_point(ckpt_root, dir, seal, carry)?),
             None => None,
         };
         let from = resumed.as_ref().map_or(0, |(_, st)| st.global_step);
@@ -189,9 +191,10 @@ async fn restart_loop(
 fn restart_point(
     ckpt_root: &Path,
     dir: &Path,
+    seal: checkpoint::Seal<'_>,
     carry: &Carry,
 ) -> rlhf_core::Result<(PathBuf, TrainerState)> {
-    let e = match checkpoint::resolve(ckpt_root, &dir.to_string_lossy()) {
+    let e = match checkpoint::resolve(ckpt_root, &dir.to_string_lossy(), seal) {
         Ok(r) => return Ok(r),
         Err(e) => e,
     };
@@ -292,9 +295,11 @@ async fn run_here(
         inputs: &inputs,
         shutdown: &shutdown,
     };
+    let key = opts.checkpoint_key();
     with_restarts(
         cfg,
         &ckpt_root,
+        opts.seal(&key),
         resumed,
         &mut report,
         &shutdown,

@@ -238,6 +238,7 @@ impl Loop<'_> {
             self.cfg.checkpoint.keep_last,
             self.opts.call_timeout,
             snapshot_plan(self.cfg, self.opts, self.roles),
+            self.opts.checkpoint_key(),
         )
         .await
     }
@@ -267,6 +268,27 @@ pub(super) async fn load_part(
         })
         .await?;
     Ok(answers)
+}
+
+/// Checks that every rank of `part` loaded the weights whose checksum the trainer state
+/// recorded at the save (`want`; none recorded: nothing to check). The error names the
+/// part, not the checksum either side has.
+pub(super) fn check_loaded(
+    dir: &std::path::Path,
+    part: &str,
+    want: Option<u64>,
+    answers: &[pb::LoadCheckpointResponse],
+) -> Res<()> {
+    let Some(want) = want else { return Ok(()) };
+    if answers.iter().any(|a| a.weights_checksum != want) {
+        return Err(Failed::Other(Error::invalid(format!(
+            "{}: the loaded weights are not the ones {} recorded at the save; the checkpoint \
+             is damaged, resume from another one",
+            dir.join(part).display(),
+            checkpoint::STATE_FILE
+        ))));
+    }
+    Ok(())
 }
 
 /// Reports where rank 0 of part `part` loaded its checkpoint from.
@@ -311,6 +333,7 @@ pub(super) async fn save_parts(
     keep: u32,
     t: Duration,
     plan: Option<snapshot::Plan>,
+    key: rlhf_core::seal::CheckpointKey,
 ) -> Res<PendingSave> {
     let step = state.global_step;
     let dir = checkpoint::step_dir(root, step);
@@ -398,7 +421,7 @@ pub(super) async fn save_parts(
                 state.set_checksum(name, first.weights_checksum);
             }
         }
-        let dir = checkpoint::commit(&root, &state)?;
+        let dir = checkpoint::commit(&root, &state, &key)?;
         checkpoint::prune(&root, keep)?;
         let snapshot = match plan {
             Some(plan) => {

@@ -84,6 +84,27 @@ impl Fixtures {
         std::fs::write(ck.join("trainer_state.json"), "{")?;
         std::fs::write(d.join("ck/latest_checkpointed_iteration.txt"), "1\n")?;
         std::fs::create_dir_all(d.join("no-ckpt"))?;
+        // A checkpoint signed by another cluster, and one (trusted) whose manifests point
+        // outside their directories.
+        // The cursor ppo_tiny's dataset and seed would have (64 prompts, seed 42), so that
+        // the resume gets as far as loading the role directories.
+        let cursor = serde_json::from_value(
+            serde_json::json!({"epoch": 0, "position": 0, "dataset_len": 64, "seed": 42}),
+        )?;
+        let mut state = rlhf_driver::checkpoint::TrainerState::new("ppo", 1, cursor, 42, "job");
+        state.kl_ctl = serde_json::from_value(serde_json::json!({"type": "fixed", "value": 0.05}))?;
+        let other = rlhf_core::seal::CheckpointKey::from_secret(b"another cluster's token", "test");
+        rlhf_driver::checkpoint::commit(&d.join("ck-foreign"), &state, &other)?;
+        let escape = d.join("ck-escape");
+        for part in ["actor", "critic"] {
+            let dir = escape.join("global_step_1").join(part);
+            std::fs::create_dir_all(&dir)?;
+            std::fs::write(
+                dir.join("manifest.json"),
+                r#"{"files": {"../../../../../../proc/self/environ": {"bytes": 1, "checksum": "0000000000000000"}}}"#,
+            )?;
+        }
+        rlhf_driver::checkpoint::commit(&escape, &state, &other)?;
         std::fs::create_dir_all(d.join("no-configs"))?;
         Ok(f)
     }

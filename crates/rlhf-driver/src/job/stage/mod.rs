@@ -25,13 +25,13 @@ use rlhf_core::{CommGroup, Error};
 use rlhf_tokenizer::Tokenizer;
 use tokio_util::sync::CancellationToken;
 
-use crate::checkpoint::{self, TrainerState};
+use crate::checkpoint::TrainerState;
 use crate::cluster::{self, HeadClient, Roles};
 use crate::group::{mean_metrics, WorkerGroup};
 use crate::report::{DatasetReport, Event, Reporter, Reporters};
 
 use super::run::{self, Carry, ResumePoint};
-use super::{sync, DriverOptions, Failed, JobSummary, Res, RunError};
+use super::{sync, DriverOptions, JobSummary, Res, RunError};
 use encode::{pack, Cuts, Encoded, Encoder};
 
 /// The stage's examples in tokens.
@@ -222,9 +222,11 @@ pub(super) async fn run(
         inputs: &inputs,
         shutdown: &shutdown,
     };
+    let key = opts.checkpoint_key();
     run::with_restarts(
         cfg,
         &ckpt_root,
+        opts.seal(&key),
         resumed,
         &mut report,
         &shutdown,
@@ -359,21 +361,9 @@ impl StageLoop<'_> {
             let source =
                 self.carry
                     .snapshot_source(&opts.job_id, st.global_step, part, &self.roles.peers);
-            let answers = sync::load_part(&group, t, dir, part, source).await?;
+            let answers = sync::load_part(&group, opts.call_timeout, dir, part, source).await?;
             sync::loaded_from(self.report, part, &answers)?;
-            if let (Some(want), Some(got)) = (
-                st.checksum(part),
-                answers
-                    .iter()
-                    .find(|a| Some(a.weights_checksum) != st.checksum(part)),
-            ) {
-                return Err(Failed::Other(Error::invalid(format!(
-                    "{}: the loaded weights have checksum {:016x}, but {} recorded {want:016x} at the save; the checkpoint is damaged, resume from another one",
-                    dir.join(part).display(),
-                    got.weights_checksum,
-                    checkpoint::STATE_FILE
-                ))));
-            }
+            sync::check_loaded(dir, part, st.checksum(part), &answers)?;
         }
         self.report
             .add_files(cfg, resumed.as_ref().map(|_| start_step))?;
@@ -413,6 +403,7 @@ impl StageLoop<'_> {
                         cfg.checkpoint.keep_last,
                         opts.call_timeout,
                         sync::snapshot_plan(cfg, opts, self.roles),
+                        opts.checkpoint_key(),
                     )
                     .await?,
                 );
