@@ -60,7 +60,7 @@ pub fn public_status(full: &serde_json::Value) -> serde_json::Value {
                 .map(|n| {
                     json!({
                         "node_id": n["node_id"], "state": n["state"],
-                        "total": n["total"], "available": n["available"],
+                        "total": n["total"], "available": n["available"], "usage": n["usage"],
                     })
                 })
                 .collect()
@@ -79,18 +79,10 @@ pub fn public_status(full: &serde_json::Value) -> serde_json::Value {
 /// Whether a `Host` (or an `Origin`'s host) names this dashboard: an IP address, `localhost`
 /// or the bound host name, with any port.
 pub fn host_allowed(host: &str, bound_host: &str) -> bool {
-    let host = host.trim();
-    let name = if let Some(rest) = host.strip_prefix('[') {
-        match rest.split_once(']') {
-            Some((v6, _)) => return v6.parse::<std::net::Ipv6Addr>().is_ok(),
-            None => return false,
-        }
-    } else {
-        match host.rsplit_once(':') {
-            Some((h, port)) if port.chars().all(|c| c.is_ascii_digit()) => h,
-            _ => host,
-        }
-    };
+    let name = host_name(host);
+    if host.trim().starts_with('[') {
+        return name.parse::<std::net::Ipv6Addr>().is_ok();
+    }
     !name.is_empty()
         && (name.parse::<std::net::Ipv4Addr>().is_ok()
             || name.eq_ignore_ascii_case("localhost")
@@ -149,6 +141,40 @@ fn text(code: StatusCode, body: &str) -> Response {
         .into_response()
 }
 
+/// The host of a `Host` header or an `Origin`'s authority, without its port.
+fn host_name(host: &str) -> &str {
+    let host = host.trim();
+    if let Some(rest) = host.strip_prefix('[') {
+        return rest.split_once(']').map_or("", |(v6, _)| v6);
+    }
+    match host.rsplit_once(':') {
+        Some((h, port)) if port.chars().all(|c| c.is_ascii_digit()) => h,
+        _ => host,
+    }
+}
+
+/// Whether a request that carries `Origin: <scheme>://<origin>` may be answered: the page is
+/// the dashboard's own (the origin is the `Host` the request was sent to), or it is served
+/// from loopback, `localhost` or the bound host. Any other site, an IP address among them,
+/// is foreign.
+pub fn origin_allowed(origin: &str, host: &str, bound_host: &str) -> bool {
+    let Some((_, authority)) = origin.split_once("://") else {
+        return false;
+    };
+    if authority.is_empty() {
+        return false;
+    }
+    if authority.eq_ignore_ascii_case(host.trim()) {
+        return true;
+    }
+    let name = host_name(authority);
+    name.eq_ignore_ascii_case("localhost")
+        || name
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+        || (!bound_host.is_empty() && name.eq_ignore_ascii_case(bound_host))
+}
+
 fn json_response(v: serde_json::Value) -> Response {
     ([(header::CONTENT_TYPE, "application/json")], v.to_string()).into_response()
 }
@@ -161,10 +187,7 @@ async fn guard(State(d): State<Arc<Dash>>, req: Request, next: Next) -> Response
     let mut resp = match host {
         Some(host) if host_allowed(host, &d.access.bound_host) => {
             let origin = h.get(header::ORIGIN).map(|o| o.to_str().unwrap_or(""));
-            let foreign = origin.is_some_and(|o| {
-                let host = o.split_once("://").map(|(_, h)| h).unwrap_or("");
-                !host_allowed(host, &d.access.bound_host)
-            });
+            let foreign = origin.is_some_and(|o| !origin_allowed(o, host, &d.access.bound_host));
             if foreign {
                 text(
                     StatusCode::FORBIDDEN,

@@ -112,6 +112,32 @@ fn hosts_allowed() {
     }
 }
 
+#[test]
+fn origins_allowed() {
+    let host = "10.1.2.3:8265";
+    for ok in [
+        "http://10.1.2.3:8265",
+        "http://127.0.0.1:8265",
+        "http://127.0.0.1",
+        "http://localhost:3000",
+        "http://[::1]:8265",
+        "https://HEAD.local",
+    ] {
+        assert!(origin_allowed(ok, host, "head.local"), "{ok}");
+    }
+    for bad in [
+        "http://6.6.6.6",
+        "http://10.1.2.3:9999",
+        "http://10.1.2.4:8265",
+        "http://evil.example",
+        "null",
+        "http://",
+        "",
+    ] {
+        assert!(!origin_allowed(bad, host, "head.local"), "{bad}");
+    }
+}
+
 #[tokio::test]
 async fn hosts_origins_and_tokens() {
     let d = tempfile::tempdir().unwrap();
@@ -128,6 +154,14 @@ async fn hosts_origins_and_tokens() {
     )
     .await;
     assert_eq!(code, StatusCode::FORBIDDEN);
+    // Another site at a bare IP address is as foreign as one with a name.
+    let (code, _) = get(
+        &app,
+        "/api/status",
+        &[LOCAL, TOKEN, ("origin", "http://6.6.6.6")],
+    )
+    .await;
+    assert_eq!(code, StatusCode::FORBIDDEN, "Origin: http://6.6.6.6");
     // Without the token: the public shape only, no actor, no log tail, no host name.
     let (code, body) = get(
         &app,
