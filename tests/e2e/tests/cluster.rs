@@ -306,3 +306,40 @@ fn wrong_or_missing_token_is_rejected_and_logged() -> Result<()> {
     assert!(String::from_utf8_lossy(&out.stderr).contains("wrong cluster token"));
     Ok(())
 }
+
+/// A new user's first cluster: a head and one worker offering two CPU slots (a laptop's
+/// core count) cannot hold ppo_tiny's roles. The run says so at once, with the numbers and
+/// the fix, instead of waiting out its ten-minute start timeout in silence.
+#[test]
+fn a_cluster_that_can_never_hold_the_job_says_so_at_once() -> Result<()> {
+    let mut c = Cluster::start(&[])?;
+    c.add_worker(r#"{"CPU": 2}"#)?;
+    c.wait_alive_nodes(1, Duration::from_secs(30))?;
+    let job = c.dir.path().join("job");
+    let mut cmd = c.ppo_run_cmd(&job, &["training.train_iters=1", "checkpoint.save_steps=0"]);
+    let t0 = Instant::now();
+    let mut p = Proc::spawn("too-small", c.dir.path(), &mut cmd)?;
+    let st = p.wait_exit(Duration::from_secs(120))?;
+    let out = p.output();
+    assert!(!st.success(), "the job must fail: {out}");
+    assert!(
+        t0.elapsed() < Duration::from_secs(30),
+        "failed only after {:?}: {out}",
+        t0.elapsed()
+    );
+    assert!(
+        out.contains("needs 4 CPU slots (actor_rollout 2, ref 1, critic 1)")
+            && out.contains("has 2 in total")
+            && out.contains(r#"--resources '{"CPU": 4}'"#)
+            && out.contains("resource_pool.colocate=true"),
+        "{out}"
+    );
+    // Nothing was placed.
+    let s = c.status()?;
+    assert_eq!(
+        s["placement_groups"].as_array().map_or(0, |v| v.len()),
+        0,
+        "{s}"
+    );
+    Ok(())
+}
