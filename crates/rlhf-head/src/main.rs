@@ -74,10 +74,11 @@ enum Cmd {
         tls_cert: Option<PathBuf>,
         #[arg(long, requires = "tls_cert")]
         tls_key: Option<PathBuf>,
-        /// CA of the cluster: it verifies --tls-cert for the job drivers this head starts, and
-        /// the workers' certificates when the head calls them (default: --tls-cert itself,
-        /// right for one self-signed certificate shared by every node).
-        #[arg(long, requires = "tls_cert")]
+        /// CA of the cluster, as `--tls-ca` on workers and clients: it verifies the workers'
+        /// certificates when the head calls them, and --tls-cert for the job drivers this
+        /// head starts (default: --tls-cert itself, right for one self-signed certificate
+        /// shared by every node). `--job-tls-ca` is its old name.
+        #[arg(long = "tls-ca", visible_alias = "job-tls-ca", requires = "tls_cert")]
         job_tls_ca: Option<PathBuf>,
         /// Interface for the dashboard (HTTP); local only unless you say otherwise.
         #[arg(long, default_value = "127.0.0.1")]

@@ -336,6 +336,20 @@ where
         match attempt().await {
             Ok(v) => return Ok(v),
             Err(e) => {
+                let chain = error_chain(&*e);
+                let hint = tls_hint(
+                    &chain,
+                    "this process",
+                    addr,
+                    "pass the CA that signed it with --tls-ca",
+                );
+                if let Some(hint) = hint {
+                    // Retrying cannot change a certificate: say so at once.
+                    return Err(Error::new(
+                        FailureKind::Unauthenticated,
+                        format!("{hint} ({chain})"),
+                    ));
+                }
                 if start.elapsed() + delay > opts.connect_timeout {
                     return Err(Error::new(
                         FailureKind::Unavailable,
@@ -367,6 +381,32 @@ pub fn connect_lazy(addr: &str, opts: &ClientOptions) -> Result<AuthChannel> {
     Ok(InterceptedService::new(
         Transport::Channel(ch),
         AddToken::new(&opts.token)?,
+    ))
+}
+
+/// A certificate verification failure found in an error chain, as one line that names who
+/// did not trust whom, why, and the fix: `this` (e.g. "the head") checked `peer`'s
+/// certificate; `ca_fix` says how to give `this` the right CA. `None` for any other error.
+pub fn tls_hint(chain: &str, this: &str, peer: &str, ca_fix: &str) -> Option<String> {
+    let why = if chain.contains("UnknownIssuer") || chain.contains("BadSignature") {
+        format!("it is not signed by a CA {this} trusts; {ca_fix}")
+    } else if chain.contains("NotValidForName") {
+        format!(
+            "it does not name the address {this} reached it at; give that node a certificate \
+             for its IP or name (or pass --tls-domain with the name it carries)"
+        )
+    } else if chain.contains("Expired") || chain.contains("NotValidYet") {
+        "it is outside its validity period; renew it (and check the clocks)".to_string()
+    } else if chain.contains("invalid peer certificate") {
+        format!(
+            "it was refused ({}); {ca_fix}",
+            chain.rsplit(": ").next().unwrap_or("")
+        )
+    } else {
+        return None;
+    };
+    Some(format!(
+        "{this} does not trust the TLS certificate of {peer}: {why}"
     ))
 }
 

@@ -99,7 +99,7 @@ fn ppo_tiny_runs_to_the_end_on_a_tls_cluster() -> Result<()> {
         &cert_s,
         "--tls-key",
         &key_s,
-        "--job-tls-ca",
+        "--tls-ca",
         &ca_s,
     ])?;
     let mut cmd = c.worker_cmd(r#"{"CPU": 4}"#);
@@ -136,6 +136,54 @@ fn ppo_tiny_runs_to_the_end_on_a_tls_cluster() -> Result<()> {
     assert!(
         framed >= 4,
         "every role process gets its batches as frames inside TLS: {framed} role logs say so"
+    );
+    Ok(())
+}
+
+/// A CA-signed cluster whose head was started without the CA (`--tls-ca`): the head trusts
+/// only its own certificate, so it cannot call the workers. The job's error says which side
+/// did not trust whom and the flag that fixes it, instead of a bare `UnknownIssuer`.
+#[test]
+fn a_head_without_the_cluster_ca_says_which_flag_is_missing() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let (cert_p, key_p, ca_p) = rlhf_e2e::node_cert(dir.path())?;
+    let (cert_s, key_s, ca_s) = (
+        cert_p.display().to_string(),
+        key_p.display().to_string(),
+        ca_p.display().to_string(),
+    );
+    let mut c = Cluster::start(&["--tls-cert", &cert_s, "--tls-key", &key_s])?;
+    let mut cmd = c.worker_cmd(r#"{"CPU": 4}"#);
+    cmd.arg("--token-file").arg(c.token_file()).args([
+        "--tls-ca",
+        &ca_s,
+        "--tls-cert",
+        &cert_s,
+        "--tls-key",
+        &key_s,
+    ]);
+    c.workers
+        .push(Proc::spawn("tls-worker", c.dir.path(), &mut cmd)?);
+    wait_for(Duration::from_secs(20), "TLS worker alive", || {
+        let out = status_with(&c, Some(&ca_p))?;
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+        Ok((rlhf_e2e::count_alive(&v) > 0).then_some(()))
+    })?;
+    let out_dir = c.dir.path().join("job");
+    let mut run = rlhf_e2e::ppo_run_cmd(&out_dir, &["training.train_iters=1"]);
+    run.args(["--address", &c.address(), "--tls-ca", &ca_s])
+        .args(["--start-timeout", "60"])
+        .arg("--token-file")
+        .arg(c.token_file());
+    let mut p = Proc::spawn("tls-run", c.dir.path(), &mut run)?;
+    let st = p.wait_exit(Duration::from_secs(300))?;
+    let out = p.output();
+    assert!(!st.success(), "{out}");
+    assert!(
+        out.contains("the head does not trust the TLS certificate of the worker of node")
+            && out.contains("not signed by a CA the head trusts")
+            && out.contains("start the head with --tls-ca"),
+        "{out}"
     );
     Ok(())
 }

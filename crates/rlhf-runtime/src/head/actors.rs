@@ -80,7 +80,18 @@ impl Head {
         let info = match res {
             Ok(Ok(r)) => r.into_inner().actor.unwrap_or_default(),
             Ok(Err(status)) => {
-                let e = Error::from(status);
+                let chain = net::error_chain(&status);
+                let hint = net::tls_hint(
+                    &chain,
+                    "the head",
+                    &format!("the worker of node {} ({address})", rec.node_id),
+                    "start the head with --tls-ca CA, the CA that signed the workers' \
+                     certificates (without it the head trusts only its own --tls-cert)",
+                );
+                let e = match hint {
+                    Some(h) => Error::new(FailureKind::Unauthenticated, format!("{h} ({chain})")),
+                    None => Error::from(status),
+                };
                 self.lock()
                     .actor_died(&rec.actor_id, format!("failed to start: {e}"), None)?;
                 return Err(e);
