@@ -22,6 +22,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             BTreeMap::from([(resource.clone(), count)]),
         ));
     }
-    print!("{}", cfg.check_report(&nodes));
+    print!("{}", cfg.check_report(&nodes, true));
     Ok(())
 }

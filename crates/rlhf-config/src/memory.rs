@@ -415,17 +415,59 @@ impl PpoConfig {
             .collect()
     }
 
-    /// What `rlhf-head check` prints: the resolved config, the placement plan
-    /// on `nodes` (or why it fails), the memory table and fit warnings.
-    pub fn check_report(&self, nodes: &[(String, BTreeMap<String, f64>)]) -> String {
+    /// What `rlhf-head check` prints, the answer first: the verdict (fits or not, with the
+    /// largest phase against the device memory and the placement's shortfall), the placement
+    /// plan on `nodes` (or why it fails), the memory table and fit warnings, and, with
+    /// `show_config`, the resolved config's sections this job's trainer uses.
+    pub fn check_report(
+        &self,
+        nodes: &[(String, BTreeMap<String, f64>)],
+        show_config: bool,
+    ) -> String {
         let mut out = String::new();
-        let _ = writeln!(out, "# resolved config");
-        out.push_str(&self.to_yaml());
-        for (name, m) in &self.models {
-            let _ = writeln!(out, "# model '{name}': {} parameters (LM)", m.lm_params());
+        let cap = self.resource_pool.device_memory_gb;
+        let device = self.resource_pool.device.resource();
+        let rows = if self.resource_pool.colocate {
+            self.colocated_phases()
+        } else {
+            self.memory_estimate()
+        };
+        let plan = self.placement_plan(nodes);
+        let largest = rows.iter().max_by(|a, b| a.total().cmp(&b.total()));
+        let over: Vec<String> = rows
+            .iter()
+            .filter(|r| gib(r.total()) > cap)
+            .map(|r| format!("{} needs {:.2} GiB per {device}", r.label, gib(r.total())))
+            .collect();
+        let _ = writeln!(out, "# verdict");
+        match (&plan, over.is_empty()) {
+            (Ok(_), true) => {
+                let _ = write!(out, "fits: every role is placed and fits its devices");
+                if let Some(r) = largest {
+                    let _ = write!(
+                        out,
+                        "; the largest phase is {} at {:.2} of {cap} GiB per {device}",
+                        r.label,
+                        gib(r.total())
+                    );
+                }
+                let _ = writeln!(out);
+            }
+            _ => {
+                let _ = writeln!(out, "does not fit:");
+                if let Err(e) = &plan {
+                    let _ = writeln!(out, "- placement: {e}");
+                }
+                for o in &over {
+                    let _ = writeln!(
+                        out,
+                        "- memory: {o}, more than resource_pool.device_memory_gb ({cap})"
+                    );
+                }
+            }
         }
         let _ = writeln!(out, "\n# placement plan");
-        match self.placement_plan(nodes) {
+        match &plan {
             Ok(plan) => out.push_str(&plan.to_string()),
             Err(e) => {
                 let _ = writeln!(out, "ERROR: {e}");
@@ -460,12 +502,23 @@ impl PpoConfig {
         }
         let _ = writeln!(
             out,
-            "device memory: {} GiB per {} (resource_pool.device_memory_gb)",
-            self.resource_pool.device_memory_gb,
-            self.resource_pool.device.resource()
+            "device memory: {cap} GiB per {device} (resource_pool.device_memory_gb)"
         );
         for w in self.memory_warnings() {
             let _ = writeln!(out, "{w}");
+        }
+        for (name, m) in &self.models {
+            let _ = writeln!(out, "model '{name}': {} parameters (LM)", m.lm_params());
+        }
+        if show_config {
+            let _ = writeln!(
+                out,
+                "\n# resolved config (the sections a {} job uses)",
+                self.trainer.as_str()
+            );
+            out.push_str(&self.to_yaml_used());
+        } else {
+            let _ = writeln!(out, "\n(the resolved config: add --show-config)");
         }
         out
     }

@@ -174,6 +174,52 @@ impl PpoConfig {
     pub fn to_yaml(&self) -> String {
         serde_norway::to_string(self).unwrap_or_else(|e| format!("# cannot render config: {e}\n"))
     }
+
+    /// The resolved config as YAML without what this job's trainer never reads: the sections
+    /// of roles it does not run, and the `algorithm` keys of the other trainers (a PPO job
+    /// shows no DPO `beta`).
+    pub fn to_yaml_used(&self) -> String {
+        use serde_norway::Value;
+        let mut v = match serde_norway::to_value(self) {
+            Ok(v) => v,
+            Err(e) => return format!("# cannot render config: {e}\n"),
+        };
+        const PREFERENCE: [&str; 6] = [
+            "loss_type",
+            "beta",
+            "label_smoothing",
+            "simpo_gamma",
+            "desirable_weight",
+            "undesirable_weight",
+        ];
+        const REWARD_MODEL: [&str; 1] = ["center_rewards_coefficient"];
+        if let Value::Mapping(top) = &mut v {
+            for role in RoleKind::ALL {
+                if !self.role_enabled(role) {
+                    top.remove(role.as_str());
+                }
+            }
+            let keep: Option<&[&str]> = match self.trainer {
+                TrainerKind::Ppo => None,
+                TrainerKind::Dpo => Some(&PREFERENCE),
+                TrainerKind::Reward => Some(&REWARD_MODEL),
+                TrainerKind::Sft => Some(&[]),
+            };
+            if let Some(Value::Mapping(alg)) = top.get_mut("algorithm") {
+                alg.retain(|k, _| {
+                    let k = k.as_str().unwrap_or_default();
+                    match keep {
+                        Some(keep) => keep.contains(&k),
+                        None => !PREFERENCE.contains(&k) && !REWARD_MODEL.contains(&k),
+                    }
+                });
+                if alg.is_empty() {
+                    top.remove("algorithm");
+                }
+            }
+        }
+        serde_norway::to_string(&v).unwrap_or_else(|e| format!("# cannot render config: {e}\n"))
+    }
 }
 
 /// Where `config.json` of a model path is on this machine, without downloading: the

@@ -309,7 +309,7 @@ fn a_colocated_job_is_estimated_per_phase() {
         !w.iter().any(|w| w.contains("actor_rollout/infer")),
         "{w:?}"
     );
-    let report = q.check_report(&[]);
+    let report = q.check_report(&[], false);
     assert!(report.contains("colocated/train"), "{report}");
 
     // actor_rollout.offload: the actor's optimizer state and gradients are off the device

@@ -74,17 +74,35 @@ fn check_report_has_config_plan_and_memory() {
     )
     .unwrap();
     let nodes = [node("n0", "GPU", 4.0), node("n1", "GPU", 4.0)];
-    let r = cfg.check_report(&nodes);
+    let r = cfg.check_report(&nodes, true);
     assert!(
         r.contains("# resolved config") && r.contains("adv_estimator: gae"),
         "{r}"
+    );
+    // The answer comes first: 40 GiB devices are too small for the rollout.
+    assert!(r.starts_with("# verdict\ndoes not fit:\n- memory: "), "{r}");
+    // A PPO job's config shows no DPO keys.
+    assert!(
+        !r.contains("\n  loss_type:") && !r.contains("\n  beta:"),
+        "{r}"
+    );
+    let dpo = load(&configs(), "dpo_tiny", &[]).unwrap();
+    let y = dpo.to_yaml_used();
+    assert!(
+        y.contains("\n  beta:") && !y.contains("adv_estimator") && !y.contains("\ncritic:"),
+        "{y}"
     );
     assert!(r.contains("# placement plan") && r.contains("n1"), "{r}");
     assert!(
         r.contains("actor_rollout/infer") && r.contains("WARNING"),
         "{r}"
     );
-    let r = cfg.check_report(&[node("n0", "GPU", 4.0)]);
+    let r = cfg.check_report(&[node("n0", "GPU", 4.0)], false);
+    assert!(
+        !r.contains("# resolved config") && r.contains("--show-config"),
+        "{r}"
+    );
+    assert!(r.contains("- placement: cannot place the job"), "{r}");
     assert!(
         r.contains("ERROR: cannot place the job: resource 'GPU' is short by 4"),
         "{r}"

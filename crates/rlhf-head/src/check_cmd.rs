@@ -17,6 +17,9 @@ use crate::Connect;
 pub(crate) struct CheckArgs {
     #[command(flatten)]
     pub(crate) config: JobConfigArgs,
+    /// Also print the resolved config (the sections this job's trainer uses).
+    #[arg(long)]
+    pub(crate) show_config: bool,
     /// Also check the fit against this running cluster's free resources.
     #[arg(long)]
     pub(crate) address: Option<String>,
@@ -74,7 +77,7 @@ pub(crate) async fn check(args: CheckArgs) -> Result<()> {
             )]
         }
     };
-    print!("{}", cfg.check_report(&nodes));
+    print!("{}", cfg.check_report(&nodes, args.show_config));
     let (missing, hub) = missing_files(&cfg);
     println!("\n# files the run reads");
     if missing.is_empty() && hub.is_empty() {

@@ -72,6 +72,7 @@ fn check_prints_config_plan_and_memory() {
             "--config-name",
             "ppo_tiny",
             "actor_rollout.ppo_epochs=3",
+            "--show-config",
         ],
         dir.path(),
     );
@@ -88,6 +89,16 @@ fn check_prints_config_plan_and_memory() {
     ] {
         assert!(text.contains(section), "'{section}' missing:\n{text}");
     }
+    // The verdict leads; the config comes last and without other trainers' keys.
+    assert!(text.starts_with("# verdict\nfits: "), "{text}");
+    assert!(
+        text.find("# placement plan") < text.find("# resolved config"),
+        "{text}"
+    );
+    assert!(
+        !text.contains("\n  loss_type:") && !text.contains("\n  beta:"),
+        "{text}"
+    );
     // The override reached the resolved config, and every role has a plan row.
     assert!(text.contains("ppo_epochs: 3"), "{text}");
     for role in ["actor_rollout", "ref", "critic", "reward"] {
