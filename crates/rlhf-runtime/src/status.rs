@@ -46,6 +46,43 @@ fn strategy(v: i32) -> &'static str {
     crate::convert::strategy_from_proto(v).as_str()
 }
 
+/// A node's resources for people, one entry per resource: `used/total` (memory in GiB), and
+/// for GPUs the indices its running actors hold.
+pub(crate) fn node_usage(n: &pb::NodeInfo, actors: &[pb::ActorInfo]) -> Vec<String> {
+    let total = res(&n.total);
+    let avail = res(&n.available);
+    total
+        .0
+        .iter()
+        .map(|(k, t)| {
+            let used = (t - avail.get(k)).max(0.0);
+            let mut line = if k == "memory" || k.ends_with("_memory") {
+                format!(
+                    "{k} {:.1}/{:.1} GiB",
+                    used / (1u64 << 30) as f64,
+                    t / (1u64 << 30) as f64
+                )
+            } else {
+                format!("{k} {}/{}", fmt_amount(k, used), fmt_amount(k, *t))
+            };
+            if k == "GPU" {
+                let mut held: Vec<u32> = actors
+                    .iter()
+                    .filter(|a| a.node_id == n.node_id && a.state == pb::ActorState::Alive as i32)
+                    .flat_map(|a| a.devices.iter().copied())
+                    .collect();
+                held.sort_unstable();
+                held.dedup();
+                if !held.is_empty() {
+                    let ids: Vec<String> = held.iter().map(u32::to_string).collect();
+                    line.push_str(&format!(" (in use: {})", ids.join(",")));
+                }
+            }
+            line
+        })
+        .collect()
+}
+
 pub fn to_json(s: &pb::ClusterStatusResponse) -> serde_json::Value {
     let nodes: Vec<_> = s
         .nodes
@@ -54,6 +91,7 @@ pub fn to_json(s: &pb::ClusterStatusResponse) -> serde_json::Value {
             json!({
                 "node_id": n.node_id, "hostname": n.hostname, "address": n.address,
                 "state": node_state(n.state), "total": res(&n.total).0, "available": res(&n.available).0,
+                "usage": node_usage(n, &s.actors),
                 "last_heartbeat_ms": n.last_heartbeat_ms, "death_reason": n.death_reason, "death_ms": n.death_ms,
             })
         })
@@ -397,6 +435,7 @@ mod tests {
         assert_eq!(j["resources"]["used"]["GPU"], 2.0);
         assert_eq!(j["nodes"].as_array().unwrap().len(), 4);
         assert_eq!(j["nodes"][2]["state"], "DEAD");
+        assert_eq!(j["nodes"][0]["usage"], json!(["GPU 2/8"]));
         assert_eq!(j["nodes"][3]["state"], "REJOINING");
     }
 

@@ -197,6 +197,22 @@ fn job_page_in_a_real_browser_and_prometheus_metrics() -> Result<()> {
         assert!(dom.contains(role), "roles table lacks {role}: {dom}");
     }
     assert!(dom.contains(" GiB<"), "memory column: {dom}");
+    // The cluster page in human units: slots used/total, memory in GiB, no raw JSON.
+    let (cluster, _) = browse(
+        &exe,
+        profile.path(),
+        &format!("{base}/#token={token}"),
+        "--dump-dom",
+        8000,
+    )?;
+    assert!(
+        cluster.contains("CPU 4/4") && cluster.contains(" GiB"),
+        "node usage in human units: {cluster}"
+    );
+    assert!(
+        !cluster.contains("{\"CPU\""),
+        "raw JSON on the cluster page: {cluster}"
+    );
     assert!(
         !dom.contains(&token),
         "the token must not end up in the page: {dom}"

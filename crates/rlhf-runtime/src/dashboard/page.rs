@@ -39,8 +39,8 @@ const r=await fetch('/api/status',{{headers:auth()}});
 if(!r.ok){{document.getElementById('s').replaceChildren(el('p',r.status===401?'wrong cluster token':'status: HTTP '+r.status));return}}
 const s=await r.json();
 const out=el('div');
-out.append(table('Nodes',['node','host','state','total','available'],s.nodes.map(n=>
-[n.node_id,(n.hostname||'')+' '+(n.address||''),n.state+' '+(n.death_reason||''),JSON.stringify(n.total),JSON.stringify(n.available)])));
+out.append(table('Nodes',['node','host','state','resources (used/total)'],s.nodes.map(n=>
+[n.node_id,(n.hostname||'')+' '+(n.address||''),n.state+' '+(n.death_reason||''),(n.usage||[]).join(' · ')])));
 if(s.actors){{out.append(table('Actors',['actor','role','node','state','memory','reason'],s.actors.map(a=>[a.actor_id,a.role,a.node_id,a.state,gib(a.rss_bytes),a.reason])));
 out.append(table('Jobs',['job','config','state','submitted','error'],(s.jobs||[]).map(j=>[jobLink(j.job_id),j.config_name,j.state,new Date(j.submit_ms).toISOString(),j.error])))}}
 else{{out.append(el('p',`${{s.counts.actors}} actors, ${{s.counts.jobs}} jobs; enter the cluster token to see them`))}}
