@@ -124,24 +124,44 @@ pub enum FixedResponse {
     Ids(Vec<u32>),
 }
 
-/// `actor_rollout.fixed_responses_file`, by prompt text and by prompt token ids.
+/// `actor_rollout.fixed_responses_file`, by prompt text and by prompt token ids: one
+/// response per prompt (every sample of its group gets it), or one per sample of a GRPO/RLOO
+/// group (`"responses"` / a list of `"response_ids"` lists), so that a group step can be
+/// compared with another implementation on fixed completions.
 #[derive(Debug, Default)]
 pub struct FixedResponses {
-    by_text: HashMap<String, String>,
-    by_ids: HashMap<Vec<u32>, Vec<u32>>,
+    by_text: HashMap<String, Vec<String>>,
+    by_ids: HashMap<Vec<u32>, Vec<Vec<u32>>>,
+}
+
+/// The `sample`-th of a prompt's responses; a single response serves every sample.
+fn pick<T: Clone>(list: &[T], sample: usize) -> Option<T> {
+    match list {
+        [one] => Some(one.clone()),
+        _ => list.get(sample).cloned(),
+    }
 }
 
 impl FixedResponses {
-    /// The response for a dataset prompt: by its token ids first, then by its text.
-    pub fn get(&self, prompt: &Prompt) -> Option<FixedResponse> {
+    /// The response for sample `sample` of a dataset prompt's group: by its token ids first,
+    /// then by its text.
+    pub fn get(&self, prompt: &Prompt, sample: usize) -> Option<FixedResponse> {
+        match self.by_ids.get(&prompt.ids) {
+            Some(l) => pick(l, sample).map(FixedResponse::Ids),
+            None => self
+                .by_text
+                .get(&prompt.display)
+                .and_then(|l| pick(l, sample))
+                .map(FixedResponse::Text),
+        }
+    }
+
+    /// How many responses the file gives a prompt (none: not in the file).
+    pub fn count(&self, prompt: &Prompt) -> Option<usize> {
         self.by_ids
             .get(&prompt.ids)
-            .map(|r| FixedResponse::Ids(r.clone()))
-            .or_else(|| {
-                self.by_text
-                    .get(&prompt.display)
-                    .map(|r| FixedResponse::Text(r.clone()))
-            })
+            .map(Vec::len)
+            .or_else(|| self.by_text.get(&prompt.display).map(Vec::len))
     }
 
     /// Number of lines read.
@@ -187,11 +207,33 @@ fn ids_field(
         .collect()
 }
 
+/// `"response_ids"`: one list of token ids, or a list of such lists (one per sample).
+fn response_ids_field(
+    v: &serde_json::Value,
+    vocab: usize,
+    at: &dyn Fn() -> String,
+) -> Result<Vec<Vec<u32>>> {
+    match v["response_ids"].as_array() {
+        Some(a) if !a.is_empty() && a.iter().all(|x| x.is_array()) => a
+            .iter()
+            .enumerate()
+            .map(|(k, x)| {
+                let one = serde_json::json!({ "response_ids": x });
+                ids_field(&one, "response_ids", vocab, &|| {
+                    format!("{}, response {k}", at())
+                })
+            })
+            .collect(),
+        _ => Ok(vec![ids_field(v, "response_ids", vocab, at)?]),
+    }
+}
+
 /// Reads `actor_rollout.fixed_responses_file`: JSONL lines of either
 /// `{"prompt": ..., "response": ...}` (text) or `{"prompt_ids": [...], "response_ids": [...]}`
-/// (token ids, each below `vocab`, the tokenizer's vocabulary size). A prompt matches a
-/// dataset row by its token ids (after the chat template) or by its text; errors name the
-/// file and line.
+/// (token ids, each below `vocab`, the tokenizer's vocabulary size); for a group of samples
+/// per prompt, `"responses": [...]` or `"response_ids": [[...], [...]]` give one per sample.
+/// A prompt matches a dataset row by its token ids (after the chat template) or by its
+/// text; errors name the file and line.
 pub fn load_fixed_responses(path: &Path, vocab: usize) -> Result<FixedResponses> {
     let text = std::fs::read_to_string(path).map_err(|e| {
         Error::io(
@@ -212,18 +254,28 @@ pub fn load_fixed_responses(path: &Path, vocab: usize) -> Result<FixedResponses>
             serde_json::from_str(line).map_err(|e| Error::invalid(format!("{}: {e}", at())))?;
         if v.get("prompt_ids").is_some() || v.get("response_ids").is_some() {
             let p = ids_field(&v, "prompt_ids", vocab, &at)?;
-            let r = ids_field(&v, "response_ids", vocab, &at)?;
+            let r = response_ids_field(&v, vocab, &at)?;
             out.by_ids.insert(p, r);
             continue;
         }
-        match (v["prompt"].as_str(), v["response"].as_str()) {
-            (Some(p), Some(r)) => {
-                out.by_text.insert(p.to_string(), r.to_string());
+        let list: Option<Vec<String>> = v["responses"].as_array().and_then(|a| {
+            a.iter()
+                .map(|x| x.as_str().map(str::to_string))
+                .collect::<Option<Vec<_>>>()
+                .filter(|l| !l.is_empty())
+        });
+        match (v["prompt"].as_str(), v["response"].as_str(), list) {
+            (Some(p), Some(r), None) => {
+                out.by_text.insert(p.to_string(), vec![r.to_string()]);
+            }
+            (Some(p), None, Some(l)) => {
+                out.by_text.insert(p.to_string(), l);
             }
             _ => {
                 return Err(Error::invalid(format!(
-                    "{}: expected {{\"prompt\": string, \"response\": string}} or \
-                     {{\"prompt_ids\": [ids], \"response_ids\": [ids]}}",
+                    "{}: expected {{\"prompt\": string, \"response\": string}}, \
+                     {{\"prompt\": string, \"responses\": [strings, one per sample]}} or \
+                     {{\"prompt_ids\": [ids], \"response_ids\": [ids] or [[ids], ...]}}",
                     at()
                 )))
             }
@@ -262,15 +314,47 @@ mod tests {
         .unwrap();
         assert_eq!(f.len(), 2);
         assert_eq!(
-            f.get(&prompt("2+3=", &[9, 9])),
+            f.get(&prompt("2+3=", &[9, 9]), 0),
+            Some(FixedResponse::Text(" 5.".into()))
+        );
+        // One response serves every sample of the group.
+        assert_eq!(
+            f.get(&prompt("2+3=", &[9, 9]), 3),
             Some(FixedResponse::Text(" 5.".into()))
         );
         // Matched by ids whatever the text; ids win over text.
         assert_eq!(
-            f.get(&prompt("2+3=", &[57, 74, 33])),
+            f.get(&prompt("2+3=", &[57, 74, 33]), 0),
             Some(FixedResponse::Ids(vec![302, 201, 2]))
         );
-        assert_eq!(f.get(&prompt("other", &[57, 74])), None);
+        assert_eq!(f.get(&prompt("other", &[57, 74]), 0), None);
+    }
+
+    #[test]
+    fn a_group_gets_one_response_per_sample() {
+        let f = load(concat!(
+            "{\"prompt\": \"2+3=\", \"responses\": [\" 5.\", \" five\"]}\n",
+            "{\"prompt_ids\": [57, 74], \"response_ids\": [[302, 2], [201]]}\n",
+        ))
+        .unwrap();
+        let text = prompt("2+3=", &[9, 9]);
+        assert_eq!(f.count(&text), Some(2));
+        assert_eq!(f.get(&text, 1), Some(FixedResponse::Text(" five".into())));
+        assert_eq!(f.get(&text, 2), None);
+        let ids = prompt("x", &[57, 74]);
+        assert_eq!(f.get(&ids, 0), Some(FixedResponse::Ids(vec![302, 2])));
+        assert_eq!(f.get(&ids, 1), Some(FixedResponse::Ids(vec![201])));
+        let e = load("{\"prompt_ids\": [1], \"response_ids\": [[5], [999]]}\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("line 1, response 1: \"response_ids\"[0] = 999 is outside"),
+            "{e}"
+        );
+        let e = load("{\"prompt\": \"a\", \"responses\": []}\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("one per sample"), "{e}");
     }
 
     #[test]
@@ -298,7 +382,7 @@ mod tests {
             ),
             (
                 "{\"prompt\": \"a\"}",
-                "line 1: expected {\"prompt\": string, \"response\": string} or {\"prompt_ids\"",
+                "line 1: expected {\"prompt\": string, \"response\": string}, {\"prompt\": string, \"responses\"",
             ),
         ];
         for (line, want) in cases {

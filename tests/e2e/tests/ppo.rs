@@ -442,3 +442,69 @@ fn fixed_responses_replace_generation_and_bad_rows_are_reported() -> Result<()> 
     }
     Ok(())
 }
+
+/// Precision alignment for a group estimator: GRPO with two samples per prompt gets one
+/// fixed response per sample (`"responses"`), so the group's rewards differ and its
+/// advantages are not all zero, as on the other implementation's fixed completions.
+#[test]
+fn grpo_groups_take_one_fixed_response_per_sample() -> Result<()> {
+    let dir = tempfile::tempdir()?;
+    let data = dir.path().join("prompts.jsonl");
+    let groups = [
+        ("2+3=", [" 5.", " five."]),
+        ("7-4=", [" three.", " 3."]),
+        ("3*3=", [" 9.", " nine."]),
+        ("4+5=", [" Nine.", " 9!"]),
+    ];
+    let rows: Vec<String> = groups
+        .iter()
+        .map(|(p, _)| serde_json::json!({"prompt": p}).to_string())
+        .collect();
+    std::fs::write(&data, rows.join("\n"))?;
+    let fixed = dir.path().join("fixed.jsonl");
+    let lines: Vec<String> = groups
+        .iter()
+        .map(|(p, r)| serde_json::json!({"prompt": p, "responses": r}).to_string())
+        .collect();
+    std::fs::write(&fixed, lines.join("\n"))?;
+    let args = [
+        format!("data.path={}", data.display()),
+        format!("actor_rollout.fixed_responses_file={}", fixed.display()),
+        "algorithm.adv_estimator=grpo".into(),
+        "actor_rollout.num_samples_per_step=2".into(),
+        "training.global_batch_size=4".into(),
+        "training.train_iters=1".into(),
+        "checkpoint.save_steps=0".into(),
+        "logging.sample_rows=8".into(),
+    ];
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let out = dir.path().join("grpo");
+    let mut p = Proc::spawn("grpo-fixed", dir.path(), &mut run_cmd(&out, &args))?;
+    wait_success(&mut p, Duration::from_secs(600))?;
+    let samples = std::fs::read_to_string(out.join("samples.jsonl"))?;
+    let mut seen: Vec<(String, String, f64)> = Vec::new();
+    for l in samples.lines() {
+        let v: Value = serde_json::from_str(l)?;
+        seen.push((
+            v["query"].as_str().unwrap_or_default().to_string(),
+            v["response"]
+                .as_str()
+                .unwrap_or_default()
+                .trim()
+                .to_string(),
+            v["score"].as_f64().unwrap_or(f64::NAN),
+        ));
+    }
+    for (prompt, responses) in groups {
+        for r in responses {
+            let digit = r.chars().any(|c| c.is_ascii_digit());
+            assert!(
+                seen.iter().any(|(q, got, score)| q == prompt
+                    && got == r.trim()
+                    && *score == if digit { 1.0 } else { 0.0 }),
+                "sample {prompt:?} -> {r:?} missing or mis-scored: {samples}"
+            );
+        }
+    }
+    Ok(())
+}

@@ -130,11 +130,21 @@ impl RolloutSource<'_> {
         let pad = i64::from(self.pad_id());
         let eos = self.tok.eos_token_id();
         let rows = which.len();
+        // Rows come in groups of `n` samples of one prompt (`prompt_batch`).
+        let n = self.cfg.actor_rollout.num_samples_per_step.max(1) as usize;
         let mut ids = Mat::filled(rows, r, pad);
         let mut mask = Mat::filled(rows, r, 0f32);
         for (row, &i) in which.iter().enumerate() {
             let p = &self.prompts[i];
-            let toks = match fixed.get(p) {
+            if let Some(k) = fixed.count(p).filter(|&k| k != 1 && k != n) {
+                return Err(Error::invalid(format!(
+                    "actor_rollout.fixed_responses_file gives {k} responses for prompt {:?} \
+                     (data row {}), but actor_rollout.num_samples_per_step is {n}: give one \
+                     response (every sample gets it) or {n}",
+                    p.display, p.source_row
+                )));
+            }
+            let toks = match fixed.get(p, row % n) {
                 Some(FixedResponse::Ids(toks)) => {
                     if toks.len() > r {
                         return Err(Error::invalid(format!(
