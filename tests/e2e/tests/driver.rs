@@ -186,9 +186,16 @@ async fn the_driver_reports_its_run_as_events_and_resumes_the_algorithm_state() 
     let mut state: serde_json::Value = serde_json::from_str(&original)?;
     state["actor_checksum"] = serde_json::json!(12345u64);
     std::fs::write(&state_file, state.to_string())?;
+    // The signature catches the edit before anything loads.
     let e = drive(&c, resume4()?).await.unwrap_err().to_string();
+    assert!(e.contains("changed after it was signed"), "{e}");
+    assert!(!e.contains("12345") && !e.contains("3039"), "{e}");
+    // Trusted anyway, the loaded weights do not match what the state records.
+    let mut trusted = resume4()?;
+    trusted.trust_checkpoint = true;
+    let e = drive(&c, trusted).await.unwrap_err().to_string();
     assert!(
-        e.contains("loaded weights have checksum") && e.contains("actor"),
+        e.contains("loaded weights are not the ones") && e.contains("actor"),
         "{e}"
     );
     std::fs::write(&state_file, original)?;
@@ -205,14 +212,36 @@ async fn the_driver_reports_its_run_as_events_and_resumes_the_algorithm_state() 
     Ok(())
 }
 
-/// A launch that cannot finish releases what it made: on a node with 3 CPU slots the
-/// actor_rollout (2) and ref (1) groups are placed, the critic's never can, and after the
-/// failure no placement group holds a slot and no actor runs.
+/// A launch that cannot finish releases what it made: on a node with 4 CPU slots, one of
+/// them held by another placement group, the actor_rollout (2) and ref (1) groups are
+/// placed, the critic's cannot be within the start timeout, and after the failure no
+/// placement group of the job holds a slot and no actor runs.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_launch_leaves_no_placement_groups_or_actors() -> Result<()> {
     let mut c = Cluster::start(&[])?;
-    c.add_worker(r#"{"CPU": 3}"#)?;
+    c.add_worker(r#"{"CPU": 4}"#)?;
     c.wait_alive_nodes(1, Duration::from_secs(30))?;
+    // Another tenant holds one slot: the job fits the cluster, just not now.
+    let mut head =
+        HeadServiceClient::new(net::connect(&c.address(), &ClientOptions::new(c.token()?)).await?);
+    let one = rlhf_proto::v1::Bundle {
+        resources: Some(rlhf_proto::v1::Resources {
+            amounts: [("CPU".to_string(), 1.0)].into_iter().collect(),
+        }),
+    };
+    let held = head
+        .create_placement_group(rlhf_proto::v1::CreatePlacementGroupRequest {
+            name: "other-tenant".into(),
+            strategy: rlhf_proto::v1::PlacementStrategy::Pack as i32,
+            bundles: vec![one],
+            timeout_ms: 0,
+            cuda_roles: false,
+        })
+        .await?
+        .into_inner()
+        .placement_group
+        .context("placement group")?
+        .pg_id;
     let out = c.dir.path().join("job");
     let mut opts = DriverOptions::new(
         config(&out, &["training.train_iters=1"])?,
@@ -225,11 +254,13 @@ async fn a_failed_launch_leaves_no_placement_groups_or_actors() -> Result<()> {
     let status = c.status()?;
     let pgs = status["placement_groups"].as_array().context("pgs")?;
     assert!(
-        pgs.len() >= 2,
+        pgs.len() >= 3,
         "the first groups were placed before the failure: {pgs:?}"
     );
     assert!(
-        pgs.iter().all(|p| p["state"] == "REMOVED"),
+        pgs.iter()
+            .filter(|p| p["pg_id"] != held.as_str())
+            .all(|p| p["state"] == "REMOVED"),
         "a failed launch left placement groups: {pgs:?}"
     );
     let actors = status["actors"].as_array().context("actors")?;
