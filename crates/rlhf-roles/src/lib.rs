@@ -30,6 +30,7 @@ pub mod server;
 pub mod spill;
 pub mod stages;
 pub mod train;
+pub mod vllm;
 pub mod weights;
 pub mod zero;
 

@@ -1,0 +1,658 @@
+//! vLLM as a rollout engine: a `vllm` OpenAI-compatible server run as a child of the role
+//! process, spoken to token in and token out (prompts as ids, responses as ids with their
+//! sampling log-probs; text is never re-tokenized), its weights replaced in place after an
+//! update (pause, `reload_weights` from a directory of safetensors, resume).
+//!
+//! The server and every process it starts live in a process group of their own. Dropping
+//! the [`VllmServer`] ends the group (SIGTERM, then SIGKILL); if the role process dies
+//! instead, a guardian shell it started with a parent-death signal does it: vLLM's engine
+//! processes do not die with its API server (seen with vLLM 0.32), so a parent-death
+//! signal on the server alone would leave them running. The server listens on a Unix socket
+//! in a directory only this user can enter (see `http.rs` for why not a TCP port).
+
+mod http;
+
+use std::collections::VecDeque;
+use std::io::{BufRead, BufReader};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use rlhf_model::{FinishReason, GeneratedSequence, Generation, GenerationConfig};
+use serde_json::{json, Value};
+
+use crate::error::{Error, Result};
+
+/// The name the server gives the model it serves.
+const SERVED_NAME: &str = "rollout";
+/// Lines of the server's output kept for error messages.
+const TAIL_LINES: usize = 40;
+
+/// Where vLLM runs: its CPU build needs eager mode and a KV cache size in GiB.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VllmDevice {
+    Cpu,
+    Cuda,
+}
+
+/// How to start a vLLM server for one rollout rank.
+#[derive(Debug, Clone)]
+pub struct VllmSettings {
+    /// The interpreter that has vLLM (the worker's `--vllm-python`).
+    pub python: PathBuf,
+    /// An HF model directory.
+    pub model_dir: PathBuf,
+    pub device: VllmDevice,
+    /// `float32`, `bfloat16` or `float16`.
+    pub dtype: String,
+    /// Prompt plus response tokens.
+    pub max_model_len: usize,
+    /// KV cache of the CPU build, in GiB (`VLLM_CPU_KVCACHE_SPACE`).
+    pub kv_cache_gb: f64,
+    /// Share of the device's memory vLLM may take (GPU; the CPU build checks it too).
+    pub gpu_memory_utilization: f64,
+    pub max_num_seqs: usize,
+    pub enable_prefix_caching: bool,
+    /// Further engine arguments, validated by the config.
+    pub extra_args: Vec<String>,
+    /// Bound on start-up (loading, and the first compile on the CPU).
+    pub start_timeout: Duration,
+    /// Bound on one generation request.
+    pub request_timeout: Duration,
+    /// The tokenizer's vocabulary size: response ids at or above it are refused.
+    pub vocab_size: usize,
+}
+
+/// A running vLLM server, owned by one rollout rank.
+pub struct VllmServer {
+    child: Child,
+    guardian: Option<Child>,
+    dir: PathBuf,
+    socket: PathBuf,
+    api_key: String,
+    tail: Arc<Mutex<VecDeque<String>>>,
+    settings: VllmSettings,
+}
+
+/// A directory only this user can enter, for the socket and the weights of a reload.
+fn private_dir() -> Result<PathBuf> {
+    use std::os::unix::fs::DirBuilderExt;
+    let base = if Path::new("/dev/shm").is_dir() {
+        PathBuf::from("/dev/shm")
+    } else {
+        std::env::temp_dir()
+    };
+    for n in 0..1000u32 {
+        let d = base.join(format!("rlhf-vllm-{}-{n}", std::process::id()));
+        match std::fs::DirBuilder::new().mode(0o700).create(&d) {
+            Ok(()) => return Ok(d),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => {
+                return Err(Error::internal(format!(
+                    "creating a private directory for vLLM under {}: {e}",
+                    base.display()
+                )))
+            }
+        }
+    }
+    Err(Error::internal(format!(
+        "no free name for a vLLM directory under {}",
+        base.display()
+    )))
+}
+
+fn random_hex(bytes: usize) -> String {
+    use rand::RngCore;
+    let mut b = vec![0u8; bytes];
+    rand::rng().fill_bytes(&mut b);
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// Copies a child's output lines to this process's stderr (the role's log) and keeps the
+/// last ones for error messages.
+fn forward(stream: impl std::io::Read + Send + 'static, tail: Arc<Mutex<VecDeque<String>>>) {
+    std::thread::spawn(move || {
+        for line in BufReader::new(stream)
+            .lines()
+            .map_while(std::result::Result::ok)
+        {
+            eprintln!("vllm: {line}");
+            let mut t = tail.lock().unwrap_or_else(|e| e.into_inner());
+            if t.len() == TAIL_LINES {
+                t.pop_front();
+            }
+            t.push_back(line);
+        }
+    });
+}
+
+impl VllmServer {
+    /// Starts the server and waits until it answers `/health`, within `start_timeout`. The
+    /// error of a server that exits or never gets healthy carries its last lines (a model
+    /// it refuses, a missing module).
+    pub fn start(settings: &VllmSettings) -> Result<Self> {
+        let s = settings;
+        if !s.python.is_file() {
+            return Err(Error::invalid(format!(
+                "the vLLM Python {} does not exist: give the worker --vllm-python (or \
+                 RLHF_VLLM_PYTHON) with an interpreter that has vLLM installed",
+                s.python.display()
+            )));
+        }
+        let dir = private_dir()?;
+        let socket = dir.join("api.sock");
+        let api_key = random_hex(32);
+        let mut cmd = Command::new(&s.python);
+        cmd.args(["-m", "vllm.entrypoints.openai.api_server", "--model"])
+            .arg(&s.model_dir)
+            .args(["--served-model-name", SERVED_NAME, "--uds"])
+            .arg(&socket)
+            .args(["--api-key", &api_key, "--dtype", &s.dtype])
+            .args(["--max-model-len", &s.max_model_len.to_string()])
+            .args(["--max-num-seqs", &s.max_num_seqs.to_string()])
+            .args([
+                "--gpu-memory-utilization",
+                &s.gpu_memory_utilization.to_string(),
+            ])
+            // The log-probs of the distribution sampled from (after the temperature), which
+            // is what the trainer recomputes; vLLM's default is the raw logits' softmax.
+            .args(["--logprobs-mode", "processed_logprobs"])
+            .arg(if s.enable_prefix_caching {
+                "--enable-prefix-caching"
+            } else {
+                "--no-enable-prefix-caching"
+            })
+            .args(["--disable-uvicorn-access-log"])
+            .args(&s.extra_args)
+            // /pause, /resume and /collective_rpc exist only in its development mode; the
+            // socket's directory is what keeps others away from them.
+            .env("VLLM_SERVER_DEV_MODE", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if s.device == VllmDevice::Cpu {
+            cmd.arg("--enforce-eager").env(
+                "VLLM_CPU_KVCACHE_SPACE",
+                format!("{}", s.kv_cache_gb.max(0.1)),
+            );
+        }
+        // SAFETY: setpgid and prctl are async-signal-safe and change only the child's own
+        // state: its own process group (so the whole tree can be ended at once) and a
+        // SIGKILL when the thread that started it dies.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::setpgid(0, 0);
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn().map_err(|e| {
+            let _ = std::fs::remove_dir_all(&dir);
+            Error::invalid(format!(
+                "starting vLLM with {}: {e}; check the worker's --vllm-python",
+                s.python.display()
+            ))
+        })?;
+        let tail = Arc::new(Mutex::new(VecDeque::new()));
+        if let Some(out) = child.stdout.take() {
+            forward(out, Arc::clone(&tail));
+        }
+        if let Some(err) = child.stderr.take() {
+            forward(err, Arc::clone(&tail));
+        }
+        let guardian = guard_group(child.id() as i32);
+        let mut server = Self {
+            child,
+            guardian,
+            dir,
+            socket,
+            api_key,
+            tail,
+            settings: s.clone(),
+        };
+        server.wait_healthy()?;
+        Ok(server)
+    }
+
+    /// The server's last output lines, for an error message.
+    fn last_lines(&self) -> String {
+        let t = self.tail.lock().unwrap_or_else(|e| e.into_inner());
+        let lines: Vec<&str> = t.iter().rev().take(12).rev().map(String::as_str).collect();
+        if lines.is_empty() {
+            "(it printed nothing)".into()
+        } else {
+            lines.join("\n  ")
+        }
+    }
+
+    fn wait_healthy(&mut self) -> Result<()> {
+        let deadline = Instant::now() + self.settings.start_timeout;
+        loop {
+            if let Some(st) = self
+                .child
+                .try_wait()
+                .map_err(|e| Error::internal(e.to_string()))?
+            {
+                // Give the output threads a moment to catch the last lines.
+                std::thread::sleep(Duration::from_millis(200));
+                return Err(Error::invalid(format!(
+                    "vLLM exited during start-up ({st}) serving {}; its last lines:\n  {}",
+                    self.settings.model_dir.display(),
+                    self.last_lines()
+                )));
+            }
+            if self.socket.exists() {
+                if let Ok(a) = self.call("GET", "/health", None, Duration::from_secs(5)) {
+                    if a.status == 200 {
+                        return Ok(());
+                    }
+                }
+            }
+            if Instant::now() >= deadline {
+                let e = Error::internal(format!(
+                    "vLLM did not answer /health within {:?} (actor_rollout.vllm start-up); \
+                     its last lines:\n  {}",
+                    self.settings.start_timeout,
+                    self.last_lines()
+                ));
+                self.stop();
+                return Err(e);
+            }
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    }
+
+    fn call(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+        within: Duration,
+    ) -> Result<http::Answer> {
+        let bytes = body.map(|b| b.to_string().into_bytes());
+        http::request(
+            &self.socket,
+            method,
+            path,
+            &self.api_key,
+            bytes.as_deref(),
+            within,
+        )
+    }
+
+    /// Posts JSON and returns the JSON answer; a refusal carries vLLM's own message.
+    fn post(&mut self, path: &str, body: &Value, within: Duration) -> Result<Value> {
+        let a = self.call("POST", path, Some(body), within).map_err(|e| {
+            match self.child.try_wait() {
+                Ok(Some(st)) => Error::internal(format!(
+                    "the vLLM server died ({st}); its last lines:\n  {}",
+                    self.last_lines()
+                )),
+                _ => e,
+            }
+        })?;
+        let text = String::from_utf8_lossy(&a.body);
+        if a.status != 200 {
+            let shown: String = text.chars().take(1000).collect();
+            return Err(Error::invalid(format!(
+                "vLLM refused {path} (HTTP {}): {shown}",
+                a.status
+            )));
+        }
+        serde_json::from_str(&text)
+            .map_err(|e| Error::internal(format!("vLLM {path}: an answer that is not JSON ({e})")))
+    }
+
+    /// Generates one response per prompt row. Consecutive rows with the same prompt (a
+    /// GRPO group) go as one request with `n` samples, so the engine computes the prompt
+    /// once; all requests are in flight at once, for the engine to batch. `gen.temperature`
+    /// 0 is greedy, one request per row. Each request's seed comes from `gen.seed` and the
+    /// request's index, and vLLM derives the `n` samples' streams from it.
+    pub fn generate(&mut self, prompts: &[Vec<u32>], gen: &GenerationConfig) -> Result<Generation> {
+        let greedy = gen.temperature <= 0.0;
+        let mut groups: Vec<(usize, usize)> = Vec::new(); // (first row, rows)
+        for (i, p) in prompts.iter().enumerate() {
+            match groups.last_mut() {
+                Some((first, n)) if !greedy && prompts[*first] == *p => *n += 1,
+                _ => groups.push((i, 1)),
+            }
+        }
+        let stop: Vec<u32> = gen
+            .eos_token_ids
+            .iter()
+            .chain(&gen.stop_token_ids)
+            .copied()
+            .collect();
+        let bodies: Vec<Value> = groups
+            .iter()
+            .enumerate()
+            .map(|(g, &(first, n))| {
+                json!({
+                    "model": SERVED_NAME,
+                    "prompt": prompts[first],
+                    "n": n,
+                    "max_tokens": gen.max_new_tokens,
+                    "min_tokens": gen.min_new_tokens,
+                    "temperature": if greedy { 0.0 } else { gen.temperature },
+                    "top_p": gen.top_p,
+                    "top_k": if gen.top_k == 0 { -1 } else { gen.top_k as i64 },
+                    "seed": request_seed(gen.seed, g),
+                    "stop_token_ids": stop,
+                    "logprobs": 0,
+                    "return_token_ids": true,
+                    "skip_special_tokens": false,
+                })
+            })
+            .collect();
+        let within = self.settings.request_timeout;
+        let (socket, key) = (self.socket.clone(), self.api_key.clone());
+        let answers: Vec<Result<http::Answer>> = std::thread::scope(|s| {
+            let handles: Vec<_> = bodies
+                .iter()
+                .map(|b| {
+                    let (socket, key) = (&socket, &key);
+                    s.spawn(move || {
+                        let bytes = b.to_string().into_bytes();
+                        http::request(socket, "POST", "/v1/completions", key, Some(&bytes), within)
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(Error::internal("a vLLM request thread panicked")))
+                })
+                .collect()
+        });
+        let mut sequences = Vec::with_capacity(prompts.len());
+        for (&(first, n), answer) in groups.iter().zip(answers) {
+            let answer = answer.map_err(|e| match self.child.try_wait() {
+                Ok(Some(st)) => Error::internal(format!(
+                    "the vLLM server died ({st}); its last lines:\n  {}",
+                    self.last_lines()
+                )),
+                _ => e,
+            })?;
+            let text = String::from_utf8_lossy(&answer.body);
+            if answer.status != 200 {
+                let shown: String = text.chars().take(1000).collect();
+                return Err(Error::invalid(format!(
+                    "vLLM refused a generation request (HTTP {}): {shown}",
+                    answer.status
+                )));
+            }
+            let v: Value = serde_json::from_str(&text).map_err(|e| {
+                Error::internal(format!(
+                    "vLLM /v1/completions: an answer that is not JSON ({e})"
+                ))
+            })?;
+            let samples = parse_choices(&v, n, gen.max_new_tokens, self.settings.vocab_size)?;
+            for (k, (token_ids, logprobs, finish_reason)) in samples.into_iter().enumerate() {
+                sequences.push(GeneratedSequence {
+                    prompt_index: first + k,
+                    sample_index: 0,
+                    prompt_ids: prompts[first + k].clone(),
+                    token_ids,
+                    logprobs,
+                    finish_reason,
+                });
+            }
+        }
+        Ok(Generation {
+            sequences,
+            pad_token_id: gen
+                .pad_token_id
+                .or(gen.eos_token_ids.first().copied())
+                .unwrap_or(0),
+            max_new_tokens: gen.max_new_tokens,
+        })
+    }
+
+    /// The served model's log-probs of `ids[1..]`, each given the tokens before it
+    /// (teacher-forced, temperature 1): a probe that tells which weights are served.
+    pub fn prompt_log_probs(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
+        let body = json!({
+            "model": SERVED_NAME, "prompt": ids, "max_tokens": 1, "temperature": 1.0,
+            "prompt_logprobs": 0,
+        });
+        let within = self.settings.request_timeout;
+        let v = self.post("/v1/completions", &body, within)?;
+        let list = v["choices"][0]["prompt_logprobs"]
+            .as_array()
+            .ok_or_else(|| Error::internal("vLLM returned no prompt_logprobs"))?;
+        ids.iter()
+            .enumerate()
+            .skip(1)
+            .map(|(i, id)| {
+                list.get(i)
+                    .and_then(|e| e[id.to_string()]["logprob"].as_f64())
+                    .map(|x| x as f32)
+                    .ok_or_else(|| {
+                        Error::internal(format!("vLLM's prompt_logprobs lack position {i}"))
+                    })
+            })
+            .collect()
+    }
+
+    /// A directory for the safetensors of the next [`Self::reload`], inside the server's
+    /// private directory (in shared memory where there is some).
+    pub fn weights_dir(&self) -> PathBuf {
+        self.dir.join("weights")
+    }
+
+    /// Replaces the served weights with the safetensors files in `weights_dir`: pause (no
+    /// request is running), `reload_weights`, resume. A failed reload still resumes, and is
+    /// an error. Returns the time it took.
+    pub fn reload(&mut self, weights_dir: &Path) -> Result<Duration> {
+        let t = Instant::now();
+        let within = self.settings.start_timeout;
+        self.post("/pause", &json!({}), within)?;
+        let reloaded = self.post(
+            "/collective_rpc",
+            &json!({"method": "reload_weights", "kwargs": {"weights_path": weights_dir}}),
+            within,
+        );
+        let resumed = self.post("/resume", &json!({}), within);
+        reloaded.map_err(|e| {
+            e.context(format!(
+                "reloading the vLLM weights from {}",
+                weights_dir.display()
+            ))
+        })?;
+        resumed?;
+        Ok(t.elapsed())
+    }
+
+    /// The server's process id (its process group's id too).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Whether the server still runs.
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// Ends the server's whole process group: SIGTERM, up to 10 s, then SIGKILL.
+    pub fn stop(&mut self) {
+        let pg = self.child.id() as i32;
+        // SAFETY: kill with a negative pid signals the group this server leads; it made its
+        // own group at start, so no other process is in it.
+        unsafe { libc::kill(-pg, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline && group_alive(pg) {
+            let _ = self.child.try_wait();
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        // SAFETY: as above.
+        unsafe { libc::kill(-pg, libc::SIGKILL) };
+        let _ = self.child.wait();
+        if let Some(mut g) = self.guardian.take() {
+            let _ = g.kill();
+            let _ = g.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl Drop for VllmServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// Whether any process of group `pg` is left (zombies of reaped children do not count once
+/// reaped).
+fn group_alive(pg: i32) -> bool {
+    // SAFETY: signal 0 only checks that the group exists and may be signalled.
+    unsafe { libc::kill(-pg, 0) == 0 }
+}
+
+/// Starts a shell that ends process group `pg` when this process dies: it gets SIGTERM from
+/// the kernel then (a parent-death signal) and SIGKILLs the group; it also ends by itself
+/// once the group is gone. `None` (with a warning) if it cannot start.
+fn guard_group(pg: i32) -> Option<Child> {
+    let parent = std::process::id() as i32;
+    // `kill -9 -PG` and `kill -0 -PG` are the spellings every POSIX shell takes (dash
+    // refuses `--` and `-s KILL` before a negative pid).
+    let script = format!(
+        "trap 'kill -9 -{pg} 2>/dev/null; exit 0' TERM; \
+         while kill -0 -{pg} 2>/dev/null; do sleep 1; done"
+    );
+    let mut cmd = Command::new("/bin/sh");
+    cmd.args(["-c", &script]).stdin(Stdio::null());
+    // SAFETY: prctl, getppid, kill and _exit are async-signal-safe. If this process died
+    // before the prctl took effect, the parent is already another one: end the group now.
+    unsafe {
+        cmd.pre_exec(move || {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+            if libc::getppid() != parent {
+                libc::kill(-pg, libc::SIGKILL);
+                libc::_exit(0);
+            }
+            Ok(())
+        });
+    }
+    match cmd.spawn() {
+        Ok(c) => Some(c),
+        Err(e) => {
+            tracing::warn!(
+                "cannot start the guardian of the vLLM server (its processes may outlive a killed role process): {e}"
+            );
+            None
+        }
+    }
+}
+
+/// The seed of the `g`-th request of a generation: vLLM seeds a request's `n` samples with
+/// `seed + k`, so requests get seeds far apart (a SplitMix64 step of the pair).
+fn request_seed(seed: u64, g: usize) -> u64 {
+    let mut z = seed ^ (g as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    // vLLM takes a signed 64-bit seed.
+    (z ^ (z >> 31)) >> 1
+}
+
+type Sample = (Vec<u32>, Vec<f32>, FinishReason);
+
+/// The `n` choices of a completions answer, in index order: token ids (each below `vocab`),
+/// their log-probs and why each ended.
+fn parse_choices(v: &Value, n: usize, max_tokens: usize, vocab: usize) -> Result<Vec<Sample>> {
+    let choices = v["choices"]
+        .as_array()
+        .ok_or_else(|| Error::internal("vLLM answered without choices"))?;
+    if choices.len() != n {
+        return Err(Error::internal(format!(
+            "vLLM answered {} choices for n = {n}",
+            choices.len()
+        )));
+    }
+    let mut out: Vec<Option<Sample>> = vec![None; n];
+    for c in choices {
+        let i = c["index"].as_u64().map(|i| i as usize).filter(|&i| i < n);
+        let i = i.ok_or_else(|| {
+            Error::internal(format!("vLLM choice index {} out of range", c["index"]))
+        })?;
+        let ids: Vec<u32> = c["token_ids"]
+            .as_array()
+            .ok_or_else(|| Error::internal("vLLM answered without token_ids (return_token_ids)"))?
+            .iter()
+            .map(|t| match t.as_u64() {
+                Some(id) if (id as u128) < vocab as u128 => Ok(id as u32),
+                _ => Err(Error::invalid(format!(
+                    "vLLM returned token id {t}, outside the tokenizer's vocabulary (0..{vocab}): \
+                     is it serving another model than the trainer's?"
+                ))),
+            })
+            .collect::<Result<_>>()?;
+        let lps: Vec<f32> = c["logprobs"]["token_logprobs"]
+            .as_array()
+            .ok_or_else(|| Error::internal("vLLM answered without token_logprobs"))?
+            .iter()
+            .map(|x| x.as_f64().map(|x| x as f32).unwrap_or(f32::NEG_INFINITY))
+            .collect();
+        if ids.len() != lps.len() || ids.is_empty() && max_tokens > 0 || ids.len() > max_tokens {
+            return Err(Error::internal(format!(
+                "vLLM answered {} tokens with {} log-probs (max_tokens {max_tokens})",
+                ids.len(),
+                lps.len()
+            )));
+        }
+        let finish = match c["finish_reason"].as_str() {
+            Some("stop") => FinishReason::Stop(*ids.last().unwrap_or(&0)),
+            Some("length") => FinishReason::Length,
+            other => {
+                return Err(Error::internal(format!(
+                    "vLLM ended a sample with finish_reason {other:?}"
+                )))
+            }
+        };
+        out[i] = Some((ids, lps, finish));
+    }
+    out.into_iter()
+        .enumerate()
+        .map(|(i, s)| s.ok_or_else(|| Error::internal(format!("vLLM answered no choice {i}"))))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn choices_are_read_in_index_order_and_bad_ids_refused() {
+        let v = json!({"choices": [
+            {"index": 1, "token_ids": [5, 0], "logprobs": {"token_logprobs": [-0.5, -0.1]}, "finish_reason": "stop"},
+            {"index": 0, "token_ids": [7, 8, 9], "logprobs": {"token_logprobs": [-1.0, -2.0, -3.0]}, "finish_reason": "length"},
+        ]});
+        let s = parse_choices(&v, 2, 3, 384).unwrap();
+        assert_eq!(s[0].0, vec![7, 8, 9]);
+        assert_eq!(s[0].2, FinishReason::Length);
+        assert_eq!(
+            (s[1].0.clone(), s[1].2),
+            (vec![5, 0], FinishReason::Stop(0))
+        );
+        let bad = json!({"choices": [
+            {"index": 0, "token_ids": [400], "logprobs": {"token_logprobs": [-1.0]}, "finish_reason": "stop"},
+        ]});
+        let e = parse_choices(&bad, 1, 3, 384).unwrap_err().to_string();
+        assert!(e.contains("token id 400") && e.contains("0..384"), "{e}");
+        assert!(parse_choices(&v, 3, 3, 384).is_err(), "n mismatch");
+    }
+
+    #[test]
+    fn request_seeds_are_far_apart_and_fit_a_signed_64_bit_integer() {
+        let seeds: Vec<u64> = (0..1000).map(|g| request_seed(42, g)).collect();
+        for (i, a) in seeds.iter().enumerate() {
+            assert!(*a <= i64::MAX as u64);
+            for b in &seeds[i + 1..] {
+                assert!(a.abs_diff(*b) > 1 << 20, "{a} {b}");
+            }
+        }
+        assert_eq!(request_seed(42, 3), request_seed(42, 3));
+    }
+}
