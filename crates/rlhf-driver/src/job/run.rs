@@ -115,6 +115,13 @@ pub(super) struct Attempter<'x, I> {
     pub shutdown: &'x CancellationToken,
 }
 
+/// Where a job's checkpoints are and how a restart checks the one it reloads.
+#[derive(Clone, Copy)]
+pub(super) struct Checkpoints<'a> {
+    pub root: &'a Path,
+    pub seal: checkpoint::Seal<'a>,
+}
+
 /// Runs attempts of a job (PPO's or another stage's) until one ends, restarting after a role
 /// process or node dies as `fault_tolerance` allows: each new attempt starts from the newest
 /// checkpoint of this run (or the one it resumed from, or the beginning), after
@@ -122,8 +129,7 @@ pub(super) struct Attempter<'x, I> {
 /// reporters drop them from the files). `attempts` places the roles, runs, and frees them.
 pub(super) async fn with_restarts(
     cfg: &PpoConfig,
-    ckpt_root: &Path,
-    seal: checkpoint::Seal<'_>,
+    ckpts: Checkpoints<'_>,
     resumed: ResumePoint,
     report: &mut Reporters,
     shutdown: &CancellationToken,
@@ -134,10 +140,7 @@ pub(super) async fn with_restarts(
         last_checkpoint: resumed.as_ref().map(|(d, _)| d.clone()),
         ..Carry::default()
     };
-    let out = restart_loop(
-        cfg, ckpt_root, seal, resumed, report, shutdown, attempts, &mut carry,
-    )
-    .await;
+    let out = restart_loop(cfg, ckpts, resumed, report, shutdown, attempts, &mut carry).await;
     // However the job ends (done, failed, stopped), the workers drop its memory snapshots.
     carry.snapshots.release().await;
     out.map(|global_step| carry.summary(cfg, first_step, global_step))
@@ -146,8 +149,7 @@ pub(super) async fn with_restarts(
 /// [`with_restarts`]' attempts and restarts; returns the last completed step.
 async fn restart_loop(
     cfg: &PpoConfig,
-    ckpt_root: &Path,
-    seal: checkpoint::Seal<'_>,
+    ckpts: Checkpoints<'_>,
     mut resumed: ResumePoint,
     report: &mut Reporters,
     shutdown: &CancellationToken,
@@ -167,7 +169,7 @@ async fn restart_loop(
         restarts += 1;
         // The newest checkpoint this run wrote or resumed from; none: from the start.
         resumed = match &carry.last_checkpoint {
-            Some(dir) => Some(restart_point(ckpt_root, dir, seal, carry)?),
+            Some(dir) => Some(restart_point(ckpts, dir, carry)?),
             None => None,
         };
         let from = resumed.as_ref().map_or(0, |(_, st)| st.global_step);
@@ -189,17 +191,16 @@ async fn restart_loop(
 /// The checkpoint `dir` with its trainer state: from disk, or, when that is gone, from the
 /// memory snapshot of the same step.
 fn restart_point(
-    ckpt_root: &Path,
+    ckpts: Checkpoints<'_>,
     dir: &Path,
-    seal: checkpoint::Seal<'_>,
     carry: &Carry,
 ) -> rlhf_core::Result<(PathBuf, TrainerState)> {
-    let e = match checkpoint::resolve(ckpt_root, &dir.to_string_lossy(), seal) {
+    let e = match checkpoint::resolve(ckpts.root, &dir.to_string_lossy(), ckpts.seal) {
         Ok(r) => return Ok(r),
         Err(e) => e,
     };
     let record = carry.snapshots.record.as_ref();
-    match record.filter(|r| checkpoint::step_dir(ckpt_root, r.step) == dir) {
+    match record.filter(|r| checkpoint::step_dir(ckpts.root, r.step) == dir) {
         Some(r) => {
             tracing::warn!(
                 "{e}; restarting from the memory snapshot of step {}",
@@ -298,8 +299,10 @@ async fn run_here(
     let key = opts.checkpoint_key();
     with_restarts(
         cfg,
-        &ckpt_root,
-        opts.seal(&key),
+        Checkpoints {
+            root: &ckpt_root,
+            seal: opts.seal(&key),
+        },
         resumed,
         &mut report,
         &shutdown,

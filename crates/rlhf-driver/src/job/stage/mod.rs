@@ -225,8 +225,10 @@ pub(super) async fn run(
     let key = opts.checkpoint_key();
     run::with_restarts(
         cfg,
-        &ckpt_root,
-        opts.seal(&key),
+        run::Checkpoints {
+            root: &ckpt_root,
+            seal: opts.seal(&key),
+        },
         resumed,
         &mut report,
         &shutdown,
