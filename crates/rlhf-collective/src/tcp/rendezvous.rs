@@ -452,6 +452,23 @@ impl<'a> HelloGate<'a> {
                 }
             }
             let now = Instant::now();
+            // Checked on every pass, not only when no connection waits: a peer that keeps
+            // connecting must not keep the wait past its deadline.
+            if stop.load(Ordering::Relaxed) {
+                return Err(Error::Unavailable {
+                    backend: "tcp",
+                    reason: format!("rank {rank}: the rendezvous was abandoned"),
+                });
+            }
+            if now >= deadline {
+                return Err(Error::Timeout {
+                    op: Op::Rendezvous,
+                    rank,
+                    peer: None,
+                    timeout: self.config.timeout,
+                    detail: who_is_missing(),
+                });
+            }
             while self.pending.front().is_some_and(|p| p.until <= now) {
                 self.cut(
                     0,
@@ -461,24 +478,18 @@ impl<'a> HelloGate<'a> {
             match self.listener.accept() {
                 Ok((s, _)) => self.start(s),
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                    if stop.load(Ordering::Relaxed) {
-                        return Err(Error::Unavailable {
-                            backend: "tcp",
-                            reason: format!("rank {rank}: the rendezvous was abandoned"),
-                        });
-                    }
-                    if now >= deadline {
-                        return Err(Error::Timeout {
-                            op: Op::Rendezvous,
-                            rank,
-                            peer: None,
-                            timeout: self.config.timeout,
-                            detail: who_is_missing(),
-                        });
-                    }
                     std::thread::sleep(Duration::from_millis(2));
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                // A peer that reset before its accept, or no descriptor free for a moment
+                // (a flood of strangers): the wait goes on.
+                Err(e)
+                    if e.kind() == io::ErrorKind::ConnectionAborted
+                        || e.raw_os_error() == Some(libc::EMFILE)
+                        || e.raw_os_error() == Some(libc::ENFILE) =>
+                {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
                 Err(e) => {
                     return Err(io_err(
                         Op::Rendezvous,
