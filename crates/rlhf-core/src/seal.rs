@@ -138,11 +138,18 @@ pub fn verify(dir: &Path, state_file: &str, state_bytes: &[u8], key: &Checkpoint
         )));
     }
     if mac.key_id != key.id {
+        // The id comes from the file: shown only when it has the shape ids have.
+        let theirs = if mac.key_id.len() == 16 && mac.key_id.chars().all(|c| c.is_ascii_hexdigit())
+        {
+            format!("key id {}", mac.key_id)
+        } else {
+            "a malformed key id".to_string()
+        };
         return Err(Error::invalid(format!(
-            "{shown} was signed with another checkpoint key (key id {}; this run's key, from {}, \
+            "{shown} was signed with another checkpoint key ({theirs}; this run's key, from {}, \
              has id {}): another cluster's token or key file wrote it; pass the key that did \
              with --checkpoint-key-file, or {trust}",
-            mac.key_id, key.source, key.id
+            key.source, key.id
         )));
     }
     if !key.verify(state_bytes, &mac.tag) {

@@ -144,6 +144,28 @@ pub fn commit(root: &Path, state: &TrainerState, key: &CheckpointKey) -> Result<
     Ok(dir)
 }
 
+/// Removes the state file and the signature of a step directory about to be saved again.
+pub fn uncommit(dir: &Path) -> Result<()> {
+    for f in [STATE_FILE, seal::MAC_FILE] {
+        match std::fs::remove_file(dir.join(f)) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(Error::io(format!("removing {}", dir.join(f).display()), e)),
+        }
+    }
+    Ok(())
+}
+
+/// The parts (role directories) of a committed step whose manifest the signature does not
+/// cover because this process cannot see it.
+pub fn parts_without_manifest(dir: &Path, parts: &[&str]) -> Vec<String> {
+    parts
+        .iter()
+        .filter(|p| !dir.join(p).join(durable::MANIFEST_FILE).is_file())
+        .map(|p| p.to_string())
+        .collect()
+}
+
 /// Complete checkpoints under `root`, oldest first.
 pub fn list(root: &Path) -> Vec<(u64, PathBuf)> {
     let mut v: Vec<(u64, PathBuf)> = std::fs::read_dir(root)
@@ -181,8 +203,9 @@ pub fn prune(root: &Path, keep: u32) -> Result<Vec<PathBuf>> {
 pub fn resolve(root: &Path, spec: &str, seal: Seal<'_>) -> Result<(PathBuf, TrainerState)> {
     let dir = if spec == "latest" {
         let latest = root.join(LATEST_FILE);
-        let step = std::fs::read_to_string(&latest)
+        let step = durable::read_regular(&latest, 64)
             .ok()
+            .and_then(|b| String::from_utf8(b).ok())
             .and_then(|s| s.trim().parse::<u64>().ok());
         match step {
             Some(n) if step_dir(root, n).join(STATE_FILE).is_file() => step_dir(root, n),

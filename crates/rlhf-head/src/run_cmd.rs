@@ -127,7 +127,18 @@ fn checkpoint_key(
     rlhf_runtime::prepare_state_dir(&dir)?;
     let path = dir.join("checkpoint-key");
     if path.symlink_metadata().is_err() {
-        auth::write_token_file(&path, &auth::generate_token())?;
+        // Written whole under another name, then linked into place, which fails if another
+        // run made it first: a reader never sees a half-written key, and no run replaces
+        // the key another one signs with.
+        let tmp = dir.join(format!("checkpoint-key.tmp-{}", std::process::id()));
+        auth::write_token_file(&tmp, &auth::generate_token())?;
+        let linked = std::fs::hard_link(&tmp, &path);
+        let _ = std::fs::remove_file(&tmp);
+        match linked {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(Error::io(format!("creating {}", path.display()), e)),
+        }
     }
     let k = auth::read_token_file(&path, auth::TokenFile::Found)?;
     Ok(Some(CheckpointKey::from_secret(

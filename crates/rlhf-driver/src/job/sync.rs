@@ -337,6 +337,10 @@ pub(super) async fn save_parts(
 ) -> Res<PendingSave> {
     let step = state.global_step;
     let dir = checkpoint::step_dir(root, step);
+    // Saving a step again (after a resume from an earlier one): the old state and signature
+    // go first, so a crash before the commit leaves an incomplete step, not a stale state
+    // under a new signature.
+    checkpoint::uncommit(&dir)?;
     // A part whose optimizer state is sharded (`training.zero_stage` 1 or 2) is saved by every
     // rank (rank 0 the weights and its shard, the others their shards); otherwise rank 0
     // saves it all. The checkpoint is committed once every saver has its files on disk.
@@ -422,6 +426,17 @@ pub(super) async fn save_parts(
             }
         }
         let dir = checkpoint::commit(&root, &state, &key)?;
+        let names: Vec<&str> = parts.iter().map(|(n, _, _)| n.as_str()).collect();
+        let unseen = checkpoint::parts_without_manifest(&dir, &names);
+        if !unseen.is_empty() {
+            tracing::warn!(
+                "checkpoint {}: the driver sees no manifest of {} under checkpoint.dir (a \
+                 directory local to each node?), so its signature does not cover them; a \
+                 resume still checks their files against their own manifests",
+                dir.display(),
+                unseen.join(", ")
+            );
+        }
         checkpoint::prune(&root, keep)?;
         let snapshot = match plan {
             Some(plan) => {
