@@ -117,14 +117,55 @@ pub(crate) fn never_fits(
     Some(msg)
 }
 
-/// Fails at once when the cluster can never hold the job ([`never_fits`]), instead of
-/// letting the placement wait out the start timeout in silence.
+/// How long a job the cluster cannot hold waits for more nodes to register (workers that
+/// were started with the head may still be joining) before it fails.
+const PREFLIGHT_GRACE: Duration = Duration::from_secs(10);
+
+/// Fails within [`PREFLIGHT_GRACE`] when the cluster can never hold the job
+/// ([`never_fits`]), instead of letting the placement wait out the start timeout in
+/// silence; nodes that register meanwhile count.
 async fn preflight(
     head: &mut HeadClient,
     cfg: &PpoConfig,
     resource: &str,
     timeout: Duration,
 ) -> Result<()> {
+    let deadline = tokio::time::Instant::now() + timeout.min(PREFLIGHT_GRACE);
+    let mut said = false;
+    loop {
+        let (usable, why) = never_fits_now(head, cfg, resource, timeout).await?;
+        if usable == 0 {
+            // A cluster with no node yet (a head just started, its workers on their way):
+            // the placement waits for them, as long as the start timeout allows.
+            tracing::warn!(
+                "no live node in the cluster yet: the job waits up to --start-timeout ({timeout:?}) for workers to join"
+            );
+            return Ok(());
+        }
+        match why {
+            None => return Ok(()),
+            Some(why) if tokio::time::Instant::now() >= deadline => {
+                return Err(Error::new(FailureKind::InvalidArgument, why))
+            }
+            Some(why) => {
+                if !said {
+                    tracing::warn!("waiting up to {PREFLIGHT_GRACE:?} for more nodes: {why}");
+                    said = true;
+                }
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
+    }
+}
+
+/// The usable nodes (alive or rejoining) and [`never_fits`] on the cluster as the head
+/// reports it now.
+async fn never_fits_now(
+    head: &mut HeadClient,
+    cfg: &PpoConfig,
+    resource: &str,
+    timeout: Duration,
+) -> Result<(usize, Option<String>)> {
     let status = tokio::time::timeout(
         timeout.min(Duration::from_secs(30)),
         head.cluster_status(pb::ClusterStatusRequest {}),
@@ -160,10 +201,8 @@ async fn preflight(
         })
         .filter(|(_, n, _)| *n > 0)
         .collect();
-    match never_fits(&needs, &nodes, resource) {
-        Some(why) => Err(Error::new(FailureKind::InvalidArgument, why)),
-        None => Ok(()),
-    }
+    let usable = nodes.iter().filter(|n| n.usable).count();
+    Ok((usable, never_fits(&needs, &nodes, resource)))
 }
 
 /// Every role part of a job.
