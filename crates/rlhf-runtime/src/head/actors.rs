@@ -81,6 +81,10 @@ impl Head {
             Ok(Ok(r)) => r.into_inner().actor.unwrap_or_default(),
             Ok(Err(status)) => {
                 let chain = net::error_chain(&status);
+                // Only a failure to reach the worker is about its certificate; the worker's
+                // own errors (a download behind a proxy) may quote certificate errors too.
+                let transport = status.code() == tonic::Code::Unavailable
+                    || status.code() == tonic::Code::Unknown && chain.contains("transport error");
                 let hint = net::tls_hint(
                     &chain,
                     "the head",
@@ -88,7 +92,7 @@ impl Head {
                     "start the head with --tls-ca CA, the CA that signed the workers' \
                      certificates (without it the head trusts only its own --tls-cert)",
                 );
-                let e = match hint {
+                let e = match hint.filter(|_| transport) {
                     Some(h) => Error::new(FailureKind::Unauthenticated, format!("{h} ({chain})")),
                     None => Error::from(status),
                 };
