@@ -126,7 +126,7 @@ fn parse(raw: &[u8]) -> std::result::Result<Answer, String> {
         if size == 0 {
             break;
         }
-        if body.len() < size + 2 {
+        if size.checked_add(2).is_none_or(|need| body.len() < need) {
             return Err("a chunk is cut short".into());
         }
         out.extend_from_slice(&body[..size]);

@@ -132,6 +132,10 @@ impl VllmServer {
     /// Starts the server and waits until it answers `/health`, within `start_timeout`. The
     /// error of a server that exits or never gets healthy carries its last lines (a model
     /// it refuses, a missing module).
+    ///
+    /// Call it from a thread that lives as long as the server (a role's compute thread):
+    /// the kernel's parent-death signal follows the thread that started a child, so a
+    /// short-lived thread would take vLLM with it when it ends.
     pub fn start(settings: &VllmSettings) -> Result<Self> {
         let s = settings;
         if !s.python.is_file() {
@@ -165,6 +169,10 @@ impl VllmServer {
                 "--no-enable-prefix-caching"
             })
             .args(["--disable-uvicorn-access-log"])
+            // Sampling exactly as asked: by default vLLM also applies the model's
+            // generation_config.json (a repetition penalty, say), which the trainer's
+            // log-probs do not.
+            .args(["--generation-config", "vllm"])
             .args(&s.extra_args)
             // /pause, /resume and /collective_rpc exist only in its development mode; the
             // socket's directory is what keeps others away from them.
@@ -202,7 +210,7 @@ impl VllmServer {
         if let Some(err) = child.stderr.take() {
             forward(err, Arc::clone(&tail));
         }
-        let guardian = guard_group(child.id() as i32);
+        let guardian = guard_group(child.id() as i32, &dir);
         let mut server = Self {
             child,
             guardian,
@@ -282,17 +290,22 @@ impl VllmServer {
         )
     }
 
+    /// A failed exchange, said as the server's death (with its last lines) when it died.
+    fn explain(&mut self, e: Error) -> Error {
+        match self.child.try_wait() {
+            Ok(Some(st)) => Error::internal(format!(
+                "the vLLM server died ({st}); its last lines:\n  {}",
+                self.last_lines()
+            )),
+            _ => e,
+        }
+    }
+
     /// Posts JSON and returns the JSON answer; a refusal carries vLLM's own message.
     fn post(&mut self, path: &str, body: &Value, within: Duration) -> Result<Value> {
-        let a = self.call("POST", path, Some(body), within).map_err(|e| {
-            match self.child.try_wait() {
-                Ok(Some(st)) => Error::internal(format!(
-                    "the vLLM server died ({st}); its last lines:\n  {}",
-                    self.last_lines()
-                )),
-                _ => e,
-            }
-        })?;
+        let a = self
+            .call("POST", path, Some(body), within)
+            .map_err(|e| self.explain(e))?;
         let text = String::from_utf8_lossy(&a.body);
         if a.status != 200 {
             let shown: String = text.chars().take(1000).collect();
@@ -369,13 +382,7 @@ impl VllmServer {
         });
         let mut sequences = Vec::with_capacity(prompts.len());
         for (&(first, n), answer) in groups.iter().zip(answers) {
-            let answer = answer.map_err(|e| match self.child.try_wait() {
-                Ok(Some(st)) => Error::internal(format!(
-                    "the vLLM server died ({st}); its last lines:\n  {}",
-                    self.last_lines()
-                )),
-                _ => e,
-            })?;
+            let answer = answer.map_err(|e| self.explain(e))?;
             let text = String::from_utf8_lossy(&answer.body);
             if answer.status != 200 {
                 let shown: String = text.chars().take(1000).collect();
@@ -514,16 +521,18 @@ fn group_alive(pg: i32) -> bool {
 /// Starts a shell that ends process group `pg` when this process dies: it gets SIGTERM from
 /// the kernel then (a parent-death signal) and SIGKILLs the group; it also ends by itself
 /// once the group is gone. `None` (with a warning) if it cannot start.
-fn guard_group(pg: i32) -> Option<Child> {
+fn guard_group(pg: i32, dir: &Path) -> Option<Child> {
     let parent = std::process::id() as i32;
     // `kill -9 -PG` and `kill -0 -PG` are the spellings every POSIX shell takes (dash
-    // refuses `--` and `-s KILL` before a negative pid).
+    // refuses `--` and `-s KILL` before a negative pid). The private directory (weights of
+    // a reload, in shared memory) goes with the group. The path is passed as an argument,
+    // never pasted into the script.
     let script = format!(
-        "trap 'kill -9 -{pg} 2>/dev/null; exit 0' TERM; \
-         while kill -0 -{pg} 2>/dev/null; do sleep 1; done"
+        "trap 'kill -9 -{pg} 2>/dev/null; rm -rf \"$0\"; exit 0' TERM; \
+         while kill -0 -{pg} 2>/dev/null; do sleep 1; done; rm -rf \"$0\""
     );
     let mut cmd = Command::new("/bin/sh");
-    cmd.args(["-c", &script]).stdin(Stdio::null());
+    cmd.args(["-c", &script]).arg(dir).stdin(Stdio::null());
     // SAFETY: prctl, getppid, kill and _exit are async-signal-safe. If this process died
     // before the prctl took effect, the parent is already another one: end the group now.
     unsafe {
