@@ -103,11 +103,19 @@ fn private_dir() -> Result<PathBuf> {
     )))
 }
 
-fn random_hex(bytes: usize) -> String {
-    use rand::RngCore;
-    let mut b = vec![0u8; bytes];
-    rand::rng().fill_bytes(&mut b);
-    b.iter().map(|x| format!("{x:02x}")).collect()
+/// The JSON of a 200 answer to `what` (a path, or what the request was for); any other
+/// status is a refusal carrying vLLM's own message.
+fn json_answer(a: &http::Answer, what: &str) -> Result<Value> {
+    let text = String::from_utf8_lossy(&a.body);
+    if a.status != 200 {
+        let shown: String = text.chars().take(1000).collect();
+        return Err(Error::invalid(format!(
+            "vLLM refused {what} (HTTP {}): {shown}",
+            a.status
+        )));
+    }
+    serde_json::from_str(&text)
+        .map_err(|e| Error::internal(format!("vLLM {what}: an answer that is not JSON ({e})")))
 }
 
 /// Copies a child's output lines to this process's stderr (the role's log) and keeps the
@@ -147,7 +155,8 @@ impl VllmServer {
         }
         let dir = private_dir()?;
         let socket = dir.join("api.sock");
-        let api_key = random_hex(32);
+        // A fresh 256-bit secret, as a cluster token is made.
+        let api_key = rlhf_runtime::auth::generate_token();
         let mut cmd = Command::new(&s.python);
         cmd.args(["-m", "vllm.entrypoints.openai.api_server", "--model"])
             .arg(&s.model_dir)
@@ -306,16 +315,7 @@ impl VllmServer {
         let a = self
             .call("POST", path, Some(body), within)
             .map_err(|e| self.explain(e))?;
-        let text = String::from_utf8_lossy(&a.body);
-        if a.status != 200 {
-            let shown: String = text.chars().take(1000).collect();
-            return Err(Error::invalid(format!(
-                "vLLM refused {path} (HTTP {}): {shown}",
-                a.status
-            )));
-        }
-        serde_json::from_str(&text)
-            .map_err(|e| Error::internal(format!("vLLM {path}: an answer that is not JSON ({e})")))
+        json_answer(&a, path)
     }
 
     /// Generates one response per prompt row. Consecutive rows with the same prompt (a
@@ -383,19 +383,7 @@ impl VllmServer {
         let mut sequences = Vec::with_capacity(prompts.len());
         for (&(first, n), answer) in groups.iter().zip(answers) {
             let answer = answer.map_err(|e| self.explain(e))?;
-            let text = String::from_utf8_lossy(&answer.body);
-            if answer.status != 200 {
-                let shown: String = text.chars().take(1000).collect();
-                return Err(Error::invalid(format!(
-                    "vLLM refused a generation request (HTTP {}): {shown}",
-                    answer.status
-                )));
-            }
-            let v: Value = serde_json::from_str(&text).map_err(|e| {
-                Error::internal(format!(
-                    "vLLM /v1/completions: an answer that is not JSON ({e})"
-                ))
-            })?;
+            let v = json_answer(&answer, "a generation request")?;
             let samples = parse_choices(&v, n, gen.max_new_tokens, self.settings.vocab_size)?;
             for (k, (token_ids, logprobs, finish_reason)) in samples.into_iter().enumerate() {
                 sequences.push(GeneratedSequence {
