@@ -393,16 +393,21 @@ impl PpoConfig {
         rows
     }
 
-    /// Rows whose estimate exceeds `resource_pool.device_memory_gb`: the roles' rows, or
-    /// under `resource_pool.colocate` the phases of one shared device.
-    pub fn memory_warnings(&self) -> Vec<String> {
-        let cap = self.resource_pool.device_memory_gb;
-        let rows = if self.resource_pool.colocate {
+    /// The rows a device's memory budget is judged on: the roles' rows, or under
+    /// `resource_pool.colocate` the phases of one shared device.
+    fn budget_rows(&self) -> Vec<MemoryRow> {
+        if self.resource_pool.colocate {
             self.colocated_phases()
         } else {
             self.memory_estimate()
-        };
-        rows.iter()
+        }
+    }
+
+    /// Rows whose estimate exceeds `resource_pool.device_memory_gb` ([`Self::budget_rows`]).
+    pub fn memory_warnings(&self) -> Vec<String> {
+        let cap = self.resource_pool.device_memory_gb;
+        self.budget_rows()
+            .iter()
             .filter(|r| gib(r.total()) > cap)
             .map(|r| {
                 format!(
@@ -427,11 +432,7 @@ impl PpoConfig {
         let mut out = String::new();
         let cap = self.resource_pool.device_memory_gb;
         let device = self.resource_pool.device.resource();
-        let rows = if self.resource_pool.colocate {
-            self.colocated_phases()
-        } else {
-            self.memory_estimate()
-        };
+        let rows = self.budget_rows();
         let plan = self.placement_plan(nodes);
         let largest = rows.iter().max_by(|a, b| a.total().cmp(&b.total()));
         let over: Vec<String> = rows

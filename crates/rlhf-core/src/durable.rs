@@ -56,6 +56,11 @@ pub fn read_regular(path: &Path, max: u64) -> Result<Vec<u8>> {
     Ok(out)
 }
 
+/// Lower-case hex of `b` (digests and tags).
+pub(crate) fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
 /// Whether `name` is a plain file name a manifest may list: not empty, no path separator,
 /// not `.` or `..`, not the manifest itself.
 fn plain_name(name: &str) -> bool {
@@ -148,13 +153,7 @@ fn hash_file(path: &Path) -> std::io::Result<(u64, u64, String)> {
         sha.update(&buf[..k]);
         n += k as u64;
     }
-    let sha: String = sha
-        .finish()
-        .as_ref()
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect();
-    Ok((n, sum.finish(), sha))
+    Ok((n, sum.finish(), hex(sha.finish().as_ref())))
 }
 
 impl Manifest {

@@ -111,9 +111,14 @@ impl Resources {
     }
 }
 
+/// Whether a resource key counts bytes of memory (`memory`, `*_memory`).
+pub fn is_memory(key: &str) -> bool {
+    key == "memory" || key.ends_with("_memory")
+}
+
 /// Human form of one quantity: memory in GiB, whole numbers without decimals.
 pub fn fmt_amount(key: &str, v: f64) -> String {
-    if key == "memory" || key.ends_with("_memory") {
+    if is_memory(key) {
         format!("{:.1}GiB", v / (1u64 << 30) as f64)
     } else if (v - v.round()).abs() < EPS {
         format!("{}", v.round() as i64)

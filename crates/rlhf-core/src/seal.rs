@@ -14,7 +14,7 @@ use std::path::Path;
 use ring::{digest, hmac};
 use serde::{Deserialize, Serialize};
 
-use crate::durable::MANIFEST_FILE;
+use crate::durable::{hex, MANIFEST_FILE};
 use crate::{Error, Result};
 
 /// The signature file of a checkpoint step directory.
@@ -36,10 +36,6 @@ impl std::fmt::Debug for CheckpointKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "CheckpointKey(id {}, from {})", self.id, self.source)
     }
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
 fn unhex(s: &str) -> Option<Vec<u8>> {

@@ -56,7 +56,7 @@ pub(crate) fn node_usage(n: &pb::NodeInfo, actors: &[pb::ActorInfo]) -> Vec<Stri
         .iter()
         .map(|(k, t)| {
             let used = (t - avail.get(k)).max(0.0);
-            let mut line = if k == "memory" || k.ends_with("_memory") {
+            let mut line = if rlhf_core::resources::is_memory(k) {
                 format!(
                     "{k} {:.1}/{:.1} GiB",
                     used / (1u64 << 30) as f64,
