@@ -72,6 +72,9 @@ pub const TIMING_S_VALUES: &str = "timing_s/values";
 pub const TIMING_S_WAIT_ROLLOUT: &str = "timing_s/wait_rollout";
 
 pub const PERF_THROUGHPUT: &str = "perf/throughput";
+/// Response tokens the rollout generated per second of its generation (the engine's speed,
+/// candle or vLLM).
+pub const PERF_ROLLOUT_TOKENS_PER_S: &str = "perf/rollout_tokens_per_s";
 pub const PERF_TOTAL_NUM_TOKENS: &str = "perf/total_num_tokens";
 /// Wall time of the step's trainer → rollout weight sync (0 when colocated).
 pub const PERF_WEIGHT_SYNC_S: &str = "perf/weight_sync_s";

@@ -38,6 +38,7 @@ mod phases;
 mod plan;
 mod resolve;
 mod roles;
+pub mod rollout_engine;
 pub mod spec;
 mod validate;
 
@@ -58,5 +59,6 @@ pub use phases::Phase;
 pub use plan::{Assignment, Plan};
 pub use resolve::RoleModel;
 pub use rlhf_algo::{AlgorithmConfig, KlCtrlConfig};
+pub use rollout_engine::{RolloutEngine, VllmOptions};
 pub use spec::{EngineSpec, RewardSpec, RoleSpec, SamplingSpec, Shapes, TrainSpec};
 pub use validate::problems;

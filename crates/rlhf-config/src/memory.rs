@@ -40,6 +40,11 @@
 //! reduce-scatter's f32 buffer of what trains. Held against the measured peak of two
 //! stage-3 ranks, with and without LoRA, in rlhf-roles' `memory_estimate_zero3*` tests.
 //!
+//! A rollout rank that generates with vLLM (`actor_rollout.engine: vllm`) holds the received
+//! copy (`P·b`, which each sync publishes) beside vLLM: on a GPU vLLM takes
+//! `gpu_memory_utilization` of the device (its weights, activations and KV cache), on the CPU
+//! its weights `P·b`, `kv_cache_gb` and the prefill.
+//!
 //! These are rough upper-ish bounds for planning, not allocator-exact numbers.
 
 use std::collections::BTreeMap;
@@ -300,13 +305,42 @@ impl PpoConfig {
                     let prefill =
                         layer_activations(&arch, batch, u64::from(a.max_prompt_length), b)
                             .saturating_add(mul(&[batch, arch.vocab_size, 4]));
+                    // The base plus the adapters the sync sends, in the same dtype.
+                    let received = mul(&[p.saturating_add(adapters), b]);
+                    if a.engine == crate::RolloutEngine::Vllm {
+                        // The received copy, which each sync publishes to vLLM, plus vLLM:
+                        // on a GPU it takes its gpu_memory_utilization share of the device
+                        // (weights, activations and KV cache within it); on the CPU its
+                        // weights, its KV cache space and the prefill.
+                        let served = mul(&[p, b]);
+                        let gpu = self.resource_pool.device == crate::DeviceKind::Gpu;
+                        let (kv, act) = if gpu {
+                            let share = a.vllm.gpu_memory_utilization
+                                * self.resource_pool.device_memory_gb
+                                * GIB;
+                            ((share as u64).saturating_sub(served), 0)
+                        } else {
+                            ((f64::from(a.vllm.kv_cache_gb) * GIB) as u64, prefill)
+                        };
+                        rows.push(MemoryRow {
+                            label: "actor_rollout/infer (vllm)".into(),
+                            role,
+                            model: m.name,
+                            params: p,
+                            weights: received.saturating_add(served),
+                            gradients: 0,
+                            optimizer: 0,
+                            kv_cache: kv,
+                            activations: act,
+                        });
+                        continue;
+                    }
                     rows.push(MemoryRow {
                         label: "actor_rollout/infer".into(),
                         role,
                         model: m.name,
                         params: p,
-                        // The base plus the adapters the sync sends, in the same dtype.
-                        weights: mul(&[p.saturating_add(adapters), b]),
+                        weights: received,
                         gradients: 0,
                         optimizer: 0,
                         kv_cache: kv,
@@ -547,5 +581,36 @@ mod tests {
         .unwrap();
         assert_eq!(m.lm_params(), u64::MAX);
         assert_eq!(layer_activations(&m, u64::MAX, u64::MAX, 4), u64::MAX / 2);
+    }
+
+    #[test]
+    fn a_vllm_rollout_counts_its_server_beside_the_received_copy() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../configs");
+        let infer = |o: &[&str]| {
+            let o: Vec<String> = o.iter().map(|s| s.to_string()).collect();
+            let cfg = crate::load(&dir, "ppo_qwen25_05b", &o).unwrap();
+            cfg.memory_estimate()
+                .into_iter()
+                .find(|r| r.label.starts_with("actor_rollout/infer"))
+                .unwrap()
+        };
+        let candle = infer(&[]);
+        let gpu = infer(&[
+            "actor_rollout.engine=vllm",
+            "actor_rollout.vllm.gpu_memory_utilization=0.4",
+        ]);
+        assert_eq!(gpu.label, "actor_rollout/infer (vllm)");
+        // The received copy and vLLM's own copy of the weights.
+        assert_eq!(gpu.weights, 2 * candle.weights);
+        // vLLM's share of the 80 GiB device in all, its weights inside it.
+        let share = (0.4 * 80.0 * GIB) as u64;
+        assert_eq!(gpu.total(), candle.weights + share);
+        let cpu = infer(&[
+            "resource_pool.device=CPU",
+            "actor_rollout.engine=vllm",
+            "actor_rollout.vllm.kv_cache_gb=2",
+        ]);
+        assert_eq!(cpu.kv_cache, 2 * (1 << 30));
+        assert_eq!(cpu.weights, 2 * candle.weights);
     }
 }

@@ -63,6 +63,10 @@ pub struct ActorRolloutConfig {
     /// generate with their weights (true), or processes of their own on the same devices
     /// that receive the weights after every update (false).
     pub hybrid_engine: bool,
+    /// The rollout ranks' engine: candle (our own loop) or vllm (a vLLM server per rank).
+    pub engine: crate::RolloutEngine,
+    /// The vLLM server of each rollout rank (`actor_rollout.vllm.*`; `engine: vllm`).
+    pub vllm: crate::VllmOptions,
     /// Rollout overlapped with training (`actor_rollout.async.*`).
     #[serde(rename = "async")]
     pub async_: AsyncConfig,
@@ -102,6 +106,8 @@ impl Default for ActorRolloutConfig {
             fixed_responses_file: None,
             offload: false,
             hybrid_engine: true,
+            engine: crate::RolloutEngine::Candle,
+            vllm: crate::VllmOptions::default(),
             async_: AsyncConfig::default(),
             lora: crate::LoraOptions::default(),
             overrides: TrainingOverrides::default(),

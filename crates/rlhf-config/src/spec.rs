@@ -102,6 +102,9 @@ pub enum EngineSpec {
         /// Temperature of its teacher-forced log-probs: the trainer's (the sampling
         /// temperature, 1 when greedy).
         temperature: f64,
+        /// Generate with a vLLM server of these settings instead of the candle loop.
+        #[serde(default)]
+        vllm: Option<crate::VllmOptions>,
     },
     /// The frozen reference policy.
     Ref {
@@ -332,6 +335,7 @@ impl RoleSpec {
                     EngineSpec::Rollout {
                         sampling,
                         temperature: logprob_temperature,
+                        vllm: (a.engine == crate::RolloutEngine::Vllm).then(|| a.vllm.clone()),
                     },
                     comms,
                 )

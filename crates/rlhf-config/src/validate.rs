@@ -28,6 +28,12 @@ pub fn problems(cfg: &PpoConfig) -> Vec<String> {
         ));
     }
     if cfg.trainer != TrainerKind::Ppo {
+        if cfg.actor_rollout.engine == crate::RolloutEngine::Vllm {
+            e.push(format!(
+                "actor_rollout.engine=vllm generates the rollout of RL training, but trainer {} generates nothing; set actor_rollout.engine=candle (the default)",
+                cfg.trainer
+            ));
+        }
         e.extend(stage_problems(cfg));
         return e;
     }
@@ -155,6 +161,22 @@ pub fn problems(cfg: &PpoConfig) -> Vec<String> {
         );
     }
     e.extend(a.async_.problems());
+    if a.engine == crate::RolloutEngine::Vllm {
+        e.extend(a.vllm.problems());
+        if cfg.hybrid_engine() {
+            e.push(
+                "actor_rollout.engine=vllm runs a vLLM server in each rollout rank's own process, but resource_pool.colocate with actor_rollout.hybrid_engine: true makes the trainer processes generate with their own weights; set actor_rollout.hybrid_engine=false (rollout processes of their own, weights reloaded after each update) or resource_pool.colocate=false".to_string(),
+            );
+        }
+        if a.fixed_responses_file
+            .as_deref()
+            .is_some_and(|f| !f.is_empty())
+        {
+            e.push(
+                "actor_rollout.fixed_responses_file replaces generation, so actor_rollout.engine=vllm would start servers that never generate; drop one of the two".to_string(),
+            );
+        }
+    }
     e.extend(a.lora.problems("actor_rollout.lora"));
     e.extend(cfg.critic.lora.problems("critic.lora"));
     e.extend(lora_dropout_problem(

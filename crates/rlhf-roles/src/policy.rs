@@ -20,6 +20,7 @@ use crate::convert::{self, check_finite_masked, chunked, sequences, tokens};
 use crate::engine::{Generate, LogProbs};
 use crate::error::{Ctx, Error, Result};
 use crate::train::{self, MicroOut, Prepared, StepNames, Train, TrainState};
+use crate::vllm::rollout::VllmRollout;
 use crate::weights;
 
 /// The engine a spec asks for was not the one being built.
@@ -295,16 +296,24 @@ pub struct Rollout {
     logprob_temperature: f64,
     /// The weight sync's mapping of the trainer's GPU buffer, kept between syncs.
     pub ipc: weights::ipc::IpcState,
+    /// `actor_rollout.engine: vllm`: the server that generates; `model` is then the copy
+    /// the weight sync fills, which each sync publishes to it.
+    vllm: Option<VllmRollout>,
 }
 
 impl Rollout {
-    /// Loads its own copy of the policy for inference.
+    /// Loads its own copy of the policy for inference (and starts its vLLM server when the
+    /// spec asks for one).
     pub fn new(spec: &RoleSpec, device: &Device) -> Result<Self> {
         let dir = spec.model_dir()?;
         let opts = convert::load_options(spec, device, LoadOptions::inference());
         let model = Model::load(dir, &opts)
             .with_ctx(|| format!("loading the rollout policy from {}", dir.display()))?;
-        Self::sharing(spec, Arc::new(model))
+        let mut r = Self::sharing(spec, Arc::new(model))?;
+        if let EngineSpec::Rollout { vllm: Some(v), .. } = &spec.engine {
+            r.vllm = Some(VllmRollout::start(spec, v, &r.model)?);
+        }
+        Ok(r)
     }
 
     /// Generates with `model`, which may be another engine's (the hybrid engine: a rollout
@@ -313,6 +322,7 @@ impl Rollout {
         let EngineSpec::Rollout {
             sampling,
             temperature,
+            ..
         } = &spec.engine
         else {
             return Err(wrong_engine(spec, "a rollout"));
@@ -349,6 +359,7 @@ impl Rollout {
             micro: spec.micro_batch_rows,
             logprob_temperature: *temperature,
             ipc: Default::default(),
+            vllm: None,
         })
     }
 
@@ -364,6 +375,17 @@ impl Rollout {
         bucket_bytes: usize,
     ) -> Result<(SyncStats, u64)> {
         let out = weights::recv_weights(&self.model, comm, bucket_bytes, &mut self.ipc)?;
+        if let Some(v) = &self.vllm {
+            let p = v.publish(&self.model)?;
+            tracing::info!(
+                "weights v{version} published to vLLM: {:.1} MB written in {:.3} s, reloaded \
+                 in {:.3} s, probe gap {:.2e}",
+                p.bytes as f64 / 1e6,
+                p.write.as_secs_f64(),
+                p.reload.as_secs_f64(),
+                p.probe_gap
+            );
+        }
         self.version = version;
         Ok(out)
     }
@@ -406,7 +428,10 @@ impl Generate for Rollout {
         }
         let mut gen = self.gen.clone();
         gen.seed = stream_seed(req.seed, req.step, u64::from(rank));
-        let out = generate(&self.model, &prompts, &gen)?;
+        let out = match &self.vllm {
+            Some(v) => v.generate(&prompts, &gen)?,
+            None => generate(&self.model, &prompts, &gen)?,
+        };
         let (resp, rmask, lps) = out.response_tensors(&Device::Cpu)?;
         Ok(GenerateResponse {
             responses: rlhf_core::calls::candle::mat_i64(&resp, "responses")?,
@@ -422,6 +447,9 @@ impl Generate for Rollout {
 /// weights (`training/rollout_logprob_gap_*`).
 impl LogProbs for Rollout {
     fn log_probs(&self, req: &LogProbsRequest) -> Result<LogProbsResponse> {
+        if let Some(v) = &self.vllm {
+            return v.response_log_probs(req, self.shapes, self.logprob_temperature);
+        }
         log_probs(
             &self.model,
             req,

@@ -87,6 +87,7 @@ pub fn node_to_proto(n: &NodeRecord, available: &Resources) -> pb::NodeInfo {
         death_reason: n.death_reason.clone(),
         death_ms: n.death_ms,
         cuda_roles: n.cuda_roles,
+        vllm_roles: n.vllm_roles,
     }
 }
 

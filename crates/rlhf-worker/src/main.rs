@@ -65,6 +65,10 @@ enum Cmd {
         /// `checkpoint.memory_snapshot`), in GiB [default: a quarter of this node's memory].
         #[arg(long)]
         snapshot_memory_gb: Option<f64>,
+        /// A Python interpreter with vLLM installed: this worker's rollout ranks may then
+        /// generate with vLLM (`actor_rollout.engine: vllm`). Checked at join.
+        #[arg(long, env = "RLHF_VLLM_PYTHON")]
+        vllm_python: Option<PathBuf>,
     },
     /// Internal: run one actor process (started by the worker). Kinds: `test`, and the PPO
     /// roles `actor_rollout`, `ref`, `critic`, `reward`.
@@ -132,7 +136,9 @@ async fn run(cli: Cli) -> Result<()> {
             connect_timeout,
             state_dir,
             snapshot_memory_gb,
+            vllm_python,
         } => {
+            let vllm_python = worker::vllm::resolve(vllm_python.as_deref()).await?;
             let snapshot_memory = match snapshot_memory_gb {
                 None => rlhf_runtime::worker::snapshots::default_cap(),
                 Some(g) if g.is_finite() && g >= 0.0 => (g * (1u64 << 30) as f64) as u64,
@@ -190,8 +196,15 @@ async fn run(cli: Cli) -> Result<()> {
                     ca: tls_ca,
                 },
                 cuda_roles: CUDA_ROLES,
+                vllm_python: vllm_python.clone(),
                 snapshot_memory,
             };
+            if let Some(p) = &vllm_python {
+                eprintln!(
+                    "this worker's rollout ranks may run vLLM with {}",
+                    p.display()
+                );
+            }
             if CUDA_ROLES {
                 eprintln!("this worker runs CUDA roles (built with the `cuda` feature)");
             } else {

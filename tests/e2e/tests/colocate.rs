@@ -187,6 +187,7 @@ fn actors_in_fractional_gpu_bundles_share_one_gpu() -> Result<()> {
                     bundles: vec![bundle(0.333)],
                     timeout_ms: 0,
                     cuda_roles: false,
+                    vllm_roles: false,
                 })
                 .await?
                 .into_inner()
@@ -218,6 +219,7 @@ fn actors_in_fractional_gpu_bundles_share_one_gpu() -> Result<()> {
                 bundles: vec![bundle(0.5)],
                 timeout_ms: 0,
                 cuda_roles: false,
+                vllm_roles: false,
             })
             .await
             .unwrap_err();

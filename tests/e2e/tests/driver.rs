@@ -236,6 +236,7 @@ async fn a_failed_launch_leaves_no_placement_groups_or_actors() -> Result<()> {
             bundles: vec![one],
             timeout_ms: 0,
             cuda_roles: false,
+            vllm_roles: false,
         })
         .await?
         .into_inner()

@@ -185,6 +185,8 @@ pub async fn launch(
                 bundles: vec![bundle; n as usize],
                 timeout_ms: opts.start_timeout.as_millis() as u64,
                 cuda_roles: resource == "GPU",
+                vllm_roles: role == RoleKind::ActorRollout
+                    && cfg.actor_rollout.engine == rlhf_config::RolloutEngine::Vllm,
             }),
         )
         .await

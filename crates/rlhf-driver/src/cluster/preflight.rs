@@ -20,6 +20,22 @@ struct NodeCapacity {
     pub usable: bool,
     /// Its worker can run CUDA roles (only asked of GPU bundles).
     pub cuda_roles: bool,
+    /// Its worker has a vLLM Python (only asked of `actor_rollout.engine: vllm`).
+    pub vllm_roles: bool,
+}
+
+/// Why a job that generates with vLLM can never be placed: no usable node's worker has a
+/// vLLM Python. `None` for other jobs, or when one does.
+fn no_vllm_node(cfg: &PpoConfig, nodes: &[NodeCapacity]) -> Option<String> {
+    if cfg.actor_rollout.engine != rlhf_config::RolloutEngine::Vllm
+        || nodes.iter().any(|n| n.usable && n.vllm_roles)
+    {
+        return None;
+    }
+    Some(
+        "actor_rollout.engine=vllm, but no live node's worker has a vLLM Python, so the actor          can never be placed: start a worker with `rlhf-worker join --vllm-python PATH` (or          RLHF_VLLM_PYTHON=PATH), PATH an interpreter with vLLM installed, or run with          actor_rollout.engine=candle"
+            .to_string(),
+    )
 }
 
 /// Why the cluster can never hold the job, whatever is freed: more of `resource` than all the
@@ -180,6 +196,7 @@ async fn never_fits_now(
             usable: n.state == pb::NodeState::Alive as i32
                 || n.state == pb::NodeState::Rejoining as i32,
             cuda_roles: n.cuda_roles,
+            vllm_roles: n.vllm_roles,
         })
         .collect();
     let needs: Vec<(RoleKind, u32, f64)> = RoleKind::ALL
@@ -191,7 +208,8 @@ async fn never_fits_now(
         .filter(|(_, n, _)| *n > 0)
         .collect();
     let usable = nodes.iter().filter(|n| n.usable).count();
-    Ok((usable, never_fits(&needs, &nodes, resource)))
+    let why = never_fits(&needs, &nodes, resource).or_else(|| no_vllm_node(cfg, &nodes));
+    Ok((usable, why))
 }
 
 #[cfg(test)]
@@ -204,7 +222,26 @@ mod tests {
             total,
             usable: true,
             cuda_roles: cuda,
+            vllm_roles: false,
         }
+    }
+
+    #[test]
+    fn a_vllm_job_needs_a_node_with_a_vllm_python() {
+        let mut cfg = PpoConfig::default();
+        let plain = [node("a", 4.0, false)];
+        assert!(no_vllm_node(&cfg, &plain).is_none());
+        cfg.actor_rollout.engine = rlhf_config::RolloutEngine::Vllm;
+        let e = no_vllm_node(&cfg, &plain).unwrap();
+        assert!(
+            e.contains("--vllm-python PATH") && e.contains("engine=candle"),
+            "{e}"
+        );
+        let mut with = node("b", 4.0, false);
+        with.vllm_roles = true;
+        assert!(no_vllm_node(&cfg, &[node("a", 4.0, false), with.clone()]).is_none());
+        with.usable = false;
+        assert!(no_vllm_node(&cfg, &[with]).is_some());
     }
 
     #[test]

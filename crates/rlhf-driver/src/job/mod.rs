@@ -419,11 +419,16 @@ impl Loop<'_> {
             let mut ro = ro?;
             let admitted = pipeline::admit(&mut ro, step, max_staleness)?;
             let (gen_s, tokens, cursor) = (ro.gen_s, ro.tokens, ro.cursor);
+            let generated = ro.response_mask.data.iter().filter(|&&m| m != 0.0).count();
             let StepOutput {
                 mut metrics,
                 samples,
             } = algo.step(self, step, ro).await?;
             metrics.insert(metric::TIMING_S_GEN.into(), gen_s);
+            metrics.insert(
+                metric::PERF_ROLLOUT_TOKENS_PER_S.into(),
+                generated as f64 / gen_s.max(1e-9),
+            );
             metrics.insert(metric::TIMING_S_WAIT_ROLLOUT.into(), waited);
             metrics.insert(
                 metric::ROLLOUT_STALENESS_MEAN.into(),

@@ -10,7 +10,9 @@
 //! signal on the server alone would leave them running. The server listens on a Unix socket
 //! in a directory only this user can enter (see `http.rs` for why not a TCP port).
 
+mod api;
 mod http;
+pub mod rollout;
 
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader};
@@ -20,8 +22,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use rlhf_model::{FinishReason, GeneratedSequence, Generation, GenerationConfig};
-use serde_json::{json, Value};
+use serde_json::Value;
 
 use crate::error::{Error, Result};
 
@@ -49,8 +50,8 @@ pub struct VllmSettings {
     pub dtype: String,
     /// Prompt plus response tokens.
     pub max_model_len: usize,
-    /// KV cache of the CPU build, in GiB (`VLLM_CPU_KVCACHE_SPACE`).
-    pub kv_cache_gb: f64,
+    /// KV cache of the CPU build, in whole GiB (`VLLM_CPU_KVCACHE_SPACE`).
+    pub kv_cache_gb: u32,
     /// Share of the device's memory vLLM may take (GPU; the CPU build checks it too).
     pub gpu_memory_utilization: f64,
     pub max_num_seqs: usize,
@@ -190,10 +191,8 @@ impl VllmServer {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         if s.device == VllmDevice::Cpu {
-            cmd.arg("--enforce-eager").env(
-                "VLLM_CPU_KVCACHE_SPACE",
-                format!("{}", s.kv_cache_gb.max(0.1)),
-            );
+            cmd.arg("--enforce-eager")
+                .env("VLLM_CPU_KVCACHE_SPACE", s.kv_cache_gb.max(1).to_string());
         }
         // SAFETY: setpgid and prctl are async-signal-safe and change only the child's own
         // state: its own process group (so the whole tree can be ended at once) and a
@@ -318,149 +317,6 @@ impl VllmServer {
         json_answer(&a, path)
     }
 
-    /// Generates one response per prompt row. Consecutive rows with the same prompt (a
-    /// GRPO group) go as one request with `n` samples, so the engine computes the prompt
-    /// once; all requests are in flight at once, for the engine to batch. `gen.temperature`
-    /// 0 is greedy, one request per row. Each request's seed comes from `gen.seed` and the
-    /// request's index, and vLLM derives the `n` samples' streams from it.
-    pub fn generate(&mut self, prompts: &[Vec<u32>], gen: &GenerationConfig) -> Result<Generation> {
-        let greedy = gen.temperature <= 0.0;
-        let mut groups: Vec<(usize, usize)> = Vec::new(); // (first row, rows)
-        for (i, p) in prompts.iter().enumerate() {
-            match groups.last_mut() {
-                Some((first, n)) if !greedy && prompts[*first] == *p => *n += 1,
-                _ => groups.push((i, 1)),
-            }
-        }
-        let stop: Vec<u32> = gen
-            .eos_token_ids
-            .iter()
-            .chain(&gen.stop_token_ids)
-            .copied()
-            .collect();
-        let bodies: Vec<Value> = groups
-            .iter()
-            .enumerate()
-            .map(|(g, &(first, n))| {
-                json!({
-                    "model": SERVED_NAME,
-                    "prompt": prompts[first],
-                    "n": n,
-                    "max_tokens": gen.max_new_tokens,
-                    "min_tokens": gen.min_new_tokens,
-                    "temperature": if greedy { 0.0 } else { gen.temperature },
-                    "top_p": gen.top_p,
-                    "top_k": if gen.top_k == 0 { -1 } else { gen.top_k as i64 },
-                    "seed": request_seed(gen.seed, g),
-                    "stop_token_ids": stop,
-                    "logprobs": 0,
-                    "return_token_ids": true,
-                    "skip_special_tokens": false,
-                })
-            })
-            .collect();
-        let within = self.settings.request_timeout;
-        let (socket, key) = (self.socket.clone(), self.api_key.clone());
-        let answers: Vec<Result<http::Answer>> = std::thread::scope(|s| {
-            let handles: Vec<_> = bodies
-                .iter()
-                .map(|b| {
-                    let (socket, key) = (&socket, &key);
-                    s.spawn(move || {
-                        let bytes = b.to_string().into_bytes();
-                        http::request(socket, "POST", "/v1/completions", key, Some(&bytes), within)
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join()
-                        .unwrap_or_else(|_| Err(Error::internal("a vLLM request thread panicked")))
-                })
-                .collect()
-        });
-        let mut sequences = Vec::with_capacity(prompts.len());
-        for (&(first, n), answer) in groups.iter().zip(answers) {
-            let answer = answer.map_err(|e| self.explain(e))?;
-            let v = json_answer(&answer, "a generation request")?;
-            let samples = parse_choices(&v, n, gen.max_new_tokens, self.settings.vocab_size)?;
-            for (k, (token_ids, logprobs, finish_reason)) in samples.into_iter().enumerate() {
-                sequences.push(GeneratedSequence {
-                    prompt_index: first + k,
-                    sample_index: 0,
-                    prompt_ids: prompts[first + k].clone(),
-                    token_ids,
-                    logprobs,
-                    finish_reason,
-                });
-            }
-        }
-        Ok(Generation {
-            sequences,
-            pad_token_id: gen
-                .pad_token_id
-                .or(gen.eos_token_ids.first().copied())
-                .unwrap_or(0),
-            max_new_tokens: gen.max_new_tokens,
-        })
-    }
-
-    /// The served model's log-probs of `ids[1..]`, each given the tokens before it
-    /// (teacher-forced, temperature 1): a probe that tells which weights are served.
-    pub fn prompt_log_probs(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
-        let body = json!({
-            "model": SERVED_NAME, "prompt": ids, "max_tokens": 1, "temperature": 1.0,
-            "prompt_logprobs": 0,
-        });
-        let within = self.settings.request_timeout;
-        let v = self.post("/v1/completions", &body, within)?;
-        let list = v["choices"][0]["prompt_logprobs"]
-            .as_array()
-            .ok_or_else(|| Error::internal("vLLM returned no prompt_logprobs"))?;
-        ids.iter()
-            .enumerate()
-            .skip(1)
-            .map(|(i, id)| {
-                list.get(i)
-                    .and_then(|e| e[id.to_string()]["logprob"].as_f64())
-                    .map(|x| x as f32)
-                    .ok_or_else(|| {
-                        Error::internal(format!("vLLM's prompt_logprobs lack position {i}"))
-                    })
-            })
-            .collect()
-    }
-
-    /// A directory for the safetensors of the next [`Self::reload`], inside the server's
-    /// private directory (in shared memory where there is some).
-    pub fn weights_dir(&self) -> PathBuf {
-        self.dir.join("weights")
-    }
-
-    /// Replaces the served weights with the safetensors files in `weights_dir`: pause (no
-    /// request is running), `reload_weights`, resume. A failed reload still resumes, and is
-    /// an error. Returns the time it took.
-    pub fn reload(&mut self, weights_dir: &Path) -> Result<Duration> {
-        let t = Instant::now();
-        let within = self.settings.start_timeout;
-        self.post("/pause", &json!({}), within)?;
-        let reloaded = self.post(
-            "/collective_rpc",
-            &json!({"method": "reload_weights", "kwargs": {"weights_path": weights_dir}}),
-            within,
-        );
-        let resumed = self.post("/resume", &json!({}), within);
-        reloaded.map_err(|e| {
-            e.context(format!(
-                "reloading the vLLM weights from {}",
-                weights_dir.display()
-            ))
-        })?;
-        resumed?;
-        Ok(t.elapsed())
-    }
-
     /// The server's process id (its process group's id too).
     pub fn pid(&self) -> u32 {
         self.child.id()
@@ -541,115 +397,5 @@ fn guard_group(pg: i32, dir: &Path) -> Option<Child> {
             );
             None
         }
-    }
-}
-
-/// The seed of the `g`-th request of a generation: vLLM seeds a request's `n` samples with
-/// `seed + k`, so requests get seeds far apart (a SplitMix64 step of the pair).
-fn request_seed(seed: u64, g: usize) -> u64 {
-    let mut z = seed ^ (g as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    // vLLM takes a signed 64-bit seed.
-    (z ^ (z >> 31)) >> 1
-}
-
-type Sample = (Vec<u32>, Vec<f32>, FinishReason);
-
-/// The `n` choices of a completions answer, in index order: token ids (each below `vocab`),
-/// their log-probs and why each ended.
-fn parse_choices(v: &Value, n: usize, max_tokens: usize, vocab: usize) -> Result<Vec<Sample>> {
-    let choices = v["choices"]
-        .as_array()
-        .ok_or_else(|| Error::internal("vLLM answered without choices"))?;
-    if choices.len() != n {
-        return Err(Error::internal(format!(
-            "vLLM answered {} choices for n = {n}",
-            choices.len()
-        )));
-    }
-    let mut out: Vec<Option<Sample>> = vec![None; n];
-    for c in choices {
-        let i = c["index"].as_u64().map(|i| i as usize).filter(|&i| i < n);
-        let i = i.ok_or_else(|| {
-            Error::internal(format!("vLLM choice index {} out of range", c["index"]))
-        })?;
-        let ids: Vec<u32> = c["token_ids"]
-            .as_array()
-            .ok_or_else(|| Error::internal("vLLM answered without token_ids (return_token_ids)"))?
-            .iter()
-            .map(|t| match t.as_u64() {
-                Some(id) if (id as u128) < vocab as u128 => Ok(id as u32),
-                _ => Err(Error::invalid(format!(
-                    "vLLM returned token id {t}, outside the tokenizer's vocabulary (0..{vocab}): \
-                     is it serving another model than the trainer's?"
-                ))),
-            })
-            .collect::<Result<_>>()?;
-        let lps: Vec<f32> = c["logprobs"]["token_logprobs"]
-            .as_array()
-            .ok_or_else(|| Error::internal("vLLM answered without token_logprobs"))?
-            .iter()
-            .map(|x| x.as_f64().map(|x| x as f32).unwrap_or(f32::NEG_INFINITY))
-            .collect();
-        if ids.len() != lps.len() || ids.is_empty() && max_tokens > 0 || ids.len() > max_tokens {
-            return Err(Error::internal(format!(
-                "vLLM answered {} tokens with {} log-probs (max_tokens {max_tokens})",
-                ids.len(),
-                lps.len()
-            )));
-        }
-        let finish = match c["finish_reason"].as_str() {
-            Some("stop") => FinishReason::Stop(*ids.last().unwrap_or(&0)),
-            Some("length") => FinishReason::Length,
-            other => {
-                return Err(Error::internal(format!(
-                    "vLLM ended a sample with finish_reason {other:?}"
-                )))
-            }
-        };
-        out[i] = Some((ids, lps, finish));
-    }
-    out.into_iter()
-        .enumerate()
-        .map(|(i, s)| s.ok_or_else(|| Error::internal(format!("vLLM answered no choice {i}"))))
-        .collect()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn choices_are_read_in_index_order_and_bad_ids_refused() {
-        let v = json!({"choices": [
-            {"index": 1, "token_ids": [5, 0], "logprobs": {"token_logprobs": [-0.5, -0.1]}, "finish_reason": "stop"},
-            {"index": 0, "token_ids": [7, 8, 9], "logprobs": {"token_logprobs": [-1.0, -2.0, -3.0]}, "finish_reason": "length"},
-        ]});
-        let s = parse_choices(&v, 2, 3, 384).unwrap();
-        assert_eq!(s[0].0, vec![7, 8, 9]);
-        assert_eq!(s[0].2, FinishReason::Length);
-        assert_eq!(
-            (s[1].0.clone(), s[1].2),
-            (vec![5, 0], FinishReason::Stop(0))
-        );
-        let bad = json!({"choices": [
-            {"index": 0, "token_ids": [400], "logprobs": {"token_logprobs": [-1.0]}, "finish_reason": "stop"},
-        ]});
-        let e = parse_choices(&bad, 1, 3, 384).unwrap_err().to_string();
-        assert!(e.contains("token id 400") && e.contains("0..384"), "{e}");
-        assert!(parse_choices(&v, 3, 3, 384).is_err(), "n mismatch");
-    }
-
-    #[test]
-    fn request_seeds_are_far_apart_and_fit_a_signed_64_bit_integer() {
-        let seeds: Vec<u64> = (0..1000).map(|g| request_seed(42, g)).collect();
-        for (i, a) in seeds.iter().enumerate() {
-            assert!(*a <= i64::MAX as u64);
-            for b in &seeds[i + 1..] {
-                assert!(a.abs_diff(*b) > 1 << 20, "{a} {b}");
-            }
-        }
-        assert_eq!(request_seed(42, 3), request_seed(42, 3));
     }
 }

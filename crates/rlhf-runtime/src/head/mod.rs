@@ -34,7 +34,7 @@ use tonic::{Request, Response, Status};
 use crate::clock::Clock;
 use crate::convert;
 use crate::net::{self, AuthChannel, ClientOptions};
-use state::{ActorExit, HeadState, LiveActor, NewNode};
+use state::{ActorExit, HeadState, LiveActor, Needs, NewNode};
 
 /// How long KillActor waits for the worker to stop the process.
 const KILL_TIMEOUT: Duration = Duration::from_secs(30);
@@ -165,6 +165,7 @@ impl HeadService for Head {
             address: r.address.clone(),
             total: resources.clone(),
             cuda_roles: r.cuda_roles,
+            vllm_roles: r.vllm_roles,
         };
         let (id, commit) =
             self.lock()
@@ -179,7 +180,7 @@ impl HeadService for Head {
             }
         });
         let heartbeat_key = self.0.beats.register(&id, now)?;
-        tracing::info!(node = %id, host = %r.hostname, address = %r.address, peer = ?peer, resources = %resources.display(), cuda_roles = r.cuda_roles, "node registered");
+        tracing::info!(node = %id, host = %r.hostname, address = %r.address, peer = ?peer, resources = %resources.display(), cuda_roles = r.cuda_roles, vllm_roles = r.vllm_roles, "node registered");
         Ok(Response::new(pb::RegisterNodeResponse {
             node_id: id,
             heartbeat_interval_ms: self.0.opts.heartbeat_interval.as_millis() as u64,
@@ -294,9 +295,15 @@ impl HeadService for Head {
         )?;
         let deadline = tokio::time::Instant::now() + wait;
         loop {
-            let res = self
-                .lock()
-                .create_pg(&r.name, strategy, bundles.clone(), r.cuda_roles);
+            let res = self.lock().create_pg_needing(
+                &r.name,
+                strategy,
+                bundles.clone(),
+                Needs {
+                    cuda_roles: r.cuda_roles,
+                    vllm_roles: r.vllm_roles,
+                },
+            );
             match res {
                 Ok(pg) => {
                     tracing::info!(pg = %pg.pg_id, name = %pg.name, nodes = ?pg.bundle_nodes, "placement group created");

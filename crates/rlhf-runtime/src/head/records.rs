@@ -16,6 +16,8 @@ pub struct NewNode {
     pub total: Resources,
     /// Its worker runs CUDA roles (`RegisterNodeRequest.cuda_roles`).
     pub cuda_roles: bool,
+    /// Its worker runs vLLM servers (`RegisterNodeRequest.vllm_roles`).
+    pub vllm_roles: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -50,6 +52,9 @@ pub struct NodeRecord {
     /// The node's worker can run roles on CUDA GPUs (`RegisterNodeRequest.cuda_roles`).
     #[serde(default)]
     pub cuda_roles: bool,
+    /// The node's worker runs vLLM rollout servers (`RegisterNodeRequest.vllm_roles`).
+    #[serde(default)]
+    pub vllm_roles: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

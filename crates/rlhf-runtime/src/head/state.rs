@@ -17,6 +17,15 @@ const GPU: &str = "GPU";
 const REJOINING: &str =
     "not placeable until their workers register again (the head restarted; they get the dead threshold to do so)";
 
+/// What the roles of a placement group need of their nodes' workers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Needs {
+    /// GPUs count only where the worker runs CUDA roles.
+    pub cuda_roles: bool,
+    /// Only nodes whose worker runs vLLM servers.
+    pub vllm_roles: bool,
+}
+
 pub struct HeadState {
     pub nodes: BTreeMap<String, NodeRecord>,
     pub pgs: BTreeMap<String, PgRecord>,
@@ -114,7 +123,7 @@ impl HeadState {
     /// worker cannot run them are left out, and its label says why (placement errors show it).
     /// Rejoining nodes are no candidates at all (not even for a request of no resources);
     /// [`Self::placement_error`] names them.
-    fn capacities(&self, cuda_roles: bool) -> Vec<NodeCapacity> {
+    fn capacities(&self, needs: Needs) -> Vec<NodeCapacity> {
         self.nodes
             .values()
             .filter(|n| n.state == NodeState::Alive)
@@ -122,7 +131,13 @@ impl HeadState {
                 let mut available = self.available(&n.node_id);
                 let mut label = format!("{} {}", n.hostname, n.address);
                 let gpus = available.get(GPU);
-                if cuda_roles && !n.cuda_roles && gpus > 0.0 {
+                if needs.vllm_roles && !n.vllm_roles {
+                    available = Resources::default();
+                    label.push_str(
+                        "; not placeable for vLLM rollout ranks: its rlhf-worker has no vLLM Python (start it with --vllm-python PATH or RLHF_VLLM_PYTHON, an interpreter with vLLM installed)",
+                    );
+                }
+                if needs.cuda_roles && !n.cuda_roles && gpus > 0.0 {
                     available.0.remove(GPU);
                     label.push_str(&format!(
                         "; its {gpus} GPU(s) are not placeable: its rlhf-worker cannot run CUDA roles (built without the `cuda` feature: rebuild with `cargo build --release -p rlhf-worker --features cuda` and join again)"
@@ -187,6 +202,7 @@ impl HeadState {
             address,
             total,
             cuda_roles,
+            vllm_roles,
         } = node;
         let id = node_id
             .filter(|s| !s.is_empty())
@@ -202,6 +218,7 @@ impl HeadState {
             death_reason: String::new(),
             death_ms: 0,
             cuda_roles,
+            vllm_roles,
         };
         if durable {
             ops.push(store::Op::put(store::NODES, &id, &rec)?);
@@ -358,7 +375,22 @@ impl HeadState {
         bundles: Vec<Resources>,
         cuda_roles: bool,
     ) -> Result<PgRecord> {
-        let caps = self.capacities(cuda_roles);
+        let needs = Needs {
+            cuda_roles,
+            vllm_roles: false,
+        };
+        self.create_pg_needing(name, strategy, bundles, needs)
+    }
+
+    /// [`Self::create_pg`] with all that the bundles' roles need of their nodes' workers.
+    pub fn create_pg_needing(
+        &mut self,
+        name: &str,
+        strategy: Strategy,
+        bundles: Vec<Resources>,
+        needs: Needs,
+    ) -> Result<PgRecord> {
+        let caps = self.capacities(needs);
         let chosen =
             placement::place(&caps, &bundles, strategy).map_err(|e| self.placement_error(e))?;
         let rec = PgRecord {
@@ -387,7 +419,7 @@ impl HeadState {
     /// An actor in a bundle without resources of its own takes the whole bundle.
     pub fn reserve_actor(&mut self, mut spec: ActorSpec) -> Result<ActorRecord> {
         let node_id = if spec.pg_id.is_empty() {
-            let caps = self.capacities(false);
+            let caps = self.capacities(Needs::default());
             let i = placement::place(&caps, std::slice::from_ref(&spec.resources), Strategy::Pack)
                 .map_err(|e| self.placement_error(e))?[0];
             caps[i].node_id.clone()

@@ -9,6 +9,7 @@ fn new_gpu_node(gpus: f64) -> NewNode {
         address: "127.0.0.1:1".into(),
         total: Resources::new().with("GPU", gpus).with("CPU", 4.0),
         cuda_roles: true,
+        vllm_roles: false,
     }
 }
 
@@ -67,6 +68,7 @@ fn silent_node_dies_with_its_actors_and_comes_back() {
                 address: "127.0.0.1:1".into(),
                 total: Resources::new().with("GPU", 2.0),
                 cuda_roles: true,
+                vllm_roles: false,
             },
             vec![],
             9_300,
@@ -188,6 +190,7 @@ fn state_survives_restart_and_reregistration_reconciles_actors() {
                 address: "x".into(),
                 total: Resources::new().with("GPU", 2.0),
                 cuda_roles: true,
+                vllm_roles: false,
             },
             vec![live(&kept, "a:1", 1), live(&lost, "a:2", 2)],
             10,
@@ -227,6 +230,7 @@ fn state_survives_restart_and_reregistration_reconciles_actors() {
             address: "x".into(),
             total: Resources::new().with("GPU", 2.0),
             cuda_roles: true,
+            vllm_roles: false,
         },
         live,
         51_000,
@@ -341,6 +345,7 @@ fn gpus_of_a_worker_without_cuda_roles_are_not_placed_and_the_error_says_why() {
                 address: "127.0.0.1:2".into(),
                 total: Resources::new().with("GPU", 4.0).with("CPU", 4.0),
                 cuda_roles: false,
+                vllm_roles: false,
             },
             vec![],
             1,
@@ -373,4 +378,46 @@ fn gpus_of_a_worker_without_cuda_roles_are_not_placed_and_the_error_says_why() {
         .create_pg("plain", Strategy::Pack, vec![gpu], false)
         .unwrap();
     assert_eq!(pg.bundle_nodes, vec![cpu_only]);
+}
+
+#[test]
+fn vllm_groups_land_only_on_workers_with_a_vllm_python_and_the_error_says_how() {
+    let mut s = HeadState::in_memory();
+    let node = |s: &mut HeadState, name: &str, vllm_roles: bool| {
+        s.register(
+            None,
+            NewNode {
+                hostname: name.into(),
+                address: format!("127.0.0.1:{}", name.len()),
+                total: Resources::new().with("CPU", 4.0),
+                cuda_roles: false,
+                vllm_roles,
+            },
+            vec![],
+            1,
+        )
+        .unwrap()
+    };
+    let plain = node(&mut s, "plain", false);
+    let cpu = Resources::new().with("CPU", 2.0);
+    let needs = Needs {
+        cuda_roles: false,
+        vllm_roles: true,
+    };
+    let err = s
+        .create_pg_needing("rollout", Strategy::Pack, vec![cpu.clone()], needs)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains(plain.as_str()), "{err}");
+    assert!(err.contains("--vllm-python"), "{err}");
+    let with = node(&mut s, "with-vllm", true);
+    let pg = s
+        .create_pg_needing("rollout", Strategy::Pack, vec![cpu.clone()], needs)
+        .unwrap();
+    assert_eq!(pg.bundle_nodes, vec![with]);
+    // Groups that need no vLLM still go anywhere (the plain node first: it has room).
+    let pg = s
+        .create_pg("other", Strategy::Pack, vec![cpu], false)
+        .unwrap();
+    assert_eq!(pg.bundle_nodes.len(), 1);
 }

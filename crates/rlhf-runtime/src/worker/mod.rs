@@ -7,6 +7,7 @@ mod exits;
 mod heartbeat;
 pub mod snapshots;
 mod usage;
+pub mod vllm;
 
 use exits::{check_actor_id, log_tail};
 pub use exits::{exit_reason, STOPPED_ON_REQUEST};
@@ -48,6 +49,9 @@ pub struct WorkerOptions {
     /// `actor_exe` can run roles on CUDA GPUs (built with the `cuda` feature); told to the
     /// head at join, which places no GPU bundle here otherwise.
     pub cuda_roles: bool,
+    /// The interpreter its rollout ranks run vLLM with (`--vllm-python`, checked at join);
+    /// told to the head, which places vLLM rollout ranks only on workers that have one.
+    pub vllm_python: Option<PathBuf>,
     /// Bytes of checkpoint snapshots this worker holds in memory at most
     /// (`--snapshot-memory-gb`; `checkpoint.memory_snapshot`).
     pub snapshot_memory: u64,
@@ -188,6 +192,11 @@ impl Agent {
             .stdin(std::process::Stdio::null())
             .stdout(log)
             .stderr(log2);
+        // The worker's vLLM Python, never one from the job's variables.
+        match &self.opts.vllm_python {
+            Some(p) => cmd.env(vllm::VLLM_PYTHON_ENV, p),
+            None => cmd.env_remove(vllm::VLLM_PYTHON_ENV),
+        };
         // SAFETY: prctl is async-signal-safe and touches only the child's own state; it makes
         // the kernel kill the actor if this worker dies, so no actor outlives its supervisor.
         unsafe {
@@ -348,6 +357,7 @@ impl Agent {
             resources: Some(resources.into()),
             live_actors: self.live_actors(),
             cuda_roles: self.opts.cuda_roles,
+            vllm_roles: self.opts.vllm_python.is_some(),
         };
         let mut head = self.head.clone();
         let r = tokio::time::timeout(Duration::from_secs(5), head.register_node(req))

@@ -55,6 +55,7 @@ pub(crate) fn pg_req(
         bundles: gpu_bundles(n, gpus),
         timeout_ms,
         cuda_roles: false,
+        vllm_roles: false,
     }
 }
 
