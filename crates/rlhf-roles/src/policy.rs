@@ -447,8 +447,14 @@ impl Generate for Rollout {
 /// weights (`training/rollout_logprob_gap_*`).
 impl LogProbs for Rollout {
     fn log_probs(&self, req: &LogProbsRequest) -> Result<LogProbsResponse> {
-        if let Some(v) = &self.vllm {
-            return v.response_log_probs(req, self.shapes, self.logprob_temperature);
+        // vLLM's teacher-forced log-probs are at temperature 1 only; at another temperature
+        // the received copy (the same weights, what vLLM was last given) computes them.
+        if let Some(v) = self
+            .vllm
+            .as_ref()
+            .filter(|_| self.logprob_temperature == 1.0)
+        {
+            return v.response_log_probs(req, self.shapes);
         }
         log_probs(
             &self.model,

@@ -191,6 +191,44 @@ fn every_bad_input_gets_a_clear_error_and_no_panic() -> Result<()> {
             s(&["join", "--address", "127.0.0.1:1", "--connect-timeout", "inf"]),
             "inf seconds is out of range: give a number from 0 to",
         ),
+        // The vLLM rollout engine: the worker's Python and the job's settings.
+        (
+            "worker vllm python missing",
+            Bin::Worker,
+            join(&["--vllm-python", "/nonexistent/bin/python"]),
+            "--vllm-python (or RLHF_VLLM_PYTHON) /nonexistent/bin/python: no such file",
+        ),
+        (
+            "vllm run without a vllm python",
+            Bin::Head,
+            {
+                let mut v = run_tiny(&[]);
+                v[2] = "ppo_tiny_vllm".into();
+                v
+            },
+            "the embedded worker has no vLLM Python; set RLHF_VLLM_PYTHON",
+        ),
+        (
+            "vllm with the hybrid engine",
+            Bin::Head,
+            tiny(&["actor_rollout.engine=vllm", "resource_pool.colocate=true"]),
+            "set actor_rollout.hybrid_engine=false",
+        ),
+        (
+            "vllm extra argument that loads code",
+            Bin::Head,
+            tiny(&[
+                "actor_rollout.engine=vllm",
+                "actor_rollout.vllm.extra_args=[--trust-remote-code]",
+            ]),
+            "actor_rollout.vllm.extra_args[0] (\"--trust-remote-code\"): not an engine argument a job may set",
+        ),
+        (
+            "vllm kv cache of a fraction",
+            Bin::Head,
+            tiny(&["actor_rollout.engine=vllm", "actor_rollout.vllm.kv_cache_gb=0.5"]),
+            "actor_rollout.vllm.kv_cache_gb",
+        ),
         // Datasets, tokenizers, checkpoints (the run stops before or right after placement).
         (
             "missing dataset",

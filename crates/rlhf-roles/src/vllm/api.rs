@@ -114,23 +114,19 @@ impl VllmServer {
     /// The served model's log-probs of `ids[1..]`, each given the tokens before it
     /// (teacher-forced, temperature 1): a probe that tells which weights are served.
     pub fn prompt_log_probs(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
-        let mut all = self.sequence_log_probs(&[ids.to_vec()], 1.0)?;
+        let mut all = self.sequence_log_probs(&[ids.to_vec()])?;
         Ok(all.pop().unwrap_or_default())
     }
 
-    /// [`Self::prompt_log_probs`] of several sequences at once, the logits divided by
-    /// `temperature` (vLLM's processed log-probs; 0 is taken as 1, as a greedy trainer does).
-    pub fn sequence_log_probs(
-        &mut self,
-        seqs: &[Vec<u32>],
-        temperature: f64,
-    ) -> Result<Vec<Vec<f32>>> {
-        let t = if temperature > 0.0 { temperature } else { 1.0 };
+    /// [`Self::prompt_log_probs`] of several sequences at once. Always at temperature 1:
+    /// vLLM computes prompt log-probs from the raw logits whatever the request's temperature
+    /// (seen with vLLM 0.32: a request at 0.7 answered the temperature-1 values).
+    pub fn sequence_log_probs(&mut self, seqs: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {
         let bodies: Vec<Value> = seqs
             .iter()
             .map(|ids| {
                 json!({
-                    "model": SERVED_NAME, "prompt": ids, "max_tokens": 1, "temperature": t,
+                    "model": SERVED_NAME, "prompt": ids, "max_tokens": 1, "temperature": 1.0,
                     "prompt_logprobs": 0,
                 })
             })

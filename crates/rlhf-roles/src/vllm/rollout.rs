@@ -159,24 +159,23 @@ impl VllmRollout {
         }
     }
 
-    /// Teacher-forced log-probs `[rows][len - 1]` of whole sequences at `temperature`.
-    pub fn sequence_log_probs(&self, seqs: &[Vec<u32>], temperature: f64) -> Result<Vec<Vec<f32>>> {
+    /// Teacher-forced log-probs `[rows][len - 1]` of whole sequences, at temperature 1.
+    pub fn sequence_log_probs(&self, seqs: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {
         let mut s = self.lock();
-        match s.sequence_log_probs(seqs, temperature) {
+        match s.sequence_log_probs(seqs) {
             Ok(v) => Ok(v),
             Err(e) => Err(self.checked(&mut s, e)),
         }
     }
 
     /// The served model's log-probs of a request's response tokens (teacher-forced, at
-    /// `temperature`), `[rows, R]`, 0 where the response mask is. vLLM gives no entropy:
-    /// that matrix is zeros (only the log-probs of a rollout rank are read, for the
-    /// `training/rollout_logprob_gap_*` of async runs).
+    /// temperature 1: vLLM's prompt log-probs know no other), `[rows, R]`, 0 where the
+    /// response mask is. vLLM gives no entropy: that matrix is zeros (only the log-probs of
+    /// a rollout rank are read, for the `training/rollout_logprob_gap_*` of async runs).
     pub fn response_log_probs(
         &self,
         req: &LogProbsRequest,
         shapes: Shapes,
-        temperature: f64,
     ) -> Result<LogProbsResponse> {
         let seq = &req.0;
         let (p, r) = (shapes.prompt_len, shapes.response_len);
@@ -213,7 +212,7 @@ impl VllmRollout {
             }
             seqs.push(row);
         }
-        let lps = self.sequence_log_probs(&seqs, temperature)?;
+        let lps = self.sequence_log_probs(&seqs)?;
         let mut out = Mat::filled(rows, r, 0.0f32);
         for i in 0..rows {
             let mask = &seq.attention_mask.row(i)[p..];
@@ -263,7 +262,7 @@ impl VllmRollout {
             Ok(d) => d,
             Err(e) => return Err(self.checked(&mut s, e)),
         };
-        let served = match s.sequence_log_probs(std::slice::from_ref(&self.probe), 1.0) {
+        let served = match s.sequence_log_probs(std::slice::from_ref(&self.probe)) {
             Ok(mut v) => v.pop().unwrap_or_default(),
             Err(e) => return Err(self.checked(&mut s, e)),
         };

@@ -131,6 +131,8 @@ pub fn run(bin: &Bin, args: &[String], limit: Duration) -> Result<(bool, String)
         .args(args)
         .current_dir(rlhf_e2e::repo_root())
         .env_remove("RLHF_TOKEN")
+        // The cases' own flags say which vLLM Python (if any) a worker has.
+        .env_remove("RLHF_VLLM_PYTHON")
         .env("RUST_LOG", "warn")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
