@@ -12,7 +12,7 @@ use candle_core::{Device, Tensor};
 use crate::config::AlgorithmConfig;
 use crate::error::{AlgoError, Result};
 use crate::masked::host_whiten;
-use crate::names::AdvEstimator;
+use crate::names::{AdvEstimator, ScaleRewards};
 use crate::validate::{
     check_2d, check_batch_vec, check_finite, check_mask_host, check_same_shape, find_non_finite,
     host_vec,
@@ -247,17 +247,44 @@ pub fn grpo_outcome_advantage(
     norm_by_std: bool,
     eps: f64,
 ) -> Result<Advantages> {
+    let scale = if norm_by_std {
+        ScaleRewards::Group
+    } else {
+        ScaleRewards::None
+    };
+    grpo_scaled_advantage(token_rewards, response_mask, group_ids, scale, eps)
+}
+
+/// GRPO outcome advantage with TRL's `scale_rewards`: each row's score minus its
+/// group's mean, divided by `std + eps` where the std is the group's (`group`), that of
+/// every score in the batch (`batch`, unbiased as `torch.std`; 1 for a batch of one), or
+/// not divided at all (`none`). TRL uses `eps = 1e-4`.
+pub fn grpo_scaled_advantage(
+    token_rewards: &Tensor,
+    response_mask: &Tensor,
+    group_ids: &[usize],
+    scale: ScaleRewards,
+    eps: f64,
+) -> Result<Advantages> {
+    let batch_std = match scale {
+        ScaleRewards::Batch => {
+            let b = Batch::new(response_mask)?;
+            let r = b.token("token_rewards", token_rewards, response_mask)?;
+            let scores = b.row_scores(&r);
+            let (_, std, _) = group_stats(&scores, &vec![0; scores.len()]);
+            std[0]
+        }
+        ScaleRewards::Group | ScaleRewards::None => 1.0,
+    };
     group_outcome(
         token_rewards,
         response_mask,
         group_ids,
         false,
-        |s, mean, std, _| {
-            if norm_by_std {
-                (s - mean) / (std + eps)
-            } else {
-                s - mean
-            }
+        |s, mean, std, _| match scale {
+            ScaleRewards::Group => (s - mean) / (std + eps),
+            ScaleRewards::Batch => (s - mean) / (batch_std + eps),
+            ScaleRewards::None => s - mean,
         },
     )
 }
@@ -438,13 +465,9 @@ pub fn compute_advantage(
                 returns: out.returns,
             })
         }
-        AdvEstimator::Grpo => grpo_outcome_advantage(
-            r,
-            m,
-            groups()?,
-            cfg.norm_adv_by_std_in_grpo,
-            cfg.grpo_epsilon,
-        ),
+        AdvEstimator::Grpo => {
+            grpo_scaled_advantage(r, m, groups()?, cfg.grpo_scale(), cfg.grpo_epsilon)
+        }
         AdvEstimator::Rloo => rloo_outcome_advantage(r, m, groups()?),
         AdvEstimator::ReinforcePlusPlus => reinforce_plus_plus_advantage(r, m, cfg.gamma),
         AdvEstimator::ReinforcePlusPlusBaseline => {

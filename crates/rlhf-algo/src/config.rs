@@ -8,7 +8,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{AlgoError, Result};
 use crate::names::{
-    AdvEstimator, KlCtrlType, KlPenalty, LossAggMode, PreferenceLoss, ScorePlacement,
+    AdvEstimator, ImportanceSamplingLevel, KlCtrlType, KlPenalty, LossAggMode, PolicyLoss,
+    PreferenceLoss, ScaleRewards, ScorePlacement,
 };
 use crate::preference::PreferenceConfig;
 use crate::validate::{check_non_negative, check_positive, check_unit_interval};
@@ -77,6 +78,10 @@ pub struct AlgorithmConfig {
     pub whiten_advantages: bool,
     /// GRPO: divide by the group std (false gives Dr. GRPO).
     pub norm_adv_by_std_in_grpo: bool,
+    /// GRPO: which std the centred scores are divided by, as TRL's `scale_rewards`:
+    /// `group` (default), `batch` (the whole batch's std) or `none`. `none` is the same as
+    /// `norm_adv_by_std_in_grpo: false`.
+    pub scale_rewards: ScaleRewards,
     /// GRPO: added to the group std before dividing.
     pub grpo_epsilon: f64,
     /// Where the score goes: `last_token` (verl) or `trl` (one slot past it, as TRL's
@@ -115,6 +120,7 @@ impl Default for AlgorithmConfig {
             whiten_rewards: false,
             whiten_advantages: true,
             norm_adv_by_std_in_grpo: true,
+            scale_rewards: ScaleRewards::Group,
             grpo_epsilon: 1e-6,
             score_placement: ScorePlacement::LastToken,
             loss_type: pref.loss_type,
@@ -129,6 +135,43 @@ impl Default for AlgorithmConfig {
 }
 
 impl AlgorithmConfig {
+    /// How GRPO scales its centred scores: `scale_rewards`, or `none` when
+    /// `norm_adv_by_std_in_grpo` is off.
+    pub fn grpo_scale(&self) -> ScaleRewards {
+        if self.norm_adv_by_std_in_grpo {
+            self.scale_rewards
+        } else {
+            ScaleRewards::None
+        }
+    }
+
+    fn check_scale_rewards(&self) -> Result<()> {
+        if self.scale_rewards == ScaleRewards::Group {
+            return Ok(());
+        }
+        if self.adv_estimator != AdvEstimator::Grpo {
+            return Err(AlgoError::InvalidConfig {
+                key: "algorithm.scale_rewards",
+                value: self.scale_rewards.to_string(),
+                reason: format!(
+                    "only the grpo advantage estimator scales rewards, not {}: \
+                     remove scale_rewards or use adv_estimator grpo",
+                    self.adv_estimator
+                ),
+            });
+        }
+        if self.scale_rewards == ScaleRewards::Batch && !self.norm_adv_by_std_in_grpo {
+            return Err(AlgoError::InvalidConfig {
+                key: "algorithm.scale_rewards",
+                value: "batch".into(),
+                reason: "norm_adv_by_std_in_grpo is false, which turns every std scaling off: \
+                         set norm_adv_by_std_in_grpo true, or scale_rewards none"
+                    .into(),
+            });
+        }
+        Ok(())
+    }
+
     /// The DPO-family loss these keys describe.
     pub fn preference(&self) -> PreferenceConfig {
         PreferenceConfig {
@@ -162,6 +205,7 @@ impl AlgorithmConfig {
             check_positive("algorithm.reward_clip", c)?;
         }
         check_non_negative("algorithm.grpo_epsilon", self.grpo_epsilon)?;
+        self.check_scale_rewards()?;
         self.preference().validate()?;
         if let Some(c) = self.center_rewards_coefficient {
             check_non_negative("algorithm.center_rewards_coefficient", c)?;
@@ -182,21 +226,37 @@ impl AlgorithmConfig {
     }
 }
 
-/// Actor (policy) loss settings, verl names.
+/// Actor (policy) loss settings, verl names; the GRPO-family choices with TRL's names.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PolicyLossConfig {
-    /// PPO clip range epsilon (TRL `cliprange`). Default 0.2.
+    /// PPO clip range epsilon (TRL `cliprange`, GRPO's `epsilon`). Default 0.2.
     pub clip_ratio: f64,
     /// Lower clip range; `clip_ratio` when unset.
     pub clip_ratio_low: Option<f64>,
-    /// Upper clip range; `clip_ratio` when unset.
+    /// Upper clip range (GRPO's `epsilon_high`); `clip_ratio` when unset.
     pub clip_ratio_high: Option<f64>,
     /// Dual-clip bound for negative advantages (verl default 3.0, must be > 1);
-    /// `null` turns dual clipping off, which is TRL's loss.
+    /// `null` turns dual clipping off, which is TRL's loss. `ppo` only.
     pub clip_ratio_c: Option<f64>,
     /// How the token loss matrix is reduced.
     pub loss_agg_mode: LossAggMode,
+    /// `seq-mean-token-sum-norm` only: the constant each sequence's token sum is divided
+    /// by (TRL's `max_completion_length`, verl's `loss_scale_factor`); the response width
+    /// when unset. Set it to the rollout's maximum response length so that it stays the
+    /// same for every micro-batch.
+    pub loss_scale_factor: Option<f64>,
+    /// The per-token objective: `ppo` (clipped surrogate), `cispo` or `sapo`.
+    pub policy_loss: PolicyLoss,
+    /// `token` (per-token ratios) or `sequence` (GSPO's per-sequence ratio).
+    pub importance_sampling_level: ImportanceSamplingLevel,
+    /// `cispo` only: the upper bound on the importance weight (TRL's `epsilon_high` under
+    /// `loss_type: cispo`, ScaleRL's epsilon_max). Default 5.0, ScaleRL's recommendation.
+    pub cispo_clip_max: f64,
+    /// `sapo` only: the gate's temperature where the advantage is positive. TRL default 1.0.
+    pub sapo_temperature_pos: f64,
+    /// `sapo` only: the gate's temperature elsewhere. TRL default 1.05.
+    pub sapo_temperature_neg: f64,
     /// Add a KL-to-reference term to the actor loss (GRPO style).
     pub use_kl_loss: bool,
     /// Weight of the KL loss.
@@ -215,6 +275,12 @@ impl Default for PolicyLossConfig {
             clip_ratio_high: None,
             clip_ratio_c: Some(3.0),
             loss_agg_mode: LossAggMode::TokenMean,
+            loss_scale_factor: None,
+            policy_loss: PolicyLoss::Ppo,
+            importance_sampling_level: ImportanceSamplingLevel::Token,
+            cispo_clip_max: 5.0,
+            sapo_temperature_pos: 1.0,
+            sapo_temperature_neg: 1.05,
             use_kl_loss: false,
             kl_loss_coef: 0.001,
             kl_loss_type: KlPenalty::LowVarKl,
@@ -234,7 +300,7 @@ impl PolicyLossConfig {
         self.clip_ratio_high.unwrap_or(self.clip_ratio)
     }
 
-    /// Checks value ranges.
+    /// Checks value ranges and combinations.
     pub fn validate(&self) -> Result<()> {
         check_non_negative("clip_ratio", self.clip_ratio)?;
         check_unit_interval("clip_ratio_low", self.low())?;
@@ -257,8 +323,54 @@ impl PolicyLossConfig {
                 reason: "must be finite".into(),
             });
         }
+        self.validate_grpo_family()
+    }
+
+    fn validate_grpo_family(&self) -> Result<()> {
+        check_scale_factor(self.loss_scale_factor, self.loss_agg_mode)?;
+        if !(self.cispo_clip_max.is_finite() && self.cispo_clip_max > 1.0) {
+            return Err(AlgoError::InvalidConfig {
+                key: "cispo_clip_max",
+                value: self.cispo_clip_max.to_string(),
+                reason: "the cap on the importance weight must be a finite number > 1.0, or \
+                         every on-policy token's gradient is scaled down (ScaleRL uses 5.0)"
+                    .into(),
+            });
+        }
+        for (key, t) in [
+            ("sapo_temperature_pos", self.sapo_temperature_pos),
+            ("sapo_temperature_neg", self.sapo_temperature_neg),
+        ] {
+            if !(t.is_finite() && t > 0.0) {
+                return Err(AlgoError::InvalidConfig {
+                    key,
+                    value: t.to_string(),
+                    reason: "the SAPO gate divides by its temperature: use a finite number > 0 \
+                             (TRL's defaults: 1.0 for positive advantages, 1.05 otherwise)"
+                        .into(),
+                });
+            }
+        }
         Ok(())
     }
+}
+
+/// `loss_scale_factor` must be a positive number, and set only where it is used.
+pub(crate) fn check_scale_factor(factor: Option<f64>, mode: LossAggMode) -> Result<()> {
+    let Some(f) = factor else {
+        return Ok(());
+    };
+    if mode != LossAggMode::SeqMeanTokenSumNorm {
+        return Err(AlgoError::InvalidConfig {
+            key: "loss_scale_factor",
+            value: f.to_string(),
+            reason: format!(
+                "it is the divisor of loss_agg_mode seq-mean-token-sum-norm, not of {mode}: \
+                 remove it or set loss_agg_mode seq-mean-token-sum-norm"
+            ),
+        });
+    }
+    check_positive("loss_scale_factor", f)
 }
 
 /// Critic (value) loss settings, TRL names.

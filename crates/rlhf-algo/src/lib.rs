@@ -3,11 +3,12 @@
 //! Per-token rewards with a KL penalty, KL estimators and controllers, advantage
 //! estimators (GAE, GRPO, RLOO, REINFORCE++, REINFORCE++ with baseline, ReMax),
 //! masked whitening, the clipped policy and value losses, entropy and KL losses,
-//! and training metrics; the losses of the other stages (SFT, the reward model's
+//! the GRPO family's objectives (GSPO's sequence-level ratio, CISPO, SAPO; TRL's
+//! aggregations grpo, bnpo, dr_grpo and dapo) and training metrics; the losses of the other stages (SFT, the reward model's
 //! Bradley–Terry, the DPO family: `supervised`, `preference`). Names and defaults
-//! follow TRL's trainers and verl's `core_algos`; `scripts/algo_reference.py` and
-//! `scripts/preference_reference.py` produce the reference numbers the integration
-//! tests compare against.
+//! follow TRL's trainers and verl's `core_algos`; `scripts/algo_reference.py`,
+//! `scripts/preference_reference.py` and `scripts/grpo_loss_reference.py` produce the
+//! reference numbers the integration tests compare against.
 //!
 //! Conventions:
 //! * token tensors are `f32` `[batch, response_len]`, responses right-padded;
@@ -88,6 +89,7 @@ mod masked;
 pub mod metric;
 mod metrics;
 mod names;
+mod objective;
 mod off_policy;
 mod preference;
 mod rewards;
@@ -95,22 +97,25 @@ mod supervised;
 mod validate;
 
 pub use advantage::{
-    compute_advantage, gae, grpo_outcome_advantage, reinforce_plus_plus_advantage,
-    reinforce_plus_plus_baseline_advantage, remax_advantage, rloo_outcome_advantage,
-    AdvantageInputs, Advantages,
+    compute_advantage, gae, grpo_outcome_advantage, grpo_scaled_advantage,
+    reinforce_plus_plus_advantage, reinforce_plus_plus_baseline_advantage, remax_advantage,
+    rloo_outcome_advantage, AdvantageInputs, Advantages,
 };
 pub use config::{AlgorithmConfig, KlCtrlConfig, PolicyLossConfig, ValueLossConfig};
 pub use error::{AlgoError, Result};
 pub use kl::{entropy_from_logits, kl_penalty, log_softmax, KlController};
 pub use loss::{
-    actor_loss, agg_loss, kl_loss, micro_batch_scale, policy_loss, value_loss, ActorLossOutput,
-    GlobalBatch, PolicyLossOutput, ValueLossOutput,
+    actor_loss, agg_loss, agg_loss_scaled, kl_loss, micro_batch_scale, policy_loss, value_loss,
+    ActorLossOutput, GlobalBatch, PolicyLossOutput, ValueLossOutput,
 };
 pub use masked::{masked_mean, masked_sum, masked_var, masked_whiten, WHITEN_EPS};
 pub use metrics::{
     compute_metrics, rollout_metrics, RolloutMetricsInputs, TrainStats, METRIC_NAMES,
 };
-pub use names::{AdvEstimator, KlCtrlType, KlPenalty, LossAggMode, PreferenceLoss, ScorePlacement};
+pub use names::{
+    AdvEstimator, ImportanceSamplingLevel, KlCtrlType, KlPenalty, LossAggMode, PolicyLoss,
+    PreferenceLoss, ScaleRewards, ScorePlacement,
+};
 pub use off_policy::{importance_weights, log_prob_gap, ImportanceWeights};
 pub use preference::{
     kto_kl_estimate, preference_loss, PairBatch, PreferenceConfig, PreferenceLossOutput,

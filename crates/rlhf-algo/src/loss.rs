@@ -9,16 +9,31 @@ use crate::error::Result;
 use crate::fused::{self, PgParams};
 use crate::kl::kl_penalty_unchecked;
 use crate::masked::{masked_mean_n, scalar};
-use crate::names::{KlPenalty, LossAggMode};
+use crate::names::{ImportanceSamplingLevel, KlPenalty, LossAggMode, PolicyLoss};
+use crate::objective::objective_terms;
 use crate::validate::{check_mask, check_token_tensor, clamp, HostMask};
 
 /// Reduces a `[batch, len]` loss matrix to a scalar over the mask
 /// (verl `agg_loss`). The `seq-mean-*` modes average over the sequences that
-/// have at least one valid token.
+/// have at least one valid token; `seq-mean-token-sum-norm` divides each
+/// sequence's token sum by the response width (see [`agg_loss_scaled`]).
 pub fn agg_loss(loss_mat: &Tensor, mask: &Tensor, mode: LossAggMode) -> Result<Tensor> {
+    agg_loss_scaled(loss_mat, mask, mode, None)
+}
+
+/// [`agg_loss`] with the constant of `seq-mean-token-sum-norm` (TRL's
+/// `max_completion_length`) given; `None` uses the response width. Any other mode
+/// refuses a factor.
+pub fn agg_loss_scaled(
+    loss_mat: &Tensor,
+    mask: &Tensor,
+    mode: LossAggMode,
+    loss_scale_factor: Option<f64>,
+) -> Result<Tensor> {
+    crate::config::check_scale_factor(loss_scale_factor, mode)?;
     let n = check_mask("response_mask", mask)?;
     check_token_tensor("loss_mat", loss_mat, mask)?;
-    agg_loss_n(loss_mat, mask, n, mode)
+    agg_loss_scaled_n(loss_mat, mask, n, mode, loss_scale_factor)
 }
 
 pub(crate) fn agg_loss_n(
@@ -26,6 +41,16 @@ pub(crate) fn agg_loss_n(
     mask: &Tensor,
     n: usize,
     mode: LossAggMode,
+) -> Result<Tensor> {
+    agg_loss_scaled_n(loss_mat, mask, n, mode, None)
+}
+
+pub(crate) fn agg_loss_scaled_n(
+    loss_mat: &Tensor,
+    mask: &Tensor,
+    n: usize,
+    mode: LossAggMode,
+    loss_scale_factor: Option<f64>,
 ) -> Result<Tensor> {
     if mode == LossAggMode::TokenMean {
         return masked_mean_n(loss_mat, mask, n);
@@ -36,10 +61,15 @@ pub(crate) fn agg_loss_n(
         seq_losses = seq_losses.div(&tokens.affine(1.0, 1e-8)?)?;
     }
     let seq_mask = tokens.gt(0f32)?.to_dtype(mask.dtype())?;
-    Ok(seq_losses
+    let mean = seq_losses
         .mul(&seq_mask)?
         .sum_all()?
-        .div(&seq_mask.sum_all()?)?)
+        .div(&seq_mask.sum_all()?)?;
+    if mode == LossAggMode::SeqMeanTokenSumNorm {
+        let width = mask.dim(1)? as f64;
+        return Ok(mean.affine(1.0 / loss_scale_factor.unwrap_or(width), 0.0)?);
+    }
+    Ok(mean)
 }
 
 /// Sizes of the whole (global) batch a micro-batch belongs to, for gradient
@@ -60,11 +90,18 @@ pub struct GlobalBatch {
 /// gradient-accumulation steps and averaged over `dp_size` ranks, equal the loss
 /// aggregated over the global batch at once: the micro-batch's own denominator
 /// (valid tokens, or non-empty sequences) times `dp_size` over the global one.
+///
+/// With TRL's names: `token-mean` scaled this way is `dapo` (tokens of the whole
+/// accumulated batch), while the `seq-mean-*` modes give `grpo` and `dr_grpo` with
+/// equal-sized micro-batches (TRL divides each micro-batch's loss by the accumulation
+/// steps). TRL's `bnpo` is `token-mean` of one micro-batch, unscaled.
 pub fn micro_batch_scale(mask: &Tensor, mode: LossAggMode, global: &GlobalBatch) -> Result<f64> {
     let n = check_mask("response_mask", mask)?;
     let (local, total, key) = match mode {
         LossAggMode::TokenMean => (n as f64, global.num_tokens, "num_tokens"),
-        LossAggMode::SeqMeanTokenSum | LossAggMode::SeqMeanTokenMean => {
+        LossAggMode::SeqMeanTokenSum
+        | LossAggMode::SeqMeanTokenMean
+        | LossAggMode::SeqMeanTokenSumNorm => {
             let seqs = mask.sum(1)?.gt(0f32)?.to_dtype(mask.dtype())?.sum_all()?;
             (scalar(&seqs)?, global.num_seqs, "num_seqs")
         }
@@ -83,7 +120,10 @@ pub fn micro_batch_scale(mask: &Tensor, mode: LossAggMode, global: &GlobalBatch)
 pub struct PolicyLossOutput {
     /// Scalar loss; differentiable w.r.t. `logp`.
     pub loss: Tensor,
-    /// Fraction of valid tokens where the clipped surrogate was active.
+    /// Fraction of valid tokens where the clipped surrogate was active (TRL GRPO's
+    /// `clip_ratio/region_mean`); for `cispo` the fraction of positive-advantage tokens
+    /// whose weight was capped (`cispo_clip_ratio`); 0 for `sapo`. At the sequence level,
+    /// a fraction of sequences.
     pub clipfrac: f64,
     /// Fraction of valid tokens where the dual clip bounded a negative advantage.
     pub clipfrac_lower: f64,
@@ -105,6 +145,12 @@ pub struct PolicyLossOutput {
 /// The gradient flows to `logp` only: `old_logp` and `advantages` are rollout
 /// constants. Diagnostics are masked means (TRL averages `approxkl` and the
 /// ratio over padding too).
+///
+/// `cfg.policy_loss` and `cfg.importance_sampling_level` choose the GRPO family's
+/// other objectives as TRL 1.16's GRPOTrainer computes them: the ratio per sequence
+/// (GSPO: `exp` of the mean log-ratio over the response tokens, shared by its tokens),
+/// `cispo` (`-sg(min(r, cispo_clip_max)) * A * logp`) and `sapo` (the soft gate
+/// `-A * sigmoid(tau (r - 1)) * 4 / tau`); `clip_ratio_c` applies to `ppo` only.
 pub fn policy_loss(
     old_logp: &Tensor,
     logp: &Tensor,
@@ -113,6 +159,11 @@ pub fn policy_loss(
     cfg: &PolicyLossConfig,
 ) -> Result<PolicyLossOutput> {
     cfg.validate()?;
+    if cfg.policy_loss != PolicyLoss::Ppo
+        || cfg.importance_sampling_level != ImportanceSamplingLevel::Token
+    {
+        return grpo_family_loss(old_logp, logp, advantages, response_mask, cfg);
+    }
     let params = PgParams {
         lo: (1.0 - cfg.low()) as f32,
         hi: (1.0 + cfg.high()) as f32,
@@ -134,9 +185,37 @@ pub fn policy_loss(
         let (pg, stats) = policy_terms_ops(old_logp, logp, advantages, response_mask, n, params)?;
         (n, pg, stats)
     };
+    policy_output(&pg, response_mask, n, stats, cfg)
+}
+
+/// [`policy_loss`] for the objectives and ratio levels beyond the token-level clipped
+/// surrogate (`objective.rs`).
+fn grpo_family_loss(
+    old_logp: &Tensor,
+    logp: &Tensor,
+    advantages: &Tensor,
+    response_mask: &Tensor,
+    cfg: &PolicyLossConfig,
+) -> Result<PolicyLossOutput> {
+    let n = check_mask("response_mask", response_mask)?;
+    check_token_tensor("old_logp", old_logp, response_mask)?;
+    check_token_tensor("logp", logp, response_mask)?;
+    check_token_tensor("advantages", advantages, response_mask)?;
+    let (pg, stats) = objective_terms(old_logp, logp, advantages, response_mask, n, cfg)?;
+    policy_output(&pg, response_mask, n, stats, cfg)
+}
+
+fn policy_output(
+    pg: &Tensor,
+    response_mask: &Tensor,
+    n: usize,
+    stats: [f64; 5],
+    cfg: &PolicyLossConfig,
+) -> Result<PolicyLossOutput> {
     let [clipfrac, clipfrac_lower, approxkl, ppo_kl, ratio_mean] = stats;
+    let (mode, factor) = (cfg.loss_agg_mode, cfg.loss_scale_factor);
     Ok(PolicyLossOutput {
-        loss: agg_loss_n(&pg, response_mask, n, cfg.loss_agg_mode)?,
+        loss: agg_loss_scaled_n(pg, response_mask, n, mode, factor)?,
         clipfrac,
         clipfrac_lower,
         approxkl,
@@ -263,6 +342,17 @@ pub fn kl_loss(
     kl_type: KlPenalty,
     mode: LossAggMode,
 ) -> Result<Tensor> {
+    kl_loss_scaled(logp, ref_logp, response_mask, kl_type, mode, None)
+}
+
+fn kl_loss_scaled(
+    logp: &Tensor,
+    ref_logp: &Tensor,
+    response_mask: &Tensor,
+    kl_type: KlPenalty,
+    mode: LossAggMode,
+    loss_scale_factor: Option<f64>,
+) -> Result<Tensor> {
     let n = check_mask("response_mask", response_mask)?;
     check_token_tensor("logp", logp, response_mask)?;
     check_token_tensor("ref_logp", ref_logp, response_mask)?;
@@ -276,7 +366,7 @@ pub fn kl_loss(
         });
     }
     let kl = kl_penalty_unchecked(logp, ref_logp, kl_type)?;
-    agg_loss_n(&kl, response_mask, n, mode)
+    agg_loss_scaled_n(&kl, response_mask, n, mode, loss_scale_factor)
 }
 
 /// Output of [`actor_loss`].
@@ -308,7 +398,7 @@ pub fn actor_loss(
     let mut loss = policy.loss.clone();
     let mut entropy_value = None;
     if let Some(h) = entropy {
-        let agg = agg_loss(h, response_mask, cfg.loss_agg_mode)?;
+        let agg = agg_loss_scaled(h, response_mask, cfg.loss_agg_mode, cfg.loss_scale_factor)?;
         entropy_value = Some(scalar(&agg)?);
         if cfg.entropy_coeff != 0.0 {
             loss = loss.sub(&agg.affine(cfg.entropy_coeff, 0.0)?)?;
@@ -320,12 +410,13 @@ pub fn actor_loss(
             input: "ref_logp",
             reason: "use_kl_loss is on, so the reference log-probs are needed".into(),
         })?;
-        let kl = kl_loss(
+        let kl = kl_loss_scaled(
             logp,
             ref_logp,
             response_mask,
             cfg.kl_loss_type,
             cfg.loss_agg_mode,
+            cfg.loss_scale_factor,
         )?;
         kl_value = Some(scalar(&kl)?);
         loss = loss.add(&kl.affine(cfg.kl_loss_coef, 0.0)?)?;

@@ -101,8 +101,65 @@ named_enum! {
         TokenMean = "token-mean",
         /// Sum over each sequence's tokens, then mean over sequences.
         SeqMeanTokenSum = "seq-mean-token-sum",
-        /// Mean over each sequence's tokens, then mean over sequences.
+        /// Mean over each sequence's tokens, then mean over sequences: TRL GRPO's `grpo`
+        /// (and `sapo`) aggregation.
         SeqMeanTokenMean = "seq-mean-token-mean",
+        /// Sum over each sequence's tokens divided by a constant (`loss_scale_factor`, TRL's
+        /// `max_completion_length`; the response width when unset), then mean over
+        /// sequences: TRL GRPO's `dr_grpo` (Dr. GRPO), `sum / (batch * max_completion_length)`.
+        SeqMeanTokenSumNorm = "seq-mean-token-sum-norm",
+    }
+}
+
+impl LossAggMode {
+    /// Whether the denominator counts sequences (the `seq-mean-*` modes) rather than tokens.
+    pub fn per_sequence(self) -> bool {
+        !matches!(self, LossAggMode::TokenMean)
+    }
+}
+
+named_enum! {
+    /// Which policy-gradient objective the actor minimises (`policy_loss`), as TRL's
+    /// GRPOTrainer computes it per token before aggregation (its `loss_type`'s first half).
+    PolicyLoss, "policy loss (policy_loss)" {
+        /// The clipped surrogate `max(-A r, -A clip(r, 1 - low, 1 + high))`, with verl's
+        /// dual clip when `clip_ratio_c` is set (PPO; TRL's grpo/bnpo/dr_grpo/dapo).
+        #[default]
+        Ppo = "ppo" | "vanilla",
+        /// CISPO (MiniMax-M1): `-sg(min(r, cispo_clip_max)) * A * logp`, the importance
+        /// weight clipped from above and detached, times the log-prob (TRL's `cispo`).
+        Cispo = "cispo",
+        /// SAPO: a soft gate instead of a clip, `-A * sigmoid(tau (r - 1)) * 4 / tau` with
+        /// `tau = sapo_temperature_pos` where `A > 0`, else `sapo_temperature_neg` (TRL's
+        /// `sapo`).
+        Sapo = "sapo",
+    }
+}
+
+named_enum! {
+    /// Where the importance ratio `r` is formed (`importance_sampling_level`).
+    ImportanceSamplingLevel, "importance sampling level (importance_sampling_level)" {
+        /// Per token: `r_t = exp(logp_t - old_logp_t)`.
+        #[default]
+        Token = "token",
+        /// Per sequence (GSPO): `r = exp(mean over the response tokens of logp - old_logp)`,
+        /// the same for every token of the sequence; clipped, gated or capped as the token
+        /// ratio is.
+        Sequence = "sequence",
+    }
+}
+
+named_enum! {
+    /// How GRPO divides the group-centred scores (`algorithm.scale_rewards`), as TRL's
+    /// GRPOTrainer does.
+    ScaleRewards, "reward scaling (algorithm.scale_rewards)" {
+        /// By the standard deviation of the prompt's group.
+        #[default]
+        Group = "group",
+        /// By the standard deviation of every score in the batch (PPO Lite).
+        Batch = "batch",
+        /// Not at all (Dr. GRPO).
+        None = "none",
     }
 }
 
@@ -193,6 +250,16 @@ mod tests {
         for v in PreferenceLoss::ALL {
             assert_eq!(v.as_str().parse::<PreferenceLoss>().unwrap(), *v);
         }
+        for v in PolicyLoss::ALL {
+            assert_eq!(v.as_str().parse::<PolicyLoss>().unwrap(), *v);
+        }
+        for v in ImportanceSamplingLevel::ALL {
+            assert_eq!(v.as_str().parse::<ImportanceSamplingLevel>().unwrap(), *v);
+        }
+        for v in ScaleRewards::ALL {
+            assert_eq!(v.as_str().parse::<ScaleRewards>().unwrap(), *v);
+        }
+        assert_eq!("vanilla".parse::<PolicyLoss>().unwrap(), PolicyLoss::Ppo);
     }
 
     #[test]
