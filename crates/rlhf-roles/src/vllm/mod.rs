@@ -29,7 +29,7 @@ use crate::error::{Error, Result};
 /// The name the server gives the model it serves.
 const SERVED_NAME: &str = "rollout";
 /// Lines of the server's output kept for error messages.
-const TAIL_LINES: usize = 40;
+const TAIL_LINES: usize = 200;
 
 /// Where vLLM runs: its CPU build needs eager mode and a KV cache size in GiB.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -191,6 +191,13 @@ impl VllmServer {
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         if s.device == VllmDevice::Cpu {
+            // A prompt whose prefill is split over two engine steps, in a request with a
+            // seed (all of ours), makes vLLM 0.32's CPU runner rewind its random generator,
+            // which the CPU generator cannot: the engine dies ("CPU Generator does not use
+            // offset"). Whole prefills avoid that path.
+            if !s.extra_args.iter().any(|a| a.contains("chunked-prefill")) {
+                cmd.arg("--no-enable-chunked-prefill");
+            }
             cmd.arg("--enforce-eager")
                 .env("VLLM_CPU_KVCACHE_SPACE", s.kv_cache_gb.max(1).to_string());
         }
@@ -230,6 +237,40 @@ impl VllmServer {
         };
         server.wait_healthy()?;
         Ok(server)
+    }
+
+    /// Posts JSON and returns the JSON answer; a refusal carries vLLM's own message, and a
+    /// server error (5xx, whose body only says "see the stack trace") the error lines of the
+    /// server's output.
+    fn answer(&self, a: &http::Answer, what: &str) -> Result<Value> {
+        json_answer(a, what).map_err(|e| {
+            if a.status >= 500 {
+                e.context(format!("vLLM's output says:\n  {}", self.error_lines()))
+            } else {
+                e
+            }
+        })
+    }
+
+    /// The error lines among the server's last output lines (its exceptions), else its last
+    /// lines.
+    fn error_lines(&self) -> String {
+        let t = self.tail.lock().unwrap_or_else(|e| e.into_inner());
+        let errs: Vec<&str> = t
+            .iter()
+            .filter(|l| l.contains("Error:") || l.contains("Exception:"))
+            .map(|l| l.as_str())
+            .collect();
+        if errs.is_empty() {
+            drop(t);
+            return self.last_lines();
+        }
+        let from = errs.len().saturating_sub(4);
+        errs[from..]
+            .iter()
+            .map(|l| l.chars().take(600).collect::<String>())
+            .collect::<Vec<_>>()
+            .join("\n  ")
     }
 
     /// The server's last output lines, for an error message.
@@ -314,12 +355,19 @@ impl VllmServer {
         let a = self
             .call("POST", path, Some(body), within)
             .map_err(|e| self.explain(e))?;
-        json_answer(&a, path)
+        self.answer(&a, path)
     }
 
     /// The server's process id (its process group's id too).
     pub fn pid(&self) -> u32 {
         self.child.id()
+    }
+
+    /// Whether the server answers `/health` (within 5 s): vLLM says 503 there once its
+    /// engine processes died, while its API server goes on answering.
+    pub fn healthy(&self) -> bool {
+        self.call("GET", "/health", None, Duration::from_secs(5))
+            .is_ok_and(|a| a.status == 200)
     }
 
     /// Whether the server still runs.

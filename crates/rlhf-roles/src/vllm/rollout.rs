@@ -138,7 +138,8 @@ impl VllmRollout {
         while server.is_running() && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(50));
         }
-        if !server.is_running() {
+        // A dead engine behind a live API server counts as a dead server.
+        if !server.is_running() || !server.healthy() {
             eprintln!(
                 "error: {}: its vLLM server died: {e}; the role process exits so that the job \
                  fails over (fault_tolerance restarts it)",
