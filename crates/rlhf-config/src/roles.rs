@@ -1,7 +1,9 @@
 //! The role sections of a job config: `actor_rollout.*`, `ref.*`, `critic.*` and
 //! `reward.*`, each with its own keys plus overrides of the `training` keys.
 
-use rlhf_algo::{KlPenalty, LossAggMode, PolicyLossConfig, ValueLossConfig};
+use rlhf_algo::{
+    ImportanceSamplingLevel, KlPenalty, LossAggMode, PolicyLoss, PolicyLossConfig, ValueLossConfig,
+};
 use serde::{Deserialize, Serialize};
 
 use crate::asynchrony::AsyncConfig;
@@ -47,6 +49,19 @@ pub struct ActorRolloutConfig {
     pub clip_ratio_c: Option<f64>,
     /// Reduction of the token loss matrix.
     pub loss_agg_mode: LossAggMode,
+    /// `seq-mean-token-sum-norm` (Dr. GRPO): the constant each sequence's token sum is
+    /// divided by; unset = `max_response_length` (TRL's `max_completion_length`).
+    pub loss_scale_factor: Option<f64>,
+    /// Per-token objective: ppo (clipped surrogate), cispo or sapo.
+    pub policy_loss: PolicyLoss,
+    /// Importance ratio per token, or per sequence (GSPO).
+    pub importance_sampling_level: ImportanceSamplingLevel,
+    /// cispo: upper bound on the importance weight.
+    pub cispo_clip_max: f64,
+    /// sapo: gate temperature where the advantage is positive.
+    pub sapo_temperature_pos: f64,
+    /// sapo: gate temperature elsewhere.
+    pub sapo_temperature_neg: f64,
     /// Weight of the entropy bonus.
     pub entropy_coeff: f64,
     /// Add a KL-to-reference loss term (GRPO style).
@@ -99,6 +114,12 @@ impl Default for ActorRolloutConfig {
             clip_ratio_high: p.clip_ratio_high,
             clip_ratio_c: p.clip_ratio_c,
             loss_agg_mode: p.loss_agg_mode,
+            loss_scale_factor: p.loss_scale_factor,
+            policy_loss: p.policy_loss,
+            importance_sampling_level: p.importance_sampling_level,
+            cispo_clip_max: p.cispo_clip_max,
+            sapo_temperature_pos: p.sapo_temperature_pos,
+            sapo_temperature_neg: p.sapo_temperature_neg,
             entropy_coeff: p.entropy_coeff,
             use_kl_loss: p.use_kl_loss,
             kl_loss_coef: p.kl_loss_coef,
@@ -128,6 +149,15 @@ impl ActorRolloutConfig {
             kl_loss_coef: self.kl_loss_coef,
             kl_loss_type: self.kl_loss_type,
             entropy_coeff: self.entropy_coeff,
+            loss_scale_factor: self
+                .loss_scale_factor
+                .or((self.loss_agg_mode == LossAggMode::SeqMeanTokenSumNorm)
+                    .then_some(f64::from(self.max_response_length))),
+            policy_loss: self.policy_loss,
+            importance_sampling_level: self.importance_sampling_level,
+            cispo_clip_max: self.cispo_clip_max,
+            sapo_temperature_pos: self.sapo_temperature_pos,
+            sapo_temperature_neg: self.sapo_temperature_neg,
         }
     }
 

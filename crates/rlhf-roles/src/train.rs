@@ -72,7 +72,9 @@ pub struct MicroOut {
 pub fn denominator(mask: &[f32], width: usize, mode: LossAggMode) -> f64 {
     match mode {
         LossAggMode::TokenMean => mask.iter().filter(|&&m| m != 0.0).count() as f64,
-        LossAggMode::SeqMeanTokenSum | LossAggMode::SeqMeanTokenMean => mask
+        LossAggMode::SeqMeanTokenSum
+        | LossAggMode::SeqMeanTokenMean
+        | LossAggMode::SeqMeanTokenSumNorm => mask
             .chunks(width.max(1))
             .filter(|row| row.iter().any(|&m| m != 0.0))
             .count() as f64,
