@@ -7,10 +7,14 @@ Writes, under crates/rlhf-model/tests/fixtures/ (or --out):
   tiny-llama3-rope/    LlamaForCausalLM, llama3 rope scaling, tied embeddings, sharded weights,
                        config in the legacy top-level `rope_theta` / `rope_scaling` form
   tiny-qwen2/          Qwen2ForCausalLM (q/k/v biases, tied embeddings), legacy top-level `rope_theta`
+  tiny-qwen3/          Qwen3ForCausalLM (per-head q/k RMSNorm, head_dim 32 != hidden/heads 16,
+                       untied embeddings)
   tiny-llama-reward/   LlamaForSequenceClassification with num_labels=1 (`score.weight`)
   reference.json       logits, log-probs, entropies, greedy continuations, rewards, tokenizer checks
 
 Everything is seeded; rerunning on the same library versions writes the same numbers.
+`--only qwen3` adds (or rewrites) tiny-qwen3 alone, with the committed tokenizer, and keeps
+every other entry of reference.json as it is.
 Run through scripts/model_fixtures.sh, which creates the virtual environment.
 """
 
@@ -40,6 +44,8 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 SEED = 1234
@@ -433,16 +439,47 @@ def check_reload(cls, path: Path, model, tok) -> None:
     assert torch.equal(a, b), f"{path}: reloaded logits differ by {(a - b).abs().max()}"
 
 
+def qwen3_fixture(tok, out: Path) -> dict:
+    """tiny-qwen3: per-head RMSNorm on q and k (random weights, so the test sees whether they
+    are applied), head_dim 32 with 4 heads on hidden 64, no q/k/v bias, untied embeddings."""
+    set_seed(SEED + 4)
+    im_end = tok.convert_tokens_to_ids(IM_END)
+    eot = tok.convert_tokens_to_ids(EOT)
+    cfg = Qwen3Config(**common_cfg(tok, tie_word_embeddings=False, head_dim=32, use_sliding_window=False),
+                      **rope_kwargs(1_000_000.0, None))
+    model = Qwen3ForCausalLM(cfg).float()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.normal_(1.0, 0.3)
+            layer.self_attn.k_norm.weight.normal_(1.0, 0.3)
+    d = out / "tiny-qwen3"
+    save_model(model, tok, d, GenerationConfig(bos_token_id=eot, eos_token_id=[eot, im_end], pad_token_id=eot), chat="inline")
+    check_reload(AutoModelForCausalLM, d, model, tok)
+    model = AutoModelForCausalLM.from_pretrained(d, attn_implementation="eager")
+    return {"architecture": "Qwen3ForCausalLM", "rope_config_form": rope_form(d / "config.json"),
+            **causal_reference(model, tok, "tiny-qwen3")}
+
+
 def main() -> None:
     root = Path(__file__).resolve().parent.parent
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=root / "crates/rlhf-model/tests/fixtures")
+    ap.add_argument("--only", choices=["qwen3"], help="add one model to the existing fixtures")
     args = ap.parse_args()
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
     transformers.utils.logging.disable_progress_bar()
+    if args.only == "qwen3":
+        tok = PreTrainedTokenizerFast.from_pretrained(out / "tokenizer")
+        reference = json.loads((out / "reference.json").read_text())
+        reference["models"]["tiny-qwen3"] = qwen3_fixture(tok, out)
+        reference.setdefault("versions_tiny_qwen3", {
+            "torch": torch.__version__, "transformers": transformers.__version__})
+        (out / "reference.json").write_text(json.dumps(reference, separators=(",", ":")) + "\n")
+        print(f"tiny-qwen3: {dir_size(out / 'tiny-qwen3') / 1024:.0f} KiB")
+        return
 
     tok = build_tokenizer(out / "tokenizer")
     vocab = len(tok)
@@ -525,6 +562,8 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(d, attn_implementation="eager")
     reference["models"]["tiny-qwen2"] = {"architecture": "Qwen2ForCausalLM", "rope_config_form": rope_form(d / "config.json"),
                                          **causal_reference(model, tok, "tiny-qwen2")}
+
+    reference["models"]["tiny-qwen3"] = qwen3_fixture(tok, out)
 
     # tiny-llama-reward: score head, one label.
     set_seed(SEED + 3)

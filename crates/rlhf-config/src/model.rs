@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{ConfigError, Result};
 
-/// Architecture numbers of a decoder-only transformer (Llama / Qwen2 family).
+/// Architecture numbers of a decoder-only transformer (Llama / Qwen2 / Qwen3 dense).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelConfig {
@@ -27,7 +27,8 @@ pub struct ModelConfig {
     /// Key/value heads (grouped-query attention); default = query heads.
     #[serde(default)]
     pub num_key_value_heads: Option<u64>,
-    /// Per-head width; default `hidden_size / num_attention_heads`.
+    /// Per-head width; default `hidden_size / num_attention_heads` (Qwen3: 128, as
+    /// transformers' `Qwen3Config`).
     #[serde(default)]
     pub head_dim: Option<u64>,
     /// MLP inner width.
@@ -91,8 +92,18 @@ impl ModelConfig {
 
     /// Per-head width.
     pub fn head_dim(&self) -> u64 {
-        self.head_dim
-            .unwrap_or_else(|| self.hidden_size / self.num_attention_heads.max(1))
+        self.head_dim.unwrap_or_else(|| {
+            if self.is_qwen3() {
+                128
+            } else {
+                self.hidden_size / self.num_attention_heads.max(1)
+            }
+        })
+    }
+
+    /// Qwen3 dense: per-head RMSNorm weights on q and k (`head_dim` each per layer).
+    pub fn is_qwen3(&self) -> bool {
+        self.model_type.as_deref() == Some("qwen3")
     }
 
     /// Parameters of the transformer body: embedding, layers, final norm
@@ -108,7 +119,12 @@ impl ModelConfig {
         };
         let attn = add(&[mul(&[h, q]), mul(&[2, h, kv]), mul(&[q, h]), bias]);
         let mlp = mul(&[3, h, self.intermediate_size]);
-        let norms = mul(&[2, h]);
+        let qk_norms = if self.is_qwen3() {
+            mul(&[2, self.head_dim()])
+        } else {
+            0
+        };
+        let norms = add(&[mul(&[2, h]), qk_norms]);
         add(&[
             mul(&[self.vocab_size, h]),
             mul(&[self.num_hidden_layers, add(&[attn, mlp, norms])]),

@@ -9,7 +9,7 @@
 //!
 //! Flags beyond the sizes: `--device cpu|cuda:N` (default cpu), `--dtype f32|bf16` (bf16: the
 //! trained model keeps f32 master weights and computes in bf16, the generating model holds
-//! bf16 weights), `--family llama|qwen2` (qwen2: q/k/v biases, Qwen2's rms_norm_eps 1e-6),
+//! bf16 weights), `--family llama|qwen2|qwen3` (qwen2: q/k/v biases, Qwen2's rms_norm_eps 1e-6; qwen3: q/k norms),
 //! `--tie` (tied embeddings), `--parts` (instead of the above, each training op of a layer and
 //! the LM head timed alone at these sizes, forward and forward + backward: where a step's time
 //! goes). On a GPU every timed region ends with a read of a result back to the host, which
@@ -26,7 +26,7 @@ use rlhf_model::{
 const USAGE: &str = "usage: model_bench [--hidden N] [--layers N] [--heads N] [--kv-heads N] \
 [--intermediate N] [--vocab N] [--prompt-len N] [--new-tokens N] [--train-batch N] \
 [--train-seq N] [--batches N,N,..] [--repeats N] [--threads N] [--device cpu|cuda:N] \
-[--dtype f32|bf16] [--family llama|qwen2] [--tie] [--parts]";
+[--dtype f32|bf16] [--family llama|qwen2|qwen3] [--tie] [--parts]";
 
 struct Args {
     hidden: usize,
@@ -149,7 +149,12 @@ fn parse() -> Result<Args, String> {
                 a.family = match value.as_str() {
                     "llama" => Family::Llama,
                     "qwen2" => Family::Qwen2,
-                    other => return Err(format!("--family expects llama or qwen2, got {other:?}")),
+                    "qwen3" => Family::Qwen3,
+                    other => {
+                        return Err(format!(
+                            "--family expects llama, qwen2 or qwen3, got {other:?}"
+                        ))
+                    }
                 }
             }
             other => return Err(format!("unknown flag {other}\n{USAGE}")),
@@ -276,6 +281,7 @@ fn bench_config(args: &Args) -> rlhf_model::Result<Config> {
     let cfg = match args.family {
         Family::Llama => cfg.with_key("rms_norm_eps", serde_json::json!(1e-5))?,
         Family::Qwen2 => cfg.with_family(Family::Qwen2)?,
+        Family::Qwen3 => cfg.with_family(Family::Qwen3)?,
     };
     let cfg = if args.tie {
         cfg.with_key("tie_word_embeddings", serde_json::json!(true))?

@@ -1,4 +1,4 @@
-//! Decoder configuration (HF `config.json` for Llama 2/3 and Qwen2): parsing with size limits,
+//! Decoder configuration (HF `config.json` for Llama 2/3, Qwen2 and Qwen3 dense): parsing with size limits,
 //! the parameter count and the per-role memory estimate.
 
 use candle_core::DType;
@@ -14,6 +14,9 @@ pub const SUPPORTED_ARCHITECTURES: &[&str] = &[
     "Qwen2ForCausalLM",
     "Qwen2ForSequenceClassification",
     "Qwen2ForTokenClassification",
+    "Qwen3ForCausalLM",
+    "Qwen3ForSequenceClassification",
+    "Qwen3ForTokenClassification",
 ];
 
 /// Model family, from `model_type`.
@@ -21,6 +24,9 @@ pub const SUPPORTED_ARCHITECTURES: &[&str] = &[
 pub enum Family {
     Llama,
     Qwen2,
+    /// Qwen3 dense: per-head RMSNorm on q and k before RoPE, no q/k/v bias, a `head_dim` of
+    /// its own (128 when config.json omits it, as transformers' `Qwen3Config`).
+    Qwen3,
 }
 
 impl Family {
@@ -29,6 +35,7 @@ impl Family {
         match self {
             Family::Llama => "llama",
             Family::Qwen2 => "qwen2",
+            Family::Qwen3 => "qwen3",
         }
     }
 
@@ -37,6 +44,7 @@ impl Family {
         match self {
             Family::Llama => "Llama",
             Family::Qwen2 => "Qwen2",
+            Family::Qwen3 => "Qwen3",
         }
     }
 }
@@ -81,6 +89,8 @@ pub struct Config {
     pub o_bias: bool,
     /// Bias on gate/up/down projections.
     pub mlp_bias: bool,
+    /// RMSNorm over each head's q and k before RoPE (`q_norm`, `k_norm`; Qwen3).
+    pub qk_norm: bool,
     pub bos_token_id: Option<u32>,
     pub eos_token_ids: Vec<u32>,
     pub pad_token_id: Option<u32>,
@@ -222,6 +232,7 @@ impl Config {
         let family = match model_type {
             Some("llama") => Family::Llama,
             Some("qwen2") => Family::Qwen2,
+            Some("qwen3") => Family::Qwen3,
             Some(other) => {
                 return Err(Error::UnsupportedArchitecture {
                     name: match archs.first() {
@@ -234,6 +245,7 @@ impl Config {
             None => match archs.first().map(String::as_str) {
                 Some(a) if a.starts_with("Llama") => Family::Llama,
                 Some(a) if a.starts_with("Qwen2") && !a.starts_with("Qwen2Moe") => Family::Qwen2,
+                Some(a) if a.starts_with("Qwen3") && !a.starts_with("Qwen3Moe") => Family::Qwen3,
                 other => {
                     return Err(Error::UnsupportedArchitecture {
                         name: other
@@ -263,7 +275,9 @@ impl Config {
                 )));
             }
         }
-        if family == Family::Qwen2 && get_bool(v, "use_sliding_window")?.unwrap_or(false) {
+        if matches!(family, Family::Qwen2 | Family::Qwen3)
+            && get_bool(v, "use_sliding_window")?.unwrap_or(false)
+        {
             return Err(Error::Config(
                 "use_sliding_window=true is not supported; set it to false".to_string(),
             ));
@@ -282,7 +296,12 @@ impl Config {
                 "num_attention_heads ({num_attention_heads}) must be a multiple of num_key_value_heads ({num_key_value_heads})"
             )));
         }
-        let head_dim = get_usize(v, "head_dim")?.unwrap_or(hidden_size / num_attention_heads);
+        let head_dim = match (get_usize(v, "head_dim")?, family) {
+            (Some(d), _) => d,
+            // transformers' Qwen3Config defaults to 128, whatever the hidden size.
+            (None, Family::Qwen3) => 128,
+            (None, _) => hidden_size / num_attention_heads,
+        };
         if head_dim == 0 || head_dim % 2 != 0 {
             return Err(Error::Config(format!(
                 "head_dim {head_dim} must be even and positive"
@@ -293,6 +312,7 @@ impl Config {
         let (qkv_bias, o_bias) = match family {
             Family::Llama => (attention_bias, attention_bias),
             Family::Qwen2 => (true, false),
+            Family::Qwen3 => (attention_bias, attention_bias),
         };
         Ok(Self {
             family,
@@ -312,6 +332,7 @@ impl Config {
             qkv_bias,
             o_bias,
             mlp_bias: family == Family::Llama && get_bool(v, "mlp_bias")?.unwrap_or(false),
+            qk_norm: family == Family::Qwen3,
             bos_token_id: get_usize(v, "bos_token_id")?.map(|x| x as u32),
             eos_token_ids: id_list(v.get("eos_token_id")),
             pad_token_id: get_usize(v, "pad_token_id")?.map(|x| x as u32),
@@ -355,7 +376,7 @@ impl Config {
         }))
     }
 
-    /// The same config with another family (Qwen2 adds q/k/v biases).
+    /// The same config with another family (Qwen2 adds q/k/v biases, Qwen3 q/k norms).
     pub fn with_family(&self, family: Family) -> Result<Self> {
         let mut raw = self.raw.clone();
         raw["model_type"] = json!(family.model_type());
@@ -364,6 +385,8 @@ impl Config {
             .strip_prefix(self.family.class_prefix())
             .unwrap_or("ForCausalLM");
         raw["architectures"] = json!([format!("{}{}", family.class_prefix(), suffix)]);
+        // Keep the head size (Qwen3 would otherwise take its own default of 128).
+        raw["head_dim"] = json!(self.head_dim);
         Self::from_json(&raw)
     }
 
@@ -444,6 +467,9 @@ impl Config {
         }
         if self.mlp_bias {
             per_layer += 2 * i + h;
+        }
+        if self.qk_norm {
+            per_layer += 2 * self.head_dim;
         }
         let embed = self.vocab_size * h;
         let head = if self.tie_word_embeddings { 0 } else { embed };

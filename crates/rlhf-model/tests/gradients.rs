@@ -73,7 +73,7 @@ fn check_params_of(model: &Model, family: Family, kind: ModelKind) {
 
 #[test]
 fn every_parameter_gets_a_finite_nonzero_gradient() {
-    for family in [Family::Llama, Family::Qwen2] {
+    for family in [Family::Llama, Family::Qwen2, Family::Qwen3] {
         for kind in [ModelKind::CausalLm, ModelKind::Value, ModelKind::Reward] {
             check_all_params_get_gradients(family, kind);
         }
@@ -92,6 +92,33 @@ fn gradients_match_finite_differences_llama() {
             let worst = finite_difference_check(&model, &batch, &names);
             println!(
                 "llama causal LM {device:?} {:?}: worst relative error {worst:e}",
+                model.kernels()
+            );
+        }
+    }
+}
+
+#[test]
+fn gradients_match_finite_differences_qwen3_qk_norms() {
+    // head_dim 8 with 4 heads on hidden 16: not hidden / heads, as in Qwen3-0.6B.
+    let cfg = tiny_config(Family::Qwen3)
+        .with_key("head_dim", serde_json::json!(8))
+        .unwrap();
+    assert!(cfg.qk_norm && cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size);
+    let mut names = BODY.to_vec();
+    names.extend([
+        "model.layers.0.self_attn.q_norm.weight",
+        "model.layers.0.self_attn.k_norm.weight",
+        "model.layers.1.self_attn.k_norm.weight",
+        "lm_head.weight",
+    ]);
+    for device in devices() {
+        let batch = tiny_batch(&device);
+        for o in both_paths(ModelKind::CausalLm, DType::F64) {
+            let model = Model::random(&cfg, &o.with_device(device.clone())).unwrap();
+            let worst = finite_difference_check(&model, &batch, &names);
+            println!(
+                "qwen3 causal LM {device:?} {:?}: worst relative error {worst:e}",
                 model.kernels()
             );
         }

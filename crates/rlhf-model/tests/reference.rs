@@ -9,7 +9,7 @@ use rlhf_model::{
     Tokenizer,
 };
 
-const CAUSAL: &[&str] = &["tiny-llama", "tiny-llama3-rope", "tiny-qwen2"];
+const CAUSAL: &[&str] = &["tiny-llama", "tiny-llama3-rope", "tiny-qwen2", "tiny-qwen3"];
 
 /// Max |a - b| over positions where `keep(b, t)`.
 fn max_diff_2d(a: &[Vec<f32>], b: &[Vec<f32>], keep: impl Fn(usize, usize) -> bool) -> f32 {

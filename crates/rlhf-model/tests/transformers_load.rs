@@ -1,7 +1,7 @@
 //! Saved directories load in transformers with the same outputs, checked on every run.
 //!
-//! Four directories are saved the way the roles save them: a causal LM (Qwen2: tied
-//! embeddings, q/k/v biases), a critic with a biased value head (`*ForTokenClassification`), a
+//! Five directories are saved the way the roles save them: two causal LMs (Qwen2: tied
+//! embeddings, q/k/v biases; Qwen3: per-head q/k norms, head_dim 32 on hidden 64), a critic with a biased value head (`*ForTokenClassification`), a
 //! critic started from a reward model (no bias: `*ForSequenceClassification`, TRL's value
 //! model) and a reward model. Every input is deterministic (fixtures, no random head), so the
 //! saved bytes are too.
@@ -126,6 +126,10 @@ fn save_dirs(root: &Path) -> Vec<(&'static str, PathBuf, Model)> {
             Model::load(fixture("tiny-qwen2"), &LoadOptions::inference()).unwrap(),
         ),
         (
+            "causal_qwen3",
+            Model::load(fixture("tiny-qwen3"), &LoadOptions::inference()).unwrap(),
+        ),
+        (
             "critic",
             Model::load(biased_critic_source(root), &from_ckpt(ModelKind::Value)).unwrap(),
         ),
@@ -164,7 +168,7 @@ fn file_hashes(dir: &Path) -> BTreeMap<String, String> {
 fn ours(name: &str, m: &Model, b: &Batch) -> Vec<f32> {
     let mask = b.attention_mask.to_vec2::<u32>().unwrap();
     match name {
-        "causal" => {
+        "causal" | "causal_qwen3" => {
             let l = to_vec3(&m.logits(b).unwrap());
             valid3(&l, &mask)
         }
@@ -201,7 +205,7 @@ fn valid2(x: &[Vec<f32>], mask: &[Vec<u32>]) -> Vec<f32> {
 fn theirs(name: &str, out: &Value, mask: &[Vec<u32>]) -> Vec<f32> {
     let f = |v: &Value| v.as_f64().unwrap() as f32;
     match name {
-        "causal" => {
+        "causal" | "causal_qwen3" => {
             let l: Vec<Vec<Vec<f32>>> = out
                 .as_array()
                 .unwrap()

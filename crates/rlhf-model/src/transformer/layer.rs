@@ -1,6 +1,7 @@
 //! One decoder layer of the Llama family: RMSNorm, rotary embeddings, grouped-query
-//! attention and the SwiGLU MLP, each with the op implementations [`Kernels`] picks, and the
-//! layer's activation-checkpointed forward.
+//! attention (with Qwen3's per-head RMSNorm of q and k before RoPE) and the SwiGLU MLP, each
+//! with the op implementations [`Kernels`] picks, and the layer's activation-checkpointed
+//! forward.
 
 use candle_core::{DType, Tensor, D};
 
@@ -102,6 +103,9 @@ struct Attention {
     k_proj: Linear,
     v_proj: Linear,
     o_proj: Linear,
+    /// Qwen3: RMSNorm weights `[head_dim]` applied to every head of q and of k before RoPE.
+    qk_norm: Option<(Tensor, Tensor)>,
+    eps: f64,
     num_heads: usize,
     num_kv_heads: usize,
     head_dim: usize,
@@ -154,10 +158,37 @@ impl Attention {
                 std,
                 lora,
             )?,
+            qk_norm: if cfg.qk_norm {
+                Some((
+                    pb.get(&format!("{prefix}.q_norm.weight"), &[d], Init::Ones)?,
+                    pb.get(&format!("{prefix}.k_norm.weight"), &[d], Init::Ones)?,
+                ))
+            } else {
+                None
+            },
+            eps: cfg.rms_norm_eps,
             num_heads: nh,
             num_kv_heads: nkv,
             head_dim: d,
         })
+    }
+
+    /// q `[B, T, heads * D]` and k `[B, T, kv_heads * D]` with each head RMS-normed (Qwen3),
+    /// or as they are.
+    fn norm_qk(&self, q: Tensor, k: Tensor, kernels: Kernels) -> Result<(Tensor, Tensor)> {
+        let Some((qn, kn)) = &self.qk_norm else {
+            return Ok((q, k));
+        };
+        let (b, t, _) = q.dims3()?;
+        let d = self.head_dim;
+        let norm = |x: Tensor, w: &Tensor, heads: usize| -> Result<Tensor> {
+            let x = x.reshape((b, t, heads, d))?;
+            Ok(rms_norm(&x, w, self.eps, kernels)?.reshape((b, t, heads * d))?)
+        };
+        Ok((
+            norm(q, qn, self.num_heads)?,
+            norm(k, kn, self.num_kv_heads)?,
+        ))
     }
 
     fn forward(
@@ -177,6 +208,7 @@ impl Attention {
             // kernels/attention.rs).
             let q = self.q_proj.forward_with(xs, fused)?;
             let k = self.k_proj.forward_with(xs, fused)?;
+            let (q, k) = self.norm_qk(q, k, kernels)?;
             let v = self.v_proj.forward_with(xs, fused)?;
             let mask = mask.reshape((b, t, t))?;
             let ys = crate::kernels::attention_block(
@@ -184,16 +216,13 @@ impl Attention {
             )?;
             return self.o_proj.forward_with(&ys, fused);
         }
-        let q = self
-            .q_proj
-            .forward_with(xs, fused)?
-            .reshape((b, t, nh, d))?
-            .transpose(1, 2)?;
-        let k = self
-            .k_proj
-            .forward_with(xs, fused)?
-            .reshape((b, t, nkv, d))?
-            .transpose(1, 2)?;
+        let (q, k) = self.norm_qk(
+            self.q_proj.forward_with(xs, fused)?,
+            self.k_proj.forward_with(xs, fused)?,
+            kernels,
+        )?;
+        let q = q.reshape((b, t, nh, d))?.transpose(1, 2)?;
+        let k = k.reshape((b, t, nkv, d))?.transpose(1, 2)?;
         let v = self
             .v_proj
             .forward_with(xs, fused)?
@@ -348,6 +377,10 @@ impl Layer {
             self.input_layernorm.clone(),
             self.post_attention_layernorm.clone(),
         ];
+        if let Some((qn, kn)) = &a.qk_norm {
+            out.push(qn.clone());
+            out.push(kn.clone());
+        }
         for l in [
             &a.q_proj,
             &a.k_proj,
