@@ -85,13 +85,18 @@ fn gradients_match_finite_differences_llama() {
     let cfg = tiny_config(Family::Llama);
     let mut names = BODY.to_vec();
     names.push("lm_head.weight");
+    fd_causal("llama causal LM", &cfg, &names);
+}
+
+/// Finite differences of `names` for `cfg`'s causal LM on every device and kernel path.
+fn fd_causal(label: &str, cfg: &rlhf_model::Config, names: &[&str]) {
     for device in devices() {
         let batch = tiny_batch(&device);
         for o in both_paths(ModelKind::CausalLm, DType::F64) {
-            let model = Model::random(&cfg, &o.with_device(device.clone())).unwrap();
-            let worst = finite_difference_check(&model, &batch, &names);
+            let model = Model::random(cfg, &o.with_device(device.clone())).unwrap();
+            let worst = finite_difference_check(&model, &batch, names);
             println!(
-                "llama causal LM {device:?} {:?}: worst relative error {worst:e}",
+                "{label} {device:?} {:?}: worst relative error {worst:e}",
                 model.kernels()
             );
         }
@@ -112,17 +117,7 @@ fn gradients_match_finite_differences_qwen3_qk_norms() {
         "model.layers.1.self_attn.k_norm.weight",
         "lm_head.weight",
     ]);
-    for device in devices() {
-        let batch = tiny_batch(&device);
-        for o in both_paths(ModelKind::CausalLm, DType::F64) {
-            let model = Model::random(&cfg, &o.with_device(device.clone())).unwrap();
-            let worst = finite_difference_check(&model, &batch, &names);
-            println!(
-                "qwen3 causal LM {device:?} {:?}: worst relative error {worst:e}",
-                model.kernels()
-            );
-        }
-    }
+    fd_causal("qwen3 causal LM", &cfg, &names);
 }
 
 #[test]
@@ -136,17 +131,7 @@ fn gradients_match_finite_differences_qwen2_biases_and_tied_head() {
         "model.layers.0.self_attn.k_proj.bias",
         "model.layers.0.self_attn.v_proj.bias",
     ]);
-    for device in devices() {
-        let batch = tiny_batch(&device);
-        for o in both_paths(ModelKind::CausalLm, DType::F64) {
-            let model = Model::random(&cfg, &o.with_device(device.clone())).unwrap();
-            let worst = finite_difference_check(&model, &batch, &names);
-            println!(
-                "qwen2 causal LM (tied) {device:?} {:?}: worst relative error {worst:e}",
-                model.kernels()
-            );
-        }
-    }
+    fd_causal("qwen2 causal LM (tied)", &cfg, &names);
 }
 
 #[test]

@@ -78,7 +78,7 @@ fn parse() -> Result<Opts, BoxError> {
             other => return Err(format!("unknown option {other}; see the file header").into()),
         }
     }
-    if o.heads == 0 || o.hidden % o.heads != 0 || o.hidden / o.heads < 32 {
+    if o.heads == 0 || !o.hidden.is_multiple_of(o.heads) || o.hidden / o.heads < 32 {
         return Err(format!(
             "--hidden {} / --heads {} must be a whole head_dim of at least 32 (vLLM's CPU attention)",
             o.hidden, o.heads
@@ -114,19 +114,21 @@ fn make_model(o: &Opts, dir: &Path, tiny: &Path) -> Result<Config, BoxError> {
     Ok(config)
 }
 
-fn tokens(g: &Generation) -> usize {
-    g.sequences.iter().map(|s| s.token_ids.len()).sum()
-}
-
-fn lengths(g: &Generation) -> (usize, usize, f64) {
+/// Prints one generation's line (tokens/s and the spread of response lengths, plus
+/// `extra`'s fields) and returns its tokens/s.
+fn report(engine: &str, g: &Generation, seconds: f64, extra: serde_json::Value) -> f64 {
     let l: Vec<usize> = g.sequences.iter().map(|s| s.token_ids.len()).collect();
-    let min = l.iter().copied().min().unwrap_or(0);
-    let max = l.iter().copied().max().unwrap_or(0);
-    (
-        min,
-        max,
-        l.iter().sum::<usize>() as f64 / l.len().max(1) as f64,
-    )
+    let tokens: usize = l.iter().sum();
+    let tps = tokens as f64 / seconds;
+    let mut line = json!({"bench": "generate", "engine": engine, "sequences": l.len(),
+        "tokens": tokens, "seconds": seconds, "tokens_per_s": tps,
+        "len_min": l.iter().min(), "len_max": l.iter().max(),
+        "len_mean": tokens as f64 / l.len().max(1) as f64});
+    if let (Some(m), Some(e)) = (line.as_object_mut(), extra.as_object()) {
+        m.extend(e.clone());
+    }
+    println!("{line}");
+    tps
 }
 
 /// One candle weight sync of `model` into `into` over a shared-memory pair of threads.
@@ -198,15 +200,7 @@ fn main() -> Result<(), BoxError> {
     generate(&model, &prompts[..2], &gen)?;
     let t = Instant::now();
     let out = generate(&model, &prompts, &gen)?;
-    let candle_s = t.elapsed().as_secs_f64();
-    let candle_tps = tokens(&out) as f64 / candle_s;
-    let (mn, mx, mean) = lengths(&out);
-    println!(
-        "{}",
-        json!({"bench": "generate", "engine": "candle", "sequences": prompts.len(),
-               "tokens": tokens(&out), "seconds": candle_s, "tokens_per_s": candle_tps,
-               "len_min": mn, "len_max": mx, "len_mean": mean})
-    );
+    let candle_tps = report("candle", &out, t.elapsed().as_secs_f64(), json!({}));
 
     // The candle sync baseline.
     let into = Model::load(&dir, &LoadOptions::inference().with_device(device.clone()))?;
@@ -255,15 +249,8 @@ fn main() -> Result<(), BoxError> {
     server.generate(&prompts[..2], &gen)?;
     let t = Instant::now();
     let out = server.generate(&prompts, &gen)?;
-    let vllm_s = t.elapsed().as_secs_f64();
-    let vllm_tps = tokens(&out) as f64 / vllm_s;
-    let (mn, mx, mean) = lengths(&out);
-    println!(
-        "{}",
-        json!({"bench": "generate", "engine": "vllm", "sequences": prompts.len(),
-               "tokens": tokens(&out), "seconds": vllm_s, "tokens_per_s": vllm_tps,
-               "len_min": mn, "len_max": mx, "len_mean": mean, "start_s": start_s})
-    );
+    let secs = t.elapsed().as_secs_f64();
+    let vllm_tps = report("vllm", &out, secs, json!({ "start_s": start_s }));
 
     // One publish: what a vLLM rollout rank does after each sync.
     let wdir = server.weights_dir();

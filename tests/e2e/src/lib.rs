@@ -416,6 +416,7 @@ pub fn comparable(m: &Value) -> Vec<(String, f64)> {
                 && !k.starts_with("perf/throughput")
                 && !k.starts_with("perf/weight_sync_s")
                 && !k.ends_with("/tokens_per_s")
+                && !k.starts_with("perf/rollout_tokens_per_s")
         })
         .filter_map(|(k, v)| v.as_f64().map(|x| (k.clone(), x)))
         .collect()

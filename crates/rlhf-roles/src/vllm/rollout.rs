@@ -268,12 +268,14 @@ impl VllmRollout {
             Err(e) => return Err(self.checked(&mut s, e)),
         };
         let ours = probe_log_probs(model, &self.probe)?;
+        // A NaN on either side counts as the largest gap (f32::max would skip it).
         let probe_gap = served
             .iter()
             .zip(&ours)
             .map(|(a, b)| (a - b).abs())
+            .map(|d| if d.is_nan() { f32::INFINITY } else { d })
             .fold(0.0f32, f32::max);
-        if served.len() != ours.len() || !(probe_gap <= self.probe_tolerance) {
+        if served.len() != ours.len() || probe_gap > self.probe_tolerance {
             return Err(Error::internal(format!(
                 "{label}: after the reload, vLLM's log-probs of the probe sequence differ from \
                  the received weights' by up to {probe_gap:.3e} (tolerance {:.1e}, {} vs {} \
