@@ -323,9 +323,10 @@ impl PpoConfig {
                             ((f64::from(a.vllm.kv_cache_gb) * GIB) as u64, prefill)
                         };
                         rows.push(MemoryRow {
-                            label: "actor_rollout/infer (vllm)".into(),
+                            // The label the colocated phases look the rollout row up by.
+                            label: "actor_rollout/infer".into(),
                             role,
-                            model: m.name,
+                            model: format!("{} (vllm)", m.name),
                             params: p,
                             weights: received.saturating_add(served),
                             gradients: 0,
@@ -599,7 +600,7 @@ mod tests {
             "actor_rollout.engine=vllm",
             "actor_rollout.vllm.gpu_memory_utilization=0.4",
         ]);
-        assert_eq!(gpu.label, "actor_rollout/infer (vllm)");
+        assert!(gpu.model.ends_with("(vllm)"), "{}", gpu.model);
         // The received copy and vLLM's own copy of the weights.
         assert_eq!(gpu.weights, 2 * candle.weights);
         // vLLM's share of the 80 GiB device in all, its weights inside it.
