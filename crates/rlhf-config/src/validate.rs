@@ -322,8 +322,11 @@ pub fn problems(cfg: &PpoConfig) -> Vec<String> {
         RewardKind::Rule if r.rule.is_empty() => {
             e.push("reward.kind is rule but reward.rule is empty; name a built-in rule".into());
         }
-        RewardKind::Rule if r.rule == "exact_match" && cfg.data.ground_truth_key.is_none() => {
-            e.push("reward.rule is exact_match but data.ground_truth_key is not set; name the dataset column with the reference answers".into());
+        RewardKind::Rule
+            if matches!(r.rule.as_str(), "exact_match" | "math")
+                && cfg.data.ground_truth_key.is_none() =>
+        {
+            e.push(format!("reward.rule is {} but data.ground_truth_key is not set; name the dataset column with the reference answers", r.rule));
         }
         RewardKind::Http => {
             if !(r.url.starts_with("http://") || r.url.starts_with("https://")) {

@@ -19,6 +19,7 @@ pub mod engine;
 pub mod error;
 pub mod host;
 mod hub;
+pub mod math_answer;
 pub mod mem;
 pub mod optim;
 pub mod policy;

@@ -24,16 +24,21 @@ pub enum Rule {
     Length,
     /// 1.0 when the trimmed response equals the row's `ground_truth` column.
     ExactMatch,
+    /// 1.0 when the response's final answer (its last `\boxed{}`, else its last number)
+    /// equals the row's `ground_truth` as a number or as text ([`crate::math_answer`]); a
+    /// response without an answer scores 0.
+    Math,
 }
 
 impl Rule {
-    pub const NAMES: &'static [&'static str] = &["contains_digit", "length", "exact_match"];
+    pub const NAMES: &'static [&'static str] = &["contains_digit", "length", "exact_match", "math"];
 
     pub fn parse(name: &str) -> Result<Self> {
         match name {
             "contains_digit" => Ok(Rule::ContainsDigit),
             "length" => Ok(Rule::Length),
             "exact_match" => Ok(Rule::ExactMatch),
+            "math" => Ok(Rule::Math),
             other => Err(Error::invalid(format!(
                 "unknown reward.rule '{other}'; built-in rules: {}",
                 Self::NAMES.join(", ")
@@ -56,13 +61,18 @@ impl Rule {
                 .iter()
                 .map(|r| (r.chars().count() as f32 / 100.0).min(1.0))
                 .collect()),
-            Rule::ExactMatch => {
+            Rule::ExactMatch | Rule::Math => {
+                let name = if self == Rule::Math {
+                    "math"
+                } else {
+                    "exact_match"
+                };
                 let gt = ground_truth.ok_or_else(|| {
-                    Error::invalid(
-                        "reward.rule exact_match needs a 'ground_truth' column in the \
+                    Error::invalid(format!(
+                        "reward.rule {name} needs a 'ground_truth' column in the \
                          ComputeScores batch; put the answers in the prompt dataset's \
-                         ground_truth field",
-                    )
+                         ground_truth field (data.ground_truth_key)"
+                    ))
                 })?;
                 if gt.len() != responses.len() {
                     return Err(Error::invalid(format!(
@@ -76,7 +86,11 @@ impl Rule {
                     .zip(gt)
                     .map(|(r, g)| {
                         let Some(want) = g else { return 0.0 };
-                        f32::from(u8::from(r.trim() == want.trim()))
+                        let right = match self {
+                            Rule::Math => crate::math_answer::is_correct(r, want).unwrap_or(false),
+                            _ => r.trim() == want.trim(),
+                        };
+                        f32::from(u8::from(right))
                     })
                     .collect())
             }
@@ -290,9 +304,29 @@ mod tests {
         assert_eq!(exact.score(&r2, Some(&gt)).unwrap(), vec![1.0, 0.0, 0.0]);
         let err = exact.score(&r2, None).unwrap_err().to_string();
         assert!(err.contains("'ground_truth' column"), "{err}");
+        // math: the final answer as a number, whatever surrounds it; none scores 0.
+        let math = Rule::parse("math").unwrap();
+        assert_eq!(
+            math.score(&r2, Some(&gt)).unwrap(),
+            vec![0.0, 1.0, 0.0],
+            "no answer in the text, 42 found, no ground truth"
+        );
+        let r3 = vec![
+            "so \\boxed{\\frac{6}{8}}".to_string(),
+            "3 or 4? 0.7".into(),
+            "I do not know".into(),
+        ];
+        let gt3 = vec![
+            Some("0.75".to_string()),
+            Some("3/4".into()),
+            Some("1".into()),
+        ];
+        assert_eq!(math.score(&r3, Some(&gt3)).unwrap(), vec![1.0, 0.0, 0.0]);
+        let err = math.score(&r3, None).unwrap_err().to_string();
+        assert!(err.contains("reward.rule math needs"), "{err}");
         let err = Rule::parse("regex").unwrap_err().to_string();
         assert!(
-            err.contains("'regex'") && err.contains("contains_digit, length, exact_match"),
+            err.contains("'regex'") && err.contains("contains_digit, length, exact_match, math"),
             "{err}"
         );
     }

@@ -229,6 +229,12 @@ fn every_bad_input_gets_a_clear_error_and_no_panic() -> Result<()> {
             tiny(&["actor_rollout.engine=vllm", "actor_rollout.vllm.kv_cache_gb=0.5"]),
             "actor_rollout.vllm.kv_cache_gb",
         ),
+        (
+            "math reward without ground truth",
+            Bin::Head,
+            tiny(&["reward.rule=math"]),
+            "reward.rule is math but data.ground_truth_key is not set",
+        ),
         // Datasets, tokenizers, checkpoints (the run stops before or right after placement).
         (
             "missing dataset",
