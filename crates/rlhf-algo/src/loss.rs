@@ -178,10 +178,7 @@ pub fn policy_loss(
         let (pg, stats) = fused::policy_terms(logp, &lp, &old, &adv, &m.data, params)?;
         (m.n, pg, stats)
     } else {
-        let n = check_mask("response_mask", response_mask)?;
-        check_token_tensor("old_logp", old_logp, response_mask)?;
-        check_token_tensor("logp", logp, response_mask)?;
-        check_token_tensor("advantages", advantages, response_mask)?;
+        let n = check_policy_inputs(old_logp, logp, advantages, response_mask)?;
         let (pg, stats) = policy_terms_ops(old_logp, logp, advantages, response_mask, n, params)?;
         (n, pg, stats)
     };
@@ -197,12 +194,23 @@ fn grpo_family_loss(
     response_mask: &Tensor,
     cfg: &PolicyLossConfig,
 ) -> Result<PolicyLossOutput> {
+    let n = check_policy_inputs(old_logp, logp, advantages, response_mask)?;
+    let (pg, stats) = objective_terms(old_logp, logp, advantages, response_mask, n, cfg)?;
+    policy_output(&pg, response_mask, n, stats, cfg)
+}
+
+/// The mask's valid-token count, once the three token tensors are checked against it.
+fn check_policy_inputs(
+    old_logp: &Tensor,
+    logp: &Tensor,
+    advantages: &Tensor,
+    response_mask: &Tensor,
+) -> Result<usize> {
     let n = check_mask("response_mask", response_mask)?;
     check_token_tensor("old_logp", old_logp, response_mask)?;
     check_token_tensor("logp", logp, response_mask)?;
     check_token_tensor("advantages", advantages, response_mask)?;
-    let (pg, stats) = objective_terms(old_logp, logp, advantages, response_mask, n, cfg)?;
-    policy_output(&pg, response_mask, n, stats, cfg)
+    Ok(n)
 }
 
 fn policy_output(
