@@ -21,10 +21,10 @@ mod template;
 
 use std::path::{Path, PathBuf};
 
-use serde_json::Value;
+use serde_json::{Map, Value};
 
 pub use error::{Error, Result};
-pub use template::render_chat_template;
+pub use template::{render_chat_template, render_chat_template_with, RESERVED_TEMPLATE_VARS};
 
 use error::read_json;
 
@@ -291,13 +291,25 @@ impl Tokenizer {
         messages: &Value,
         add_generation_prompt: bool,
     ) -> Result<String> {
+        self.apply_chat_template_json_with(messages, add_generation_prompt, &Map::new())
+    }
+
+    /// [`Tokenizer::apply_chat_template_json`] with extra template variables, as the keyword
+    /// arguments of transformers' `apply_chat_template` (`enable_thinking`, `tools`); see
+    /// [`render_chat_template_with`].
+    pub fn apply_chat_template_json_with(
+        &self,
+        messages: &Value,
+        add_generation_prompt: bool,
+        extra: &Map<String, Value>,
+    ) -> Result<String> {
         let template = self
             .chat_template
             .as_deref()
             .ok_or_else(|| Error::NoChatTemplate {
                 path: self.dir.join("tokenizer_config.json"),
             })?;
-        render_chat_template(
+        render_chat_template_with(
             template,
             messages,
             add_generation_prompt,
@@ -307,6 +319,7 @@ impl Tokenizer {
                 ("pad_token", self.pad_token.as_deref()),
                 ("unk_token", self.unk_token.as_deref()),
             ],
+            extra,
         )
     }
 
@@ -316,7 +329,18 @@ impl Tokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<Vec<u32>> {
-        let text = self.apply_chat_template(messages, add_generation_prompt)?;
+        self.encode_chat_with(messages, add_generation_prompt, &Map::new())
+    }
+
+    /// [`Tokenizer::encode_chat`] with extra template variables (`data.chat_template_kwargs`).
+    pub fn encode_chat_with(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        extra: &Map<String, Value>,
+    ) -> Result<Vec<u32>> {
+        let msgs = serde_json::to_value(messages).map_err(|e| Error::Template(e.to_string()))?;
+        let text = self.apply_chat_template_json_with(&msgs, add_generation_prompt, extra)?;
         self.encode(&text, false)
     }
 }

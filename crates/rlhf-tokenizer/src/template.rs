@@ -1,12 +1,22 @@
 //! HF chat templates rendered with minijinja configured like transformers' sandbox
 //! (`trim_blocks`, `lstrip_blocks`, loop controls, `raise_exception`, a Python-style `tojson`)
 //! plus the Python string and dict methods HF templates call (`.strip()`, `.items()`, ...).
+//! The variables are transformers' too: `messages`, `add_generation_prompt`, `tools` and
+//! `documents` (none unless given), the special tokens, and any extra keyword arguments of
+//! `apply_chat_template` (Qwen3's `enable_thinking`).
+//!
+//! JSON objects keep their keys sorted (serde_json's map), so a template printing a whole
+//! object (`tool | tojson`) prints its keys sorted where transformers keeps Python's order.
 
 use minijinja::value::Kwargs;
 use minijinja::{Environment, ErrorKind, State, Value as JValue};
-use serde_json::Value;
+use serde_json::{Map, Value};
 
 use crate::error::{Error, Result};
+
+/// Variables the renderer sets itself, which extra template variables cannot replace
+/// (transformers passes them as keyword arguments of their own: a second value is an error).
+pub const RESERVED_TEMPLATE_VARS: &[&str] = &["messages", "add_generation_prompt"];
 
 /// Renders an HF chat template.
 pub fn render_chat_template(
@@ -15,6 +25,34 @@ pub fn render_chat_template(
     add_generation_prompt: bool,
     special_tokens: &[(&str, Option<&str>)],
 ) -> Result<String> {
+    render_chat_template_with(
+        template,
+        messages,
+        add_generation_prompt,
+        special_tokens,
+        &Map::new(),
+    )
+}
+
+/// Renders an HF chat template with extra variables, as transformers'
+/// `apply_chat_template(..., **kwargs)`: `enable_thinking`, `tools`, `documents`, ... They
+/// override the special tokens of the same name (as in transformers); `messages` and
+/// `add_generation_prompt` are refused ([`RESERVED_TEMPLATE_VARS`]).
+pub fn render_chat_template_with(
+    template: &str,
+    messages: &Value,
+    add_generation_prompt: bool,
+    special_tokens: &[(&str, Option<&str>)],
+    extra: &Map<String, Value>,
+) -> Result<String> {
+    if let Some(name) = RESERVED_TEMPLATE_VARS
+        .iter()
+        .find(|n| extra.contains_key(**n))
+    {
+        return Err(Error::Template(format!(
+            "the chat template variable {name} is set by the renderer itself and cannot be passed as an extra variable"
+        )));
+    }
     let mut env = Environment::new();
     env.set_trim_blocks(true);
     env.set_lstrip_blocks(true);
@@ -34,17 +72,21 @@ pub fn render_chat_template(
     let tmpl = env
         .get_template("chat")
         .map_err(|e| Error::Template(e.to_string()))?;
-    let mut ctx = serde_json::Map::new();
+    let mut ctx = Map::new();
     ctx.insert("messages".into(), messages.clone());
     ctx.insert(
         "add_generation_prompt".into(),
         Value::Bool(add_generation_prompt),
     );
+    // transformers always passes these two, None when not given: `tools is none` holds.
+    ctx.insert("tools".into(), Value::Null);
+    ctx.insert("documents".into(), Value::Null);
     for (k, v) in special_tokens {
         if let Some(v) = v {
             ctx.insert((*k).into(), Value::String((*v).to_string()));
         }
     }
+    ctx.extend(extra.iter().map(|(k, v)| (k.clone(), v.clone())));
     tmpl.render(JValue::from_serialize(&ctx))
         .map_err(|e| Error::Template(format!("cannot render chat template: {e}")))
 }
@@ -344,6 +386,29 @@ mod tests {
         ]);
         let out = render_chat_template(t, &msgs, false, &[]).unwrap();
         assert_eq!(out, "[S]<user:u1><assistant:a1>4");
+    }
+
+    /// Extra variables reach the template and replace a special token of the same name, as
+    /// transformers' keyword arguments do; `tools` and `documents` are none unless given;
+    /// the renderer's own variables cannot be replaced.
+    #[test]
+    fn extra_variables_are_passed_like_transformers_kwargs() {
+        let t = "{{ bos_token }}|{{ enable_thinking }}|{{ tools is none }}|{{ documents is none }}";
+        let msgs = json!([{"role": "user", "content": "hi"}]);
+        let specials = [("bos_token", Some("<s>"))];
+        let out = render_chat_template(t, &msgs, false, &specials).unwrap();
+        assert_eq!(out, "<s>||True|True");
+        let extra: Map<String, Value> = serde_json::from_value(
+            json!({"enable_thinking": false, "bos_token": "<b>", "tools": []}),
+        )
+        .unwrap();
+        let out = render_chat_template_with(t, &msgs, false, &specials, &extra).unwrap();
+        assert_eq!(out, "<b>|False|False|True");
+        for name in RESERVED_TEMPLATE_VARS {
+            let extra: Map<String, Value> = serde_json::from_value(json!({ *name: true })).unwrap();
+            let err = render_chat_template_with(t, &msgs, false, &specials, &extra).unwrap_err();
+            assert!(err.to_string().contains(name), "{err}");
+        }
     }
 
     #[test]
