@@ -8,8 +8,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{AlgoError, Result};
 use crate::names::{
-    AdvEstimator, ImportanceSamplingLevel, KlCtrlType, KlPenalty, LossAggMode, PolicyLoss,
-    PreferenceLoss, ScaleRewards, ScorePlacement,
+    AdvEstimator, FilterMetric, ImportanceSamplingLevel, KlCtrlType, KlPenalty, LossAggMode,
+    PolicyLoss, PreferenceLoss, ScaleRewards, ScorePlacement, WhenExhausted,
 };
 use crate::preference::PreferenceConfig;
 use crate::validate::{check_non_negative, check_positive, check_unit_interval};
@@ -49,6 +49,58 @@ impl KlCtrlConfig {
             check_positive("algorithm.kl_ctrl.horizon", self.horizon)?;
         }
         Ok(())
+    }
+}
+
+/// DAPO's dynamic sampling (`algorithm.dynamic_sampling`): groups whose responses all score
+/// alike carry no group-relative advantage; they are dropped and more prompts are generated
+/// until the batch is full.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DynamicSamplingConfig {
+    /// Filter groups and generate more (off by default).
+    pub enable: bool,
+    /// What must differ within a group: `score` or `accuracy`.
+    pub metric: FilterMetric,
+    /// Generation rounds (each `training.global_batch_size` prompts) per training batch,
+    /// the first included. verl's default is 10.
+    pub max_num_gen_batches: u32,
+    /// What the job does when the rounds run out: `train` on what there is, or `fail`.
+    pub when_exhausted: WhenExhausted,
+}
+
+impl Default for DynamicSamplingConfig {
+    fn default() -> Self {
+        Self {
+            enable: false,
+            metric: FilterMetric::Score,
+            max_num_gen_batches: 10,
+            when_exhausted: WhenExhausted::Train,
+        }
+    }
+}
+
+/// DAPO's overlong reward shaping (`algorithm.overlong_buffer`): a response longer than
+/// `max_response_length - len` tokens loses `penalty_factor * (excess / len)` of score, up to
+/// `penalty_factor` at the full length (TRL's `get_soft_overlong_punishment` at factor 1).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct OverlongBufferConfig {
+    /// Shape the scores (off by default).
+    pub enable: bool,
+    /// The buffer's length in tokens at the end of `actor_rollout.max_response_length`.
+    pub len: u32,
+    /// The penalty at the full length. DAPO's default 1.0.
+    pub penalty_factor: f64,
+}
+
+impl Default for OverlongBufferConfig {
+    fn default() -> Self {
+        Self {
+            enable: false,
+            len: 0,
+            penalty_factor: 1.0,
+        }
     }
 }
 
@@ -103,6 +155,13 @@ pub struct AlgorithmConfig {
     /// pair's scores to the loss, keeping rewards centred at 0 (TRL's
     /// `center_rewards_coefficient`); unset = off.
     pub center_rewards_coefficient: Option<f64>,
+    /// DAPO's dynamic sampling of informative groups.
+    pub dynamic_sampling: DynamicSamplingConfig,
+    /// DAPO's soft penalty for responses that run into the length limit.
+    pub overlong_buffer: OverlongBufferConfig,
+    /// Leave responses that hit `max_response_length` without EOS out of the policy loss
+    /// (TRL's `mask_truncated_completions`); their scores still enter the advantages.
+    pub mask_truncated_completions: bool,
 }
 
 impl Default for AlgorithmConfig {
@@ -130,6 +189,9 @@ impl Default for AlgorithmConfig {
             desirable_weight: pref.desirable_weight,
             undesirable_weight: pref.undesirable_weight,
             center_rewards_coefficient: None,
+            dynamic_sampling: DynamicSamplingConfig::default(),
+            overlong_buffer: OverlongBufferConfig::default(),
+            mask_truncated_completions: false,
         }
     }
 }
@@ -172,6 +234,52 @@ impl AlgorithmConfig {
         Ok(())
     }
 
+    /// Dynamic sampling and overlong shaping on their own (the limits that involve the
+    /// rollout's lengths and group size are checked with the whole config).
+    fn check_dapo(&self) -> Result<()> {
+        let ds = &self.dynamic_sampling;
+        if ds.enable {
+            if ds.max_num_gen_batches == 0 {
+                return Err(AlgoError::InvalidConfig {
+                    key: "algorithm.dynamic_sampling.max_num_gen_batches",
+                    value: "0".into(),
+                    reason: "at least the first generation round is needed: use 1 or more \
+                             (verl's default is 10)"
+                        .into(),
+                });
+            }
+            if self.adv_estimator == AdvEstimator::Gae {
+                return Err(AlgoError::InvalidConfig {
+                    key: "algorithm.dynamic_sampling.enable",
+                    value: "true".into(),
+                    reason: "dynamic sampling drops groups whose scores are all equal because \
+                             a group-relative estimator gives them no advantage; gae's \
+                             advantages come from a critic and are not zero there: use \
+                             adv_estimator grpo, rloo or reinforce_plus_plus_baseline, or \
+                             turn dynamic sampling off"
+                        .into(),
+                });
+            }
+        }
+        let ob = &self.overlong_buffer;
+        if ob.enable {
+            if ob.len == 0 {
+                return Err(AlgoError::InvalidConfig {
+                    key: "algorithm.overlong_buffer.len",
+                    value: "0".into(),
+                    reason: "the buffer must hold at least one token; DAPO uses a quarter of \
+                             the maximum response length"
+                        .into(),
+                });
+            }
+            check_non_negative(
+                "algorithm.overlong_buffer.penalty_factor",
+                ob.penalty_factor,
+            )?;
+        }
+        Ok(())
+    }
+
     /// The DPO-family loss these keys describe.
     pub fn preference(&self) -> PreferenceConfig {
         PreferenceConfig {
@@ -210,6 +318,7 @@ impl AlgorithmConfig {
         if let Some(c) = self.center_rewards_coefficient {
             check_non_negative("algorithm.center_rewards_coefficient", c)?;
         }
+        self.check_dapo()?;
         if self.score_placement == ScorePlacement::Trl && self.adv_estimator != AdvEstimator::Gae {
             return Err(AlgoError::InvalidConfig {
                 key: "algorithm.score_placement",

@@ -93,6 +93,7 @@ mod objective;
 mod off_policy;
 mod preference;
 mod rewards;
+mod sampling;
 mod supervised;
 mod validate;
 
@@ -101,7 +102,10 @@ pub use advantage::{
     reinforce_plus_plus_advantage, reinforce_plus_plus_baseline_advantage, remax_advantage,
     rloo_outcome_advantage, AdvantageInputs, Advantages,
 };
-pub use config::{AlgorithmConfig, KlCtrlConfig, PolicyLossConfig, ValueLossConfig};
+pub use config::{
+    AlgorithmConfig, DynamicSamplingConfig, KlCtrlConfig, OverlongBufferConfig, PolicyLossConfig,
+    ValueLossConfig,
+};
 pub use error::{AlgoError, Result};
 pub use kl::{entropy_from_logits, kl_penalty, log_softmax, KlController};
 pub use loss::{
@@ -113,8 +117,8 @@ pub use metrics::{
     compute_metrics, rollout_metrics, RolloutMetricsInputs, TrainStats, METRIC_NAMES,
 };
 pub use names::{
-    AdvEstimator, ImportanceSamplingLevel, KlCtrlType, KlPenalty, LossAggMode, PolicyLoss,
-    PreferenceLoss, ScaleRewards, ScorePlacement,
+    AdvEstimator, FilterMetric, ImportanceSamplingLevel, KlCtrlType, KlPenalty, LossAggMode,
+    PolicyLoss, PreferenceLoss, ScaleRewards, ScorePlacement, WhenExhausted,
 };
 pub use off_policy::{importance_weights, log_prob_gap, ImportanceWeights};
 pub use preference::{
@@ -122,4 +126,5 @@ pub use preference::{
     PreferenceStats,
 };
 pub use rewards::{compute_token_rewards, TokenRewards};
+pub use sampling::{informative_groups, mask_truncated, overlong_penalty};
 pub use supervised::{reward_loss, sft_loss, RewardStats};

@@ -55,6 +55,22 @@ pub const ROLLOUT_DROPPED: &str = "rollout/dropped";
 /// The importance weight pi_old / pi_behaviour over valid tokens, before truncation.
 pub const ROLLOUT_IS_WEIGHT_MEAN: &str = "rollout/is_weight_mean";
 pub const ROLLOUT_IS_WEIGHT_MAX: &str = "rollout/is_weight_max";
+/// Dynamic sampling: generation rounds that made the batch, groups dropped because every
+/// response scored alike, and dropped groups put back when the rounds ran out.
+pub const ROLLOUT_GEN_BATCHES: &str = "rollout/gen_batches";
+pub const ROLLOUT_FILTERED_GROUPS: &str = "rollout/filtered_groups";
+pub const ROLLOUT_PADDED_GROUPS: &str = "rollout/padded_groups";
+/// Dynamic sampling with a verifying reward: the share of right answers over every response
+/// generated for the batch, before the filter chose (`reward/accuracy` is the batch's).
+pub const ROLLOUT_GENERATED_ACCURACY: &str = "rollout/generated_accuracy";
+/// Mean of DAPO's overlong penalties over the batch's rows (0 without shaping).
+pub const ROLLOUT_OVERLONG_PENALTY_MEAN: &str = "rollout/overlong_penalty_mean";
+/// Responses left out of the policy loss by `algorithm.mask_truncated_completions`.
+pub const ROLLOUT_MASKED_TRUNCATED: &str = "rollout/masked_truncated";
+/// Verifying rewards (`math`, `exact_match`): the share of right answers, and how many
+/// responses had no answer to check.
+pub const REWARD_ACCURACY: &str = "reward/accuracy";
+pub const REWARD_NO_ANSWER: &str = "reward/no_answer";
 
 pub const TIMING_S_ADV: &str = "timing_s/adv";
 pub const TIMING_S_CHECKPOINT: &str = "timing_s/checkpoint";

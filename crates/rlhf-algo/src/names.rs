@@ -175,6 +175,32 @@ named_enum! {
 }
 
 named_enum! {
+    /// What DAPO's dynamic sampling compares within a group (`algorithm.dynamic_sampling.metric`).
+    FilterMetric, "dynamic sampling metric (algorithm.dynamic_sampling.metric)" {
+        /// The final score (after overlong shaping): a group whose scores are all equal is
+        /// dropped.
+        #[default]
+        Score = "score",
+        /// The reward's correctness verdict (the `math` and `exact_match` rules report it):
+        /// a group whose responses are all right or all wrong is dropped.
+        Accuracy = "accuracy" | "acc",
+    }
+}
+
+named_enum! {
+    /// What dynamic sampling does when `max_num_gen_batches` generation rounds have not
+    /// filled the batch (`algorithm.dynamic_sampling.when_exhausted`).
+    WhenExhausted, "dynamic sampling exhaustion (algorithm.dynamic_sampling.when_exhausted)" {
+        /// Train on the groups kept so far, the batch topped up with the latest dropped
+        /// groups (their advantages are zero under group estimators), so its shape stays.
+        #[default]
+        Train = "train",
+        /// Fail the job with the counts (verl's behaviour).
+        Fail = "fail",
+    }
+}
+
+named_enum! {
     /// Where the sequence score enters the per-token rewards (`algorithm.score_placement`).
     ScorePlacement, "score placement (algorithm.score_placement)" {
         /// On the last valid response token (verl). Values, GAE and the value loss cover the

@@ -257,6 +257,12 @@ pub struct RewardConfig {
     pub url: String,
     /// Timeout of one scoring call, seconds (kind: http).
     pub timeout_s: f64,
+    /// `rule: math`: the score of a response whose answer was found but is wrong (a format
+    /// reward; verl's `format_score`). Right answers score 1.
+    pub format_score: f64,
+    /// `rule: math`: the score of a response with no answer to find (no `\boxed{}`, no
+    /// number); such responses are counted in `reward/no_answer_frac`.
+    pub no_answer_score: f64,
     /// Overrides of `training` keys for this role.
     #[serde(flatten)]
     pub overrides: TrainingOverrides,
@@ -270,6 +276,8 @@ impl Default for RewardConfig {
             rule: String::new(),
             url: String::new(),
             timeout_s: 30.0,
+            format_score: 0.0,
+            no_answer_score: 0.0,
             overrides: TrainingOverrides::default(),
         }
     }

@@ -77,8 +77,15 @@ pub struct SamplingSpec {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "source", rename_all = "snake_case")]
 pub enum RewardSpec {
-    /// A built-in rule by name (`reward.rule`).
-    Rule { rule: String },
+    /// A built-in rule by name (`reward.rule`), with the `math` rule's scores of a wrong
+    /// answer and of none.
+    Rule {
+        rule: String,
+        #[serde(default)]
+        format_score: f64,
+        #[serde(default)]
+        no_answer_score: f64,
+    },
     /// An HTTP endpoint.
     Http { url: String, timeout_s: f64 },
     /// A reward model at the spec's `model_dir`.
@@ -367,6 +374,8 @@ impl RoleSpec {
                 let spec = match r.kind {
                     RewardKind::Rule => RewardSpec::Rule {
                         rule: r.rule.clone(),
+                        format_score: r.format_score,
+                        no_answer_score: r.no_answer_score,
                     },
                     RewardKind::Http => RewardSpec::Http {
                         url: r.url.clone(),

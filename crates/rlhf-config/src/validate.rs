@@ -341,6 +341,20 @@ pub fn problems(cfg: &PpoConfig) -> Vec<String> {
         }
         RewardKind::Rule => {}
     }
+    for (key, v) in [
+        ("reward.format_score", r.format_score),
+        ("reward.no_answer_score", r.no_answer_score),
+    ] {
+        if !v.is_finite() {
+            e.push(format!("{key} ({v}) must be a finite number"));
+        } else if v != 0.0 && !(r.kind == RewardKind::Rule && r.rule == "math") {
+            e.push(format!(
+                "{key} ({v}) only applies to reward.rule math, but the reward is {}; remove it",
+                reward_name(r)
+            ));
+        }
+    }
+    e.extend(dapo_problems(cfg));
 
     // Data, checkpoints, pool.
     if cfg.data.path.is_empty() {
@@ -369,6 +383,53 @@ pub fn problems(cfg: &PpoConfig) -> Vec<String> {
 }
 
 /// Finite and > 0 (false for NaN).
+/// DAPO's dynamic sampling and overlong shaping against the rollout they act on.
+fn dapo_problems(cfg: &PpoConfig) -> Vec<String> {
+    let mut e = Vec::new();
+    let a = &cfg.actor_rollout;
+    let alg = &cfg.algorithm;
+    let ds = &alg.dynamic_sampling;
+    if ds.enable {
+        if a.num_samples_per_step < 2 {
+            e.push(format!(
+                "algorithm.dynamic_sampling.enable drops groups whose responses all score alike, but actor_rollout.num_samples_per_step is {}: there are no groups; sample 2 or more responses per prompt (DAPO uses 16) or turn dynamic sampling off",
+                a.num_samples_per_step
+            ));
+        }
+        if a.fixed_responses_file
+            .as_deref()
+            .is_some_and(|f| !f.is_empty())
+        {
+            e.push("algorithm.dynamic_sampling.enable generates more prompts when groups are dropped, but actor_rollout.fixed_responses_file replaces generation; turn one of them off".into());
+        }
+        let verifying = cfg.reward.kind == RewardKind::Rule
+            && matches!(cfg.reward.rule.as_str(), "math" | "exact_match");
+        if ds.metric == rlhf_algo::FilterMetric::Accuracy && !verifying {
+            e.push(format!(
+                "algorithm.dynamic_sampling.metric is accuracy, which needs a reward that says right or wrong (reward.kind rule with rule math or exact_match), but the reward is {}; use metric score",
+                reward_name(&cfg.reward)
+            ));
+        }
+    }
+    let ob = &alg.overlong_buffer;
+    if ob.enable && ob.len >= a.max_response_length {
+        e.push(format!(
+            "algorithm.overlong_buffer.len ({}) must be below actor_rollout.max_response_length ({}): the penalty starts that many tokens before the limit (DAPO: a quarter of it)",
+            ob.len, a.max_response_length
+        ));
+    }
+    e
+}
+
+/// The reward as a config names it: `rule math`, `http`, `model`.
+fn reward_name(r: &crate::config::RewardConfig) -> String {
+    match r.kind {
+        RewardKind::Rule => format!("rule {}", r.rule),
+        RewardKind::Http => "http".into(),
+        RewardKind::Model => "model".into(),
+    }
+}
+
 fn positive(x: f64) -> bool {
     x.is_finite() && x > 0.0
 }

@@ -6,7 +6,9 @@ mod common;
 use std::path::PathBuf;
 
 use common::{base_with, configs, tiny, BASE};
-use rlhf_config::{from_yaml_str, load, ConfigError, DeviceKind, RoleKind, TrainingConfig};
+use rlhf_config::{
+    from_yaml_str, load, ConfigError, DeviceKind, RoleKind, TemplateValue, TrainingConfig,
+};
 
 #[test]
 fn every_shipped_config_loads_and_validates() {
@@ -426,4 +428,120 @@ fn async_rollout_keys_load_and_bad_combinations_name_the_fix() {
     );
     let e = err(&["actor_rollout.async.depth=2"]);
     assert!(e.contains("actor_rollout.async.depth"), "{e}");
+}
+
+/// `data.chat_template_kwargs` takes chat template variables by name, scalars only, in the
+/// file and as overrides (one variable, or the whole mapping), and survives the bundle; a
+/// list, a mapping or a name the renderer sets itself is refused naming the key.
+#[test]
+fn chat_template_kwargs_take_scalars_by_name() {
+    let with = |vars: &str| {
+        let text = format!("{BASE}data:\n  chat_template_kwargs:\n{vars}");
+        from_yaml_str(&text, "base.yaml", &configs(), &[])
+    };
+    let cfg = with("    enable_thinking: false\n    effort: high\n    budget: 2\n").unwrap();
+    assert_eq!(
+        serde_json::Value::Object(cfg.data.chat_template_vars()),
+        serde_json::json!({"budget": 2, "effort": "high", "enable_thinking": false})
+    );
+    let back = rlhf_config::from_bundle(&cfg.to_bundle()).unwrap();
+    assert_eq!(back.data, cfg.data);
+    let cfg = tiny(&["data.chat_template_kwargs.enable_thinking=false"]).unwrap();
+    assert_eq!(
+        cfg.data.chat_template_kwargs["enable_thinking"],
+        TemplateValue::Bool(false)
+    );
+    let cfg =
+        tiny(&["data.chat_template_kwargs={enable_thinking: true, temperature: 0.5}"]).unwrap();
+    assert_eq!(
+        serde_json::Value::Object(cfg.data.chat_template_vars()),
+        serde_json::json!({"enable_thinking": true, "temperature": 0.5})
+    );
+    assert!(tiny(&[]).unwrap().data.chat_template_kwargs.is_empty());
+
+    for (vars, key, want) in [
+        (
+            "    enable_thinking: {a: 1}\n",
+            "enable_thinking",
+            "a mapping",
+        ),
+        ("    budget: [1, 2]\n", "budget", "a list"),
+        ("    messages: hi\n", "messages", "reserved name"),
+        ("    ok: 1\n    tools: x\n", "tools", "reserved name"),
+    ] {
+        let err = with(vars).unwrap_err().to_string();
+        let key = format!("'data.chat_template_kwargs.{key}'");
+        assert!(
+            err.contains(&key) && err.contains(want) && err.contains("at line"),
+            "{err}"
+        );
+    }
+    for (o, want) in [
+        (
+            "data.chat_template_kwargs.enable_thinking=[1]",
+            "data.chat_template_kwargs.enable_thinking",
+        ),
+        ("data.chat_template_kwargs.a.b=1", "NAME=value"),
+        (
+            "data.chat_template_kwargs={x: {y: 1}}",
+            "data.chat_template_kwargs.x",
+        ),
+        ("data.chat_template_kwargs=5", "mapping"),
+        (
+            "data.chat_template_kwargs.add_generation_prompt=false",
+            "reserved name",
+        ),
+    ] {
+        let err = tiny(&[o]).unwrap_err().to_string();
+        assert!(err.contains(want), "{o}: {err}");
+    }
+}
+
+/// DAPO's settings against the rest of the config: each refusal names the key and the fix.
+#[test]
+fn dynamic_sampling_and_overlong_shaping_are_checked_against_the_rollout() {
+    let problems = |overrides: &[&str]| -> String {
+        let o: Vec<String> = overrides.iter().map(|s| s.to_string()).collect();
+        match load(&configs(), "grpo_math_tiny", &o) {
+            Ok(_) => String::new(),
+            Err(e) => e.to_string(),
+        }
+    };
+    assert_eq!(problems(&[]), "");
+    let e = problems(&[
+        "actor_rollout.num_samples_per_step=1",
+        "actor_rollout.ppo_mini_batch_size=8",
+        "algorithm.adv_estimator=reinforce_plus_plus",
+    ]);
+    assert!(
+        e.contains("algorithm.dynamic_sampling.enable") && e.contains("there are no groups"),
+        "{e}"
+    );
+    let e = problems(&["reward.rule=contains_digit", "reward.format_score=0.1"]);
+    assert!(
+        e.contains("reward.format_score (0.1) only applies to reward.rule math"),
+        "{e}"
+    );
+    let e = problems(&[
+        "reward.rule=contains_digit",
+        "algorithm.dynamic_sampling.metric=accuracy",
+    ]);
+    assert!(
+        e.contains("metric is accuracy") && e.contains("the reward is rule contains_digit"),
+        "{e}"
+    );
+    let e = problems(&["algorithm.overlong_buffer.len=6"]);
+    assert!(
+        e.contains(
+            "algorithm.overlong_buffer.len (6) must be below actor_rollout.max_response_length (6)"
+        ),
+        "{e}"
+    );
+    let e = problems(&["algorithm.dynamic_sampling.max_num_gen_batches=0"]);
+    assert!(
+        e.contains("algorithm.dynamic_sampling.max_num_gen_batches"),
+        "{e}"
+    );
+    let e = problems(&["algorithm.dynamic_sampling.metric=variance"]);
+    assert!(e.contains("score") && e.contains("accuracy"), "{e}");
 }

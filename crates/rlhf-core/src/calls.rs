@@ -99,6 +99,37 @@ pub struct ScoresRequest {
 #[derive(Debug, Clone, PartialEq)]
 pub struct ScoresResponse {
     pub scores: Vec<f32>,
+    /// Per row, what a verifying rule (`math`, `exact_match`) decided; `None` from rules
+    /// that only score, endpoints and reward models.
+    pub verdicts: Option<Vec<Verdict>>,
+}
+
+/// A verifying reward's decision on one response.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// The final answer equals the ground truth.
+    Right,
+    /// An answer was found and differs.
+    Wrong,
+    /// No answer could be found (no `\boxed{}`, no number): scored as configured, counted.
+    NoAnswer,
+}
+
+impl Verdict {
+    /// The wire's code: 1 right, 0 wrong, -1 no answer.
+    fn code(self) -> f32 {
+        match self {
+            Verdict::Right => 1.0,
+            Verdict::Wrong => 0.0,
+            Verdict::NoAnswer => -1.0,
+        }
+    }
+
+    fn from_code(x: f32) -> Option<Self> {
+        [Verdict::Right, Verdict::Wrong, Verdict::NoAnswer]
+            .into_iter()
+            .find(|v| v.code() == x)
+    }
 }
 
 /// PPO epochs of the policy over this rank's shard.
@@ -349,14 +380,39 @@ impl RoleCall for ScoresRequest {
 
 impl Wire for ScoresResponse {
     fn to_batch(&self) -> Result<DataBatch> {
-        Ok(DataBatch::new().with_tensor(
+        let mut b = DataBatch::new().with_tensor(
             "scores",
             TensorData::from_f32(vec![self.scores.len()], &self.scores)?,
-        ))
+        );
+        if let Some(v) = &self.verdicts {
+            let codes: Vec<f32> = v.iter().map(|v| v.code()).collect();
+            b = b.with_tensor("verdicts", TensorData::from_f32(vec![codes.len()], &codes)?);
+        }
+        Ok(b)
     }
     fn from_batch(call: BatchCall, b: &DataBatch) -> Result<Self> {
+        let r = Reader::new(call, b)?;
+        let verdicts = if b.tensors.contains_key("verdicts") {
+            let codes: Vec<f32> = r.vec("verdicts")?;
+            Some(
+                codes
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, x)| {
+                        Verdict::from_code(x).ok_or_else(|| {
+                            Error::invalid(format!(
+                                "ComputeScores: verdict code {x} in row {i} is none of 1, 0, -1"
+                            ))
+                        })
+                    })
+                    .collect::<Result<_>>()?,
+            )
+        } else {
+            None
+        };
         Ok(Self {
-            scores: Reader::new(call, b)?.vec("scores")?,
+            scores: r.vec("scores")?,
+            verdicts,
         })
     }
 }

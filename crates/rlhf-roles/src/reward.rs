@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use candle_core::Device;
 use rlhf_config::{EngineSpec, RewardSpec, RoleSpec, Shapes};
-use rlhf_core::calls::{ScoresRequest, ScoresResponse};
+use rlhf_core::calls::{ScoresRequest, ScoresResponse, Verdict};
 use rlhf_model::{Batch, LoadOptions, Model, ModelKind};
 use serde_json::{json, Value};
 
@@ -46,21 +46,30 @@ impl Rule {
         }
     }
 
-    /// Scores of `responses`; `ground_truth` is the column of that name when the batch has it.
+    /// Scores of `responses` and, for the verifying rules, each response's verdict;
+    /// `ground_truth` is the column of that name when the batch has it. `math` scores a right
+    /// answer 1, a wrong one `scoring.format_score` and none `scoring.no_answer_score`.
     pub fn score(
         self,
         responses: &[String],
         ground_truth: Option<&[Option<String>]>,
-    ) -> Result<Vec<f32>> {
+        scoring: MathScoring,
+    ) -> Result<(Vec<f32>, Option<Vec<Verdict>>)> {
         match self {
-            Rule::ContainsDigit => Ok(responses
-                .iter()
-                .map(|r| f32::from(u8::from(r.chars().any(|c| c.is_ascii_digit()))))
-                .collect()),
-            Rule::Length => Ok(responses
-                .iter()
-                .map(|r| (r.chars().count() as f32 / 100.0).min(1.0))
-                .collect()),
+            Rule::ContainsDigit => Ok((
+                responses
+                    .iter()
+                    .map(|r| f32::from(u8::from(r.chars().any(|c| c.is_ascii_digit()))))
+                    .collect(),
+                None,
+            )),
+            Rule::Length => Ok((
+                responses
+                    .iter()
+                    .map(|r| (r.chars().count() as f32 / 100.0).min(1.0))
+                    .collect(),
+                None,
+            )),
             Rule::ExactMatch | Rule::Math => {
                 let name = if self == Rule::Math {
                     "math"
@@ -81,21 +90,43 @@ impl Rule {
                         responses.len()
                     )));
                 }
-                Ok(responses
+                let verdicts: Vec<Verdict> = responses
                     .iter()
                     .zip(gt)
                     .map(|(r, g)| {
-                        let Some(want) = g else { return 0.0 };
+                        // A row without a reference answer cannot be right.
+                        let Some(want) = g else { return Verdict::Wrong };
                         let right = match self {
-                            Rule::Math => crate::math_answer::is_correct(r, want).unwrap_or(false),
-                            _ => r.trim() == want.trim(),
+                            Rule::Math => crate::math_answer::is_correct(r, want),
+                            _ => Some(r.trim() == want.trim()),
                         };
-                        f32::from(u8::from(right))
+                        match right {
+                            Some(true) => Verdict::Right,
+                            Some(false) => Verdict::Wrong,
+                            None => Verdict::NoAnswer,
+                        }
                     })
-                    .collect())
+                    .collect();
+                let scores = verdicts
+                    .iter()
+                    .map(|v| match v {
+                        Verdict::Right => 1.0,
+                        Verdict::Wrong => scoring.format_score as f32,
+                        Verdict::NoAnswer => scoring.no_answer_score as f32,
+                    })
+                    .collect();
+                Ok((scores, Some(verdicts)))
             }
         }
     }
+}
+
+/// The `math` rule's scores of a wrong answer and of none (`reward.format_score`,
+/// `reward.no_answer_score`); 0 and 0 by default.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct MathScoring {
+    pub format_score: f64,
+    pub no_answer_score: f64,
 }
 
 /// Scores from an HTTP endpoint: POST `{"prompts": [...], "responses": [...]}`, answer
@@ -183,7 +214,7 @@ impl HttpReward {
 
 /// How this process scores.
 pub enum Reward {
-    Rule(Rule),
+    Rule(Rule, MathScoring),
     Http(HttpReward),
     Model {
         model: Arc<Model>,
@@ -198,7 +229,17 @@ impl Reward {
             return Err(wrong_engine(spec, "a reward"));
         };
         match r {
-            RewardSpec::Rule { rule } => Ok(Reward::Rule(Rule::parse(rule)?)),
+            RewardSpec::Rule {
+                rule,
+                format_score,
+                no_answer_score,
+            } => Ok(Reward::Rule(
+                Rule::parse(rule)?,
+                MathScoring {
+                    format_score: *format_score,
+                    no_answer_score: *no_answer_score,
+                },
+            )),
             RewardSpec::Http { url, timeout_s } => {
                 Ok(Reward::Http(HttpReward::new(url, *timeout_s)?))
             }
@@ -231,7 +272,7 @@ impl Reward {
     /// What was loaded, for InitRole.
     pub fn describe(&self) -> String {
         match self {
-            Reward::Rule(r) => format!("rule:{r:?}"),
+            Reward::Rule(r, _) => format!("rule:{r:?}"),
             Reward::Http(h) => format!("http:{}", h.url),
             Reward::Model { model, .. } => model
                 .source_dir()
@@ -246,9 +287,11 @@ impl Score for Reward {
     /// response texts, reward models the token ids.
     fn score(&self, req: &ScoresRequest) -> Result<ScoresResponse> {
         let b = req.seq.rows();
-        let scores = match self {
-            Reward::Rule(rule) => rule.score(&req.response_text, req.ground_truth.as_deref())?,
-            Reward::Http(h) => h.score(&req.prompt_text, &req.response_text)?,
+        let (scores, verdicts) = match self {
+            Reward::Rule(rule, scoring) => {
+                rule.score(&req.response_text, req.ground_truth.as_deref(), *scoring)?
+            }
+            Reward::Http(h) => (h.score(&req.prompt_text, &req.response_text)?, None),
             Reward::Model {
                 model,
                 shapes,
@@ -263,7 +306,7 @@ impl Score for Reward {
                     let s = model.scores(&batch)?;
                     out.extend(s.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?);
                 }
-                out
+                (out, None)
             }
         };
         if scores.len() != b {
@@ -272,7 +315,7 @@ impl Score for Reward {
                 scores.len()
             )));
         }
-        Ok(ScoresResponse { scores })
+        Ok(ScoresResponse { scores, verdicts })
     }
 }
 
@@ -282,6 +325,10 @@ mod tests {
 
     #[test]
     fn rules_score_and_name_their_inputs() {
+        let d = MathScoring::default();
+        let scores = |rule: Rule, r: &[String], gt: Option<&[Option<String>]>| {
+            rule.score(r, gt, d).unwrap().0
+        };
         let r = vec![
             "no digits".to_string(),
             "answer: 42".into(),
@@ -290,24 +337,24 @@ mod tests {
         assert_eq!(
             Rule::parse("contains_digit")
                 .unwrap()
-                .score(&r, None)
+                .score(&r, None, d)
                 .unwrap(),
-            vec![0.0, 1.0, 0.0]
+            (vec![0.0, 1.0, 0.0], None)
         );
         assert_eq!(
-            Rule::parse("length").unwrap().score(&r, None).unwrap(),
+            Rule::parse("length").unwrap().score(&r, None, d).unwrap().0,
             vec![0.09, 0.1, 1.0]
         );
         let gt = vec![Some("no digits".to_string()), Some("42".into()), None];
         let exact = Rule::parse("exact_match").unwrap();
         let r2 = vec![" no digits \n".to_string(), "answer: 42".into(), "".into()];
-        assert_eq!(exact.score(&r2, Some(&gt)).unwrap(), vec![1.0, 0.0, 0.0]);
-        let err = exact.score(&r2, None).unwrap_err().to_string();
+        assert_eq!(scores(exact, &r2, Some(&gt)), vec![1.0, 0.0, 0.0]);
+        let err = exact.score(&r2, None, d).unwrap_err().to_string();
         assert!(err.contains("'ground_truth' column"), "{err}");
         // math: the final answer as a number, whatever surrounds it; none scores 0.
         let math = Rule::parse("math").unwrap();
         assert_eq!(
-            math.score(&r2, Some(&gt)).unwrap(),
+            scores(math, &r2, Some(&gt)),
             vec![0.0, 1.0, 0.0],
             "no answer in the text, 42 found, no ground truth"
         );
@@ -321,8 +368,24 @@ mod tests {
             Some("3/4".into()),
             Some("1".into()),
         ];
-        assert_eq!(math.score(&r3, Some(&gt3)).unwrap(), vec![1.0, 0.0, 0.0]);
-        let err = math.score(&r3, None).unwrap_err().to_string();
+        assert_eq!(scores(math, &r3, Some(&gt3)), vec![1.0, 0.0, 0.0]);
+        // A wrong answer and no answer score as configured, and the verdicts tell them apart.
+        let graded = MathScoring {
+            format_score: 0.1,
+            no_answer_score: -0.5,
+        };
+        let (s, v) = math.score(&r3, Some(&gt3), graded).unwrap();
+        assert_eq!(s, vec![1.0, 0.1, -0.5]);
+        assert_eq!(
+            v,
+            Some(vec![Verdict::Right, Verdict::Wrong, Verdict::NoAnswer])
+        );
+        let (_, v) = exact.score(&r2, Some(&gt), graded).unwrap();
+        assert_eq!(
+            v,
+            Some(vec![Verdict::Right, Verdict::Wrong, Verdict::Wrong])
+        );
+        let err = math.score(&r3, None, d).unwrap_err().to_string();
         assert!(err.contains("reward.rule math needs"), "{err}");
         let err = Rule::parse("regex").unwrap_err().to_string();
         assert!(

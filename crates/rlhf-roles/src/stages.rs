@@ -466,6 +466,7 @@ impl Score for RewardModelTrainer {
         )?;
         Ok(ScoresResponse {
             scores: out[0].to_vec1::<f32>()?,
+            verdicts: None,
         })
     }
 }

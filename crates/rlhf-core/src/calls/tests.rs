@@ -136,9 +136,23 @@ fn responses_round_trip_and_concatenate_across_ranks() {
     assert_eq!(back.unwrap(), lp);
     let sc = ScoresResponse {
         scores: vec![0.5, -1.0],
+        verdicts: None,
     };
     let back = ScoresResponse::from_batch(BatchCall::ComputeScores, &sc.to_batch().unwrap());
     assert_eq!(back.unwrap(), sc);
+    let sc = ScoresResponse {
+        scores: vec![1.0, 0.0, 0.0],
+        verdicts: Some(vec![Verdict::Right, Verdict::Wrong, Verdict::NoAnswer]),
+    };
+    let mut wire = sc.to_batch().unwrap();
+    let back = ScoresResponse::from_batch(BatchCall::ComputeScores, &wire);
+    assert_eq!(back.unwrap(), sc);
+    wire.tensors.insert(
+        "verdicts".into(),
+        TensorData::from_f32(vec![3], &[1.0, 0.5, 0.0]).unwrap(),
+    );
+    let e = ScoresResponse::from_batch(BatchCall::ComputeScores, &wire).unwrap_err();
+    assert!(e.to_string().contains("verdict code 0.5 in row 1"), "{e}");
 }
 
 #[test]

@@ -69,6 +69,30 @@ impl<T: Copy> Mat<T> {
             data,
         })
     }
+
+    /// The rows `which` (in that order) of matrices of one width stacked one on another:
+    /// `which[k] = (part, row)`. Builds a batch from the groups dynamic sampling keeps.
+    pub fn gather_rows(parts: &[&Mat<T>], which: &[(usize, usize)]) -> Result<Mat<T>> {
+        let cols = parts.first().map_or(0, |m| m.cols);
+        let mut data = Vec::with_capacity(which.len() * cols);
+        for &(p, r) in which {
+            let m = parts.get(p).filter(|m| r < m.rows).ok_or_else(|| {
+                Error::internal(format!("row {r} of part {p} is not among the matrices"))
+            })?;
+            if m.cols != cols {
+                return Err(Error::invalid(format!(
+                    "cannot stack a {:?} matrix under one {cols} wide",
+                    m.shape()
+                )));
+            }
+            data.extend_from_slice(m.row(r));
+        }
+        Ok(Mat {
+            rows: which.len(),
+            cols,
+            data,
+        })
+    }
 }
 
 /// An element type that crosses the wire.

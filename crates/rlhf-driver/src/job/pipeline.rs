@@ -330,6 +330,7 @@ mod tests {
             cursor: Default::default(),
             gen_s: 0.0,
             probe: Probe::None,
+            scored: None,
         }
     }
 

@@ -8,13 +8,13 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use rlhf_algo::{
-    compute_advantage, compute_token_rewards, importance_weights, log_prob_gap, metric,
-    rollout_metrics, AdvEstimator, AdvantageInputs, KlController, RolloutMetricsInputs,
+    compute_advantage, compute_token_rewards, importance_weights, log_prob_gap, mask_truncated,
+    metric, rollout_metrics, AdvEstimator, AdvantageInputs, KlController, RolloutMetricsInputs,
 };
 use rlhf_config::PpoConfig;
 use rlhf_core::calls::candle::{f32_tensor, mat_f32};
 use rlhf_core::calls::{
-    ActorUpdateRequest, CriticUpdateRequest, LogProbsRequest, Mat, ScoresRequest, ValuesRequest,
+    ActorUpdateRequest, CriticUpdateRequest, LogProbsRequest, Mat, ValuesRequest,
 };
 use rlhf_core::{Error, Result};
 
@@ -23,7 +23,7 @@ use crate::group::mean_metrics;
 use crate::output::Sample;
 
 use super::algorithm::{Algorithm, StepOutput};
-use super::rollout::{Probe, Rollout};
+use super::rollout::{scores_request, Probe, Rollout, Scored};
 use super::{timed, Failed, Loop, Res};
 
 /// PPO and its critic-free relatives.
@@ -67,19 +67,16 @@ impl Algorithm for Ppo {
         state.kl_ctl = Some(self.kl_ctl.clone());
     }
 
-    async fn step(&mut self, cx: &mut Loop<'_>, step: u64, ro: Rollout) -> Res<StepOutput> {
+    async fn step(&mut self, cx: &mut Loop<'_>, step: u64, mut ro: Rollout) -> Res<StepOutput> {
         let cfg = cx.cfg;
         let mut timing = BTreeMap::new();
         let (rows, r) = (ro.rows, ro.r);
         let shape = [rows, r];
         let lp_req = LogProbsRequest(ro.seq.clone());
         let val_req = ValuesRequest(ro.seq.clone());
-        let score_req = ScoresRequest {
-            seq: ro.seq.clone(),
-            prompt_text: ro.prompt_text.clone(),
-            response_text: ro.response_text.clone(),
-            ground_truth: ro.ground_truth.clone(),
-        };
+        // Dynamic sampling scored the batch while filtering it.
+        let pre_scored = ro.scored.take();
+        let score_req = pre_scored.is_none().then(|| scores_request(&ro));
         let tmo = cx.opts.call_timeout;
         let roles = cx.roles;
         let t = Instant::now();
@@ -99,12 +96,26 @@ impl Algorithm for Ppo {
                     roles.critic.call_split(&val_req, tmo).await.map(Some)
                 }
             }),
-            timed(roles.reward.call_split(&score_req, tmo)),
+            timed(async {
+                match &score_req {
+                    Some(req) => roles.reward.call_split(req, tmo).await.map(Some),
+                    None => Ok(None),
+                }
+            }),
         );
         timing.insert(metric::TIMING_S_OLD_LOG_PROB.into(), t_old);
         timing.insert(metric::TIMING_S_REF.into(), t_ref);
         timing.insert(metric::TIMING_S_VALUES.into(), t_val);
-        timing.insert(metric::TIMING_S_REWARD.into(), t_score);
+        let scored = match (scores?, pre_scored) {
+            (Some(resp), _) => Scored::new(cfg, &ro, resp, t_score),
+            (None, Some(s)) => s,
+            (None, None) => {
+                return Err(Failed::Other(Error::internal(
+                    "the step had neither the reward's scores nor dynamic sampling's",
+                )))
+            }
+        };
+        timing.insert(metric::TIMING_S_REWARD.into(), scored.secs);
         timing.insert(
             metric::TIMING_S_EXPERIENCE.into(),
             t.elapsed().as_secs_f64(),
@@ -134,7 +145,13 @@ impl Algorithm for Ppo {
             }
             None => None,
         };
-        let scores = scores?.scores;
+        let scores = scored.scores.clone();
+        if scores.len() != rows {
+            return Err(Failed::Other(Error::internal(format!(
+                "reward ComputeScores answered {} scores for {rows} rows",
+                scores.len()
+            ))));
+        }
         if let Some(i) = scores.iter().position(|s| !s.is_finite()) {
             return Err(Failed::Other(Error::invalid(format!(
                 "reward returned a non-finite score ({}) for row {i} at step {step}",
@@ -183,6 +200,7 @@ impl Algorithm for Ppo {
             returns: &adv.returns,
             values: vals_t.as_ref(),
         })?;
+        scored.metrics(&mut metrics);
         let mut advantages = mat_f32(&adv.advantages, "advantages")?;
         if let Some((behaviour, _)) = &ro.behaviour {
             let a = &cfg.actor_rollout.async_;
@@ -227,9 +245,16 @@ impl Algorithm for Ppo {
         timing.insert(metric::TIMING_S_ADV.into(), t.elapsed().as_secs_f64());
 
         // Updates: critic and actor at once.
+        // TRL's mask_truncated_completions: responses cut at the length limit stay in the
+        // advantages (their scores were given) but leave the policy loss.
+        let mut actor_mask = ro.response_mask.clone();
+        if cfg.algorithm.mask_truncated_completions {
+            let masked = mask_truncated(&mut actor_mask.data, r, &ro.has_eos)?;
+            metrics.insert(metric::ROLLOUT_MASKED_TRUNCATED.into(), masked as f64);
+        }
         let actor_req = ActorUpdateRequest {
             seq: ro.seq.clone(),
-            response_mask: ro.response_mask.clone(),
+            response_mask: actor_mask,
             old_log_probs: old,
             advantages,
             ref_log_probs: cfg.actor_rollout.use_kl_loss.then_some(refl),

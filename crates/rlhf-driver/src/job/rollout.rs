@@ -1,13 +1,19 @@
 //! A step's rollout: prompts from the sampler, responses from the rollout ranks or the
 //! fixed-responses file, the sequences every role scores. [`RolloutSource`] holds what
 //! making a batch needs and nothing the trainers use, so the rollout lane of an async run
-//! (`super::pipeline`) makes the next batches while the loop trains on this one.
+//! (`super::pipeline`) makes the next batches while the loop trains on this one. With DAPO's
+//! dynamic sampling (`algorithm.dynamic_sampling`) a batch is scored here, its groups whose
+//! responses all score alike are dropped, and more prompts are generated until the batch is
+//! full: the lane of an async run keeps producing until then.
 
 use std::time::Instant;
 
+use rlhf_algo::{informative_groups, overlong_penalty, FilterMetric, WhenExhausted};
 use rlhf_config::data::{DataCursor, PromptSampler};
 use rlhf_config::PpoConfig;
-use rlhf_core::calls::{GenerateRequest, GenerateResponse, Mat, Sequences};
+use rlhf_core::calls::{
+    GenerateRequest, GenerateResponse, Mat, ScoresRequest, ScoresResponse, Sequences, Verdict,
+};
 use rlhf_core::{Error, Result};
 use rlhf_tokenizer::Tokenizer;
 use tokio::sync::oneshot;
@@ -63,6 +69,104 @@ pub(super) struct Rollout {
     /// Wall time of the generation (overlapped with training in async modes).
     pub(super) gen_s: f64,
     pub(super) probe: Probe,
+    /// The batch's scores when dynamic sampling made them while filtering.
+    pub(super) scored: Option<Scored>,
+}
+
+/// A batch's final scores: the reward's, shaped for overlong responses.
+#[derive(Debug, Clone)]
+pub(super) struct Scored {
+    pub(super) scores: Vec<f32>,
+    /// What a verifying rule decided per row (`math`, `exact_match`).
+    pub(super) verdicts: Option<Vec<Verdict>>,
+    /// Each row's overlong penalty (0 without shaping), already in `scores`.
+    pub(super) overlong: Vec<f64>,
+    /// Wall time of the scoring calls.
+    pub(super) secs: f64,
+    /// Dynamic sampling's counts, when it made the batch.
+    pub(super) filter: Option<FilterCounts>,
+}
+
+/// What dynamic sampling did for one batch (`rollout/*` metrics).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(super) struct FilterCounts {
+    /// Generation rounds, the first included.
+    pub(super) gen_batches: u32,
+    /// Groups dropped because their responses all scored alike.
+    pub(super) filtered_groups: usize,
+    /// Dropped groups put back to fill the batch once the rounds ran out.
+    pub(super) padded_groups: usize,
+    /// Right answers and responses over every round (a verifying reward only): the
+    /// policy's accuracy before the filter picks the batch.
+    pub(super) right: usize,
+    pub(super) generated: usize,
+}
+
+impl Scored {
+    /// The reward's answer for `ro`, with DAPO's overlong penalty added per row.
+    pub(super) fn new(cfg: &PpoConfig, ro: &Rollout, resp: ScoresResponse, secs: f64) -> Self {
+        let max_len = cfg.actor_rollout.max_response_length as usize;
+        let ob = &cfg.algorithm.overlong_buffer;
+        let mut scores = resp.scores;
+        let mut overlong = Vec::with_capacity(scores.len());
+        for (row, s) in scores.iter_mut().enumerate() {
+            let len = ro
+                .response_mask
+                .row(row)
+                .iter()
+                .filter(|&&m| m > 0.5)
+                .count();
+            let p = overlong_penalty(len, max_len, ob);
+            overlong.push(p);
+            *s += p as f32;
+        }
+        Self {
+            overlong,
+            scores,
+            verdicts: resp.verdicts,
+            secs,
+            filter: None,
+        }
+    }
+
+    /// `reward/*` and `rollout/*` metrics of these scores.
+    pub(super) fn metrics(&self, out: &mut std::collections::BTreeMap<String, f64>) {
+        use rlhf_algo::metric;
+        if let Some(v) = &self.verdicts {
+            let n = v.len().max(1) as f64;
+            let count = |want: Verdict| v.iter().filter(|&&x| x == want).count() as f64;
+            out.insert(metric::REWARD_ACCURACY.into(), count(Verdict::Right) / n);
+            out.insert(metric::REWARD_NO_ANSWER.into(), count(Verdict::NoAnswer));
+        }
+        if !self.overlong.is_empty() {
+            let mean = self.overlong.iter().sum::<f64>() / self.overlong.len() as f64;
+            out.insert(metric::ROLLOUT_OVERLONG_PENALTY_MEAN.into(), mean);
+        }
+        if let Some(f) = self.filter {
+            out.insert(metric::ROLLOUT_GEN_BATCHES.into(), f64::from(f.gen_batches));
+            out.insert(
+                metric::ROLLOUT_FILTERED_GROUPS.into(),
+                f.filtered_groups as f64,
+            );
+            out.insert(metric::ROLLOUT_PADDED_GROUPS.into(), f.padded_groups as f64);
+            if self.verdicts.is_some() {
+                out.insert(
+                    metric::ROLLOUT_GENERATED_ACCURACY.into(),
+                    f.right as f64 / f.generated.max(1) as f64,
+                );
+            }
+        }
+    }
+}
+
+/// The request that scores `ro`'s responses.
+pub(super) fn scores_request(ro: &Rollout) -> ScoresRequest {
+    ScoresRequest {
+        seq: ro.seq.clone(),
+        prompt_text: ro.prompt_text.clone(),
+        response_text: ro.response_text.clone(),
+        ground_truth: ro.ground_truth.clone(),
+    }
 }
 
 /// A step's prompts: dataset index per row and the request for the rollout ranks.
@@ -187,7 +291,89 @@ impl RolloutSource<'_> {
         Ok((ids, mask))
     }
 
+    /// The batch of `step`: one generation round, or with dynamic sampling as many as it
+    /// takes to fill the batch with informative groups.
     pub(super) async fn rollout(&mut self, step: u64) -> Res<Rollout> {
+        if self.cfg.algorithm.dynamic_sampling.enable {
+            self.dynamic_rollout(step).await
+        } else {
+            self.generate_batch(step).await
+        }
+    }
+
+    /// DAPO's dynamic sampling: rounds of `training.global_batch_size` prompts are generated
+    /// and scored; groups whose metric is the same for every response are dropped until the
+    /// kept groups fill the batch or `max_num_gen_batches` rounds have run.
+    async fn dynamic_rollout(&mut self, step: u64) -> Res<Rollout> {
+        let cfg = self.cfg;
+        let ds = &cfg.algorithm.dynamic_sampling;
+        let n = cfg.actor_rollout.num_samples_per_step.max(1) as usize;
+        let want = cfg.training.global_batch_size as usize;
+        let mut parts: Vec<(Rollout, Scored)> = Vec::new();
+        let (mut keep, mut dropped) = (Vec::new(), Vec::new());
+        while keep.len() < want && parts.len() < ds.max_num_gen_batches as usize {
+            let ro = self.generate_batch(step).await?;
+            let t = Instant::now();
+            let resp = self
+                .roles
+                .reward
+                .call_split(&scores_request(&ro), self.opts.call_timeout)
+                .await?;
+            let sc = Scored::new(cfg, &ro, resp, t.elapsed().as_secs_f64());
+            let metric: Vec<f32> = match (ds.metric, &sc.verdicts) {
+                (FilterMetric::Score, _) => sc.scores.clone(),
+                (FilterMetric::Accuracy, Some(v)) => v
+                    .iter()
+                    .map(|&v| f32::from(u8::from(v == Verdict::Right)))
+                    .collect(),
+                (FilterMetric::Accuracy, None) => {
+                    return Err(Failed::Other(Error::invalid(
+                        "algorithm.dynamic_sampling.metric is accuracy but the reward gave no                          right/wrong verdicts (only reward.rule math and exact_match do); use                          metric score",
+                    )))
+                }
+            };
+            let informative = informative_groups(&metric, n)
+                .map_err(|e| Error::internal(format!("dynamic sampling: {e}")))?;
+            for (g, ok) in informative.into_iter().enumerate() {
+                if ok { &mut keep } else { &mut dropped }.push((parts.len(), g));
+            }
+            parts.push((ro, sc));
+        }
+        let rounds = parts.len();
+        let mut counts = FilterCounts {
+            gen_batches: rounds as u32,
+            filtered_groups: dropped.len(),
+            padded_groups: 0,
+            right: parts
+                .iter()
+                .filter_map(|(_, sc)| sc.verdicts.as_ref())
+                .flatten()
+                .filter(|&&v| v == Verdict::Right)
+                .count(),
+            generated: parts.iter().map(|(ro, _)| ro.rows).sum(),
+        };
+        if keep.len() < want {
+            match ds.when_exhausted {
+                WhenExhausted::Fail => {
+                    return Err(Failed::Other(Error::invalid(format!(
+                        "step {step}: dynamic sampling kept {} of the {want} groups the batch needs after {rounds} generation rounds (algorithm.dynamic_sampling.max_num_gen_batches): {} groups scored alike in every response; raise max_num_gen_batches, use when_exhausted train, or check the reward and the data (are the prompts too easy or too hard?)",
+                        keep.len(),
+                        dropped.len()
+                    ))))
+                }
+                WhenExhausted::Train => {
+                    let short = want - keep.len();
+                    counts.padded_groups = short;
+                    // The latest dropped groups: sampled by the newest weights.
+                    keep.extend(dropped.iter().rev().take(short));
+                }
+            }
+        }
+        keep.truncate(want);
+        assemble(parts, &keep, n, self.sampler.cursor(), counts)
+    }
+
+    async fn generate_batch(&mut self, step: u64) -> Res<Rollout> {
         let cfg = self.cfg;
         let PromptBatch { which, req } = self.prompt_batch(step)?;
         let cursor = self.sampler.cursor();
@@ -285,6 +471,104 @@ impl RolloutSource<'_> {
             cursor,
             gen_s,
             probe: Probe::None,
+            scored: None,
         })
     }
+}
+
+/// One batch from the groups `keep` (`(part, group)`) of several generation rounds, in that
+/// order, with their scores.
+fn assemble(
+    parts: Vec<(Rollout, Scored)>,
+    keep: &[(usize, usize)],
+    n: usize,
+    cursor: DataCursor,
+    counts: FilterCounts,
+) -> Res<Rollout> {
+    let which: Vec<(usize, usize)> = keep
+        .iter()
+        .flat_map(|&(p, g)| (g * n..(g + 1) * n).map(move |row| (p, row)))
+        .collect();
+    let rows = which.len();
+    let first = &parts[0].0;
+    let r = first.r;
+    let ros: Vec<&Rollout> = parts.iter().map(|(ro, _)| ro).collect();
+    let mats = |f: fn(&Rollout) -> &Mat<i64>| -> Result<Mat<i64>> {
+        Mat::gather_rows(&ros.iter().map(|ro| f(ro)).collect::<Vec<_>>(), &which)
+    };
+    let seq = Sequences {
+        input_ids: mats(|ro| &ro.seq.input_ids)?,
+        attention_mask: mats(|ro| &ro.seq.attention_mask)?,
+        response_len: r,
+    };
+    let response_mask = Mat::gather_rows(
+        &ros.iter().map(|ro| &ro.response_mask).collect::<Vec<_>>(),
+        &which,
+    )?;
+    let behaviour = match ros
+        .iter()
+        .map(|ro| ro.behaviour.as_ref())
+        .collect::<Option<Vec<_>>>()
+    {
+        Some(b) => Some((
+            Mat::gather_rows(&b.iter().map(|(m, _)| m).collect::<Vec<_>>(), &which)?,
+            which.iter().map(|&(p, row)| b[p].1[row]).collect(),
+        )),
+        None => None,
+    };
+    let pick = |p: usize, row: usize| (&parts[p].0, &parts[p].1, row);
+    let mut out = Rollout {
+        rows,
+        r,
+        seq,
+        response_mask,
+        behaviour,
+        prompt_text: Vec::with_capacity(rows),
+        response_text: Vec::with_capacity(rows),
+        ground_truth: ros
+            .iter()
+            .any(|ro| ro.ground_truth.is_some())
+            .then(|| Vec::with_capacity(rows)),
+        has_eos: Vec::with_capacity(rows),
+        group_ids: (0..rows).map(|i| i / n).collect(),
+        tokens: 0,
+        cursor,
+        gen_s: ros.iter().map(|ro| ro.gen_s).sum(),
+        probe: Probe::None,
+        scored: None,
+    };
+    let mut scored = Scored {
+        scores: Vec::with_capacity(rows),
+        verdicts: parts[0]
+            .1
+            .verdicts
+            .as_ref()
+            .map(|_| Vec::with_capacity(rows)),
+        overlong: Vec::with_capacity(rows),
+        secs: parts.iter().map(|(_, s)| s.secs).sum(),
+        filter: Some(counts),
+    };
+    for &(p, row) in &which {
+        let (ro, sc, row) = pick(p, row);
+        out.prompt_text.push(ro.prompt_text[row].clone());
+        out.response_text.push(ro.response_text[row].clone());
+        if let Some(gt) = &mut out.ground_truth {
+            gt.push(ro.ground_truth.as_ref().and_then(|g| g[row].clone()));
+        }
+        out.has_eos.push(ro.has_eos[row]);
+        out.tokens += ro
+            .seq
+            .attention_mask
+            .row(row)
+            .iter()
+            .filter(|&&m| m == 1)
+            .count();
+        scored.scores.push(sc.scores[row]);
+        if let (Some(all), Some(v)) = (&mut scored.verdicts, &sc.verdicts) {
+            all.push(v[row]);
+        }
+        scored.overlong.push(sc.overlong[row]);
+    }
+    out.scored = Some(scored);
+    Ok(out)
 }
