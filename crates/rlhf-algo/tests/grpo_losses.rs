@@ -442,3 +442,45 @@ fn names_are_closed_and_snake_case() {
     let a: AlgorithmConfig = serde_json::from_str(r#"{"scale_rewards": "batch"}"#).unwrap();
     assert_eq!(a.scale_rewards, ScaleRewards::Batch);
 }
+
+/// DAPO's overlong shaping at `penalty_factor` 1 against TRL's
+/// `get_soft_overlong_punishment` (`fixtures/overlong.json`, `scripts/overlong_reference.py`),
+/// and scaled by the factor otherwise.
+#[test]
+fn overlong_penalty_is_trls_soft_overlong_punishment() {
+    #[derive(Deserialize)]
+    struct Case {
+        max_len: usize,
+        buffer: u32,
+        lengths: Vec<usize>,
+        rewards: Vec<f64>,
+    }
+    #[derive(Deserialize)]
+    struct Fixture {
+        cases: Vec<Case>,
+    }
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/overlong.json");
+    let fx: Fixture = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    assert!(fx.cases.len() >= 4);
+    let mut below_zero = 0;
+    for c in &fx.cases {
+        for factor in [1.0, 0.5] {
+            let cfg = rlhf_algo::OverlongBufferConfig {
+                enable: true,
+                len: c.buffer,
+                penalty_factor: factor,
+            };
+            for (&len, &want) in c.lengths.iter().zip(&c.rewards) {
+                let got = rlhf_algo::overlong_penalty(len, c.max_len, &cfg);
+                assert!(
+                    (got - factor * want).abs() <= TOL,
+                    "max {} buffer {} length {len} factor {factor}: {got} vs TRL {want}",
+                    c.max_len,
+                    c.buffer
+                );
+                below_zero += usize::from(want < 0.0);
+            }
+        }
+    }
+    assert!(below_zero > 10, "the fixture must reach into the buffer");
+}
