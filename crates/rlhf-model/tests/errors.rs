@@ -24,7 +24,11 @@ fn edit_config(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) {
 }
 
 fn load_err(dir: &Path) -> Error {
-    match Model::load(dir, &LoadOptions::inference()) {
+    load_err_with(dir, &LoadOptions::inference())
+}
+
+fn load_err_with(dir: &Path, opts: &LoadOptions) -> Error {
+    match Model::load(dir, opts) {
         Ok(_) => panic!("loading {} should fail", dir.display()),
         Err(e) => e,
     }
@@ -266,4 +270,147 @@ fn config_sizes_are_bounded_by_limits_and_by_the_weights() {
     });
     let m = Model::load(&dir, &LoadOptions::inference()).unwrap();
     assert_eq!(m.config().eos_token_ids, vec![2]);
+}
+
+/// A copy of tiny-qwen3 in `tmp/name` whose safetensors hold what `edit` leaves of its
+/// tensors and whose config.json `cfg` edits.
+fn broken_qwen3(
+    tmp: &Path,
+    name: &str,
+    edit: impl FnOnce(&mut Vec<(String, rlhf_model::Tensor)>),
+    cfg: impl FnOnce(&mut serde_json::Value),
+) -> std::path::PathBuf {
+    let dir = tmp.join(name);
+    copy_dir(&fixture("tiny-qwen3"), &dir);
+    let file = dir.join("model.safetensors");
+    let (mut tensors, _) =
+        rlhf_model::weights::load_safetensors(&file, &rlhf_model::Device::Cpu).unwrap();
+    edit(&mut tensors);
+    rlhf_model::weights::save_safetensors(&tensors, &file).unwrap();
+    edit_config(&dir, cfg);
+    dir
+}
+
+fn assert_names(err: &Error, parts: &[&str]) {
+    let msg = err.to_string();
+    println!("{msg}");
+    for p in parts {
+        assert!(msg.contains(p), "missing {p:?} in: {msg}");
+    }
+}
+
+/// A Qwen3 checkpoint without a layer's q/k norm is refused naming the tensor, what Qwen3
+/// needs it for and the likely cause (a Qwen2 checkpoint labeled Qwen3); a Qwen3 checkpoint
+/// labeled as another family is refused by its q_norm instead of loading without the norms.
+#[test]
+fn qwen3_without_its_qk_norms_is_refused_with_the_likely_mislabel() {
+    let tmp = tempfile::tempdir().unwrap();
+    for norm in ["q_norm", "k_norm"] {
+        let missing = format!("model.layers.1.self_attn.{norm}.weight");
+        let dir = broken_qwen3(
+            tmp.path(),
+            norm,
+            |t| t.retain(|(n, _)| *n != missing),
+            |_| {},
+        );
+        for opts in [
+            LoadOptions::inference(),
+            LoadOptions::training(ModelKind::Value),
+        ] {
+            let err = load_err_with(&dir, &opts);
+            assert!(matches!(err, Error::Config(_)), "{err}");
+            assert_names(
+                &err,
+                &[
+                    &missing,
+                    "Qwen3ForCausalLM",
+                    "per-head RMSNorm",
+                    "Qwen2",
+                    "architectures",
+                ],
+            );
+        }
+    }
+    // The other way round: tiny-qwen3's weights under a Qwen2 or a Llama config.
+    for (model_type, arch) in [("qwen2", "Qwen2ForCausalLM"), ("llama", "LlamaForCausalLM")] {
+        let dir = broken_qwen3(
+            tmp.path(),
+            model_type,
+            |_| {},
+            |v| {
+                v["model_type"] = model_type.into();
+                v["architectures"] = serde_json::json!([arch]);
+            },
+        );
+        let err = load_err(&dir);
+        assert_names(
+            &err,
+            &[
+                "model.layers.0.self_attn.q_norm.weight",
+                arch,
+                "Qwen3",
+                "architectures",
+            ],
+        );
+    }
+}
+
+/// A head_dim that disagrees with the q/k projections or with the q/k norms is refused
+/// naming config.json's head_dim (or its default), the tensor, both shapes and the head_dim
+/// the weights fit; the fixture itself loads (head_dim 32 with hidden 64 and 4 heads).
+#[test]
+fn qwen3_head_dim_disagreeing_with_the_weights_names_both() {
+    Model::load(fixture("tiny-qwen3"), &LoadOptions::inference()).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    // hidden_size / num_attention_heads, what a Qwen2 config would imply.
+    let dir = broken_qwen3(tmp.path(), "hd16", |_| {}, |v| v["head_dim"] = 16.into());
+    let err = load_err(&dir);
+    assert!(matches!(err, Error::Config(_)), "{err}");
+    assert_names(
+        &err,
+        &[
+            "model.layers.0.self_attn.q_proj.weight",
+            "config.json's head_dim=16",
+            "[128, 64]",
+            "[64, 64]",
+            "fit head_dim=32",
+            "q_norm.weight has shape [32]",
+        ],
+    );
+    // No head_dim at all: Qwen3's default of 128.
+    let dir = broken_qwen3(
+        tmp.path(),
+        "no-hd",
+        |_| {},
+        |v| {
+            v.as_object_mut().unwrap().remove("head_dim");
+        },
+    );
+    assert_names(
+        &load_err(&dir),
+        &[
+            "no head_dim",
+            "128",
+            "[512, 64]",
+            "[128, 64]",
+            "fit head_dim=32",
+        ],
+    );
+    // The projections agree with head_dim but a layer's k_norm has another length.
+    let name = "model.layers.1.self_attn.k_norm.weight";
+    let dir = broken_qwen3(
+        tmp.path(),
+        "short-norm",
+        |t| {
+            for (n, w) in t.iter_mut() {
+                if n == name {
+                    *w = w.narrow(0, 0, 16).unwrap();
+                }
+            }
+        },
+        |_| {},
+    );
+    let err = load_err(&dir);
+    assert!(matches!(err, Error::Config(_)), "{err}");
+    assert_names(&err, &[name, "[16]", "config.json's head_dim=32", "[32]"]);
 }

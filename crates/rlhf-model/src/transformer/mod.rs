@@ -20,6 +20,7 @@ pub(crate) use crate::linear::{Linear, LoraSetup};
 use crate::weights::{Init, ParamBuilder};
 
 mod layer;
+mod layout;
 
 use layer::{rms_norm, Layer, Rope};
 
@@ -115,6 +116,7 @@ impl Transformer {
                     "config.json says num_hidden_layers={n} but the weights hold {present} layer(s); the config does not belong to these weights"
                 )));
             }
+            layout::check_attention_layout(cfg, pb)?;
         }
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
