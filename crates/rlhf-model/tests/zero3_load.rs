@@ -1,9 +1,10 @@
 //! A ZeRO-3 rank reading only its pieces out of a checkpoint's files ([`Model::load_zero3`],
 //! [`Model::load_zero3_weights`]) holds exactly what sharding the whole loaded model gives it,
-//! on every rank, for transformers' own checkpoints (Llama, Qwen2 with a tied head, a reward
-//! model's score head taken as a critic's value head, a fresh value head) and for a bf16
-//! checkpoint (the pieces are converted to f32 master weights); the group gathers back the
-//! model the files hold; a bad checkpoint is refused by name and changes nothing.
+//! on every rank, for transformers' own checkpoints (Llama, Qwen2 with a tied head, Qwen3 with
+//! its q/k norms, a reward model's score head taken as a critic's value head, a fresh value
+//! head; LoRA adapters over Llama, the reward model and Qwen3) and for a bf16 checkpoint (the
+//! pieces are converted to f32 master weights); the group gathers back the model the files
+//! hold; a bad checkpoint is refused by name and changes nothing.
 
 mod common;
 
@@ -83,7 +84,7 @@ fn same_pieces_with(dir: &Path, o: &LoadOptions) -> usize {
 #[test]
 fn a_sharded_load_reads_the_pieces_sharding_the_whole_model_gives() {
     let mut n = 0;
-    for name in ["tiny-llama", "tiny-qwen2", "tiny-llama3-rope"] {
+    for name in ["tiny-llama", "tiny-qwen2", "tiny-llama3-rope", "tiny-qwen3"] {
         n += same_pieces_as_sharding_the_whole(&fixture(name), ModelKind::CausalLm);
     }
     // A critic from a causal LM: a fresh value head (made by the load, not read).
@@ -105,6 +106,17 @@ fn a_sharded_load_reads_the_pieces_sharding_the_whole_model_gives() {
     let m = same_pieces_with(&fixture("tiny-llama"), &lora(ModelKind::CausalLm));
     let v = same_pieces_with(&fixture("tiny-llama-reward"), &lora(ModelKind::Value));
     assert!(m > 100 && v > 100, "compared {m} and {v} LoRA pieces");
+    // Qwen3 with adapters on q/k/v/o: its q/k norms are frozen base pieces.
+    let qwen3 = LoadOptions {
+        lora: Some(rlhf_model::LoraConfig::new(
+            4,
+            8.0,
+            &["q_proj", "k_proj", "v_proj", "o_proj"],
+        )),
+        ..opts(ModelKind::CausalLm)
+    };
+    let q = same_pieces_with(&fixture("tiny-qwen3"), &qwen3);
+    assert!(q > 100, "compared {q} Qwen3 LoRA pieces");
 
     // A bf16 checkpoint (as HF models ship): each piece converted to f32 as a whole load is.
     let tmp = tempfile::tempdir().unwrap();

@@ -9,12 +9,12 @@
 mod common;
 
 use common::sharding::{
-    adamw, group, host, loss, max_diff, mine, rows, train_whole, Weights, CLIP, STEPS,
+    adamw, group, host, loss, max_diff, mine, rows, train_whole, Source, Weights, CLIP, STEPS,
 };
-use common::tiny_config;
+use common::{fixture, tiny_config};
 use rlhf_model::{
-    partition, AdamW, Batch, Config, Device, Family, Gradients, LoadOptions, LoraConfig, Model,
-    ModelKind, Tensor,
+    partition, AdamW, Batch, Device, Family, Gradients, LoadOptions, LoraConfig, Model, ModelKind,
+    Tensor,
 };
 
 fn opts(kind: ModelKind, targets: &[&str]) -> LoadOptions {
@@ -54,20 +54,17 @@ struct Run {
 
 /// A LoRA model of `o` sharded over the group of `comm`, and its ZeRO-3 state.
 fn sharded_model(
-    cfg: &Config,
+    src: &Source,
     o: &LoadOptions,
     comm: rlhf_collective::TcpCommunicator,
 ) -> (Model, std::sync::Arc<rlhf_model::zero3::Zero3>) {
-    let model = Model::random(cfg, o)
-        .unwrap()
-        .into_zero3(Box::new(comm))
-        .unwrap();
+    let model = src.model(o).into_zero3(Box::new(comm)).unwrap();
     let z = model.zero3().unwrap().clone();
     (model, z)
 }
 
-fn unsharded(cfg: &Config, o: &LoadOptions) -> (Run, Weights) {
-    let model = Model::random(cfg, o).unwrap();
+fn unsharded(src: &Source, o: &LoadOptions) -> (Run, Weights) {
+    let model = src.model(o);
     let init = host(model.named_tensors());
     let norms = train_whole(&model);
     let run = Run {
@@ -82,14 +79,14 @@ fn unsharded(cfg: &Config, o: &LoadOptions) -> (Run, Weights) {
 /// `world` stage-3 ranks of the LoRA model: what each ends with. `init` is the unsharded
 /// model's adapters before training: each rank's variables must be its pieces of them, cut
 /// as ZeRO stages 1 and 2 cut the optimizer's parameters.
-fn sharded(cfg: &Config, o: &LoadOptions, world: usize, init: &Weights) -> Vec<Run> {
+fn sharded(src: &Source, o: &LoadOptions, world: usize, init: &Weights) -> Vec<Run> {
     let handles: Vec<_> = group(world)
         .into_iter()
         .enumerate()
         .map(|(rank, comm)| {
-            let (cfg, o, init) = (cfg.clone(), o.clone(), init.clone());
+            let (src, o, init) = (src.clone(), o.clone(), init.clone());
             std::thread::spawn(move || {
-                let (model, z) = sharded_model(&cfg, &o, comm);
+                let (model, z) = sharded_model(&src, &o, comm);
                 // The variables are the adapters' pieces, laid out as stage 1 and 2 lay out
                 // AdamW's moments over the adapters.
                 let vars = model.vars();
@@ -136,9 +133,10 @@ fn sharded(cfg: &Config, o: &LoadOptions, world: usize, init: &Weights) -> Vec<R
 
 /// The exactness of the issue for stage 3 with LoRA: the adapters of every rank, with 1, 2
 /// and 4 ranks, end as one unsharded LoRA model's (a policy with adapters on every linear
-/// module, and a critic with adapters on two, whose value head trains in full); the gradient
-/// norms, the reference log-probs and the base fingerprint are the same. On every device
-/// present (cuda:0 in scripts/gpu-check.sh).
+/// module, a critic with adapters on two, whose value head trains in full, and the Qwen3
+/// checkpoint tiny-qwen3 with adapters on q/k/v/o over its frozen, sharded q/k norms); the
+/// gradient norms, the reference log-probs and the base fingerprint are the same. On every
+/// device present (cuda:0 in scripts/gpu-check.sh).
 #[test]
 fn stage_3_with_lora_trains_the_adapters_as_one_unsharded_model() {
     for device in common::devices() {
@@ -152,19 +150,25 @@ fn lora_exactness_on(device: &Device) {
         ..o
     };
     let all = rlhf_model::lora::LINEAR_MODULES;
-    for (what, cfg, o) in [
+    let attention = &["q_proj", "k_proj", "v_proj", "o_proj"];
+    for (what, src, o) in [
         (
             "llama policy",
-            tiny_config(Family::Llama),
+            tiny_config(Family::Llama).into(),
             on(opts(ModelKind::CausalLm, all)),
         ),
         (
             "qwen2 critic",
-            tiny_config(Family::Qwen2),
+            tiny_config(Family::Qwen2).into(),
             on(opts(ModelKind::Value, &["q_proj", "v_proj"])),
         ),
+        (
+            "qwen3 policy",
+            Source::Dir(fixture("tiny-qwen3")),
+            on(opts(ModelKind::CausalLm, attention)),
+        ),
     ] {
-        let (want, init) = unsharded(&cfg, &o);
+        let (want, init) = unsharded(&src, &o);
         let (moved, _) = max_diff(&want.weights, &init);
         assert!(
             moved > 5e-3,
@@ -177,7 +181,7 @@ fn lora_exactness_on(device: &Device) {
             "{what}: only adapters and the head train"
         );
         for world in [1, 2, 4] {
-            for (rank, run) in sharded(&cfg, &o, world, &init).iter().enumerate() {
+            for (rank, run) in sharded(&src, &o, world, &init).iter().enumerate() {
                 let at = format!("{what} on {device:?}, rank {rank} of {world}");
                 let (d, name) = max_diff(&run.weights, &want.weights);
                 assert!(d < 1e-4, "{at}: {d} off at {name}");
@@ -241,7 +245,7 @@ fn a_saved_adapter_restores_into_the_pieces_of_a_sharded_model() {
                 want.clone(),
             );
             std::thread::spawn(move || {
-                let (model, z) = sharded_model(&cfg, &o, comm);
+                let (model, z) = sharded_model(&cfg.into(), &o, comm);
                 let before = host(z.gather_all_host().unwrap());
                 let err = model.load_adapter(&other).unwrap_err().to_string();
                 assert!(err.contains("another base model"), "{err}");
@@ -314,7 +318,7 @@ fn stage_3_with_lora_in_bf16_keeps_a_bf16_base_and_computes_what_one_unsharded_m
         .map(|(rank, comm)| {
             let (cfg, o) = (cfg.clone(), o.clone());
             std::thread::spawn(move || {
-                let (model, z) = sharded_model(&cfg, &o, comm);
+                let (model, z) = sharded_model(&cfg.into(), &o, comm);
                 assert_eq!(z.wire_dtype(), rlhf_model::DType::BF16);
                 for (name, piece) in model.params().vars() {
                     let want = if model.params().is_base(&name) {

@@ -1,11 +1,40 @@
-//! What the ZeRO-3 tests share: a TCP group of ranks on threads, a batch whose rows the
-//! ranks split, the loss each rank computes as its share of the whole batch's, the AdamW
-//! they step, and the comparison of the weights they end with.
+//! What the ZeRO-3 tests share: what the ranks load (random weights or a committed
+//! checkpoint), a TCP group of ranks on threads, a batch whose rows the ranks split, the loss
+//! each rank computes as its share of the whole batch's, the AdamW they step, and the
+//! comparison of the weights they end with.
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 
 use rlhf_collective::{CommConfig, TcpCommunicator};
-use rlhf_model::{AdamW, AdamWConfig, Batch, DType, Device, Gradients, Model, ModelKind, Tensor};
+use rlhf_model::{
+    AdamW, AdamWConfig, Batch, Config, DType, Device, Gradients, LoadOptions, Model, ModelKind,
+    Tensor,
+};
+
+/// What every rank (and the unsharded model) loads: random weights for a config (seeded by
+/// the options), or a checkpoint directory such as tests/fixtures/tiny-qwen3.
+#[derive(Clone)]
+pub enum Source {
+    Random(Box<Config>),
+    Dir(PathBuf),
+}
+
+impl Source {
+    pub fn model(&self, o: &LoadOptions) -> Model {
+        match self {
+            Source::Random(cfg) => Model::random(cfg, o),
+            Source::Dir(dir) => Model::load(dir, o),
+        }
+        .unwrap()
+    }
+}
+
+impl From<Config> for Source {
+    fn from(cfg: Config) -> Self {
+        Source::Random(Box::new(cfg))
+    }
+}
 
 /// `n` connected TCP communicators, rank order.
 pub fn group(n: usize) -> Vec<TcpCommunicator> {
