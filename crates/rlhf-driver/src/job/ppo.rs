@@ -107,7 +107,7 @@ impl Algorithm for Ppo {
         timing.insert(metric::TIMING_S_REF.into(), t_ref);
         timing.insert(metric::TIMING_S_VALUES.into(), t_val);
         let scored = match (scores?, pre_scored) {
-            (Some(resp), _) => Scored::new(cfg, &ro, resp, t_score),
+            (Some(resp), _) => Scored::new(cfg, &ro, resp, t_score)?,
             (None, Some(s)) => s,
             (None, None) => {
                 return Err(Failed::Other(Error::internal(
@@ -146,12 +146,6 @@ impl Algorithm for Ppo {
             None => None,
         };
         let scores = scored.scores.clone();
-        if scores.len() != rows {
-            return Err(Failed::Other(Error::internal(format!(
-                "reward ComputeScores answered {} scores for {rows} rows",
-                scores.len()
-            ))));
-        }
         if let Some(i) = scores.iter().position(|s| !s.is_finite()) {
             return Err(Failed::Other(Error::invalid(format!(
                 "reward returned a non-finite score ({}) for row {i} at step {step}",

@@ -104,7 +104,20 @@ pub(super) struct FilterCounts {
 
 impl Scored {
     /// The reward's answer for `ro`, with DAPO's overlong penalty added per row.
-    pub(super) fn new(cfg: &PpoConfig, ro: &Rollout, resp: ScoresResponse, secs: f64) -> Self {
+    pub(super) fn new(
+        cfg: &PpoConfig,
+        ro: &Rollout,
+        resp: ScoresResponse,
+        secs: f64,
+    ) -> Result<Self> {
+        let rows = ro.rows;
+        if resp.scores.len() != rows || resp.verdicts.as_ref().is_some_and(|v| v.len() != rows) {
+            return Err(Error::internal(format!(
+                "reward ComputeScores answered {} scores ({} verdicts) for {rows} rows",
+                resp.scores.len(),
+                resp.verdicts.as_ref().map_or(0, Vec::len)
+            )));
+        }
         let max_len = cfg.actor_rollout.max_response_length as usize;
         let ob = &cfg.algorithm.overlong_buffer;
         let mut scores = resp.scores;
@@ -120,13 +133,13 @@ impl Scored {
             overlong.push(p);
             *s += p as f32;
         }
-        Self {
+        Ok(Self {
             overlong,
             scores,
             verdicts: resp.verdicts,
             secs,
             filter: None,
-        }
+        })
     }
 
     /// `reward/*` and `rollout/*` metrics of these scores.
@@ -319,7 +332,7 @@ impl RolloutSource<'_> {
                 .reward
                 .call_split(&scores_request(&ro), self.opts.call_timeout)
                 .await?;
-            let sc = Scored::new(cfg, &ro, resp, t.elapsed().as_secs_f64());
+            let sc = Scored::new(cfg, &ro, resp, t.elapsed().as_secs_f64())?;
             let metric: Vec<f32> = match (ds.metric, &sc.verdicts) {
                 (FilterMetric::Score, _) => sc.scores.clone(),
                 (FilterMetric::Accuracy, Some(v)) => v
@@ -328,7 +341,7 @@ impl RolloutSource<'_> {
                     .collect(),
                 (FilterMetric::Accuracy, None) => {
                     return Err(Failed::Other(Error::invalid(
-                        "algorithm.dynamic_sampling.metric is accuracy but the reward gave no                          right/wrong verdicts (only reward.rule math and exact_match do); use                          metric score",
+                        "algorithm.dynamic_sampling.metric is accuracy but the reward gave no right/wrong verdicts (only reward.rule math and exact_match do); use metric score",
                     )))
                 }
             };
@@ -571,4 +584,81 @@ fn assemble(
     }
     out.scored = Some(scored);
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A round of `groups` groups of `n` rows whose every value tells part and row apart.
+    fn part(p: usize, groups: usize, n: usize) -> (Rollout, Scored) {
+        let rows = groups * n;
+        let tag = |row: usize| (p * 100 + row) as i64;
+        let ids: Vec<i64> = (0..rows).flat_map(|r| [tag(r), tag(r) + 1]).collect();
+        let ro = Rollout {
+            rows,
+            r: 1,
+            seq: Sequences {
+                input_ids: Mat::new(rows, 2, ids).unwrap(),
+                attention_mask: Mat::filled(rows, 2, 1),
+                response_len: 1,
+            },
+            response_mask: Mat::filled(rows, 1, 1.0),
+            behaviour: Some((
+                Mat::new(rows, 1, (0..rows).map(|r| -(tag(r) as f32)).collect()).unwrap(),
+                vec![p as u64; rows],
+            )),
+            prompt_text: (0..rows).map(|r| format!("p{p}r{r}")).collect(),
+            response_text: (0..rows).map(|r| format!("resp{p}.{r}")).collect(),
+            ground_truth: (p == 1).then(|| (0..rows).map(|r| Some(r.to_string())).collect()),
+            has_eos: (0..rows).map(|r| r % 2 == 0).collect(),
+            group_ids: (0..rows).map(|r| r / n).collect(),
+            tokens: rows * 2,
+            cursor: DataCursor::default(),
+            gen_s: 1.0,
+            probe: Probe::None,
+            scored: None,
+        };
+        let sc = Scored {
+            scores: (0..rows).map(|r| tag(r) as f32).collect(),
+            verdicts: Some(vec![Verdict::Wrong; rows]),
+            overlong: vec![-(p as f64); rows],
+            secs: 0.5,
+            filter: None,
+        };
+        (ro, sc)
+    }
+
+    #[test]
+    fn kept_groups_of_several_rounds_make_one_batch_in_order() {
+        let n = 2;
+        let parts = vec![part(0, 3, n), part(1, 3, n)];
+        // Group 2 of round 1, then group 0 of round 0.
+        let counts = FilterCounts {
+            gen_batches: 2,
+            filtered_groups: 4,
+            ..FilterCounts::default()
+        };
+        let ro = assemble(parts, &[(1, 2), (0, 0)], n, DataCursor::default(), counts).unwrap();
+        assert_eq!(ro.rows, 4);
+        assert_eq!(ro.seq.input_ids.data, vec![104, 105, 105, 106, 0, 1, 1, 2]);
+        assert_eq!(ro.prompt_text, vec!["p1r4", "p1r5", "p0r0", "p0r1"]);
+        assert_eq!(ro.group_ids, vec![0, 0, 1, 1]);
+        assert_eq!(ro.has_eos, vec![true, false, true, false]);
+        let (lp, versions) = ro.behaviour.as_ref().unwrap();
+        assert_eq!(lp.data, vec![-104.0, -105.0, -0.0, -1.0]);
+        assert_eq!(versions, &vec![1, 1, 0, 0]);
+        // Round 0 had no ground truth column: its rows get none.
+        assert_eq!(
+            ro.ground_truth,
+            Some(vec![Some("4".into()), Some("5".into()), None, None])
+        );
+        let sc = ro.scored.as_ref().unwrap();
+        assert_eq!(sc.scores, vec![104.0, 105.0, 0.0, 1.0]);
+        assert_eq!(sc.overlong, vec![-1.0, -1.0, 0.0, 0.0]);
+        assert_eq!(sc.secs, 1.0);
+        assert_eq!(ro.gen_s, 2.0);
+        assert_eq!(sc.filter, Some(counts));
+        assert_eq!(ro.tokens, 8);
+    }
 }
