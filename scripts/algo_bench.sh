@@ -15,11 +15,13 @@ ROUNDS="${ROUNDS:-3}"
 ratio() { python3 -c "import sys; print(f'{float(sys.argv[2]) / float(sys.argv[1]):.2f}')" "$1" "$2"; }
 
 cargo build --release -p rlhf-algo --example algo_bench >&2
+# The binaries this build just made, wherever CARGO_TARGET_DIR puts them.
+rel="${CARGO_TARGET_DIR:-target}/release"
 r_default=()
 r_single=()
 for round in $(seq 1 "$ROUNDS"); do
     echo "== round $round"
-    rust_out="$("$ROOT/target/release/examples/algo_bench" "$@")"
+    rust_out="$("$rel/examples/algo_bench" "$@")"
     torch_out="$(python3 "$ROOT/scripts/algo_bench.py" "$@")"
     torch1_out="$(python3 "$ROOT/scripts/algo_bench.py" --threads 1 "$@")"
     printf '%s\n%s\n%s\n' "$rust_out" "$torch_out" "$torch1_out"

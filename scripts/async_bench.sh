@@ -15,6 +15,8 @@ cd "$(dirname "$0")/.."
 steps=${1:-30}
 rounds=${2:-2}
 cargo build --release --workspace --bins
+# The binaries this build just made, wherever CARGO_TARGET_DIR puts them.
+rel="${CARGO_TARGET_DIR:-target}/release"
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 export RAYON_NUM_THREADS=1
@@ -29,7 +31,7 @@ for r in $(seq 1 "$rounds"); do
   for m in "${modes[@]}"; do
     extra=(actor_rollout.async.mode="$m")
     [ "$m" = bounded ] && extra+=(actor_rollout.async.max_staleness=2)
-    target/release/rlhf-head run --config-name ppo_tiny "${common[@]}" "${extra[@]}" \
+    "$rel"/rlhf-head run --config-name ppo_tiny "${common[@]}" "${extra[@]}" \
       "checkpoint.dir=$out/ckpt" "logging.metrics_file=$out/$m.$r.jsonl" \
       "logging.samples_file=$out/samples.jsonl" >"$out/run.log" 2>&1 ||
       { cat "$out/run.log"; exit 1; }

@@ -13,6 +13,8 @@ cd "$(dirname "$0")/.."
 steps=${1:-30}
 rounds=${2:-3}
 cargo build --release --workspace --bins
+# The binaries this build just made, wherever CARGO_TARGET_DIR puts them.
+rel="${CARGO_TARGET_DIR:-target}/release"
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 
@@ -24,7 +26,7 @@ for r in $(seq 1 "$rounds"); do
     memory=false
     [ "$v" = "$every" ] || memory=true
     rm -rf "$out/ckpt"
-    target/release/rlhf-head run --config-name ppo_tiny "${common[@]}" \
+    "$rel"/rlhf-head run --config-name ppo_tiny "${common[@]}" \
       "checkpoint.save_steps=$every" "checkpoint.dir=$out/ckpt" \
       "checkpoint.memory_snapshot=$memory" \
       "logging.metrics_file=$out/$v.$r.jsonl" "logging.samples_file=$out/samples.jsonl" \

@@ -16,7 +16,9 @@ STEPS="${STEPS:-30}"
 SFT_STEPS="${SFT_STEPS:-8}"
 PPO_STEPS="${PPO_STEPS:-40}"
 cargo build --release -p rlhf-head -p rlhf-worker
-head_bin=target/release/rlhf-head
+# The binaries this build just made, wherever CARGO_TARGET_DIR puts them.
+rel="${CARGO_TARGET_DIR:-target}/release"
+head_bin="$rel"/rlhf-head
 rm -rf "$OUT"
 mkdir -p "$OUT"
 

@@ -7,4 +7,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release -p rlhf-head -p rlhf-worker
-exec target/release/rlhf-head run --config-name ppo_tiny "$@"
+# The binaries this build just made, wherever CARGO_TARGET_DIR puts them.
+rel="${CARGO_TARGET_DIR:-target}/release"
+exec "$rel"/rlhf-head run --config-name ppo_tiny "$@"

@@ -10,11 +10,13 @@ steps=${1:-20}
 # One build of the whole workspace (binaries and examples) so that every piece is compiled
 # once with the same unified features; per-package builds would compile shared crates again.
 cargo build --release --workspace --bins --examples
+# The binaries this build just made, wherever CARGO_TARGET_DIR puts them.
+rel="${CARGO_TARGET_DIR:-target}/release"
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 
 echo "== PPO step breakdown: ppo_tiny, $steps steps (embedded head + worker, 5 role processes)"
-target/release/rlhf-head run --config-name ppo_tiny "training.train_iters=$steps" \
+"$rel"/rlhf-head run --config-name ppo_tiny "training.train_iters=$steps" \
   checkpoint.save_steps=0 logging.progress=false logging.sample_every=0 \
   "checkpoint.dir=$out/ckpt" "logging.metrics_file=$out/metrics.jsonl" \
   "logging.samples_file=$out/samples.jsonl" >"$out/run.log" 2>&1 || { cat "$out/run.log"; exit 1; }
@@ -35,7 +37,7 @@ PY
 
 echo
 echo "== experience-batch transfer to an actor process vs raw TCP copy"
-target/release/examples/transfer_bench --sizes 64,256 --reps 3
+"$rel"/examples/transfer_bench --sizes 64,256 --reps 3
 echo
 echo "== weight sync (bucketed broadcast) and collectives vs raw TCP copy"
-target/release/examples/collective_bench --sizes-mib 64,256 --iters 3
+"$rel"/examples/collective_bench --sizes-mib 64,256 --iters 3

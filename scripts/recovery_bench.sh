@@ -14,10 +14,12 @@ backoff=${2:-1}
 memory=false
 [ "${MEMORY:-0}" = 0 ] || memory=true
 cargo build --release --workspace --bins
+# The binaries this build just made, wherever CARGO_TARGET_DIR puts them.
+rel="${CARGO_TARGET_DIR:-target}/release"
 out=$(mktemp -d)
 trap 'kill "$run_pid" 2>/dev/null || true; rm -rf "$out"' EXIT
 # Not a TTY: one progress line per step.
-target/release/rlhf-head run --config-name ppo_tiny training.train_iters=20 \
+"$rel"/rlhf-head run --config-name ppo_tiny training.train_iters=20 \
   checkpoint.save_steps=2 "fault_tolerance.restart_backoff_s=$backoff" \
   "checkpoint.memory_snapshot=$memory" \
   "checkpoint.dir=$out/ckpt" "logging.metrics_file=$out/metrics.jsonl" \

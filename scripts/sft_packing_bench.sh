@@ -10,6 +10,8 @@ cd "$(dirname "$0")/.."
 steps=${1:-20}
 rounds=${2:-3}
 cargo build --release --workspace --bins
+# The binaries this build just made, wherever CARGO_TARGET_DIR puts them.
+rel="${CARGO_TARGET_DIR:-target}/release"
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 
@@ -17,7 +19,7 @@ common=(training.train_iters="$steps" logging.progress=false checkpoint.save_ste
   training.global_batch_size=8 training.micro_batch_size=8)
 for r in $(seq 1 "$rounds"); do
   for packing in false true; do
-    target/release/rlhf-head run --config-name sft_tiny "${common[@]}" \
+    "$rel"/rlhf-head run --config-name sft_tiny "${common[@]}" \
       "data.packing=$packing" "checkpoint.dir=$out/ckpt" \
       "logging.metrics_file=$out/$packing.$r.jsonl" "logging.samples_file=$out/samples.jsonl" \
       >"$out/run.log" 2>&1 || { cat "$out/run.log"; exit 1; }

@@ -17,6 +17,8 @@ cd "$(dirname "$0")/.."
 steps=${1:-6}
 rounds=${2:-2}
 cargo build --release --workspace --bins
+# The binaries this build just made, wherever CARGO_TARGET_DIR puts them.
+rel="${CARGO_TARGET_DIR:-target}/release"
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 
@@ -88,7 +90,7 @@ with open(sys.argv[1], "w") as log:
     rc = subprocess.run(sys.argv[3:], stdout=log, stderr=subprocess.STDOUT).returncode
 open(sys.argv[2], "w").write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss))
 sys.exit(rc)' "$out/run.log" "$out/$model.$v.$r.rss" \
-        target/release/rlhf-head run --config-name sft_tiny "${common[@]}" $(args_of "$v") \
+        "$rel"/rlhf-head run --config-name sft_tiny "${common[@]}" $(args_of "$v") \
         "checkpoint.dir=$out/ckpt" "logging.metrics_file=$out/$model.$v.$r.jsonl" \
         "logging.samples_file=$out/samples.jsonl" || { cat "$out/run.log"; exit 1; }
     done
