@@ -240,6 +240,32 @@ pub enum BadRows {
     Fail,
 }
 
+/// A chat template variable's value (`data.chat_template_kwargs`): a scalar, what templates
+/// test (`enable_thinking is false`) or print.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum TemplateValue {
+    Bool(bool),
+    Int(i64),
+    Float(f64),
+    Str(String),
+}
+
+impl From<&TemplateValue> for serde_json::Value {
+    fn from(v: &TemplateValue) -> Self {
+        match v {
+            TemplateValue::Bool(b) => (*b).into(),
+            TemplateValue::Int(i) => (*i).into(),
+            TemplateValue::Float(f) => (*f).into(),
+            TemplateValue::Str(s) => s.as_str().into(),
+        }
+    }
+}
+
+/// Names `data.chat_template_kwargs` cannot set: the renderer sets them itself.
+pub const RESERVED_CHAT_TEMPLATE_KWARGS: &[&str] =
+    &["messages", "add_generation_prompt", "tools", "documents"];
+
 /// Prompt dataset (`data.*`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -264,6 +290,9 @@ pub struct DataConfig {
     pub margin_key: Option<String>,
     /// Render prompts with the model's chat template.
     pub apply_chat_template: bool,
+    /// Extra chat template variables, as transformers' `apply_chat_template(**kwargs)`
+    /// (Qwen3's `enable_thinking: false`); scalars only, checked at load.
+    pub chat_template_kwargs: BTreeMap<String, TemplateValue>,
     /// truncate or skip prompts longer than `actor_rollout.max_prompt_length`.
     pub max_prompt_length_policy: PromptOverflow,
     /// Reshuffle the prompts every epoch.
@@ -296,6 +325,7 @@ impl Default for DataConfig {
             rejected_key: "rejected".into(),
             margin_key: None,
             apply_chat_template: false,
+            chat_template_kwargs: BTreeMap::new(),
             max_prompt_length_policy: PromptOverflow::Truncate,
             shuffle: true,
             seed: None,
@@ -304,6 +334,16 @@ impl Default for DataConfig {
             eval_every: 10,
             packing: false,
         }
+    }
+}
+
+impl DataConfig {
+    /// `chat_template_kwargs` as the tokenizer's extra template variables.
+    pub fn chat_template_vars(&self) -> serde_json::Map<String, serde_json::Value> {
+        self.chat_template_kwargs
+            .iter()
+            .map(|(k, v)| (k.clone(), v.into()))
+            .collect()
     }
 }
 

@@ -130,6 +130,7 @@ pub const KEY_DOCS: &[(&str, &str)] = &[
     ("data.rejected_key", "trainer reward / dpo: column with the dispreferred answer; without a prompt column, two chats' shared leading turns are the prompt."),
     ("data.margin_key", "trainer reward: column with a per-pair margin the chosen score must clear (null = none)."),
     ("data.apply_chat_template", "Render prompts with the model's chat template (always for messages)."),
+    ("data.chat_template_kwargs", "Extra chat template variables, as transformers' apply_chat_template(**kwargs), e.g. {enable_thinking: false} for Qwen3 (an empty think block closes the prompt); booleans, numbers or strings; an override sets one: data.chat_template_kwargs.enable_thinking=false."),
     ("data.max_prompt_length_policy", "Prompts over actor_rollout.max_prompt_length: truncate (keep the last tokens) or skip."),
     ("data.shuffle", "Reshuffle the prompts every epoch."),
     ("data.seed", "Shuffle seed (null = training.seed)."),

@@ -46,8 +46,8 @@ pub use asynchrony::{AsyncConfig, AsyncMode};
 pub use config::{
     ActorRolloutConfig, BadRows, CheckpointConfig, CriticConfig, DataConfig, DataFormat,
     DefaultsEntry, DeviceKind, LogBackend, LoggingConfig, LrDecayStyle, OneOrMany, PpoConfig,
-    PromptOverflow, RefConfig, ResourcePool, RewardConfig, RewardKind, RoleKind, TrainerKind,
-    TrainingConfig, TrainingOverrides,
+    PromptOverflow, RefConfig, ResourcePool, RewardConfig, RewardKind, RoleKind, TemplateValue,
+    TrainerKind, TrainingConfig, TrainingOverrides, RESERVED_CHAT_TEMPLATE_KWARGS,
 };
 pub use error::{ConfigError, Result};
 pub use fault::FaultToleranceConfig;

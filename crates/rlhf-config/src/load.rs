@@ -11,7 +11,9 @@ use std::path::{Path, PathBuf};
 use serde::de::DeserializeOwned;
 use serde_norway::{Mapping, Value};
 
-use crate::config::{DefaultsEntry, PpoConfig, RoleKind, TrainingConfig};
+use crate::config::{
+    DefaultsEntry, PpoConfig, RoleKind, TrainingConfig, RESERVED_CHAT_TEMPLATE_KWARGS,
+};
 use crate::error::{ConfigError, Result};
 use crate::model::ModelConfig;
 
@@ -280,6 +282,45 @@ fn key_str(k: &Value) -> String {
     }
 }
 
+/// The key whose mapping holds names of the user's choosing (chat template variables),
+/// checked by [`check_template_var`] instead of against the schema's names.
+const TEMPLATE_VARS_KEY: &str = "data.chat_template_kwargs";
+
+fn is_template_vars(path: &[String]) -> bool {
+    path.join(".") == TEMPLATE_VARS_KEY
+}
+
+/// One entry of `data.chat_template_kwargs` (`path` ends with its name): a scalar, under a
+/// name the renderer does not set itself.
+fn check_template_var(path: &[String], value: &Value, origin: &str, text: &str) -> Result<()> {
+    let name = path.last().map(String::as_str).unwrap_or_default();
+    let bad = |expected: String, got: String| ConfigError::BadValue {
+        origin: origin.into(),
+        key: path.join("."),
+        line: find_key_line(text, path),
+        expected,
+        got,
+    };
+    if RESERVED_CHAT_TEMPLATE_KWARGS.contains(&name) {
+        return Err(bad(
+            format!(
+                "a variable other than {} (the renderer sets those itself)",
+                RESERVED_CHAT_TEMPLATE_KWARGS.join(", ")
+            ),
+            format!("the reserved name '{name}'"),
+        ));
+    }
+    match value {
+        Value::Bool(_) | Value::Number(_) | Value::String(_) => Ok(()),
+        other => Err(bad(
+            "a boolean, number or string, passed to the chat template as a variable \
+             (e.g. enable_thinking: false)"
+                .into(),
+            format!("{} ({})", kind_name(other), short(other)),
+        )),
+    }
+}
+
 /// Walks `value` against `schema`: unknown keys and scalar kinds that can
 /// never deserialize are reported with the full path and the line.
 fn check_keys(
@@ -291,6 +332,14 @@ fn check_keys(
     text: &str,
 ) -> Result<()> {
     match (value, schema) {
+        (Value::Mapping(vm), Value::Mapping(_)) if is_template_vars(path) => {
+            for (k, v) in vm {
+                path.push(key_str(k));
+                check_template_var(path, v, origin, text)?;
+                path.pop();
+            }
+            Ok(())
+        }
         (Value::Mapping(vm), Value::Mapping(sm)) => {
             for (k, v) in vm {
                 let key = key_str(k);
@@ -476,6 +525,20 @@ fn apply_override(root: &mut Value, schema: &Value, text: &str) -> Result<()> {
     // Walk the schema first so a typo is reported before anything changes.
     let mut s = schema;
     for (i, seg) in segs.iter().enumerate() {
+        if is_template_vars(&segs[..i]) {
+            // A chat template variable by name: data.chat_template_kwargs.enable_thinking=false.
+            if i + 1 != segs.len() {
+                return Err(ConfigError::BadOverride {
+                    text: text.into(),
+                    reason: format!(
+                        "{TEMPLATE_VARS_KEY} holds scalars by name; write {TEMPLATE_VARS_KEY}.NAME=value"
+                    ),
+                });
+            }
+            check_template_var(&segs, &value, &origin, "")?;
+            set_path(root, &segs, value);
+            return Ok(());
+        }
         let next = s.as_mapping().and_then(|m| m.get(seg.as_str()));
         match next {
             Some(n) => s = n,
