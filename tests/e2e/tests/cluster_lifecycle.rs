@@ -15,7 +15,10 @@ use common::*;
 
 #[test]
 fn restarted_head_gets_its_state_back_and_workers_reregister() -> Result<()> {
-    let mut c = Cluster::start(&["--dead-after-ms", "2000", "--heartbeat-ms", "200"])?;
+    // The threshold leaves the workers time to register again: while the head was down their
+    // retry delay doubled, and a node not back within it would be declared dead (with its
+    // actor) by the restarted head.
+    let mut c = Cluster::start(&["--dead-after-ms", "10000", "--heartbeat-ms", "200"])?;
     c.add_worker(r#"{"GPU": 2}"#)?;
     c.add_worker(r#"{"GPU": 2}"#)?;
     c.wait_alive_nodes(2, Duration::from_secs(30))?;

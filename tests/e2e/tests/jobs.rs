@@ -513,8 +513,14 @@ fn a_job_outlives_a_head_restart_and_ends_succeeded() -> Result<()> {
     let during = steps();
     std::thread::sleep(Duration::from_millis(500));
     c.start_head()?;
+    // The driver needs no head to train: on a fast machine the last steps may finish while
+    // the head is down, and the restarted head must then learn the end from the driver.
     let j = job_json(&c, &id)?;
-    assert_eq!(j["state"], "RUNNING", "{j}");
+    assert!(
+        matches!(j["state"].as_str(), Some("RUNNING" | "SUCCEEDED")),
+        "{j}"
+    );
+    assert!(during < 10, "the head died after the last step: {during}");
     let end = wait_job_end(&c, &id)?;
     assert_eq!(end["state"], "SUCCEEDED", "{end}");
     assert_eq!(steps(), 10, "steps before the head died: {during}");

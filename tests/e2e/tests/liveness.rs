@@ -14,7 +14,8 @@ use rlhf_e2e::{wait_for, Cluster};
 #[test]
 fn a_stalled_worker_is_marked_dead_then_told_to_register_again() -> Result<()> {
     for udp in [true, false] {
-        let mut head = vec!["--dead-after-ms", "1500", "--heartbeat-ms", "200"];
+        // 15 beats per threshold: a loaded 2-core machine does not miss that many by chance.
+        let mut head = vec!["--dead-after-ms", "3000", "--heartbeat-ms", "200"];
         if !udp {
             head.push("--no-udp-heartbeats");
         }
@@ -30,8 +31,8 @@ fn a_stalled_worker_is_marked_dead_then_told_to_register_again() -> Result<()> {
                 .find(|n| n["node_id"] == id.as_str())
                 .map(|n| n["state"].as_str().unwrap_or("").to_string())
         };
-        // Alive on its beats for several thresholds first.
-        std::thread::sleep(Duration::from_secs(4));
+        // Alive on its beats for two thresholds first.
+        std::thread::sleep(Duration::from_secs(6));
         assert_eq!(state(&c.status()?).as_deref(), Some("ALIVE"), "udp {udp}");
         c.workers[0].signal(Signal::SIGSTOP);
         wait_for(Duration::from_secs(30), "stalled node marked dead", || {

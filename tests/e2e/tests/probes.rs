@@ -171,23 +171,36 @@ fn raw_sockets_get_nothing_of_value_and_the_job_finishes() -> Result<()> {
             (0..4096u32).map(|i| (i * 7919 % 251) as u8).collect(),
         ),
     ];
-    for port in &ports {
-        for (what, payload) in &payloads {
-            let got = probe(*port, payload);
-            // A protocol greeting (HTTP/2 SETTINGS), a refusal or nothing: no weights, no
-            // batches, no status beyond the public shape.
-            assert!(
-                got.len() < 1024,
-                "port {port}, {what}: {} bytes came back: {:?}",
-                got.len(),
-                String::from_utf8_lossy(&got[..got.len().min(200)])
-            );
-            let text = String::from_utf8_lossy(&got);
-            assert!(
-                !text.contains("\"actors\":[") && !text.contains("log_tail"),
-                "port {port}, {what}: {text}"
-            );
-        }
+    // Every probe at once: each may wait out its 1 s read timeout, and one after another
+    // they could outlast the job, whose running is what makes them meaningful.
+    let results: Vec<(u16, &str, Vec<u8>)> = std::thread::scope(|scope| {
+        let handles: Vec<_> = ports
+            .iter()
+            .flat_map(|&port| {
+                payloads.iter().map(move |(what, payload)| {
+                    scope.spawn(move || (port, *what, probe(port, payload)))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().expect("a probe thread panicked"))
+            .collect()
+    });
+    for (port, what, got) in &results {
+        // A protocol greeting (HTTP/2 SETTINGS), a refusal or nothing: no weights, no
+        // batches, no status beyond the public shape.
+        assert!(
+            got.len() < 1024,
+            "port {port}, {what}: {} bytes came back: {:?}",
+            got.len(),
+            String::from_utf8_lossy(&got[..got.len().min(200)])
+        );
+        let text = String::from_utf8_lossy(&got);
+        assert!(
+            !text.contains("\"actors\":[") && !text.contains("log_tail"),
+            "port {port}, {what}: {text}"
+        );
     }
 
     assert!(

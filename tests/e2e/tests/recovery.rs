@@ -202,9 +202,17 @@ fn same_as_straight(straight: &Path, out: &Path) -> Result<()> {
     );
     let steps: Vec<u64> = b.iter().filter_map(|l| l["step"].as_u64()).collect();
     assert_eq!(steps, (1..=STEPS).collect::<Vec<_>>());
+    // zip stops at the shorter side: both runs must have logged every step.
+    assert_eq!(a.len(), b.len(), "uninterrupted and recovered step counts");
     for (x, y) in a.iter().zip(&b) {
         let (cx, cy) = (comparable(x), comparable(y));
-        assert_eq!(cx.len(), cy.len(), "step {}: metric sets differ", x["step"]);
+        let names = |c: &[(String, f64)]| c.iter().map(|(k, _)| k.clone()).collect::<Vec<_>>();
+        assert_eq!(
+            names(&cx),
+            names(&cy),
+            "step {}: metric sets differ",
+            x["step"]
+        );
         for ((k, u), (_, v)) in cx.iter().zip(&cy) {
             assert!(
                 (u - v).abs() <= 1e-4 * u.abs().max(1e-6),
@@ -419,8 +427,17 @@ fn a_killed_dpo_trainer_is_restarted_with_the_same_metrics() -> Result<()> {
     );
     let steps: Vec<u64> = b.iter().filter_map(|l| l["step"].as_u64()).collect();
     assert_eq!(steps, (1..=8).collect::<Vec<_>>());
+    assert_eq!(a.len(), b.len(), "uninterrupted and recovered step counts");
     for (x, y) in a.iter().zip(&b) {
-        for ((k, u), (_, v)) in comparable(x).iter().zip(&comparable(y)) {
+        let (cx, cy) = (comparable(x), comparable(y));
+        let names = |c: &[(String, f64)]| c.iter().map(|(k, _)| k.clone()).collect::<Vec<_>>();
+        assert_eq!(
+            names(&cx),
+            names(&cy),
+            "step {}: metric sets differ",
+            x["step"]
+        );
+        for ((k, u), (_, v)) in cx.iter().zip(&cy) {
             assert!(
                 (u - v).abs() <= 1e-4 * u.abs().max(1e-6),
                 "step {}: {k} uninterrupted {u} vs recovered {v}",
