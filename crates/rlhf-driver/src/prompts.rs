@@ -37,17 +37,19 @@ fn to_chat(msgs: &[rlhf_config::data::ChatMessage]) -> Vec<ChatMessage> {
         .collect()
 }
 
-/// Loads `data.path`, tokenizes every prompt (through the chat template when asked or when
-/// the row holds messages) and applies `data.max_prompt_length_policy`.
+/// Loads `data.path`, tokenizes every prompt (through the chat template, with
+/// `data.chat_template_kwargs`, when asked or when the row holds messages) and applies
+/// `data.max_prompt_length_policy`.
 pub fn load(cfg: &PpoConfig, tok: &Tokenizer) -> Result<Prompts> {
     let ds = PromptDataset::load(&cfg.data).map_err(|e| Error::invalid(e.to_string()))?;
     let max_len = cfg.actor_rollout.max_prompt_length as usize;
+    let vars = cfg.data.chat_template_vars();
     let mut encoded = Vec::with_capacity(ds.records.len());
     for r in &ds.records {
         let (display, ids) = match &r.content {
             PromptContent::Text(t) if cfg.data.apply_chat_template => (
                 t.clone(),
-                tok.encode_chat(&[ChatMessage::user(t.clone())], true),
+                tok.encode_chat_with(&[ChatMessage::user(t.clone())], true, &vars),
             ),
             PromptContent::Text(t) => (t.clone(), tok.encode(t, true)),
             PromptContent::Messages(m) => (
@@ -56,7 +58,7 @@ pub fn load(cfg: &PpoConfig, tok: &Tokenizer) -> Result<Prompts> {
                     .find(|m| m.role == "user")
                     .map(|m| m.content.clone())
                     .unwrap_or_default(),
-                tok.encode_chat(&to_chat(m), true),
+                tok.encode_chat_with(&to_chat(m), true, &vars),
             ),
         };
         let ids = ids.map_err(|e| {
@@ -284,9 +286,64 @@ pub fn load_fixed_responses(path: &Path, vocab: usize) -> Result<FixedResponses>
     Ok(out)
 }
 
+/// The committed tiny tokenizer with Qwen3's chat template (rlhf-tokenizer's fixtures),
+/// written in `dir`: a template that reads `enable_thinking`.
+#[cfg(test)]
+pub(crate) fn qwen3_test_tokenizer(dir: &Path) -> Tokenizer {
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("../rlhf-tokenizer/tests/fixtures");
+    let src = fixtures.join("tokenizer");
+    std::fs::copy(src.join("tokenizer.json"), dir.join("tokenizer.json")).unwrap();
+    let cfg = std::fs::read_to_string(src.join("tokenizer_config.json")).unwrap();
+    let mut cfg: serde_json::Value = serde_json::from_str(&cfg).unwrap();
+    let template = std::fs::read_to_string(fixtures.join("qwen3_chat_template.jinja")).unwrap();
+    cfg["chat_template"] = serde_json::Value::String(template);
+    let cfg = serde_json::to_string(&cfg).unwrap();
+    std::fs::write(dir.join("tokenizer_config.json"), cfg).unwrap();
+    Tokenizer::from_dir(dir).unwrap()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `data.chat_template_kwargs` reaches the rendered prompts, text and messages alike:
+    /// with Qwen3's template and `enable_thinking: false` each ends with an empty think block
+    /// after the assistant header, without it with the header alone.
+    #[test]
+    fn chat_template_kwargs_reach_the_rendered_prompts() {
+        let dir = tempfile::tempdir().unwrap();
+        let tok = qwen3_test_tokenizer(dir.path());
+        let data = dir.path().join("prompts.jsonl");
+        std::fs::write(
+            &data,
+            "{\"prompt\": \"2+3=\"}\n{\"prompt\": [{\"role\": \"user\", \"content\": \"4+4=\"}]}\n",
+        )
+        .unwrap();
+        let mut cfg = PpoConfig::default();
+        cfg.data.path = data.display().to_string();
+        cfg.data.apply_chat_template = true;
+        let texts = |cfg: &PpoConfig| -> Vec<String> {
+            let p = super::load(cfg, &tok).unwrap();
+            assert_eq!(p.prompts.len(), 2);
+            p.prompts
+                .iter()
+                .map(|p| tok.decode(&p.ids, false).unwrap())
+                .collect()
+        };
+        for t in texts(&cfg) {
+            assert!(t.ends_with("=<|im_end|>\n<|im_start|>assistant\n"), "{t:?}");
+        }
+        cfg.data.chat_template_kwargs.insert(
+            "enable_thinking".into(),
+            rlhf_config::TemplateValue::Bool(false),
+        );
+        for t in texts(&cfg) {
+            assert!(
+                t.ends_with("=<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"),
+                "{t:?}"
+            );
+        }
+    }
 
     fn prompt(display: &str, ids: &[u32]) -> Prompt {
         Prompt {

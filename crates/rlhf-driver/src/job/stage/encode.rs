@@ -39,6 +39,8 @@ fn chat(msgs: &[DataMessage]) -> Vec<ChatMessage> {
 pub struct Encoder<'a> {
     pub tok: &'a Tokenizer,
     pub apply_chat_template: bool,
+    /// Extra chat template variables (`data.chat_template_kwargs`).
+    pub chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
     pub origin: &'a str,
 }
 
@@ -50,8 +52,11 @@ impl Encoder<'_> {
     /// The prompt of a text prompt: through the chat template as a user turn when asked.
     fn text_prompt(&self, row: usize, text: &str) -> Result<Vec<u32>> {
         let ids = if self.apply_chat_template {
-            self.tok
-                .encode_chat(&[ChatMessage::user(text.to_string())], true)
+            self.tok.encode_chat_with(
+                &[ChatMessage::user(text.to_string())],
+                true,
+                &self.chat_template_kwargs,
+            )
         } else {
             self.tok.encode(text, true)
         };
@@ -98,7 +103,7 @@ impl Encoder<'_> {
         let all = chat(msgs);
         let render = |n: usize, gen: bool| {
             self.tok
-                .encode_chat(&all[..n], gen)
+                .encode_chat_with(&all[..n], gen, &self.chat_template_kwargs)
                 .map_err(|e| self.fail(row, "cannot render the chat template", e))
         };
         let prompt = render(split, true)?;
@@ -363,6 +368,7 @@ mod tests {
         let enc = Encoder {
             tok: &t,
             apply_chat_template: true,
+            chat_template_kwargs: Default::default(),
             origin: "chat.jsonl",
         };
         let chat = vec![
@@ -404,12 +410,45 @@ mod tests {
         assert_eq!(trained_text(&t, &e), "8<|im_end|>\n");
     }
 
+    /// `data.chat_template_kwargs` reaches the stage's chats: with Qwen3's template and
+    /// `enable_thinking: false` the empty think block is part of the prompt (untrained), and
+    /// without it the template writes the block into the answer's turn, which trains it.
+    #[test]
+    fn chat_template_kwargs_decide_what_the_completion_trains() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = crate::prompts::qwen3_test_tokenizer(dir.path());
+        let ex = SftExample::Text {
+            prompt: "2+3=".into(),
+            completion: "5".into(),
+        };
+        let encode = |vars: &str| {
+            let enc = Encoder {
+                tok: &t,
+                apply_chat_template: true,
+                chat_template_kwargs: serde_json::from_str(vars).unwrap(),
+                origin: "sft.jsonl",
+            };
+            let e = enc.sft(1, &ex).unwrap();
+            (t.decode(&e.prompt, false).unwrap(), trained_text(&t, &e))
+        };
+        let (prompt, trained) = encode("{}");
+        assert!(prompt.ends_with("<|im_start|>assistant\n"), "{prompt:?}");
+        assert_eq!(trained, "<think>\n\n</think>\n\n5<|im_end|>\n");
+        let (prompt, trained) = encode(r#"{"enable_thinking": false}"#);
+        assert!(
+            prompt.ends_with("<|im_start|>assistant\n<think>\n\n</think>\n\n"),
+            "{prompt:?}"
+        );
+        assert_eq!(trained, "5<|im_end|>\n");
+    }
+
     #[test]
     fn text_rows_end_with_eos_and_pack_into_the_job_shapes() {
         let t = tok();
         let enc = Encoder {
             tok: &t,
             apply_chat_template: false,
+            chat_template_kwargs: Default::default(),
             origin: "sft.jsonl",
         };
         let ex = SftExample::Text {

@@ -124,6 +124,7 @@ fn load_eval(cfg: &PpoConfig, tok: &Tokenizer) -> Result<Option<Pairs>, Error> {
     let enc = Encoder {
         tok,
         apply_chat_template: cfg.data.apply_chat_template,
+        chat_template_kwargs: cfg.data.chat_template_vars(),
         origin: &ds.path,
     };
     encode_pairs(&enc, &ds).map(Some)
@@ -133,6 +134,7 @@ fn load_data(cfg: &PpoConfig, tok: &Tokenizer) -> Result<(Data, DatasetReport), 
     let enc = Encoder {
         tok,
         apply_chat_template: cfg.data.apply_chat_template,
+        chat_template_kwargs: cfg.data.chat_template_vars(),
         origin: &cfg.data.path,
     };
     let bad = |b: &[rlhf_config::data::BadRow]| {
