@@ -35,7 +35,89 @@ fn can_dlopen(name: &str) -> bool {
     true
 }
 
-/// Checks that the CUDA driver and an NCCL library cudarc can load are present.
+/// The soname of NCCL 2: the file the distribution's libnccl2 package and NVIDIA's
+/// `nvidia-nccl-cu*` wheels ship (only the -dev package adds the `libnccl.so` link), and
+/// the name a binary linked against NCCL records as needed.
+pub(crate) const NCCL_SONAME: &str = "libnccl.so.2";
+
+/// The names cudarc 0.19 tries, in order, when it loads NCCL at run time
+/// (`get_lib_name_candidates("nccl")` for the `cuda-13000` feature, duplicates removed).
+/// `libnccl.so.2` is not among them.
+pub(crate) const CUDARC_LOAD_NAMES: &[&str] = &[
+    "libnccl.so",
+    "libnccl64.so",
+    "libnccl64_13.so",
+    "libnccl64_130.so",
+    "libnccl64_130_0.so",
+    "libnccl64_10.so",
+    "libnccl64_11.so",
+    "libnccl64_12.so",
+    "libnccl64_9.so",
+    "libnccl.so.13",
+    "libnccl.so.12",
+    "libnccl.so.11",
+    "libnccl.so.10",
+    "libnccl.so.9",
+    "libnccl.so.1",
+];
+
+/// How this build reaches libnccl, which cudarc's build decides: with candle's `cuda`
+/// feature on, cudarc links NCCL (`-lnccl`, recorded as needing [`NCCL_SONAME`]); without
+/// it, cudarc `dlopen`s one of [`CUDARC_LOAD_NAMES`] on first use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum NcclLinkage {
+    /// NCCL's symbols are already in the process: the loader mapped the linked library
+    /// when the program started.
+    Linked,
+    /// cudarc will load NCCL by name.
+    Loaded,
+}
+
+impl NcclLinkage {
+    /// This process's linkage: `Linked` when `ncclGetUniqueId` already resolves in the
+    /// global scope (a cudarc that loads NCCL itself opens it `RTLD_LOCAL`, so its symbols
+    /// never show there).
+    fn of_this_process() -> Self {
+        // SAFETY: RTLD_DEFAULT is a valid pseudo-handle for dlsym and the name is a
+        // NUL-terminated literal; dlsym only looks the symbol up.
+        let sym = unsafe { libc::dlsym(libc::RTLD_DEFAULT, c"ncclGetUniqueId".as_ptr()) };
+        if sym.is_null() {
+            NcclLinkage::Loaded
+        } else {
+            NcclLinkage::Linked
+        }
+    }
+}
+
+/// The NCCL library this build will use, by name, or why there is none: `can_load` says
+/// whether a library name loads (`dlopen` in [`probe`]; file existence in tests).
+pub(crate) fn find_nccl(
+    linkage: NcclLinkage,
+    can_load: impl Fn(&str) -> bool,
+) -> std::result::Result<&'static str, String> {
+    let names: &[&'static str] = match linkage {
+        NcclLinkage::Linked => &[NCCL_SONAME, "libnccl.so"],
+        NcclLinkage::Loaded => CUDARC_LOAD_NAMES,
+    };
+    if let Some(found) = names.iter().find(|n| can_load(n)) {
+        return Ok(found);
+    }
+    if linkage == NcclLinkage::Loaded && can_load(NCCL_SONAME) {
+        return Err(format!(
+            "found {NCCL_SONAME} but this build loads NCCL at run time by the names \
+             {CUDARC_LOAD_NAMES:?}, which do not include it: build with the `cuda` feature \
+             (it links {NCCL_SONAME} directly), or in its directory run \
+             `ln -s {NCCL_SONAME} libnccl.so` and add that directory to LD_LIBRARY_PATH"
+        ));
+    }
+    Err(format!(
+        "{NCCL_SONAME} was not found: install NCCL (the libnccl2 package, or \
+         `pip install nvidia-nccl-cu13`, whose lib directory holds {NCCL_SONAME}) and add its \
+         directory to LD_LIBRARY_PATH"
+    ))
+}
+
+/// Checks that the CUDA driver and an NCCL library this build can use are present.
 pub fn probe() -> Result<()> {
     if !can_dlopen("libcuda.so.1") && !can_dlopen("libcuda.so") {
         return Err(unavailable(
@@ -43,21 +125,9 @@ pub fn probe() -> Result<()> {
              driver (or it is not on the loader path); use the TCP communicator on CPU-only machines",
         ));
     }
-    if can_dlopen("libnccl.so") {
-        return Ok(());
-    }
-    if can_dlopen("libnccl.so.2") {
-        return Err(unavailable(
-            "found libnccl.so.2 but not libnccl.so, the name cudarc loads (the pip package \
-             nvidia-nccl-cu* ships only libnccl.so.2): in its directory run \
-             `ln -s libnccl.so.2 libnccl.so` and add that directory to LD_LIBRARY_PATH",
-        ));
-    }
-    Err(unavailable(
-        "libnccl.so was not found: install NCCL (e.g. the libnccl2 and libnccl-dev packages, or \
-         `pip install nvidia-nccl-cu12` then symlink its libnccl.so.2 to libnccl.so) and add its \
-         directory to LD_LIBRARY_PATH",
-    ))
+    find_nccl(NcclLinkage::of_this_process(), can_dlopen)
+        .map(|_| ())
+        .map_err(unavailable)
 }
 
 /// Runs `f`, turning a panic inside cudarc into [`Error::Unavailable`].
@@ -110,4 +180,53 @@ pub fn id_from_bytes(bytes: &[u8]) -> Result<Id> {
         *i = *b as c_char;
     }
     Ok(Id::uninit(internal))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A directory of fake library files standing in for the loader's search path.
+    fn libs(names: &[&str]) -> (tempfile::TempDir, impl Fn(&str) -> bool) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        for n in names {
+            std::fs::write(dir.path().join(n), b"not an ELF file").expect("fake lib");
+        }
+        let path = dir.path().to_path_buf();
+        (dir, move |n: &str| path.join(n).exists())
+    }
+
+    /// What libnccl2 and the NCCL wheels ship, alone, is what a linked (`cuda`) build needs.
+    #[test]
+    fn a_linked_build_accepts_the_soname_alone() {
+        let (_d, can) = libs(&[NCCL_SONAME]);
+        assert_eq!(find_nccl(NcclLinkage::Linked, &can), Ok(NCCL_SONAME));
+    }
+
+    /// A build that loads NCCL by cudarc's names finds `libnccl.so` (the -dev link), and
+    /// with only the soname names the two fixes instead of letting cudarc panic later.
+    #[test]
+    fn a_loading_build_needs_one_of_cudarcs_names() {
+        let (_d, can) = libs(&["libnccl.so", NCCL_SONAME]);
+        assert_eq!(find_nccl(NcclLinkage::Loaded, &can), Ok("libnccl.so"));
+        let (_d, can) = libs(&["libnccl.so.12"]);
+        assert_eq!(find_nccl(NcclLinkage::Loaded, &can), Ok("libnccl.so.12"));
+        let (_d, can) = libs(&[NCCL_SONAME]);
+        let e = find_nccl(NcclLinkage::Loaded, &can).unwrap_err();
+        assert!(e.contains("ln -s libnccl.so.2 libnccl.so"), "{e}");
+        assert!(e.contains("`cuda` feature"), "{e}");
+    }
+
+    #[test]
+    fn no_nccl_at_all_names_the_soname_and_the_packages() {
+        for linkage in [NcclLinkage::Linked, NcclLinkage::Loaded] {
+            let (_d, can) = libs(&["libcuda.so.1"]);
+            let e = find_nccl(linkage, &can).unwrap_err();
+            assert!(e.contains("libnccl.so.2 was not found"), "{e}");
+            assert!(
+                e.contains("libnccl2") && e.contains("LD_LIBRARY_PATH"),
+                "{e}"
+            );
+        }
+    }
 }
