@@ -196,7 +196,7 @@ fn raw_sockets_get_nothing_of_value_and_the_job_finishes() -> Result<()> {
             got.len(),
             String::from_utf8_lossy(&got[..got.len().min(200)])
         );
-        let text = String::from_utf8_lossy(&got);
+        let text = String::from_utf8_lossy(got);
         assert!(
             !text.contains("\"actors\":[") && !text.contains("log_tail"),
             "port {port}, {what}: {text}"

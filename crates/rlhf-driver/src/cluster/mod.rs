@@ -177,9 +177,10 @@ pub async fn launch(
                 amounts: [(resource.clone(), amount)].into_iter().collect(),
             }),
         };
-        let r = tokio::time::timeout(
+        let mut placer = head.clone();
+        let placing = tokio::time::timeout(
             opts.start_timeout + HEAD_MARGIN,
-            head.create_placement_group(pb::CreatePlacementGroupRequest {
+            placer.create_placement_group(pb::CreatePlacementGroupRequest {
                 name: format!("{}-{}", opts.job_id, role.as_str()),
                 strategy: pb::PlacementStrategy::Pack as i32,
                 bundles: vec![bundle; n as usize],
@@ -188,6 +189,15 @@ pub async fn launch(
                 vllm_roles: role == RoleKind::ActorRollout
                     && cfg.actor_rollout.engine == rlhf_config::RolloutEngine::Vllm,
             }),
+        );
+        let r = preflight::report_while_placing(
+            head.clone(),
+            role,
+            n,
+            amount,
+            &resource,
+            &opts.job_id,
+            placing,
         )
         .await
         .map_err(|_| head_silent("CreatePlacementGroup", opts.start_timeout))?

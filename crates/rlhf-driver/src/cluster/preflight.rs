@@ -1,7 +1,10 @@
 //! Before placing anything: whether the cluster can ever hold the job. A job whose bundles
 //! exceed what every live node has in total would otherwise wait out its start timeout in
-//! silence; this says so within seconds, with the numbers and the fix.
+//! silence; this says so within seconds, with the numbers and the fix. While a placement that
+//! can fit waits (resources held by other jobs, nodes rejoining), [`report_while_placing`]
+//! says every few seconds what is missing and where.
 
+use std::future::Future;
 use std::time::Duration;
 
 use rlhf_config::PpoConfig;
@@ -33,7 +36,7 @@ fn no_vllm_node(cfg: &PpoConfig, nodes: &[NodeCapacity]) -> Option<String> {
         return None;
     }
     Some(
-        "actor_rollout.engine=vllm, but no live node's worker has a vLLM Python, so the actor          can never be placed: start a worker with `rlhf-worker join --vllm-python PATH` (or          RLHF_VLLM_PYTHON=PATH), PATH an interpreter with vLLM installed, or run with          actor_rollout.engine=candle"
+        "actor_rollout.engine=vllm, but no live node's worker has a vLLM Python, so the actor can never be placed: start a worker with `rlhf-worker join --vllm-python PATH` (or RLHF_VLLM_PYTHON=PATH), PATH an interpreter with vLLM installed, or run with actor_rollout.engine=candle"
             .to_string(),
     )
 }
@@ -294,5 +297,188 @@ mod tests {
             e.contains("needs 3 GPU on one node") && e.contains("largest node has 2"),
             "{e}"
         );
+    }
+}
+
+/// How often a waiting placement says what it waits for.
+pub(super) const WAIT_REPORT_EVERY: Duration = Duration::from_secs(10);
+
+/// Runs `placing` (the head's CreatePlacementGroup for one role) and, every
+/// [`WAIT_REPORT_EVERY`] it is still waiting, logs what the cluster lacks for it
+/// ([`waiting_line`]).
+pub(super) async fn report_while_placing<F: Future>(
+    mut head: HeadClient,
+    role: RoleKind,
+    bundles: u32,
+    amount: f64,
+    resource: &str,
+    job_id: &str,
+    placing: F,
+) -> F::Output {
+    let started = tokio::time::Instant::now();
+    let mut tick = tokio::time::interval_at(started + WAIT_REPORT_EVERY, WAIT_REPORT_EVERY);
+    tokio::pin!(placing);
+    loop {
+        tokio::select! {
+            out = &mut placing => return out,
+            _ = tick.tick() => {
+                let status = tokio::time::timeout(
+                    Duration::from_secs(5),
+                    head.cluster_status(pb::ClusterStatusRequest {}),
+                )
+                .await;
+                let waited = started.elapsed().as_secs();
+                match status {
+                    Ok(Ok(s)) => tracing::warn!(
+                        "{}",
+                        waiting_line(&s.into_inner(), role, bundles, amount, resource, job_id, waited)
+                    ),
+                    _ => tracing::warn!(
+                        "still placing {} after {waited} s; the head does not answer ClusterStatus",
+                        role.as_str()
+                    ),
+                }
+            }
+        }
+    }
+}
+
+/// What a placement of `bundles` x `amount` `resource` for `role` waits for, on the cluster
+/// `s`: each node's free and total amount (dead ones left out, rejoining and non-CUDA ones
+/// marked), and the other jobs' placement groups holding the rest.
+pub(super) fn waiting_line(
+    s: &pb::ClusterStatusResponse,
+    role: RoleKind,
+    bundles: u32,
+    amount: f64,
+    resource: &str,
+    job_id: &str,
+    waited_s: u64,
+) -> String {
+    let amount_of = |r: &Option<pb::Resources>| {
+        r.as_ref()
+            .and_then(|r| r.amounts.get(resource).copied())
+            .unwrap_or(0.0)
+    };
+    let fmt = |x: f64| {
+        if x.fract() == 0.0 {
+            format!("{x:.0}")
+        } else {
+            format!("{x:.2}")
+        }
+    };
+    let mut line = format!(
+        "still placing {} ({bundles} x {} {resource}) after {waited_s} s: ",
+        role.as_str(),
+        fmt(amount)
+    );
+    let nodes: Vec<String> = s
+        .nodes
+        .iter()
+        .filter(|n| n.state != pb::NodeState::Dead as i32)
+        .map(|n| {
+            let host = if n.hostname.is_empty() {
+                &n.address
+            } else {
+                &n.hostname
+            };
+            let mut d = format!(
+                "{host} {} of {} free",
+                fmt(amount_of(&n.available)),
+                fmt(amount_of(&n.total))
+            );
+            if n.state == pb::NodeState::Rejoining as i32 {
+                d.push_str(" (rejoining after a head restart)");
+            }
+            if resource == "GPU" && !n.cuda_roles {
+                d.push_str(" (its worker cannot run CUDA roles)");
+            }
+            d
+        })
+        .collect();
+    if nodes.is_empty() {
+        line.push_str(
+            "no live node; start a worker: rlhf-worker join --address HEAD:PORT --token-file FILE",
+        );
+        return line;
+    }
+    line.push_str(&format!("{resource} per node: {}", nodes.join(", ")));
+    let own = format!("{job_id}-");
+    let mut others: Vec<String> = s
+        .placement_groups
+        .iter()
+        .filter(|g| g.state == pb::PlacementGroupState::Created as i32 && !g.name.starts_with(&own))
+        .filter_map(|g| {
+            let held: f64 = g.bundles.iter().map(|b| amount_of(&b.resources)).sum();
+            (held > 0.0).then(|| format!("{} {}", g.name, fmt(held)))
+        })
+        .collect();
+    others.sort();
+    if !others.is_empty() {
+        line.push_str(&format!(
+            "; held by other placement groups: {}",
+            others.join(", ")
+        ));
+    }
+    line
+}
+
+#[cfg(test)]
+mod waiting_tests {
+    use super::*;
+
+    fn node(host: &str, total: f64, free: f64, state: pb::NodeState, cuda: bool) -> pb::NodeInfo {
+        let res = |x: f64| {
+            Some(pb::Resources {
+                amounts: [("GPU".to_string(), x)].into_iter().collect(),
+            })
+        };
+        pb::NodeInfo {
+            hostname: host.into(),
+            total: res(total),
+            available: res(free),
+            state: state as i32,
+            cuda_roles: cuda,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_waiting_placement_says_what_is_free_where_and_who_holds_the_rest() {
+        let held = pb::PlacementGroupInfo {
+            name: "job-7-actor_rollout".into(),
+            bundles: vec![
+                pb::Bundle {
+                    resources: Some(pb::Resources {
+                        amounts: [("GPU".to_string(), 1.0)].into_iter().collect(),
+                    }),
+                };
+                3
+            ],
+            state: pb::PlacementGroupState::Created as i32,
+            ..Default::default()
+        };
+        let mut mine = held.clone();
+        mine.name = "job-9-ref".into();
+        let s = pb::ClusterStatusResponse {
+            nodes: vec![
+                node("a", 4.0, 1.0, pb::NodeState::Alive, true),
+                node("b", 4.0, 4.0, pb::NodeState::Rejoining, true),
+                node("c", 2.0, 2.0, pb::NodeState::Alive, false),
+                node("d", 8.0, 8.0, pb::NodeState::Dead, true),
+            ],
+            placement_groups: vec![held, mine],
+            ..Default::default()
+        };
+        let line = waiting_line(&s, RoleKind::Critic, 2, 1.0, "GPU", "job-9", 20);
+        assert_eq!(
+            line,
+            "still placing critic (2 x 1 GPU) after 20 s: GPU per node: a 1 of 4 free, \
+             b 4 of 4 free (rejoining after a head restart), c 2 of 2 free (its worker cannot \
+             run CUDA roles); held by other placement groups: job-7-actor_rollout 3"
+        );
+        let empty = pb::ClusterStatusResponse::default();
+        let line = waiting_line(&empty, RoleKind::Critic, 2, 1.0, "GPU", "job-9", 10);
+        assert!(line.ends_with("no live node; start a worker: rlhf-worker join --address HEAD:PORT --token-file FILE"), "{line}");
     }
 }
