@@ -43,6 +43,8 @@ mod checksum;
 mod error;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+mod nccl_init;
+mod op_header;
 mod scatter;
 mod send_stream;
 #[cfg(target_os = "linux")]
@@ -92,7 +94,11 @@ pub enum ReduceOp {
     Sum,
     /// Sum over ranks divided by the world size (gradient averaging).
     Avg,
-    /// Maximum over ranks; a NaN on any rank gives NaN, so a bad loss is never hidden.
+    /// Maximum over ranks; a NaN on any rank gives NaN, so a bad loss is never hidden. The
+    /// same on every backend (tests/nan_contract.rs): TCP and shared memory compare with
+    /// NaN winning; NCCL's own Max drops NaN, so the nccl backend sets it back from a NaN
+    /// mask reduced alongside (only when some rank flagged a NaN in the op's header).
+    /// A `Min`, if one is ever added, keeps the same contract.
     Max,
 }
 

@@ -4,10 +4,10 @@
 //! Rank 0 creates a unique id with [`unique_id`]; the caller ships its 128 bytes
 //! to the other ranks (a KV store) and every rank calls [`NcclCommunicator::new`].
 //!
-//! cudarc loads `libcuda` and `libnccl` at run time and panics when they are
-//! missing, so [`probe`] first opens them with `dlopen` and turns their absence
-//! into [`Error::Unavailable`] with install advice; construction additionally runs
-//! under `catch_unwind`.
+//! cudarc either links `libnccl.so.2` (with candle's `cuda` feature) or loads NCCL at
+//! run time and panics when it is missing, so [`probe`] first checks with `dlopen` for the
+//! names this build needs and turns their absence into [`Error::Unavailable`] with install
+//! advice; construction additionally runs under `catch_unwind`.
 //!
 //! Timeouts: NCCL kernels wait for peers on the GPU, so every op enqueues its
 //! collective, records an event, and polls it until [`CommConfig::timeout`]; on
@@ -17,9 +17,14 @@
 //! runs on a helper thread with the same timeout; on expiry that thread is left
 //! blocked inside NCCL and the error is returned.
 //!
-//! Every op first all-gathers a 32-byte header (op, sequence number, length,
-//! root) so calls that disagree across ranks fail with [`Error::Mismatch`] instead
-//! of corrupting data or hanging.
+//! Every op first all-gathers a 32-byte header ([`crate::op_header`]: op, sequence number,
+//! root, reduction, element type and count) so calls that disagree across ranks fail with
+//! [`Error::Mismatch`] naming both calls instead of corrupting data or hanging.
+//!
+//! NaN: NCCL's Max drops NaN (Max of NaN and x is x), while [`ReduceOp::Max`] promises NaN
+//! wherever any rank has one. Each rank flags a NaN in its header; only when some rank did,
+//! a second all-reduce (Max over a `u8` mask, one byte per element) marks the elements to
+//! set back to NaN afterwards. Without NaN the check costs a scan of the host buffer.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::mpsc;
@@ -30,12 +35,12 @@ use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, ValidAsZero
 use cudarc::nccl::{Comm, NcclType};
 
 use crate::error::{Error, Op, Result};
+use crate::op_header::{apply_nan_mask, nan_mask, Counts, ElemType, Float, OpHeader, HDR_LEN};
 use crate::{CommConfig, Communicator, ReduceOp};
 
 const BACKEND: &str = "nccl";
 /// Bytes in an NCCL unique id.
 pub const ID_BYTES: usize = 128;
-const HDR_LEN: usize = 32;
 
 mod probe;
 use probe::{guarded, unavailable};
@@ -69,6 +74,8 @@ pub struct NcclCommunicator {
     comm: Option<OwnedComm>,
     seq: u64,
     broken: Option<String>,
+    /// This rank's claim on its GPU for the group (none in a world of one).
+    _claim: Option<crate::nccl_init::GpuClaim>,
 }
 
 impl std::fmt::Debug for NcclCommunicator {
@@ -85,6 +92,12 @@ impl std::fmt::Debug for NcclCommunicator {
 impl NcclCommunicator {
     /// Joins the NCCL group identified by `id` (from [`unique_id`] on one rank) as
     /// `rank` of `world_size`, on CUDA device `device`.
+    ///
+    /// A world of one opens no NCCL communicator: every collective returns its input.
+    /// Before init the rank claims its GPU for the group ([`crate::nccl_init::GpuClaim`]),
+    /// so a second rank of the group on the same GPU is refused naming NCCL's
+    /// one-rank-per-GPU rule. Init waits up to [`CommConfig::timeout`], which is also every
+    /// op's timeout.
     pub fn new(
         rank: usize,
         world_size: usize,
@@ -110,6 +123,41 @@ impl NcclCommunicator {
             })?;
             Ok((ctx, stream))
         })?;
+
+        if world_size == 1 {
+            return Ok(Self {
+                rank,
+                world: 1,
+                timeout: config.timeout,
+                ctx,
+                stream,
+                comm: None,
+                seq: 0,
+                broken: None,
+                _claim: None,
+            });
+        }
+        let uuid = ctx
+            .uuid()
+            .map_err(|e| unavailable(format!("reading the UUID of CUDA device {device}: {e}")))?;
+        let gpu = format!(
+            "GPU-{}",
+            uuid.bytes
+                .iter()
+                .map(|b| format!("{:02x}", *b as u8))
+                .collect::<String>()
+        );
+        let id_bytes = id_to_bytes(&id);
+        let claim = crate::nccl_init::GpuClaim::take(
+            &crate::nccl_init::claim_dir(),
+            &id_bytes,
+            &gpu,
+            rank,
+        )?;
+        tracing::info!(
+            "NCCL rank {rank} of {world_size} joining group {:016x} on CUDA device {device} ({gpu})",
+            crate::nccl_init::id_digest(&id_bytes)
+        );
 
         // ncclCommInitRank blocks until every rank joined: wait on a helper thread.
         let (tx, rx) = mpsc::channel();
@@ -141,9 +189,13 @@ impl NcclCommunicator {
                     rank,
                     peer: None,
                     timeout: config.timeout,
-                    detail: "; ncclCommInitRank did not complete: some rank never joined \
-                             (check every rank got the same unique id and world size)"
-                        .into(),
+                    detail: crate::nccl_init::init_timeout_detail(
+                        rank,
+                        world_size,
+                        &id_bytes,
+                        config.timeout,
+                        &crate::nccl_init::nccl_env_summary(|k| std::env::var(k).ok()),
+                    ),
                 })
             }
         };
@@ -156,6 +208,7 @@ impl NcclCommunicator {
             comm: Some(comm),
             seq: 0,
             broken: None,
+            _claim: Some(claim),
         };
         me.barrier()?;
         Ok(me)
@@ -289,58 +342,41 @@ impl NcclCommunicator {
         Ok(out)
     }
 
-    /// All ranks agree on (op, seq, len, root, aux) or every rank gets a Mismatch.
-    fn check_header(
-        &self,
-        op: Op,
-        seq: u64,
-        len: u64,
-        root: usize,
-        aux: u8,
-        fixed_len: bool,
-    ) -> Result<()> {
-        let mut h = [0u8; HDR_LEN];
-        h[0] = op.wire_id();
-        h[1] = aux;
-        h[4..8].copy_from_slice(&(root as u32).to_le_bytes());
-        h[8..16].copy_from_slice(&seq.to_le_bytes());
-        h[16..24].copy_from_slice(&len.to_le_bytes());
-        let all = self.gather_fixed(op, &h)?;
-        for (peer, theirs) in all.chunks_exact(HDR_LEN).enumerate() {
-            let field = |b: &[u8], r: std::ops::Range<usize>| {
-                let mut a = [0u8; 8];
-                a[..r.len()].copy_from_slice(&b[r]);
-                u64::from_le_bytes(a)
-            };
-            let same = theirs[0] == h[0]
-                && theirs[1] == h[1]
-                && theirs[4..16] == h[4..16]
-                && (!fixed_len || theirs[16..24] == h[16..24]);
-            if !same {
-                let d = |b: &[u8]| {
-                    format!(
-                        "{} #{} of {} bytes (root {}, aux {})",
-                        Op::from_wire_id(b[0])
-                            .map_or("an unknown op".to_string(), |o| o.to_string()),
-                        field(b, 8..16),
-                        field(b, 16..24),
-                        field(b, 4..8),
-                        b[1]
-                    )
-                };
-                return Err(Error::Mismatch {
-                    op,
-                    rank: self.rank,
-                    peer: Some(peer),
-                    detail: format!(
-                        "this rank called {} but rank {peer} called {}; every rank must issue the \
-                         same collective calls with equal lengths",
-                        d(&h),
-                        d(theirs)
-                    ),
-                });
-            }
+    /// All ranks agree on `h` (op, seq, root, reduction, element type and, with
+    /// [`Counts::Equal`], count) or every rank gets a Mismatch naming both calls. Returns
+    /// whether any rank flagged a NaN.
+    fn check_header(&self, h: OpHeader, counts: Counts) -> Result<bool> {
+        let all = self.gather_fixed(h.op, &h.encode())?;
+        debug_assert_eq!(all.len(), HDR_LEN * self.world);
+        h.check_all(&all, counts, self.rank)
+    }
+
+    /// The header of an op on this rank.
+    fn header(&self, op: Op, seq: u64, elem: ElemType, count: usize) -> OpHeader {
+        OpHeader {
+            op,
+            red: None,
+            elem,
+            root: 0,
+            seq,
+            count: count as u64,
+            counts_digest: 0,
+            has_nan: false,
         }
+    }
+
+    /// After a Max whose header said some rank holds a NaN: Max-reduces the NaN mask of
+    /// `input` (this rank's values before the reduction) and sets those elements of
+    /// `out` to NaN.
+    fn restore_nan<T: Float>(&self, op: Op, input_mask: Vec<u8>, out: &mut [T]) -> Result<()> {
+        let mut dev = self.to_device(op, &input_mask)?;
+        let (comm, _) = self.parts(op)?;
+        comm.all_reduce_in_place(&mut dev, &cudarc::nccl::ReduceOp::Max)
+            .map_err(|e| self.nccl_err(op, e))?;
+        self.wait(op)?;
+        let mut mask = input_mask;
+        self.to_host(op, &dev, &mut mask)?;
+        apply_nan_mask(out, &mask);
         Ok(())
     }
 
@@ -352,7 +388,11 @@ impl NcclCommunicator {
                 detail: format!("root {root} is not a rank of a world of {}", self.world),
             });
         }
-        self.check_header(op, seq, buf.len() as u64, root, 0, true)?;
+        let h = OpHeader {
+            root: root as u32,
+            ..self.header(op, seq, ElemType::U8, buf.len())
+        };
+        self.check_header(h, Counts::Equal)?;
         if buf.is_empty() {
             return Ok(());
         }
@@ -369,21 +409,30 @@ impl NcclCommunicator {
 
     fn all_reduce_inner<T>(&mut self, buf: &mut [T], red: ReduceOp, seq: u64) -> Result<()>
     where
-        T: DeviceRepr + ValidAsZeroBits + NcclType + crate::Plain,
+        T: DeviceRepr + ValidAsZeroBits + NcclType + crate::Plain + Float,
     {
         let op = Op::AllReduce;
-        let bytes = std::mem::size_of_val(buf) as u64;
-        self.check_header(op, seq, bytes, 0, red.wire_id(), true)?;
+        let h = OpHeader {
+            red: Some(red),
+            has_nan: red == ReduceOp::Max && buf.iter().any(|v| v.is_nan()),
+            ..self.header(op, seq, T::ELEM, buf.len())
+        };
+        let any_nan = self.check_header(h, Counts::Equal)?;
         if buf.is_empty() {
             return Ok(());
         }
+        let mask = (any_nan && red == ReduceOp::Max).then(|| nan_mask(buf));
         let mut dev = self.to_device(op, buf)?;
         let nop = nccl_op(red);
         let (comm, _) = self.parts(op)?;
         comm.all_reduce_in_place(&mut dev, &nop)
             .map_err(|e| self.nccl_err(op, e))?;
         self.wait(op)?;
-        self.to_host(op, &dev, buf)
+        self.to_host(op, &dev, buf)?;
+        match mask {
+            Some(mask) => self.restore_nan(op, mask, buf),
+            None => Ok(()),
+        }
     }
 
     /// `ncclReduceScatter` over the segments padded to equal blocks ([`crate::padded_blocks`]):
@@ -397,13 +446,21 @@ impl NcclCommunicator {
     ) -> Result<()> {
         let op = Op::ReduceScatter;
         crate::check_counts(buf.len(), counts, self.world)?;
-        self.check_header(op, seq, buf.len() as u64, 0, red.wire_id(), true)?;
+        let h = OpHeader {
+            red: Some(red),
+            counts_digest: crate::op_header::counts_digest(counts),
+            has_nan: red == ReduceOp::Max && buf.iter().any(|v| v.is_nan()),
+            ..self.header(op, seq, ElemType::F32, buf.len())
+        };
+        let any_nan = self.check_header(h, Counts::Equal)?;
         let (padded, width) = crate::padded_blocks(buf, counts);
         if width == 0 {
             return Ok(());
         }
+        let mask = (any_nan && red == ReduceOp::Max).then(|| nan_mask(buf));
+        // `padded` lives until the op is waited for: the copy from it is not known done
+        // before that.
         let src = self.to_device(op, &padded)?;
-        drop(padded);
         let nop = nccl_op(red);
         let (comm, stream) = self.parts(op)?;
         let mut dst = stream
@@ -412,16 +469,24 @@ impl NcclCommunicator {
         comm.reduce_scatter(&src, &mut dst, &nop)
             .map_err(|e| self.nccl_err(op, e))?;
         self.wait(op)?;
+        drop(padded);
         let mut mine = vec![0f32; width];
         self.to_host(op, &dst, &mut mine)?;
         let at: usize = counts[..self.rank].iter().sum();
         let n = counts[self.rank];
         buf[at..at + n].copy_from_slice(&mine[..n]);
-        Ok(())
+        match mask {
+            // The whole buffer's mask: every rank's segment gets its NaN back.
+            Some(mask) => self.restore_nan(op, mask, buf),
+            None => Ok(()),
+        }
     }
 
     fn gather_inner(&mut self, op: Op, data: &[u8], seq: u64) -> Result<Vec<Vec<u8>>> {
-        self.check_header(op, seq, data.len() as u64, 0, 0, false)?;
+        self.check_header(
+            self.header(op, seq, ElemType::U8, data.len()),
+            Counts::MayDiffer,
+        )?;
         let lens = self.gather_fixed(op, &(data.len() as u64).to_le_bytes())?;
         let lens: Vec<usize> = lens
             .chunks_exact(8)
@@ -471,18 +536,27 @@ impl Communicator for NcclCommunicator {
     }
 
     fn broadcast(&mut self, buf: &mut [u8], root: usize) -> Result<()> {
+        if self.world == 1 && root == 0 {
+            return Ok(());
+        }
         let seq = self.begin(Op::Broadcast)?;
         let r = self.broadcast_inner(buf, root, seq);
         self.finish(r)
     }
 
     fn all_reduce_f32(&mut self, buf: &mut [f32], op: ReduceOp) -> Result<()> {
+        if self.world == 1 {
+            return Ok(());
+        }
         let seq = self.begin(Op::AllReduce)?;
         let r = self.all_reduce_inner(buf, op, seq);
         self.finish(r)
     }
 
     fn all_reduce_f64(&mut self, buf: &mut [f64], op: ReduceOp) -> Result<()> {
+        if self.world == 1 {
+            return Ok(());
+        }
         let seq = self.begin(Op::AllReduce)?;
         let r = self.all_reduce_inner(buf, op, seq);
         self.finish(r)
@@ -494,21 +568,35 @@ impl Communicator for NcclCommunicator {
         counts: &[usize],
         op: ReduceOp,
     ) -> Result<()> {
+        if self.world == 1 {
+            return crate::check_counts(buf.len(), counts, 1);
+        }
         let seq = self.begin(Op::ReduceScatter)?;
         let r = self.reduce_scatter_inner(buf, counts, op, seq);
         self.finish(r)
     }
 
     fn all_gather(&mut self, data: &[u8]) -> Result<Vec<Vec<u8>>> {
+        if self.world == 1 {
+            return Ok(vec![data.to_vec()]);
+        }
         let seq = self.begin(Op::AllGather)?;
         let r = self.gather_inner(Op::AllGather, data, seq);
         self.finish(r)
     }
 
     fn barrier(&mut self) -> Result<()> {
+        if self.world == 1 {
+            return Ok(());
+        }
         let seq = self.begin(Op::Barrier)?;
         // The header all-gather is itself a full synchronisation point.
-        let r = self.check_header(Op::Barrier, seq, 0, 0, 0, true);
+        let r = self
+            .check_header(
+                self.header(Op::Barrier, seq, ElemType::U8, 0),
+                Counts::Equal,
+            )
+            .map(|_| ());
         self.finish(r)
     }
 }
