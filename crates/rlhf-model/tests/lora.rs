@@ -177,11 +177,7 @@ fn saved_adapter_is_what_peft_saves() {
         for ((n, a), (_, b)) in ours.iter().zip(&theirs) {
             assert_eq!(max_abs_diff(a, b), 0.0, "{adapter}: {n} changed");
         }
-        let json = |d: &std::path::Path| -> serde_json::Value {
-            serde_json::from_str(&std::fs::read_to_string(d.join(ADAPTER_CONFIG_FILE)).unwrap())
-                .unwrap()
-        };
-        let (ours, theirs) = (json(dir.path()), json(&src));
+        let (ours, theirs) = (adapter_config(dir.path()), adapter_config(&src));
         for key in [
             "peft_type",
             "task_type",
@@ -195,17 +191,11 @@ fn saved_adapter_is_what_peft_saves() {
             assert_eq!(ours[key], theirs[key], "{adapter}: {key}");
         }
         assert_eq!(ours["lora_alpha"].as_f64(), theirs["lora_alpha"].as_f64());
-        let sorted = |v: &serde_json::Value| -> Vec<String> {
-            let mut s: Vec<String> = v["target_modules"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_str().unwrap().to_string())
-                .collect();
-            s.sort();
-            s
-        };
-        assert_eq!(sorted(&ours), sorted(&theirs), "{adapter}: target_modules");
+        assert_eq!(
+            target_modules(&ours),
+            target_modules(&theirs),
+            "{adapter}: target_modules"
+        );
         let to_save = |v: &serde_json::Value| -> Vec<String> {
             let mut s: Vec<String> = v["modules_to_save"]
                 .as_array()
@@ -230,6 +220,24 @@ fn saved_adapter_is_what_peft_saves() {
             assert_eq!(d, 0.0, "{adapter}: reloaded logits differ");
         }
     }
+}
+
+/// A saved adapter's adapter_config.json.
+fn adapter_config(dir: &std::path::Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(dir.join(ADAPTER_CONFIG_FILE)).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+/// Its `target_modules`, sorted.
+fn target_modules(cfg: &serde_json::Value) -> Vec<String> {
+    let mut s: Vec<String> = cfg["target_modules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_str().unwrap().to_string())
+        .collect();
+    s.sort();
+    s
 }
 
 fn tiny_batch_for(model: &Model) -> Batch {
@@ -350,17 +358,11 @@ fn lora_on_checkpoint(base: &str) {
 
     let saved = dir.path().join("adapter");
     model.image(None).unwrap().write(&saved).unwrap();
-    let cfg: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(saved.join(ADAPTER_CONFIG_FILE)).unwrap())
-            .unwrap();
-    let mut modules: Vec<&str> = cfg["target_modules"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|m| m.as_str().unwrap())
-        .collect();
-    modules.sort_unstable();
-    assert_eq!(modules, ["k_proj", "o_proj", "q_proj", "v_proj"], "{base}");
+    assert_eq!(
+        target_modules(&adapter_config(&saved)),
+        ["k_proj", "o_proj", "q_proj", "v_proj"],
+        "{base}"
+    );
     let again = Model::load_with_adapter(&fixture(base), &saved, &opts).unwrap();
     let d = max_abs_diff(&again.logits(&batch).unwrap(), &logits);
     assert_eq!(
