@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
 
 use crate::config::AlgorithmConfig;
 use crate::error::{AlgoError, Result};
@@ -15,7 +15,7 @@ use crate::masked::host_whiten;
 use crate::names::{AdvEstimator, ScaleRewards};
 use crate::validate::{
     check_2d, check_batch_vec, check_finite, check_mask_host, check_same_shape, find_non_finite,
-    host_vec,
+    finite_probe, host_vec, HostSlice,
 };
 
 /// Advantages and returns, both `[batch, len]`.
@@ -27,18 +27,18 @@ pub struct Advantages {
     pub returns: Tensor,
 }
 
-/// Validated host copy of a token tensor and its mask.
-struct Batch {
+/// A validated host view of a batch's mask (borrowed from a CPU tensor, no copy).
+struct Batch<'a> {
     batch: usize,
     len: usize,
-    mask: Vec<f32>,
+    mask: HostSlice<'a>,
     device: Device,
 }
 
-impl Batch {
-    fn new(mask: &Tensor) -> Result<Self> {
+impl<'a> Batch<'a> {
+    fn new(mask: &'a Tensor) -> Result<Self> {
         let (batch, len) = check_2d("response_mask", mask)?;
-        let data = host_vec(mask)?;
+        let data = HostSlice::new(mask)?;
         check_mask_host("response_mask", &data, mask.dims())?;
         Ok(Self {
             batch,
@@ -48,9 +48,40 @@ impl Batch {
         })
     }
 
-    fn token(&self, name: &'static str, t: &Tensor, mask: &Tensor) -> Result<Vec<f32>> {
+    /// [`Batch::new`] and the sum of each row's masked `token_rewards` (checked as
+    /// [`Batch::token`] does), in one pass over both: counted in lanes that vectorize, with
+    /// the checks' own scans run only when something is off, to name it.
+    fn scored(mask: &'a Tensor, token_rewards: &Tensor) -> Result<(Self, Vec<f64>)> {
+        let (batch, len) = check_2d("response_mask", mask)?;
+        let data = HostSlice::new(mask)?;
+        let fits = token_rewards.dtype() == DType::F32 && token_rewards.dims() == mask.dims();
+        if len == 0 || !fits {
+            // the checks below name the fault
+            let b = Self::new(mask)?;
+            let r = b.token("token_rewards", token_rewards, mask)?;
+            let scores = b.row_scores(&r);
+            return Ok((b, scores));
+        }
+        let rewards = HostSlice::new(token_rewards)?;
+        let (scores, ones, other, probe) = score_rows(&rewards, &data, len);
+        if ones == 0.0 || other != 0.0 || probe != 0.0 {
+            check_mask_host("response_mask", &data, mask.dims())?;
+            find_non_finite("token_rewards", &rewards, token_rewards.dims())?;
+        }
+        drop(rewards);
+        let b = Self {
+            batch,
+            len,
+            mask: data,
+            device: mask.device().clone(),
+        };
+        Ok((b, scores))
+    }
+
+    /// A checked host view of a token tensor of the batch.
+    fn token<'t>(&self, name: &'static str, t: &'t Tensor, mask: &Tensor) -> Result<HostSlice<'t>> {
         check_same_shape(name, t, "response_mask", mask)?;
-        let data = host_vec(t)?;
+        let data = HostSlice::new(t)?;
         find_non_finite(name, &data, t.dims())?;
         Ok(data)
     }
@@ -96,18 +127,78 @@ impl Batch {
 
     /// `value[i]` broadcast over row `i`'s valid tokens.
     fn broadcast_rows(&self, per_row: &[f64]) -> Vec<f32> {
-        let mut out = vec![0f32; self.batch * self.len];
-        for ((o, m), &v) in out
-            .chunks_exact_mut(self.len)
-            .zip(self.mask.chunks_exact(self.len))
-            .zip(per_row)
-        {
-            for (o, &m) in o.iter_mut().zip(m) {
-                *o = v as f32 * m;
-            }
+        // extended row by row: no zeroing of a buffer that is overwritten anyway
+        let mut out = Vec::with_capacity(self.batch * self.len);
+        for (m, &v) in self.mask.chunks_exact(self.len).zip(per_row) {
+            let v = v as f32;
+            out.extend(m.iter().map(|&m| v * m));
         }
         out
     }
+}
+
+/// Each row's masked sum of `rewards`, with the mask's sum and a sum that is 0 only when every
+/// mask value is 0 or 1, and the rewards' finiteness probe (NaN if one is not finite): one
+/// pass over both, in lanes of 8 that vectorize, summed in `f32` within blocks of 512 tokens
+/// and in `f64` across them. (No AVX2 copy: the loop is memory-bound, and in a standalone
+/// test an AVX2 build of it ran 4x slower than this one.)
+fn score_rows(rewards: &[f32], mask: &[f32], len: usize) -> (Vec<f64>, f64, f64, f64) {
+    // Plain arithmetic, which vectorizes cleanly: for a 0/1 mask `r * m` is the masked
+    // reward, `m` counts the ones and `|m - m^2|` is 0 (positive for any other value, NaN
+    // included); the probe is 0 unless `r` is NaN or infinite.
+    #[derive(Default, Clone, Copy)]
+    struct Lanes {
+        sum: [f32; 8],
+        ones: [f32; 8],
+        other: [f32; 8],
+        probe: [f32; 8],
+    }
+    #[inline(always)]
+    fn step(l: &mut Lanes, r: &[f32; 8], m: &[f32; 8]) {
+        for c in 0..8 {
+            l.sum[c] += r[c] * m[c];
+            l.ones[c] += m[c];
+            l.other[c] += (m[c] - m[c] * m[c]).abs();
+            l.probe[c] += finite_probe(r[c]);
+        }
+    }
+    // by value: a reference would keep the lanes in memory instead of registers
+    #[inline(always)]
+    fn fold(row: &mut [f64; 4], l: Lanes) {
+        let s = |x: [f32; 8]| x.iter().map(|&v| f64::from(v)).sum::<f64>();
+        row[0] += s(l.sum);
+        row[1] += s(l.ones);
+        row[2] += s(l.other);
+        row[3] += s(l.probe);
+    }
+    // plain loops: iterator adapters may stay out of line, without AVX2
+    let mut totals = [0f64; 4];
+    let mut scores = Vec::with_capacity(rewards.len() / len.max(1));
+    for (r, m) in rewards.chunks_exact(len).zip(mask.chunks_exact(len)) {
+        let mut row = [0f64; 4];
+        let (rc, rt) = r.as_chunks::<8>();
+        let (mc, mt) = m.as_chunks::<8>();
+        for (rb, mb) in rc.chunks(64).zip(mc.chunks(64)) {
+            let mut l = Lanes::default();
+            for (r, m) in rb.iter().zip(mb) {
+                step(&mut l, r, m);
+            }
+            fold(&mut row, l);
+        }
+        if !rt.is_empty() {
+            let (mut r8, mut m8) = ([0f32; 8], [0f32; 8]);
+            r8[..rt.len()].copy_from_slice(rt);
+            m8[..mt.len()].copy_from_slice(mt);
+            let mut l = Lanes::default();
+            step(&mut l, &r8, &m8);
+            fold(&mut row, l);
+        }
+        for (t, x) in totals.iter_mut().zip(&row) {
+            *t += x;
+        }
+        scores.push(row[0]);
+    }
+    (scores, totals[1], totals[2], totals[3])
 }
 
 /// Per-group mean and unbiased std (torch.std) of `scores`; a group of one
@@ -216,10 +307,8 @@ fn group_outcome(
     whiten: bool,
     per_row: impl Fn(f64, f64, f64, usize) -> f64,
 ) -> Result<Advantages> {
-    let b = Batch::new(response_mask)?;
-    let r = b.token("token_rewards", token_rewards, response_mask)?;
+    let (b, scores) = Batch::scored(response_mask, token_rewards)?;
     let groups = b.groups(group_ids)?;
-    let scores = b.row_scores(&r);
     let (mean, std, count) = group_stats(&scores, &groups);
     let per: Vec<f64> = scores
         .iter()
@@ -230,9 +319,11 @@ fn group_outcome(
     if whiten {
         host_whiten(&mut adv, &b.mask, true)?;
     }
+    // one buffer for both: tensors are immutable
+    let adv = b.tensor(adv)?;
     Ok(Advantages {
-        advantages: b.tensor(adv.clone())?,
-        returns: b.tensor(adv)?,
+        advantages: adv.clone(),
+        returns: adv,
     })
 }
 
@@ -268,9 +359,7 @@ pub fn grpo_scaled_advantage(
 ) -> Result<Advantages> {
     let batch_std = match scale {
         ScaleRewards::Batch => {
-            let b = Batch::new(response_mask)?;
-            let r = b.token("token_rewards", token_rewards, response_mask)?;
-            let scores = b.row_scores(&r);
+            let (_, scores) = Batch::scored(response_mask, token_rewards)?;
             let (_, std, _) = group_stats(&scores, &vec![0; scores.len()]);
             std[0]
         }

@@ -4,7 +4,7 @@
 //! reduction (`x - x` is NaN exactly where `x` is NaN or infinite), and only when
 //! it fails is the tensor copied to the host to find the first bad element.
 
-use candle_core::{DType, Tensor};
+use candle_core::{CpuStorage, DType, Storage, StorageRef, Tensor};
 
 use crate::error::{AlgoError, Result};
 
@@ -80,8 +80,33 @@ pub(crate) fn check_same_shape(
     Ok(())
 }
 
+/// 0 for a finite `x`, NaN for a NaN or an infinity: summed over a slice, a finiteness test
+/// in plain arithmetic, which vectorizes (a search for the first bad element does not).
+#[inline(always)]
+pub(crate) fn finite_probe(x: f32) -> f32 {
+    x * 0.0
+}
+
+/// Whether every element is finite ([`finite_probe`] summed in lanes).
+fn all_finite(data: &[f32]) -> bool {
+    let (chunks, tail) = data.as_chunks::<8>();
+    let mut probe = [0f32; 8];
+    for ch in chunks {
+        for c in 0..8 {
+            probe[c] += finite_probe(ch[c]);
+        }
+    }
+    for (c, &x) in tail.iter().enumerate() {
+        probe[c] += finite_probe(x);
+    }
+    probe.iter().all(|&p| p == 0.0)
+}
+
 /// Finds the first NaN or infinity in a host slice.
 pub(crate) fn find_non_finite(name: &'static str, data: &[f32], dims: &[usize]) -> Result<()> {
+    if all_finite(data) {
+        return Ok(());
+    }
     if let Some(pos) = data.iter().position(|v| !v.is_finite()) {
         let v = data[pos];
         let kind = if v.is_nan() {
@@ -128,6 +153,34 @@ pub(crate) fn check_finite_on_device(name: &'static str, t: &Tensor) -> Result<(
 
 /// Checks a 0/1 mask on the host; returns the number of valid positions.
 pub(crate) fn check_mask_host(name: &'static str, data: &[f32], dims: &[usize]) -> Result<usize> {
+    // Counted in lanes that vectorize (`|m - m^2|` is 0 exactly for 0 and 1); the scan
+    // below finds what is wrong, if anything.
+    let (chunks, tail) = data.as_chunks::<8>();
+    let (mut ones, mut other) = ([0f64; 8], [0f64; 8]);
+    for block in chunks.chunks(1 << 16) {
+        // f32 counts are exact to 2^24 per lane
+        let (mut o, mut x) = ([0f32; 8], [0f32; 8]);
+        for ch in block {
+            for c in 0..8 {
+                o[c] += ch[c];
+                x[c] += (ch[c] - ch[c] * ch[c]).abs();
+            }
+        }
+        for c in 0..8 {
+            ones[c] += f64::from(o[c]);
+            other[c] += f64::from(x[c]);
+        }
+    }
+    for (c, &v) in tail.iter().enumerate() {
+        ones[c] += f64::from(v);
+        other[c] += f64::from((v - v * v).abs());
+    }
+    if other.iter().all(|&x| x == 0.0) {
+        let count = ones.iter().map(|&x| x as usize).sum::<usize>();
+        if count > 0 {
+            return Ok(count);
+        }
+    }
     let mut count = 0usize;
     for (i, &v) in data.iter().enumerate() {
         if v == 1.0 {
@@ -228,6 +281,51 @@ pub(crate) fn clamp(x: &Tensor, lo: f32, hi: f32) -> Result<Tensor> {
     let lo = Tensor::full(lo, x.shape(), x.device())?;
     let hi = Tensor::full(hi, x.shape(), x.device())?;
     Ok(x.maximum(&lo)?.minimum(&hi)?)
+}
+
+/// A tensor's `f32` elements on the host, in row-major order: borrowed from the storage of
+/// a contiguous `f32` CPU tensor (no copy; the storage stays read-locked while the view
+/// lives, so drop it before running ops on the same tensor), copied otherwise.
+pub(crate) enum HostSlice<'a> {
+    Borrowed {
+        guard: StorageRef<'a>,
+        start: usize,
+        end: usize,
+    },
+    Owned(Vec<f32>),
+}
+
+impl<'a> HostSlice<'a> {
+    /// The view of `t` (any shape; an `f32` copy of other dtypes).
+    pub(crate) fn new(t: &'a Tensor) -> Result<Self> {
+        let (guard, layout) = t.storage_and_layout();
+        let offsets = layout.contiguous_offsets();
+        if let (Storage::Cpu(CpuStorage::F32(_)), Some((start, end))) = (&*guard, offsets) {
+            return Ok(Self::Borrowed { guard, start, end });
+        }
+        drop(guard);
+        let data = t
+            .detach()
+            .flatten_all()?
+            .to_dtype(DType::F32)?
+            .to_vec1::<f32>()?;
+        Ok(Self::Owned(data))
+    }
+}
+
+impl std::ops::Deref for HostSlice<'_> {
+    type Target = [f32];
+
+    fn deref(&self) -> &[f32] {
+        match self {
+            Self::Borrowed { guard, start, end } => match &**guard {
+                Storage::Cpu(CpuStorage::F32(data)) => &data[*start..*end],
+                // `new` borrows f32 CPU storage only
+                _ => &[],
+            },
+            Self::Owned(data) => data,
+        }
+    }
 }
 
 /// A validated host copy of a CPU response mask, used to validate and copy
