@@ -109,8 +109,9 @@ impl Groups {
     }
 
     /// Joins `spec.group`; returns once every rank joined (or the timeout passed).
+    /// A group of one gets the in-process communicator whatever the backend (every
+    /// collective returns its input): no NCCL communicator, device or library is opened.
     pub fn join(&mut self, spec: &JoinSpec) -> Result<()> {
-        check_backend(spec.backend)?;
         if spec.world_size == 0 || spec.rank >= spec.world_size {
             return Err(Error::invalid(format!(
                 "JoinComm for group '{}': rank {} is out of range for world_size {}",
@@ -122,6 +123,13 @@ impl Groups {
         } else {
             CommConfig::default()
         };
+        if spec.world_size == 1 {
+            self.pending.remove(&spec.group);
+            self.joined
+                .insert(spec.group, Box::new(TcpCommunicator::single(config)));
+            return Ok(());
+        }
+        check_backend(spec.backend)?;
         if spec.backend != CommBackend::Nccl && spec.world_size > 1 {
             if spec.secret.is_empty() {
                 return Err(Error::invalid(format!(
@@ -139,8 +147,6 @@ impl Groups {
         let pending = self.pending.remove(&spec.group);
         let comm: Box<dyn Communicator> = if spec.backend == CommBackend::Nccl {
             self.join_nccl(spec, &config, pending)?
-        } else if spec.world_size == 1 {
-            Box::new(TcpCommunicator::single(config))
         } else if spec.rank == 0 {
             match pending {
                 Some(Pending::Tcp(rv)) if spec.backend == CommBackend::Tcp => {
@@ -300,6 +306,31 @@ mod tests {
             g.get(CommGroup::ActorDp, 1).expect("single").world_size(),
             1
         );
+    }
+
+    /// An NCCL group of one opens nothing: no unique id, no device, and every collective
+    /// returns its input (before, the join went to NCCL and failed for want of an id).
+    #[test]
+    fn a_group_of_one_opens_no_nccl() {
+        let mut g = Groups::new();
+        g.join(&JoinSpec {
+            group: CommGroup::ActorDp,
+            backend: CommBackend::Nccl,
+            rank: 0,
+            world_size: 1,
+            address: String::new(),
+            unique_id: vec![],
+            timeout_ms: 1234,
+            secret: vec![],
+        })
+        .expect("a group of one joins without NCCL");
+        let c = g.get(CommGroup::ActorDp, 1).expect("joined");
+        assert_eq!((c.world_size(), c.backend()), (1, "tcp"));
+        let mut v = [f32::NAN, 2.0];
+        c.all_reduce_f32(&mut v, rlhf_collective::ReduceOp::Max)
+            .expect("reduce");
+        assert!(v[0].is_nan() && v[1] == 2.0);
+        assert_eq!(c.all_gather(b"x").expect("gather"), vec![b"x".to_vec()]);
     }
 
     #[test]

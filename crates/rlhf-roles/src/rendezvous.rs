@@ -14,7 +14,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use prost::Message;
 use rlhf_core::CommGroup;
@@ -240,8 +240,9 @@ impl Rendezvous {
     }
 
     /// Joins `req`'s group through `join` (the compute thread's JoinComm). A rank other
-    /// than 0 given only a key reads rank 0's rendezvous from the store first, inside the
-    /// join's one deadline. Rank 0 deletes the key it published once `join` is over,
+    /// than 0 given only a key reads rank 0's rendezvous from the store first, waiting up
+    /// to the join's timeout; `join` gets the request's timeout unchanged (it is the
+    /// communicator's op timeout too). Rank 0 deletes the key it published once `join` is over,
     /// failed or not, in a task of its own: a driver that gives up on the call (another
     /// rank failed) drops the handler, and the delete must not go with it.
     pub async fn join<F, Fut>(&self, mut req: pb::JoinCommRequest, join: F) -> Result<(), Status>
@@ -260,18 +261,19 @@ impl Rendezvous {
                     rlhf_runtime::actor::HEAD_ADDRESS_ENV
                 )));
             };
-            // One deadline for the whole join: what the wait used is gone from the join's.
-            let total = match req.timeout_ms {
+            // The wait is bounded by the join's timeout; the join then keeps the whole
+            // timeout, because `timeout_ms` is also every op's timeout on this communicator
+            // and must be the same on every rank (rank 0 never waits here). The wait is
+            // normally nil: the driver sends JoinComm only after rank 0's PrepareComm
+            // published the key.
+            let wait = match req.timeout_ms {
                 0 => DEFAULT_WAIT,
                 ms => Duration::from_millis(ms),
             };
-            let started = Instant::now();
-            let p = kv.fetch(&key, total).await?;
+            let p = kv.fetch(&key, wait).await?;
             static SAID: std::sync::Once = std::sync::Once::new();
             SAID.call_once(|| tracing::info!("{KV_RENDEZVOUS_LOG} ('{key}')"));
             (req.address, req.unique_id) = (p.address, p.unique_id);
-            let left = total.saturating_sub(started.elapsed());
-            req.timeout_ms = (left.as_millis() as u64).max(1);
         }
         let mine = if rank == 0 {
             self.lock().remove(&group)

@@ -216,3 +216,34 @@ async fn without_a_head_the_driver_gets_the_rendezvous() {
     b.unwrap();
     shutdown.cancel();
 }
+
+/// A rank that reads rank 0's rendezvous from the store joins with the configured timeout,
+/// not with what the read left of it: `timeout_ms` is also every op's timeout on the
+/// communicator, and rank 0 (which reads nothing) has the whole of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_that_reads_the_store_keeps_the_whole_op_timeout() {
+    use rlhf_roles::comm::Prepared;
+    use rlhf_roles::rendezvous::{HeadKv, Rendezvous};
+    let dir = tempfile::tempdir().unwrap();
+    let shutdown = CancellationToken::new();
+    let head_addr = start_head(dir.path(), &shutdown).await;
+    let kv = HeadKv::new(&head_addr, &ClientOptions::new(TOKEN)).unwrap();
+    let key = "comm/weights/timeout0123456789";
+    let p = Prepared {
+        address: "127.0.0.1:1".into(),
+        unique_id: vec![],
+    };
+    kv.publish(key, &p).await.unwrap();
+    let rv = Rendezvous::new(Some(kv));
+    let (tx, rx) = std::sync::mpsc::channel();
+    rv.join(join(1, 2, key, 60_000), move |req| async move {
+        tx.send((req.timeout_ms, req.address)).unwrap();
+        Ok(())
+    })
+    .await
+    .unwrap();
+    let (timeout_ms, address) = rx.recv().unwrap();
+    assert_eq!(address, "127.0.0.1:1", "the rendezvous came from the store");
+    assert_eq!(timeout_ms, 60_000);
+    shutdown.cancel();
+}
