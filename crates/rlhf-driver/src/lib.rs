@@ -16,6 +16,7 @@ mod job;
 pub mod output;
 pub mod prompts;
 pub mod report;
+pub mod role_env;
 pub mod snapshot;
 pub mod tensorboard;
 

@@ -235,9 +235,7 @@ pub async fn launch(
                 role: p.role.as_str().to_string(),
                 kind: p.role.as_str().to_string(),
                 args: vec![],
-                env: [("RLHF_JOB_ID".to_string(), opts.job_id.clone())]
-                    .into_iter()
-                    .collect(),
+                env: crate::role_env::role_env(&opts.job_id, std::env::vars_os()),
                 resources: None,
                 pg_id,
                 bundle_index,
