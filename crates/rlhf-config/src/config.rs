@@ -384,6 +384,10 @@ pub struct LoggingConfig {
     pub metrics_file: String,
     /// JSONL file with the sample tables.
     pub samples_file: String,
+    /// JSONL ledger of the prompts each step consumed (dataset rows trained on, and those
+    /// dynamic sampling dropped), kept exactly once per step across restarts and resumes as
+    /// the metrics file is; empty = none. PPO-family jobs.
+    pub ledger_file: String,
     /// Print and save a (query, response, score) table every N steps (0 = never).
     pub sample_every: u64,
     /// Rows in each sample table.
@@ -403,6 +407,7 @@ impl Default for LoggingConfig {
         Self {
             metrics_file: "logs/metrics.jsonl".into(),
             samples_file: "logs/samples.jsonl".into(),
+            ledger_file: String::new(),
             sample_every: 10,
             sample_rows: 4,
             progress: true,

@@ -83,6 +83,45 @@ impl MetricsLog {
     }
 }
 
+/// The prompts one step consumed (`logging.ledger_file`): the dataset rows of the groups it
+/// trained on and of those dynamic sampling dropped, and the data cursor after the step.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct LedgerEntry {
+    pub epoch: u64,
+    pub position: usize,
+    pub trained: Vec<usize>,
+    pub dropped: Vec<usize>,
+}
+
+/// Appends one ledger line per step; a resumed run keeps the lines of the steps it keeps.
+pub struct LedgerLog {
+    path: PathBuf,
+    file: File,
+}
+
+impl LedgerLog {
+    /// Opens `path` as [`MetricsLog::open`] does.
+    pub fn open(path: &Path, keep_through: Option<u64>) -> Result<Self> {
+        Ok(Self {
+            path: path.to_path_buf(),
+            file: open_keeping(path, keep_through)?,
+        })
+    }
+
+    pub fn write(&mut self, step: u64, e: &LedgerEntry) -> Result<()> {
+        let line = json!({
+            "step": step,
+            "epoch": e.epoch,
+            "position": e.position,
+            "trained": e.trained,
+            "dropped": e.dropped,
+        });
+        writeln!(self.file, "{line}")
+            .and_then(|_| self.file.flush())
+            .map_err(|e| Error::io(format!("writing {}", self.path.display()), e))
+    }
+}
+
 /// One generated sample for the table.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Sample {

@@ -95,6 +95,7 @@ fn run_steps(r: &mut Reporters, steps: std::ops::RangeInclusive<u64>, attempt: u
             step,
             metrics: &m,
             samples: with.contains(&step).then_some(s.as_slice()),
+            ledger: None,
         })
         .unwrap();
     }

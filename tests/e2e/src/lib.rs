@@ -88,9 +88,10 @@ pub fn repo_root() -> PathBuf {
 
 /// The overrides that put a job's checkpoints, metrics and samples under `out`
 /// (`ckpt/`, `metrics.jsonl`, `samples.jsonl`).
-pub fn output_overrides(out: &Path) -> [String; 3] {
+pub fn output_overrides(out: &Path) -> [String; 4] {
     [
         format!("checkpoint.dir={}", out.join("ckpt").display()),
+        format!("logging.ledger_file={}", out.join("ledger.jsonl").display()),
         format!(
             "logging.metrics_file={}",
             out.join("metrics.jsonl").display()

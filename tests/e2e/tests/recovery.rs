@@ -13,6 +13,8 @@ use nix::sys::signal::Signal;
 use rlhf_e2e::{children_of, comparable, jsonl, wait_steps, wait_success, Proc};
 
 const STEPS: u64 = 12;
+/// The prompts of data/prompts_tiny.jsonl: 12 steps of 8 take one epoch and a half.
+const PPO_TINY_PROMPTS: usize = 64;
 
 /// Waits until the run `p` has committed a checkpoint at step `min` or later under `ckpt`
 /// (`latest_checkpointed_iteration.txt`, written once a save is complete). Saves run in the
@@ -193,9 +195,49 @@ fn zero_weight_files(root: &Path) -> Result<usize> {
     Ok(n)
 }
 
+/// The ledger under `out` (`logging.ledger_file`) equals the uninterrupted run's line for
+/// line, and the prompts it consumed are each dataset row once per epoch: the first
+/// `dataset` of them are every row, and the rest are distinct.
+fn exactly_once(straight: &Path, out: &Path, dataset: usize) -> Result<()> {
+    let (a, b) = (
+        jsonl(&straight.join("ledger.jsonl"))?,
+        jsonl(&out.join("ledger.jsonl"))?,
+    );
+    let steps: Vec<u64> = b.iter().filter_map(|l| l["step"].as_u64()).collect();
+    assert_eq!(steps, (1..=STEPS).collect::<Vec<_>>(), "ledger steps");
+    assert_eq!(
+        a, b,
+        "the recovered run consumed other prompts than the uninterrupted one"
+    );
+    let rows: Vec<u64> = b
+        .iter()
+        .flat_map(|l| l["trained"].as_array().cloned().unwrap_or_default())
+        .filter_map(|v| v.as_u64())
+        .collect();
+    assert!(
+        rows.len() > dataset,
+        "{} prompts, dataset {dataset}",
+        rows.len()
+    );
+    let mut first: Vec<u64> = rows[..dataset].to_vec();
+    first.sort_unstable();
+    // Rows are numbered from 1, as the data loader's messages number them.
+    assert_eq!(first, (1..=dataset as u64).collect::<Vec<_>>(), "epoch 0");
+    let mut rest: Vec<u64> = rows[dataset..].to_vec();
+    rest.sort_unstable();
+    rest.dedup();
+    assert_eq!(
+        rest.len(),
+        rows.len() - dataset,
+        "a prompt twice in epoch 1"
+    );
+    Ok(())
+}
+
 /// The run under `out` logged each step once, with the numbers and sample tables of the
-/// uninterrupted run under `straight`.
+/// uninterrupted run under `straight`, and consumed the same prompts.
 fn same_as_straight(straight: &Path, out: &Path) -> Result<()> {
+    exactly_once(straight, out, PPO_TINY_PROMPTS)?;
     let (a, b) = (
         jsonl(&straight.join("metrics.jsonl"))?,
         jsonl(&out.join("metrics.jsonl"))?,

@@ -27,6 +27,7 @@ use rlhf_runtime::net::ClientOptions;
 use crate::checkpoint::{self};
 use crate::cluster::{self, Roles};
 use crate::group::CallError;
+use crate::output::LedgerEntry;
 use crate::report::{Event, Reporter, Reporters};
 
 use algorithm::{Algorithm, StepOutput};
@@ -419,6 +420,12 @@ impl Loop<'_> {
             let mut ro = ro?;
             let admitted = pipeline::admit(&mut ro, step, max_staleness)?;
             let (gen_s, tokens, cursor) = (ro.gen_s, ro.tokens, ro.cursor);
+            let ledger = LedgerEntry {
+                epoch: cursor.epoch,
+                position: cursor.position,
+                trained: std::mem::take(&mut ro.prompt_rows),
+                dropped: std::mem::take(&mut ro.dropped_rows),
+            };
             let generated = ro.response_mask.data.iter().filter(|&&m| m != 0.0).count();
             let StepOutput {
                 mut metrics,
@@ -477,6 +484,7 @@ impl Loop<'_> {
                 step,
                 metrics: &metrics,
                 samples: samples_due.then_some(samples.as_slice()),
+                ledger: Some(&ledger),
             })?;
             carry.history.push((step, metrics));
             if stopping {

@@ -326,6 +326,8 @@ mod tests {
             ground_truth: None,
             has_eos: vec![true; rows],
             group_ids: (0..rows).collect(),
+            prompt_rows: (0..rows).collect(),
+            dropped_rows: Vec::new(),
             tokens: rows * 3,
             cursor: Default::default(),
             gen_s: 0.0,

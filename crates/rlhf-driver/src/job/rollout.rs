@@ -62,6 +62,10 @@ pub(super) struct Rollout {
     pub(super) ground_truth: Option<Vec<Option<String>>>,
     pub(super) has_eos: Vec<bool>,
     pub(super) group_ids: Vec<usize>,
+    /// The dataset row of each group's prompt, in group order (`logging.ledger_file`).
+    pub(super) prompt_rows: Vec<usize>,
+    /// The dataset rows of the groups dynamic sampling dropped for this batch.
+    pub(super) dropped_rows: Vec<usize>,
     pub(super) tokens: usize,
     /// The sampler's cursor right after this batch's prompts were drawn: what a
     /// checkpoint after this step records.
@@ -383,7 +387,13 @@ impl RolloutSource<'_> {
             }
         }
         keep.truncate(want);
-        assemble(parts, &keep, n, self.sampler.cursor(), counts)
+        let mut ro = assemble(&parts, &keep, n, self.sampler.cursor(), counts)?;
+        ro.dropped_rows = dropped
+            .iter()
+            .filter(|d| !keep.contains(d))
+            .map(|&(p, g)| parts[p].0.prompt_rows[g])
+            .collect();
+        Ok(ro)
     }
 
     async fn generate_batch(&mut self, step: u64) -> Res<Rollout> {
@@ -480,6 +490,12 @@ impl RolloutSource<'_> {
             ground_truth,
             has_eos,
             group_ids: (0..rows).map(|i| i / n).collect(),
+            prompt_rows: which
+                .iter()
+                .step_by(n)
+                .map(|&i| self.prompts[i].source_row)
+                .collect(),
+            dropped_rows: Vec::new(),
             tokens,
             cursor,
             gen_s,
@@ -492,7 +508,7 @@ impl RolloutSource<'_> {
 /// One batch from the groups `keep` (`(part, group)`) of several generation rounds, in that
 /// order, with their scores.
 fn assemble(
-    parts: Vec<(Rollout, Scored)>,
+    parts: &[(Rollout, Scored)],
     keep: &[(usize, usize)],
     n: usize,
     cursor: DataCursor,
@@ -544,6 +560,11 @@ fn assemble(
             .then(|| Vec::with_capacity(rows)),
         has_eos: Vec::with_capacity(rows),
         group_ids: (0..rows).map(|i| i / n).collect(),
+        prompt_rows: keep
+            .iter()
+            .map(|&(p, g)| parts[p].0.prompt_rows[g])
+            .collect(),
+        dropped_rows: Vec::new(),
         tokens: 0,
         cursor,
         gen_s: ros.iter().map(|ro| ro.gen_s).sum(),
@@ -613,6 +634,8 @@ mod tests {
             ground_truth: (p == 1).then(|| (0..rows).map(|r| Some(r.to_string())).collect()),
             has_eos: (0..rows).map(|r| r % 2 == 0).collect(),
             group_ids: (0..rows).map(|r| r / n).collect(),
+            prompt_rows: (0..groups).map(|g| p * 10 + g).collect(),
+            dropped_rows: Vec::new(),
             tokens: rows * 2,
             cursor: DataCursor::default(),
             gen_s: 1.0,
@@ -639,7 +662,8 @@ mod tests {
             filtered_groups: 4,
             ..FilterCounts::default()
         };
-        let ro = assemble(parts, &[(1, 2), (0, 0)], n, DataCursor::default(), counts).unwrap();
+        let ro = assemble(&parts, &[(1, 2), (0, 0)], n, DataCursor::default(), counts).unwrap();
+        assert_eq!(ro.prompt_rows, vec![12, 0]);
         assert_eq!(ro.rows, 4);
         assert_eq!(ro.seq.input_ids.data, vec![104, 105, 105, 106, 0, 1, 1, 2]);
         assert_eq!(ro.prompt_text, vec!["p1r4", "p1r5", "p0r0", "p0r1"]);

@@ -13,7 +13,9 @@ use std::path::Path;
 use rlhf_config::PpoConfig;
 use rlhf_core::Result;
 
-use crate::output::{sample_table, MetricsLog, Progress, Sample, SampleLog};
+use crate::output::{
+    sample_table, LedgerEntry, LedgerLog, MetricsLog, Progress, Sample, SampleLog,
+};
 use crate::tensorboard::EventWriter;
 
 mod recorder;
@@ -69,6 +71,8 @@ pub enum Event<'a> {
         step: u64,
         metrics: &'a BTreeMap<String, f64>,
         samples: Option<&'a [Sample]>,
+        /// The prompts the step consumed (PPO-family jobs).
+        ledger: Option<&'a LedgerEntry>,
     },
     /// The run stopped early as asked (`--stop-after`).
     Stopped { steps_run: u64 },
@@ -128,6 +132,12 @@ impl Reporters {
             if !logging.samples_file.is_empty() {
                 self.files.push(Box::new(SamplesFile(SampleLog::open(
                     Path::new(&logging.samples_file),
+                    keep_through,
+                )?)));
+            }
+            if !logging.ledger_file.is_empty() {
+                self.files.push(Box::new(LedgerFile(LedgerLog::open(
+                    Path::new(&logging.ledger_file),
                     keep_through,
                 )?)));
             }
@@ -288,6 +298,7 @@ impl Reporter for Console {
                 step,
                 metrics,
                 samples,
+                ..
             } => {
                 self.progress.update(step, metrics);
                 if let Some(s) = samples {
@@ -332,6 +343,22 @@ impl Reporter for SamplesFile {
     }
 }
 
+/// The prompts each step consumed as JSONL (`logging.ledger_file`).
+pub struct LedgerFile(pub LedgerLog);
+
+impl Reporter for LedgerFile {
+    fn report(&mut self, event: &Event<'_>) -> Result<()> {
+        match event {
+            Event::Step {
+                step,
+                ledger: Some(e),
+                ..
+            } => self.0.write(*step, e),
+            _ => Ok(()),
+        }
+    }
+}
+
 /// Every step's metrics as TensorBoard scalars and the due samples as a text table
 /// (`logging.tensorboard_dir`).
 pub struct TensorBoardFile(pub EventWriter);
@@ -343,6 +370,7 @@ impl Reporter for TensorBoardFile {
                 step,
                 metrics,
                 samples,
+                ..
             } => self.0.write_step(*step, metrics, *samples),
             _ => Ok(()),
         }
@@ -387,12 +415,14 @@ mod tests {
             step: 1,
             metrics: &metrics,
             samples: Some(&samples),
+            ledger: None,
         })
         .unwrap();
         all.report(&Event::Step {
             step: 2,
             metrics: &metrics,
             samples: None,
+            ledger: None,
         })
         .unwrap();
         all.report(&Event::Stopped { steps_run: 2 }).unwrap();
@@ -440,6 +470,7 @@ mod tests {
                 step,
                 metrics: &metrics,
                 samples: None,
+                ledger: None,
             })
             .unwrap()
         };

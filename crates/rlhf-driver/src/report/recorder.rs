@@ -86,6 +86,7 @@ impl Reporter for Recorder {
                 step,
                 metrics,
                 samples,
+                ..
             } => Recorded::Step {
                 step,
                 metrics: metrics.clone(),

@@ -416,6 +416,7 @@ impl StageLoop<'_> {
                 step,
                 metrics: &metrics,
                 samples: None,
+                ledger: None,
             })?;
             self.carry.history.push((step, metrics));
             if stopping {
