@@ -1,17 +1,23 @@
-//! Fused CPU kernels for the per-token policy and value losses.
+//! Fused CPU kernels for the policy and value losses.
 //!
 //! On the CPU every candle op is a separate pass over memory (and scalar clamps
 //! take a strided path), so the clipped surrogate's ~30 ops cost more than the
-//! math. Here one pass over host copies computes the per-token loss, its exact
-//! derivative and the diagnostics; a custom op hands the loss to candle and the
-//! derivative to its backward pass, so the result stays in the autograd graph. Ties in `max`/`min`/`clamp` split the gradient in half, as
-//! candle's own ops (and PyTorch's) do, so both paths agree to rounding; the
-//! op-chain versions in `loss.rs` remain the path for other devices and are
-//! tested against these.
+//! math. Here one pass over host data computes the loss, its exact derivative and
+//! the diagnostics; a custom op hands the loss to candle and the derivative to its
+//! backward pass, so the result stays in the autograd graph. Ties in
+//! `max`/`min`/`clamp` split the gradient in half, as candle's own ops (and
+//! PyTorch's) do, so both paths agree to rounding; the op-chain versions in
+//! `loss.rs` and `objective.rs` remain the path for other devices and are tested
+//! against these. The policy loss of every objective, ratio level and aggregation
+//! is in `fused/policy.rs`; the value loss's per-token kernel is here.
 
 use candle_core::{CpuStorage, CustomOp1, Layout, Shape, Tensor};
 
 use crate::error::Result;
+
+mod policy;
+
+pub(crate) use policy::{policy_loss_host, Inputs, LossWithGrad};
 
 // The per-token helpers are written as plain selects on precomputed values,
 // not nested branches: on random data the branches mispredict half the time and
@@ -43,53 +49,6 @@ fn pick_max(a: (f32, f32), b: (f32, f32)) -> (f32, f32) {
     let v = sel(b.0 > a.0, b.0, a.0);
     let d = sel(a.0 > b.0, a.1, sel(b.0 > a.0, b.1, 0.5 * (a.1 + b.1)));
     (v, d)
-}
-
-/// One token of the clipped surrogate.
-struct PgToken {
-    /// Loss value.
-    value: f32,
-    /// Derivative of the loss w.r.t. `logp`.
-    deriv: f32,
-    /// Clamped log-ratio.
-    neg_kl: f32,
-    ratio: f32,
-    /// The clipped surrogate was the larger one.
-    clipped: bool,
-    /// The dual clip bounded a negative advantage.
-    lower: bool,
-}
-
-#[inline(always)]
-fn pg_elem(lp: f32, old: f32, a: f32, p: &PgParams) -> PgToken {
-    let diff = lp - old;
-    let (neg_kl, dnk) = pick_clamp(diff, -20.0, 20.0, 1.0);
-    let ratio = neg_kl.exp();
-    let dratio = ratio * dnk;
-    let na = -a;
-    let pg1 = na * ratio;
-    let (cr, dcr) = pick_clamp(ratio, p.lo, p.hi, dratio);
-    let pg2 = na * cr;
-    let (c1, dc1) = pick_max((pg1, na * dratio), (pg2, na * dcr));
-    let (value, deriv, lower) = match p.dual {
-        Some(c) => {
-            // min(c1, pg3) for negative advantages; pg3 does not depend on logp.
-            let pg3 = na * c;
-            let neg = a < 0.0;
-            let v = sel(c1 > pg3, pg3, c1);
-            let d = sel(c1 < pg3, dc1, sel(c1 > pg3, 0.0, 0.5 * dc1));
-            (sel(neg, v, c1), sel(neg, d, dc1), neg && c1 > pg3)
-        }
-        None => (c1, dc1, false),
-    };
-    PgToken {
-        value,
-        deriv,
-        neg_kl,
-        ratio,
-        clipped: pg2 > pg1,
-        lower,
-    }
 }
 
 /// Unreduced value loss `max((v - R)^2, (clip(v, old ± c) - R)^2)` for one token,
@@ -187,57 +146,6 @@ fn split_pass<R: Send>(
             })
             .collect()
     })
-}
-
-/// Per-token policy loss matrix (in the autograd graph of `logp_t`) and the
-/// masked diagnostics `(clipfrac, clipfrac_lower, approxkl, ppo_kl, ratio_mean)`
-/// from host copies of the inputs. Old log-probs and advantages are constants.
-pub(crate) fn policy_terms(
-    logp_t: &Tensor,
-    lp: &[f32],
-    old: &[f32],
-    adv: &[f32],
-    mask: &[f32],
-    p: PgParams,
-) -> Result<(Tensor, [f64; 5])> {
-    let mut values = vec![0f32; lp.len()];
-    let mut derivative = vec![0f32; lp.len()];
-    let parts = split_pass(lp.len(), &mut values, &mut derivative, |r, vs, ds| {
-        let mut acc = [0f64; 6];
-        let tokens = lp[r.clone()]
-            .iter()
-            .zip(&old[r.clone()])
-            .zip(&adv[r.clone()]);
-        let outs = vs.iter_mut().zip(ds.iter_mut());
-        for (((&lp, &o), &a), ((v, d), &m)) in tokens.zip(outs.zip(&mask[r])) {
-            let tk = pg_elem(lp, o, a, &p);
-            *v = tk.value;
-            *d = tk.deriv;
-            let m = f64::from(m);
-            let diff = f64::from(lp - o);
-            acc[0] += m * f64::from(u8::from(tk.clipped));
-            acc[1] += m * f64::from(u8::from(tk.lower));
-            acc[2] += m * 0.5 * diff * diff;
-            acc[3] -= m * f64::from(tk.neg_kl);
-            acc[4] += m * f64::from(tk.ratio);
-            acc[5] += m;
-        }
-        acc
-    });
-    let mut acc = [0f64; 6];
-    for part in parts {
-        for (a, b) in acc.iter_mut().zip(part) {
-            *a += b;
-        }
-    }
-    let n = acc[5];
-    let stats = [acc[0] / n, acc[1] / n, acc[2] / n, acc[3] / n, acc[4] / n];
-    let op = Precomputed {
-        name: "rlhf-algo-policy-loss",
-        values,
-        derivative,
-    };
-    Ok((logp_t.apply_op1(op)?, stats))
 }
 
 /// Per-token (unhalved) value loss matrix (in the autograd graph of

@@ -2,7 +2,7 @@
 //! caller can backpropagate into the policy (through `logp`) and the critic
 //! (through `vpreds`). Diagnostics are returned as plain `f64`s.
 
-use candle_core::Tensor;
+use candle_core::{DType, Tensor};
 
 use crate::config::{PolicyLossConfig, ValueLossConfig};
 use crate::error::Result;
@@ -11,7 +11,7 @@ use crate::kl::kl_penalty_unchecked;
 use crate::masked::{masked_mean_n, scalar};
 use crate::names::{ImportanceSamplingLevel, KlPenalty, LossAggMode, PolicyLoss};
 use crate::objective::objective_terms;
-use crate::validate::{check_mask, check_token_tensor, clamp, HostMask};
+use crate::validate::{check_mask, check_token_tensor, clamp, HostMask, HostSlice};
 
 /// Reduces a `[batch, len]` loss matrix to a scalar over the mask
 /// (verl `agg_loss`). The `seq-mean-*` modes average over the sequences that
@@ -159,44 +159,115 @@ pub fn policy_loss(
     cfg: &PolicyLossConfig,
 ) -> Result<PolicyLossOutput> {
     cfg.validate()?;
-    if cfg.policy_loss != PolicyLoss::Ppo
-        || cfg.importance_sampling_level != ImportanceSamplingLevel::Token
-    {
-        return grpo_family_loss(old_logp, logp, advantages, response_mask, cfg);
-    }
-    let params = PgParams {
-        lo: (1.0 - cfg.low()) as f32,
-        hi: (1.0 + cfg.high()) as f32,
-        dual: cfg.clip_ratio_c.map(|c| c as f32),
-    };
-    // The fused kernel needs the graph input on the host; other devices use the op chain.
-    let (n, pg, stats) = if logp.device().is_cpu() && response_mask.device().is_cpu() {
-        let m = HostMask::new("response_mask", response_mask)?;
-        let old = m.token("old_logp", old_logp)?;
-        let lp = m.token("logp", logp)?;
-        let adv = m.token("advantages", advantages)?;
-        let (pg, stats) = fused::policy_terms(logp, &lp, &old, &adv, &m.data, params)?;
-        (m.n, pg, stats)
-    } else {
-        let n = check_policy_inputs(old_logp, logp, advantages, response_mask)?;
-        let (pg, stats) = policy_terms_ops(old_logp, logp, advantages, response_mask, n, params)?;
-        (n, pg, stats)
-    };
-    policy_output(&pg, response_mask, n, stats, cfg)
+    Ok(policy_and_entropy(old_logp, logp, advantages, response_mask, None, cfg)?.0)
 }
 
-/// [`policy_loss`] for the objectives and ratio levels beyond the token-level clipped
-/// surrogate (`objective.rs`).
-fn grpo_family_loss(
+/// [`policy_loss`] and, when `entropy` is given, its aggregation the same way (a value, no
+/// gradient). On the CPU both come from one pass of the fused kernel; elsewhere, or when an
+/// input fails a check there, from the checked op chains (which name the fault).
+fn policy_and_entropy(
     old_logp: &Tensor,
     logp: &Tensor,
     advantages: &Tensor,
     response_mask: &Tensor,
+    entropy: Option<&Tensor>,
     cfg: &PolicyLossConfig,
-) -> Result<PolicyLossOutput> {
+) -> Result<(PolicyLossOutput, Option<f64>)> {
+    let tensors = [old_logp, logp, advantages, response_mask];
+    if tensors.iter().chain(&entropy).all(|t| t.device().is_cpu()) {
+        if let Some(out) = policy_loss_cpu(old_logp, logp, advantages, response_mask, entropy, cfg)?
+        {
+            return Ok(out);
+        }
+    }
+    policy_and_entropy_ops(old_logp, logp, advantages, response_mask, entropy, cfg)
+}
+
+/// The fused CPU kernel, or `None` when an input is not of the expected dtype and shape or
+/// fails a value check.
+fn policy_loss_cpu(
+    old_logp: &Tensor,
+    logp: &Tensor,
+    advantages: &Tensor,
+    response_mask: &Tensor,
+    entropy: Option<&Tensor>,
+    cfg: &PolicyLossConfig,
+) -> Result<Option<(PolicyLossOutput, Option<f64>)>> {
+    let dims = response_mask.dims();
+    let &[_, width] = dims else {
+        return Ok(None);
+    };
+    let tensors = [old_logp, logp, advantages, response_mask];
+    let fits = |t: &&Tensor| t.dtype() == DType::F32 && t.dims() == dims;
+    if width == 0 || !tensors.iter().chain(&entropy).all(fits) {
+        return Ok(None);
+    }
+    let out = {
+        // borrowed views: dropped before any op runs on these tensors
+        let mask = HostSlice::new(response_mask)?;
+        let old = HostSlice::new(old_logp)?;
+        let lp = HostSlice::new(logp)?;
+        let adv = HostSlice::new(advantages)?;
+        let ent = entropy.map(HostSlice::new).transpose()?;
+        let inputs = fused::Inputs {
+            logp: &lp,
+            old: &old,
+            adv: &adv,
+            mask: &mask,
+            entropy: ent.as_deref(),
+            width,
+        };
+        fused::policy_loss_host(&inputs, cfg)
+    };
+    let Some(out) = out else {
+        return Ok(None);
+    };
+    let grad = Tensor::from_vec(out.grad, dims, response_mask.device())?;
+    let loss = logp.apply_op1(fused::LossWithGrad {
+        loss: out.loss as f32,
+        grad,
+    })?;
+    let [clipfrac, clipfrac_lower, approxkl, ppo_kl, ratio_mean] = out.stats;
+    let policy = PolicyLossOutput {
+        loss,
+        clipfrac,
+        clipfrac_lower,
+        approxkl,
+        ppo_kl,
+        ratio_mean,
+    };
+    Ok(Some((policy, out.entropy)))
+}
+
+/// [`policy_and_entropy`] from checked, differentiable candle ops (any device).
+pub(crate) fn policy_and_entropy_ops(
+    old_logp: &Tensor,
+    logp: &Tensor,
+    advantages: &Tensor,
+    response_mask: &Tensor,
+    entropy: Option<&Tensor>,
+    cfg: &PolicyLossConfig,
+) -> Result<(PolicyLossOutput, Option<f64>)> {
     let n = check_policy_inputs(old_logp, logp, advantages, response_mask)?;
-    let (pg, stats) = objective_terms(old_logp, logp, advantages, response_mask, n, cfg)?;
-    policy_output(&pg, response_mask, n, stats, cfg)
+    let (pg, stats) = if cfg.policy_loss == PolicyLoss::Ppo
+        && cfg.importance_sampling_level == ImportanceSamplingLevel::Token
+    {
+        let params = PgParams {
+            lo: (1.0 - cfg.low()) as f32,
+            hi: (1.0 + cfg.high()) as f32,
+            dual: cfg.clip_ratio_c.map(|c| c as f32),
+        };
+        policy_terms_ops(old_logp, logp, advantages, response_mask, n, params)?
+    } else {
+        // the GRPO family's other objectives and ratio levels (`objective.rs`)
+        objective_terms(old_logp, logp, advantages, response_mask, n, cfg)?
+    };
+    let policy = policy_output(&pg, response_mask, n, stats, cfg)?;
+    let (mode, factor) = (cfg.loss_agg_mode, cfg.loss_scale_factor);
+    let entropy = entropy
+        .map(|h| scalar(&agg_loss_scaled(&h.detach(), response_mask, mode, factor)?))
+        .transpose()?;
+    Ok((policy, entropy))
 }
 
 /// The mask's valid-token count, once the three token tensors are checked against it.
@@ -402,15 +473,16 @@ pub fn actor_loss(
     ref_logp: Option<&Tensor>,
     cfg: &PolicyLossConfig,
 ) -> Result<ActorLossOutput> {
-    let policy = policy_loss(old_logp, logp, advantages, response_mask, cfg)?;
+    cfg.validate()?;
+    // Without a bonus the entropy is only reported: the policy loss's pass aggregates it.
+    let report_only = entropy.filter(|_| cfg.entropy_coeff == 0.0);
+    let (policy, mut entropy_value) =
+        policy_and_entropy(old_logp, logp, advantages, response_mask, report_only, cfg)?;
     let mut loss = policy.loss.clone();
-    let mut entropy_value = None;
-    if let Some(h) = entropy {
+    if let Some(h) = entropy.filter(|_| cfg.entropy_coeff != 0.0) {
         let agg = agg_loss_scaled(h, response_mask, cfg.loss_agg_mode, cfg.loss_scale_factor)?;
         entropy_value = Some(scalar(&agg)?);
-        if cfg.entropy_coeff != 0.0 {
-            loss = loss.sub(&agg.affine(cfg.entropy_coeff, 0.0)?)?;
-        }
+        loss = loss.sub(&agg.affine(cfg.entropy_coeff, 0.0)?)?;
     }
     let mut kl_value = None;
     if cfg.use_kl_loss {
@@ -508,8 +580,61 @@ mod tests {
     #[test]
     fn fused_cpu_kernels_match_the_op_chains() {
         fused_matches_ops(6, 40);
-        // large enough for the fused pass to split across threads
-        fused_matches_ops(6, 30_000);
+        // rows that end inside a lane, large enough for the pass to split across threads
+        fused_matches_ops(6, 30_001);
+    }
+
+    /// Every objective at both ratio levels under every aggregation, with clip settings
+    /// that make each branch fire on the data of `fused_matches_ops`.
+    fn fused_configs(t: usize) -> Vec<PolicyLossConfig> {
+        let base = PolicyLossConfig::default();
+        let mut objectives = Vec::new();
+        for c in [Some(3.0), Some(1.5), None] {
+            for (low, high) in [(0.2, 0.2), (0.1, 0.28)] {
+                objectives.push(PolicyLossConfig {
+                    clip_ratio: low,
+                    clip_ratio_high: Some(high),
+                    clip_ratio_c: c,
+                    ..base.clone()
+                });
+            }
+        }
+        // GSPO's narrow range clips whole sequences
+        objectives.push(PolicyLossConfig {
+            clip_ratio: 3e-4,
+            clip_ratio_high: Some(4e-4),
+            clip_ratio_c: None,
+            ..base.clone()
+        });
+        objectives.push(PolicyLossConfig {
+            policy_loss: PolicyLoss::Cispo,
+            cispo_clip_max: 1.5,
+            ..base.clone()
+        });
+        for (pos, neg) in [(1.0, 1.05), (0.5, 2.0)] {
+            objectives.push(PolicyLossConfig {
+                policy_loss: PolicyLoss::Sapo,
+                sapo_temperature_pos: pos,
+                sapo_temperature_neg: neg,
+                ..base.clone()
+            });
+        }
+        let mut out = Vec::new();
+        for o in objectives {
+            for level in ImportanceSamplingLevel::ALL {
+                for mode in LossAggMode::ALL {
+                    let factor =
+                        (*mode == LossAggMode::SeqMeanTokenSumNorm).then_some(1.5 * t as f64);
+                    out.push(PolicyLossConfig {
+                        importance_sampling_level: *level,
+                        loss_agg_mode: *mode,
+                        loss_scale_factor: factor,
+                        ..o.clone()
+                    });
+                }
+            }
+        }
+        out
     }
 
     fn fused_matches_ops(b: usize, t: usize) {
@@ -534,35 +659,73 @@ mod tests {
             .map(|i| f32::from(u8::from(i % t <= t * (1 + i / t) / (b + 1))))
             .collect());
         let n = host(&mask).iter().filter(|&&m| m != 0.0).count();
-        for dual in [Some(3.0), Some(1.5), None] {
-            for (lo, hi) in [(0.8, 1.2), (0.9, 1.28)] {
-                let p = PgParams { lo, hi, dual };
-                let run = |fused_path: bool| {
-                    let var = candle_core::Var::from_tensor(&tok(new_v.clone())).unwrap();
-                    let (pg, stats) = if fused_path {
-                        let lp = host(var.as_tensor());
-                        let (o, a, m) = (host(&old), host(&adv), host(&mask));
-                        fused::policy_terms(var.as_tensor(), &lp, &o, &a, &m, p).unwrap()
-                    } else {
-                        policy_terms_ops(&old, var.as_tensor(), &adv, &mask, n, p).unwrap()
-                    };
-                    let loss = pg.mul(&mask).unwrap().sum_all().unwrap();
-                    let grads = loss.backward().unwrap();
-                    (host(&pg), stats, host(grads.get(&var).unwrap()))
+        let entropy = tok(pseudo(b * t, 7, 1.0).iter().map(|x| x + 1.0).collect());
+        for cfg in fused_configs(t) {
+            let run = |fused_path: bool| {
+                let var = candle_core::Var::from_tensor(&tok(new_v.clone())).unwrap();
+                let lp = var.as_tensor();
+                let (out, ent) = if fused_path {
+                    policy_loss_cpu(&old, lp, &adv, &mask, Some(&entropy), &cfg)
+                        .unwrap()
+                        .expect("the fused kernel takes these inputs")
+                } else {
+                    policy_and_entropy_ops(&old, lp, &adv, &mask, Some(&entropy), &cfg).unwrap()
                 };
-                let (pg_f, st_f, g_f) = run(true);
-                let (pg_o, st_o, g_o) = run(false);
-                let what = format!("{p:?}");
-                assert_close(&format!("{what} pg"), &pg_f, &pg_o);
-                assert_close(&format!("{what} grad"), &g_f, &g_o);
-                for (x, y) in st_f.iter().zip(&st_o) {
-                    assert!(
-                        (x - y).abs() < 1e-5 * y.abs().max(1.0),
-                        "{what} stats {st_f:?} vs {st_o:?}"
-                    );
-                }
+                let grads = out.loss.backward().unwrap();
+                let stats = [
+                    out.clipfrac,
+                    out.clipfrac_lower,
+                    out.approxkl,
+                    out.ppo_kl,
+                    out.ratio_mean,
+                ];
+                let loss = out.loss.to_scalar::<f32>().unwrap();
+                (loss, stats, ent.unwrap(), host(grads.get(&var).unwrap()))
+            };
+            let (l_f, st_f, e_f, g_f) = run(true);
+            let (l_o, st_o, e_o, g_o) = run(false);
+            let what = format!(
+                "{} {} {} c={:?} ({}, {:?})",
+                cfg.policy_loss,
+                cfg.importance_sampling_level,
+                cfg.loss_agg_mode,
+                cfg.clip_ratio_c,
+                cfg.clip_ratio,
+                cfg.clip_ratio_high
+            );
+            assert!(
+                (l_f - l_o).abs() <= 1e-5 * l_o.abs().max(1.0),
+                "{what}: loss {l_f} vs {l_o}"
+            );
+            assert!(
+                (e_f - e_o).abs() <= 1e-5 * e_o.abs().max(1.0),
+                "{what}: entropy {e_f} vs {e_o}"
+            );
+            // At the sequence level each gradient sums a whole row's token derivatives, which
+            // the op chain adds up in f32 one after another (up to 6e-5 off on 30,001 tokens).
+            let token = cfg.importance_sampling_level == ImportanceSamplingLevel::Token;
+            let tol = if token { 1e-5 } else { 2e-4 };
+            let scale = g_o.iter().fold(0f32, |m, x| m.max(x.abs()));
+            for (i, (x, y)) in g_f.iter().zip(&g_o).enumerate() {
                 assert!(
-                    st_f[0] > 0.0 && (dual.is_none() || st_f[1] > 0.0),
+                    (x - y).abs() <= tol * scale,
+                    "{what}: grad[{i}] {x} vs {y} (largest {scale})"
+                );
+            }
+            // the op chains sum ~10^5 tokens in f32 one after another (2e-5 off at most
+            // here); the kernel sums in f64
+            for (x, y) in st_f.iter().zip(&st_o) {
+                assert!(
+                    (x - y).abs() < 1e-4 * y.abs().max(1.0),
+                    "{what}: stats {st_f:?} vs {st_o:?}"
+                );
+            }
+            // every clip fires on per-token ratios; sequence means stay near 1 but for
+            // GSPO's narrow range
+            if cfg.policy_loss == PolicyLoss::Ppo && (token || cfg.clip_ratio < 0.01) {
+                let dual = token && cfg.clip_ratio_c.is_some_and(|c| c < 2.0);
+                assert!(
+                    st_f[0] > 0.0 && (!dual || st_f[1] > 0.0),
                     "{what}: {st_f:?}"
                 );
             }
