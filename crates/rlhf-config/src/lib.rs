@@ -53,7 +53,7 @@ pub use error::{ConfigError, Result};
 pub use fault::FaultToleranceConfig;
 pub use load::{config_schema, from_bundle, from_yaml_str, load, load_file, load_model};
 pub use lora::LoraOptions;
-pub use memory::MemoryRow;
+pub use memory::{Collectives, MemoryRow, NCCL_COMM_BYTES};
 pub use model::ModelConfig;
 pub use phases::Phase;
 pub use plan::{Assignment, Plan};

@@ -45,6 +45,21 @@
 //! `gpu_memory_utilization` of the device (its weights, activations and KV cache), on the CPU
 //! its weights `P·b`, `kv_cache_gb` and the prefill.
 //!
+//! NCCL's own device memory ([`Collectives::Nccl`], `rlhf-head check --comm-backend nccl`):
+//! [`NCCL_COMM_BYTES`] (1 GiB) for every NCCL communicator a rank holds on a GPU, counted for
+//! groups of more than one rank (a group of one opens none): a trainer rank its data-parallel
+//! group (`actor_dp`, `critic_dp`) and, for the actor's trainer rank 0 and every rollout rank,
+//! the `weights` group when the rollout has processes of its own; so the actor's rank 0 may
+//! hold two. The weights group uses NCCL only when its ranks span nodes (on one node the
+//! weights go by shared memory and CUDA IPC): counting it is the upper bound. Where 1 GiB
+//! comes from: NCCL allocates per channel and per peer connection a buffer for each
+//! protocol, `NCCL_BUFFSIZE` (4 MiB, Simple) plus LL128 (about 4.6 MiB) and LL (about
+//! 0.25 MiB); with up to 32 channels on NVLink machines and two ring peers that is
+//! 32 · 2 · ~9 MiB ≈ 0.56 GiB, plus its work queues, proxy buffers and the tree and collnet
+//! connections; issue #56 puts the total at 1-2 GB per communicator, more with NVLS on
+//! NVSwitch machines (`NCCL_NVLS_ENABLE=0` turns that off). 1 GiB is the planning figure,
+//! not a bound; lower `NCCL_BUFFSIZE` / `NCCL_MAX_NCHANNELS` shrink it.
+//!
 //! These are rough upper-ish bounds for planning, not allocator-exact numbers.
 
 use std::collections::BTreeMap;
@@ -54,6 +69,22 @@ use crate::config::{PpoConfig, RewardKind, RoleKind};
 use crate::model::{mul, ModelConfig};
 
 const GIB: f64 = (1u64 << 30) as f64;
+
+/// Device bytes counted per NCCL communicator a rank holds (see the module docs for where
+/// the number comes from).
+pub const NCCL_COMM_BYTES: u64 = 1 << 30;
+
+/// The collectives library the job's communicator groups use, which decides whether they
+/// hold device memory of their own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Collectives {
+    /// TCP or shared memory: host buffers only, nothing on the device.
+    #[default]
+    Host,
+    /// NCCL (`--comm-backend nccl`): each communicator of more than one rank holds
+    /// [`NCCL_COMM_BYTES`] on its GPU.
+    Nccl,
+}
 
 /// Estimated bytes per device for one role (or one kind of rank of a role).
 #[derive(Debug, Clone, PartialEq)]
@@ -76,6 +107,8 @@ pub struct MemoryRow {
     pub kv_cache: u64,
     /// Activation bytes.
     pub activations: u64,
+    /// Device bytes of the NCCL communicators the rank holds ([`Collectives::Nccl`]).
+    pub comm: u64,
 }
 
 impl MemoryRow {
@@ -86,6 +119,7 @@ impl MemoryRow {
             self.optimizer,
             self.kv_cache,
             self.activations,
+            self.comm,
         ]
         .iter()
         .fold(self.weights, |a, &x| a.saturating_add(x))
@@ -101,6 +135,45 @@ impl PpoConfig {
     /// is known (from `defaults` or the model directory's `config.json`).
     /// Roles without a known architecture are listed with zero bytes.
     pub fn memory_estimate(&self) -> Vec<MemoryRow> {
+        self.memory_estimate_with(Collectives::Host)
+    }
+
+    /// The NCCL communicators (groups of more than one rank) a GPU rank of `label` holds.
+    fn nccl_comms(&self, label: &str) -> u64 {
+        let a = &self.actor_rollout;
+        let group = |ranks: u32| u64::from(ranks > 1);
+        // Rollout ranks of their own receive the weights through the `weights` group, with
+        // the actor's trainer rank 0.
+        let weights = u64::from(
+            self.trainer == crate::TrainerKind::Ppo
+                && !self.resource_pool.colocate
+                && a.num_gpus_for_infer > 0,
+        );
+        match label {
+            "actor_rollout/train" => group(a.num_gpus_for_train) + weights,
+            "actor_rollout/infer" => weights,
+            "critic" => group(self.resource_pool.critic),
+            "reward" if self.trainer == crate::TrainerKind::Reward => {
+                group(self.resource_pool.reward)
+            }
+            _ => 0,
+        }
+    }
+
+    /// [`Self::memory_estimate`] with the communicators' device memory of `collectives`.
+    pub fn memory_estimate_with(&self, collectives: Collectives) -> Vec<MemoryRow> {
+        let mut rows = self.memory_estimate_host();
+        if collectives == Collectives::Nccl && self.resource_pool.device == crate::DeviceKind::Gpu {
+            for r in &mut rows {
+                if r.params > 0 {
+                    r.comm = self.nccl_comms(&r.label).saturating_mul(NCCL_COMM_BYTES);
+                }
+            }
+        }
+        rows
+    }
+
+    fn memory_estimate_host(&self) -> Vec<MemoryRow> {
         let a = &self.actor_rollout;
         let s = u64::from(a.max_prompt_length) + u64::from(a.max_response_length);
         let mut rows = Vec::new();
@@ -135,6 +208,7 @@ impl PpoConfig {
             };
             let model = self.role_model(role);
             let empty = |label: &str, why: String| MemoryRow {
+                comm: 0,
                 label: label.to_string(),
                 role,
                 model: why,
@@ -276,6 +350,7 @@ impl PpoConfig {
                     let (weights, grads) =
                         zero3(p, lm_edges, lora).unwrap_or((weights, gradients(tp)));
                     rows.push(MemoryRow {
+                        comm: 0,
                         label: "actor_rollout/train".into(),
                         role,
                         model: m.name.clone(),
@@ -328,6 +403,7 @@ impl PpoConfig {
                         }
                     };
                     rows.push(MemoryRow {
+                        comm: 0,
                         // The colocated phases look the rollout row up by this label.
                         label: "actor_rollout/infer".into(),
                         role,
@@ -349,6 +425,7 @@ impl PpoConfig {
                 RoleKind::Ref => {
                     let p = arch.lm_params();
                     rows.push(MemoryRow {
+                        comm: 0,
                         label: RoleKind::Ref.to_string(),
                         role,
                         model: m.name,
@@ -373,6 +450,7 @@ impl PpoConfig {
                     let (weights, grads) =
                         zero3(p, value_edges, lora).unwrap_or((weights, gradients(tp)));
                     rows.push(MemoryRow {
+                        comm: 0,
                         label: RoleKind::Critic.to_string(),
                         role,
                         model: m.name,
@@ -390,6 +468,7 @@ impl PpoConfig {
                     let (weights, grads) =
                         zero3(p, value_edges, None).unwrap_or((trained(p), gradients(p)));
                     rows.push(MemoryRow {
+                        comm: 0,
                         label: RoleKind::Reward.to_string(),
                         role,
                         model: m.name,
@@ -404,6 +483,7 @@ impl PpoConfig {
                 RoleKind::Reward => {
                     let p = arch.value_params();
                     rows.push(MemoryRow {
+                        comm: 0,
                         label: RoleKind::Reward.to_string(),
                         role,
                         model: m.name,
@@ -422,18 +502,23 @@ impl PpoConfig {
 
     /// The rows a device's memory budget is judged on: the roles' rows, or under
     /// `resource_pool.colocate` the phases of one shared device.
-    fn budget_rows(&self) -> Vec<MemoryRow> {
+    fn budget_rows(&self, collectives: Collectives) -> Vec<MemoryRow> {
         if self.resource_pool.colocate {
-            self.colocated_phases()
+            self.colocated_phases_with(collectives)
         } else {
-            self.memory_estimate()
+            self.memory_estimate_with(collectives)
         }
     }
 
     /// Rows whose estimate exceeds `resource_pool.device_memory_gb` ([`Self::budget_rows`]).
     pub fn memory_warnings(&self) -> Vec<String> {
+        self.memory_warnings_with(Collectives::Host)
+    }
+
+    /// [`Self::memory_warnings`] with the communicators' device memory of `collectives`.
+    pub fn memory_warnings_with(&self, collectives: Collectives) -> Vec<String> {
         let cap = self.resource_pool.device_memory_gb;
-        self.budget_rows()
+        self.budget_rows(collectives)
             .iter()
             .filter(|r| gib(r.total()) > cap)
             .map(|r| {
@@ -456,10 +541,21 @@ impl PpoConfig {
         nodes: &[(String, BTreeMap<String, f64>)],
         show_config: bool,
     ) -> String {
+        self.check_report_with(nodes, show_config, Collectives::Host)
+    }
+
+    /// [`Self::check_report`] for a job whose groups use `collectives`: with NCCL the table
+    /// has an `nccl` column and the verdict counts it.
+    pub fn check_report_with(
+        &self,
+        nodes: &[(String, BTreeMap<String, f64>)],
+        show_config: bool,
+        collectives: Collectives,
+    ) -> String {
         let mut out = String::new();
         let cap = self.resource_pool.device_memory_gb;
         let device = self.resource_pool.device.resource();
-        let rows = self.budget_rows();
+        let rows = self.budget_rows(collectives);
         let plan = self.placement_plan(nodes);
         let largest = rows.iter().max_by(|a, b| a.total().cmp(&b.total()));
         let over: Vec<String> = rows
@@ -505,34 +601,58 @@ impl PpoConfig {
             out,
             "\n# memory estimate per device (GiB; formulas in rlhf-config's memory module docs)"
         );
+        let nccl = collectives == Collectives::Nccl;
         let _ = writeln!(
             out,
-            "{:<20} {:>8} {:>8} {:>8} {:>8} {:>8} {:>8}  model",
-            "role", "weights", "grads", "optim", "kv", "activ", "total"
+            "{:<20} {:>8} {:>8} {:>8} {:>8} {:>8} {}{:>8}  model",
+            "role",
+            "weights",
+            "grads",
+            "optim",
+            "kv",
+            "activ",
+            if nccl {
+                format!("{:>8} ", "nccl")
+            } else {
+                String::new()
+            },
+            "total"
         );
         for r in self
-            .memory_estimate()
+            .memory_estimate_with(collectives)
             .into_iter()
-            .chain(self.colocated_phases())
+            .chain(self.colocated_phases_with(collectives))
         {
             let _ = writeln!(
                 out,
-                "{:<20} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2}  {}",
+                "{:<20} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {:>8.2} {}{:>8.2}  {}",
                 r.label,
                 gib(r.weights),
                 gib(r.gradients),
                 gib(r.optimizer),
                 gib(r.kv_cache),
                 gib(r.activations),
+                if nccl {
+                    format!("{:>8.2} ", gib(r.comm))
+                } else {
+                    String::new()
+                },
                 gib(r.total()),
                 r.model
+            );
+        }
+        if nccl {
+            let _ = writeln!(
+                out,
+                "nccl: {:.0} GiB per NCCL communicator of more than one rank (NCCL's buffers and state; see the memory module docs)",
+                gib(NCCL_COMM_BYTES)
             );
         }
         let _ = writeln!(
             out,
             "device memory: {cap} GiB per {device} (resource_pool.device_memory_gb)"
         );
-        for w in self.memory_warnings() {
+        for w in self.memory_warnings_with(collectives) {
             let _ = writeln!(out, "{w}");
         }
         for (name, m) in &self.models {

@@ -19,7 +19,7 @@
 //! ranks as the pool has devices, an overestimate otherwise).
 
 use crate::config::PpoConfig;
-use crate::memory::MemoryRow;
+use crate::memory::{Collectives, MemoryRow};
 use crate::RoleKind;
 
 /// The phases of a PPO step whose peaks differ.
@@ -46,10 +46,16 @@ impl PpoConfig {
     /// Under `resource_pool.colocate`, what one device holds at the peak of each phase
     /// (labelled `colocated/<phase>`); empty otherwise.
     pub fn colocated_phases(&self) -> Vec<MemoryRow> {
+        self.colocated_phases_with(Collectives::Host)
+    }
+
+    /// [`Self::colocated_phases`] with the communicators' device memory of `collectives`
+    /// (every role's, as one device hosts a rank of each).
+    pub fn colocated_phases_with(&self, collectives: Collectives) -> Vec<MemoryRow> {
         if !self.resource_pool.colocate {
             return Vec::new();
         }
-        let rows = self.memory_estimate();
+        let rows = self.memory_estimate_with(collectives);
         // The hybrid engine's rollout generates with the trainer's weights; rollout
         // processes of their own hold a copy.
         let hybrid = self.hybrid_engine();
@@ -60,10 +66,11 @@ impl PpoConfig {
                 .filter(|r| !(hybrid && r.label == "actor_rollout/infer"))
                 .fold(0u64, |a, r| a.saturating_add(f(r)))
         };
-        let (weights, gradients, optimizer) = (
+        let (weights, gradients, optimizer, comm) = (
             sum(|r| r.weights),
             sum(|r| r.gradients),
             sum(|r| r.optimizer),
+            sum(|r| r.comm),
         );
         let actor_train = row("actor_rollout/train");
         let offloaded = |f: fn(&MemoryRow) -> u64| {
@@ -93,6 +100,7 @@ impl PpoConfig {
                     Phase::Train => (0, act("actor_rollout/train").saturating_add(act(&critic))),
                 };
                 MemoryRow {
+                    comm,
                     label: format!("colocated/{}", phase.as_str()),
                     role: RoleKind::ActorRollout,
                     model: "every role on one device".into(),

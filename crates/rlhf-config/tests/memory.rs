@@ -526,3 +526,48 @@ fn zero_stage_3_with_lora_shares_the_frozen_base() {
     // The adapters are a small share: their gradients are far below the base.
     assert!(z3.gradients < base / 20, "{}", z3.gradients);
 }
+
+/// NCCL's own memory (`--comm-backend nccl`): 1 GiB per communicator of more than one rank
+/// on a GPU. The actor's trainer rank 0 holds two (its data-parallel group and the weights
+/// group to the rollout), a rollout rank one, a critic rank its data-parallel group's; a
+/// group of one holds none; TCP and shared memory hold nothing on the device.
+#[test]
+fn nccl_communicators_are_counted_on_the_gpus_that_hold_them() {
+    use rlhf_config::{Collectives, NCCL_COMM_BYTES};
+    let q = qwen7b(&[]);
+    assert!(q.actor_rollout.num_gpus_for_train > 1 && q.resource_pool.critic > 1);
+    let rows = |cfg: &PpoConfig, c: Collectives| {
+        cfg.memory_estimate_with(c)
+            .into_iter()
+            .map(|r| (r.label.clone(), r))
+            .collect::<std::collections::BTreeMap<_, _>>()
+    };
+    let host = rows(&q, Collectives::Host);
+    let nccl = rows(&q, Collectives::Nccl);
+    assert!(host.values().all(|r| r.comm == 0), "{host:?}");
+    assert_eq!(nccl["actor_rollout/train"].comm, 2 * NCCL_COMM_BYTES);
+    assert_eq!(nccl["actor_rollout/infer"].comm, NCCL_COMM_BYTES);
+    assert_eq!(nccl["critic"].comm, NCCL_COMM_BYTES);
+    assert_eq!(nccl["ref"].comm, 0);
+    for (label, r) in &nccl {
+        assert_eq!(
+            r.total(),
+            host[label].total() + r.comm,
+            "{label}: the communicators add to the total"
+        );
+    }
+    // One trainer rank: no data-parallel communicator, only the weights group.
+    let one = qwen7b(&[
+        "actor_rollout.num_gpus_for_train=1",
+        "resource_pool.actor_rollout=3",
+        "resource_pool.critic=1",
+    ]);
+    let one = rows(&one, Collectives::Nccl);
+    assert_eq!(one["actor_rollout/train"].comm, NCCL_COMM_BYTES);
+    assert_eq!(one["critic"].comm, 0);
+    // The report shows the column and its verdict counts it.
+    let report = q.check_report_with(&[], false, Collectives::Nccl);
+    assert!(report.contains("nccl"), "{report}");
+    assert!(report.contains("1 GiB per NCCL communicator"), "{report}");
+    assert!(!q.check_report(&[], false).contains("per NCCL communicator"));
+}

@@ -23,6 +23,10 @@ pub(crate) struct CheckArgs {
     /// Also check the fit against this running cluster's free resources.
     #[arg(long)]
     pub(crate) address: Option<String>,
+    /// The collective backend the job will run with (`rlhf-head run --comm-backend`): with
+    /// nccl the estimate adds NCCL's own device memory per communicator.
+    #[arg(long)]
+    pub(crate) comm_backend: Option<rlhf_core::CommBackend>,
 }
 
 pub(crate) async fn check(args: CheckArgs) -> Result<()> {
@@ -77,7 +81,16 @@ pub(crate) async fn check(args: CheckArgs) -> Result<()> {
             )]
         }
     };
-    print!("{}", cfg.check_report(&nodes, args.show_config));
+    let collectives = match args.comm_backend {
+        Some(rlhf_core::CommBackend::Nccl) => rlhf_config::Collectives::Nccl,
+        Some(rlhf_core::CommBackend::Tcp | rlhf_core::CommBackend::Shm) | None => {
+            rlhf_config::Collectives::Host
+        }
+    };
+    print!(
+        "{}",
+        cfg.check_report_with(&nodes, args.show_config, collectives)
+    );
     let (missing, hub) = missing_files(&cfg);
     println!("\n# files the run reads");
     if missing.is_empty() && hub.is_empty() {
