@@ -385,7 +385,7 @@ pub struct LoggingConfig {
     /// JSONL file with the sample tables.
     pub samples_file: String,
     /// JSONL ledger of the prompts each step consumed (dataset rows trained on, and those
-    /// dynamic sampling dropped), kept exactly once per step across restarts and resumes as
+    /// dynamic sampling dropped or generated beyond the batch), kept exactly once per step across restarts and resumes as
     /// the metrics file is; empty = none. PPO-family jobs.
     pub ledger_file: String,
     /// Print and save a (query, response, score) table every N steps (0 = never).

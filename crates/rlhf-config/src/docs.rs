@@ -145,7 +145,7 @@ pub const KEY_DOCS: &[(&str, &str)] = &[
     ("checkpoint.memory_snapshot", "Also hold every checkpoint in the memory of another node's worker (the same node's on a one-node cluster): an automatic restart then loads each part from there, falling back to checkpoint.dir part by part when a copy is missing (its node died too). The snapshot is pushed after the files are on disk; each worker keeps the newest committed one per job, within rlhf-worker --snapshot-memory-gb."),
     ("logging.metrics_file", "JSONL file with one metrics record per step."),
     ("logging.samples_file", "JSONL file with the sample tables."),
-    ("logging.ledger_file", "JSONL ledger of the prompts each step consumed: {step, epoch, position, trained (the dataset rows, numbered from 1, of the prompts trained on), dropped (those dynamic sampling filtered out)}, one line per step, kept exactly once across restarts and resumes as the metrics file is (empty = none; PPO-family jobs)."),
+    ("logging.ledger_file", "JSONL ledger of the prompts each step consumed: {step, epoch, position, trained (the dataset rows, numbered from 1, of the prompts trained on), dropped (those dynamic sampling filtered out), surplus (those it generated beyond the full batch)}, one line per step, kept exactly once across restarts and resumes as the metrics file is (empty = none; PPO-family jobs)."),
     ("logging.sample_every", "Print and save a (query, response, score) table every N steps (0 = never)."),
     ("logging.sample_rows", "Rows per sample table."),
     ("logging.progress", "Show a progress bar with ETA and key metrics."),

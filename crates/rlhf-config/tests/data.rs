@@ -346,9 +346,19 @@ fn shuffling_is_reproducible_by_seed_and_reshuffles_per_epoch() {
     let mut s = PromptSampler::new(10, 4, false, 7).unwrap();
     assert_eq!(s.next_batch(), [0, 1, 2, 3]);
     assert_eq!(s.next_batch(), [4, 5, 6, 7]);
-    // The 2-prompt tail is dropped: a batch never spans epochs.
-    assert_eq!(s.next_batch(), [0, 1, 2, 3]);
-    assert_eq!(s.cursor().epoch, 1);
+    // The 2-prompt tail is kept: the batch is completed from the next epoch, so every
+    // prompt is drawn once per epoch.
+    assert_eq!(s.next_batch(), [8, 9, 0, 1]);
+    assert_eq!((s.cursor().epoch, s.cursor().position), (1, 2));
+    assert_eq!(s.next_batch(), [2, 3, 4, 5]);
+    // Shuffled, over many epochs: each epoch's 23 draws are every prompt once.
+    let mut s = PromptSampler::new(23, 5, true, 3).unwrap();
+    let all: Vec<usize> = (0..23).flat_map(|_| s.next_batch()).collect();
+    for epoch in all.chunks(23) {
+        let mut e = epoch.to_vec();
+        e.sort_unstable();
+        assert_eq!(e, (0..23).collect::<Vec<_>>());
+    }
 }
 
 #[test]

@@ -84,13 +84,15 @@ impl MetricsLog {
 }
 
 /// The prompts one step consumed (`logging.ledger_file`): the dataset rows of the groups it
-/// trained on and of those dynamic sampling dropped, and the data cursor after the step.
+/// trained on, of those dynamic sampling dropped (every response alike) and of those it
+/// generated beyond the full batch, and the data cursor after the step.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct LedgerEntry {
     pub epoch: u64,
     pub position: usize,
     pub trained: Vec<usize>,
     pub dropped: Vec<usize>,
+    pub surplus: Vec<usize>,
 }
 
 /// Appends one ledger line per step; a resumed run keeps the lines of the steps it keeps.
@@ -115,6 +117,7 @@ impl LedgerLog {
             "position": e.position,
             "trained": e.trained,
             "dropped": e.dropped,
+            "surplus": e.surplus,
         });
         writeln!(self.file, "{line}")
             .and_then(|_| self.file.flush())

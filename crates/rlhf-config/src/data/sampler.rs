@@ -23,8 +23,9 @@ pub struct DataCursor {
 ///
 /// Epoch `e`'s order is a Fisher–Yates permutation driven by SplitMix64
 /// seeded from `(seed, e)`, so it depends only on the seed, the epoch and the
-/// dataset size, not on library versions. A batch never spans two epochs:
-/// the tail of an epoch shorter than a batch is dropped.
+/// dataset size, not on library versions. Every prompt is drawn exactly once per epoch: when
+/// the epoch's tail is shorter than a batch, the batch is completed from the next epoch's
+/// order (no tail is dropped, so a dataset that the batch does not divide loses no prompt).
 #[derive(Debug, Clone)]
 pub struct PromptSampler {
     len: usize,
@@ -87,15 +88,20 @@ impl PromptSampler {
         order
     }
 
-    /// The next batch of prompt indices.
+    /// The next batch of prompt indices: the rest of this epoch's order, then the next
+    /// epoch's, as a batch needs.
     pub fn next_batch(&mut self) -> Vec<usize> {
-        if self.position + self.batch_size > self.len {
-            self.epoch += 1;
-            self.position = 0;
-            self.order = self.epoch_order(self.epoch);
+        let mut batch = Vec::with_capacity(self.batch_size);
+        while batch.len() < self.batch_size {
+            if self.position >= self.len {
+                self.epoch += 1;
+                self.position = 0;
+                self.order = self.epoch_order(self.epoch);
+            }
+            let take = (self.batch_size - batch.len()).min(self.len - self.position);
+            batch.extend_from_slice(&self.order[self.position..self.position + take]);
+            self.position += take;
         }
-        let batch = self.order[self.position..self.position + self.batch_size].to_vec();
-        self.position += self.batch_size;
         batch
     }
 

@@ -425,6 +425,7 @@ impl Loop<'_> {
                 position: cursor.position,
                 trained: std::mem::take(&mut ro.prompt_rows),
                 dropped: std::mem::take(&mut ro.dropped_rows),
+                surplus: std::mem::take(&mut ro.surplus_rows),
             };
             let generated = ro.response_mask.data.iter().filter(|&&m| m != 0.0).count();
             let StepOutput {

@@ -328,6 +328,7 @@ mod tests {
             group_ids: (0..rows).collect(),
             prompt_rows: (0..rows).collect(),
             dropped_rows: Vec::new(),
+            surplus_rows: Vec::new(),
             tokens: rows * 3,
             cursor: Default::default(),
             gen_s: 0.0,

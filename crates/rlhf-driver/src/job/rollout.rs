@@ -64,8 +64,10 @@ pub(super) struct Rollout {
     pub(super) group_ids: Vec<usize>,
     /// The dataset row of each group's prompt, in group order (`logging.ledger_file`).
     pub(super) prompt_rows: Vec<usize>,
-    /// The dataset rows of the groups dynamic sampling dropped for this batch.
+    /// The dataset rows of the groups dynamic sampling dropped for this batch (all alike),
+    /// and of those it generated beyond the batch (informative, but the batch was full).
     pub(super) dropped_rows: Vec<usize>,
+    pub(super) surplus_rows: Vec<usize>,
     pub(super) tokens: usize,
     /// The sampler's cursor right after this batch's prompts were drawn: what a
     /// checkpoint after this step records.
@@ -386,13 +388,18 @@ impl RolloutSource<'_> {
                 }
             }
         }
-        keep.truncate(want);
+        let surplus = keep.split_off(want.min(keep.len()));
         let mut ro = assemble(&parts, &keep, n, self.sampler.cursor(), counts)?;
-        ro.dropped_rows = dropped
-            .iter()
-            .filter(|d| !keep.contains(d))
-            .map(|&(p, g)| parts[p].0.prompt_rows[g])
-            .collect();
+        let rows = |groups: &[(usize, usize)]| -> Vec<usize> {
+            groups
+                .iter()
+                .map(|&(p, g)| parts[p].0.prompt_rows[g])
+                .collect()
+        };
+        let unused: Vec<(usize, usize)> =
+            dropped.into_iter().filter(|d| !keep.contains(d)).collect();
+        ro.dropped_rows = rows(&unused);
+        ro.surplus_rows = rows(&surplus);
         Ok(ro)
     }
 
@@ -496,6 +503,7 @@ impl RolloutSource<'_> {
                 .map(|&i| self.prompts[i].source_row)
                 .collect(),
             dropped_rows: Vec::new(),
+            surplus_rows: Vec::new(),
             tokens,
             cursor,
             gen_s,
@@ -565,6 +573,7 @@ fn assemble(
             .map(|&(p, g)| parts[p].0.prompt_rows[g])
             .collect(),
         dropped_rows: Vec::new(),
+        surplus_rows: Vec::new(),
         tokens: 0,
         cursor,
         gen_s: ros.iter().map(|ro| ro.gen_s).sum(),
@@ -636,6 +645,7 @@ mod tests {
             group_ids: (0..rows).map(|r| r / n).collect(),
             prompt_rows: (0..groups).map(|g| p * 10 + g).collect(),
             dropped_rows: Vec::new(),
+            surplus_rows: Vec::new(),
             tokens: rows * 2,
             cursor: DataCursor::default(),
             gen_s: 1.0,
