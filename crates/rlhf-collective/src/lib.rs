@@ -50,6 +50,7 @@ mod send_stream;
 #[cfg(target_os = "linux")]
 pub mod shm;
 pub mod tcp;
+mod uneven;
 
 use std::time::Duration;
 

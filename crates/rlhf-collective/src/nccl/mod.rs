@@ -497,17 +497,38 @@ impl NcclCommunicator {
                 crate::check_block(op, self.rank, peer, u64::from_le_bytes(a))
             })
             .collect::<Result<_>>()?;
-        let max = lens.iter().copied().max().unwrap_or(0);
-        if max == 0 {
+        // Per-rank broadcasts into one buffer of the payload ([`crate::uneven`]), not NCCL's
+        // equal-block all_gather, which would stage every block padded to the largest.
+        let plan = crate::uneven::UnevenPlan::new(&lens);
+        if plan.payload == 0 {
             return Ok(vec![Vec::new(); self.world]);
         }
-        let mut padded = vec![0u8; max];
-        padded[..data.len()].copy_from_slice(data);
-        let all = self.gather_fixed(op, &padded)?;
-        Ok(all
-            .chunks_exact(max)
-            .zip(&lens)
-            .map(|(c, &l)| c[..l].to_vec())
+        let (comm, stream) = self.parts(op)?;
+        let mut whole = stream
+            .alloc_zeros::<u8>(plan.gather_staging())
+            .map_err(|e| self.err(op, "allocating device memory", e.to_string()))?;
+        if !data.is_empty() {
+            let at = plan.offset_of(self.rank);
+            let mut mine = whole.slice_mut(at..at + data.len());
+            stream
+                .memcpy_htod(data, &mut mine)
+                .map_err(|e| self.err(op, "copying to the device", e.to_string()))?;
+        }
+        for step in &plan.steps {
+            let mut block = whole.slice_mut(step.offset..step.offset + step.len);
+            comm.broadcast_in_place(&mut block, step.root as i32)
+                .map_err(|e| self.nccl_err(op, e))?;
+        }
+        self.wait(op)?;
+        let mut all = vec![0u8; plan.payload];
+        self.to_host(op, &whole, &mut all)?;
+        let mut at = 0;
+        Ok(lens
+            .iter()
+            .map(|&l| {
+                at += l;
+                all[at - l..at].to_vec()
+            })
             .collect())
     }
 }
