@@ -6,7 +6,8 @@
 //! must not pass), and its encoding is pure and tested without a GPU.
 //!
 //! Layout (little-endian): `[0]` op, `[1]` reduction (0 = none), `[2]` element type,
-//! `[3]` flags (bit 0: this rank's buffer holds a NaN), `[4..8]` root, `[8..16]` sequence
+//! `[3]` flags (bit 0: this rank's buffer holds a NaN; bit 1: this rank could not stage the
+//! op's device buffers), `[4..8]` root, `[8..16]` sequence
 //! number, `[16..24]` element count, `[24..32]` digest of the reduce-scatter segment counts
 //! (0 otherwise).
 
@@ -19,6 +20,7 @@ use crate::ReduceOp;
 pub(crate) const HDR_LEN: usize = 32;
 
 const FLAG_NAN: u8 = 1;
+const FLAG_UNSTAGED: u8 = 2;
 
 /// The element type of an op's payload.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,6 +80,10 @@ pub(crate) struct OpHeader {
     /// This rank's buffer holds a NaN (a Max all-reduce then propagates it, see
     /// [`crate::ReduceOp::Max`]).
     pub has_nan: bool,
+    /// This rank could not allocate the op's device buffers (they are allocated before the
+    /// header is exchanged): every rank then fails the op at once, naming it, instead of
+    /// the others waiting inside the collective until their timeout.
+    pub unstaged: bool,
 }
 
 /// A digest of a reduce-scatter's per-rank segment counts (FNV-1a over their 8-byte
@@ -109,7 +115,8 @@ impl OpHeader {
         h[0] = self.op.wire_id();
         h[1] = self.red.map_or(0, ReduceOp::wire_id);
         h[2] = self.elem.wire_id();
-        h[3] = if self.has_nan { FLAG_NAN } else { 0 };
+        h[3] = (if self.has_nan { FLAG_NAN } else { 0 })
+            | (if self.unstaged { FLAG_UNSTAGED } else { 0 });
         h[4..8].copy_from_slice(&self.root.to_le_bytes());
         h[8..16].copy_from_slice(&self.seq.to_le_bytes());
         h[16..24].copy_from_slice(&self.count.to_le_bytes());
@@ -146,6 +153,7 @@ impl OpHeader {
             count: u64_at(16),
             counts_digest: u64_at(24),
             has_nan: b[3] & FLAG_NAN != 0,
+            unstaged: b[3] & FLAG_UNSTAGED != 0,
         })
     }
 
@@ -205,9 +213,11 @@ impl OpHeader {
     }
 
     /// Checks this rank's header against every rank's (`all`, `HDR_LEN` bytes each, in
-    /// rank order); returns whether any rank flagged a NaN.
+    /// rank order); returns whether any rank flagged a NaN. Ranks that could not stage the
+    /// op fail it on every rank, named.
     pub(crate) fn check_all(&self, all: &[u8], counts: Counts, rank: usize) -> Result<bool> {
         let mut any_nan = false;
+        let mut unstaged = Vec::new();
         for (peer, b) in all.chunks(HDR_LEN).enumerate() {
             let theirs = OpHeader::decode(b).map_err(|why| Error::Mismatch {
                 op: self.op,
@@ -221,6 +231,23 @@ impl OpHeader {
             })?;
             self.check(&theirs, counts, rank, peer)?;
             any_nan |= theirs.has_nan;
+            if theirs.unstaged {
+                unstaged.push(peer.to_string());
+            }
+        }
+        if !unstaged.is_empty() {
+            return Err(Error::Unavailable {
+                backend: "nccl",
+                reason: format!(
+                    "{} #{} failed on every rank: rank(s) {} could not allocate its device \
+                     buffers (out of GPU memory; see that rank's log); lower the bucket or \
+                     micro-batch size, or check the estimate of `rlhf-head check \
+                     --comm-backend nccl`",
+                    self.op,
+                    self.seq,
+                    unstaged.join(", ")
+                ),
+            });
         }
         Ok(any_nan)
     }
@@ -280,6 +307,7 @@ mod tests {
             count,
             counts_digest: 0,
             has_nan: false,
+            unstaged: false,
         }
     }
 
@@ -294,6 +322,7 @@ mod tests {
             count: 1 << 40,
             counts_digest: counts_digest(&[3, 0, 5]),
             has_nan: true,
+            unstaged: true,
         };
         assert_eq!(OpHeader::decode(&h.encode()), Ok(h));
         let mut bad = h.encode();
@@ -407,5 +436,24 @@ mod tests {
         apply_nan_mask(&mut reduced, &mask);
         assert_eq!(reduced[0], 2.0);
         assert!(reduced[1..].iter().all(|v| v.is_nan()), "{reduced:?}");
+    }
+
+    /// A rank whose device allocation failed still sends its header, flagged: every rank
+    /// fails the op at once naming it, instead of the others waiting in the collective.
+    #[test]
+    fn a_rank_that_could_not_stage_fails_the_op_on_every_rank() {
+        let mine = all_reduce(ElemType::F32, 4);
+        let oom = OpHeader {
+            unstaged: true,
+            ..mine
+        };
+        let mut all = mine.encode().to_vec();
+        all.extend(mine.encode());
+        all.extend(oom.encode());
+        let e = mine.check_all(&all, Counts::Equal, 0).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::Unavailable);
+        let msg = e.to_string();
+        assert!(msg.contains("rank(s) 2 could not allocate"), "{msg}");
+        assert!(msg.contains("all_reduce #5"), "{msg}");
     }
 }

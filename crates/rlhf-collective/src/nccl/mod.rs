@@ -362,6 +362,19 @@ impl NcclCommunicator {
             count: count as u64,
             counts_digest: 0,
             has_nan: false,
+            unstaged: false,
+        }
+    }
+
+    /// Device buffers made before the header: a failure is logged here and flagged in the
+    /// header ([`OpHeader::unstaged`]), so every rank fails the op together.
+    fn staged<T>(&self, op: Op, r: Result<T>) -> (Option<T>, bool) {
+        match r {
+            Ok(v) => (Some(v), false),
+            Err(e) => {
+                tracing::warn!("NCCL rank {}: {op} could not stage: {e}", self.rank);
+                (None, true)
+            }
         }
     }
 
@@ -388,15 +401,21 @@ impl NcclCommunicator {
                 detail: format!("root {root} is not a rank of a world of {}", self.world),
             });
         }
+        let (dev, unstaged) = if buf.is_empty() {
+            (None, false)
+        } else {
+            let r = self.to_device(op, buf);
+            self.staged(op, r)
+        };
         let h = OpHeader {
             root: root as u32,
+            unstaged,
             ..self.header(op, seq, ElemType::U8, buf.len())
         };
         self.check_header(h, Counts::Equal)?;
-        if buf.is_empty() {
+        let Some(mut dev) = dev else {
             return Ok(());
-        }
-        let mut dev = self.to_device(op, buf)?;
+        };
         let (comm, _) = self.parts(op)?;
         comm.broadcast_in_place(&mut dev, root as i32)
             .map_err(|e| self.nccl_err(op, e))?;
@@ -412,17 +431,23 @@ impl NcclCommunicator {
         T: DeviceRepr + ValidAsZeroBits + NcclType + crate::Plain + Float,
     {
         let op = Op::AllReduce;
+        let (dev, unstaged) = if buf.is_empty() {
+            (None, false)
+        } else {
+            let r = self.to_device(op, buf);
+            self.staged(op, r)
+        };
         let h = OpHeader {
             red: Some(red),
             has_nan: red == ReduceOp::Max && buf.iter().any(|v| v.is_nan()),
+            unstaged,
             ..self.header(op, seq, T::ELEM, buf.len())
         };
         let any_nan = self.check_header(h, Counts::Equal)?;
-        if buf.is_empty() {
+        let Some(mut dev) = dev else {
             return Ok(());
-        }
+        };
         let mask = (any_nan && red == ReduceOp::Max).then(|| nan_mask(buf));
-        let mut dev = self.to_device(op, buf)?;
         let nop = nccl_op(red);
         let (comm, _) = self.parts(op)?;
         comm.all_reduce_in_place(&mut dev, &nop)
@@ -446,26 +471,35 @@ impl NcclCommunicator {
     ) -> Result<()> {
         let op = Op::ReduceScatter;
         crate::check_counts(buf.len(), counts, self.world)?;
+        let (padded, width) = crate::padded_blocks(buf, counts);
+        // `padded` lives until the op is waited for: the copy from it is not known done
+        // before that.
+        let (bufs, unstaged) = if width == 0 {
+            (None, false)
+        } else {
+            let r = self.to_device(op, &padded).and_then(|src| {
+                let dst = self
+                    .stream
+                    .alloc_zeros::<f32>(width)
+                    .map_err(|e| self.err(op, "allocating device memory", e.to_string()))?;
+                Ok((src, dst))
+            });
+            self.staged(op, r)
+        };
         let h = OpHeader {
             red: Some(red),
             counts_digest: crate::op_header::counts_digest(counts),
             has_nan: red == ReduceOp::Max && buf.iter().any(|v| v.is_nan()),
+            unstaged,
             ..self.header(op, seq, ElemType::F32, buf.len())
         };
         let any_nan = self.check_header(h, Counts::Equal)?;
-        let (padded, width) = crate::padded_blocks(buf, counts);
-        if width == 0 {
+        let Some((src, mut dst)) = bufs else {
             return Ok(());
-        }
+        };
         let mask = (any_nan && red == ReduceOp::Max).then(|| nan_mask(buf));
-        // `padded` lives until the op is waited for: the copy from it is not known done
-        // before that.
-        let src = self.to_device(op, &padded)?;
         let nop = nccl_op(red);
-        let (comm, stream) = self.parts(op)?;
-        let mut dst = stream
-            .alloc_zeros::<f32>(width)
-            .map_err(|e| self.err(op, "allocating device memory", e.to_string()))?;
+        let (comm, _) = self.parts(op)?;
         comm.reduce_scatter(&src, &mut dst, &nop)
             .map_err(|e| self.nccl_err(op, e))?;
         self.wait(op)?;
