@@ -258,23 +258,6 @@ pub(crate) fn check_counts(len: usize, counts: &[usize], world: usize) -> Result
     Ok(())
 }
 
-/// A reduce-scatter's buffer (`counts[r]` values for rank `r`, end to end) with every segment
-/// padded with zeros to the longest: the equal blocks, one per rank, that a backend whose
-/// reduce-scatter only cuts equal blocks (NCCL) reduces. Block `r` of the reduced result holds
-/// segment `r`'s reduction in its first `counts[r]` values (padding reduces to padding: zeros
-/// for sum, average and max alike, as every rank pads with zeros).
-#[cfg_attr(not(feature = "nccl"), allow(dead_code))]
-pub(crate) fn padded_blocks(buf: &[f32], counts: &[usize]) -> (Vec<f32>, usize) {
-    let width = counts.iter().copied().max().unwrap_or(0);
-    let mut out = vec![0f32; width * counts.len()];
-    let mut at = 0;
-    for (r, &n) in counts.iter().enumerate() {
-        out[r * width..r * width + n].copy_from_slice(&buf[at..at + n]);
-        at += n;
-    }
-    (out, width)
-}
-
 mod sealed {
     pub trait Sealed {}
 }
@@ -337,37 +320,5 @@ mod tests {
         assert_eq!(w, [1, 256]);
         let e = all_reduce_f32_bucketed(c.as_mut(), &mut [], ReduceOp::Sum, 0).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::InvalidArgument);
-    }
-
-    /// NCCL's equal-block reduce-scatter over [`padded_blocks`], simulated: every rank's block
-    /// of the padded sum, cut back to its count, is the sum of every rank's segment, for
-    /// uneven counts (including an empty segment).
-    #[test]
-    fn padded_blocks_give_each_rank_the_reduction_of_its_own_segment() {
-        let counts = [3usize, 0, 5, 2];
-        let total: usize = counts.iter().sum();
-        let world = counts.len();
-        let bufs: Vec<Vec<f32>> = (0..world)
-            .map(|r| (0..total).map(|i| (r * 100 + i) as f32).collect())
-            .collect();
-        let padded: Vec<(Vec<f32>, usize)> =
-            bufs.iter().map(|b| padded_blocks(b, &counts)).collect();
-        let width = padded[0].1;
-        assert_eq!(width, 5);
-        let mut sum = vec![0f32; width * world];
-        for (p, _) in &padded {
-            assert_eq!(p.len(), width * world);
-            sum.iter_mut().zip(p).for_each(|(s, v)| *s += v);
-        }
-        let mut at = 0;
-        for (r, &n) in counts.iter().enumerate() {
-            let block = &sum[r * width..(r + 1) * width];
-            let want: Vec<f32> = (at..at + n)
-                .map(|i| bufs.iter().map(|b| b[i]).sum())
-                .collect();
-            assert_eq!(&block[..n], want.as_slice(), "rank {r}'s segment");
-            assert!(block[n..].iter().all(|&v| v == 0.0), "rank {r}'s padding");
-            at += n;
-        }
     }
 }

@@ -4,9 +4,8 @@
 //! model, so a layer or a bucket usually sits on one rank; NCCL's equal-block all_gather
 //! then pads every rank's block to the largest and stages `world × largest` bytes (Qwen2.5-7B
 //! at ZeRO stage 3 on 4 ranks: four times each layer). Per-rank steps stage the payload
-//! itself (a gather), or the payload and this rank's block (a reduce-scatter), never more.
-//! The plan is pure so it is tested on real model layouts without a GPU; the nccl backend's
-//! all_gather runs it.
+//! itself, reduced or broadcast in place, never more. The plan is pure so it is tested on
+//! real model layouts without a GPU; the nccl backend's all_gather and reduce_scatter run it.
 
 #![cfg_attr(not(feature = "nccl"), allow(dead_code))]
 
@@ -58,13 +57,11 @@ impl UnevenPlan {
         self.payload
     }
 
-    /// Elements a reduce-scatter by this plan stages on `rank`: the whole input, reduced
-    /// to each block's owner in turn, and the owner's result block.
-    // The nccl backend's reduce-scatter does not run a plan yet (it pads, see
-    // `padded_blocks`); this is what it would stage.
+    /// Elements a reduce-scatter by this plan stages on `rank`: the whole input, reduced in
+    /// place to each block's owner in turn (the owner's result lands in its own block).
     #[cfg_attr(not(test), allow(dead_code))]
-    pub(crate) fn reduce_scatter_staging(&self, rank: usize) -> usize {
-        self.payload + self.lens[rank]
+    pub(crate) fn reduce_scatter_staging(&self, _rank: usize) -> usize {
+        self.payload
     }
 
     /// What NCCL's equal-block all_gather stages: every block padded to the largest, once
@@ -270,5 +267,34 @@ mod tests {
         let p = UnevenPlan::new(&[0, layer, 0, 0]);
         assert_eq!(p.gather_staging(), layer);
         assert_eq!(p.padded_gather_staging(), 5 * layer);
+    }
+
+    /// The reduce-scatter the nccl backend runs by a plan, simulated: each step reduces its
+    /// range of every rank's buffer into the owner's copy (in place), so every rank's
+    /// segment ends as the sum of all ranks' copies of it, for uneven counts with an empty
+    /// segment.
+    #[test]
+    fn a_reduce_scatter_by_plan_leaves_each_rank_the_reduction_of_its_segment() {
+        let counts = [3usize, 0, 5, 2];
+        let total: usize = counts.iter().sum();
+        let inputs: Vec<Vec<f32>> = (0..4)
+            .map(|r| (0..total).map(|i| (r * 100 + i) as f32).collect())
+            .collect();
+        let mut bufs = inputs.clone();
+        let p = UnevenPlan::new(&counts);
+        for s in &p.steps {
+            let sum: Vec<f32> = (s.offset..s.offset + s.len)
+                .map(|i| inputs.iter().map(|b| b[i]).sum())
+                .collect();
+            bufs[s.root][s.offset..s.offset + s.len].copy_from_slice(&sum);
+        }
+        for (r, &n) in counts.iter().enumerate() {
+            let at = p.offset_of(r);
+            let want: Vec<f32> = (at..at + n)
+                .map(|i| inputs.iter().map(|b| b[i]).sum())
+                .collect();
+            assert_eq!(&bufs[r][at..at + n], want.as_slice(), "rank {r}");
+        }
+        assert_eq!(p.reduce_scatter_staging(2), total);
     }
 }

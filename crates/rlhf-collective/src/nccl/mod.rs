@@ -460,8 +460,10 @@ impl NcclCommunicator {
         }
     }
 
-    /// `ncclReduceScatter` over the segments padded to equal blocks ([`crate::padded_blocks`]):
-    /// each rank sends and receives `(n - 1) / n` of the buffer, half an all-reduce's traffic.
+    /// One in-place `ncclReduce` per rank with a non-empty segment, to that rank
+    /// ([`crate::uneven`]), over one device copy of the buffer: each rank sends about
+    /// `(n - 1) / n` of it, as `ncclReduceScatter` would, but nothing is padded to the
+    /// largest segment (ZeRO's segments are as uneven as its parameter shares).
     fn reduce_scatter_inner(
         &mut self,
         buf: &mut [f32],
@@ -471,19 +473,11 @@ impl NcclCommunicator {
     ) -> Result<()> {
         let op = Op::ReduceScatter;
         crate::check_counts(buf.len(), counts, self.world)?;
-        let (padded, width) = crate::padded_blocks(buf, counts);
-        // `padded` lives until the op is waited for: the copy from it is not known done
-        // before that.
-        let (bufs, unstaged) = if width == 0 {
+        let plan = crate::uneven::UnevenPlan::new(counts);
+        let (whole, unstaged) = if plan.payload == 0 {
             (None, false)
         } else {
-            let r = self.to_device(op, &padded).and_then(|src| {
-                let dst = self
-                    .stream
-                    .alloc_zeros::<f32>(width)
-                    .map_err(|e| self.err(op, "allocating device memory", e.to_string()))?;
-                Ok((src, dst))
-            });
+            let r = self.to_device(op, buf);
             self.staged(op, r)
         };
         let h = OpHeader {
@@ -494,21 +488,29 @@ impl NcclCommunicator {
             ..self.header(op, seq, ElemType::F32, buf.len())
         };
         let any_nan = self.check_header(h, Counts::Equal)?;
-        let Some((src, mut dst)) = bufs else {
+        let Some(mut whole) = whole else {
             return Ok(());
         };
         let mask = (any_nan && red == ReduceOp::Max).then(|| nan_mask(buf));
         let nop = nccl_op(red);
         let (comm, _) = self.parts(op)?;
-        comm.reduce_scatter(&src, &mut dst, &nop)
-            .map_err(|e| self.nccl_err(op, e))?;
+        for step in &plan.steps {
+            let mut block = whole.slice_mut(step.offset..step.offset + step.len);
+            comm.reduce_in_place(&mut block, &nop, step.root as i32)
+                .map_err(|e| self.nccl_err(op, e))?;
+        }
         self.wait(op)?;
-        drop(padded);
-        let mut mine = vec![0f32; width];
-        self.to_host(op, &dst, &mut mine)?;
-        let at: usize = counts[..self.rank].iter().sum();
-        let n = counts[self.rank];
-        buf[at..at + n].copy_from_slice(&mine[..n]);
+        let (at, n) = (plan.offset_of(self.rank), counts[self.rank]);
+        if n > 0 {
+            let mut mine = vec![0f32; n];
+            self.stream
+                .memcpy_dtoh(&whole.slice(at..at + n), &mut mine)
+                .map_err(|e| self.err(op, "copying to the host", e.to_string()))?;
+            self.stream
+                .synchronize()
+                .map_err(|e| self.err(op, "synchronizing the stream", e.to_string()))?;
+            buf[at..at + n].copy_from_slice(&mine);
+        }
         match mask {
             // The whole buffer's mask: every rank's segment gets its NaN back.
             Some(mask) => self.restore_nan(op, mask, buf),
