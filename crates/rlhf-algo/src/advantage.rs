@@ -11,7 +11,8 @@ use candle_core::{DType, Device, Tensor};
 
 use crate::config::AlgorithmConfig;
 use crate::error::{AlgoError, Result};
-use crate::masked::host_whiten;
+use crate::fused::split_rows;
+use crate::masked::{host_whiten, row_sums, Terms};
 use crate::names::{AdvEstimator, ScaleRewards};
 use crate::validate::{
     check_2d, check_batch_vec, check_finite, check_mask_host, check_same_shape, find_non_finite,
@@ -63,7 +64,18 @@ impl<'a> Batch<'a> {
             return Ok((b, scores));
         }
         let rewards = HostSlice::new(token_rewards)?;
-        let (scores, ones, other, probe) = score_rows(&rewards, &data, len);
+        let (r, m): (&[f32], &[f32]) = (&rewards, &data);
+        let parts = split_rows(batch, len, &mut [], |rows, _| {
+            let span = rows.start * len..rows.end * len;
+            score_rows(&r[span.clone()], &m[span], len)
+        });
+        let (mut scores, mut ones, mut other, mut probe) = (Vec::new(), 0.0, 0.0, 0.0);
+        for (s, o, x, p) in parts {
+            scores.extend(s);
+            ones += o;
+            other += x;
+            probe += p;
+        }
         if ones == 0.0 || other != 0.0 || probe != 0.0 {
             check_mask_host("response_mask", &data, mask.dims())?;
             find_non_finite("token_rewards", &rewards, token_rewards.dims())?;
@@ -127,72 +139,42 @@ impl<'a> Batch<'a> {
 
     /// `value[i]` broadcast over row `i`'s valid tokens.
     fn broadcast_rows(&self, per_row: &[f64]) -> Vec<f32> {
-        // extended row by row: no zeroing of a buffer that is overwritten anyway
-        let mut out = Vec::with_capacity(self.batch * self.len);
-        for (m, &v) in self.mask.chunks_exact(self.len).zip(per_row) {
-            let v = v as f32;
-            out.extend(m.iter().map(|&m| v * m));
-        }
+        let (len, mask): (usize, &[f32]) = (self.len, &self.mask);
+        let mut out = vec![0f32; self.batch * len];
+        split_rows(self.batch, len, &mut out, |rows, part| {
+            let m = &mask[rows.start * len..rows.end * len];
+            for ((o, m), &v) in part
+                .chunks_exact_mut(len)
+                .zip(m.chunks_exact(len))
+                .zip(&per_row[rows])
+            {
+                let v = v as f32;
+                for (o, &m) in o.iter_mut().zip(m) {
+                    *o = v * m;
+                }
+            }
+        });
         out
     }
 }
 
 /// Each row's masked sum of `rewards`, with the mask's sum and a sum that is 0 only when every
 /// mask value is 0 or 1, and the rewards' finiteness probe (NaN if one is not finite): one
-/// pass over both, in lanes of 8 that vectorize, summed in `f32` within blocks of 512 tokens
-/// and in `f64` across them. (No AVX2 copy: the loop is memory-bound, and in a standalone
-/// test an AVX2 build of it ran 4x slower than this one.)
+/// pass over both.
 fn score_rows(rewards: &[f32], mask: &[f32], len: usize) -> (Vec<f64>, f64, f64, f64) {
-    // Plain arithmetic, which vectorizes cleanly: for a 0/1 mask `r * m` is the masked
-    // reward, `m` counts the ones and `|m - m^2|` is 0 (positive for any other value, NaN
-    // included); the probe is 0 unless `r` is NaN or infinite.
-    #[derive(Default, Clone, Copy)]
-    struct Lanes {
-        sum: [f32; 8],
-        ones: [f32; 8],
-        other: [f32; 8],
-        probe: [f32; 8],
-    }
-    #[inline(always)]
-    fn step(l: &mut Lanes, r: &[f32; 8], m: &[f32; 8]) {
-        for c in 0..8 {
-            l.sum[c] += r[c] * m[c];
-            l.ones[c] += m[c];
-            l.other[c] += (m[c] - m[c] * m[c]).abs();
-            l.probe[c] += finite_probe(r[c]);
+    // Plain arithmetic: for a 0/1 mask `r * m` is the masked reward, `m` counts the ones and
+    // `|m - m^2|` is 0 (positive for any other value, NaN included).
+    struct ScoreTerms;
+    impl Terms<2, 4> for ScoreTerms {
+        #[inline(always)]
+        fn terms(&self, [r, m]: [f32; 2]) -> [f32; 4] {
+            [r * m, m, (m - m * m).abs(), finite_probe(r)]
         }
     }
-    // by value: a reference would keep the lanes in memory instead of registers
-    #[inline(always)]
-    fn fold(row: &mut [f64; 4], l: Lanes) {
-        let s = |x: [f32; 8]| x.iter().map(|&v| f64::from(v)).sum::<f64>();
-        row[0] += s(l.sum);
-        row[1] += s(l.ones);
-        row[2] += s(l.other);
-        row[3] += s(l.probe);
-    }
-    // plain loops: iterator adapters may stay out of line, without AVX2
     let mut totals = [0f64; 4];
     let mut scores = Vec::with_capacity(rewards.len() / len.max(1));
     for (r, m) in rewards.chunks_exact(len).zip(mask.chunks_exact(len)) {
-        let mut row = [0f64; 4];
-        let (rc, rt) = r.as_chunks::<8>();
-        let (mc, mt) = m.as_chunks::<8>();
-        for (rb, mb) in rc.chunks(64).zip(mc.chunks(64)) {
-            let mut l = Lanes::default();
-            for (r, m) in rb.iter().zip(mb) {
-                step(&mut l, r, m);
-            }
-            fold(&mut row, l);
-        }
-        if !rt.is_empty() {
-            let (mut r8, mut m8) = ([0f32; 8], [0f32; 8]);
-            r8[..rt.len()].copy_from_slice(rt);
-            m8[..mt.len()].copy_from_slice(mt);
-            let mut l = Lanes::default();
-            step(&mut l, &r8, &m8);
-            fold(&mut row, l);
-        }
+        let row = row_sums([r, m], &ScoreTerms);
         for (t, x) in totals.iter_mut().zip(&row) {
             *t += x;
         }
@@ -604,6 +586,58 @@ mod tests {
         assert!(err
             .to_string()
             .contains("group_ids: has 2 entries for a batch of 3"));
+    }
+
+    #[test]
+    fn large_batches_split_across_threads_match_a_plain_computation() {
+        // rows of odd length, long enough for the row passes to run in parallel parts
+        let (b, l) = (8usize, 20_011usize);
+        let mut mask = vec![0f32; b * l];
+        let mut rewards = vec![0f32; b * l];
+        for i in 0..b {
+            let len = l / 3 + i * 1_777;
+            for t in 0..l {
+                let x = ((i * l + t) as u32).wrapping_mul(2_654_435_761) >> 8;
+                rewards[i * l + t] = (x as f32 / (1u32 << 24) as f32 - 0.5) * 1e-3;
+            }
+            mask[i * l..i * l + len].fill(1.0);
+            rewards[i * l + len - 1] = i as f32 * 0.7 - 2.0;
+        }
+        let groups = [0, 0, 0, 1, 1, 1, 2, 2];
+        let out =
+            grpo_outcome_advantage(&t2(&rewards, b, l), &t2(&mask, b, l), &groups, true, 1e-6)
+                .unwrap();
+        let got = out
+            .advantages
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let scores: Vec<f64> = (0..b)
+            .map(|i| {
+                (0..l)
+                    .map(|t| f64::from(rewards[i * l + t] * mask[i * l + t]))
+                    .sum()
+            })
+            .collect();
+        for i in 0..b {
+            let members: Vec<f64> = (0..b)
+                .filter(|&j| groups[j] == groups[i])
+                .map(|j| scores[j])
+                .collect();
+            let n = members.len() as f64;
+            let mean = members.iter().sum::<f64>() / n;
+            let std = (members.iter().map(|s| (s - mean).powi(2)).sum::<f64>() / (n - 1.0)).sqrt();
+            let want = ((scores[i] - mean) / (std + 1e-6)) as f32;
+            for t in 0..l {
+                let w = want * mask[i * l + t];
+                let g = got[i * l + t];
+                assert!(
+                    (g - w).abs() <= 1e-5 * w.abs().max(1.0),
+                    "[{i}, {t}]: {g} vs {w}"
+                );
+            }
+        }
     }
 
     #[test]

@@ -148,6 +148,49 @@ fn split_pass<R: Send>(
     })
 }
 
+/// Runs `f(first_row, part)` over `out`, rows of `width` values, split into contiguous parts
+/// of whole rows: one scoped thread per part when the batch is large enough, each part at
+/// least [`MIN_CHUNK`] values. Returns the parts' results in order (so reductions are
+/// deterministic for a given machine). `out` may be empty when there is nothing to write
+/// (`rows` then gives the batch's size).
+pub(crate) fn split_rows<R: Send>(
+    rows: usize,
+    width: usize,
+    out: &mut [f32],
+    f: impl Fn(std::ops::Range<usize>, &mut [f32]) -> R + Sync,
+) -> Vec<R> {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let parts = (rows * width / MIN_CHUNK)
+        .clamp(1, threads)
+        .min(rows.max(1));
+    if parts == 1 {
+        return vec![f(0..rows, out)];
+    }
+    let per = rows.div_ceil(parts);
+    let writes = !out.is_empty();
+    std::thread::scope(|scope| {
+        let mut rest = out;
+        let handles: Vec<_> = (0..rows)
+            .step_by(per)
+            .map(|first| {
+                let span = first..(first + per).min(rows);
+                let take = if writes { span.len() * width } else { 0 };
+                let (part, tail) = std::mem::take(&mut rest).split_at_mut(take);
+                rest = tail;
+                let f = &f;
+                scope.spawn(move || f(span, part))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| match h.join() {
+                Ok(r) => r,
+                Err(panic) => std::panic::resume_unwind(panic),
+            })
+            .collect()
+    })
+}
+
 /// Per-token (unhalved) value loss matrix (in the autograd graph of
 /// `vpreds_t`) and the masked clip fraction, from host copies of the inputs.
 pub(crate) fn value_terms(

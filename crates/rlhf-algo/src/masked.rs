@@ -123,6 +123,63 @@ pub(crate) fn host_whiten(values: &mut [f32], mask: &[f32], shift_mean: bool) ->
     Ok(())
 }
 
+/// Slots per accumulator of [`row_sums`].
+const SLOTS: usize = 64;
+
+/// The per-token terms that [`row_sums`] adds up, from one token of each of `M` inputs.
+pub(crate) trait Terms<const M: usize, const N: usize> {
+    fn terms(&self, token: [f32; M]) -> [f32; N];
+}
+
+/// Sums of `N` per-token terms over one row of `M` equally long inputs. Token `k` adds to
+/// slot `k % 64` of each sum, so that the loop is element-wise (no reduction, which the
+/// compiler may not reorder): it vectorizes reliably, with AVX2 where the CPU has it. The
+/// usual form, a few lanes summed per step, was paired across the sums instead of across
+/// the tokens by the release build's vectorizer and ran 2-3x slower. Each slot sums in
+/// `f32` the tokens 64 apart (64 terms for 4,096 tokens); the slots are summed in `f64`.
+pub(crate) fn row_sums<const M: usize, const N: usize, T: Terms<M, N>>(
+    ins: [&[f32]; M],
+    t: &T,
+) -> [f64; N] {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2, checked just above.
+        return unsafe { row_sums_avx2(ins, t) };
+    }
+    row_sums_plain(ins, t)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn row_sums_avx2<const M: usize, const N: usize, T: Terms<M, N>>(
+    ins: [&[f32]; M],
+    t: &T,
+) -> [f64; N] {
+    row_sums_plain(ins, t)
+}
+
+#[inline(always)]
+fn row_sums_plain<const M: usize, const N: usize, T: Terms<M, N>>(
+    ins: [&[f32]; M],
+    t: &T,
+) -> [f64; N] {
+    let mut acc = [[0f32; SLOTS]; N];
+    let n = ins.iter().map(|x| x.len()).min().unwrap_or(0);
+    let mut start = 0;
+    while start < n {
+        let len = (n - start).min(SLOTS);
+        let spans = ins.map(|x| &x[start..start + len]);
+        for i in 0..len {
+            let v = t.terms(spans.map(|x| x[i]));
+            for (acc, v) in acc.iter_mut().zip(v) {
+                acc[i] += v;
+            }
+        }
+        start += len;
+    }
+    acc.map(|a| a.iter().map(|&x| f64::from(x)).sum())
+}
+
 /// A scalar tensor's value as `f64`.
 pub(crate) fn scalar(t: &Tensor) -> Result<f64> {
     Ok(t.to_dtype(DType::F64)?.to_scalar::<f64>()?)

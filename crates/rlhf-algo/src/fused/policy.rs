@@ -14,8 +14,9 @@
 
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
 
-use super::{pick_clamp, pick_max, sel};
+use super::{pick_clamp, pick_max, sel, split_rows};
 use crate::config::PolicyLossConfig;
+use crate::masked::{row_sums, Terms};
 use crate::names::{ImportanceSamplingLevel, LossAggMode, PolicyLoss};
 use crate::validate::finite_probe;
 
@@ -25,8 +26,6 @@ const LANES: usize = 8;
 const BLOCK: usize = 256;
 /// The log-ratio is clamped to this before `exp`, as the op chains do.
 const BOUND: f32 = 20.0;
-/// Tokens per worker thread below which splitting the pass does not pay.
-const MIN_CHUNK: usize = 1 << 16;
 
 /// `exp(x)` within 2 ulp for `x` in [-87, 88] (clamped there), after Cephes' `expf`: no call
 /// and no branch, so the loops over it vectorize.
@@ -198,7 +197,9 @@ impl Objective for Sapo {
     }
 }
 
-/// Per-lane `f32` partial sums of one block.
+/// Per-lane `f32` partial sums of one block. Terms are masked by multiplying with the 0/1
+/// mask (checked before the pass), as the op chains do: selects feeding an accumulator
+/// became masked stores to memory, several times slower.
 #[derive(Default, Clone, Copy)]
 struct Lanes {
     loss: [f32; LANES],
@@ -209,6 +210,8 @@ struct Lanes {
     approxkl: [f32; LANES],
     neg_kl: [f32; LANES],
     ratio: [f32; LANES],
+    /// Masked sum of the entropies.
+    entropy: [f32; LANES],
     /// [`finite_probe`] of every input: 0 unless one is NaN or infinite.
     probe: [f32; LANES],
 }
@@ -224,7 +227,7 @@ struct Sums {
     neg_kl: f64,
     ratio: f64,
     probe: f64,
-    /// Masked sum of the entropies (set by the row kernel, not by `fold`).
+    /// Masked sum of the entropies.
     entropy: f64,
 }
 
@@ -240,22 +243,24 @@ impl Sums {
         self.approxkl += s(l.approxkl);
         self.neg_kl += s(l.neg_kl);
         self.ratio += s(l.ratio);
+        self.entropy += s(l.entropy);
         self.probe += s(l.probe);
     }
 }
 
-/// The per-chunk work of one pass: reads a lane-sized chunk of each of four inputs, adds
-/// to the lane sums and writes a chunk of output. A trait, not a closure, so that it inlines
+/// The per-chunk work of one pass: reads a lane-sized chunk of each of the five inputs
+/// (log-probs, old log-probs, advantages, mask, entropies), adds to the lane sums and writes
+/// a chunk of output. A trait, not a closure, so that it inlines
 /// into the AVX2 copies of the row kernels.
 trait Step {
-    fn step(&mut self, l: &mut Lanes, ins: [&[f32; LANES]; 4], out: &mut [f32; LANES]);
+    fn step(&mut self, l: &mut Lanes, ins: [&[f32; LANES]; 5], out: &mut [f32; LANES]);
 }
 
 /// `step` over the lane-sized chunks of `ins` (and of `out`, all of one length), folding the
 /// lane sums into `sums` every [`BLOCK`] tokens; the tail runs as a chunk padded with zeros
 /// (the mask's zeros leave the sums alone).
 #[inline(always)]
-fn drive<S: Step>(ins: [&[f32]; 4], out: &mut [f32], sums: &mut Sums, mut step: S) {
+fn drive<S: Step>(ins: [&[f32]; 5], out: &mut [f32], sums: &mut Sums, mut step: S) {
     let parts = ins.map(<[f32]>::as_chunks::<LANES>);
     let chunks = parts.map(|p| p.0);
     let (out_chunks, out_tail) = out.as_chunks_mut::<LANES>();
@@ -277,11 +282,8 @@ fn drive<S: Step>(ins: [&[f32]; 4], out: &mut [f32], sums: &mut Sums, mut step: 
         let tails = parts.map(|p| pad(p.1));
         let mut o = [0f32; LANES];
         let mut lanes = Lanes::default();
-        step.step(
-            &mut lanes,
-            [&tails[0], &tails[1], &tails[2], &tails[3]],
-            &mut o,
-        );
+        let [a, b, c, d, e] = &tails;
+        step.step(&mut lanes, [a, b, c, d, e], &mut o);
         let k = out_tail.len();
         out_tail.copy_from_slice(&o[..k]);
         sums.fold(lanes);
@@ -344,26 +346,14 @@ pub(crate) fn policy_loss_host(inp: &Inputs<'_>, cfg: &PolicyLossConfig) -> Opti
     }
 }
 
-/// Valid tokens of each row, or `None` when the mask is not 0/1 (`|m - m^2|` is 0 exactly
-/// for 0 and 1; plain arithmetic vectorizes).
+/// Valid tokens of each row, or `None` when the mask is not 0/1.
 fn row_counts(mask: &[f32], width: usize) -> Option<Vec<usize>> {
-    let mut bad = 0f32;
+    let mut bad = 0f64;
     let mut counts = Vec::with_capacity(mask.len() / width);
     for row in mask.chunks_exact(width) {
-        let (mut n, mut off) = ([0f32; LANES], [0f32; LANES]);
-        let (chunks, rest) = row.as_chunks::<LANES>();
-        for ch in chunks {
-            for c in 0..LANES {
-                n[c] += ch[c];
-                off[c] += (ch[c] - ch[c] * ch[c]).abs();
-            }
-        }
-        for (c, &m) in rest.iter().enumerate() {
-            n[c] += m;
-            off[c] += (m - m * m).abs();
-        }
-        bad += off.iter().sum::<f32>();
-        counts.push(n.iter().map(|&x| x as usize).sum::<usize>());
+        let [n, off] = row_sums([row], &MaskTerms);
+        bad += off;
+        counts.push(n as usize);
     }
     (bad == 0.0).then_some(counts)
 }
@@ -392,12 +382,9 @@ fn run<O: Objective>(inp: &Inputs<'_>, cfg: &PolicyLossConfig, obj: O) -> Option
     let sequence = cfg.importance_sampling_level == ImportanceSamplingLevel::Sequence;
     let rows = counts.len();
     let mut grad = vec![0f32; rows * width];
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let chunks = (rows * width / MIN_CHUNK).clamp(1, threads).min(rows);
-    let per = rows.div_ceil(chunks);
-    let work = |first: usize, g: &mut [f32]| -> Part {
+    let parts = split_rows(rows, width, &mut grad, |span, g| {
+        let first = span.start;
         let mut part = Part::default();
-        let mut scratch = vec![0f32; if inp.entropy.is_some() { width } else { 0 }];
         for (j, g) in g.chunks_exact_mut(width).enumerate() {
             let i = first + j;
             let span = i * width..(i + 1) * width;
@@ -406,11 +393,11 @@ fn run<O: Objective>(inp: &Inputs<'_>, cfg: &PolicyLossConfig, obj: O) -> Option
                 old: &inp.old[span.clone()],
                 adv: &inp.adv[span.clone()],
                 mask: &inp.mask[span.clone()],
+                entropy: &inp.entropy.unwrap_or(inp.mask)[span],
                 count: counts[i],
                 weight: weights[i],
             };
-            let entropy = inp.entropy.map(|h| (&h[span], scratch.as_mut_slice()));
-            let s = dispatch_row(obj, sequence, &row, g, entropy);
+            let s = dispatch_row(obj, sequence, &row, g);
             part.sums.loss += weights[i] * s.loss;
             part.entropy += weights[i] * s.entropy;
             part.sums.clip += s.clip;
@@ -425,28 +412,7 @@ fn run<O: Objective>(inp: &Inputs<'_>, cfg: &PolicyLossConfig, obj: O) -> Option
             }
         }
         part
-    };
-    let parts: Vec<Part> = if chunks == 1 {
-        vec![work(0, &mut grad)]
-    } else {
-        std::thread::scope(|scope| {
-            let handles: Vec<_> = grad
-                .chunks_mut(per * width)
-                .enumerate()
-                .map(|(k, g)| {
-                    let work = &work;
-                    scope.spawn(move || work(k * per, g))
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| match h.join() {
-                    Ok(p) => p,
-                    Err(panic) => std::panic::resume_unwind(panic),
-                })
-                .collect()
-        })
-    };
+    });
     let mut t = Part::default();
     for p in parts {
         t.sums.loss += p.sums.loss;
@@ -489,20 +455,46 @@ struct Row<'a> {
     old: &'a [f32],
     adv: &'a [f32],
     mask: &'a [f32],
+    /// The entropies, or the mask standing in (summed, not reported) when there are none.
+    entropy: &'a [f32],
     count: usize,
     weight: f64,
 }
 
-/// Masked sum of the entropies (in `loss`) and their finiteness probe.
-struct EntropyStep;
+impl<'a> Row<'a> {
+    fn inputs(&self) -> [&'a [f32]; 5] {
+        [self.lp, self.old, self.adv, self.mask, self.entropy]
+    }
+}
 
-impl Step for EntropyStep {
+/// The sequence level's first pass: the row's log-ratio sum, the per-token diagnostics'
+/// sums (`approxkl`, the clamped log-ratio), the masked entropy sum and the finiteness
+/// probe.
+struct LogRatioTerms;
+
+impl Terms<4, 5> for LogRatioTerms {
     #[inline(always)]
-    fn step(&mut self, l: &mut Lanes, [h, m, _, _]: [&[f32; LANES]; 4], _: &mut [f32; LANES]) {
-        for c in 0..LANES {
-            l.loss[c] += sel(m[c] != 0.0, h[c], 0.0);
-            l.probe[c] += finite_probe(h[c]);
-        }
+    fn terms(&self, [x, o, m, h]: [f32; 4]) -> [f32; 5] {
+        let diff = x - o;
+        let (nk, _) = pick_clamp(diff, -BOUND, BOUND, 1.0);
+        [
+            diff * m,
+            0.5 * diff * diff * m,
+            nk * m,
+            h * m,
+            finite_probe(x) + finite_probe(o) + finite_probe(h),
+        ]
+    }
+}
+
+/// A mask's sum and a sum that is 0 only when every value is 0 or 1 (`|m - m^2|`, NaN
+/// included).
+struct MaskTerms;
+
+impl Terms<1, 2> for MaskTerms {
+    #[inline(always)]
+    fn terms(&self, [m]: [f32; 1]) -> [f32; 2] {
+        [m, (m - m * m).abs()]
     }
 }
 
@@ -514,44 +506,24 @@ struct TokenStep<O> {
 
 impl<O: Objective> Step for TokenStep<O> {
     #[inline(always)]
-    fn step(&mut self, l: &mut Lanes, ins: [&[f32; LANES]; 4], g: &mut [f32; LANES]) {
-        let [lp, old, adv, mask] = ins;
+    fn step(&mut self, l: &mut Lanes, ins: [&[f32; LANES]; 5], g: &mut [f32; LANES]) {
+        let [lp, old, adv, mask, ent] = ins;
         for c in 0..LANES {
-            let (x, o, a) = (lp[c], old[c], adv[c]);
-            let on = mask[c] != 0.0;
+            let (x, o, a, h) = (lp[c], old[c], adv[c], ent[c]);
+            let m = mask[c];
             let diff = x - o;
             let (nk, dnk) = pick_clamp(diff, -BOUND, BOUND, 1.0);
             let r = exp_f32(nk);
             let t = self.obj.tok(r, x, a);
-            g[c] = sel(on, self.w * (t.d_logp + t.d_ratio * (r * dnk)), 0.0);
-            l.loss[c] += sel(on, t.value, 0.0);
-            l.clip[c] += sel(on & t.clipped, 1.0, 0.0);
-            l.lower[c] += sel(on & t.lower, 1.0, 0.0);
-            l.approxkl[c] += sel(on, 0.5 * diff * diff, 0.0);
-            l.neg_kl[c] += sel(on, nk, 0.0);
-            l.ratio[c] += sel(on, r, 0.0);
-            l.probe[c] += finite_probe(x) + finite_probe(o) + finite_probe(a);
-        }
-    }
-}
-
-/// The sequence level's first pass: the row's log-ratio sum (in `ratio`) and the per-token
-/// diagnostics.
-struct LogRatioStep;
-
-impl Step for LogRatioStep {
-    #[inline(always)]
-    fn step(&mut self, l: &mut Lanes, ins: [&[f32; LANES]; 4], _: &mut [f32; LANES]) {
-        let [lp, old, _, mask] = ins;
-        for c in 0..LANES {
-            let (x, o) = (lp[c], old[c]);
-            let on = mask[c] != 0.0;
-            let diff = x - o;
-            let (nk, _) = pick_clamp(diff, -BOUND, BOUND, 1.0);
-            l.ratio[c] += sel(on, diff, 0.0);
-            l.approxkl[c] += sel(on, 0.5 * diff * diff, 0.0);
-            l.neg_kl[c] += sel(on, nk, 0.0);
-            l.probe[c] += finite_probe(x) + finite_probe(o);
+            g[c] = self.w * m * (t.d_logp + t.d_ratio * (r * dnk));
+            l.loss[c] += t.value * m;
+            l.clip[c] += sel(t.clipped, m, 0.0);
+            l.lower[c] += sel(t.lower, m, 0.0);
+            l.approxkl[c] += 0.5 * diff * diff * m;
+            l.neg_kl[c] += nk * m;
+            l.ratio[c] += r * m;
+            l.entropy[c] += h * m;
+            l.probe[c] += finite_probe(x) + finite_probe(o) + finite_probe(a) + finite_probe(h);
         }
     }
 }
@@ -566,17 +538,17 @@ struct SharedRatioStep<O> {
 
 impl<O: Objective> Step for SharedRatioStep<O> {
     #[inline(always)]
-    fn step(&mut self, l: &mut Lanes, ins: [&[f32; LANES]; 4], g: &mut [f32; LANES]) {
-        let [lp, _, adv, mask] = ins;
+    fn step(&mut self, l: &mut Lanes, ins: [&[f32; LANES]; 5], g: &mut [f32; LANES]) {
+        let [lp, _, adv, mask, _] = ins;
         for c in 0..LANES {
             let a = adv[c];
-            let on = mask[c] != 0.0;
+            let m = mask[c];
             let t = self.obj.tok(self.r, lp[c], a);
-            g[c] = sel(on, self.w * t.d_logp, 0.0);
-            l.loss[c] += sel(on, t.value, 0.0);
-            l.d_ratio[c] += sel(on, t.d_ratio, 0.0);
-            l.clip[c] += sel(on & t.clipped, 1.0, 0.0);
-            l.lower[c] += sel(on & t.lower, 1.0, 0.0);
+            g[c] = self.w * m * t.d_logp;
+            l.loss[c] += t.value * m;
+            l.d_ratio[c] += t.d_ratio * m;
+            l.clip[c] += sel(t.clipped, m, 0.0);
+            l.lower[c] += sel(t.lower, m, 0.0);
             l.probe[c] += finite_probe(a);
         }
     }
@@ -585,55 +557,30 @@ impl<O: Objective> Step for SharedRatioStep<O> {
 /// One row: its sums, with the gradient written to `g`, and when given the masked sum of its
 /// entropies.
 #[inline(always)]
-fn row_kernel<O: Objective>(
-    obj: O,
-    sequence: bool,
-    row: &Row<'_>,
-    g: &mut [f32],
-    entropy: Option<(&[f32], &mut [f32])>,
-) -> Sums {
-    let mut sums = if sequence {
+fn row_kernel<O: Objective>(obj: O, sequence: bool, row: &Row<'_>, g: &mut [f32]) -> Sums {
+    if sequence {
         sequence_row(obj, row, g)
     } else {
         token_row(obj, row, g)
-    };
-    if let Some((h, scratch)) = entropy {
-        let mut e = Sums::default();
-        drive([h, row.mask, h, h], scratch, &mut e, EntropyStep);
-        sums.entropy = e.loss;
-        sums.probe += e.probe;
     }
-    sums
 }
 
 // The row kernel is compiled twice: for the baseline target and, picked at run time, with
 // AVX2 (twice the vector width).
 
-fn dispatch_row<O: Objective>(
-    obj: O,
-    sequence: bool,
-    row: &Row<'_>,
-    g: &mut [f32],
-    entropy: Option<(&[f32], &mut [f32])>,
-) -> Sums {
+fn dispatch_row<O: Objective>(obj: O, sequence: bool, row: &Row<'_>, g: &mut [f32]) -> Sums {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU has AVX2, checked just above.
-        return unsafe { row_kernel_avx2(obj, sequence, row, g, entropy) };
+        return unsafe { row_kernel_avx2(obj, sequence, row, g) };
     }
-    row_kernel(obj, sequence, row, g, entropy)
+    row_kernel(obj, sequence, row, g)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn row_kernel_avx2<O: Objective>(
-    obj: O,
-    sequence: bool,
-    row: &Row<'_>,
-    g: &mut [f32],
-    entropy: Option<(&[f32], &mut [f32])>,
-) -> Sums {
-    row_kernel(obj, sequence, row, g, entropy)
+fn row_kernel_avx2<O: Objective>(obj: O, sequence: bool, row: &Row<'_>, g: &mut [f32]) -> Sums {
+    row_kernel(obj, sequence, row, g)
 }
 
 /// A row with per-token ratios.
@@ -644,7 +591,7 @@ fn token_row<O: Objective>(obj: O, row: &Row<'_>, g: &mut [f32]) -> Sums {
         obj,
         w: row.weight as f32,
     };
-    drive([row.lp, row.old, row.adv, row.mask], g, &mut sums, step);
+    drive(row.inputs(), g, &mut sums, step);
     sums
 }
 
@@ -652,13 +599,19 @@ fn token_row<O: Objective>(obj: O, row: &Row<'_>, g: &mut [f32]) -> Sums {
 /// by all of them, so each token's gradient collects the whole row's.
 #[inline(always)]
 fn sequence_row<O: Objective>(obj: O, row: &Row<'_>, g: &mut [f32]) -> Sums {
-    let ins = [row.lp, row.old, row.adv, row.mask];
-    let mut sums = Sums::default();
-    // `g` is scratch in the first pass
-    drive(ins, g, &mut sums, LogRatioStep);
+    let ins = row.inputs();
+    let [log_ratio, approxkl, neg_kl, entropy, probe] =
+        row_sums([row.lp, row.old, row.mask, row.entropy], &LogRatioTerms);
+    let mut sums = Sums {
+        approxkl,
+        neg_kl,
+        entropy,
+        probe,
+        ..Sums::default()
+    };
     // TRL: (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)
     let len = row.count.max(1) as f64;
-    let mean = (sums.ratio / len) as f32;
+    let mean = (log_ratio / len) as f32;
     let (log_w, d_log_w) = pick_clamp(mean, -BOUND, BOUND, 1.0);
     let r = log_w.exp();
     sums.ratio = f64::from(r) * row.count as f64;
@@ -669,7 +622,7 @@ fn sequence_row<O: Objective>(obj: O, row: &Row<'_>, g: &mut [f32]) -> Sums {
         // d mean / d logp = mask / len; d r / d mean = r (inside the clamp)
         let shared = (row.weight * tok.d_ratio * f64::from(r * d_log_w) / len) as f32;
         for (gk, &m) in g.iter_mut().zip(row.mask) {
-            *gk += sel(m != 0.0, shared, 0.0);
+            *gk += shared * m;
         }
     }
     sums.loss = tok.loss;
