@@ -63,7 +63,7 @@ impl SyncPath {
             ),
             CommBackend::Nccl => (
                 SyncPath::Comm(backend),
-                format!("the job's NCCL backend, device to device; {on}"),
+                format!("the job's NCCL backend (staged through host memory on each rank, issue #56); {on}"),
             ),
             _ => (
                 SyncPath::Comm(backend),
