@@ -135,8 +135,8 @@ pub(crate) trait Terms<const M: usize, const N: usize> {
 /// slot `k % 64` of each sum, so that the loop is element-wise (no reduction, which the
 /// compiler may not reorder): it vectorizes reliably, with AVX2 where the CPU has it. The
 /// usual form, a few lanes summed per step, was paired across the sums instead of across
-/// the tokens by the release build's vectorizer and ran 2-3x slower. Each slot sums in
-/// `f32` the tokens 64 apart (64 terms for 4,096 tokens); the slots are summed in `f64`.
+/// the tokens by the release build's vectorizer and ran 2-3x slower. Each slot sums at most
+/// 8 terms in `f32` before they are added to an `f64` slot.
 pub(crate) fn row_sums<const M: usize, const N: usize, T: Terms<M, N>>(
     ins: [&[f32]; M],
     t: &T,
@@ -158,26 +158,112 @@ fn row_sums_avx2<const M: usize, const N: usize, T: Terms<M, N>>(
     row_sums_plain(ins, t)
 }
 
+// Indexed loops: the index is the accumulator slot as well as the position in each input.
+#[allow(clippy::needless_range_loop)]
 #[inline(always)]
 fn row_sums_plain<const M: usize, const N: usize, T: Terms<M, N>>(
     ins: [&[f32]; M],
     t: &T,
 ) -> [f64; N] {
-    let mut acc = [[0f32; SLOTS]; N];
     let n = ins.iter().map(|x| x.len()).min().unwrap_or(0);
+    let mut acc = Slots::<N>::new();
     let mut start = 0;
     while start < n {
         let len = (n - start).min(SLOTS);
         let spans = ins.map(|x| &x[start..start + len]);
         for i in 0..len {
-            let v = t.terms(spans.map(|x| x[i]));
-            for (acc, v) in acc.iter_mut().zip(v) {
-                acc[i] += v;
-            }
+            acc.add(i, t.terms(std::array::from_fn(|k| spans[k][i])));
         }
+        acc.span_done();
         start += len;
     }
-    acc.map(|a| a.iter().map(|&x| f64::from(x)).sum())
+    acc.total()
+}
+
+/// `N` sums of [`SLOTS`] slots each, in `f32`, folded into `f64` slots every
+/// [`SPANS_PER_FOLD`] spans so that each `f32` slot sums at most 8 terms.
+struct Slots<const N: usize> {
+    f32s: [[f32; SLOTS]; N],
+    f64s: [[f64; SLOTS]; N],
+    spans: usize,
+}
+
+/// Spans of [`SLOTS`] tokens summed in `f32` before a fold into `f64`.
+const SPANS_PER_FOLD: usize = 8;
+
+impl<const N: usize> Slots<N> {
+    #[inline(always)]
+    fn new() -> Self {
+        Self {
+            f32s: [[0.0; SLOTS]; N],
+            f64s: [[0.0; SLOTS]; N],
+            spans: 0,
+        }
+    }
+
+    #[inline(always)]
+    fn add(&mut self, i: usize, v: [f32; N]) {
+        for (acc, v) in self.f32s.iter_mut().zip(v) {
+            acc[i] += v;
+        }
+    }
+
+    #[inline(always)]
+    fn span_done(&mut self) {
+        self.spans += 1;
+        if self.spans == SPANS_PER_FOLD {
+            self.fold();
+        }
+    }
+
+    #[inline(always)]
+    fn fold(&mut self) {
+        for (wide, narrow) in self.f64s.iter_mut().zip(&mut self.f32s) {
+            for (w, x) in wide.iter_mut().zip(narrow.iter_mut()) {
+                *w += f64::from(*x);
+                *x = 0.0;
+            }
+        }
+        self.spans = 0;
+    }
+
+    #[inline(always)]
+    fn total(mut self) -> [f64; N] {
+        self.fold();
+        self.f64s.map(|a| a.iter().sum())
+    }
+}
+
+/// The per-token terms of [`row_sums_out`]: the `N` terms to sum and the token's output.
+pub(crate) trait TermsOut<const M: usize, const N: usize> {
+    fn terms(&self, token: [f32; M]) -> ([f32; N], f32);
+}
+
+/// [`row_sums`] that also writes one output per token to `out` (as long as the inputs);
+/// called from code that already picked its instruction set (no dispatch of its own).
+#[allow(clippy::needless_range_loop)]
+#[inline(always)]
+pub(crate) fn row_sums_out<const M: usize, const N: usize, T: TermsOut<M, N>>(
+    ins: [&[f32]; M],
+    out: &mut [f32],
+    t: &T,
+) -> [f64; N] {
+    let n = ins.iter().map(|x| x.len()).fold(out.len(), usize::min);
+    let mut acc = Slots::<N>::new();
+    let mut start = 0;
+    while start < n {
+        let len = (n - start).min(SLOTS);
+        let spans = ins.map(|x| &x[start..start + len]);
+        let out = &mut out[start..start + len];
+        for i in 0..len {
+            let (v, y) = t.terms(std::array::from_fn(|k| spans[k][i]));
+            out[i] = y;
+            acc.add(i, v);
+        }
+        acc.span_done();
+        start += len;
+    }
+    acc.total()
 }
 
 /// A scalar tensor's value as `f64`.

@@ -16,9 +16,8 @@ use candle_core::{CpuStorage, CustomOp1, DType, Layout, Shape, Tensor};
 
 use super::{pick_clamp, pick_max, sel, split_rows};
 use crate::config::PolicyLossConfig;
-use crate::masked::{row_sums, Terms};
+use crate::masked::{row_sums, row_sums_out, Terms, TermsOut};
 use crate::names::{ImportanceSamplingLevel, LossAggMode, PolicyLoss};
-use crate::validate::finite_probe;
 
 /// Tokens per step of the inner loops; the per-lane partial sums vectorize.
 const LANES: usize = 8;
@@ -61,10 +60,17 @@ struct Tok {
     lower: bool,
 }
 
+/// The constants say which parts of [`Tok`] an objective uses, so that the kernels leave
+/// out the others (adding a constant 0 to an accumulator is not free in IEEE arithmetic).
 trait Objective: Copy + Send + Sync {
     /// Whether the loss reaches the log-probs through the ratio (not for CISPO, whose
     /// weight is detached).
     const THROUGH_RATIO: bool;
+    /// Whether it depends on the log-probs directly (CISPO).
+    const DIRECT: bool;
+    /// Whether it clips (`clipped`), and has a dual clip (`lower`).
+    const CLIPS: bool;
+    const DUAL: bool;
     fn tok(self, r: f32, lp: f32, a: f32) -> Tok;
 }
 
@@ -91,6 +97,9 @@ impl Ppo {
 
 impl Objective for Ppo {
     const THROUGH_RATIO: bool = true;
+    const DIRECT: bool = false;
+    const CLIPS: bool = true;
+    const DUAL: bool = false;
 
     #[inline(always)]
     fn tok(self, r: f32, _lp: f32, a: f32) -> Tok {
@@ -114,6 +123,9 @@ struct PpoDual {
 
 impl Objective for PpoDual {
     const THROUGH_RATIO: bool = true;
+    const DIRECT: bool = false;
+    const CLIPS: bool = true;
+    const DUAL: bool = true;
 
     #[inline(always)]
     fn tok(self, r: f32, _lp: f32, a: f32) -> Tok {
@@ -140,6 +152,9 @@ struct Cispo {
 
 impl Objective for Cispo {
     const THROUGH_RATIO: bool = false;
+    const DIRECT: bool = true;
+    const CLIPS: bool = true;
+    const DUAL: bool = false;
 
     #[inline(always)]
     fn tok(self, r: f32, lp: f32, a: f32) -> Tok {
@@ -178,6 +193,9 @@ impl Sapo {
 
 impl Objective for Sapo {
     const THROUGH_RATIO: bool = true;
+    const DIRECT: bool = false;
+    const CLIPS: bool = false;
+    const DUAL: bool = false;
 
     #[inline(always)]
     fn tok(self, r: f32, _lp: f32, a: f32) -> Tok {
@@ -203,8 +221,6 @@ impl Objective for Sapo {
 #[derive(Default, Clone, Copy)]
 struct Lanes {
     loss: [f32; LANES],
-    /// Sum of the token derivatives w.r.t. a shared (sequence-level) ratio.
-    d_ratio: [f32; LANES],
     clip: [f32; LANES],
     lower: [f32; LANES],
     approxkl: [f32; LANES],
@@ -212,21 +228,19 @@ struct Lanes {
     ratio: [f32; LANES],
     /// Masked sum of the entropies.
     entropy: [f32; LANES],
-    /// [`finite_probe`] of every input: 0 unless one is NaN or infinite.
-    probe: [f32; LANES],
 }
 
 /// Sums over a row, or over a thread's rows.
 #[derive(Default, Clone, Copy)]
 struct Sums {
     loss: f64,
+    /// Sum of the token derivatives w.r.t. a shared (sequence-level) ratio.
     d_ratio: f64,
     clip: f64,
     lower: f64,
     approxkl: f64,
     neg_kl: f64,
     ratio: f64,
-    probe: f64,
     /// Masked sum of the entropies.
     entropy: f64,
 }
@@ -237,14 +251,12 @@ impl Sums {
     fn fold(&mut self, l: Lanes) {
         let s = |x: [f32; LANES]| x.iter().map(|&v| f64::from(v)).sum::<f64>();
         self.loss += s(l.loss);
-        self.d_ratio += s(l.d_ratio);
         self.clip += s(l.clip);
         self.lower += s(l.lower);
         self.approxkl += s(l.approxkl);
         self.neg_kl += s(l.neg_kl);
         self.ratio += s(l.ratio);
         self.entropy += s(l.entropy);
-        self.probe += s(l.probe);
     }
 }
 
@@ -405,7 +417,6 @@ fn run<O: Objective>(inp: &Inputs<'_>, cfg: &PolicyLossConfig, obj: O) -> Option
             part.sums.approxkl += s.approxkl;
             part.sums.neg_kl += s.neg_kl;
             part.sums.ratio += s.ratio;
-            part.sums.probe += s.probe;
             if counts[i] > 0 {
                 part.seq_clip += s.clip / counts[i] as f64;
                 part.seq_lower += s.lower / counts[i] as f64;
@@ -421,13 +432,18 @@ fn run<O: Objective>(inp: &Inputs<'_>, cfg: &PolicyLossConfig, obj: O) -> Option
         t.sums.approxkl += p.sums.approxkl;
         t.sums.neg_kl += p.sums.neg_kl;
         t.sums.ratio += p.sums.ratio;
-        t.sums.probe += p.sums.probe;
         t.entropy += p.entropy;
         t.seq_clip += p.seq_clip;
         t.seq_lower += p.seq_lower;
     }
-    if t.sums.probe != 0.0 {
-        // NaN: some input is not finite
+    // A NaN or an infinity in any input, masked or not, makes one of these sums NaN or
+    // infinite: log-probs through `approxkl` (`0.5 diff^2 m`), advantages through the loss
+    // (`value m`: every objective scales A by a positive weight), entropies through theirs
+    // (`0 * inf` is NaN). A sum that overflows only sends the batch to the checked path.
+    if ![t.sums.loss, t.sums.approxkl, t.entropy]
+        .iter()
+        .all(|x| x.is_finite())
+    {
         return None;
     }
     let (clip, lower) = if sequence {
@@ -468,22 +484,15 @@ impl<'a> Row<'a> {
 }
 
 /// The sequence level's first pass: the row's log-ratio sum, the per-token diagnostics'
-/// sums (`approxkl`, the clamped log-ratio), the masked entropy sum and the finiteness
-/// probe.
+/// sums (`approxkl`, the clamped log-ratio) and the masked entropy sum.
 struct LogRatioTerms;
 
-impl Terms<4, 5> for LogRatioTerms {
+impl Terms<4, 4> for LogRatioTerms {
     #[inline(always)]
-    fn terms(&self, [x, o, m, h]: [f32; 4]) -> [f32; 5] {
+    fn terms(&self, [x, o, m, h]: [f32; 4]) -> [f32; 4] {
         let diff = x - o;
         let (nk, _) = pick_clamp(diff, -BOUND, BOUND, 1.0);
-        [
-            diff * m,
-            0.5 * diff * diff * m,
-            nk * m,
-            h * m,
-            finite_probe(x) + finite_probe(o) + finite_probe(h),
-        ]
+        [diff * m, 0.5 * diff * diff * m, nk * m, h * m]
     }
 }
 
@@ -515,42 +524,57 @@ impl<O: Objective> Step for TokenStep<O> {
             let (nk, dnk) = pick_clamp(diff, -BOUND, BOUND, 1.0);
             let r = exp_f32(nk);
             let t = self.obj.tok(r, x, a);
-            g[c] = self.w * m * (t.d_logp + t.d_ratio * (r * dnk));
+            let d = match (O::DIRECT, O::THROUGH_RATIO) {
+                (true, true) => t.d_logp + t.d_ratio * (r * dnk),
+                (true, false) => t.d_logp,
+                (false, _) => t.d_ratio * (r * dnk),
+            };
+            g[c] = self.w * m * d;
             l.loss[c] += t.value * m;
-            l.clip[c] += sel(t.clipped, m, 0.0);
-            l.lower[c] += sel(t.lower, m, 0.0);
+            if O::CLIPS {
+                l.clip[c] += sel(t.clipped, m, 0.0);
+            }
+            if O::DUAL {
+                l.lower[c] += sel(t.lower, m, 0.0);
+            }
             l.approxkl[c] += 0.5 * diff * diff * m;
             l.neg_kl[c] += nk * m;
             l.ratio[c] += r * m;
             l.entropy[c] += h * m;
-            l.probe[c] += finite_probe(x) + finite_probe(o) + finite_probe(a) + finite_probe(h);
         }
     }
 }
 
 /// The sequence level's second pass at the row's ratio `r`: loss, the derivatives w.r.t.
-/// `r` (summed) and the direct gradient (times the row's weight `w`).
-struct SharedRatioStep<O> {
+/// `r` (summed), the clip counts and the direct gradient (times the row's weight `w`).
+struct SharedRatioTerms<O> {
     obj: O,
     r: f32,
     w: f32,
 }
 
-impl<O: Objective> Step for SharedRatioStep<O> {
+impl<O: Objective> TermsOut<3, 4> for SharedRatioTerms<O> {
     #[inline(always)]
-    fn step(&mut self, l: &mut Lanes, ins: [&[f32; LANES]; 5], g: &mut [f32; LANES]) {
-        let [lp, _, adv, mask, _] = ins;
-        for c in 0..LANES {
-            let a = adv[c];
-            let m = mask[c];
-            let t = self.obj.tok(self.r, lp[c], a);
-            g[c] = self.w * m * t.d_logp;
-            l.loss[c] += t.value * m;
-            l.d_ratio[c] += t.d_ratio * m;
-            l.clip[c] += sel(t.clipped, m, 0.0);
-            l.lower[c] += sel(t.lower, m, 0.0);
-            l.probe[c] += finite_probe(a);
-        }
+    fn terms(&self, [lp, a, m]: [f32; 3]) -> ([f32; 4], f32) {
+        let t = self.obj.tok(self.r, lp, a);
+        let sums = [
+            t.value * m,
+            if O::THROUGH_RATIO { t.d_ratio * m } else { 0.0 },
+            if O::CLIPS {
+                sel(t.clipped, m, 0.0)
+            } else {
+                0.0
+            },
+            if O::DUAL { sel(t.lower, m, 0.0) } else { 0.0 },
+        ];
+        (
+            sums,
+            if O::DIRECT {
+                self.w * m * t.d_logp
+            } else {
+                0.0
+            },
+        )
     }
 }
 
@@ -599,14 +623,12 @@ fn token_row<O: Objective>(obj: O, row: &Row<'_>, g: &mut [f32]) -> Sums {
 /// by all of them, so each token's gradient collects the whole row's.
 #[inline(always)]
 fn sequence_row<O: Objective>(obj: O, row: &Row<'_>, g: &mut [f32]) -> Sums {
-    let ins = row.inputs();
-    let [log_ratio, approxkl, neg_kl, entropy, probe] =
+    let [log_ratio, approxkl, neg_kl, entropy] =
         row_sums([row.lp, row.old, row.mask, row.entropy], &LogRatioTerms);
     let mut sums = Sums {
         approxkl,
         neg_kl,
         entropy,
-        probe,
         ..Sums::default()
     };
     // TRL: (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)
@@ -616,8 +638,15 @@ fn sequence_row<O: Objective>(obj: O, row: &Row<'_>, g: &mut [f32]) -> Sums {
     let r = log_w.exp();
     sums.ratio = f64::from(r) * row.count as f64;
     let w = row.weight as f32;
-    let mut tok = Sums::default();
-    drive(ins, g, &mut tok, SharedRatioStep { obj, r, w });
+    let terms = SharedRatioTerms { obj, r, w };
+    let [loss, d_ratio, clip, lower] = row_sums_out([row.lp, row.adv, row.mask], g, &terms);
+    let tok = Sums {
+        loss,
+        d_ratio,
+        clip,
+        lower,
+        ..Sums::default()
+    };
     if O::THROUGH_RATIO && tok.d_ratio != 0.0 {
         // d mean / d logp = mask / len; d r / d mean = r (inside the clamp)
         let shared = (row.weight * tok.d_ratio * f64::from(r * d_log_w) / len) as f32;
@@ -628,7 +657,6 @@ fn sequence_row<O: Objective>(obj: O, row: &Row<'_>, g: &mut [f32]) -> Sums {
     sums.loss = tok.loss;
     sums.clip = tok.clip;
     sums.lower = tok.lower;
-    sums.probe += tok.probe;
     sums
 }
 
