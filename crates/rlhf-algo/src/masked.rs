@@ -234,38 +234,6 @@ impl<const N: usize> Slots<N> {
     }
 }
 
-/// The per-token terms of [`row_sums_out`]: the `N` terms to sum and the token's output.
-pub(crate) trait TermsOut<const M: usize, const N: usize> {
-    fn terms(&self, token: [f32; M]) -> ([f32; N], f32);
-}
-
-/// [`row_sums`] that also writes one output per token to `out` (as long as the inputs);
-/// called from code that already picked its instruction set (no dispatch of its own).
-#[allow(clippy::needless_range_loop)]
-#[inline(always)]
-pub(crate) fn row_sums_out<const M: usize, const N: usize, T: TermsOut<M, N>>(
-    ins: [&[f32]; M],
-    out: &mut [f32],
-    t: &T,
-) -> [f64; N] {
-    let n = ins.iter().map(|x| x.len()).fold(out.len(), usize::min);
-    let mut acc = Slots::<N>::new();
-    let mut start = 0;
-    while start < n {
-        let len = (n - start).min(SLOTS);
-        let spans = ins.map(|x| &x[start..start + len]);
-        let out = &mut out[start..start + len];
-        for i in 0..len {
-            let (v, y) = t.terms(std::array::from_fn(|k| spans[k][i]));
-            out[i] = y;
-            acc.add(i, v);
-        }
-        acc.span_done();
-        start += len;
-    }
-    acc.total()
-}
-
 /// A scalar tensor's value as `f64`.
 pub(crate) fn scalar(t: &Tensor) -> Result<f64> {
     Ok(t.to_dtype(DType::F64)?.to_scalar::<f64>()?)
