@@ -22,7 +22,11 @@ pub enum Error {
     Json { path: PathBuf, message: String },
 
     /// The checkpoint's architecture is not implemented here.
-    #[error("unsupported architecture {name:?}; supported: {}", supported.join(", "))]
+    #[error(
+        "unsupported architecture {name:?}; supported: {}{}",
+        supported.join(", "),
+        closest_hint(name, supported)
+    )]
     UnsupportedArchitecture {
         name: String,
         supported: Vec<&'static str>,
@@ -119,4 +123,79 @@ pub(crate) fn read_json<T: serde::de::DeserializeOwned>(path: &std::path::Path) 
         path: path.to_path_buf(),
         message: e.to_string(),
     })
+}
+
+/// `; the closest is X` for the supported architecture nearest to `name` by edit distance
+/// (case-insensitive), with why a mixture-of-experts variant of it is refused.
+fn closest_hint(name: &str, supported: &[&'static str]) -> String {
+    let lower = name.to_lowercase();
+    let Some((best, d)) = supported
+        .iter()
+        .map(|s| (*s, edit_distance(&lower, &s.to_lowercase())))
+        .min_by_key(|&(_, d)| d)
+    else {
+        return String::new();
+    };
+    if d > lower.len().max(best.len()) / 2 {
+        return String::new();
+    }
+    let moe = if lower.contains("moe") {
+        " (dense models only: mixture-of-experts layers are not implemented)"
+    } else {
+        ""
+    };
+    format!("; the closest is {best}{moe}")
+}
+
+/// Levenshtein distance over chars.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut prev = row[0];
+        row[0] = i + 1;
+        for (j, &cb) in b.iter().enumerate() {
+            let cur = row[j + 1];
+            row[j + 1] = (prev + usize::from(ca != cb)).min(row[j] + 1).min(cur + 1);
+            prev = cur;
+        }
+    }
+    row[b.len()]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unsupported_architecture_names_the_closest_supported_one() {
+        let supported = &["LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"];
+        let e = Error::UnsupportedArchitecture {
+            name: "Qwen3MoeForCausalLM".into(),
+            supported: supported.to_vec(),
+        }
+        .to_string();
+        assert!(
+            e.ends_with(
+                "the closest is Qwen3ForCausalLM (dense models only: mixture-of-experts layers are not implemented)"
+            ),
+            "{e}"
+        );
+        let e = Error::UnsupportedArchitecture {
+            name: "MistralForCausalLM".into(),
+            supported: supported.to_vec(),
+        }
+        .to_string();
+        assert!(
+            e.contains("supported: LlamaForCausalLM") && e.contains("closest is"),
+            "{e}"
+        );
+        let e = Error::UnsupportedArchitecture {
+            name: "model_type bert".into(),
+            supported: supported.to_vec(),
+        }
+        .to_string();
+        assert!(!e.contains("closest"), "{e}");
+        assert_eq!(edit_distance("kitten", "sitting"), 3);
+    }
 }
