@@ -41,6 +41,31 @@ fn no_vllm_node(cfg: &PpoConfig, nodes: &[NodeCapacity]) -> Option<String> {
     )
 }
 
+/// An amount for a message: whole numbers without decimals, others with three.
+fn fmt(x: f64) -> String {
+    if x.fract() == 0.0 {
+        format!("{x:.0}")
+    } else {
+        format!("{x:.3}")
+    }
+}
+
+/// How many of `resource` a node's resource map holds (0 when it has none).
+fn amount_in(r: &Option<pb::Resources>, resource: &str) -> f64 {
+    r.as_ref()
+        .and_then(|r| r.amounts.get(resource).copied())
+        .unwrap_or(0.0)
+}
+
+/// A node as a message names it: its host name, else its address.
+fn host(n: &pb::NodeInfo) -> &str {
+    if n.hostname.is_empty() {
+        &n.address
+    } else {
+        &n.hostname
+    }
+}
+
 /// Why the cluster can never hold the job, whatever is freed: more of `resource` than all the
 /// usable nodes have together, or a bundle larger than any one node. `None` when it can
 /// (then placement waits for free resources, as before). `needs`: (role, bundles, amount).
@@ -62,13 +87,6 @@ fn never_fits(
     let have = counted.iter().map(|n| n.total).fold(0.0, |x, y| x + y);
     let largest = counted.iter().map(|n| n.total).fold(0.0, f64::max);
     let bundle = needs.iter().map(|(_, _, a)| *a).fold(0.0, f64::max);
-    let fmt = |x: f64| {
-        if x.fract() == 0.0 {
-            format!("{x:.0}")
-        } else {
-            format!("{x:.3}")
-        }
-    };
     if need <= have + 1e-9 && bundle <= largest + 1e-9 {
         return None;
     }
@@ -186,16 +204,8 @@ async fn never_fits_now(
         .nodes
         .iter()
         .map(|n| NodeCapacity {
-            host: if n.hostname.is_empty() {
-                n.address.clone()
-            } else {
-                n.hostname.clone()
-            },
-            total: n
-                .total
-                .as_ref()
-                .and_then(|t| t.amounts.get(resource).copied())
-                .unwrap_or(0.0),
+            host: host(n).to_string(),
+            total: amount_in(&n.total, resource),
             usable: n.state == pb::NodeState::Alive as i32
                 || n.state == pb::NodeState::Rejoining as i32,
             cuda_roles: n.cuda_roles,
@@ -355,18 +365,7 @@ pub(super) fn waiting_line(
     job_id: &str,
     waited_s: u64,
 ) -> String {
-    let amount_of = |r: &Option<pb::Resources>| {
-        r.as_ref()
-            .and_then(|r| r.amounts.get(resource).copied())
-            .unwrap_or(0.0)
-    };
-    let fmt = |x: f64| {
-        if x.fract() == 0.0 {
-            format!("{x:.0}")
-        } else {
-            format!("{x:.2}")
-        }
-    };
+    let amount_of = |r: &Option<pb::Resources>| amount_in(r, resource);
     let mut line = format!(
         "still placing {} ({bundles} x {} {resource}) after {waited_s} s: ",
         role.as_str(),
@@ -377,13 +376,9 @@ pub(super) fn waiting_line(
         .iter()
         .filter(|n| n.state != pb::NodeState::Dead as i32)
         .map(|n| {
-            let host = if n.hostname.is_empty() {
-                &n.address
-            } else {
-                &n.hostname
-            };
             let mut d = format!(
-                "{host} {} of {} free",
+                "{} {} of {} free",
+                host(n),
                 fmt(amount_of(&n.available)),
                 fmt(amount_of(&n.total))
             );

@@ -76,11 +76,10 @@ impl Algorithm for Ppo {
         let val_req = ValuesRequest(ro.seq.clone());
         // Dynamic sampling scored the batch while filtering it.
         let pre_scored = ro.scored.take();
-        let score_req = pre_scored.is_none().then(|| scores_request(&ro));
         let tmo = cx.opts.call_timeout;
         let roles = cx.roles;
         let t = Instant::now();
-        let ((old, t_old), (refl, t_ref), (vals, t_val), (scores, t_score)) = tokio::join!(
+        let ((old, t_old), (refl, t_ref), (vals, t_val), scores) = tokio::join!(
             timed(roles.train.call_split(&lp_req, tmo)),
             timed(async {
                 if roles.reference.is_empty() {
@@ -96,25 +95,22 @@ impl Algorithm for Ppo {
                     roles.critic.call_split(&val_req, tmo).await.map(Some)
                 }
             }),
-            timed(async {
-                match &score_req {
-                    Some(req) => roles.reward.call_split(req, tmo).await.map(Some),
-                    None => Ok(None),
+            // The reward's own time goes in `Scored::secs` (dynamic sampling's scoring too).
+            async {
+                match pre_scored {
+                    Some(s) => Res::<Scored>::Ok(s),
+                    None => {
+                        let t = Instant::now();
+                        let resp = roles.reward.call_split(&scores_request(&ro), tmo).await?;
+                        Ok(Scored::new(cfg, &ro, resp, t.elapsed().as_secs_f64())?)
+                    }
                 }
-            }),
+            },
         );
         timing.insert(metric::TIMING_S_OLD_LOG_PROB.into(), t_old);
         timing.insert(metric::TIMING_S_REF.into(), t_ref);
         timing.insert(metric::TIMING_S_VALUES.into(), t_val);
-        let scored = match (scores?, pre_scored) {
-            (Some(resp), _) => Scored::new(cfg, &ro, resp, t_score)?,
-            (None, Some(s)) => s,
-            (None, None) => {
-                return Err(Failed::Other(Error::internal(
-                    "the step had neither the reward's scores nor dynamic sampling's",
-                )))
-            }
-        };
+        let scored: Scored = scores?;
         timing.insert(metric::TIMING_S_REWARD.into(), scored.secs);
         timing.insert(
             metric::TIMING_S_EXPERIENCE.into(),

@@ -381,25 +381,19 @@ impl RolloutSource<'_> {
                     ))))
                 }
                 WhenExhausted::Train => {
+                    // The latest dropped groups: sampled by the newest weights. Every round
+                    // adds `want` groups to keep or dropped, so there are enough.
                     let short = want - keep.len();
-                    counts.padded_groups = short;
-                    // The latest dropped groups: sampled by the newest weights.
-                    keep.extend(dropped.iter().rev().take(short));
+                    let padded = dropped.split_off(dropped.len().saturating_sub(short));
+                    counts.padded_groups = padded.len();
+                    keep.extend(padded.into_iter().rev());
                 }
             }
         }
         let surplus = keep.split_off(want.min(keep.len()));
         let mut ro = assemble(&parts, &keep, n, self.sampler.cursor(), counts)?;
-        let rows = |groups: &[(usize, usize)]| -> Vec<usize> {
-            groups
-                .iter()
-                .map(|&(p, g)| parts[p].0.prompt_rows[g])
-                .collect()
-        };
-        let unused: Vec<(usize, usize)> =
-            dropped.into_iter().filter(|d| !keep.contains(d)).collect();
-        ro.dropped_rows = rows(&unused);
-        ro.surplus_rows = rows(&surplus);
+        ro.dropped_rows = prompt_rows_of(&parts, &dropped);
+        ro.surplus_rows = prompt_rows_of(&parts, &surplus);
         Ok(ro)
     }
 
@@ -513,6 +507,14 @@ impl RolloutSource<'_> {
     }
 }
 
+/// The dataset rows of the prompts of `groups` (`(part, group)`).
+fn prompt_rows_of(parts: &[(Rollout, Scored)], groups: &[(usize, usize)]) -> Vec<usize> {
+    groups
+        .iter()
+        .map(|&(p, g)| parts[p].0.prompt_rows[g])
+        .collect()
+}
+
 /// One batch from the groups `keep` (`(part, group)`) of several generation rounds, in that
 /// order, with their scores.
 fn assemble(
@@ -527,8 +529,7 @@ fn assemble(
         .flat_map(|&(p, g)| (g * n..(g + 1) * n).map(move |row| (p, row)))
         .collect();
     let rows = which.len();
-    let first = &parts[0].0;
-    let r = first.r;
+    let r = parts[0].0.r;
     let ros: Vec<&Rollout> = parts.iter().map(|(ro, _)| ro).collect();
     let mats = |f: fn(&Rollout) -> &Mat<i64>| -> Result<Mat<i64>> {
         Mat::gather_rows(&ros.iter().map(|ro| f(ro)).collect::<Vec<_>>(), &which)
@@ -553,7 +554,6 @@ fn assemble(
         )),
         None => None,
     };
-    let pick = |p: usize, row: usize| (&parts[p].0, &parts[p].1, row);
     let mut out = Rollout {
         rows,
         r,
@@ -568,10 +568,7 @@ fn assemble(
             .then(|| Vec::with_capacity(rows)),
         has_eos: Vec::with_capacity(rows),
         group_ids: (0..rows).map(|i| i / n).collect(),
-        prompt_rows: keep
-            .iter()
-            .map(|&(p, g)| parts[p].0.prompt_rows[g])
-            .collect(),
+        prompt_rows: prompt_rows_of(parts, keep),
         dropped_rows: Vec::new(),
         surplus_rows: Vec::new(),
         tokens: 0,
@@ -592,7 +589,7 @@ fn assemble(
         filter: Some(counts),
     };
     for &(p, row) in &which {
-        let (ro, sc, row) = pick(p, row);
+        let (ro, sc) = &parts[p];
         out.prompt_text.push(ro.prompt_text[row].clone());
         out.response_text.push(ro.response_text[row].clone());
         if let Some(gt) = &mut out.ground_truth {
